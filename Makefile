@@ -1,0 +1,45 @@
+# Set-up and entry points. `make demo` and `make test` work on a fresh Linux machine with
+# Python 3.11: they create .venv, install the pinned CPU build of torch first (an unpinned
+# torch would pull several GB of CUDA packages), then this project.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+export FLPLATFORM_HOME ?= $(CURDIR)/.flplatform
+export FLWR_HOME ?= $(FLPLATFORM_HOME)/flwr
+export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
+export FLWR_TELEMETRY_ENABLED := 0
+
+.PHONY: setup setup-dev demo test test-all lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e '.[dev,postgres]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+setup-dev: $(VENV)/.installed-dev
+
+demo: setup
+	$(BIN)/flplatform demo cross-silo
+
+test: setup-dev
+	$(BIN)/python -m pytest -q
+
+lint: setup-dev
+	$(BIN)/ruff check flplatform clients strategies storage tests benchmarks examples
+	$(BIN)/mypy flplatform clients strategies storage
+
+bench: setup
+	$(BIN)/python benchmarks/bench_round.py
+
+clean:
+	rm -rf $(VENV) .flplatform .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,135 @@
+"""A site: its own data, its model, its device.
+
+In simulation a site's data is its partition (``partition-id`` of ``num-partitions`` in
+the node config) of a dataset named in the run config; in deployment the node config's
+``data-path`` names the site's own file, and nothing else is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from clients.datasets import load_dataset, load_site_file
+from clients.models import build_model
+from clients.partitioning import partition_indices
+from clients.training import pick_device
+from flplatform import keys
+from flplatform.config import RunConfig
+from flplatform.errors import ConfigError
+from flplatform.seeding import rng_for
+
+# A tenth of each site's data stays local for federated evaluation.
+LOCAL_VALIDATION_FRACTION = 0.1
+
+
+@dataclass(frozen=True)
+class Site:
+    """Everything a ClientApp knows about the site it runs on."""
+
+    name: str
+    partition_id: int | None
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_val: np.ndarray
+    y_val: np.ndarray
+    model_name: str
+    device: torch.device
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Shape of one example, (C, H, W)."""
+        return tuple(int(d) for d in self.x_train.shape[1:])
+
+    def build_model(self, num_classes: int, seed: int = 0) -> nn.Module:
+        """A fresh model of the run's architecture for this site's inputs."""
+        return build_model(
+            self.model_name, input_shape=self.input_shape, num_classes=num_classes, seed=seed
+        )
+
+
+def load_site(node_config: Mapping[str, Any], run_config: Mapping[str, Any]) -> Site:
+    """Load (once per process) the site described by a node config and run config."""
+    config = RunConfig.from_mapping(
+        {k: v for k, v in run_config.items() if k.replace("_", "-") in _RUN_KEYS}
+    )
+    data_path = node_config.get(keys.DATA_PATH)
+    partition = node_config.get(keys.PARTITION_ID)
+    num_partitions = node_config.get(keys.NUM_PARTITIONS)
+    name = node_config.get(keys.SITE_NAME)
+    return _load_site(
+        data_path=str(data_path) if data_path else None,
+        partition_id=int(partition) if partition is not None else None,
+        num_partitions=int(num_partitions) if num_partitions is not None else None,
+        name=str(name) if name else None,
+        config=config,
+    )
+
+
+_RUN_KEYS = {
+    "dataset",
+    "partition",
+    "alpha",
+    "model",
+    "seed",
+    "sites",
+}
+
+
+@lru_cache(maxsize=8)
+def _load_site(
+    *,
+    data_path: str | None,
+    partition_id: int | None,
+    num_partitions: int | None,
+    name: str | None,
+    config: RunConfig,
+) -> Site:
+    if data_path:
+        x, y = load_site_file(data_path)
+        site_name = name or _name_for(partition_id, config)
+    else:
+        if partition_id is None or num_partitions is None:
+            raise ConfigError(
+                "this node has neither 'data-path' nor 'partition-id'/'num-partitions' in its "
+                "node config; start the SuperNode with --node-config \"data-path=site.npz\""
+            )
+        if not 0 <= partition_id < num_partitions:
+            raise ConfigError(f"partition-id {partition_id} is not in [0, {num_partitions})")
+        dataset = load_dataset(config.dataset, seed=config.seed)
+        parts = partition_indices(
+            dataset.y_train,
+            num_partitions,
+            scheme=config.partition,
+            alpha=config.alpha,
+            seed=config.seed,
+        )
+        idx = parts[partition_id]
+        x, y = dataset.x_train[idx], dataset.y_train[idx]
+        site_name = name or _name_for(partition_id, config)
+    # ---- keep a seeded local validation slice for federated evaluation
+    order = rng_for(config.seed, "validation", site_name).permutation(len(x))
+    n_val = int(len(x) * LOCAL_VALIDATION_FRACTION) if len(x) >= 10 else 0
+    val, train = order[:n_val], order[n_val:]
+    return Site(
+        name=site_name,
+        partition_id=partition_id,
+        x_train=x[train],
+        y_train=y[train],
+        x_val=x[val],
+        y_val=y[val],
+        model_name=config.model,
+        device=pick_device(),
+    )
+
+
+def _name_for(partition_id: int | None, config: RunConfig) -> str:
+    if partition_id is not None and partition_id < len(config.sites):
+        return config.sites[partition_id]
+    return f"site-{partition_id}"

@@ -1,0 +1,115 @@
+"""The site's training and evaluation steps, and the choice of device.
+
+Plain PyTorch; no Flower. Data order is a function of (seed, round, site) so a run is
+reproducible and a restarted site continues the same sequence.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from flplatform.errors import ConfigError
+
+
+def pick_device() -> torch.device:
+    """CUDA when available, else CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass(frozen=True)
+class TrainStats:
+    """What one local training call did."""
+
+    loss: float  # mean training loss over the steps taken
+    steps: int
+    examples_seen: int
+    seconds: float
+
+
+def train_local(
+    model: nn.Module,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    lr: float,
+    momentum: float,
+    batch_size: int,
+    local_steps: int,
+    local_epochs: int,
+    rng: np.random.Generator,
+    device: torch.device,
+    weight_decay: float = 0.0,
+) -> TrainStats:
+    """Run H local SGD steps (``local_steps`` > 0) or E epochs (``local_epochs``) in place.
+
+    A fresh optimiser is built per call, so site momentum restarts at every sync: the
+    velocity belonged to a model the server has since replaced. (Our models have no
+    BatchNorm; a user model's running statistics travel as arrays and are averaged.)
+    """
+    if len(x) == 0:
+        raise ConfigError("this site has no training examples")
+    if local_steps <= 0 and local_epochs <= 0:
+        raise ConfigError("set local-steps (H > 0) or local-epochs (E > 0)")
+    started = time.perf_counter()
+    model.to(device).train()
+    optimiser = torch.optim.SGD(
+        model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay
+    )
+    loss_fn = nn.CrossEntropyLoss()
+    xt = torch.as_tensor(x, dtype=torch.float32, device=device)
+    yt = torch.as_tensor(y, dtype=torch.long, device=device)
+    n = len(xt)
+    batch_size = min(batch_size, n)
+    steps_per_epoch = max(1, n // batch_size)  # drop the ragged last batch: equal-size steps
+    total_steps = local_steps if local_steps > 0 else local_epochs * steps_per_epoch
+
+    losses = torch.zeros((), device=device)
+    steps = 0
+    while steps < total_steps:
+        order = torch.as_tensor(rng.permutation(n), device=device)
+        for b in range(steps_per_epoch):
+            if steps == total_steps:
+                break
+            idx = order[b * batch_size : (b + 1) * batch_size]
+            optimiser.zero_grad(set_to_none=True)
+            loss = loss_fn(model(xt[idx]), yt[idx])
+            loss.backward()
+            optimiser.step()
+            losses += loss.detach()
+            steps += 1
+    mean_loss = float(losses.item()) / steps
+    return TrainStats(
+        loss=mean_loss,
+        steps=steps,
+        examples_seen=steps * batch_size,
+        seconds=time.perf_counter() - started,
+    )
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    device: torch.device,
+    batch_size: int = 1024,
+) -> tuple[float, float]:
+    """Return (mean cross-entropy loss, accuracy) of ``model`` on (x, y)."""
+    if len(x) == 0:
+        raise ConfigError("no examples to evaluate on")
+    model.to(device).eval()
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    total_loss, correct = 0.0, 0
+    for start in range(0, len(x), batch_size):
+        xb = torch.as_tensor(x[start : start + batch_size], dtype=torch.float32, device=device)
+        yb = torch.as_tensor(y[start : start + batch_size], dtype=torch.long, device=device)
+        logits = model(xb)
+        total_loss += float(loss_fn(logits, yb).item())
+        correct += int((logits.argmax(dim=1) == yb).sum().item())
+    return total_loss / len(x), correct / len(x)

@@ -1,0 +1,1 @@
+"""The flplatform command line (Typer + rich)."""

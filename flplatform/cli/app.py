@@ -1,0 +1,24 @@
+"""The ``flplatform`` command: registers commands; each lives in its own module."""
+
+from __future__ import annotations
+
+import typer
+
+from flplatform.cli import data, history, simulate
+
+app = typer.Typer(
+    name="flplatform",
+    help="Communication-efficient cross-silo federated learning on Flower.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.command("simulate")(simulate.simulate)
+app.add_typer(simulate.demo_app, name="demo")
+app.add_typer(data.app, name="data")
+app.add_typer(history.app, name="history")
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

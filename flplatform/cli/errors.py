@@ -1,0 +1,53 @@
+"""Turn domain errors into one clear line and an exit code: users never see a traceback."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+import typer
+from rich.console import Console
+
+from flplatform.errors import FLPlatformError
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+stderr = Console(stderr=True, highlight=False, soft_wrap=True, width=1000)
+
+
+def fail(message: str, code: int) -> typer.Exit:
+    """Print ``error: message`` on stderr and return the Exit to raise."""
+    stderr.print(f"[bold red]error:[/] {message}", markup=True)
+    return typer.Exit(code)
+
+
+def handles_errors(command: Callable[P, R]) -> Callable[P, R]:
+    """Wrap a CLI command: domain errors → one line + their exit code; bugs → one line + 70.
+
+    Set FLPLATFORM_DEBUG=1 to see the traceback of an unexpected error.
+    """
+
+    @functools.wraps(command)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return command(*args, **kwargs)
+        except FLPlatformError as exc:
+            raise fail(exc.reason, exc.exit_code) from None
+        except (typer.Exit, typer.Abort, SystemExit):
+            raise
+        except KeyboardInterrupt:
+            raise fail("interrupted", 130) from None
+        except Exception as exc:
+            if os.environ.get("FLPLATFORM_DEBUG"):
+                raise
+            print(file=sys.stderr, end="")
+            raise fail(
+                f"unexpected {type(exc).__name__}: {exc} (set FLPLATFORM_DEBUG=1 for details)",
+                70,
+            ) from None
+
+    return wrapper

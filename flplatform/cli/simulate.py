@@ -1,0 +1,200 @@
+"""``flplatform simulate`` and ``flplatform demo cross-silo``: run a simulated federation.
+
+Parse and validate everything first (a bad value costs no start-up), open the ledger,
+start Flower's simulation, and follow the run through the ledger the ServerApp writes.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from flplatform.cli.errors import handles_errors
+from flplatform.cli.history import rounds as show_rounds
+from flplatform.cli.history import sites as show_sites
+from flplatform.cli.render import OutputFormat, human_bytes, make_console
+from flplatform.config import DEFAULT_SITES, RunConfig
+from flplatform.errors import ConfigError
+from flplatform.simulation import run_simulation
+from storage import RoundRecord, RunRecord
+from storage.session import default_db_url, normalize_db_url
+
+console = make_console()
+
+
+def site_names(sites: str) -> tuple[str, ...]:
+    """``--sites 4`` (the first 4 default names, then site-5, ...) or ``--sites a,b,c``."""
+    text = sites.strip()
+    if text.isdigit():
+        count = int(text)
+        if count <= 0:
+            raise ConfigError(f"--sites must be a positive count or a list of names, got {sites}")
+        return tuple(
+            DEFAULT_SITES[i] if i < len(DEFAULT_SITES) else f"site-{i + 1}" for i in range(count)
+        )
+    if text.lstrip("-").isdigit():
+        raise ConfigError(f"--sites must be a positive count or a list of names, got {sites}")
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def run_and_follow(config: RunConfig) -> RunRecord:
+    """Run with a live progress display, then print the round and site tables."""
+    console.print(
+        f"Simulating {config.num_sites} sites ({', '.join(config.sites)}), "
+        f"{config.num_server_rounds} rounds of {config.strategy} on {config.dataset} "
+        f"({config.partition}{f' α={config.alpha}' if config.partition == 'dirichlet' else ''}, "
+        f"{config.model})"
+    )
+    progress = Progress(
+        TextColumn("[bold]rounds"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[status]}"),
+        console=console,
+    )
+    task = progress.add_task("rounds", total=config.num_server_rounds, status="starting Flower…")
+
+    def show(record: RunRecord | None, done: list[RoundRecord]) -> None:
+        if record is None:
+            return
+        if not done:
+            progress.update(task, status="sites joining…")
+            return
+        accuracy = done[-1].metrics.get("accuracy")
+        up = human_bytes(sum(r.bytes_up for r in done))
+        down = human_bytes(sum(r.bytes_down for r in done))
+        status = (
+            f"accuracy {accuracy:.4f}  " if accuracy is not None else ""
+        ) + f"up {up}  down {down}"
+        progress.update(task, completed=len(done), status=status)
+
+    with progress:
+        record = run_simulation(config, on_progress=show)
+    db = config.db or None
+    console.print()
+    show_rounds(str(record.id), db=record_db(config), fmt=OutputFormat.table)
+    show_sites(str(record.id), db=record_db(config), fmt=OutputFormat.table)
+    console.print(
+        f"\nRun {record.id} {record.status} in {record.wall_seconds or 0:.1f} s; "
+        f"ledger: [bold]{_display_url(record_db(config))}[/]\n"
+        f"See it again with: flplatform history rounds {record.id}" + (f" --db {db}" if db else ""),
+    )
+    return record
+
+
+def record_db(config: RunConfig) -> str:
+    """The ledger URL a run of ``config`` was written to."""
+    return normalize_db_url(config.db) if config.db else default_db_url()
+
+
+def _display_url(url: str) -> str:
+    return url.removeprefix("sqlite:///") if url.startswith("sqlite:///") else url
+
+
+# ================================================================ commands
+Strategy = Annotated[str, typer.Option(help="local-sgd (also: fedavg, fedavgm).")]
+Sites = Annotated[str, typer.Option(help="Number of sites, or comma-separated site names.")]
+
+
+@handles_errors
+def simulate(
+    strategy: Strategy = "local-sgd",
+    sites: Sites = "4",
+    rounds: Annotated[int, typer.Option(help="Server rounds.")] = 20,
+    local_steps: Annotated[
+        int, typer.Option(help="H local SGD steps per round (0: use epochs).")
+    ] = 0,
+    local_epochs: Annotated[int, typer.Option(help="E local epochs per round.")] = 2,
+    batch_size: Annotated[int, typer.Option(help="Site mini-batch size.")] = 32,
+    lr: Annotated[float, typer.Option(help="Site learning rate.")] = 0.1,
+    momentum: Annotated[float, typer.Option(help="Site SGD momentum, reset each round.")] = 0.9,
+    server_lr: Annotated[float, typer.Option(help="Server learning rate η.")] = 1.0,
+    server_momentum: Annotated[float, typer.Option(help="Server momentum β (FedAvgM).")] = 0.0,
+    dataset: Annotated[
+        str, typer.Option(help="digits, mnist5k, fashion-mnist, or a .npz path.")
+    ] = "digits",
+    partition: Annotated[str, typer.Option(help="iid or dirichlet.")] = "dirichlet",
+    alpha: Annotated[float, typer.Option(help="Dirichlet α (> 0; smaller is more skewed).")] = 0.5,
+    model: Annotated[str, typer.Option(help="mlp or cnn.")] = "mlp",
+    seed: Annotated[int, typer.Option(help="Seed of every random choice.")] = 0,
+    fraction_train: Annotated[float, typer.Option(help="Fraction of sites per round.")] = 1.0,
+    fraction_evaluate: Annotated[
+        float, typer.Option(help="Fraction of sites evaluating each round.")
+    ] = 0.0,
+    round_timeout: Annotated[
+        float, typer.Option(help="Seconds a site may take per message.")
+    ] = 600.0,
+    db: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the ledger.")] = None,
+) -> None:
+    """Run a simulated federation and record every round in the ledger."""
+    config = RunConfig.from_mapping(
+        {
+            "strategy": strategy,
+            "sites": site_names(sites),
+            "num-server-rounds": rounds,
+            "local-steps": local_steps,
+            "local-epochs": 0 if local_steps > 0 else local_epochs,
+            "batch-size": batch_size,
+            "lr": lr,
+            "momentum": momentum,
+            "server-lr": server_lr,
+            "server-momentum": server_momentum,
+            "dataset": dataset,
+            "partition": partition,
+            "alpha": alpha,
+            "model": model,
+            "seed": seed,
+            "fraction-train": fraction_train,
+            "fraction-evaluate": fraction_evaluate,
+            "round-timeout": round_timeout,
+            "db": db or "",
+        }
+    )
+    _check_dataset(config)
+    run_and_follow(config)
+
+
+def _check_dataset(config: RunConfig) -> None:
+    """Load the dataset here once, so a missing or malformed file is one clear line now."""
+    from clients.datasets import load_dataset  # imports numpy/sklearn only when needed
+
+    dataset = load_dataset(config.dataset, seed=config.seed)
+    if len(dataset.y_train) < config.num_sites:
+        raise ConfigError(
+            f"{config.dataset} has {len(dataset.y_train)} training examples, fewer than "
+            f"the {config.num_sites} sites"
+        )
+
+
+demo_app = typer.Typer(help="Ready-made demonstrations.")
+
+
+@demo_app.command("cross-silo")
+@handles_errors
+def cross_silo(
+    rounds: Annotated[int, typer.Option(help="Server rounds.")] = 20,
+    seed: Annotated[int, typer.Option(help="Seed of every random choice.")] = 0,
+    db: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the ledger.")] = None,
+) -> None:
+    """Four sites (London, Ohio, California, Tokyo), non-IID digits, local-SGD averaging."""
+    config = RunConfig.from_mapping(
+        _DEMO | {"num-server-rounds": rounds, "seed": seed, "db": db or ""}
+    )
+    run_and_follow(config)
+
+
+_DEMO: dict[str, Any] = {
+    "strategy": "local-sgd",
+    "sites": DEFAULT_SITES,
+    "dataset": "digits",
+    "partition": "dirichlet",
+    "alpha": 0.5,
+    "model": "mlp",
+    "local-epochs": 2,
+    "batch-size": 32,
+    "lr": 0.1,
+    "momentum": 0.9,
+}

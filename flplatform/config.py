@@ -1,0 +1,206 @@
+"""Run configuration, parsed once at the edge into a frozen dataclass.
+
+The same keys live in ``[tool.flwr.app.config]`` (so ``flwr run . -c key=value`` works),
+are passed by the CLI, and are validated here with messages that say what is allowed.
+Components receive explicit keyword arguments taken from this object, never the mapping.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from flplatform.errors import ConfigError
+
+STRATEGIES = ("local-sgd",)
+# Names users know from Flower and the literature, all the same algorithm here.
+STRATEGY_ALIASES = {"fedavg": "local-sgd", "fedavgm": "local-sgd", "local-sgd": "local-sgd"}
+SYNC_POLICIES = ("sync",)
+MODELS = ("mlp", "cnn")
+PARTITIONS = ("iid", "dirichlet")
+BUILTIN_DATASETS = ("digits", "mnist5k", "fashion-mnist")
+DEFAULT_SITES = ("london", "ohio", "california", "tokyo")
+_SITE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one federated run needs; see ``[tool.flwr.app.config]`` for defaults."""
+
+    strategy: str = "local-sgd"
+    sync: str = "sync"
+    num_server_rounds: int = 20
+    dataset: str = "digits"
+    partition: str = "dirichlet"
+    alpha: float = 0.5
+    model: str = "mlp"
+    local_steps: int = 0  # > 0: H local steps per round; 0: use local_epochs
+    local_epochs: int = 2
+    batch_size: int = 32
+    lr: float = 0.1
+    momentum: float = 0.9
+    server_lr: float = 1.0
+    server_momentum: float = 0.0
+    fraction_train: float = 1.0
+    fraction_evaluate: float = 0.0
+    seed: int = 0
+    sites: tuple[str, ...] = DEFAULT_SITES
+    min_sites: int = 0  # 0: wait for one node per named site
+    db: str = ""  # "" means the default SQLite file
+    run_tag: str = ""
+    round_timeout: float = 600.0
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
+        """Parse a Flower run config (kebab-case keys) or CLI values; raise ``ConfigError``."""
+        known = {f.name for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for raw_key, value in values.items():
+            key = raw_key.replace("-", "_")
+            if key not in known:
+                allowed = ", ".join(sorted(k.replace("_", "-") for k in known))
+                raise ConfigError(f"unknown config key '{raw_key}'; allowed keys: {allowed}")
+            kwargs[key] = value
+        return cls._coerce(kwargs)
+
+    @classmethod
+    def _coerce(cls, kwargs: dict[str, Any]) -> RunConfig:
+        defaults = cls()
+        out: dict[str, Any] = {}
+        for f in fields(cls):
+            value = kwargs.get(f.name, getattr(defaults, f.name))
+            default = getattr(defaults, f.name)
+            name = f.name.replace("_", "-")
+            if isinstance(default, bool):
+                out[f.name] = _as_bool(name, value)
+            elif isinstance(default, int):
+                out[f.name] = _as_int(name, value)
+            elif isinstance(default, float):
+                out[f.name] = _as_float(name, value)
+            elif isinstance(default, tuple):
+                out[f.name] = _as_names(name, value)
+            else:
+                out[f.name] = str(value).strip()
+        config = cls(**out)
+        config.validate()
+        return config
+
+    def to_run_config(self) -> dict[str, str | int | float | bool]:
+        """Return the Flower run-config mapping (kebab-case keys) for this config."""
+        out: dict[str, str | int | float | bool] = {}
+        for key, value in asdict(self).items():
+            out[key.replace("_", "-")] = ",".join(value) if isinstance(value, tuple) else value
+        return out
+
+    # --------------------------------------------------------------- validation
+    def validate(self) -> None:
+        """Raise ``ConfigError`` naming the first value that is not allowed."""
+        strategy = STRATEGY_ALIASES.get(self.strategy)
+        if strategy is None:
+            allowed = ", ".join(sorted(STRATEGY_ALIASES))
+            raise ConfigError(f"unknown strategy '{self.strategy}'; allowed: {allowed}")
+        if strategy != self.strategy:
+            object.__setattr__(self, "strategy", strategy)
+        _one_of("sync", self.sync, SYNC_POLICIES)
+        _one_of("model", self.model, MODELS)
+        _one_of("partition", self.partition, PARTITIONS)
+        if self.dataset not in BUILTIN_DATASETS and not self.dataset.endswith(".npz"):
+            raise ConfigError(
+                f"unknown dataset '{self.dataset}'; allowed: {', '.join(BUILTIN_DATASETS)}"
+                " or a path to a .npz file with arrays x and y"
+            )
+        _positive("num-server-rounds", self.num_server_rounds)
+        _positive("batch-size", self.batch_size)
+        if self.local_steps < 0 or self.local_epochs < 0:
+            raise ConfigError("local-steps and local-epochs must be >= 0")
+        if self.local_steps == 0 and self.local_epochs == 0:
+            raise ConfigError("set local-steps (H > 0) or local-epochs (E > 0); both are 0")
+        if not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise ConfigError(f"alpha must be a finite number > 0, got {self.alpha}")
+        _positive("lr", self.lr)
+        _positive("server-lr", self.server_lr)
+        _unit_interval("momentum", self.momentum)
+        _unit_interval("server-momentum", self.server_momentum)
+        if not (0.0 < self.fraction_train <= 1.0):
+            raise ConfigError(f"fraction-train must be in (0, 1], got {self.fraction_train}")
+        if not (0.0 <= self.fraction_evaluate <= 1.0):
+            raise ConfigError(f"fraction-evaluate must be in [0, 1], got {self.fraction_evaluate}")
+        if not self.sites:
+            raise ConfigError("sites must name at least one site")
+        if self.min_sites < 0:
+            raise ConfigError(f"min-sites must be >= 0, got {self.min_sites}")
+        _positive("round-timeout", self.round_timeout)
+
+    # ---------------------------------------------------------------- helpers
+    @property
+    def num_sites(self) -> int:
+        """Number of named sites (one simulated SuperNode each)."""
+        return len(self.sites)
+
+    @property
+    def required_sites(self) -> int:
+        """Nodes that must be connected before the first round starts."""
+        return self.min_sites or self.num_sites
+
+
+def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"unknown {name} '{value}'; allowed: {', '.join(allowed)}")
+
+
+def _positive(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{name} must be > 0, got {value}")
+
+
+def _unit_interval(name: str, value: float) -> None:
+    if not (math.isfinite(value) and 0.0 <= value < 1.0):
+        raise ConfigError(f"{name} must be in [0, 1), got {value}")
+
+
+def _as_int(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _as_float(name: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    try:
+        return float(str(value).strip())
+    except ValueError:
+        raise ConfigError(f"{name} must be a number, got {value!r}") from None
+
+
+def _as_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name} must be true or false, got {value!r}")
+
+
+def _as_names(name: str, value: Any) -> tuple[str, ...]:
+    items = value if isinstance(value, list | tuple) else str(value).split(",")
+    names = tuple(str(item).strip() for item in items if str(item).strip())
+    for site in names:
+        if not _SITE_NAME.match(site):
+            raise ConfigError(
+                f"bad site name '{site}' in {name}; use letters, digits, '_', '.', '-' (max 64)"
+            )
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{name} has duplicate names: {', '.join(names)}")
+    return names

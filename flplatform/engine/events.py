@@ -1,0 +1,110 @@
+"""What the engine records about each message, and the ledger interface it writes to.
+
+The engine writes through ``LedgerSink``, an interface it is given; it never imports
+``storage``. The composition root (``flplatform.server_app``) adapts the SQL repository.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+APPLIED = "applied"
+BUFFERED = "buffered"
+CANCELLED = "cancelled"
+DROPPED = "dropped"
+REJECTED = "rejected"
+
+
+@dataclass(frozen=True)
+class SiteInfo:
+    """A connected site as it introduced itself (or as much as the server could learn)."""
+
+    node_id: int
+    name: str
+    partition_id: int | None = None
+    num_examples: int | None = None
+    device: str | None = None
+
+
+@dataclass
+class Dispatch:
+    """One training message in flight to one site."""
+
+    node_id: int
+    message_id: str
+    server_round: int  # server step at dispatch
+    model_version: int  # version of the global model the site was sent
+    dispatched_at: float
+    deadline: float
+    bytes_down: int
+
+
+@dataclass(frozen=True)
+class UpdateOutcome:
+    """What became of one dispatched training message: one ledger row."""
+
+    site: str
+    dispatched_round: int
+    version_trained_on: int
+    staleness: int
+    bytes_up: int
+    bytes_down: int
+    status: str
+    dispatched_at: float
+    arrived_at: float | None = None
+    compute_seconds: float | None = None
+    reason: str | None = None
+    num_examples: int | None = None
+    train_loss: float | None = None
+
+
+@dataclass(frozen=True)
+class RoundSummary:
+    """One server step, as the engine reports it to the ledger and to progress displays."""
+
+    server_round: int
+    model_version: int
+    started_at: float
+    finished_at: float
+    metrics: dict[str, float]
+    train_loss: float | None
+    updates: tuple[UpdateOutcome, ...]
+
+    @property
+    def bytes_up(self) -> int:
+        """Bytes sent by sites this round."""
+        return sum(u.bytes_up for u in self.updates)
+
+    @property
+    def bytes_down(self) -> int:
+        """Bytes sent to sites this round."""
+        return sum(u.bytes_down for u in self.updates)
+
+
+class LedgerSink(Protocol):
+    """Where the engine writes sites and finished rounds (committed round by round)."""
+
+    def add_site(self, site: SiteInfo, profile: dict[str, Any]) -> None:
+        """Record a site that joined the run."""
+        ...
+
+    def record_round(self, summary: RoundSummary) -> None:
+        """Record one finished round and all its updates, atomically."""
+        ...
+
+
+class NullLedger:
+    """A sink that records nothing (for ``strategy.start`` without a database)."""
+
+    def add_site(self, site: SiteInfo, profile: dict[str, Any]) -> None:
+        """Ignore the site."""
+
+    def record_round(self, summary: RoundSummary) -> None:
+        """Ignore the round."""
+
+
+def mean_or_none(values: Sequence[float]) -> float | None:
+    """Mean of ``values``, or None when there are none."""
+    return sum(values) / len(values) if values else None

@@ -1,0 +1,39 @@
+"""What a message costs on the wire, and conversions between Flower records and arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Message, RecordDict
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+
+def content_size(content: RecordDict) -> int:
+    """Serialized size of a RecordDict and everything under it, as Flower transfers it.
+
+    Objects are content-addressed, so identical chunks (e.g. two all-zero arrays) travel
+    once; ``get_all_nested_objects`` deduplicates them the same way.
+    """
+    return sum(len(obj.deflate()) for obj in get_all_nested_objects(content).values())
+
+
+def message_size(msg: Message, content_bytes: int | None = None) -> int:
+    """Serialized size of ``msg`` in bytes, as Flower measures it.
+
+    Equals ``sum(len(o.deflate()) for o in get_all_nested_objects(msg).values())``: the
+    message's own object (metadata, error) plus its content tree. Pass ``content_bytes``
+    when many messages share one content (a broadcast model) to measure it once.
+    """
+    own = len(msg.deflate())
+    if not msg.has_content():
+        return own
+    return own + (content_size(msg.content) if content_bytes is None else content_bytes)
+
+
+def record_to_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
+    """ArrayRecord → {name: ndarray} (order kept)."""
+    return {key: array.numpy() for key, array in record.items()}
+
+
+def arrays_to_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
+    """{name: ndarray} → ArrayRecord (order kept)."""
+    return ArrayRecord({key: Array(np.ascontiguousarray(value)) for key, value in arrays.items()})

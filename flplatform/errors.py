@@ -1,0 +1,62 @@
+"""One error hierarchy for the whole platform.
+
+Every error a user can cause (bad configuration, a missing or malformed file, a database
+that cannot be opened, a malformed site reply) is an ``FLPlatformError`` carrying a
+one-line ``reason`` that says what was wrong and what is allowed, and an ``exit_code``
+the CLI returns. This module imports nothing heavy so that ``storage`` (which imports
+neither Flower nor torch) can use it.
+"""
+
+from __future__ import annotations
+
+
+class FLPlatformError(Exception):
+    """Base of every domain error.
+
+    Parameters
+    ----------
+    reason : str
+        One line naming the problem and what is allowed instead.
+    """
+
+    exit_code: int = 1
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class ConfigError(FLPlatformError):
+    """A configuration value is unknown, out of range or inconsistent."""
+
+    exit_code = 2
+
+
+class DataError(FLPlatformError):
+    """A data file is missing, unreadable or malformed, or a dataset is unavailable."""
+
+    exit_code = 3
+
+
+class StorageError(FLPlatformError):
+    """The ledger database cannot be opened, migrated, read or written."""
+
+    exit_code = 4
+
+
+class NotFoundError(StorageError):
+    """A run (or another ledger object) the user asked for does not exist."""
+
+    exit_code = 5
+
+
+class UpdateRejected(FLPlatformError):
+    """A site's reply is malformed or hostile; the round goes on without it."""
+
+    exit_code = 6
+
+
+class RunFailed(FLPlatformError):
+    """A federated run could not start or stopped before its last round."""
+
+    exit_code = 7

@@ -1,0 +1,139 @@
+"""Run one federation on a Grid: the body of the ServerApp, as a library function."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result
+
+from clients.datasets import Dataset, load_dataset
+from clients.models import build_model
+from clients.training import evaluate, pick_device
+from flplatform import keys
+from flplatform.config import RunConfig
+from flplatform.engine import RoundEngine, RoundSummary, SyncPolicy
+from flplatform.errors import FLPlatformError
+from flplatform.ledger import SqlLedger
+from storage import LedgerRepository
+from strategies.local_sgd import LocalSGDAveraging
+
+log = logging.getLogger("flplatform")
+
+
+def build_strategy(config: RunConfig) -> LocalSGDAveraging:
+    """The strategy named in ``config``, with its knobs."""
+    # One strategy today; the CLI and config already validate the name against STRATEGIES.
+    return LocalSGDAveraging(
+        eta=config.server_lr,
+        beta=config.server_momentum,
+        fraction_train=config.fraction_train,
+        fraction_evaluate=config.fraction_evaluate,
+        seed=config.seed,
+    )
+
+
+def train_config_for(config: RunConfig) -> ConfigRecord:
+    """What every site is told each round (Flower's ``config`` record)."""
+    return ConfigRecord(
+        {
+            keys.LR: config.lr,
+            keys.MOMENTUM: config.momentum,
+            keys.LOCAL_STEPS: config.local_steps,
+            keys.LOCAL_EPOCHS: config.local_epochs,
+            keys.BATCH_SIZE: config.batch_size,
+            keys.SEED: config.seed,
+        }
+    )
+
+
+def central_evaluator(
+    dataset: Dataset, config: RunConfig
+) -> Callable[[int, ArrayRecord], MetricRecord]:
+    """Evaluate the global model on the held-out test set after every round."""
+    device = pick_device()
+    model = build_model(
+        config.model,
+        input_shape=dataset.input_shape,
+        num_classes=dataset.num_classes,
+        seed=config.seed,
+    )
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        model.load_state_dict(arrays.to_torch_state_dict())
+        loss, accuracy = evaluate(model, dataset.x_test, dataset.y_test, device=device)
+        return MetricRecord({keys.ACCURACY: accuracy, keys.LOSS: loss})
+
+    return evaluate_fn
+
+
+def run_federation(grid: Grid, config: RunConfig) -> Result:
+    """Train ``config.num_server_rounds`` rounds over ``grid``, recording every round.
+
+    The run row is written first and each round is committed as it finishes; if this
+    process dies the run stays "running" with every finished round readable.
+    """
+    repository = LedgerRepository.open(config.db or None)
+    run_id = repository.create_run(
+        name=f"{config.strategy}-{config.dataset}",
+        strategy=config.strategy,
+        seed=config.seed,
+        config=dict(config.to_run_config()),
+        num_rounds_planned=config.num_server_rounds,
+        tag=config.run_tag or None,
+    )
+    log.info("ledger: run %s in %s", run_id, repository.url)
+    try:
+        dataset = load_dataset(config.dataset, seed=config.seed)
+        model = build_model(
+            config.model,
+            input_shape=dataset.input_shape,
+            num_classes=dataset.num_classes,
+            seed=config.seed,
+        )
+        engine = RoundEngine(
+            grid,
+            build_strategy(config),
+            policy=SyncPolicy(),
+            ledger=SqlLedger(repository, run_id),
+            round_timeout=config.round_timeout,
+            required_sites=config.required_sites,
+            on_round=_log_round,
+        )
+        result = engine.run(
+            ArrayRecord(model.state_dict()),
+            num_rounds=config.num_server_rounds,
+            train_config=train_config_for(config),
+            evaluate_fn=central_evaluator(dataset, config),
+            federated_evaluation=config.fraction_evaluate > 0,
+        )
+    except BaseException as exc:
+        reason = exc.reason if isinstance(exc, FLPlatformError) else f"{type(exc).__name__}: {exc}"
+        repository.finish_run(run_id, status="failed", error=reason, finished_at=time.time())
+        repository.close()
+        raise
+    final = result.evaluate_metrics_serverapp.get(config.num_server_rounds)
+    repository.finish_run(
+        run_id,
+        status="finished",
+        final_metrics={k: float(v) for k, v in final.items()} if final else None,
+        finished_at=time.time(),
+    )
+    repository.close()
+    return result
+
+
+def _log_round(summary: RoundSummary) -> None:
+    metrics = " ".join(f"{k}={v:.4f}" for k, v in summary.metrics.items())
+    log.info(
+        "round %d: version %d, %d updates, %d B up, %d B down, %s",
+        summary.server_round,
+        summary.model_version,
+        len(summary.updates),
+        summary.bytes_up,
+        summary.bytes_down,
+        metrics,
+    )

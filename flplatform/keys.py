@@ -1,0 +1,46 @@
+"""Record keys, config keys and metric names: the words sites and server agree on.
+
+Flower's standard convention (``arrays`` + ``config`` in; ``arrays`` + ``metrics`` with
+``num-examples`` out) is kept so that a user's existing Flower ClientApp joins an
+flplatform server unchanged. Our own keys extend it and are all defined here.
+"""
+
+from __future__ import annotations
+
+# ---- RecordDict keys (Flower's standard names)
+ARRAYS = "arrays"
+CONFIG = "config"
+METRICS = "metrics"
+SITE_INFO = "site-info"
+
+# ---- ConfigRecord keys sent to sites
+SERVER_ROUND = "server-round"  # Flower's FedAvg adds this too
+MODEL_VERSION = "model-version"
+SITE_ALGORITHM = "site-algorithm"  # which site part of a strategy the ClientApp runs
+LR = "lr"
+MOMENTUM = "momentum"
+LOCAL_STEPS = "local-steps"
+LOCAL_EPOCHS = "local-epochs"
+BATCH_SIZE = "batch-size"
+SEED = "seed"
+
+# ---- MetricRecord keys sent back by sites
+NUM_EXAMPLES = "num-examples"  # Flower's weighting key
+TRAIN_LOSS = "train_loss"  # spelled as in Flower's quickstarts
+TRAIN_LOSS_ALIASES = ("train_loss", "train-loss", "loss")
+COMPUTE_SECONDS = "compute-seconds"
+EVAL_LOSS = "eval_loss"
+EVAL_ACCURACY = "eval_acc"
+
+# ---- site-info query reply (ConfigRecord); a plain Flower ClientApp need not answer it
+SITE_NAME = "site-name"
+PARTITION_ID = "partition-id"
+NUM_PARTITIONS = "num-partitions"
+DEVICE = "device"
+DATA_PATH = "data-path"  # node config of a deployed site: its own data file
+
+# ---- global metrics written to the ledger
+ACCURACY = "accuracy"
+LOSS = "loss"
+SITE_ACCURACY = "site_accuracy"
+SITE_LOSS = "site_loss"

@@ -1,0 +1,325 @@
+"""Start a simulated federation with Flower's own machinery.
+
+``flplatform simulate`` runs exactly what ``flwr run .`` runs: a SuperLink in simulation
+mode (started here, on free loopback ports, with runtime dependency installation off),
+then ``flwr run`` of this project's Flower app with the run config as overrides. The
+ServerApp writes the ledger; the caller follows progress by reading the ledger.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from flplatform.config import RunConfig
+from flplatform.errors import ConfigError, RunFailed
+from storage import LedgerRepository, RoundRecord, RunRecord
+from storage.session import default_db_url, flplatform_home, normalize_db_url
+
+ProgressCallback = Callable[[RunRecord | None, list[RoundRecord]], None]
+
+
+def project_dir() -> Path:
+    """The directory holding this project's pyproject.toml with ``[tool.flwr.app]``."""
+    root = Path(__file__).resolve().parents[1]
+    pyproject = root / "pyproject.toml"
+    try:
+        data = tomllib.loads(pyproject.read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        data = {}
+    if "app" not in data.get("tool", {}).get("flwr", {}):
+        raise RunFailed(
+            f"cannot find the Flower app: {pyproject} has no [tool.flwr.app]; "
+            "install flplatform from its source tree (pip install -e .)"
+        )
+    return root
+
+
+def work_home() -> Path:
+    """Where runs keep their files (created): ``$FLPLATFORM_HOME`` or ``./.flplatform``."""
+    home = flplatform_home()
+    home.mkdir(parents=True, exist_ok=True)
+    return home
+
+
+def flower_environment(home: Path) -> dict[str, str]:
+    """Environment for Flower processes: state under ``home``, no installs, no telemetry."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "FLWR_HOME": str(home / "flwr"),
+            # Each run would otherwise `uv sync` the dependencies into a fresh environment,
+            # fetching a multi-GB CUDA torch; ours are installed already.
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "FLPLATFORM_HOME": str(home),
+            # Flower's processes start each other by name (flower-superexec, flwr-serverapp):
+            # they must find this environment's scripts first.
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
+            "PYTHONUNBUFFERED": "1",
+            "RAY_DEDUP_LOGS": "0",
+            # Faster writes into fresh memory for torch tensors (see ARCHITECTURE.md).
+            "THP_MEM_ALLOC_ENABLE": "1",
+        }
+    )
+    (home / "flwr").mkdir(parents=True, exist_ok=True)
+    return env
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _bin(name: str) -> str:
+    """A console script of this environment (next to the running Python), else on PATH."""
+    candidate = Path(sys.executable).parent / name
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which(name)
+    if found is None:
+        raise RunFailed(f"'{name}' is not installed; run the README's set-up command")
+    return found
+
+
+@dataclass
+class SimulationProcess:
+    """A running ``flwr run`` and the SuperLink it talks to."""
+
+    superlink: subprocess.Popen[bytes]
+    run: subprocess.Popen[bytes]
+    log_path: Path
+    superlink_log: Path
+
+    def poll(self) -> int | None:
+        """Exit code of ``flwr run``, or None while it runs."""
+        return self.run.poll()
+
+    def stop(self) -> None:
+        """Stop ``flwr run`` (if still going) and the SuperLink, with its app processes."""
+        for proc in (self.run, self.superlink):
+            if proc.poll() is None:
+                _terminate_group(proc)
+
+    def last_error(self) -> str:
+        """The most telling line of the run's output: its last error line, else its last."""
+        tail = self.log_tail(40).splitlines()
+        for line in reversed(tail):
+            if "error" in line.lower():
+                return line.strip()
+        return tail[-1].strip() if tail else "no output"
+
+    def log_tail(self, lines: int = 20) -> str:
+        """Last lines of the run's output, for error messages."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _terminate_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=15)
+    except (ProcessLookupError, PermissionError):
+        return
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=5)
+
+
+def federation_options(num_sites: int) -> str:
+    """Flower's simulation federation: one SuperNode per site, one CPU per actor.
+
+    Two to four actors fit a 2-core machine (each imports torch); more are started when
+    asked, but each simulated site runs whenever an actor is free.
+    """
+    cpus = os.cpu_count() or 2
+    actors = max(1, min(num_sites, cpus, 4))
+    return f"num-supernodes={num_sites} client-resources-num-cpus=1 init-args-num-cpus={actors}"
+
+
+def start_simulation(
+    config: RunConfig, *, home: Path, log_name: str, app_dir: Path | None = None
+) -> SimulationProcess:
+    """Start a SuperLink and ``flwr run`` a Flower app (this project's by default)."""
+    app_dir = app_dir or project_dir()
+    env = flower_environment(home)
+    http_port, control_port = free_port(), free_port()
+    # `flwr run APP local` uses a SuperLink on these ports; we start it ourselves so that
+    # it runs with our flags and stops with the run.
+    env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(http_port)
+    env["FLWR_LOCAL_CONTROL_API_PORT"] = str(control_port)
+    logs = home / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    superlink_log = logs / f"{log_name}.superlink.log"
+    superlink = subprocess.Popen(
+        [
+            _bin("flower-superlink"),
+            "--insecure",
+            "--simulation",
+            "--isolation",
+            "subprocess",
+            "--disable-runtime-dependency-installation",
+            "--control-api-address",
+            f"127.0.0.1:{control_port}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(http_port),
+            "--database",
+            str(logs / f"{log_name}.superlink.db"),
+        ],
+        env=env,
+        stdout=superlink_log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    _wait_for_port(http_port, superlink, superlink_log)
+
+    overrides = home / "logs" / f"{log_name}.run-config.toml"
+    overrides.write_text(_toml(config.to_run_config()))
+    log_path = logs / f"{log_name}.log"
+    run = subprocess.Popen(
+        [
+            _bin("flwr"),
+            "run",
+            str(app_dir),
+            "local",
+            "--run-config",
+            str(overrides),
+            "--federation-config",
+            federation_options(config.num_sites),
+            "--stream",
+        ],
+        env=env,
+        cwd=str(home),
+        stdout=log_path.open("wb"),
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    return SimulationProcess(superlink, run, log_path, superlink_log)
+
+
+def _wait_for_port(
+    port: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 30
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RunFailed(f"the SuperLink exited with code {proc.returncode}; see {log}")
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.settimeout(0.2)
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    _terminate_group(proc)
+    raise RunFailed(f"the SuperLink did not start within {timeout:.0f} s; see {log}")
+
+
+def _toml(values: dict[str, str | int | float | bool]) -> str:
+    lines = []
+    for key, value in values.items():
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, int | float):
+            text = repr(value)
+        elif isinstance(value, str):
+            text = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        else:  # pragma: no cover - RunConfig only holds the types above
+            raise ConfigError(f"cannot write config value {key}={value!r}")
+        lines.append(f'"{key}" = {text}')
+    return "\n".join(lines) + "\n"
+
+
+# ===================================================================== run and follow
+def run_simulation(
+    config: RunConfig,
+    *,
+    app_dir: Path | None = None,
+    on_progress: ProgressCallback | None = None,
+    poll_interval: float = 0.5,
+) -> RunRecord:
+    """Run ``config`` as a Flower simulation and follow it through the ledger.
+
+    Returns the finished run; raises ``RunFailed`` (after recording the failure in the
+    ledger) when it does not finish, and ``StorageError`` when the ledger cannot be opened.
+    """
+    home = work_home()
+    # An absolute URL: the ServerApp runs in another process with another working directory.
+    db_url = normalize_db_url(config.db) if config.db else default_db_url()
+    with LedgerRepository.open(db_url):
+        pass  # fail fast, before any start-up cost, when the database cannot be opened
+    tag = uuid.uuid4().hex
+    config = RunConfig.from_mapping({**config.to_run_config(), "run-tag": tag, "db": db_url})
+    process = start_simulation(config, home=home, log_name=tag[:12], app_dir=app_dir)
+    try:
+        run_id = _follow(process, config, on_progress, poll_interval)
+    except KeyboardInterrupt:
+        process.stop()
+        _close_unfinished(config, "interrupted by the user")
+        raise
+    finally:
+        process.stop()
+    with LedgerRepository.open(db_url) as repository:
+        record = repository.get_run(run_id)
+        if record.status == "running":  # the ServerApp died without a word
+            repository.finish_run(
+                run_id, status="failed", error=f"simulation exited: {process.last_error()}"
+            )
+            record = repository.get_run(run_id)
+    if record.status != "finished":
+        raise RunFailed(
+            f"run {record.id} failed: {record.error or process.last_error()}; "
+            f"log: {process.log_path}"
+        )
+    return record
+
+
+def _follow(
+    process: SimulationProcess,
+    config: RunConfig,
+    on_progress: ProgressCallback | None,
+    poll_interval: float,
+) -> int:
+    """Poll the ledger until the run leaves "running" or Flower exits; return the run id."""
+    run_id: int | None = None
+    with LedgerRepository.open(config.db) as repository:
+        while True:
+            exited = process.poll() is not None
+            record = repository.find_run_by_tag(config.run_tag)
+            if record is not None:
+                run_id = record.id
+            if on_progress is not None:
+                on_progress(record, repository.list_rounds(record.id) if record else [])
+            if exited or (record is not None and record.status != "running"):
+                break
+            time.sleep(poll_interval)
+    if run_id is None:
+        raise RunFailed(
+            f"the simulation stopped before the ServerApp started (flwr exited with "
+            f"{process.poll()}): {process.last_error()}; log: {process.log_path}"
+        )
+    return run_id
+
+
+def _close_unfinished(config: RunConfig, reason: str) -> None:
+    with LedgerRepository.open(config.db) as repository:
+        record = repository.find_run_by_tag(config.run_tag)
+        if record is not None and record.status == "running":
+            repository.finish_run(record.id, status="failed", error=reason)

@@ -1,0 +1,145 @@
+"""Alembic migrations of the ledger, run programmatically whenever the ledger is opened.
+
+The scripts live next to this module (``env.py``, ``versions/``) and are found through
+``__file__``, so an installed wheel migrates exactly like a checkout. Opening is safe to repeat
+and to race: a database already at head is left untouched without taking any lock, and an
+upgrade runs in one transaction under a lock (``BEGIN IMMEDIATE`` on SQLite, an advisory
+transaction lock on PostgreSQL), so a second process opening a new database at the same moment
+waits, then finds it migrated.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Final
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, text
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
+
+from flplatform.errors import StorageError
+
+from ..session import SQLITE_BEGIN_OPTION
+
+MIGRATIONS_DIR: Final = Path(__file__).resolve().parent
+
+# Not the default "alembic_version": a PostgreSQL database shared with another Alembic-managed
+# application must not mistake that application's revision for ours.
+VERSION_TABLE: Final = "flplatform_alembic_version"
+
+# pg_advisory_xact_lock key: any constant no other application is likely to use ("FLPL").
+_POSTGRES_LOCK_KEY: Final = 0x464C504C
+
+
+def alembic_config(connection: Connection | None = None) -> Config:
+    """Return an Alembic ``Config`` for the ledger's scripts, without an ini file.
+
+    Parameters
+    ----------
+    connection : Connection or None
+        A connection ``env.py`` migrates through (so the caller owns the transaction and
+        the SQLite pragmas apply); ``None`` for commands that only read the scripts.
+
+    Returns
+    -------
+    Config
+        The configuration with ``script_location`` inside this package.
+    """
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    # Split version_locations on os.pathsep, so an install path with spaces stays one path.
+    config.set_main_option("path_separator", "os")
+    config.set_main_option("version_locations", str(MIGRATIONS_DIR / "versions"))
+    if connection is not None:
+        config.attributes["connection"] = connection
+    return config
+
+
+def head_revision() -> str:
+    """Return the revision the current code expects the ledger to be at.
+
+    Returns
+    -------
+    str
+        The single head of the ledger's migration history.
+    """
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    if head is None:  # pragma: no cover - the package always ships 0001_initial
+        raise StorageError(f"no ledger migrations found in {MIGRATIONS_DIR}; reinstall flplatform")
+    return head
+
+
+def current_revisions(connection: Connection) -> set[str]:
+    """Return the revisions the database at ``connection`` is stamped with (empty if new).
+
+    Parameters
+    ----------
+    connection : Connection
+        An open connection to the ledger database.
+
+    Returns
+    -------
+    set[str]
+        Revision ids from the version table.
+    """
+    context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+    return set(context.get_current_heads())
+
+
+def _upgrade_locked(engine: Engine) -> None:
+    """Upgrade to head in one transaction holding the backend's migration lock."""
+    with engine.connect() as connection:
+        connection = connection.execution_options(**{SQLITE_BEGIN_OPTION: "IMMEDIATE"})
+        with connection.begin():
+            if engine.dialect.name == "postgresql":
+                connection.execute(
+                    text("SELECT pg_advisory_xact_lock(:key)"), {"key": _POSTGRES_LOCK_KEY}
+                )
+            # env.py sees the open transaction and runs inside it; the lock is held until
+            # this block commits, so a waiting process then reads the final version table.
+            command.upgrade(alembic_config(connection), "head")
+
+
+def upgrade_to_head(engine: Engine) -> None:
+    """Bring the ledger schema at ``engine`` to the head revision; a no-op when it is there.
+
+    Parameters
+    ----------
+    engine : Engine
+        An engine from ``storage.session.create_ledger_engine``.
+
+    Raises
+    ------
+    StorageError
+        If the database carries a revision this code does not know (written by a newer
+        flplatform).
+    sqlalchemy.exc.SQLAlchemyError
+        If the database cannot be reached or changed; the repository adds the URL and turns
+        it into a ``StorageError``.
+    """
+    script = ScriptDirectory.from_config(alembic_config())
+    head = head_revision()
+    with engine.connect() as connection:
+        current = current_revisions(connection)
+    if current == {head}:
+        return
+    known = {revision.revision for revision in script.walk_revisions()}
+    unknown = current - known
+    if unknown:
+        raise StorageError(
+            f"the ledger schema is at revision {', '.join(sorted(unknown))}, which this "
+            f"flplatform does not know (its newest is {head}); upgrade flplatform or use "
+            "another database"
+        )
+    try:
+        _upgrade_locked(engine)
+    except DBAPIError as exc:
+        # Backends without a lock we know of (or a lock that failed) can still race; the loser
+        # sees the winner's tables, and once the winner commits a retry finds head and stops.
+        if "already exists" not in str(exc.orig).lower():
+            raise
+        _upgrade_locked(engine)

@@ -1,0 +1,208 @@
+"""SQLAlchemy 2.0 models of the ledger: runs, the sites in them, rounds, and site updates.
+
+The schema is created and changed only by the Alembic migrations in ``storage/migrations``;
+``metadata`` here is what those migrations are checked against (a test compares them), never
+something to ``create_all`` from.
+
+Every constraint and index is named through ``NAMING_CONVENTION`` so later migrations can
+drop or alter them by name on every backend (SQLite's batch mode needs the names).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Dialect,
+    Double,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+from .records import RUN_STATUSES, UPDATE_STATUSES
+
+NAMING_CONVENTION: dict[str, str] = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+NAME_LENGTH = 255
+STRATEGY_LENGTH = 100
+STATUS_LENGTH = 16
+
+_UINT64_RANGE = 2**64
+_INT64_MAX = 2**63 - 1
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timezone-aware UTC ``datetime`` on every backend.
+
+    SQLite has no timezone type and hands back naive datetimes, and PostgreSQL hands back
+    the session's timezone; both are normalised to UTC on the way out, and naive values are
+    refused on the way in so a local time can never be stored as if it were UTC.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("the ledger stores timezone-aware datetimes only")
+        utc = value.astimezone(UTC)
+        # SQLite would store "+00:00" only sometimes; keep its text column uniformly naive UTC.
+        return utc.replace(tzinfo=None) if dialect.name == "sqlite" else utc
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+class UInt64(TypeDecorator[int]):
+    """An unsigned 64-bit integer (a Flower node id) kept in a signed ``BIGINT``.
+
+    No portable SQL type holds ``2**64 - 1``; values at or above ``2**63`` are stored as their
+    two's-complement negative and converted back on read, so every value round-trips exactly
+    and equality filters still work. Ordering in SQL is not meaningful for the high half.
+    """
+
+    impl = BigInteger
+    cache_ok = True
+
+    def process_bind_param(self, value: int | None, dialect: Dialect) -> int | None:
+        if value is None:
+            return None
+        if not 0 <= value < _UINT64_RANGE:
+            raise ValueError(f"{value} is outside the unsigned 64-bit range")
+        return value - _UINT64_RANGE if value > _INT64_MAX else value
+
+    def process_result_value(self, value: int | None, dialect: Dialect) -> int | None:
+        if value is None:
+            return None
+        return value + _UINT64_RANGE if value < 0 else value
+
+
+def _in_clause(column: str, allowed: tuple[str, ...]) -> str:
+    """SQL text ``column IN ('a', 'b')`` for a check constraint over fixed string values."""
+    return f"{column} IN ({', '.join(repr(value) for value in allowed)})"
+
+
+class Base(DeclarativeBase):
+    """Declarative base carrying the ledger's named-constraint ``metadata``."""
+
+    metadata = metadata
+    type_annotation_map = {dict[str, Any]: JSON}
+
+
+class Run(Base):
+    """A federated run; ``tag`` lets a separate process (the CLI) find the run it started."""
+
+    __tablename__ = "runs"
+    __table_args__ = (
+        UniqueConstraint("tag"),
+        CheckConstraint(_in_clause("status", RUN_STATUSES), name="status"),
+        Index(None, "created_at"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tag: Mapped[str | None] = mapped_column(String(NAME_LENGTH))
+    name: Mapped[str] = mapped_column(String(NAME_LENGTH))
+    strategy: Mapped[str] = mapped_column(String(STRATEGY_LENGTH))
+    seed: Mapped[int] = mapped_column(BigInteger)
+    config: Mapped[dict[str, Any]] = mapped_column(JSON)
+    num_rounds_planned: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(STATUS_LENGTH))
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    wall_seconds: Mapped[float | None] = mapped_column(Double)
+    # none_as_null: a run without final metrics is SQL NULL, not the JSON text 'null'.
+    final_metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+
+
+class Site(Base):
+    """A site (Flower node) in one run; its name is unique within the run."""
+
+    __tablename__ = "sites"
+    __table_args__ = (UniqueConstraint("run_id", "name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(NAME_LENGTH))
+    node_id: Mapped[int] = mapped_column(UInt64)
+    partition_id: Mapped[int | None] = mapped_column(Integer)
+    num_examples: Mapped[int | None] = mapped_column(BigInteger)
+    profile: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+class Round(Base):
+    """One server step of a run; ``round`` starts at 1 and is unique within the run."""
+
+    __tablename__ = "rounds"
+    __table_args__ = (UniqueConstraint("run_id", "round"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    round: Mapped[int] = mapped_column(Integer)
+    model_version: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    finished_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    wall_seconds: Mapped[float] = mapped_column(Double)
+    metrics: Mapped[dict[str, Any]] = mapped_column(JSON)
+    train_loss: Mapped[float | None] = mapped_column(Double)
+    num_applied: Mapped[int] = mapped_column(Integer)
+    num_dropped: Mapped[int] = mapped_column(Integer)
+    num_rejected: Mapped[int] = mapped_column(Integer)
+    bytes_up: Mapped[int] = mapped_column(BigInteger)
+    bytes_down: Mapped[int] = mapped_column(BigInteger)
+
+
+class Update(Base):
+    """One site update, recorded at the server step (``round``) that handled it."""
+
+    __tablename__ = "updates"
+    __table_args__ = (
+        CheckConstraint(_in_clause("status", UPDATE_STATUSES), name="status"),
+        # (run_id, round) serves list_updates by round; site_id serves the per-site summary
+        # and the cascade from sites.
+        Index(None, "run_id", "round"),
+        Index(None, "site_id"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    site_id: Mapped[int] = mapped_column(ForeignKey("sites.id", ondelete="CASCADE"))
+    round: Mapped[int] = mapped_column(Integer)
+    dispatched_round: Mapped[int] = mapped_column(Integer)
+    version_trained_on: Mapped[int] = mapped_column(Integer)
+    staleness: Mapped[int] = mapped_column(Integer)
+    bytes_up: Mapped[int] = mapped_column(BigInteger)
+    bytes_down: Mapped[int] = mapped_column(BigInteger)
+    compute_seconds: Mapped[float | None] = mapped_column(Double)
+    status: Mapped[str] = mapped_column(String(STATUS_LENGTH))
+    reason: Mapped[str | None] = mapped_column(Text)
+    num_examples: Mapped[int | None] = mapped_column(BigInteger)
+    train_loss: Mapped[float | None] = mapped_column(Double)
+    dispatched_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    arrived_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

@@ -1,0 +1,326 @@
+"""Frozen records the ledger repository returns, and the one record it takes in.
+
+The repository never hands out ORM objects: callers get these plain, immutable dataclasses,
+detached from any session, so the CLI, the plots and the tests can hold them as long as they
+like. Every record has ``to_dict()`` with JSON-ready values (datetimes as ISO-8601 strings in
+UTC), which is what the CLI renders as JSON or CSV.
+
+Non-finite floats: JSON has no NaN or Infinity, and SQLite turns a NaN ``REAL`` into ``NULL``
+while PostgreSQL keeps it. So that every backend returns the same thing, the ledger stores every
+non-finite float (in metrics, config, profiles and float columns) as ``NULL``; records show it as
+``None``, meaning "not a finite number".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Final, Literal, cast
+
+from flplatform.errors import StorageError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+# ---------------------------------------------------------------------------- statuses
+RunStatus = Literal["running", "finished", "failed"]
+RUN_RUNNING: Final = "running"
+RUN_FINISHED: Final = "finished"
+RUN_FAILED: Final = "failed"
+RUN_STATUSES: Final[tuple[RunStatus, ...]] = (RUN_RUNNING, RUN_FINISHED, RUN_FAILED)
+# How a run can end: the statuses ``LedgerRepository.finish_run`` accepts.
+FinalRunStatus = Literal["finished", "failed"]
+
+UpdateStatus = Literal["applied", "buffered", "cancelled", "dropped", "rejected"]
+UPDATE_APPLIED: Final = "applied"
+UPDATE_BUFFERED: Final = "buffered"
+UPDATE_CANCELLED: Final = "cancelled"
+UPDATE_DROPPED: Final = "dropped"
+UPDATE_REJECTED: Final = "rejected"
+UPDATE_STATUSES: Final[tuple[UpdateStatus, ...]] = (
+    UPDATE_APPLIED,
+    UPDATE_BUFFERED,
+    UPDATE_CANCELLED,
+    UPDATE_DROPPED,
+    UPDATE_REJECTED,
+)
+
+# Bytes and example counts are stored as signed 64-bit integers; rounds, versions and
+# staleness as 32-bit ones (the portable SQL INTEGER).
+INT64_MAX: Final = 2**63 - 1
+INT32_MAX: Final = 2**31 - 1
+
+
+def _json_value(value: Any) -> Any:
+    """Return ``value`` with datetimes as ISO-8601 strings and containers copied."""
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, dict):
+        return {key: _json_value(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_value(item) for item in value]
+    return value
+
+
+class _Record:
+    """Mixin giving dataclass records a JSON-ready ``to_dict()``."""
+
+    __slots__ = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the record's fields as JSON-ready values.
+
+        Returns
+        -------
+        dict[str, Any]
+            Field name to value; datetimes become ISO-8601 strings (UTC, with offset), nested
+            dicts are copies, so changing the result never changes the record.
+        """
+        fields = dataclasses.fields(cast("DataclassInstance", self))
+        return {f.name: _json_value(getattr(self, f.name)) for f in fields}
+
+
+# ---------------------------------------------------------------------------- input
+def check_count(what: str, value: object, *, maximum: int = INT64_MAX) -> int:
+    """Return ``value`` as an ``int`` if it is an integer in ``[0, maximum]``.
+
+    Parameters
+    ----------
+    what : str
+        How to name the value in the error, e.g. ``"update field 'staleness'"``.
+    value : object
+        The value to check; ``bool`` is refused even though it is an ``int``.
+    maximum : int
+        Largest allowed value (the column's range).
+
+    Returns
+    -------
+    int
+        ``value`` converted to a plain ``int`` (NumPy integers are accepted).
+
+    Raises
+    ------
+    StorageError
+        If ``value`` is not an integer or is out of range.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise StorageError(f"{what} must be an integer, got {type(value).__name__} {value!r}")
+    if not 0 <= int(value) <= maximum:
+        raise StorageError(f"{what} must be between 0 and {maximum}, got {int(value)}")
+    return int(value)
+
+
+def _real(what: str, value: object, *, optional: bool) -> float | None:
+    """Return ``value`` as a plain ``float`` (``None`` passes if ``optional``)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        allowed = "a number or None" if optional else "a number"
+        raise StorageError(f"{what} must be {allowed}, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateInput:
+    """One site update as the engine hands it to ``LedgerRepository.record_round``.
+
+    The constructor validates every field and raises ``StorageError`` naming the bad one, so a
+    malformed update is caught where it is built rather than half-way through a round's write.
+
+    Parameters
+    ----------
+    site : str
+        Name of a site added to the run with ``add_site``.
+    dispatched_round : int
+        Server step at which the training instruction was sent.
+    version_trained_on : int
+        Global model version the site trained on.
+    staleness : int
+        Versions the global model moved on between dispatch and arrival.
+    bytes_up, bytes_down : int
+        Payload bytes site to server and server to site.
+    status : {"applied", "buffered", "cancelled", "dropped", "rejected"}
+        What the server did with the update.
+    dispatched_at : float
+        Unix time (``time.time()``) of dispatch.
+    arrived_at : float or None
+        Unix time of arrival; ``None`` when nothing arrived (dropped, cancelled).
+    compute_seconds : float or None
+        Time the site spent training (virtual or wall, as the engine measures it).
+    reason : str or None
+        Why the update was dropped, cancelled or rejected.
+    num_examples : int or None
+        Examples the site trained on.
+    train_loss : float or None
+        The site's training loss; a non-finite loss is stored as ``None``.
+    """
+
+    site: str
+    dispatched_round: int
+    version_trained_on: int
+    staleness: int
+    bytes_up: int
+    bytes_down: int
+    status: UpdateStatus
+    dispatched_at: float
+    arrived_at: float | None = None
+    compute_seconds: float | None = None
+    reason: str | None = None
+    num_examples: int | None = None
+    train_loss: float | None = None
+
+    def __post_init__(self) -> None:
+        # Fields are normalised to plain int/float here (NumPy scalars in, Python numbers
+        # out) because database drivers cannot bind NumPy types; frozen needs __setattr__.
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
+
+        if not isinstance(self.site, str) or not self.site.strip():
+            raise StorageError(f"update field 'site' must be a non-empty name, got {self.site!r}")
+        if self.status not in UPDATE_STATUSES:
+            raise StorageError(
+                f"update field 'status' is {self.status!r}; allowed: {', '.join(UPDATE_STATUSES)}"
+            )
+        for name in ("dispatched_round", "version_trained_on", "staleness"):
+            put(name, check_count(f"update field {name!r}", getattr(self, name), maximum=INT32_MAX))
+        for name in ("bytes_up", "bytes_down"):
+            put(name, check_count(f"update field {name!r}", getattr(self, name)))
+        if self.num_examples is not None:
+            put("num_examples", check_count("update field 'num_examples'", self.num_examples))
+        for name in ("dispatched_at", "arrived_at"):
+            when = _real(
+                f"update field {name!r}", getattr(self, name), optional=name != "dispatched_at"
+            )
+            if when is not None and not math.isfinite(when):
+                raise StorageError(f"update field {name!r} must be a finite unix time, got {when}")
+            put(name, when)
+        seconds = _real("update field 'compute_seconds'", self.compute_seconds, optional=True)
+        if seconds is not None and seconds < 0:
+            raise StorageError(f"update field 'compute_seconds' must be >= 0, got {seconds}")
+        put("compute_seconds", seconds)
+        put("train_loss", _real("update field 'train_loss'", self.train_loss, optional=True))
+        if self.reason is not None and not isinstance(self.reason, str):
+            raise StorageError(
+                f"update field 'reason' must be a string or None, got {type(self.reason).__name__}"
+            )
+
+
+# ---------------------------------------------------------------------------- output
+@dataclass(frozen=True, slots=True)
+class RunRecord(_Record):
+    """One federated run.
+
+    ``rounds_completed`` counts the run's round rows and ``last_metrics`` holds the global
+    metrics of its latest round (empty before the first round), so a run listing needs no
+    second query.
+    """
+
+    id: int
+    tag: str | None
+    name: str
+    strategy: str
+    seed: int
+    config: dict[str, Any]
+    num_rounds_planned: int
+    status: RunStatus
+    error: str | None
+    created_at: datetime
+    finished_at: datetime | None
+    wall_seconds: float | None
+    final_metrics: dict[str, float | None] | None
+    rounds_completed: int = 0
+    last_metrics: dict[str, float | None] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class SiteRecord(_Record):
+    """One site (a Flower node) taking part in a run.
+
+    ``node_id`` is Flower's unsigned 64-bit node id, exactly as it was given.
+    """
+
+    id: int
+    run_id: int
+    name: str
+    node_id: int
+    partition_id: int | None
+    num_examples: int | None
+    profile: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class RoundRecord(_Record):
+    """One server step: the global metrics and the traffic of the updates it handled.
+
+    ``bytes_up``, ``bytes_down`` and the ``num_*`` counts are computed from the round's
+    updates when it is recorded.
+    """
+
+    id: int
+    run_id: int
+    round: int
+    model_version: int
+    started_at: datetime
+    finished_at: datetime
+    wall_seconds: float
+    metrics: dict[str, float | None]
+    train_loss: float | None
+    num_applied: int
+    num_dropped: int
+    num_rejected: int
+    bytes_up: int
+    bytes_down: int
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateRecord(_Record):
+    """One site update as stored, with its site's name joined in."""
+
+    id: int
+    run_id: int
+    site_id: int
+    site: str
+    round: int
+    dispatched_round: int
+    version_trained_on: int
+    staleness: int
+    bytes_up: int
+    bytes_down: int
+    compute_seconds: float | None
+    status: UpdateStatus
+    reason: str | None
+    num_examples: int | None
+    train_loss: float | None
+    dispatched_at: datetime
+    arrived_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class SiteSummary(_Record):
+    """Per-site totals over all of a run's updates, whatever their status.
+
+    ``mean_staleness``, ``max_staleness`` are ``None`` for a site with no updates;
+    ``mean_train_loss`` is ``None`` when no update reported a finite loss.
+    ``compute_seconds`` is the sum over updates that reported it (0.0 when none did).
+    """
+
+    site_id: int
+    name: str
+    node_id: int
+    partition_id: int | None
+    num_examples: int | None
+    updates: int
+    applied: int
+    buffered: int
+    cancelled: int
+    dropped: int
+    rejected: int
+    mean_staleness: float | None
+    max_staleness: int | None
+    bytes_up: int
+    bytes_down: int
+    compute_seconds: float
+    mean_train_loss: float | None

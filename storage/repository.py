@@ -1,0 +1,932 @@
+"""``LedgerRepository``: the only way the platform reads or writes the ledger database.
+
+Every public method runs in its own transaction and commits before it returns, so a process
+that dies mid-run leaves every recorded round readable and its run still ``"running"``. Input
+is validated before anything is written, and every database failure surfaces as a
+``StorageError`` (or ``NotFoundError``) carrying the masked URL, never as a raw SQLAlchemy
+exception.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import Any, Final, cast
+
+from alembic.util import CommandError
+from sqlalchemy import Engine, Select, case, func, insert, select
+from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from flplatform.errors import FLPlatformError, NotFoundError, StorageError
+
+from .migrations import upgrade_to_head
+from .models import NAME_LENGTH, STRATEGY_LENGTH, Round, Run, Site, Update
+from .records import (
+    INT32_MAX,
+    INT64_MAX,
+    RUN_FAILED,
+    RUN_FINISHED,
+    RUN_RUNNING,
+    UPDATE_APPLIED,
+    UPDATE_BUFFERED,
+    UPDATE_CANCELLED,
+    UPDATE_DROPPED,
+    UPDATE_REJECTED,
+    FinalRunStatus,
+    RoundRecord,
+    RunRecord,
+    RunStatus,
+    SiteRecord,
+    SiteSummary,
+    UpdateInput,
+    UpdateRecord,
+    UpdateStatus,
+    check_count,
+)
+from .session import (
+    URL_HINT,
+    create_ledger_engine,
+    default_db_url,
+    flplatform_home,
+    make_session_factories,
+    mask_db_url,
+    normalize_db_url,
+    session_scope,
+)
+
+_UINT64_MAX: Final = 2**64 - 1
+_JSON_ALLOWED: Final = "str, int, float, bool, None, lists, and dicts with str keys"
+
+
+# ---------------------------------------------------------------------------- validation
+def _describe(exc: BaseException) -> str:
+    """One line from a driver error: its first line, whitespace collapsed."""
+    original = getattr(exc, "orig", None) or exc
+    lines = str(original).strip().splitlines()
+    return " ".join(lines[0].split()) if lines else type(original).__name__
+
+
+def _text(what: str, value: object, *, max_length: int, optional: bool = False) -> str | None:
+    """Return ``value`` if it is a non-empty string of at most ``max_length`` characters."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise StorageError(f"{what} must be a non-empty string, got {value!r}")
+    if "\x00" in value:
+        raise StorageError(f"{what} must not contain NUL characters, got {value!r}")
+    if len(value) > max_length:
+        raise StorageError(f"{what} must be at most {max_length} characters, got {len(value)}")
+    return value
+
+
+def _free_text(value: str | None) -> str | None:
+    """Error text as PostgreSQL can store it: NUL (which it refuses in text) becomes U+FFFD.
+
+    Reasons and errors may quote what a (possibly hostile) site sent, so they are kept rather
+    than refused; names and tags are refused instead (see ``_text``).
+    """
+    return None if value is None else value.replace("\x00", "\ufffd")
+
+
+def _signed64(what: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise StorageError(f"{what} must be an integer, got {type(value).__name__} {value!r}")
+    if not -INT64_MAX - 1 <= int(value) <= INT64_MAX:
+        raise StorageError(f"{what} must fit in a signed 64-bit integer, got {int(value)}")
+    return int(value)
+
+
+def _optional_float(what: str, value: object) -> float | None:
+    """Return ``value`` as a float, or ``None`` when it is ``None`` or not finite."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise StorageError(f"{what} must be a number or None, got {type(value).__name__}")
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def _timestamp(what: str, value: object) -> datetime:
+    """Convert a unix time (``time.time()``) to an aware UTC datetime."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise StorageError(f"{what} must be a unix time in seconds, got {value!r}")
+    try:
+        return datetime.fromtimestamp(float(value), tz=UTC)
+    except (OverflowError, OSError, ValueError):
+        raise StorageError(f"{what} must be a finite unix time in seconds, got {value!r}") from None
+
+
+def _json_safe(what: str, value: object) -> Any:
+    """Return ``value`` as plain JSON data, non-finite floats replaced by ``None``.
+
+    NumPy scalars become ``int``/``float`` (they are ``numbers.Integral``/``Real``) because
+    ``json`` cannot encode most of them.
+    """
+    if value is None or isinstance(value, str | bool):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        number = float(value)
+        return number if math.isfinite(number) else None
+    if isinstance(value, Mapping):
+        result: dict[str, Any] = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise StorageError(
+                    f"{what} has a key {key!r} that is not a string; {_JSON_ALLOWED}"
+                )
+            result[key] = _json_safe(f"{what}[{key!r}]", item)
+        return result
+    if isinstance(value, list | tuple):
+        return [_json_safe(f"{what}[{index}]", item) for index, item in enumerate(value)]
+    raise StorageError(
+        f"{what} is a {type(value).__name__}; the ledger stores JSON values only: {_JSON_ALLOWED}"
+    )
+
+
+def _json_object(what: str, value: object) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise StorageError(f"{what} must be a dict, got {type(value).__name__}")
+    return cast(dict[str, Any], _json_safe(what, value))
+
+
+def _metrics(what: str, value: object) -> dict[str, float | None]:
+    """Validate a ``{name: number}`` dict; non-finite values become ``None`` (JSON null)."""
+    if not isinstance(value, Mapping):
+        raise StorageError(f"{what} must be a dict of metric name to number, got {value!r}")
+    result: dict[str, float | None] = {}
+    for key, number in value.items():
+        if not isinstance(key, str):
+            raise StorageError(f"{what} has a metric name {key!r} that is not a string")
+        result[key] = _optional_float(f"{what}[{key!r}]", number)
+    return result
+
+
+# ---------------------------------------------------------------------------- records
+def _run_record(run: Run, rounds_completed: int, last_metrics: dict[str, Any] | None) -> RunRecord:
+    return RunRecord(
+        id=run.id,
+        tag=run.tag,
+        name=run.name,
+        strategy=run.strategy,
+        seed=run.seed,
+        config=dict(run.config),
+        num_rounds_planned=run.num_rounds_planned,
+        status=cast(RunStatus, run.status),
+        error=run.error,
+        created_at=run.created_at,
+        finished_at=run.finished_at,
+        wall_seconds=run.wall_seconds,
+        final_metrics=None if run.final_metrics is None else dict(run.final_metrics),
+        rounds_completed=rounds_completed,
+        last_metrics=dict(last_metrics or {}),
+    )
+
+
+def _site_record(site: Site) -> SiteRecord:
+    return SiteRecord(
+        id=site.id,
+        run_id=site.run_id,
+        name=site.name,
+        node_id=site.node_id,
+        partition_id=site.partition_id,
+        num_examples=site.num_examples,
+        profile=dict(site.profile),
+    )
+
+
+def _round_record(row: Round) -> RoundRecord:
+    return RoundRecord(
+        id=row.id,
+        run_id=row.run_id,
+        round=row.round,
+        model_version=row.model_version,
+        started_at=row.started_at,
+        finished_at=row.finished_at,
+        wall_seconds=row.wall_seconds,
+        metrics=dict(row.metrics),
+        train_loss=row.train_loss,
+        num_applied=row.num_applied,
+        num_dropped=row.num_dropped,
+        num_rejected=row.num_rejected,
+        bytes_up=row.bytes_up,
+        bytes_down=row.bytes_down,
+    )
+
+
+def _update_record(row: Update, site_name: str) -> UpdateRecord:
+    return UpdateRecord(
+        id=row.id,
+        run_id=row.run_id,
+        site_id=row.site_id,
+        site=site_name,
+        round=row.round,
+        dispatched_round=row.dispatched_round,
+        version_trained_on=row.version_trained_on,
+        staleness=row.staleness,
+        bytes_up=row.bytes_up,
+        bytes_down=row.bytes_down,
+        compute_seconds=row.compute_seconds,
+        status=cast(UpdateStatus, row.status),
+        reason=row.reason,
+        num_examples=row.num_examples,
+        train_loss=row.train_loss,
+        dispatched_at=row.dispatched_at,
+        arrived_at=row.arrived_at,
+    )
+
+
+def _runs_query() -> Select[tuple[Run, int | None, dict[str, Any] | None]]:
+    """Runs with their round count and the metrics of their latest round."""
+    per_run = (
+        select(
+            Round.run_id.label("run_id"),
+            func.count(Round.id).label("rounds"),
+            func.max(Round.round).label("last_round"),
+        )
+        .group_by(Round.run_id)
+        .subquery()
+    )
+    last = (
+        select(Round.run_id, Round.metrics)
+        .join(per_run, (per_run.c.run_id == Round.run_id) & (per_run.c.last_round == Round.round))
+        .subquery()
+    )
+    return (
+        select(Run, per_run.c.rounds, last.c.metrics)
+        .outerjoin(per_run, per_run.c.run_id == Run.id)
+        .outerjoin(last, last.c.run_id == Run.id)
+    )
+
+
+# ---------------------------------------------------------------------------- repository
+class LedgerRepository:
+    """Typed access to the ledger: runs, their sites, rounds and site updates.
+
+    Open one with ``LedgerRepository.open(url)``; it migrates the schema to the current
+    revision first. Use it as a context manager, or call ``close()``. Every call takes its own
+    pooled connection, so threads may share a repository and processes may share a database;
+    the exception is an in-memory SQLite ledger (``sqlite://``), whose single connection must
+    be used by one thread at a time.
+
+    Parameters
+    ----------
+    engine : Engine
+        An engine whose database is already at the head revision.
+    url : str
+        The normalized URL of that database.
+    """
+
+    def __init__(self, engine: Engine, url: str) -> None:
+        self._engine = engine
+        self._url = url
+        self._read: sessionmaker[Session]
+        self._write: sessionmaker[Session]
+        self._read, self._write = make_session_factories(engine)
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    def open(cls, url: str | None = None) -> LedgerRepository:
+        """Open (creating and migrating if needed) the ledger at ``url``.
+
+        Parameters
+        ----------
+        url : str or None
+            A SQLAlchemy URL; a relative SQLite path is taken from the current directory.
+            ``None`` opens ``$FLPLATFORM_HOME/ledger.db``, creating the directory.
+
+        Returns
+        -------
+        LedgerRepository
+            A repository over a database at the head revision.
+
+        Raises
+        ------
+        StorageError
+            If the URL is malformed or names an unknown or missing driver, the server is
+            unreachable, the path is unwritable, the file is not a database, or the schema
+            was written by a newer flplatform.
+        """
+        if url is None:
+            home = flplatform_home()
+            try:
+                home.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StorageError(
+                    f"cannot create the ledger directory {home}: {exc.strerror}; set "
+                    f"FLPLATFORM_HOME to a writable directory or {URL_HINT}"
+                ) from None
+            url = default_db_url()
+        normalized = normalize_db_url(url)
+        engine = create_ledger_engine(normalized)
+        try:
+            upgrade_to_head(engine)
+        except StorageError:
+            engine.dispose()
+            raise
+        except (SQLAlchemyError, CommandError, OSError) as exc:
+            engine.dispose()
+            raise StorageError(
+                f"cannot open database {mask_db_url(normalized)!r}: {_describe(exc)}; {URL_HINT}"
+            ) from exc
+        return cls(engine, normalized)
+
+    @property
+    def url(self) -> str:
+        """The normalized URL of the database, password masked (safe to print)."""
+        return mask_db_url(self._url)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(url={self.url!r})"
+
+    def close(self) -> None:
+        """Release the connections; the repository cannot be used afterwards."""
+        self._closed = True
+        self._engine.dispose()
+
+    def __enter__(self) -> LedgerRepository:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @contextmanager
+    def _session(self, action: str, *, write: bool = False) -> Iterator[Session]:
+        """A committed-on-exit session whose database errors become ``StorageError``."""
+        if self._closed:
+            raise StorageError(f"cannot {action}: the ledger {self.url} is closed")
+        try:
+            with session_scope(self._write if write else self._read) as session:
+                yield session
+        except FLPlatformError:
+            raise
+        except OperationalError as exc:
+            if "locked" in str(exc.orig).lower():
+                raise StorageError(
+                    f"cannot {action} in {self.url}: the database stayed locked by another "
+                    "process; retry when it has finished writing"
+                ) from exc
+            raise StorageError(f"cannot {action} in {self.url}: {_describe(exc)}") from exc
+        except SQLAlchemyError as exc:
+            raise StorageError(f"cannot {action} in {self.url}: {_describe(exc)}") from exc
+
+    def _missing_run(self, run_id: int) -> NotFoundError:
+        return NotFoundError(
+            f"run {run_id} does not exist; `flplatform history runs` lists the runs in {self.url}"
+        )
+
+    def _run_id(self, run_id: object) -> int:
+        """Validate a run id; one out of the id range cannot exist."""
+        if isinstance(run_id, bool) or not isinstance(run_id, numbers.Integral):
+            raise StorageError(f"run id must be an integer, got {run_id!r}")
+        if not 1 <= int(run_id) <= INT32_MAX:
+            raise self._missing_run(int(run_id))
+        return int(run_id)
+
+    def _require_run(self, session: Session, run_id: int) -> Run:
+        run = session.get(Run, run_id)
+        if run is None:
+            raise self._missing_run(run_id)
+        return run
+
+    # ------------------------------------------------------------------ runs
+    def create_run(
+        self,
+        *,
+        name: str,
+        strategy: str,
+        seed: int,
+        config: dict[str, Any],
+        num_rounds_planned: int,
+        tag: str | None = None,
+        created_at: float | None = None,
+    ) -> int:
+        """Record a new run with status ``"running"``.
+
+        Parameters
+        ----------
+        name : str
+            Human-readable run name.
+        strategy : str
+            Strategy name as the CLI spells it.
+        seed : int
+            The run's seed (signed 64-bit).
+        config : dict[str, Any]
+            The run configuration as JSON data; non-finite floats are stored as null.
+        num_rounds_planned : int
+            Server steps the run intends to take.
+        tag : str or None
+            External id unique in the ledger, so a separate process can find the run.
+        created_at : float or None
+            Unix time; ``None`` means now.
+
+        Returns
+        -------
+        int
+            The new run's id.
+
+        Raises
+        ------
+        StorageError
+            If a value is invalid or the tag is already taken.
+        """
+        row = Run(
+            tag=_text("run tag", tag, max_length=NAME_LENGTH, optional=True),
+            name=_text("run name", name, max_length=NAME_LENGTH),
+            strategy=_text("strategy", strategy, max_length=STRATEGY_LENGTH),
+            seed=_signed64("seed", seed),
+            config=_json_object("run config", config),
+            num_rounds_planned=check_count(
+                "num_rounds_planned", num_rounds_planned, maximum=INT32_MAX
+            ),
+            status=RUN_RUNNING,
+            created_at=_timestamp("created_at", time.time() if created_at is None else created_at),
+        )
+        taken = f"a run tagged {tag!r} already exists in {self.url}; pick another tag"
+        with self._session("create a run", write=True) as session:
+            if tag is not None and session.scalar(select(Run.id).where(Run.tag == tag)):
+                raise StorageError(taken)
+            session.add(row)
+            try:
+                session.flush()
+            except IntegrityError:
+                # Another process took the tag between our check and our insert.
+                raise StorageError(taken) from None
+            return row.id
+
+    def finish_run(
+        self,
+        run_id: int,
+        *,
+        status: FinalRunStatus,
+        error: str | None = None,
+        final_metrics: dict[str, float] | None = None,
+        finished_at: float | None = None,
+    ) -> None:
+        """Mark a running run finished or failed and record its wall time.
+
+        Parameters
+        ----------
+        run_id : int
+            The run.
+        status : {"finished", "failed"}
+            How it ended.
+        error : str or None
+            Why it failed.
+        final_metrics : dict[str, float] or None
+            Final global metrics; non-finite values are stored as null.
+        finished_at : float or None
+            Unix time; ``None`` means now. ``wall_seconds`` is ``finished_at - created_at``.
+
+        Raises
+        ------
+        NotFoundError
+            If the run does not exist.
+        StorageError
+            If ``status`` is not allowed, the run is no longer running, or ``finished_at``
+            is before the run was created.
+        """
+        run_id = self._run_id(run_id)
+        if status not in (RUN_FINISHED, RUN_FAILED):
+            raise StorageError(
+                f"a run can finish with status {RUN_FINISHED!r} or {RUN_FAILED!r}, got {status!r}"
+            )
+        metrics = None if final_metrics is None else _metrics("final_metrics", final_metrics)
+        if error is not None and not isinstance(error, str):
+            raise StorageError(f"error must be a string or None, got {type(error).__name__}")
+        end = time.time() if finished_at is None else finished_at
+        end_dt = _timestamp("finished_at", end)
+        with self._session(f"finish run {run_id}", write=True) as session:
+            run = self._require_run(session, run_id)
+            if run.status != RUN_RUNNING:
+                raise StorageError(
+                    f"run {run_id} is already {run.status}; only a running run can be finished"
+                )
+            wall = float(end) - run.created_at.timestamp()
+            if wall < 0:
+                raise StorageError(
+                    f"finished_at {end} is before run {run_id} was created "
+                    f"({run.created_at.isoformat()})"
+                )
+            run.status = status
+            run.error = _free_text(error)
+            run.final_metrics = metrics
+            run.finished_at = end_dt
+            run.wall_seconds = wall
+
+    def get_run(self, run_id: int) -> RunRecord:
+        """Return one run.
+
+        Parameters
+        ----------
+        run_id : int
+            The run.
+
+        Returns
+        -------
+        RunRecord
+            The run with its round count and latest metrics.
+
+        Raises
+        ------
+        NotFoundError
+            If the run does not exist.
+        """
+        run_id = self._run_id(run_id)
+        with self._session(f"read run {run_id}") as session:
+            row = session.execute(_runs_query().where(Run.id == run_id)).first()
+            if row is None:
+                raise self._missing_run(run_id)
+            return _run_record(row[0], row[1] or 0, row[2])
+
+    def find_run_by_tag(self, tag: str) -> RunRecord | None:
+        """Return the run carrying ``tag``, or ``None``.
+
+        Parameters
+        ----------
+        tag : str
+            The external id given to ``create_run``.
+
+        Returns
+        -------
+        RunRecord or None
+            The run, or ``None`` if no run has that tag.
+        """
+        _text("run tag", tag, max_length=NAME_LENGTH)
+        with self._session(f"find the run tagged {tag!r}") as session:
+            row = session.execute(_runs_query().where(Run.tag == tag)).first()
+            return None if row is None else _run_record(row[0], row[1] or 0, row[2])
+
+    def list_runs(self, *, limit: int | None = None) -> list[RunRecord]:
+        """Return runs, newest first.
+
+        Parameters
+        ----------
+        limit : int or None
+            At most this many runs; ``None`` for all.
+
+        Returns
+        -------
+        list[RunRecord]
+            Ordered by ``created_at`` then id, both descending.
+        """
+        query = _runs_query().order_by(Run.created_at.desc(), Run.id.desc())
+        if limit is not None:
+            query = query.limit(check_count("limit", limit))
+        with self._session("list runs") as session:
+            return [
+                _run_record(run, rounds or 0, last) for run, rounds, last in session.execute(query)
+            ]
+
+    # ------------------------------------------------------------------ sites
+    def add_site(
+        self,
+        run_id: int,
+        *,
+        name: str,
+        node_id: int,
+        partition_id: int | None = None,
+        num_examples: int | None = None,
+        profile: dict[str, Any] | None = None,
+    ) -> int:
+        """Record a site taking part in a run.
+
+        Parameters
+        ----------
+        run_id : int
+            The run.
+        name : str
+            Site name, unique within the run.
+        node_id : int
+            Flower node id, ``0 <= node_id <= 2**64 - 1``.
+        partition_id : int or None
+            Data partition in simulation.
+        num_examples : int or None
+            Size of the site's training set.
+        profile : dict[str, Any] or None
+            Network/compute profile as JSON data.
+
+        Returns
+        -------
+        int
+            The site's id.
+
+        Raises
+        ------
+        NotFoundError
+            If the run does not exist.
+        StorageError
+            If a value is invalid or the run already has a site with this name.
+        """
+        run_id = self._run_id(run_id)
+        row = Site(
+            run_id=run_id,
+            name=_text("site name", name, max_length=NAME_LENGTH),
+            node_id=check_count("node_id", node_id, maximum=_UINT64_MAX),
+            partition_id=None
+            if partition_id is None
+            else check_count("partition_id", partition_id, maximum=INT32_MAX),
+            num_examples=None
+            if num_examples is None
+            else check_count("num_examples", num_examples),
+            profile=_json_object("site profile", {} if profile is None else profile),
+        )
+        taken = f"site {name!r} is already in run {run_id}; site names must be unique in a run"
+        with self._session(f"add site {name!r} to run {run_id}", write=True) as session:
+            self._require_run(session, run_id)
+            exists = select(Site.id).where(Site.run_id == run_id, Site.name == name)
+            if session.scalar(exists) is not None:
+                raise StorageError(taken)
+            session.add(row)
+            try:
+                session.flush()
+            except IntegrityError:
+                raise StorageError(taken) from None
+            return row.id
+
+    def list_sites(self, run_id: int) -> list[SiteRecord]:
+        """Return a run's sites in the order they were added.
+
+        Raises
+        ------
+        NotFoundError
+            If the run does not exist.
+        """
+        run_id = self._run_id(run_id)
+        with self._session(f"list the sites of run {run_id}") as session:
+            self._require_run(session, run_id)
+            rows = session.scalars(select(Site).where(Site.run_id == run_id).order_by(Site.id))
+            return [_site_record(site) for site in rows]
+
+    # ------------------------------------------------------------------ rounds
+    def record_round(
+        self,
+        run_id: int,
+        *,
+        round: int,
+        model_version: int,
+        started_at: float,
+        finished_at: float,
+        metrics: dict[str, float],
+        train_loss: float | None,
+        updates: Sequence[UpdateInput],
+    ) -> None:
+        """Record one server step and every update it handled, in one transaction.
+
+        The round's ``bytes_up``, ``bytes_down`` and ``num_applied``/``num_dropped``/
+        ``num_rejected`` are computed from ``updates``. Either the round and all its
+        updates are stored, or nothing is.
+
+        Parameters
+        ----------
+        run_id : int
+            The run.
+        round : int
+            Server step, starting at 1; each is recorded once.
+        model_version : int
+            Global model version this step produced.
+        started_at, finished_at : float
+            Unix times bracketing the step.
+        metrics : dict[str, float]
+            Global metrics; non-finite values (a diverged loss) are stored as null.
+        train_loss : float or None
+            Aggregated training loss; non-finite is stored as ``None``.
+        updates : Sequence[UpdateInput]
+            The site updates handled at this step; each names a site added to the run.
+
+        Raises
+        ------
+        NotFoundError
+            If the run does not exist.
+        StorageError
+            If a value is invalid, the round is already recorded, or an update names a
+            site the run does not have.
+        """
+        run_id = self._run_id(run_id)
+        step = check_count("round", round, maximum=INT32_MAX)
+        if step < 1:
+            raise StorageError("round must be >= 1 (server steps start at 1), got 0")
+        start = _timestamp("started_at", started_at)
+        end = _timestamp("finished_at", finished_at)
+        if end < start:
+            raise StorageError(
+                f"round {step}: finished_at {finished_at} is before started_at {started_at}"
+            )
+        batch = list(updates)
+        for index, update in enumerate(batch):
+            if not isinstance(update, UpdateInput):
+                raise StorageError(
+                    f"updates[{index}] must be an UpdateInput, got {type(update).__name__}"
+                )
+        row = Round(
+            run_id=run_id,
+            round=step,
+            model_version=check_count("model_version", model_version, maximum=INT32_MAX),
+            started_at=start,
+            finished_at=end,
+            wall_seconds=float(finished_at) - float(started_at),
+            metrics=_metrics("metrics", metrics),
+            train_loss=_optional_float("train_loss", train_loss),
+            num_applied=sum(u.status == UPDATE_APPLIED for u in batch),
+            num_dropped=sum(u.status == UPDATE_DROPPED for u in batch),
+            num_rejected=sum(u.status == UPDATE_REJECTED for u in batch),
+            bytes_up=sum(u.bytes_up for u in batch),
+            bytes_down=sum(u.bytes_down for u in batch),
+        )
+        if max(row.bytes_up, row.bytes_down) > INT64_MAX:
+            raise StorageError(f"round {step}: total bytes exceed 2**63 - 1")
+        with self._session(f"record round {step} of run {run_id}", write=True) as session:
+            self._require_run(session, run_id)
+            done = select(Round.id).where(Round.run_id == run_id, Round.round == step)
+            if session.scalar(done) is not None:
+                raise StorageError(
+                    f"round {step} of run {run_id} is already recorded; each server step is "
+                    "recorded once"
+                )
+            # The round goes in first: if anything below fails, the rollback must take it too.
+            session.add(row)
+            session.flush()
+            site_query = select(Site.name, Site.id).where(Site.run_id == run_id)
+            site_ids = {name: site_id for name, site_id in session.execute(site_query)}
+            rows: list[dict[str, Any]] = []
+            for update in batch:
+                if update.site not in site_ids:
+                    known = ", ".join(sorted(site_ids)) or "none"
+                    raise StorageError(
+                        f"round {step}: update from site {update.site!r}, which run {run_id} "
+                        f"does not have (its sites: {known}); add it with add_site first"
+                    )
+                rows.append(self._update_row(run_id, step, site_ids[update.site], update))
+            if rows:
+                session.execute(insert(Update), rows)
+
+    @staticmethod
+    def _update_row(run_id: int, step: int, site_id: int, update: UpdateInput) -> dict[str, Any]:
+        return {
+            "run_id": run_id,
+            "site_id": site_id,
+            "round": step,
+            "dispatched_round": update.dispatched_round,
+            "version_trained_on": update.version_trained_on,
+            "staleness": update.staleness,
+            "bytes_up": update.bytes_up,
+            "bytes_down": update.bytes_down,
+            "compute_seconds": _optional_float("compute_seconds", update.compute_seconds),
+            "status": update.status,
+            "reason": _free_text(update.reason),
+            "num_examples": update.num_examples,
+            "train_loss": _optional_float("train_loss", update.train_loss),
+            "dispatched_at": _timestamp("dispatched_at", update.dispatched_at),
+            "arrived_at": None
+            if update.arrived_at is None
+            else _timestamp("arrived_at", update.arrived_at),
+        }
+
+    def list_rounds(self, run_id: int) -> list[RoundRecord]:
+        """Return a run's rounds ordered by round number.
+
+        Raises
+        ------
+        NotFoundError
+            If the run does not exist.
+        """
+        run_id = self._run_id(run_id)
+        with self._session(f"list the rounds of run {run_id}") as session:
+            self._require_run(session, run_id)
+            rows = session.scalars(
+                select(Round).where(Round.run_id == run_id).order_by(Round.round)
+            )
+            return [_round_record(row) for row in rows]
+
+    # ------------------------------------------------------------------ updates
+    def list_updates(
+        self, run_id: int, *, round: int | None = None, site: str | None = None
+    ) -> list[UpdateRecord]:
+        """Return a run's updates ordered by round, then in the order they were recorded.
+
+        Parameters
+        ----------
+        run_id : int
+            The run.
+        round : int or None
+            Only the updates handled at this server step.
+        site : str or None
+            Only this site's updates.
+
+        Raises
+        ------
+        NotFoundError
+            If the run does not exist, or ``site`` is not one of its sites.
+        """
+        run_id = self._run_id(run_id)
+        query = (
+            select(Update, Site.name)
+            .join(Site, Site.id == Update.site_id)
+            .where(Update.run_id == run_id)
+            .order_by(Update.round, Update.id)
+        )
+        if round is not None:
+            query = query.where(Update.round == check_count("round", round, maximum=INT32_MAX))
+        if site is not None:
+            query = query.where(Site.name == site)
+        with self._session(f"list the updates of run {run_id}") as session:
+            self._require_run(session, run_id)
+            if site is not None:
+                names = list(session.scalars(select(Site.name).where(Site.run_id == run_id)))
+                if site not in names:
+                    raise NotFoundError(
+                        f"run {run_id} has no site {site!r}; its sites: "
+                        f"{', '.join(sorted(names)) or 'none'}"
+                    )
+            return [_update_record(row, name) for row, name in session.execute(query)]
+
+    def site_summaries(self, run_id: int) -> list[SiteSummary]:
+        """Return per-site totals over all of a run's updates, computed in SQL.
+
+        Sites with no updates are included with zero counts. Sites come in the order they
+        were added.
+
+        Raises
+        ------
+        NotFoundError
+            If the run does not exist.
+        """
+        run_id = self._run_id(run_id)
+
+        def count(status: str) -> Any:
+            return func.sum(case((Update.status == status, 1), else_=0))
+
+        totals = (
+            select(
+                Update.site_id.label("site_id"),
+                func.count(Update.id).label("updates"),
+                count(UPDATE_APPLIED).label("applied"),
+                count(UPDATE_BUFFERED).label("buffered"),
+                count(UPDATE_CANCELLED).label("cancelled"),
+                count(UPDATE_DROPPED).label("dropped"),
+                count(UPDATE_REJECTED).label("rejected"),
+                func.avg(Update.staleness).label("mean_staleness"),
+                func.max(Update.staleness).label("max_staleness"),
+                func.sum(Update.bytes_up).label("bytes_up"),
+                func.sum(Update.bytes_down).label("bytes_down"),
+                func.sum(Update.compute_seconds).label("compute_seconds"),
+                func.avg(Update.train_loss).label("mean_train_loss"),
+            )
+            .where(Update.run_id == run_id)
+            .group_by(Update.site_id)
+            .subquery()
+        )
+        query = (
+            select(Site, totals)
+            .outerjoin(totals, totals.c.site_id == Site.id)
+            .where(Site.run_id == run_id)
+            .order_by(Site.id)
+        )
+        with self._session(f"summarise the sites of run {run_id}") as session:
+            self._require_run(session, run_id)
+            summaries = []
+            for row in session.execute(query):
+                site: Site = row[0]
+                t = row._mapping
+                # PostgreSQL returns SUM/AVG of integers as NUMERIC (Decimal); normalise.
+                summaries.append(
+                    SiteSummary(
+                        site_id=site.id,
+                        name=site.name,
+                        node_id=site.node_id,
+                        partition_id=site.partition_id,
+                        num_examples=site.num_examples,
+                        updates=int(t["updates"] or 0),
+                        applied=int(t["applied"] or 0),
+                        buffered=int(t["buffered"] or 0),
+                        cancelled=int(t["cancelled"] or 0),
+                        dropped=int(t["dropped"] or 0),
+                        rejected=int(t["rejected"] or 0),
+                        mean_staleness=None
+                        if t["mean_staleness"] is None
+                        else float(t["mean_staleness"]),
+                        max_staleness=None
+                        if t["max_staleness"] is None
+                        else int(t["max_staleness"]),
+                        bytes_up=int(t["bytes_up"] or 0),
+                        bytes_down=int(t["bytes_down"] or 0),
+                        compute_seconds=float(t["compute_seconds"] or 0.0),
+                        mean_train_loss=None
+                        if t["mean_train_loss"] is None
+                        else float(t["mean_train_loss"]),
+                    )
+                )
+            return summaries

@@ -1,0 +1,286 @@
+"""Database URLs, engines and the one session scope the repository writes through.
+
+SQLite is the zero-set-up default (``$FLPLATFORM_HOME/ledger.db``); any SQLAlchemy URL works,
+PostgreSQL (``postgresql+psycopg://``) being the tested one for shared deployments.
+
+SQLite connections are tuned so that the ledger behaves like a server database:
+
+* ``journal_mode=WAL`` lets the history CLI read while a run writes;
+* ``busy_timeout`` makes a second writer (or a migration) wait for the first instead of
+  failing at once with "database is locked";
+* ``foreign_keys=ON`` so ``ON DELETE CASCADE`` and the foreign keys hold at all;
+* transactions are begun by us (``BEGIN`` / ``BEGIN IMMEDIATE``) rather than by the ``sqlite3``
+  module, which skips ``BEGIN`` before DDL and so would run migrations outside a transaction.
+  Write sessions take the write lock up front (``IMMEDIATE``): a deferred transaction that read
+  first could not upgrade to a writer once another process had committed in between.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Final
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, Connection, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import ConnectionPoolEntry, StaticPool
+
+from flplatform.errors import StorageError
+
+FLPLATFORM_HOME_ENV: Final = "FLPLATFORM_HOME"
+DEFAULT_HOME_DIRNAME: Final = ".flplatform"
+LEDGER_FILENAME: Final = "ledger.db"
+
+# Long enough to outlast any single ledger transaction of another process (they are short:
+# one round with its updates), short enough that a wedged writer is reported, not waited on.
+SQLITE_BUSY_TIMEOUT_MS: Final = 30_000
+POSTGRES_CONNECT_TIMEOUT_S: Final = 10
+
+# Execution option read by the SQLite "begin" hook: "DEFERRED" (reads) or "IMMEDIATE" (writes).
+SQLITE_BEGIN_OPTION: Final = "flplatform_sqlite_begin"
+
+URL_HINT: Final = "pass --db with a SQLAlchemy URL such as sqlite:///runs.db"
+
+
+def flplatform_home() -> Path:
+    """Return the platform's home directory (not created).
+
+    Returns
+    -------
+    Path
+        Absolute ``$FLPLATFORM_HOME``, or ``<cwd>/.flplatform`` when it is unset or empty.
+    """
+    configured = os.environ.get(FLPLATFORM_HOME_ENV, "").strip()
+    home = Path(configured).expanduser() if configured else Path(DEFAULT_HOME_DIRNAME)
+    return Path(os.path.abspath(home))
+
+
+def default_db_url() -> str:
+    """Return the URL of the default ledger, ``sqlite:///<abs>/ledger.db`` in the home dir.
+
+    Returns
+    -------
+    str
+        A ``sqlite:///`` URL with an absolute path; the directory is created by
+        ``LedgerRepository.open``, not here.
+    """
+    return f"sqlite:///{flplatform_home() / LEDGER_FILENAME}"
+
+
+def _parse(url: str) -> URL:
+    """Parse ``url`` or raise ``StorageError`` saying what a valid one looks like."""
+    if not isinstance(url, str) or not url.strip():
+        raise StorageError(f"empty database URL {url!r}; {URL_HINT}, or leave it unset")
+    try:
+        return make_url(url.strip())
+    except (ArgumentError, ValueError) as exc:
+        raise StorageError(f"cannot parse database URL {url!r} ({exc}); {URL_HINT}") from None
+
+
+def _is_sqlite_memory(url: URL) -> bool:
+    return url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:")
+
+
+def _is_sqlite_file_uri(url: URL) -> bool:
+    database = url.database or ""
+    return str(url.query.get("uri", "")).lower() == "true" or database.startswith("file:")
+
+
+def normalize_db_url(url: str) -> str:
+    """Return ``url`` with a relative SQLite path made absolute against the current directory.
+
+    Another process (the history CLI, a SuperLink) started from another directory then opens
+    the same file. In-memory and ``file:`` URI databases and non-SQLite URLs are returned as
+    parsed; ``~`` in a SQLite path is expanded.
+
+    Parameters
+    ----------
+    url : str
+        A SQLAlchemy URL.
+
+    Returns
+    -------
+    str
+        The normalized URL, password included (use ``mask_db_url`` for display).
+
+    Raises
+    ------
+    StorageError
+        If ``url`` is empty or cannot be parsed.
+    """
+    parsed = _parse(url)
+    if (
+        parsed.get_backend_name() != "sqlite"
+        or _is_sqlite_memory(parsed)
+        or _is_sqlite_file_uri(parsed)
+    ):
+        # Returned as given: re-rendering would percent-encode, e.g. ":memory:" as "%3Amemory%3A".
+        return url.strip()
+    path = os.path.abspath(Path(parsed.database or "").expanduser())
+    return parsed.set(database=path).render_as_string(hide_password=False)
+
+
+def mask_db_url(url: str) -> str:
+    """Return ``url`` with its password replaced by ``***``, for messages and ``repr``.
+
+    Parameters
+    ----------
+    url : str
+        A SQLAlchemy URL.
+
+    Returns
+    -------
+    str
+        The URL safe to print; unparsable input is returned as is.
+    """
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):
+        return url
+
+
+def _check_sqlite_path(url: URL, shown: str) -> None:
+    """Refuse a SQLite path whose directory is missing or unwritable, before SQLite does.
+
+    SQLite would only say "unable to open database file"; naming the directory tells the
+    user what to fix. The directory of a user-given URL is never created: a typo in ``--db``
+    should not silently start a new, empty ledger somewhere else.
+    """
+    if _is_sqlite_memory(url) or _is_sqlite_file_uri(url):
+        return
+    path = Path(url.database or "")
+    if path.is_dir():
+        raise StorageError(f"cannot open database {shown!r}: {path} is a directory; {URL_HINT}")
+    parent = path.parent
+    if not parent.is_dir():
+        raise StorageError(
+            f"cannot open database {shown!r}: directory {parent} does not exist; "
+            f"create it first or {URL_HINT}"
+        )
+    if not path.exists() and not os.access(parent, os.W_OK | os.X_OK):
+        raise StorageError(
+            f"cannot open database {shown!r}: directory {parent} is not writable; {URL_HINT}"
+        )
+
+
+def _install_sqlite_hooks(engine: Engine, *, wal: bool) -> None:
+    """Set the pragmas and the explicit ``BEGIN`` described in the module docstring."""
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None:
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+            cursor.execute("PRAGMA foreign_keys = ON")
+            if wal:
+                cursor.execute("PRAGMA journal_mode = WAL")
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Connection) -> None:
+        mode = connection.get_execution_options().get(SQLITE_BEGIN_OPTION, "DEFERRED")
+        connection.exec_driver_sql(f"BEGIN {mode}")
+
+
+def create_ledger_engine(url: str) -> Engine:
+    """Create an engine for a normalized ledger URL, with the per-backend settings.
+
+    No connection is made here; connection errors surface on first use.
+
+    Parameters
+    ----------
+    url : str
+        A URL as returned by ``normalize_db_url``.
+
+    Returns
+    -------
+    Engine
+        The engine; SQLite engines carry the hooks described in the module docstring.
+
+    Raises
+    ------
+    StorageError
+        If the URL names an unknown dialect or a driver that is not installed, or a SQLite
+        file in a missing or unwritable directory.
+    """
+    parsed = _parse(url)
+    shown = parsed.render_as_string(hide_password=True)
+    backend = parsed.get_backend_name()
+    kwargs: dict[str, Any] = {}
+    if backend == "sqlite":
+        _check_sqlite_path(parsed, shown)
+        if _is_sqlite_memory(parsed):
+            # Every connection to :memory: is a new, empty database: share one connection.
+            kwargs.update(poolclass=StaticPool, connect_args={"check_same_thread": False})
+    elif backend == "postgresql" and "connect_timeout" not in parsed.query:
+        # libpq waits forever on an unroutable host by default; fail with a message instead.
+        kwargs["connect_args"] = {"connect_timeout": POSTGRES_CONNECT_TIMEOUT_S}
+    try:
+        engine = create_engine(parsed, **kwargs)
+    except NoSuchModuleError:
+        raise StorageError(
+            f"cannot open database {shown!r}: unknown database driver {parsed.drivername!r}; "
+            "use sqlite:///PATH or postgresql+psycopg://USER@HOST/DB"
+        ) from None
+    except ImportError as exc:
+        raise StorageError(
+            f"cannot open database {shown!r}: its driver module {exc.name or exc!s} is not "
+            "installed; for PostgreSQL install flplatform[postgres] and use "
+            "postgresql+psycopg://USER@HOST/DB"
+        ) from None
+    except (ArgumentError, TypeError, ValueError) as exc:
+        raise StorageError(f"cannot open database {shown!r}: {exc}; {URL_HINT}") from None
+    if backend == "sqlite":
+        _install_sqlite_hooks(engine, wal=not _is_sqlite_memory(parsed))
+    return engine
+
+
+def make_session_factories(engine: Engine) -> tuple[sessionmaker[Session], sessionmaker[Session]]:
+    """Return ``(read, write)`` session factories for ``engine``.
+
+    Parameters
+    ----------
+    engine : Engine
+        An engine from ``create_ledger_engine``.
+
+    Returns
+    -------
+    tuple[sessionmaker[Session], sessionmaker[Session]]
+        Both keep loaded attributes after commit (records are built after the commit); the
+        write factory begins SQLite transactions with ``BEGIN IMMEDIATE``.
+    """
+    writer = engine.execution_options(**{SQLITE_BEGIN_OPTION: "IMMEDIATE"})
+    read = sessionmaker(bind=engine, expire_on_commit=False)
+    write = sessionmaker(bind=writer, expire_on_commit=False)
+    return read, write
+
+
+@contextmanager
+def session_scope(factory: sessionmaker[Session]) -> Iterator[Session]:
+    """Yield a session that commits when the block ends and rolls back if it raises.
+
+    Parameters
+    ----------
+    factory : sessionmaker[Session]
+        Where to get the session from.
+
+    Yields
+    ------
+    Session
+        A session in a fresh transaction; closed on exit.
+    """
+    session = factory()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()

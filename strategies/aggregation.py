@@ -1,0 +1,112 @@
+"""Weighted averaging of site updates, streamed as replies arrive.
+
+Pure NumPy; imports no Flower. The server never holds more than one accumulator the size
+of the model, however many sites reply, so memory does not grow with sites × model size.
+
+Symbols follow ALGORITHMS.md §1: site n sends a model x_n trained from the version x it
+was sent, with n_n examples; Δ_n = x_n − x; the server applies
+    Δ̄ = Σ w_n Δ_n / Σ w_n,   v ← β v + Δ̄,   x ← x + η_g v.
+η_g = 1, β = 0 is plain FedAvg (the new model is the weighted mean of the site models).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+Arrays = dict[str, np.ndarray]
+
+
+@dataclass
+class WeightedDeltaSum:
+    """Running Σ w_n Δ_n and Σ w_n in float64.
+
+    float64 accumulation keeps the result independent of arrival order to well within
+    float32 resolution, which is what the site models are stored in.
+    """
+
+    sums: Arrays = field(default_factory=dict)
+    total_weight: float = 0.0
+    count: int = 0
+
+    def add(self, delta: Mapping[str, np.ndarray], weight: float) -> None:
+        """Add one site's delta with weight ``weight`` (> 0)."""
+        if self.count == 0:
+            self.sums = {k: np.asarray(v, dtype=np.float64) * weight for k, v in delta.items()}
+        else:
+            for key, value in delta.items():
+                # In-place multiply-add: no temporary the size of the model per site.
+                acc = self.sums[key]
+                acc += np.multiply(value, weight, dtype=np.float64)
+        self.total_weight += weight
+        self.count += 1
+
+    def mean(self) -> Arrays:
+        """Return Σ w_n Δ_n / Σ w_n (float64); an empty sum has no mean."""
+        if self.count == 0 or self.total_weight <= 0:
+            raise ValueError("no updates were accumulated")
+        return {k: v / self.total_weight for k, v in self.sums.items()}
+
+
+@dataclass
+class ServerOptimizerState:
+    """The server's own state: FedAvgM velocity (empty when β = 0)."""
+
+    velocity: Arrays = field(default_factory=dict)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Arrays to checkpoint."""
+        return {f"velocity.{k}": v.copy() for k, v in self.velocity.items()}
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        """Restore from ``state_dict()``."""
+        prefix = "velocity."
+        self.velocity = {
+            k[len(prefix) :]: np.array(v, dtype=np.float64)
+            for k, v in state.items()
+            if k.startswith(prefix)
+        }
+
+
+def apply_server_update(
+    x: Mapping[str, np.ndarray],
+    mean_delta: Mapping[str, np.ndarray],
+    *,
+    eta: float,
+    beta: float,
+    state: ServerOptimizerState,
+) -> Arrays:
+    """Return x + η_g·v with v ← β v + Δ̄ (FedAvgM; β = 0 is FedAvg).
+
+    The result keeps each array's dtype; integer arrays (e.g. a user model's BatchNorm
+    counters) are rounded, since averaging them is all a model-agnostic server can do.
+    """
+    out: Arrays = {}
+    for key, base in x.items():
+        step = mean_delta[key]
+        if beta > 0.0:
+            v = state.velocity.get(key)
+            v = step.copy() if v is None else beta * v + step
+            state.velocity[key] = v
+            step = v
+        new = np.asarray(base, dtype=np.float64) + eta * step
+        if np.issubdtype(base.dtype, np.integer):
+            new = np.rint(new)
+        out[key] = new.astype(base.dtype, copy=False)
+    return out
+
+
+def weighted_average(models: list[Mapping[str, np.ndarray]], weights: list[float]) -> Arrays:
+    """Σ w_n x_n / Σ w_n of whole models, through the streaming path (x = first model).
+
+    Used where a batch of models must be averaged (Flower's ``aggregate_train`` hook).
+    """
+    if not models:
+        raise ValueError("no models to average")
+    base = models[0]
+    acc = WeightedDeltaSum()
+    for model, weight in zip(models, weights, strict=True):
+        acc.add({k: np.asarray(model[k], np.float64) - base[k] for k in base}, weight)
+    return apply_server_update(base, acc.mean(), eta=1.0, beta=0.0, state=ServerOptimizerState())

@@ -1,0 +1,355 @@
+"""Local-SGD averaging: FedAvg, FedAvgM and periodic model averaging.
+
+McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized
+Data" (FedAvg, 2017); Hsu et al., "Measuring the Effects of Non-Identical Data
+Distribution for Federated Visual Classification" (FedAvgM, 2019). ALGORITHMS.md §1.
+
+Site n starts from the global model x, runs H local SGD steps (or E epochs) and replies
+with its model x_n and n_n examples: Flower's standard convention, so any Flower
+ClientApp that trains and returns ``arrays`` + ``metrics[num-examples]`` takes part.
+The server forms Δ_n = x_n − x against the version the site was sent and applies
+
+    Δ̄ = Σ n_n Δ_n / Σ n_n,   v ← β v + Δ̄,   x ← x + η v      (β = 0, η = 1: FedAvg)
+
+Site momentum restarts at every sync (a fresh optimiser per round); model buffers such as
+BatchNorm statistics, if a user's model has them, are averaged like weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+
+from clients.site import Site
+from clients.training import evaluate, train_local
+from flplatform import keys
+from flplatform.engine import Contribution, RoundEngine, SyncPolicy
+from flplatform.engine.wire import arrays_to_record, record_to_arrays
+from flplatform.errors import ConfigError, UpdateRejected
+from flplatform.seeding import rng_for
+from strategies.aggregation import ServerOptimizerState, WeightedDeltaSum, apply_server_update
+from strategies.site_parts import register
+from strategies.validation import check_arrays, check_num_examples
+
+log = logging.getLogger("flplatform.strategies.local_sgd")
+
+SITE_ALGORITHM = "local-sgd"
+
+
+@dataclass
+class LocalSGDState:
+    """Server state that outlives a round: the model version and FedAvgM velocity."""
+
+    model_version: int = 0
+    optimizer: ServerOptimizerState = field(default_factory=ServerOptimizerState)
+
+    def state_dict(self) -> dict[str, object]:
+        """Everything needed to resume."""
+        return {"model_version": self.model_version, "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore from ``state_dict()``."""
+        version = state.get("model_version")
+        if not isinstance(version, int) or version < 0:
+            raise ConfigError(f"bad checkpoint: model_version must be an int >= 0, got {version!r}")
+        optimizer = state.get("optimizer", {})
+        if not isinstance(optimizer, dict):
+            raise ConfigError("bad checkpoint: optimizer must be a mapping of arrays")
+        self.model_version = version
+        self.optimizer.load_state_dict(optimizer)
+
+
+class LocalSGDAveraging(Strategy):
+    """Local-SGD averaging as a Flower Message-API strategy, driven by the round engine.
+
+    Parameters
+    ----------
+    eta : float
+        Server learning rate η (1.0 is FedAvg).
+    beta : float
+        Server momentum β in [0, 1) (> 0 is FedAvgM).
+    fraction_train : float
+        Fraction of connected sites sampled per round, in (0, 1]; at least one site.
+    fraction_evaluate : float
+        Fraction of sites asked to evaluate the global model after each round (0: none).
+    seed : int
+        Sampling depends only on (seed, round).
+    """
+
+    def __init__(
+        self,
+        *,
+        eta: float = 1.0,
+        beta: float = 0.0,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 0.0,
+        seed: int = 0,
+    ) -> None:
+        if not (math.isfinite(eta) and eta > 0):
+            raise ConfigError(f"server learning rate must be > 0, got {eta}")
+        if not (0.0 <= beta < 1.0):
+            raise ConfigError(f"server momentum must be in [0, 1), got {beta}")
+        if not (0.0 < fraction_train <= 1.0):
+            raise ConfigError(f"fraction-train must be in (0, 1], got {fraction_train}")
+        if not (0.0 <= fraction_evaluate <= 1.0):
+            raise ConfigError(f"fraction-evaluate must be in [0, 1], got {fraction_evaluate}")
+        self.eta = eta
+        self.beta = beta
+        self.fraction_train = fraction_train
+        self.fraction_evaluate = fraction_evaluate
+        self.seed = seed
+        self.state = LocalSGDState()
+        self._acc = WeightedDeltaSum()
+        self._current: dict[str, np.ndarray] = {}
+        self._current_record: ArrayRecord | None = None
+        self._loss_sum = 0.0
+        self._loss_weight = 0.0
+
+    def summary(self) -> None:
+        """Log the configuration."""
+        log.info(
+            "LocalSGDAveraging: eta=%s beta=%s fraction_train=%s fraction_evaluate=%s seed=%s",
+            self.eta,
+            self.beta,
+            self.fraction_train,
+            self.fraction_evaluate,
+            self.seed,
+        )
+
+    # ---------------------------------------------------------------- sampling
+    def sample(self, server_round: int, node_ids: Iterable[int], fraction: float) -> list[int]:
+        """Seeded sample of ``fraction`` of ``node_ids`` (at least one), by (seed, round)."""
+        nodes = sorted(node_ids)
+        if not nodes:
+            return []
+        size = max(1, int(round(fraction * len(nodes))))
+        if size >= len(nodes):
+            return nodes
+        picked = rng_for(self.seed, server_round, "sample").choice(len(nodes), size, replace=False)
+        return sorted(nodes[i] for i in picked)
+
+    # ------------------------------------------------------------ Flower hooks
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Send the global model and the round's config to a seeded sample of sites."""
+        self._current, self._current_record = record_to_arrays(arrays), arrays
+        config = ConfigRecord(dict(config))  # never write into the caller's record
+        config[keys.SERVER_ROUND] = server_round
+        config[keys.SITE_ALGORITHM] = SITE_ALGORITHM
+        content = RecordDict({keys.ARRAYS: arrays, keys.CONFIG: config})
+        return [
+            Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN)
+            for node_id in self.sample(server_round, grid.get_node_ids(), self.fraction_train)
+        ]
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Flower's batch hook, through the streaming path (malformed replies skipped)."""
+        base = arrays_to_record(self._current)
+        self.begin_aggregation(server_round, base)
+        for reply in replies:
+            if reply.has_error():
+                continue
+            try:
+                self.accumulate(reply, base=base)
+            except UpdateRejected as exc:
+                log.warning("skipping reply from node %s: %s", reply.metadata.src_node_id, exc)
+        return self.finish_aggregation()
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Ask a seeded sample of sites to evaluate the global model on local data."""
+        if self.fraction_evaluate == 0.0:
+            return []
+        config = ConfigRecord(dict(config))
+        config[keys.SERVER_ROUND] = server_round
+        content = RecordDict({keys.ARRAYS: arrays, keys.CONFIG: config})
+        nodes = self.sample(-server_round, grid.get_node_ids(), self.fraction_evaluate)
+        return [Message(content, dst_node_id=n, message_type=MessageType.EVALUATE) for n in nodes]
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """Example-weighted mean of the sites' evaluation metrics."""
+        sums: dict[str, float] = {}
+        total = 0
+        for reply in replies:
+            if reply.has_error() or keys.METRICS not in reply.content:
+                continue
+            metrics = reply.content[keys.METRICS]
+            try:
+                weight = check_num_examples(metrics.get(keys.NUM_EXAMPLES))
+            except UpdateRejected:
+                continue
+            values = {
+                k: float(v)
+                for k, v in metrics.items()
+                if k != keys.NUM_EXAMPLES and isinstance(v, int | float) and math.isfinite(v)
+            }
+            for key, value in values.items():
+                sums[key] = sums.get(key, 0.0) + weight * value
+            total += weight
+        if total == 0:
+            return None
+        return MetricRecord({k: v / total for k, v in sums.items()})
+
+    # ------------------------------------------------- streaming aggregation
+    def begin_aggregation(self, server_round: int, arrays: ArrayRecord) -> None:
+        """Start a new accumulator for the round producing the next version."""
+        self._current = record_to_arrays(arrays)
+        self._current_record = arrays
+        self._acc = WeightedDeltaSum()
+        self._loss_sum, self._loss_weight = 0.0, 0.0
+
+    def accumulate(
+        self, reply: Message, *, base: ArrayRecord, weight_scale: float = 1.0
+    ) -> Contribution:
+        """Validate one reply and add n_n·Δ_n, Δ_n measured against the version sent."""
+        content = reply.content
+        if keys.ARRAYS not in content or keys.METRICS not in content:
+            raise UpdateRejected(
+                f"reply must hold '{keys.ARRAYS}' and '{keys.METRICS}' records, "
+                f"got {sorted(content.keys())}"
+            )
+        metrics = content[keys.METRICS]
+        if not isinstance(metrics, MetricRecord):
+            raise UpdateRejected(f"'{keys.METRICS}' must be a MetricRecord")
+        num_examples = check_num_examples(metrics.get(keys.NUM_EXAMPLES))
+        record = content[keys.ARRAYS]
+        if not isinstance(record, ArrayRecord):
+            raise UpdateRejected(f"'{keys.ARRAYS}' must be an ArrayRecord")
+        # Decoding the base once per round, not once per reply, keeps the server's cost
+        # per reply at one decode and one multiply-add.
+        base_arrays = self._current if base is self._current_record else record_to_arrays(base)
+        try:
+            received = record_to_arrays(record)
+        except Exception as exc:  # not .npy bytes, pickled objects, truncated data
+            raise UpdateRejected(f"arrays cannot be decoded: {exc}") from None
+        check_arrays(received, base_arrays)
+        delta = {k: received[k].astype(np.float64) - base_arrays[k] for k in base_arrays}
+        self._acc.add(delta, float(num_examples) * weight_scale)
+        loss = _first_number(metrics, keys.TRAIN_LOSS_ALIASES)
+        if loss is not None:
+            self._loss_sum += num_examples * loss
+            self._loss_weight += num_examples
+        seconds = _first_number(metrics, (keys.COMPUTE_SECONDS,))
+        return Contribution(num_examples=num_examples, train_loss=loss, compute_seconds=seconds)
+
+    def finish_aggregation(self) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Apply the server update; None when no update was accepted this round."""
+        if self._acc.count == 0:
+            return None, None
+        new = apply_server_update(
+            self._current,
+            self._acc.mean(),
+            eta=self.eta,
+            beta=self.beta,
+            state=self.state.optimizer,
+        )
+        self.state.model_version += 1
+        metrics = MetricRecord({"num-updates": self._acc.count})
+        if self._loss_weight > 0:
+            metrics[keys.TRAIN_LOSS] = self._loss_sum / self._loss_weight
+        self._acc = WeightedDeltaSum()  # free the accumulator before the next round
+        return arrays_to_record(new), metrics
+
+    # -------------------------------------------------------------- driving
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Flower's ``start``, run by flplatform's round engine (no ledger)."""
+        engine = RoundEngine(grid, self, policy=SyncPolicy(), round_timeout=timeout)
+        return engine.run(
+            initial_arrays,
+            num_rounds=num_rounds,
+            train_config=train_config,
+            evaluate_config=evaluate_config,
+            evaluate_fn=evaluate_fn,
+            federated_evaluation=self.fraction_evaluate > 0,
+        )
+
+
+def _first_number(metrics: MetricRecord, names: Iterable[str]) -> float | None:
+    for name in names:
+        value = metrics.get(name)
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+    return None
+
+
+# =============================================================== site part
+@register(SITE_ALGORITHM)
+def train_site(msg: Message, context: Context, site: Site) -> Message:
+    """Train the received model for H steps or E epochs on the site's data; reply with it."""
+    config = msg.content[keys.CONFIG]
+    server_round = int(config.get(keys.SERVER_ROUND, 0))
+    seed = int(config.get(keys.SEED, 0))
+    state_dict = msg.content[keys.ARRAYS].to_torch_state_dict()
+    model = site.build_model(num_classes=_num_classes(state_dict), seed=seed)
+    model.load_state_dict(state_dict)
+    stats = train_local(
+        model,
+        site.x_train,
+        site.y_train,
+        lr=float(config.get(keys.LR, 0.1)),
+        momentum=float(config.get(keys.MOMENTUM, 0.0)),
+        batch_size=int(config.get(keys.BATCH_SIZE, 32)),
+        local_steps=int(config.get(keys.LOCAL_STEPS, 0)),
+        local_epochs=int(config.get(keys.LOCAL_EPOCHS, 1)),
+        rng=rng_for(seed, server_round, site.name, "data-order"),
+        device=site.device,
+    )
+    metrics = MetricRecord(
+        {
+            keys.NUM_EXAMPLES: len(site.x_train),
+            keys.TRAIN_LOSS: stats.loss,
+            keys.COMPUTE_SECONDS: stats.seconds,
+        }
+    )
+    content = RecordDict({keys.ARRAYS: ArrayRecord(model.state_dict()), keys.METRICS: metrics})
+    return Message(content, reply_to=msg)
+
+
+def evaluate_site(msg: Message, context: Context, site: Site) -> Message:
+    """Evaluate the received model on the site's local validation slice."""
+    state_dict = msg.content[keys.ARRAYS].to_torch_state_dict()
+    model = site.build_model(num_classes=_num_classes(state_dict))
+    model.load_state_dict(state_dict)
+    x, y = (site.x_val, site.y_val) if len(site.x_val) else (site.x_train, site.y_train)
+    loss, accuracy = evaluate(model, x, y, device=site.device)
+    metrics = MetricRecord(
+        {keys.NUM_EXAMPLES: len(x), keys.EVAL_LOSS: loss, keys.EVAL_ACCURACY: accuracy}
+    )
+    return Message(RecordDict({keys.METRICS: metrics}), reply_to=msg)
+
+
+def _num_classes(state_dict: dict[str, torch.Tensor]) -> int:
+    """The output width of the model the server sent (its last bias)."""
+    last = list(state_dict.values())[-1]
+    return int(last.shape[0])

@@ -1,0 +1,63 @@
+"""Run configuration: parsed once, bad values named with what is allowed."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from flplatform.config import RunConfig
+from flplatform.errors import ConfigError
+from flplatform.seeding import derive_seed, rng_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_pyproject_app_config_parses_to_the_defaults() -> None:
+    app_config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"][
+        "config"
+    ]
+    assert RunConfig.from_mapping(app_config) == RunConfig()
+
+
+def test_round_trip_through_run_config() -> None:
+    config = RunConfig.from_mapping({"sites": "a,b,c", "alpha": 0.1, "local-steps": 5})
+    assert config.sites == ("a", "b", "c")
+    assert RunConfig.from_mapping(config.to_run_config()) == config
+
+
+def test_strategy_aliases_name_one_algorithm() -> None:
+    assert RunConfig.from_mapping({"strategy": "fedavg"}).strategy == "local-sgd"
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"strategy": "magic"}, "unknown strategy 'magic'; allowed: fedavg, fedavgm, local-sgd"),
+        ({"model": "resnet"}, "unknown model 'resnet'; allowed: mlp, cnn"),
+        ({"dataset": "imagenet"}, "unknown dataset 'imagenet'; allowed: digits, mnist5k"),
+        ({"partition": "zipf"}, "unknown partition 'zipf'; allowed: iid, dirichlet"),
+        ({"alpha": 0}, "alpha must be a finite number > 0"),
+        ({"alpha": -1.5}, "alpha must be a finite number > 0"),
+        ({"num-server-rounds": 0}, "num-server-rounds must be > 0"),
+        ({"num-server-rounds": "three"}, "num-server-rounds must be an integer"),
+        ({"batch-size": -2}, "batch-size must be > 0"),
+        ({"lr": 0.0}, "lr must be > 0"),
+        ({"momentum": 1.0}, r"momentum must be in \[0, 1\)"),
+        ({"fraction-train": 0.0}, r"fraction-train must be in \(0, 1\]"),
+        ({"local-steps": 0, "local-epochs": 0}, "set local-steps"),
+        ({"sites": "a,a"}, "duplicate names"),
+        ({"sites": "ok,../etc"}, "bad site name"),
+        ({"no-such-key": 1}, "unknown config key 'no-such-key'"),
+    ],
+)
+def test_bad_values_name_the_problem(values: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        RunConfig.from_mapping(values)
+
+
+def test_derived_seeds_are_stable_and_distinct() -> None:
+    assert derive_seed(0, 1, "london") == derive_seed(0, 1, "london")
+    assert len({derive_seed(0, r, s) for r in range(5) for s in ("a", "b")}) == 10
+    assert rng_for(3, "x").integers(1 << 30) == rng_for(3, "x").integers(1 << 30)

@@ -1,0 +1,545 @@
+"""The ledger contract: the same tests on every backend (``repo`` is parametrized)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import event, text
+
+from flplatform.errors import NotFoundError, StorageError
+from storage import LedgerRepository, UpdateInput
+from tests.storage.helpers import (
+    T0,
+    assert_summary_matches,
+    make_run,
+    naive_summary,
+    record,
+    update,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+UINT64_MAX = 2**64 - 1
+
+
+def utc(t: float) -> datetime:
+    return datetime.fromtimestamp(t, tz=UTC)
+
+
+def count_rows(repo: LedgerRepository, table: str) -> int:
+    with repo._engine.connect() as connection:
+        return int(connection.execute(text(f"SELECT COUNT(*) FROM {table}")).scalar_one())
+
+
+# ---------------------------------------------------------------------------- runs
+def test_run_round_trips_every_field(repo: LedgerRepository) -> None:
+    config = {"lr": 0.1, "sites": ["a", "b"], "nested": {"k": 3, "flag": True, "none": None}}
+    run_id = make_run(
+        repo,
+        name="exp",
+        strategy="fetchsgd",
+        seed=-(2**63),
+        config=config,
+        num_rounds_planned=20,
+        tag="tag-1",
+        created_at=T0,
+    )
+
+    run = repo.get_run(run_id)
+
+    assert (run.id, run.tag, run.name, run.strategy) == (run_id, "tag-1", "exp", "fetchsgd")
+    assert (run.seed, run.config, run.num_rounds_planned) == (-(2**63), config, 20)
+    assert (run.status, run.error, run.finished_at, run.wall_seconds) == (
+        "running",
+        None,
+        None,
+        None,
+    )
+    assert run.final_metrics is None
+    assert run.created_at == utc(T0)
+    assert run.created_at.tzinfo is not None and run.created_at.utcoffset() == timedelta(0)
+    assert (run.rounds_completed, run.last_metrics) == (0, {})
+
+
+def test_finish_run_records_outcome_and_wall_time(repo: LedgerRepository) -> None:
+    run_id = make_run(repo, created_at=T0)
+
+    repo.finish_run(
+        run_id,
+        status="failed",
+        error="site london crashed",
+        final_metrics={"accuracy": 0.93},
+        finished_at=T0 + 125.5,
+    )
+
+    run = repo.get_run(run_id)
+    assert (run.status, run.error, run.final_metrics) == (
+        "failed",
+        "site london crashed",
+        {"accuracy": 0.93},
+    )
+    assert run.finished_at == utc(T0 + 125.5)
+    assert run.wall_seconds == pytest.approx(125.5, abs=1e-5)
+
+
+def test_finish_run_refuses_bad_status_a_second_finish_and_time_travel(
+    repo: LedgerRepository,
+) -> None:
+    run_id = make_run(repo, created_at=T0)
+    with pytest.raises(StorageError, match="'finished' or 'failed'"):
+        repo.finish_run(run_id, status="running")  # type: ignore[arg-type]
+    with pytest.raises(StorageError, match="before run"):
+        repo.finish_run(run_id, status="finished", finished_at=T0 - 1)
+    repo.finish_run(run_id, status="finished", finished_at=T0 + 1)
+    with pytest.raises(StorageError, match="already finished"):
+        repo.finish_run(run_id, status="failed", finished_at=T0 + 2)
+    assert repo.get_run(run_id).status == "finished"
+
+
+def test_tags_are_unique_and_findable(repo: LedgerRepository) -> None:
+    first = make_run(repo, tag="cli-42")
+    make_run(repo)  # untagged runs do not collide with each other
+    make_run(repo)
+
+    with pytest.raises(StorageError, match="already exists"):
+        make_run(repo, tag="cli-42")
+
+    found = repo.find_run_by_tag("cli-42")
+    assert found is not None and found.id == first
+    assert repo.find_run_by_tag("nope") is None
+    assert len(repo.list_runs()) == 3
+
+
+def test_list_runs_is_newest_first_with_progress(repo: LedgerRepository) -> None:
+    old = make_run(repo, name="old", created_at=T0)
+    new = make_run(repo, name="new", created_at=T0 + 100)
+    middle = make_run(repo, name="middle", created_at=T0 + 50)
+    repo.add_site(middle, name="a", node_id=1)
+    # Recorded out of order: "last metrics" must come from the highest round, not the last row.
+    record(repo, middle, 2, [update("a")], metrics={"accuracy": 0.8})
+    record(repo, middle, 1, [update("a")], metrics={"accuracy": 0.6})
+
+    runs = repo.list_runs()
+
+    assert [r.id for r in runs] == [new, middle, old]
+    assert [r.rounds_completed for r in runs] == [0, 2, 0]
+    assert runs[1].last_metrics == {"accuracy": 0.8}
+    assert [r.id for r in repo.list_runs(limit=2)] == [new, middle]
+    assert repo.get_run(middle).rounds_completed == 2
+
+
+# ---------------------------------------------------------------------------- sites
+@pytest.mark.parametrize("node_id", [0, 1, 2**63 - 1, 2**63, UINT64_MAX])
+def test_site_round_trips_every_field(repo: LedgerRepository, node_id: int) -> None:
+    run_id = make_run(repo)
+    profile = {"latency_ms": 140.0, "bandwidth_mbit": 23, "compute": {"model": "pareto"}}
+
+    site_id = repo.add_site(
+        run_id, name="london", node_id=node_id, partition_id=3, num_examples=450, profile=profile
+    )
+
+    [site] = repo.list_sites(run_id)
+    assert (site.id, site.run_id, site.name, site.node_id) == (site_id, run_id, "london", node_id)
+    assert (site.partition_id, site.num_examples, site.profile) == (3, 450, profile)
+    assert repo.site_summaries(run_id)[0].node_id == node_id
+
+
+def test_sites_are_listed_in_insertion_order_and_names_are_unique_per_run(
+    repo: LedgerRepository,
+) -> None:
+    run_a, run_b = make_run(repo), make_run(repo)
+    for name in ("tokyo", "london", "ohio"):
+        repo.add_site(run_a, name=name, node_id=len(name))
+    repo.add_site(run_b, name="london", node_id=1)  # same name, other run: fine
+
+    with pytest.raises(StorageError, match="already in run"):
+        repo.add_site(run_a, name="london", node_id=99)
+
+    assert [s.name for s in repo.list_sites(run_a)] == ["tokyo", "london", "ohio"]
+    assert [(s.name, s.profile) for s in repo.list_sites(run_b)] == [("london", {})]
+
+
+@pytest.mark.parametrize("node_id", [-1, 2**64, True, 1.5])
+def test_add_site_refuses_node_ids_outside_uint64(repo: LedgerRepository, node_id: Any) -> None:
+    run_id = make_run(repo)
+    with pytest.raises(StorageError, match="node_id"):
+        repo.add_site(run_id, name="x", node_id=node_id)
+    assert repo.list_sites(run_id) == []
+
+
+# ---------------------------------------------------------------------------- rounds
+def test_round_and_updates_round_trip_every_field(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    london = repo.add_site(run_id, name="london", node_id=UINT64_MAX)
+    tokyo = repo.add_site(run_id, name="tokyo", node_id=5)
+    applied = UpdateInput(
+        site="london",
+        dispatched_round=3,
+        version_trained_on=2,
+        staleness=1,
+        bytes_up=3_000_000_000_000,
+        bytes_down=1234,
+        status="applied",
+        dispatched_at=T0 + 30.125,
+        arrived_at=T0 + 41.5,
+        compute_seconds=9.75,
+        reason=None,
+        num_examples=450,
+        train_loss=0.321,
+    )
+    dropped = UpdateInput(
+        site="tokyo",
+        dispatched_round=4,
+        version_trained_on=3,
+        staleness=0,
+        bytes_up=0,
+        bytes_down=99,
+        status="dropped",
+        dispatched_at=T0 + 40.0,
+        reason="deadline passed",
+    )
+    rejected = update("tokyo", "rejected", bytes_up=7, bytes_down=8, reason="non-finite")
+
+    repo.record_round(
+        run_id,
+        round=4,
+        model_version=3,
+        started_at=T0 + 40,
+        finished_at=T0 + 42.5,
+        metrics={"accuracy": 0.95, "loss": 0.2},
+        train_loss=0.31,
+        updates=[applied, dropped, rejected],
+    )
+
+    [rnd] = repo.list_rounds(run_id)
+    assert (rnd.run_id, rnd.round, rnd.model_version) == (run_id, 4, 3)
+    assert (rnd.started_at, rnd.finished_at) == (utc(T0 + 40), utc(T0 + 42.5))
+    assert rnd.wall_seconds == pytest.approx(2.5)
+    assert (rnd.metrics, rnd.train_loss) == ({"accuracy": 0.95, "loss": 0.2}, 0.31)
+    assert (rnd.num_applied, rnd.num_dropped, rnd.num_rejected) == (1, 1, 1)
+    assert (rnd.bytes_up, rnd.bytes_down) == (3_000_000_000_007, 1234 + 99 + 8)
+
+    got = repo.list_updates(run_id)
+    assert [(u.site, u.site_id, u.status) for u in got] == [
+        ("london", london, "applied"),
+        ("tokyo", tokyo, "dropped"),
+        ("tokyo", tokyo, "rejected"),
+    ]
+    first, second = got[0], got[1]
+    assert (first.run_id, first.round, first.dispatched_round) == (run_id, 4, 3)
+    assert (first.version_trained_on, first.staleness) == (2, 1)
+    assert (first.bytes_up, first.bytes_down) == (3_000_000_000_000, 1234)
+    assert (first.compute_seconds, first.reason, first.num_examples) == (9.75, None, 450)
+    assert first.train_loss == 0.321
+    assert (first.dispatched_at, first.arrived_at) == (utc(T0 + 30.125), utc(T0 + 41.5))
+    assert all(u.dispatched_at.utcoffset() == timedelta(0) for u in got)
+    assert (second.arrived_at, second.compute_seconds, second.train_loss) == (None, None, None)
+    assert (second.reason, second.num_examples) == ("deadline passed", None)
+
+
+def test_rounds_are_listed_by_round_number(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    repo.add_site(run_id, name="a", node_id=1)
+    for step in (3, 1, 2):
+        record(repo, run_id, step, [update("a", dispatched_round=step)])
+
+    assert [r.round for r in repo.list_rounds(run_id)] == [1, 2, 3]
+    assert [u.round for u in repo.list_updates(run_id)] == [1, 2, 3]
+
+
+def test_a_round_is_recorded_once(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    repo.add_site(run_id, name="a", node_id=1)
+    record(repo, run_id, 1, [update("a")], model_version=1)
+
+    with pytest.raises(StorageError, match="already recorded"):
+        record(repo, run_id, 1, [update("a"), update("a")], model_version=9)
+
+    [rnd] = repo.list_rounds(run_id)
+    assert rnd.model_version == 1
+    assert len(repo.list_updates(run_id)) == 1
+
+
+def test_unknown_site_leaves_neither_round_nor_updates(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    repo.add_site(run_id, name="a", node_id=1)
+
+    with pytest.raises(StorageError, match="'ghost'"):
+        record(repo, run_id, 1, [update("a"), update("a"), update("ghost")])
+
+    assert repo.list_rounds(run_id) == []
+    assert repo.list_updates(run_id) == []
+    assert repo.get_run(run_id).rounds_completed == 0
+
+
+def test_a_failure_while_writing_updates_rolls_back_the_round(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    repo.add_site(run_id, name="a", node_id=1)
+    seen: list[str] = []
+
+    def fail_on_updates(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        head = " ".join(statement.split()[:3]).upper()
+        seen.append(head)
+        if head == "INSERT INTO UPDATES":
+            raise RuntimeError("disk on fire")
+
+    event.listen(repo._engine, "before_cursor_execute", fail_on_updates)
+    try:
+        with pytest.raises(RuntimeError, match="disk on fire"):
+            record(repo, run_id, 1, [update("a"), update("a")])
+    finally:
+        event.remove(repo._engine, "before_cursor_execute", fail_on_updates)
+
+    assert "INSERT INTO ROUNDS" in seen  # the round row really was written before the failure
+    assert repo.list_rounds(run_id) == []
+    assert count_rows(repo, "updates") == 0
+
+
+def test_round_inputs_are_validated(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    repo.add_site(run_id, name="a", node_id=1)
+    with pytest.raises(StorageError, match="round must be >= 1"):
+        record(repo, run_id, 0, [])
+    with pytest.raises(StorageError, match="before started_at"):
+        record(repo, run_id, 1, [], started_at=T0 + 5, finished_at=T0)
+    with pytest.raises(StorageError, match="metrics"):
+        record(repo, run_id, 1, [], metrics={"accuracy": "high"})
+    with pytest.raises(StorageError, match=r"updates\[0\]"):
+        record(repo, run_id, 1, [{"site": "a"}])  # type: ignore[list-item]
+    assert repo.list_rounds(run_id) == []
+
+
+def test_non_finite_floats_are_stored_as_null(repo: LedgerRepository) -> None:
+    nan, inf = math.nan, math.inf
+    run_id = make_run(repo, config={"timeout": inf, "ok": 1.5})
+    repo.add_site(run_id, name="a", node_id=1, profile={"jitter": nan})
+    record(
+        repo,
+        run_id,
+        1,
+        [update("a", train_loss=nan)],
+        metrics={"loss": nan, "up": inf, "down": -inf, "accuracy": 0.1},
+        train_loss=inf,
+    )
+    repo.finish_run(run_id, status="failed", final_metrics={"loss": nan}, finished_at=T0 + 99)
+
+    run = repo.get_run(run_id)
+    [rnd] = repo.list_rounds(run_id)
+    assert run.config == {"timeout": None, "ok": 1.5}
+    assert run.final_metrics == {"loss": None}
+    assert repo.list_sites(run_id)[0].profile == {"jitter": None}
+    assert rnd.metrics == {"loss": None, "up": None, "down": None, "accuracy": 0.1}
+    assert rnd.train_loss is None
+    assert repo.list_updates(run_id)[0].train_loss is None
+    assert repo.site_summaries(run_id)[0].mean_train_loss is None
+    # The stored text is standard JSON (no NaN/Infinity tokens) that any JSON reader accepts.
+    with repo._engine.connect() as connection:
+        stored = connection.execute(text("SELECT metrics FROM rounds")).scalar_one()
+    parsed = stored if isinstance(stored, dict) else json.loads(stored, parse_constant=_refuse)
+    assert parsed["loss"] is None
+
+
+def test_nul_characters_are_refused_in_names_and_replaced_in_free_text(
+    repo: LedgerRepository,
+) -> None:
+    # PostgreSQL refuses NUL in text columns; SQLite stores it. Both must behave alike.
+    with pytest.raises(StorageError, match="run name must not contain NUL"):
+        make_run(repo, name="a\x00b")
+    run_id = make_run(repo)
+    with pytest.raises(StorageError, match="site name must not contain NUL"):
+        repo.add_site(run_id, name="\x00", node_id=1)
+    repo.add_site(run_id, name="a", node_id=1)
+    record(repo, run_id, 1, [update("a", "rejected", reason="bad\x00payload")])
+    repo.finish_run(run_id, status="failed", error="boom\x00", finished_at=T0 + 1)
+
+    assert repo.list_updates(run_id)[0].reason == "bad\ufffdpayload"
+    assert repo.get_run(run_id).error == "boom\ufffd"
+
+
+def _refuse(token: str) -> None:
+    raise AssertionError(f"non-standard JSON token {token}")
+
+
+# ---------------------------------------------------------------------------- updates
+def test_list_updates_filters_by_round_and_site(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    for name in ("a", "b"):
+        repo.add_site(run_id, name=name, node_id=ord(name))
+    record(repo, run_id, 1, [update("a"), update("b"), update("a", "buffered")])
+    record(repo, run_id, 2, [update("b", "dropped")])
+
+    assert [(u.round, u.site, u.status) for u in repo.list_updates(run_id, site="a")] == [
+        (1, "a", "applied"),
+        (1, "a", "buffered"),
+    ]
+    assert [u.site for u in repo.list_updates(run_id, round=2)] == ["b"]
+    assert [u.status for u in repo.list_updates(run_id, round=1, site="b")] == ["applied"]
+    assert repo.list_updates(run_id, round=7) == []
+    with pytest.raises(NotFoundError, match="no site 'c'"):
+        repo.list_updates(run_id, site="c")
+
+
+def test_site_summaries_match_a_naive_aggregation(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    for name in ("london", "ohio", "tokyo", "idle"):
+        repo.add_site(run_id, name=name, node_id=len(name), partition_id=len(name), num_examples=10)
+    record(
+        repo,
+        run_id,
+        1,
+        [
+            update("london", staleness=0, bytes_up=10, train_loss=0.5, compute_seconds=1.25),
+            update("ohio", "buffered", staleness=2, bytes_up=20, train_loss=None),
+            update(
+                "tokyo", "dropped", staleness=3, bytes_up=0, train_loss=None, compute_seconds=None
+            ),
+        ],
+    )
+    record(
+        repo,
+        run_id,
+        2,
+        [
+            update("london", "rejected", staleness=1, bytes_up=2**40, train_loss=2.0),
+            update("ohio", "applied", staleness=5, bytes_up=30, train_loss=0.25),
+            update("tokyo", "cancelled", staleness=4, bytes_down=0, train_loss=None),
+            update("london", "applied", staleness=2, train_loss=0.125, compute_seconds=0.5),
+        ],
+    )
+
+    summaries = repo.site_summaries(run_id)
+
+    assert [s.name for s in summaries] == ["london", "ohio", "tokyo", "idle"]
+    updates = repo.list_updates(run_id)
+    for summary in summaries:
+        assert_summary_matches(summary, naive_summary(u for u in updates if u.site == summary.name))
+    idle = summaries[-1]
+    assert (idle.updates, idle.mean_staleness, idle.max_staleness) == (0, None, None)
+    assert (idle.partition_id, idle.num_examples, idle.node_id) == (4, 10, 4)
+    assert summaries[0].bytes_up == 10 + 2**40 + 100
+
+
+# ---------------------------------------------------------------------------- errors
+def test_a_missing_run_is_not_found_everywhere(repo: LedgerRepository) -> None:
+    calls = {
+        "get_run": lambda: repo.get_run(42),
+        "finish_run": lambda: repo.finish_run(42, status="finished"),
+        "add_site": lambda: repo.add_site(42, name="a", node_id=1),
+        "list_sites": lambda: repo.list_sites(42),
+        "record_round": lambda: record(repo, 42, 1, []),
+        "list_rounds": lambda: repo.list_rounds(42),
+        "list_updates": lambda: repo.list_updates(42),
+        "site_summaries": lambda: repo.site_summaries(42),
+        "huge id": lambda: repo.get_run(2**40),
+    }
+    for name, call in calls.items():
+        with pytest.raises(
+            NotFoundError, match="does not exist; `flplatform history runs`"
+        ) as info:
+            call()
+        assert repo.url in info.value.reason, name
+
+
+def test_run_inputs_are_validated(repo: LedgerRepository) -> None:
+    with pytest.raises(StorageError, match="run name"):
+        make_run(repo, name="")
+    with pytest.raises(StorageError, match="run config"):
+        make_run(repo, config={"ids": {1, 2}})
+    with pytest.raises(StorageError, match="seed"):
+        make_run(repo, seed=2**63)
+    with pytest.raises(StorageError, match="num_rounds_planned"):
+        make_run(repo, num_rounds_planned=-1)
+    with pytest.raises(StorageError, match="run id must be an integer"):
+        repo.get_run("1")  # type: ignore[arg-type]
+    assert repo.list_runs() == []
+
+
+def test_a_closed_repository_raises_storage_error(ledger_url: str) -> None:
+    repo = LedgerRepository.open(ledger_url)
+    repo.close()
+    with pytest.raises(StorageError, match="closed"):
+        repo.list_runs()
+
+
+# ---------------------------------------------------------------------------- durability
+def test_rows_survive_the_writer_dying_without_finish_run(ledger_url: str) -> None:
+    script = textwrap.dedent(
+        f"""
+        import os
+        from storage import LedgerRepository, UpdateInput
+        repo = LedgerRepository.open({ledger_url!r})
+        run = repo.create_run(name="doomed", strategy="fedavg", seed=0, config={{}},
+                              num_rounds_planned=10, tag="doomed")
+        repo.add_site(run, name="a", node_id=1)
+        for step in (1, 2):
+            repo.record_round(run, round=step, model_version=step, started_at=1.0 * step,
+                              finished_at=1.0 * step + 0.5, metrics={{"accuracy": step / 10}},
+                              train_loss=None, updates=[UpdateInput(site="a",
+                              dispatched_round=step, version_trained_on=step - 1, staleness=0,
+                              bytes_up=1, bytes_down=2, status="applied", dispatched_at=1.0)])
+        os._exit(3)  # no close(), no finish_run(), no interpreter clean-up
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 3, done.stderr
+
+    with LedgerRepository.open(ledger_url) as repo:
+        run = repo.find_run_by_tag("doomed")
+        assert run is not None
+        assert (run.status, run.rounds_completed, run.last_metrics) == (
+            "running",
+            2,
+            {"accuracy": 0.2},
+        )
+        assert len(repo.list_updates(run.id)) == 2
+
+
+def test_deleting_a_run_cascades_to_its_rows(repo: LedgerRepository) -> None:
+    keep, drop = make_run(repo), make_run(repo)
+    for run_id in (keep, drop):
+        repo.add_site(run_id, name="a", node_id=1)
+        record(repo, run_id, 1, [update("a")])
+
+    # No repository method deletes (yet); the schema's ON DELETE CASCADE must hold regardless,
+    # which on SQLite needs the foreign_keys pragma on every connection.
+    with repo._engine.begin() as connection:
+        connection.execute(text("DELETE FROM runs WHERE id = :id"), {"id": drop})
+
+    assert (count_rows(repo, "sites"), count_rows(repo, "rounds"), count_rows(repo, "updates")) == (
+        1,
+        1,
+        1,
+    )
+    assert len(repo.list_updates(keep)) == 1
+
+
+def test_records_serialise_to_json(repo: LedgerRepository) -> None:
+    run_id = make_run(repo, tag="j")
+    repo.add_site(run_id, name="a", node_id=UINT64_MAX, profile={"x": [1, 2]})
+    record(repo, run_id, 1, [update("a")])
+    repo.finish_run(run_id, status="finished", finished_at=T0 + 60)
+
+    records: list[Any] = [
+        repo.get_run(run_id),
+        *repo.list_sites(run_id),
+        *repo.list_rounds(run_id),
+        *repo.list_updates(run_id),
+        *repo.site_summaries(run_id),
+    ]
+    for rec in records:
+        data = json.loads(json.dumps(rec.to_dict()))
+        assert set(data) == set(rec.__dataclass_fields__)
+    run = records[0].to_dict()
+    assert datetime.fromisoformat(run["finished_at"]) == utc(T0 + 60)
+    assert records[1].to_dict()["node_id"] == UINT64_MAX
+    run["config"]["lr"] = 99  # a copy: the record itself is untouched
+    assert records[0].config == {"lr": 0.1}

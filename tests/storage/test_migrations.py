@@ -1,0 +1,146 @@
+"""The Alembic migrations: idempotent, race-safe, identical to ``storage.models``, shippable."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import tomllib
+from fnmatch import fnmatch
+from pathlib import Path
+
+import pytest
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import inspect, text
+
+from flplatform.errors import StorageError
+from storage import LedgerRepository
+from storage.migrations import (
+    MIGRATIONS_DIR,
+    VERSION_TABLE,
+    alembic_config,
+    current_revisions,
+    head_revision,
+)
+from storage.models import metadata
+from tests.storage.helpers import make_run
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LEDGER_TABLES = {"runs", "sites", "rounds", "updates"}
+
+
+def test_opening_twice_keeps_data_and_stays_at_head(ledger_url: str) -> None:
+    with LedgerRepository.open(ledger_url) as repo:
+        make_run(repo)
+    with LedgerRepository.open(ledger_url) as repo:
+        assert len(repo.list_runs()) == 1
+        with repo._engine.connect() as connection:
+            assert current_revisions(connection) == {head_revision()}
+            # What `alembic current` prints, through our env.py.
+            config = alembic_config(connection)
+            config.stdout = io.StringIO()
+            command.current(config)
+        assert f"{head_revision()} (head)" in config.stdout.getvalue()
+
+
+def test_migrated_schema_matches_the_models(ledger_url: str) -> None:
+    with LedgerRepository.open(ledger_url) as repo, repo._engine.connect() as connection:
+        context = MigrationContext.configure(
+            connection, opts={"version_table": VERSION_TABLE, "compare_type": True}
+        )
+        assert compare_metadata(context, metadata) == []
+
+
+def test_every_constraint_and_index_is_named_by_convention(ledger_url: str) -> None:
+    with LedgerRepository.open(ledger_url) as repo, repo._engine.connect() as connection:
+        inspector = inspect(connection)
+        assert set(inspector.get_table_names()) >= LEDGER_TABLES
+        names = {
+            "fk": {fk["name"] for t in LEDGER_TABLES for fk in inspector.get_foreign_keys(t)},
+            "uq": {uq["name"] for t in LEDGER_TABLES for uq in inspector.get_unique_constraints(t)},
+            "ix": {ix["name"] for t in LEDGER_TABLES for ix in inspector.get_indexes(t)},
+        }
+        fks = {fk["name"]: fk for fk in inspector.get_foreign_keys("updates")}
+    assert names["fk"] == {
+        "fk_sites_run_id_runs",
+        "fk_rounds_run_id_runs",
+        "fk_updates_run_id_runs",
+        "fk_updates_site_id_sites",
+    }
+    assert names["uq"] == {"uq_runs_tag", "uq_sites_run_id_name", "uq_rounds_run_id_round"}
+    assert {"ix_runs_created_at", "ix_updates_run_id_round", "ix_updates_site_id"} <= names["ix"]
+    assert fks["fk_updates_site_id_sites"]["options"].get("ondelete") == "CASCADE"
+
+
+def test_downgrade_to_base_and_back(ledger_url: str) -> None:
+    with LedgerRepository.open(ledger_url) as repo:
+        with repo._engine.begin() as connection:
+            command.downgrade(alembic_config(connection), "base")
+        with repo._engine.connect() as connection:
+            assert not LEDGER_TABLES & set(inspect(connection).get_table_names())
+    with LedgerRepository.open(ledger_url) as repo:
+        assert repo.list_runs() == []
+
+
+def test_a_schema_from_a_newer_flplatform_is_refused(ledger_url: str) -> None:
+    with LedgerRepository.open(ledger_url) as repo, repo._engine.begin() as connection:
+        connection.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = 'f00dcafe'"))
+
+    with pytest.raises(StorageError, match="revision f00dcafe, which this flplatform does not"):
+        LedgerRepository.open(ledger_url)
+
+
+def test_processes_racing_to_create_a_new_ledger_all_succeed(ledger_url: str) -> None:
+    # Each process imports first and reports ready; all are released at once, so the
+    # migrations of the new database collide.
+    script = (
+        "import sys\n"
+        "from storage import LedgerRepository\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "with LedgerRepository.open(sys.argv[1]) as repo:\n"
+        "    repo.create_run(name='r', strategy='s', seed=0, config={}, num_rounds_planned=1)\n"
+    )
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, ledger_url],
+            cwd=REPO_ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    for process in processes:
+        assert process.stdout is not None and process.stdout.readline() == "ready\n"
+    for process in processes:
+        assert process.stdin is not None
+        process.stdin.write("go\n")
+        process.stdin.flush()
+    errors = [process.communicate(timeout=90)[1] for process in processes]
+
+    assert [process.returncode for process in processes] == [0, 0, 0], errors
+    with LedgerRepository.open(ledger_url) as repo:
+        assert len(repo.list_runs()) == 3
+        with repo._engine.connect() as connection:
+            assert current_revisions(connection) == {head_revision()}
+
+
+def test_every_migration_file_would_ship_in_a_wheel() -> None:
+    """Files under migrations/ are in a package (have __init__.py) or match package-data."""
+    pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["storage"]
+    package_root = MIGRATIONS_DIR.parent
+    files = [
+        path
+        for path in MIGRATIONS_DIR.rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts
+    ]
+    assert {"env.py", "script.py.mako", "alembic.ini", "0001_initial.py"} <= {f.name for f in files}
+    for path in files:
+        in_package = path.suffix == ".py" and (path.parent / "__init__.py").exists()
+        relative = path.relative_to(package_root).as_posix()
+        assert in_package or any(fnmatch(relative, p) for p in patterns), relative

@@ -1,0 +1,123 @@
+"""``UpdateInput`` validation and the records' JSON form (no database needed)."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from flplatform.errors import StorageError
+from storage import UPDATE_STATUSES, SiteSummary
+from tests.storage.helpers import update
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("status", "lost", "'status' is 'lost'; allowed: applied, buffered"),
+        ("site", "", "'site' must be a non-empty name"),
+        ("bytes_up", -1, "'bytes_up' must be between 0 and"),
+        ("bytes_down", 2**63, "'bytes_down' must be between 0 and"),
+        ("bytes_up", True, "'bytes_up' must be an integer"),
+        ("bytes_up", 1.0, "'bytes_up' must be an integer"),
+        ("staleness", -1, "'staleness' must be between 0 and"),
+        ("staleness", 2**31, "'staleness' must be between 0 and 2147483647"),
+        ("dispatched_round", "3", "'dispatched_round' must be an integer"),
+        ("num_examples", -5, "'num_examples' must be between 0 and"),
+        ("dispatched_at", math.nan, "'dispatched_at' must be a finite unix time"),
+        ("dispatched_at", None, "'dispatched_at' must be a number, got NoneType"),
+        ("arrived_at", math.inf, "'arrived_at' must be a finite unix time"),
+        ("compute_seconds", -0.5, "'compute_seconds' must be >= 0"),
+        ("train_loss", "low", "'train_loss' must be a number or None"),
+        ("reason", 404, "'reason' must be a string or None"),
+    ],
+)
+def test_update_input_names_the_bad_field(field: str, value: Any, message: str) -> None:
+    with pytest.raises(StorageError, match=message):
+        update(**{"site": "a", field: value})
+
+
+def test_update_input_accepts_every_status_and_converts_numpy_scalars() -> None:
+    for status in UPDATE_STATUSES:
+        assert update("a", status).status == status
+    numpy_fields: dict[str, Any] = {
+        "bytes_up": np.int64(5),
+        "staleness": np.int32(2),
+        "train_loss": np.float32(0.5),
+        "dispatched_at": np.float64(10.0),
+    }
+    converted = update("a", **numpy_fields)
+    assert (converted.bytes_up, converted.staleness, converted.train_loss) == (5, 2, 0.5)
+    assert type(converted.bytes_up) is int and type(converted.train_loss) is float
+    assert type(converted.dispatched_at) is float
+
+
+def test_update_input_is_frozen() -> None:
+    with pytest.raises(AttributeError):
+        update("a").status = "dropped"  # type: ignore[misc]
+
+
+def test_to_dict_gives_iso_datetimes_and_copies() -> None:
+    summary = SiteSummary(
+        site_id=1,
+        name="a",
+        node_id=2**64 - 1,
+        partition_id=None,
+        num_examples=3,
+        updates=0,
+        applied=0,
+        buffered=0,
+        cancelled=0,
+        dropped=0,
+        rejected=0,
+        mean_staleness=None,
+        max_staleness=None,
+        bytes_up=0,
+        bytes_down=0,
+        compute_seconds=0.0,
+        mean_train_loss=None,
+    )
+    assert summary.to_dict()["node_id"] == 2**64 - 1
+
+    from storage import RunRecord
+
+    when = datetime(2026, 1, 2, 3, 4, 5, 6, tzinfo=UTC)
+    run = RunRecord(
+        id=1,
+        tag=None,
+        name="n",
+        strategy="s",
+        seed=0,
+        config={"a": {"b": [1]}},
+        num_rounds_planned=1,
+        status="running",
+        error=None,
+        created_at=when,
+        finished_at=None,
+        wall_seconds=None,
+        final_metrics=None,
+    )
+    data = run.to_dict()
+    assert data["created_at"] == "2026-01-02T03:04:05.000006+00:00"
+    data["config"]["a"]["b"].append(2)
+    assert run.config == {"a": {"b": [1]}}
+
+
+def test_storage_imports_neither_flower_nor_torch() -> None:
+    code = (
+        "import sys, storage\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'flwr', 'torch'})\n"
+        "sys.exit(', '.join(heavy) or None)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, f"storage imported: {done.stderr.strip()}"

@@ -1,0 +1,148 @@
+"""Weighted averaging against a NumPy oracle, Hypothesis properties and a golden case."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from strategies.aggregation import (
+    ServerOptimizerState,
+    WeightedDeltaSum,
+    apply_server_update,
+    weighted_average,
+)
+
+
+def oracle_fedavg(
+    models: list[dict[str, np.ndarray]], weights: list[float]
+) -> dict[str, np.ndarray]:
+    """Naive Σ w x / Σ w, one array at a time, in float64."""
+    total = float(sum(weights))
+    return {
+        key: sum(w * m[key].astype(np.float64) for m, w in zip(models, weights, strict=True))
+        / total
+        for key in models[0]
+    }
+
+
+def random_models(rng: np.random.Generator, n: int) -> list[dict[str, np.ndarray]]:
+    return [
+        {
+            "w": rng.normal(size=(3, 4)).astype(np.float32),
+            "b": rng.normal(size=(4,)).astype(np.float32),
+        }
+        for _ in range(n)
+    ]
+
+
+def streamed(base, models, weights, *, eta=1.0, beta=0.0, state=None):
+    acc = WeightedDeltaSum()
+    for model, weight in zip(models, weights, strict=True):
+        acc.add({k: model[k].astype(np.float64) - base[k] for k in base}, weight)
+    return apply_server_update(
+        base, acc.mean(), eta=eta, beta=beta, state=state or ServerOptimizerState()
+    )
+
+
+def test_golden_two_sites_by_hand() -> None:
+    # x = 0; site A sends 1.0 with 1 example, site B sends 4.0 with 3 examples:
+    # (1·1 + 3·4) / 4 = 3.25.
+    base = {"p": np.array([0.0], dtype=np.float32)}
+    out = streamed(
+        base, [{"p": np.array([1.0], np.float32)}, {"p": np.array([4.0], np.float32)}], [1, 3]
+    )
+    assert out["p"].dtype == np.float32
+    assert out["p"][0] == pytest.approx(3.25)
+
+
+def test_golden_server_momentum_by_hand() -> None:
+    # FedAvgM, η = 0.5, β = 0.9, the same mean delta 2.0 twice:
+    # v1 = 2, x1 = 0 + 0.5·2 = 1; v2 = 0.9·2 + 2 = 3.8, x2 = 1 + 0.5·3.8 = 2.9.
+    state = ServerOptimizerState()
+    x0 = {"p": np.array([0.0], np.float32)}
+    x1 = apply_server_update(x0, {"p": np.array([2.0])}, eta=0.5, beta=0.9, state=state)
+    x2 = apply_server_update(x1, {"p": np.array([2.0])}, eta=0.5, beta=0.9, state=state)
+    assert x1["p"][0] == pytest.approx(1.0)
+    assert x2["p"][0] == pytest.approx(2.9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 6), seed=st.integers(0, 2**31), data=st.data())
+def test_matches_numpy_oracle(n: int, seed: int, data: st.DataObject) -> None:
+    rng = np.random.default_rng(seed)
+    models = random_models(rng, n)
+    weights = data.draw(st.lists(st.integers(1, 10_000), min_size=n, max_size=n))
+    base = random_models(rng, 1)[0]
+    got = streamed(base, models, [float(w) for w in weights])
+    want = oracle_fedavg(models, weights)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 6), seed=st.integers(0, 2**31), data=st.data())
+def test_permutation_invariant(n: int, seed: int, data: st.DataObject) -> None:
+    rng = np.random.default_rng(seed)
+    models = random_models(rng, n)
+    weights = [float(w) for w in data.draw(st.lists(st.integers(1, 1000), min_size=n, max_size=n))]
+    order = data.draw(st.permutations(range(n)))
+    base = models[0]
+    a = streamed(base, models, weights)
+    b = streamed(base, [models[i] for i in order], [weights[i] for i in order])
+    for key in a:
+        np.testing.assert_allclose(a[key], b[key], rtol=0, atol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 6), seed=st.integers(0, 2**31), weight=st.integers(1, 10**6))
+def test_identical_sites_give_that_model_back(n: int, seed: int, weight: int) -> None:
+    rng = np.random.default_rng(seed)
+    base, site = random_models(rng, 2)
+    out = streamed(base, [site] * n, [float(weight)] * n)
+    for key in site:
+        np.testing.assert_allclose(out[key], site[key], rtol=0, atol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 6), seed=st.integers(0, 2**31), scale=st.floats(1e-3, 1e3))
+def test_scaling_all_weights_changes_nothing(n: int, seed: int, scale: float) -> None:
+    rng = np.random.default_rng(seed)
+    models = random_models(rng, n)
+    weights = list(rng.integers(1, 100, size=n).astype(float))
+    a = streamed(models[0], models, weights)
+    b = streamed(models[0], models, [w * scale for w in weights])
+    for key in a:
+        np.testing.assert_allclose(a[key], b[key], rtol=0, atol=1e-6)
+
+
+def test_weighted_average_of_whole_models_matches_oracle() -> None:
+    rng = np.random.default_rng(3)
+    models = random_models(rng, 4)
+    weights = [5.0, 1.0, 2.0, 8.0]
+    got = weighted_average(models, weights)
+    for key, value in oracle_fedavg(models, weights).items():
+        np.testing.assert_allclose(got[key], value, rtol=1e-6, atol=1e-6)
+
+
+def test_integer_buffers_are_rounded_not_truncated() -> None:
+    base = {"count": np.array([10], dtype=np.int64)}
+    out = streamed(base, [{"count": np.array([11])}, {"count": np.array([12])}], [1.0, 1.0])
+    assert out["count"].dtype == np.int64
+    assert out["count"][0] == 12  # 11.5 rounds half to even → 12
+
+
+def test_empty_sum_has_no_mean() -> None:
+    with pytest.raises(ValueError):
+        WeightedDeltaSum().mean()
+
+
+def test_optimizer_state_round_trips() -> None:
+    state = ServerOptimizerState()
+    apply_server_update(
+        {"p": np.zeros(2, np.float32)}, {"p": np.ones(2)}, eta=1.0, beta=0.5, state=state
+    )
+    restored = ServerOptimizerState()
+    restored.load_state_dict(state.state_dict())
+    np.testing.assert_array_equal(restored.velocity["p"], state.velocity["p"])
