@@ -248,6 +248,18 @@ def _toml(values: dict[str, str | int | float | bool]) -> str:
 
 
 # ===================================================================== run and follow
+def check_ledger(config: RunConfig) -> str:
+    """Open (creating if needed) the ledger ``config`` names; return its absolute URL.
+
+    Fails fast, before any start-up cost, with a ``StorageError`` saying what is wrong.
+    The URL is absolute because the ServerApp runs in another process and directory.
+    """
+    db_url = normalize_db_url(config.db) if config.db else default_db_url()
+    with LedgerRepository.open(db_url):
+        pass
+    return db_url
+
+
 def run_simulation(
     config: RunConfig,
     *,
@@ -261,10 +273,7 @@ def run_simulation(
     ledger) when it does not finish, and ``StorageError`` when the ledger cannot be opened.
     """
     home = work_home()
-    # An absolute URL: the ServerApp runs in another process with another working directory.
-    db_url = normalize_db_url(config.db) if config.db else default_db_url()
-    with LedgerRepository.open(db_url):
-        pass  # fail fast, before any start-up cost, when the database cannot be opened
+    db_url = check_ledger(config)
     tag = uuid.uuid4().hex
     config = RunConfig.from_mapping({**config.to_run_config(), "run-tag": tag, "db": db_url})
     process = start_simulation(config, home=home, log_name=tag[:12], app_dir=app_dir)

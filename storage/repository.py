@@ -660,6 +660,16 @@ class LedgerRepository:
     def list_sites(self, run_id: int) -> list[SiteRecord]:
         """Return a run's sites in the order they were added.
 
+        Parameters
+        ----------
+        run_id : int
+            The run.
+
+        Returns
+        -------
+        list[SiteRecord]
+            One record per site; empty if none was added.
+
         Raises
         ------
         NotFoundError
@@ -798,6 +808,16 @@ class LedgerRepository:
     def list_rounds(self, run_id: int) -> list[RoundRecord]:
         """Return a run's rounds ordered by round number.
 
+        Parameters
+        ----------
+        run_id : int
+            The run.
+
+        Returns
+        -------
+        list[RoundRecord]
+            One record per recorded server step.
+
         Raises
         ------
         NotFoundError
@@ -825,6 +845,11 @@ class LedgerRepository:
             Only the updates handled at this server step.
         site : str or None
             Only this site's updates.
+
+        Returns
+        -------
+        list[UpdateRecord]
+            The matching updates, each with its site's name.
 
         Raises
         ------
@@ -858,6 +883,16 @@ class LedgerRepository:
 
         Sites with no updates are included with zero counts. Sites come in the order they
         were added.
+
+        Parameters
+        ----------
+        run_id : int
+            The run.
+
+        Returns
+        -------
+        list[SiteSummary]
+            One summary per site of the run.
 
         Raises
         ------

@@ -68,7 +68,9 @@ def default_db_url() -> str:
         A ``sqlite:///`` URL with an absolute path; the directory is created by
         ``LedgerRepository.open``, not here.
     """
-    return f"sqlite:///{flplatform_home() / LEDGER_FILENAME}"
+    path = str(flplatform_home() / LEDGER_FILENAME)
+    # URL.create escapes what a raw f-string would not ("%", ":", "?" in the path).
+    return URL.create("sqlite", database=path).render_as_string(hide_password=False)
 
 
 def _parse(url: str) -> URL:

@@ -17,9 +17,8 @@ from flplatform.cli.history import sites as show_sites
 from flplatform.cli.render import OutputFormat, human_bytes, make_console
 from flplatform.config import DEFAULT_SITES, RunConfig
 from flplatform.errors import ConfigError
-from flplatform.simulation import run_simulation
+from flplatform.simulation import check_ledger, run_simulation
 from storage import RoundRecord, RunRecord
-from storage.session import default_db_url, normalize_db_url
 
 console = make_console()
 
@@ -87,7 +86,7 @@ def run_and_follow(config: RunConfig) -> RunRecord:
 
 def record_db(config: RunConfig) -> str:
     """The ledger URL a run of ``config`` was written to."""
-    return normalize_db_url(config.db) if config.db else default_db_url()
+    return check_ledger(config)
 
 
 def _display_url(url: str) -> str:
@@ -154,6 +153,7 @@ def simulate(
         }
     )
     _check_dataset(config)
+    check_ledger(config)
     run_and_follow(config)
 
 

@@ -19,6 +19,7 @@ The strategy keeps Flower's hooks (``configure_train``, ``configure_evaluate``,
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +49,10 @@ from flplatform.engine.wire import content_size, message_size
 from flplatform.errors import RunFailed, UpdateRejected
 
 log = logging.getLogger("flplatform.engine")
+
+# A message's TTL outlives the engine's own deadline by this much, so an overdue site is
+# dropped by the engine with a clear reason, and Flower's expiry then frees the site.
+TTL_GRACE_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -143,10 +148,13 @@ class RoundEngine:
     ledger : LedgerSink, optional
         Receives sites and finished rounds.
     round_timeout : float
-        Seconds a site may take to answer one message; also the messages' TTL, so an
-        abandoned message expires at the SuperLink too.
+        Seconds a site may take to answer one message. Messages' TTL is this plus
+        ``TTL_GRACE_SECONDS``, so an abandoned message also expires at the SuperLink.
     required_sites : int
         Nodes that must be connected before the first round.
+    startup_timeout : float
+        Seconds to wait for the required nodes to connect and introduce themselves
+        (simulated sites start Ray actors and import torch first).
     poll_interval : float
         Seconds between pulls when nothing arrived.
     on_round : callable, optional
@@ -163,6 +171,7 @@ class RoundEngine:
         ledger: LedgerSink | None = None,
         round_timeout: float = 600.0,
         required_sites: int = 1,
+        startup_timeout: float = 300.0,
         poll_interval: float = 0.05,
         on_round: Callable[[RoundSummary], None] | None = None,
     ) -> None:
@@ -173,6 +182,7 @@ class RoundEngine:
         self.ledger: LedgerSink = ledger or NullLedger()
         self.round_timeout = round_timeout
         self.required_sites = required_sites
+        self.startup_timeout = startup_timeout
         self.poll_interval = poll_interval
         self.on_round = on_round
         self.sites: dict[int, SiteInfo] = {}
@@ -181,6 +191,9 @@ class RoundEngine:
         self._bases: dict[int, ArrayRecord] = {}  # model versions still referenced in flight
         self._in_flight: dict[int, Dispatch] = {}  # node id → dispatch
         self._by_message: dict[str, Dispatch] = {}
+        # Messages given up on (overdue, cancelled): their site stays busy until Flower
+        # hands back the late reply or the TTL-expiry error, so no site ever has two.
+        self._abandoned: dict[str, Dispatch] = {}
 
     # ======================================================================= run
     def run(
@@ -241,13 +254,13 @@ class RoundEngine:
         A plain Flower ClientApp that does not answer queries still joins, named after
         its node id.
         """
-        deadline = time.monotonic() + self.round_timeout
+        deadline = time.monotonic() + self.startup_timeout
         node_ids = sorted(self.grid.get_node_ids())
         while len(node_ids) < self.required_sites:
             if time.monotonic() > deadline:
                 raise RunFailed(
                     f"only {len(node_ids)} of {self.required_sites} sites connected within "
-                    f"{self.round_timeout:.0f} s; start more SuperNodes or lower min-sites"
+                    f"{self.startup_timeout:.0f} s; start more SuperNodes or lower min-sites"
                 )
             time.sleep(0.2)
             node_ids = sorted(self.grid.get_node_ids())
@@ -257,11 +270,11 @@ class RoundEngine:
                 RecordDict({keys.CONFIG: ConfigRecord()}),
                 dst_node_id=node_id,
                 message_type=MessageType.QUERY,
-                ttl=self.round_timeout,
+                ttl=self.startup_timeout,
             )
             for node_id in node_ids
         ]
-        replies = self._exchange(queries)
+        replies = self._exchange(queries, timeout=self.startup_timeout)
         taken: set[str] = set()
         infos = [_site_info(node_id, replies.get(node_id)) for node_id in node_ids]
         # Partition order (then name) keeps the ledger's site order the same across runs.
@@ -300,7 +313,11 @@ class RoundEngine:
             if self.policy.ready_to_aggregate(self._view(state)):
                 break
             if not arrived:
-                if not self._in_flight and time.monotonic() - wait_since > self.round_timeout:
+                if (
+                    not self._in_flight
+                    and not self._abandoned
+                    and time.monotonic() - wait_since > self.round_timeout
+                ):
                     raise RunFailed(
                         f"round {server_round}: no site could be given work within "
                         f"{self.round_timeout:.0f} s"
@@ -344,7 +361,7 @@ class RoundEngine:
                     draft.content,
                     dst_node_id=node_id,
                     message_type=draft.metadata.message_type,
-                    ttl=self.round_timeout,
+                    ttl=self.round_timeout + TTL_GRACE_SECONDS,
                     group_id=str(self.version),
                 )
             )
@@ -372,14 +389,18 @@ class RoundEngine:
         return len(messages)
 
     def _collect(self, state: _RoundState) -> int:
-        if not self._by_message:
+        if not self._by_message and not self._abandoned:
             return 0
-        replies = list(self.grid.pull_messages(list(self._by_message)))
+        self._release_stuck()
+        replies = list(self.grid.pull_messages([*self._by_message, *self._abandoned]))
         stamped: list[tuple[float, Dispatch, Message, int]] = []
         for reply in replies:
-            dispatch = self._by_message.pop(reply.metadata.reply_to_message_id, None)
+            message_id = reply.metadata.reply_to_message_id
+            if self._abandoned.pop(message_id, None) is not None:
+                continue  # a late reply to a message already recorded as dropped: site free
+            dispatch = self._by_message.pop(message_id, None)
             if dispatch is None:
-                continue  # a reply to a message we already gave up on
+                continue
             self._in_flight.pop(dispatch.node_id, None)
             bytes_up = message_size(reply)
             arrived_at = self.clock.arrival_time(
@@ -414,9 +435,8 @@ class RoundEngine:
             arrived_at=arrived_at,
         )
         if reply.has_error():
-            return UpdateOutcome(
-                status=DROPPED, reason=f"site error: {reply.error.reason}"[:500], **row
-            )
+            reason = f"site error {reply.error.code}: {condense_error(reply.error.reason)}"
+            return UpdateOutcome(status=DROPPED, reason=reason, **row)
         verdict = self.policy.judge(dispatch, self._view(state))
         row.update(_reported_metrics(reply))
         if verdict.status != APPLIED:
@@ -466,8 +486,21 @@ class RoundEngine:
         )
 
     def _forget(self, dispatch: Dispatch) -> None:
+        """Stop waiting for ``dispatch``; its site stays busy until Flower answers it."""
         self._in_flight.pop(dispatch.node_id, None)
         self._by_message.pop(dispatch.message_id, None)
+        self._abandoned[dispatch.message_id] = dispatch
+
+    def _release_stuck(self) -> None:
+        """Free sites whose abandoned message neither came back nor expired in time.
+
+        Flower answers an expired message with an error reply; this is the safety net
+        for a SuperLink that never does, so a site is not lost for the rest of the run.
+        """
+        limit = time.monotonic() - self.round_timeout
+        for message_id, dispatch in list(self._abandoned.items()):
+            if dispatch.deadline < limit:
+                del self._abandoned[message_id]
 
     def _prune_bases(self) -> None:
         live = {d.model_version for d in self._in_flight.values()} | {self.version}
@@ -477,7 +510,7 @@ class RoundEngine:
     def _evaluate_round(
         self, server_round: int, evaluate_config: ConfigRecord | None
     ) -> MetricRecord | None:
-        idle = [n for n in self.sites if n not in self._in_flight]
+        idle = [n for n in self.sites if self._is_idle(n)]
         config = ConfigRecord(dict(evaluate_config or {}))
         config[keys.MODEL_VERSION] = self.version
         drafts = self.strategy.configure_evaluate(
@@ -488,22 +521,22 @@ class RoundEngine:
                 d.content,
                 dst_node_id=d.metadata.dst_node_id,
                 message_type=d.metadata.message_type,
-                ttl=self.round_timeout,
+                ttl=self.round_timeout + TTL_GRACE_SECONDS,
                 group_id=str(self.version),
             )
             for d in drafts
         ]
-        replies = self._exchange(messages)
+        replies = self._exchange(messages, timeout=self.round_timeout)
         return self.strategy.aggregate_evaluate(server_round, replies.values())
 
-    def _exchange(self, messages: list[Message]) -> dict[int, Message]:
+    def _exchange(self, messages: list[Message], *, timeout: float) -> dict[int, Message]:
         """Push messages and pull until every reply is in or the timeout passes."""
         if not messages:
             return {}
         ids = list(self.grid.push_messages(messages))
         pending = dict(zip(ids, (m.metadata.dst_node_id for m in messages), strict=True))
         replies: dict[int, Message] = {}
-        deadline = time.monotonic() + self.round_timeout
+        deadline = time.monotonic() + timeout
         while pending and time.monotonic() < deadline:
             got = list(self.grid.pull_messages(list(pending)))
             for reply in got:
@@ -519,15 +552,39 @@ class RoundEngine:
         return EngineView(
             server_round=state.server_round,
             model_version=self.version,
-            idle_nodes=tuple(n for n in self.sites if n not in self._in_flight),
+            idle_nodes=tuple(n for n in self.sites if self._is_idle(n)),
             in_flight=dict(self._in_flight),
             dispatched_this_round=state.dispatched,
             arrived_this_round=len(state.outcomes),
         )
 
+    def _is_idle(self, node_id: int) -> bool:
+        return node_id not in self._in_flight and all(
+            d.node_id != node_id for d in self._abandoned.values()
+        )
+
     def _name(self, node_id: int) -> str:
         info = self.sites.get(node_id)
         return info.name if info else f"node-{node_id}"
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*")
+
+
+def condense_error(reason: str, limit: int = 300) -> str:
+    """The telling part of a site's error: the last ``SomeError: message`` line.
+
+    Error replies carry whole remote tracebacks (Ray's, with terminal colours); the
+    ledger keeps one readable line.
+    """
+    lines = [line.strip() for line in _ANSI.sub("", reason).splitlines() if line.strip()]
+    exceptions = [line for line in lines if _EXCEPTION_LINE.match(line)]
+    # Wrappers (ClientAppException, RayTaskError) often end with an empty message; the
+    # site's own exception is the last one that says something.
+    telling = [line for line in exceptions if line.split(":", 1)[-1].strip()]
+    chosen = (telling or exceptions or lines or ["no reason given"])[-1]
+    return chosen[:limit]
 
 
 def _site_info(node_id: int, reply: Message | None) -> SiteInfo:

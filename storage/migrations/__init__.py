@@ -122,7 +122,7 @@ def upgrade_to_head(engine: Engine) -> None:
         it into a ``StorageError``.
     """
     script = ScriptDirectory.from_config(alembic_config())
-    head = head_revision()
+    head = script.get_current_head()
     with engine.connect() as connection:
         current = current_revisions(connection)
     if current == {head}:

@@ -68,7 +68,11 @@ def _as_cluster_owner() -> tuple[list[str], int | None, int | None]:
 @pytest.fixture(scope="session")
 def postgres_server() -> Iterator[str]:
     """URL of a PostgreSQL maintenance database on a server that lives for the session."""
-    pytest.importorskip("psycopg", reason="psycopg is not installed: pip install 'psycopg[binary]'")
+    pytest.importorskip(
+        "psycopg",
+        reason="psycopg is not installed: pip install 'psycopg[binary]'",
+        exc_type=ImportError,
+    )
     configured = os.environ.get(POSTGRES_URL_ENV)
     if configured:
         yield configured

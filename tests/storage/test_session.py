@@ -199,7 +199,7 @@ def test_a_file_that_is_not_a_database_is_refused(tmp_path: Path) -> None:
 
 
 def test_an_unreachable_postgres_server_fails_fast_without_leaking_the_password() -> None:
-    pytest.importorskip("psycopg", reason="psycopg is not installed")
+    pytest.importorskip("psycopg", reason="psycopg is not installed", exc_type=ImportError)
     url = f"postgresql+psycopg://alice:s3cret@127.0.0.1:{free_port()}/ledger?connect_timeout=3"
     started = time.monotonic()
     with pytest.raises(StorageError, match="cannot open database 'postgresql") as info:

@@ -1,0 +1,96 @@
+"""Bad input gets one line naming the problem, a non-zero exit code, never a traceback.
+
+All of these fail before Flower starts, so they are fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from flplatform.cli.app import app
+
+runner = CliRunner()
+
+
+def invoke(args: list[str]):
+    result = runner.invoke(app, args)
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    return result
+
+
+def one_error_line(output: str) -> str:
+    lines = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, output
+    return lines[0]
+
+
+@pytest.mark.usefixtures("flplatform_home")
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--strategy", "magic"], "unknown strategy 'magic'; allowed: fedavg, fedavgm, local-sgd"),
+        (["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
+        (["--model", "resnet"], "unknown model 'resnet'; allowed: mlp, cnn"),
+        (["--partition", "zipf"], "unknown partition 'zipf'; allowed: iid, dirichlet"),
+        (["--rounds", "0"], "num-server-rounds must be > 0"),
+        (["--rounds", "-3"], "num-server-rounds must be > 0"),
+        (["--sites", "0"], "--sites must be a positive count"),
+        (["--sites", "-2"], "--sites must be a positive count"),
+        (["--alpha", "0"], "alpha must be a finite number > 0"),
+        (["--alpha", "-1"], "alpha must be a finite number > 0"),
+        (["--lr", "0"], "lr must be > 0"),
+        (["--momentum", "1.5"], "momentum must be in [0, 1)"),
+        (["--batch-size", "0"], "batch-size must be > 0"),
+        (["--fraction-train", "0"], "fraction-train must be in (0, 1]"),
+        (["--local-epochs", "0"], "set local-steps"),
+        (["--sites", "a,a"], "duplicate names"),
+        (["--db", "nosuchdriver://x/y"], "cannot open database"),
+        (["--db", "not a url"], "database"),
+        (["--dataset", "/nonexistent/data.npz"], "/nonexistent/data.npz"),
+    ],
+)
+def test_simulate_rejects_bad_input(args: list[str], expected: str) -> None:
+    result = invoke(["simulate", *args])
+    assert result.exit_code not in (0, 70), result.output  # 70 would be an unexpected bug
+    assert expected in one_error_line(result.output)
+
+
+@pytest.mark.usefixtures("flplatform_home")
+def test_malformed_npz_is_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, x=np.zeros((10, 4)), y=np.arange(9))  # lengths differ
+    result = invoke(["simulate", "--dataset", str(bad)])
+    assert result.exit_code == 3
+    assert "bad.npz" in one_error_line(result.output)
+
+    garbage = tmp_path / "garbage.npz"
+    garbage.write_bytes(b"this is not a zip file")
+    result = invoke(["simulate", "--dataset", str(garbage)])
+    assert result.exit_code == 3
+    assert "garbage.npz" in one_error_line(result.output)
+
+
+def test_unwritable_database_directory(tmp_path: Path) -> None:
+    result = invoke(["history", "runs", "--db", f"sqlite:///{tmp_path}/missing/dir/l.db"])
+    assert result.exit_code == 4
+    assert "missing/dir" in one_error_line(result.output)
+
+
+def test_postgres_that_is_not_there(tmp_path: Path) -> None:
+    url = "postgresql+psycopg://nobody:secret@127.0.0.1:1/none?connect_timeout=2"
+    result = invoke(["history", "runs", "--db", url])
+    assert result.exit_code == 4
+    line = one_error_line(result.output)
+    assert "cannot open database" in line
+    assert "secret" not in line  # the password is masked
+
+
+def test_bad_option_type_is_a_usage_error_not_a_traceback() -> None:
+    result = invoke(["simulate", "--rounds", "three"])
+    assert result.exit_code == 2
+    assert "three" in result.output

@@ -1,0 +1,23 @@
+"""Site errors reach the ledger as one readable line."""
+
+from __future__ import annotations
+
+from flplatform.engine.engine import condense_error
+
+RAY_TRACEBACK = (
+    "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'\x1b[36mray::ClientAppActor.run()"
+    "\x1b[39m (pid=1, ip=127.0.0.1)\n  File \"client_app.py\", line 161, in __call__\n"
+    "    return self._registered_funcs[full_name](message, context)\n"
+    "RuntimeError: disk on fire at this site\n\nThe above exception was the direct cause:\n"
+    "flwr.clientapp.client_app.ClientAppException:\n"
+)
+
+
+def test_the_sites_own_exception_is_kept() -> None:
+    assert condense_error(RAY_TRACEBACK) == "RuntimeError: disk on fire at this site"
+
+
+def test_plain_reasons_pass_through_and_are_bounded() -> None:
+    assert condense_error("Message Unavailable") == "Message Unavailable"
+    assert condense_error("") == "no reason given"
+    assert len(condense_error("x" * 1000)) == 300

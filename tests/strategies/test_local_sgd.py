@@ -1,0 +1,113 @@
+"""LocalSGDAveraging's Flower hooks on real Flower messages (no network needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+
+from flplatform.engine.wire import record_to_arrays
+from flplatform.errors import ConfigError, UpdateRejected
+from strategies.local_sgd import LocalSGDAveraging, LocalSGDState
+
+pytestmark = pytest.mark.usefixtures("task_identity")
+
+
+def record(**arrays: np.ndarray) -> ArrayRecord:
+    return ArrayRecord({k: Array(v) for k, v in arrays.items()})
+
+
+def reply(arrays: ArrayRecord | None, examples: object, loss: float = 0.5) -> Message:
+    instruction = Message(
+        RecordDict({"config": ConfigRecord()}), dst_node_id=4, message_type=MessageType.TRAIN
+    )
+    content = RecordDict({"metrics": MetricRecord({"num-examples": examples, "train_loss": loss})})
+    if arrays is not None:
+        content["arrays"] = arrays
+    return Message(content, reply_to=instruction)
+
+
+BASE = record(w=np.zeros((2, 2), np.float32), b=np.zeros(2, np.float32))
+
+
+def test_batch_hook_equals_streaming_and_hand_computed_average() -> None:
+    # Models 1 (1 example) and 4 (3 examples) average to (1 + 12) / 4 = 3.25 everywhere.
+    replies = [
+        reply(record(w=np.ones((2, 2), np.float32), b=np.ones(2, np.float32)), 1, loss=1.0),
+        reply(record(w=np.full((2, 2), 4, np.float32), b=np.full(2, 4, np.float32)), 3, loss=0.2),
+    ]
+    strategy = LocalSGDAveraging()
+    list(strategy.configure_train(1, BASE, ConfigRecord(), _OneNodeGrid()))
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    assert arrays is not None and metrics is not None
+    np.testing.assert_allclose(record_to_arrays(arrays)["w"], np.full((2, 2), 3.25))
+    assert metrics["train_loss"] == pytest.approx((1 * 1.0 + 3 * 0.2) / 4)
+    assert strategy.state.model_version == 1
+
+
+def test_server_learning_rate_scales_the_step() -> None:
+    strategy = LocalSGDAveraging(eta=0.5)
+    strategy.begin_aggregation(1, BASE)
+    strategy.accumulate(reply(record(w=np.full((2, 2), 2, np.float32), b=np.zeros(2, np.float32)), 5), base=BASE)
+    arrays, _ = strategy.finish_aggregation()
+    assert arrays is not None
+    np.testing.assert_allclose(record_to_arrays(arrays)["w"], np.full((2, 2), 1.0))
+
+
+@pytest.mark.parametrize(
+    ("message", "reason"),
+    [
+        (lambda: reply(None, 5), "'arrays'"),
+        (lambda: reply(record(w=np.zeros((2, 2), np.float32)), 5), "missing arrays: b"),
+        (lambda: reply(BASE, 0), "num-examples"),
+        (lambda: reply(BASE, -5), "num-examples"),
+        (lambda: reply(record(w=np.zeros((2, 2), np.float32), b=np.array([np.nan, 1], np.float32)), 5), "NaN"),
+    ],
+)
+def test_malformed_replies_are_rejected_and_leave_no_trace(message, reason: str) -> None:
+    strategy = LocalSGDAveraging()
+    strategy.begin_aggregation(1, BASE)
+    with pytest.raises(UpdateRejected, match=reason):
+        strategy.accumulate(message(), base=BASE)
+    assert strategy.finish_aggregation() == (None, None)  # nothing was accumulated
+
+
+def test_sampling_depends_only_on_seed_and_round() -> None:
+    a = LocalSGDAveraging(fraction_train=0.5, seed=1)
+    b = LocalSGDAveraging(fraction_train=0.5, seed=1)
+    nodes = list(range(10, 30))
+    assert a.sample(3, nodes, 0.5) == b.sample(3, reversed(nodes), 0.5)
+    assert len(a.sample(3, nodes, 0.5)) == 10
+    assert {tuple(a.sample(r, nodes, 0.5)) for r in range(1, 6)} != {tuple(a.sample(1, nodes, 0.5))}
+    assert a.sample(1, [7], 0.01) == [7]  # at least one site
+
+
+def test_configure_train_does_not_write_into_callers_config() -> None:
+    config = ConfigRecord({"lr": 0.1})
+    messages = list(LocalSGDAveraging().configure_train(2, BASE, config, _OneNodeGrid()))
+    assert dict(config) == {"lr": 0.1}
+    sent = messages[0].content["config"]
+    assert sent["server-round"] == 2 and sent["site-algorithm"] == "local-sgd"
+
+
+def test_bad_knobs_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="server momentum"):
+        LocalSGDAveraging(beta=1.0)
+    with pytest.raises(ConfigError, match="fraction-train"):
+        LocalSGDAveraging(fraction_train=0.0)
+
+
+def test_state_round_trips_and_refuses_garbage() -> None:
+    state = LocalSGDState(model_version=4)
+    restored = LocalSGDState()
+    restored.load_state_dict(state.state_dict())
+    assert restored.model_version == 4
+    with pytest.raises(ConfigError, match="model_version"):
+        restored.load_state_dict({"model_version": -1})
+
+
+class _OneNodeGrid:
+    """Only ``get_node_ids`` is used by the strategy's configure hooks."""
+
+    def get_node_ids(self) -> list[int]:
+        return [4]
