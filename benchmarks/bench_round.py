@@ -138,8 +138,14 @@ def measure(num_replies: int, shapes: dict[str, tuple[int, ...]], workdir: Path)
         name="bench", strategy="local-sgd", seed=0, config={}, num_rounds_planned=1
     )
     ledger = TimedLedger(repo, run_id)
-    engine = RoundEngine(grid, LocalSGDAveraging(), policy=SyncPolicy(), ledger=ledger,
-                         required_sites=num_replies, poll_interval=0.0)
+    engine = RoundEngine(
+        grid,
+        LocalSGDAveraging(),
+        policy=SyncPolicy(),
+        ledger=ledger,
+        required_sites=num_replies,
+        poll_interval=0.0,
+    )
     rng = np.random.default_rng(1)
     initial = ArrayRecord(
         {k: Array(rng.normal(size=s).astype(np.float32)) for k, s in shapes.items()}
@@ -192,7 +198,10 @@ def main() -> None:
                 "benchmark": "server_round_without_training",
                 "model_parameters": args.params,
                 "model_mib": round(model_mib, 2),
-                "machine": {"python": platform.python_version(), "cpus": __import__("os").cpu_count()},
+                "machine": {
+                    "python": platform.python_version(),
+                    "cpus": __import__("os").cpu_count(),
+                },
                 "results": results,
                 "goal": "peak memory independent of the number of replies",
                 "peak_memory_ratio_max_over_min": round(max(peaks) / min(peaks), 2),

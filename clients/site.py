@@ -98,7 +98,7 @@ def _load_site(
         if partition_id is None or num_partitions is None:
             raise ConfigError(
                 "this node has neither 'data-path' nor 'partition-id'/'num-partitions' in its "
-                "node config; start the SuperNode with --node-config \"data-path=site.npz\""
+                'node config; start the SuperNode with --node-config "data-path=site.npz"'
             )
         if not 0 <= partition_id < num_partitions:
             raise ConfigError(f"partition-id {partition_id} is not in [0, {num_partitions})")

@@ -61,8 +61,9 @@ def train_local(
         model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay
     )
     loss_fn = nn.CrossEntropyLoss()
-    xt = torch.as_tensor(x, dtype=torch.float32, device=device)
-    yt = torch.as_tensor(y, dtype=torch.long, device=device)
+    # torch.tensor copies: datasets are cached read-only and shared by the sites of a process.
+    xt = torch.tensor(x, dtype=torch.float32, device=device)
+    yt = torch.tensor(y, dtype=torch.long, device=device)
     n = len(xt)
     batch_size = min(batch_size, n)
     steps_per_epoch = max(1, n // batch_size)  # drop the ragged last batch: equal-size steps
@@ -107,8 +108,8 @@ def evaluate(
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     total_loss, correct = 0.0, 0
     for start in range(0, len(x), batch_size):
-        xb = torch.as_tensor(x[start : start + batch_size], dtype=torch.float32, device=device)
-        yb = torch.as_tensor(y[start : start + batch_size], dtype=torch.long, device=device)
+        xb = torch.tensor(x[start : start + batch_size], dtype=torch.float32, device=device)
+        yb = torch.tensor(y[start : start + batch_size], dtype=torch.long, device=device)
         logits = model(xb)
         total_loss += float(loss_fn(logits, yb).item())
         correct += int((logits.argmax(dim=1) == yb).sum().item())

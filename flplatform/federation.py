@@ -119,7 +119,9 @@ def run_federation(grid: Grid, config: RunConfig) -> Result:
     repository.finish_run(
         run_id,
         status="finished",
-        final_metrics={k: float(v) for k, v in final.items()} if final else None,
+        final_metrics={k: float(v) for k, v in final.items() if isinstance(v, int | float)}
+        if final
+        else None,
         finished_at=time.time(),
     )
     repository.close()

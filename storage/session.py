@@ -5,7 +5,8 @@ PostgreSQL (``postgresql+psycopg://``) being the tested one for shared deploymen
 
 SQLite connections are tuned so that the ledger behaves like a server database:
 
-* ``journal_mode=WAL`` lets the history CLI read while a run writes;
+* ``journal_mode=WAL`` lets the history CLI read while a run writes. Switching a new file to
+  WAL is the one step ``busy_timeout`` does not cover (see ``_enable_wal``), so it is retried;
 * ``busy_timeout`` makes a second writer (or a migration) wait for the first instead of
   failing at once with "database is locked";
 * ``foreign_keys=ON`` so ``ON DELETE CASCADE`` and the foreign keys hold at all;
@@ -18,6 +19,8 @@ SQLite connections are tuned so that the ledger behaves like a server database:
 from __future__ import annotations
 
 import os
+import random
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,6 +42,12 @@ LEDGER_FILENAME: Final = "ledger.db"
 # one round with its updates), short enough that a wedged writer is reported, not waited on.
 SQLITE_BUSY_TIMEOUT_MS: Final = 30_000
 POSTGRES_CONNECT_TIMEOUT_S: Final = 10
+
+# Backoff between attempts to switch a new file to WAL (see ``_enable_wal``): from the first
+# delay, doubling up to the cap, jittered, until SQLITE_BUSY_TIMEOUT_MS is spent.
+_WAL_RETRY_FIRST_DELAY_S: Final = 0.002
+_WAL_RETRY_MAX_DELAY_S: Final = 0.1
+_SQLITE_BUSY: Final = 5  # SQLITE_BUSY; the low byte of its extended codes (BUSY_SNAPSHOT, ...)
 
 # Execution option read by the SQLite "begin" hook: "DEFERRED" (reads) or "IMMEDIATE" (writes).
 SQLITE_BEGIN_OPTION: Final = "flplatform_sqlite_begin"
@@ -169,8 +178,47 @@ def _check_sqlite_path(url: URL, shown: str) -> None:
         )
 
 
+def _is_busy(exc: BaseException) -> bool:
+    """Whether a driver error is SQLITE_BUSY ("database is locked"), extended codes included."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return code & 0xFF == _SQLITE_BUSY
+    return "database is locked" in str(exc).lower()
+
+
+def _enable_wal(cursor: Any, operational_error: type[BaseException]) -> None:
+    """Run ``PRAGMA journal_mode = WAL``, retrying while another connection holds a lock.
+
+    On a file already in WAL mode the pragma only reads the header, and waits for locks
+    through ``busy_timeout`` like any read. On a new (or rollback-journal) file it reads the
+    header under a shared lock and then upgrades to an exclusive lock to rewrite it, and
+    SQLite never calls the busy handler for that upgrade (two connections each holding a
+    shared lock and waiting for the other would deadlock). So while another connection holds
+    a lock on the file -- typically another process switching the same brand-new ledger to
+    WAL at the same moment -- the pragma fails with "database is locked" at once, 30 s of
+    busy timeout notwithstanding. The switch cannot run inside ``BEGIN IMMEDIATE`` either
+    (SQLite refuses to change into WAL within a transaction), so it is retried here with
+    jittered exponential backoff until ``SQLITE_BUSY_TIMEOUT_MS`` is spent, then the last
+    error is raised. A failed attempt changes nothing; the winner's switch makes every later
+    attempt the read-only case.
+    """
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    delay = _WAL_RETRY_FIRST_DELAY_S
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except operational_error as exc:
+            remaining = deadline - time.monotonic()
+            if not _is_busy(exc) or remaining <= 0:
+                raise
+        time.sleep(min(remaining, delay * random.uniform(0.5, 1.5)))
+        delay = min(delay * 2, _WAL_RETRY_MAX_DELAY_S)
+
+
 def _install_sqlite_hooks(engine: Engine, *, wal: bool) -> None:
     """Set the pragmas and the explicit ``BEGIN`` described in the module docstring."""
+    operational_error: type[BaseException] = engine.dialect.loaded_dbapi.OperationalError
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: ConnectionPoolEntry) -> None:
@@ -180,7 +228,7 @@ def _install_sqlite_hooks(engine: Engine, *, wal: bool) -> None:
             cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
             cursor.execute("PRAGMA foreign_keys = ON")
             if wal:
-                cursor.execute("PRAGMA journal_mode = WAL")
+                _enable_wal(cursor, operational_error)
         finally:
             cursor.close()
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -304,25 +304,61 @@ def _first_number(metrics: MetricRecord, names: Iterable[str]) -> float | None:
 
 
 # =============================================================== site part
+@dataclass(frozen=True)
+class SiteTrainConfig:
+    """What a site is told each round, read from the ``config`` record with defaults."""
+
+    server_round: int = 0
+    seed: int = 0
+    lr: float = 0.1
+    momentum: float = 0.0
+    batch_size: int = 32
+    local_steps: int = 0
+    local_epochs: int = 1
+
+    @classmethod
+    def from_record(cls, config: ConfigRecord) -> SiteTrainConfig:
+        """Parse the round's config; a value of the wrong type is a ``ConfigError``."""
+        values: dict[str, int | float] = {}
+        for f in fields(cls):
+            key = f.name.replace("_", "-")
+            raw = config.get(key)
+            if raw is None:
+                continue
+            want = float if f.type in ("float", float) else int
+            if isinstance(raw, bool) or not isinstance(raw, int | float):
+                raise ConfigError(f"round config '{key}' must be a number, got {raw!r}")
+            values[f.name] = want(raw)
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def _received_model(msg: Message, site: Site, seed: int = 0) -> torch.nn.Module:
+    records = msg.content.array_records
+    if keys.ARRAYS not in records:
+        raise ConfigError(f"the server's message has no '{keys.ARRAYS}' record")
+    state_dict = records[keys.ARRAYS].to_torch_state_dict()
+    model = site.build_model(num_classes=_num_classes(state_dict), seed=seed)
+    model.load_state_dict(state_dict)
+    return model
+
+
 @register(SITE_ALGORITHM)
 def train_site(msg: Message, context: Context, site: Site) -> Message:
     """Train the received model for H steps or E epochs on the site's data; reply with it."""
-    config = msg.content[keys.CONFIG]
-    server_round = int(config.get(keys.SERVER_ROUND, 0))
-    seed = int(config.get(keys.SEED, 0))
-    state_dict = msg.content[keys.ARRAYS].to_torch_state_dict()
-    model = site.build_model(num_classes=_num_classes(state_dict), seed=seed)
-    model.load_state_dict(state_dict)
+    config = SiteTrainConfig.from_record(
+        msg.content.config_records.get(keys.CONFIG, ConfigRecord())
+    )
+    model = _received_model(msg, site, config.seed)
     stats = train_local(
         model,
         site.x_train,
         site.y_train,
-        lr=float(config.get(keys.LR, 0.1)),
-        momentum=float(config.get(keys.MOMENTUM, 0.0)),
-        batch_size=int(config.get(keys.BATCH_SIZE, 32)),
-        local_steps=int(config.get(keys.LOCAL_STEPS, 0)),
-        local_epochs=int(config.get(keys.LOCAL_EPOCHS, 1)),
-        rng=rng_for(seed, server_round, site.name, "data-order"),
+        lr=config.lr,
+        momentum=config.momentum,
+        batch_size=config.batch_size,
+        local_steps=config.local_steps,
+        local_epochs=config.local_epochs,
+        rng=rng_for(config.seed, config.server_round, site.name, "data-order"),
         device=site.device,
     )
     metrics = MetricRecord(
@@ -338,9 +374,7 @@ def train_site(msg: Message, context: Context, site: Site) -> Message:
 
 def evaluate_site(msg: Message, context: Context, site: Site) -> Message:
     """Evaluate the received model on the site's local validation slice."""
-    state_dict = msg.content[keys.ARRAYS].to_torch_state_dict()
-    model = site.build_model(num_classes=_num_classes(state_dict))
-    model.load_state_dict(state_dict)
+    model = _received_model(msg, site)
     x, y = (site.x_val, site.y_val) if len(site.x_val) else (site.x_train, site.y_train)
     loss, accuracy = evaluate(model, x, y, device=site.device)
     metrics = MetricRecord(

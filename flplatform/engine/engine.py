@@ -435,7 +435,7 @@ class RoundEngine:
             arrived_at=arrived_at,
         )
         if reply.has_error():
-            reason = f"site error {reply.error.code}: {condense_error(reply.error.reason)}"
+            reason = f"site error {reply.error.code}: {condense_error(reply.error.reason or '')}"
             return UpdateOutcome(status=DROPPED, reason=reason, **row)
         verdict = self.policy.judge(dispatch, self._view(state))
         row.update(_reported_metrics(reply))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -23,10 +24,8 @@ def _stop_local_superlink(port: int) -> None:
         ["pgrep", "-f", f"flower-superlink.*--port {port}"], capture_output=True, text=True
     )
     for pid in found.stdout.split():
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(int(pid), signal.SIGTERM)
-        except ProcessLookupError:
-            pass
 
 
 def test_flwr_run_dot_trains_and_writes_the_ledger(flplatform_home: Path) -> None:
@@ -38,9 +37,14 @@ def test_flwr_run_dot_trains_and_writes_the_ledger(flplatform_home: Path) -> Non
     try:
         done = subprocess.run(
             [
-                flwr, "run", ".", "--stream",
-                "--run-config", "num-server-rounds=2 local-epochs=1 sites='a,b,c'",
-                "--federation-config", "num-supernodes=3 init-args-num-cpus=2",
+                flwr,
+                "run",
+                ".",
+                "--stream",
+                "--run-config",
+                "num-server-rounds=2 local-epochs=1 sites='a,b,c'",
+                "--federation-config",
+                "num-supernodes=3 init-args-num-cpus=2",
             ],
             cwd=ROOT,
             env=env,

@@ -47,7 +47,9 @@ def test_three_sites_two_rounds_fill_the_ledger(tmp_path: Path) -> None:
         assert [r.round for r in rounds] == [1, 2]
         assert [r.model_version for r in rounds] == [1, 2]
         assert rounds[1].metrics["accuracy"] > 0.3  # ten classes: chance is 0.1
-        assert all(r.num_applied == 3 and r.num_dropped == 0 and r.num_rejected == 0 for r in rounds)
+        assert all(
+            r.num_applied == 3 and r.num_dropped == 0 and r.num_rejected == 0 for r in rounds
+        )
 
         updates = repo.list_updates(run.id)
         assert len(updates) == 6
@@ -57,7 +59,9 @@ def test_three_sites_two_rounds_fill_the_ledger(tmp_path: Path) -> None:
             assert update.status == "applied"
             assert update.staleness == 0
             assert update.version_trained_on == update.round - 1
-            assert update.num_examples == next(s.num_examples for s in sites if s.name == update.site)
+            assert update.num_examples == next(
+                s.num_examples for s in sites if s.name == update.site
+            )
             # Serialized size = payload + Flower's per-object headers and metadata.
             assert payload < update.bytes_down < payload + 4000
             assert payload < update.bytes_up < payload + 4000
@@ -109,7 +113,9 @@ def test_malformed_replies_are_rejected_and_the_run_goes_on(
         losses = [r.metrics["loss"] for r in rounds]
         assert all(loss is not None and np.isfinite(loss) for loss in losses)
         assert losses[1] < losses[0]
-        reasons = {u.site: (u.status, u.reason or "") for u in repo.list_updates(record.id, round=2)}
+        reasons = {
+            u.site: (u.status, u.reason or "") for u in repo.list_updates(record.id, round=2)
+        }
     assert reasons["honest"][0] == "applied"
     assert reasons["nan"][0] == "rejected" and "NaN or Inf" in reasons["nan"][1]
     assert reasons["shape"][0] == "rejected" and "shape (3, 3)" in reasons["shape"][1]

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
 
 from flplatform.engine.wire import record_to_arrays
 from flplatform.errors import ConfigError, UpdateRejected
@@ -48,7 +56,9 @@ def test_batch_hook_equals_streaming_and_hand_computed_average() -> None:
 def test_server_learning_rate_scales_the_step() -> None:
     strategy = LocalSGDAveraging(eta=0.5)
     strategy.begin_aggregation(1, BASE)
-    strategy.accumulate(reply(record(w=np.full((2, 2), 2, np.float32), b=np.zeros(2, np.float32)), 5), base=BASE)
+    strategy.accumulate(
+        reply(record(w=np.full((2, 2), 2, np.float32), b=np.zeros(2, np.float32)), 5), base=BASE
+    )
     arrays, _ = strategy.finish_aggregation()
     assert arrays is not None
     np.testing.assert_allclose(record_to_arrays(arrays)["w"], np.full((2, 2), 1.0))
@@ -61,7 +71,12 @@ def test_server_learning_rate_scales_the_step() -> None:
         (lambda: reply(record(w=np.zeros((2, 2), np.float32)), 5), "missing arrays: b"),
         (lambda: reply(BASE, 0), "num-examples"),
         (lambda: reply(BASE, -5), "num-examples"),
-        (lambda: reply(record(w=np.zeros((2, 2), np.float32), b=np.array([np.nan, 1], np.float32)), 5), "NaN"),
+        (
+            lambda: reply(
+                record(w=np.zeros((2, 2), np.float32), b=np.array([np.nan, 1], np.float32)), 5
+            ),
+            "NaN",
+        ),
     ],
 )
 def test_malformed_replies_are_rejected_and_leave_no_trace(message, reason: str) -> None:
@@ -111,3 +126,13 @@ class _OneNodeGrid:
 
     def get_node_ids(self) -> list[int]:
         return [4]
+
+
+def test_site_config_reads_defaults_and_refuses_wrong_types() -> None:
+    from strategies.local_sgd import SiteTrainConfig
+
+    parsed = SiteTrainConfig.from_record(ConfigRecord({"lr": 0.05, "local-steps": 7, "seed": 3}))
+    assert (parsed.lr, parsed.local_steps, parsed.seed, parsed.batch_size) == (0.05, 7, 3, 32)
+    assert isinstance(parsed.local_steps, int) and isinstance(parsed.lr, float)
+    with pytest.raises(ConfigError, match="'lr' must be a number"):
+        SiteTrainConfig.from_record(ConfigRecord({"lr": "fast"}))

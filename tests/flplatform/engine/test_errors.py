@@ -6,7 +6,7 @@ from flplatform.engine.engine import condense_error
 
 RAY_TRACEBACK = (
     "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'\x1b[36mray::ClientAppActor.run()"
-    "\x1b[39m (pid=1, ip=127.0.0.1)\n  File \"client_app.py\", line 161, in __call__\n"
+    '\x1b[39m (pid=1, ip=127.0.0.1)\n  File "client_app.py", line 161, in __call__\n'
     "    return self._registered_funcs[full_name](message, context)\n"
     "RuntimeError: disk on fire at this site\n\nThe above exception was the direct cause:\n"
     "flwr.clientapp.client_app.ClientAppException:\n"

@@ -41,8 +41,10 @@ def train(msg: Message, context: Context) -> Message:
     metrics = MetricRecord({"num-examples": 100, "train_loss": 0.5})
     if partition == 1:
         poisoned = ArrayRecord(
-            {k: Array(np.full(v.shape, np.nan, dtype=v.dtype)) for k, v in
-             ((k, a.numpy()) for k, a in arrays.items())}
+            {
+                k: Array(np.full(v.shape, np.nan, dtype=v.dtype))
+                for k, v in ((k, a.numpy()) for k, a in arrays.items())
+            }
         )
         return Message(RecordDict({"arrays": poisoned, "metrics": metrics}), reply_to=msg)
     if partition == 2:
@@ -54,9 +56,7 @@ def train(msg: Message, context: Context) -> Message:
         if int(msg.content["config"]["server-round"]) == 1:
             time.sleep(SLOW_SITE_SECONDS)
         return honest.train(msg, context)
-    return Message(
-        RecordDict({"metrics": MetricRecord({"num-examples": -5})}), reply_to=msg
-    )
+    return Message(RecordDict({"metrics": MetricRecord({"num-examples": -5})}), reply_to=msg)
 
 
 @app.evaluate()

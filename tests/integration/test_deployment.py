@@ -1,0 +1,122 @@
+"""A real deployment on 127.0.0.1: a SuperLink, two SuperNodes reading their own files."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from flplatform.cli.app import app
+from flplatform.simulation import flower_environment, free_port
+from storage import LedgerRepository
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        args, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def _wait_for_port(port: int, timeout: float = 30) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"nothing listens on {port}")
+
+
+def test_sites_read_only_their_own_files(tmp_path: Path, flplatform_home: Path) -> None:
+    split = CliRunner().invoke(
+        app, ["data", "split", "--out", str(tmp_path / "sites"), "--sites", "london,tokyo"]
+    )
+    assert split.exit_code == 0, split.output
+
+    env = flower_environment(flplatform_home)
+    link_port, control_port = free_port(), free_port()
+    (flplatform_home / "flwr" / "config.toml").write_text(
+        f'[superlink]\ndefault = "lab"\n[superlink.lab]\n'
+        f'address = "127.0.0.1:{link_port}"\ninsecure = true\n'
+    )
+    processes = [
+        _start(
+            [
+                str(BIN / "flower-superlink"),
+                "--insecure",
+                "--disable-runtime-dependency-installation",
+                "--port",
+                str(link_port),
+                "--control-api-address",
+                f"127.0.0.1:{control_port}",
+            ],
+            env,
+            tmp_path / "superlink.log",
+        )
+    ]
+    try:
+        _wait_for_port(link_port)
+        for site in ("london", "tokyo"):
+            node_config = f'data-path="{tmp_path / "sites" / f"{site}.npz"}" site-name="{site}"'
+            processes.append(
+                _start(
+                    [
+                        str(BIN / "flower-supernode"),
+                        "--insecure",
+                        "--superlink",
+                        f"127.0.0.1:{link_port}",
+                        "--port",
+                        str(free_port()),
+                        "--node-config",
+                        node_config,
+                    ],
+                    env,
+                    tmp_path / f"{site}.log",
+                )
+            )
+        done = subprocess.run(
+            [
+                str(BIN / "flwr"),
+                "run",
+                str(ROOT),
+                "lab",
+                "--stream",
+                "-c",
+                "num-server-rounds=2 local-epochs=1 min-sites=2 sites='london,tokyo'",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+    finally:
+        for proc in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    with LedgerRepository.open(f"sqlite:///{flplatform_home / 'ledger.db'}") as repo:
+        (run,) = repo.list_runs()
+        assert run.status == "finished"
+        sites = {s.name: s for s in repo.list_sites(run.id)}
+        assert set(sites) == {"london", "tokyo"}
+        # Each site trained on its own file (less its 10% local validation slice).
+        import numpy as np
+
+        for name, site in sites.items():
+            n = len(np.load(tmp_path / "sites" / f"{name}.npz")["y"])
+            assert site.num_examples == n - int(n * 0.1)
+        assert [r.num_applied for r in repo.list_rounds(run.id)] == [2, 2]
