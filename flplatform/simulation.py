@@ -189,7 +189,7 @@ def start_simulation(
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    _wait_for_port(http_port, superlink, superlink_log)
+    wait_for_port(http_port, superlink, superlink_log)
 
     overrides = home / "logs" / f"{log_name}.run-config.toml"
     overrides.write_text(_toml(config.to_run_config()))
@@ -216,9 +216,10 @@ def start_simulation(
     return SimulationProcess(superlink, run, log_path, superlink_log)
 
 
-def _wait_for_port(
+def wait_for_port(
     port: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 30
 ) -> None:
+    """Return once something listens on 127.0.0.1:``port``; fail if ``proc`` exits first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

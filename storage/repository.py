@@ -72,6 +72,11 @@ def _describe(exc: BaseException) -> str:
     return " ".join(lines[0].split()) if lines else type(original).__name__
 
 
+def _is_locked(exc: BaseException) -> bool:
+    """Whether a driver error says the database stayed locked (SQLite's busy timeout ran out)."""
+    return isinstance(exc, OperationalError) and "locked" in str(exc.orig).lower()
+
+
 def _text(what: str, value: object, *, max_length: int, optional: bool = False) -> str | None:
     """Return ``value`` if it is a non-empty string of at most ``max_length`` characters."""
     if value is None and optional:
@@ -334,8 +339,16 @@ class LedgerRepository:
             raise
         except (SQLAlchemyError, CommandError, OSError) as exc:
             engine.dispose()
+            shown = mask_db_url(normalized)
+            if _is_locked(exc):
+                # Only after the busy timeout: another process is legitimately writing (or
+                # wedged); a different --db would not help.
+                raise StorageError(
+                    f"cannot open database {shown!r}: it stayed locked by another process; "
+                    "retry when that process has finished writing"
+                ) from exc
             raise StorageError(
-                f"cannot open database {mask_db_url(normalized)!r}: {_describe(exc)}; {URL_HINT}"
+                f"cannot open database {shown!r}: {_describe(exc)}; {URL_HINT}"
             ) from exc
         return cls(engine, normalized)
 
@@ -374,7 +387,7 @@ class LedgerRepository:
         except FLPlatformError:
             raise
         except OperationalError as exc:
-            if "locked" in str(exc.orig).lower():
+            if _is_locked(exc):
                 raise StorageError(
                     f"cannot {action} in {self.url}: the database stayed locked by another "
                     "process; retry when it has finished writing"

@@ -50,6 +50,8 @@ from strategies.validation import check_arrays, check_num_examples
 log = logging.getLogger("flplatform.strategies.local_sgd")
 
 SITE_ALGORITHM = "local-sgd"
+# Flower's quickstarts report eval_acc / eval_loss; the ledger speaks accuracy / loss.
+_EVAL_NAMES = {keys.EVAL_ACCURACY: keys.ACCURACY, keys.EVAL_LOSS: keys.LOSS}
 
 
 @dataclass
@@ -201,7 +203,7 @@ class LocalSGDAveraging(Strategy):
             except UpdateRejected:
                 continue
             values = {
-                k: float(v)
+                _EVAL_NAMES.get(k, k): float(v)
                 for k, v in metrics.items()
                 if k != keys.NUM_EXAMPLES and isinstance(v, int | float) and math.isfinite(v)
             }

@@ -229,6 +229,7 @@ class RoundEngine:
                 site_metrics = self._evaluate_round(server_round, evaluate_config)
                 if site_metrics is not None:
                     result.evaluate_metrics_clientapp[server_round] = site_metrics
+                    # site_accuracy, site_loss: the sites' view beside the server's own
                     metrics.update({f"site_{k}": v for k, v in _floats(site_metrics).items()})
             if train_metrics is not None:
                 result.train_metrics_clientapp[server_round] = train_metrics

@@ -7,14 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from flplatform.cli.app import app
-from flplatform.simulation import flower_environment, free_port
+from flplatform.simulation import flower_environment, free_port, wait_for_port
 from storage import LedgerRepository
 
 pytestmark = pytest.mark.slow
@@ -26,18 +25,6 @@ def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[
     return subprocess.Popen(
         args, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
     )
-
-
-def _wait_for_port(port: int, timeout: float = 30) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(f"nothing listens on {port}")
 
 
 def test_sites_read_only_their_own_files(tmp_path: Path, flplatform_home: Path) -> None:
@@ -68,7 +55,7 @@ def test_sites_read_only_their_own_files(tmp_path: Path, flplatform_home: Path) 
         )
     ]
     try:
-        _wait_for_port(link_port)
+        wait_for_port(link_port, processes[0], tmp_path / "superlink.log")
         for site in ("london", "tokyo"):
             node_config = f'data-path="{tmp_path / "sites" / f"{site}.npz"}" site-name="{site}"'
             processes.append(

@@ -24,7 +24,20 @@ runner = CliRunner()
 def test_three_sites_two_rounds_fill_the_ledger(tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path / 'ledger.db'}"
     result = runner.invoke(
-        app, ["simulate", "--sites", "3", "--rounds", "2", "--db", db, "--local-epochs", "1"]
+        app,
+        [
+            "simulate",
+            "--sites",
+            "3",
+            "--rounds",
+            "2",
+            "--db",
+            db,
+            "--local-epochs",
+            "1",
+            "--fraction-evaluate",
+            "1",
+        ],
     )
     assert result.exit_code == 0, result.output
     assert "finished" in result.output
@@ -47,6 +60,9 @@ def test_three_sites_two_rounds_fill_the_ledger(tmp_path: Path) -> None:
         assert [r.round for r in rounds] == [1, 2]
         assert [r.model_version for r in rounds] == [1, 2]
         assert rounds[1].metrics["accuracy"] > 0.3  # ten classes: chance is 0.1
+        # Federated evaluation: the sites' own validation slices, example-weighted.
+        assert 0.3 < rounds[1].metrics["site_accuracy"] <= 1.0
+        assert rounds[1].metrics["site_loss"] < rounds[0].metrics["site_loss"]
         assert all(
             r.num_applied == 3 and r.num_dropped == 0 and r.num_rejected == 0 for r in rounds
         )

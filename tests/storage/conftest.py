@@ -17,7 +17,7 @@ import socket
 import subprocess
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -197,6 +197,27 @@ def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'ledger.db'}"
     return str(request.getfixturevalue("postgres_database"))
+
+
+@pytest.fixture(params=BACKENDS)
+def new_ledger_urls(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[Callable[[], str]]:
+    """A factory of URLs of distinct empty databases on each backend (all dropped after)."""
+    created: list[str] = []
+
+    def new_url() -> str:
+        if request.param == "sqlite":
+            url = f"sqlite:///{tmp_path / f'ledger-{len(created)}.db'}"
+        else:
+            url = _create_database(str(request.getfixturevalue("postgres_server")))
+        created.append(url)
+        return url
+
+    yield new_url
+    if request.param != "sqlite":
+        for url in created:
+            _drop_database(str(request.getfixturevalue("postgres_server")), url)
 
 
 @pytest.fixture(params=BACKENDS)

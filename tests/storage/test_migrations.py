@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 import sys
+import time
 import tomllib
+from collections.abc import Callable
 from fnmatch import fnmatch
 from pathlib import Path
 
@@ -92,41 +95,70 @@ def test_a_schema_from_a_newer_flplatform_is_refused(ledger_url: str) -> None:
         LedgerRepository.open(ledger_url)
 
 
-def test_processes_racing_to_create_a_new_ledger_all_succeed(ledger_url: str) -> None:
-    # Each process imports first and reports ready; all are released at once, so the
-    # migrations of the new database collide.
-    script = (
-        "import sys\n"
-        "from storage import LedgerRepository\n"
-        "print('ready', flush=True)\n"
-        "sys.stdin.readline()\n"
-        "with LedgerRepository.open(sys.argv[1]) as repo:\n"
-        "    repo.create_run(name='r', strategy='s', seed=0, config={}, num_rounds_planned=1)\n"
-    )
-    processes = [
+# Each racer imports once, then for every line ``[url, start]`` on stdin sleeps until the wall
+# clock reaches ``start`` (all racers wake together, which a line written to each in turn would
+# not achieve), opens the ledger, records one run and answers "ok" or the error on one line.
+_RACER = """
+import json, sys, time
+from storage import LedgerRepository
+print("ready", flush=True)
+for line in sys.stdin:
+    url, start = json.loads(line)
+    time.sleep(max(0.0, start - time.time()))
+    try:
+        with LedgerRepository.open(url) as repo:
+            repo.create_run(name="r", strategy="s", seed=0, config={}, num_rounds_planned=1)
+    except Exception as exc:
+        print("error:", " ".join(str(exc).split()), flush=True)
+    else:
+        print("ok", flush=True)
+"""
+RACERS = 5
+RACE_ROUNDS = 6
+
+
+def test_processes_racing_to_create_a_new_ledger_all_succeed(
+    new_ledger_urls: Callable[[], str],
+) -> None:
+    # Several rounds, each on a brand-new database, then one on a ledger that exists: every
+    # racer must open it (on SQLite, switching a new file to WAL used to fail at once with
+    # "database is locked" for whoever lost that race) and migrate it or find it migrated.
+    racers = [
         subprocess.Popen(
-            [sys.executable, "-c", script, ledger_url],
+            [sys.executable, "-c", _RACER],
             cwd=REPO_ROOT,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
             text=True,
         )
-        for _ in range(2)
+        for _ in range(RACERS)
     ]
-    for process in processes:
-        assert process.stdout is not None and process.stdout.readline() == "ready\n"
-    for process in processes:
-        assert process.stdin is not None
-        process.stdin.write("go\n")
-        process.stdin.flush()
-    errors = [process.communicate(timeout=90)[1] for process in processes]
+    urls = [new_ledger_urls() for _ in range(RACE_ROUNDS)]
+    answers: list[list[str]] = []
+    try:
+        for racer in racers:
+            assert racer.stdout is not None and racer.stdout.readline() == "ready\n"
+        for url in [*urls, urls[0]]:
+            line = json.dumps([url, time.time() + 0.05]) + "\n"
+            for racer in racers:
+                assert racer.stdin is not None
+                racer.stdin.write(line)
+                racer.stdin.flush()
+            answers.append([racer.stdout.readline().strip() for racer in racers if racer.stdout])
+    finally:
+        for racer in racers:
+            if racer.stdin is not None:
+                racer.stdin.close()
+        for racer in racers:
+            racer.wait(timeout=90)
 
-    assert [process.returncode for process in processes] == [0, 0], errors
-    with LedgerRepository.open(ledger_url) as repo:
-        assert len(repo.list_runs()) == 2
-        with repo._engine.connect() as connection:
-            assert current_revisions(connection) == {head_revision()}
+    assert [racer.returncode for racer in racers] == [0] * RACERS
+    assert all(answer == ["ok"] * RACERS for answer in answers), answers
+    for url in urls:
+        with LedgerRepository.open(url) as repo:
+            assert len(repo.list_runs()) == (2 if url == urls[0] else 1) * RACERS
+            with repo._engine.connect() as connection:
+                assert current_revisions(connection) == {head_revision()}
 
 
 def test_every_migration_file_would_ship_in_a_wheel() -> None:
