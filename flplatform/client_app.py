@@ -13,6 +13,8 @@ from flwr.clientapp import ClientApp
 
 from clients.site import Site, load_site
 from flplatform import keys
+
+# Importing a strategy module registers its site part under its site-algorithm name.
 from strategies.local_sgd import SITE_ALGORITHM, evaluate_site
 from strategies.site_parts import site_part
 

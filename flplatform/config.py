@@ -23,6 +23,8 @@ MODELS = ("mlp", "cnn")
 PARTITIONS = ("iid", "dirichlet")
 BUILTIN_DATASETS = ("digits", "mnist5k", "fashion-mnist")
 DEFAULT_SITES = ("london", "ohio", "california", "tokyo")
+# Flower refuses message TTLs beyond its own limits; a week is far beyond any real round.
+MAX_ROUND_TIMEOUT = 7 * 24 * 3600.0
 _SITE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -103,6 +105,8 @@ class RunConfig:
         if strategy is None:
             allowed = ", ".join(sorted(STRATEGY_ALIASES))
             raise ConfigError(f"unknown strategy '{self.strategy}'; allowed: {allowed}")
+        if self.strategy == "fedavgm" and self.server_momentum == 0.0:
+            raise ConfigError("fedavgm needs server-momentum > 0 (e.g. 0.9); 0 is plain fedavg")
         if strategy != self.strategy:
             object.__setattr__(self, "strategy", strategy)
         _one_of("sync", self.sync, SYNC_POLICIES)
@@ -134,6 +138,11 @@ class RunConfig:
         if self.min_sites < 0:
             raise ConfigError(f"min-sites must be >= 0, got {self.min_sites}")
         _positive("round-timeout", self.round_timeout)
+        if self.round_timeout > MAX_ROUND_TIMEOUT:
+            raise ConfigError(
+                f"round-timeout must be at most {MAX_ROUND_TIMEOUT:.0f} s (7 days), "
+                f"got {self.round_timeout}"
+            )
 
     # ---------------------------------------------------------------- helpers
     @property

@@ -216,9 +216,7 @@ def start_simulation(
     return SimulationProcess(superlink, run, log_path, superlink_log)
 
 
-def wait_for_port(
-    port: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 30
-) -> None:
+def wait_for_port(port: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 30) -> None:
     """Return once something listens on 127.0.0.1:``port``; fail if ``proc`` exits first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

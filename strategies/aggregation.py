@@ -11,6 +11,7 @@ was sent, with n_n examples; Δ_n = x_n − x; the server applies
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -31,15 +32,23 @@ class WeightedDeltaSum:
     total_weight: float = 0.0
     count: int = 0
 
-    def add(self, delta: Mapping[str, np.ndarray], weight: float) -> None:
-        """Add one site's delta with weight ``weight`` (> 0)."""
+    def add(self, delta: Mapping[str, np.ndarray], weight: float, scale: float = 1.0) -> None:
+        """Add one site's delta: Σ += weight·scale·Δ, Σw += weight.
+
+        ``weight`` (> 0) is the site's example count; ``scale`` (>= 0) discounts the update
+        itself (e.g. 1/sqrt(1 + staleness)) without renormalising the discount away.
+        """
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError(f"weight must be a finite number > 0, got {weight}")
+        if not (math.isfinite(scale) and scale >= 0):
+            raise ValueError(f"scale must be a finite number >= 0, got {scale}")
+        factor = weight * scale
         if self.count == 0:
-            self.sums = {k: np.asarray(v, dtype=np.float64) * weight for k, v in delta.items()}
+            self.sums = {k: np.asarray(v, dtype=np.float64) * factor for k, v in delta.items()}
         else:
             for key, value in delta.items():
-                # In-place multiply-add: no temporary the size of the model per site.
                 acc = self.sums[key]
-                acc += np.multiply(value, weight, dtype=np.float64)
+                acc += np.multiply(value, factor, dtype=np.float64)
         self.total_weight += weight
         self.count += 1
 

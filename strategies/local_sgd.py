@@ -56,25 +56,24 @@ _EVAL_NAMES = {keys.EVAL_ACCURACY: keys.ACCURACY, keys.EVAL_LOSS: keys.LOSS}
 
 @dataclass
 class LocalSGDState:
-    """Server state that outlives a round: the model version and FedAvgM velocity."""
+    """Server state that outlives a round: the FedAvgM velocity.
 
-    model_version: int = 0
+    The model version is the engine's to count (it also counts rounds that apply no
+    update); the strategy keeps only what its own update rule needs.
+    """
+
     optimizer: ServerOptimizerState = field(default_factory=ServerOptimizerState)
 
-    def state_dict(self) -> dict[str, object]:
+    def state_dict(self) -> dict[str, np.ndarray]:
         """Everything needed to resume."""
-        return {"model_version": self.model_version, "optimizer": self.optimizer.state_dict()}
+        return self.optimizer.state_dict()
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         """Restore from ``state_dict()``."""
-        version = state.get("model_version")
-        if not isinstance(version, int) or version < 0:
-            raise ConfigError(f"bad checkpoint: model_version must be an int >= 0, got {version!r}")
-        optimizer = state.get("optimizer", {})
-        if not isinstance(optimizer, dict):
-            raise ConfigError("bad checkpoint: optimizer must be a mapping of arrays")
-        self.model_version = version
-        self.optimizer.load_state_dict(optimizer)
+        for key, value in state.items():
+            if not isinstance(value, np.ndarray) or not np.isfinite(value).all():
+                raise ConfigError(f"bad checkpoint: '{key}' must be a finite array")
+        self.optimizer.load_state_dict(state)
 
 
 class LocalSGDAveraging(Strategy):
@@ -248,7 +247,7 @@ class LocalSGDAveraging(Strategy):
             raise UpdateRejected(f"arrays cannot be decoded: {exc}") from None
         check_arrays(received, base_arrays)
         delta = {k: received[k].astype(np.float64) - base_arrays[k] for k in base_arrays}
-        self._acc.add(delta, float(num_examples) * weight_scale)
+        self._acc.add(delta, float(num_examples), scale=weight_scale)
         loss = _first_number(metrics, keys.TRAIN_LOSS_ALIASES)
         if loss is not None:
             self._loss_sum += num_examples * loss
@@ -267,7 +266,6 @@ class LocalSGDAveraging(Strategy):
             beta=self.beta,
             state=self.state.optimizer,
         )
-        self.state.model_version += 1
         metrics = MetricRecord({"num-updates": self._acc.count})
         if self._loss_weight > 0:
             metrics[keys.TRAIN_LOSS] = self._loss_sum / self._loss_weight

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from flwr.app import Context, Message
 
 from clients.site import Site
+from flplatform.errors import ConfigError
 
 SiteTrain = Callable[[Message, Context, Site], Message]
 
@@ -29,12 +30,12 @@ def register(name: str) -> Callable[[SiteTrain], SiteTrain]:
 
 
 def site_part(name: str) -> SiteTrain:
-    """The site part registered under ``name``."""
-    # Importing the strategy modules registers their site parts.
-    import strategies.local_sgd  # noqa: F401
-
+    """The site part registered under ``name`` (strategy modules register on import)."""
     try:
         return _SITE_PARTS[name]
     except KeyError:
-        allowed = ", ".join(sorted(_SITE_PARTS))
-        raise KeyError(f"unknown site-algorithm '{name}'; this site knows: {allowed}") from None
+        allowed = ", ".join(sorted(_SITE_PARTS)) or "none"
+        raise ConfigError(
+            f"unknown site-algorithm '{name}'; this site knows: {allowed} "
+            "(is the site running an older flplatform than the server?)"
+        ) from None

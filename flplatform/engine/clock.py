@@ -9,7 +9,8 @@ machine can reproduce a federation spanning continents.
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 
 class Clock(Protocol):
@@ -31,6 +32,14 @@ class Clock(Protocol):
         """When a reply dispatched at ``dispatched_at`` counts as arrived on this clock."""
         ...
 
+    def releasable(self, arrived_at: float, in_flight: Mapping[int, Any]) -> bool:
+        """Whether the earliest queued arrival may be judged now.
+
+        A virtual clock says no while a message still in flight could land earlier;
+        the wall clock always says yes: what has been pulled has arrived.
+        """
+        ...
+
 
 class WallClock:
     """Real time: a reply has arrived when the server pulls it."""
@@ -50,3 +59,7 @@ class WallClock:
     ) -> float:
         """The moment the reply was pulled."""
         return time.time()
+
+    def releasable(self, arrived_at: float, in_flight: Mapping[int, Any]) -> bool:
+        """Always: on the wall clock, whatever has been pulled has arrived."""
+        return True

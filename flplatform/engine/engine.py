@@ -18,8 +18,9 @@ The strategy keeps Flower's hooks (``configure_train``, ``configure_evaluate``,
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
-import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -42,9 +43,9 @@ from flplatform.engine.events import (
     RoundSummary,
     SiteInfo,
     UpdateOutcome,
-    mean_or_none,
 )
 from flplatform.engine.policy import AggregationPolicy, EngineView, SyncPolicy
+from flplatform.engine.replies import condense_error, finite, reported_metrics, site_info
 from flplatform.engine.wire import content_size, message_size
 from flplatform.errors import RunFailed, UpdateRejected
 
@@ -53,6 +54,10 @@ log = logging.getLogger("flplatform.engine")
 # A message's TTL outlives the engine's own deadline by this much, so an overdue site is
 # dropped by the engine with a clear reason, and Flower's expiry then frees the site.
 TTL_GRACE_SECONDS = 5.0
+# Replies pulled per call: a SuperLink hands back every ready reply fully decoded, so
+# pulling all pending ids at once would hold (sites × model) bytes in memory.
+PULL_CHUNK = 16
+REFUSED = "refused by the SuperLink (node not connected, or the message too large)"
 
 
 @dataclass(frozen=True)
@@ -124,11 +129,23 @@ class SubsetGrid(Grid):
         return self._grid.send_and_receive(messages, timeout=timeout)
 
 
+@dataclass(order=True)
+class _Arrival:
+    """A pulled reply waiting for its turn, in clock order."""
+
+    arrived_at: float
+    seq: int
+    dispatch: Dispatch = field(compare=False)
+    reply: Message = field(compare=False)
+    bytes_up: int = field(compare=False)
+
+
 @dataclass
 class _RoundState:
     server_round: int
     started_at: float
     dispatched: int = 0
+    applied: int = 0
     outcomes: list[UpdateOutcome] = field(default_factory=list)
 
 
@@ -185,15 +202,20 @@ class RoundEngine:
         self.startup_timeout = startup_timeout
         self.poll_interval = poll_interval
         self.on_round = on_round
-        self.sites: dict[int, SiteInfo] = {}
+        self.sites: dict[int, SiteInfo] = {}  # every site that ever joined the run
+        self.connected: set[int] = set()  # nodes the SuperLink lists now
         self.version = 0
         self.arrays = ArrayRecord()
-        self._bases: dict[int, ArrayRecord] = {}  # model versions still referenced in flight
-        self._in_flight: dict[int, Dispatch] = {}  # node id → dispatch
+        self._bases: dict[int, ArrayRecord] = {}  # model versions sites are working on
+        self._in_flight: dict[int, Dispatch] = {}  # node id → its training message
         self._by_message: dict[str, Dispatch] = {}
-        # Messages given up on (overdue, cancelled): their site stays busy until Flower
-        # hands back the late reply or the TTL-expiry error, so no site ever has two.
+        # Messages given up on (overdue, cancelled, unanswered queries): their site stays
+        # busy until Flower hands back the late reply or the TTL-expiry error, so that no
+        # site ever has two messages at once.
         self._abandoned: dict[str, Dispatch] = {}
+        self._arrivals: list[_Arrival] = []  # pulled, not yet judged; a heap by clock
+        self._seq = itertools.count()
+        self._pull_offset = 0
 
     # ======================================================================= run
     def run(
@@ -216,6 +238,7 @@ class RoundEngine:
                 result.evaluate_metrics_serverapp[0] = initial
 
         for server_round in range(1, num_rounds + 1):
+            self.refresh_sites()
             summary, train_metrics = self._train_round(server_round, train_config)
             metrics: dict[str, float] = {}
             # ---- central evaluation on the server's held-out set
@@ -265,33 +288,46 @@ class RoundEngine:
                 )
             time.sleep(0.2)
             node_ids = sorted(self.grid.get_node_ids())
+        self._introduce(node_ids, timeout=self.startup_timeout)
+        return self.sites
 
+    def refresh_sites(self) -> None:
+        """Notice nodes that joined (introduce them) or left (give them no work)."""
+        node_ids = set(self.grid.get_node_ids())
+        new = sorted(n for n in node_ids if n not in self.sites)
+        if new:
+            self._introduce(new, timeout=self.round_timeout)
+        self.connected = node_ids
+
+    def _introduce(self, node_ids: Sequence[int], *, timeout: float) -> None:
         queries = [
             Message(
                 RecordDict({keys.CONFIG: ConfigRecord()}),
                 dst_node_id=node_id,
                 message_type=MessageType.QUERY,
-                ttl=self.startup_timeout,
+                ttl=timeout + TTL_GRACE_SECONDS,
             )
             for node_id in node_ids
         ]
-        replies = self._exchange(queries, timeout=self.startup_timeout)
-        taken: set[str] = set()
-        infos = [_site_info(node_id, replies.get(node_id)) for node_id in node_ids]
+        replies = self._exchange(queries, timeout=timeout)
+        taken = {s.name for s in self.sites.values()}
+        infos = [site_info(node_id, replies.get(node_id)) for node_id in node_ids]
         # Partition order (then name) keeps the ledger's site order the same across runs.
         infos.sort(key=lambda s: (s.partition_id is None, s.partition_id or 0, s.name))
         for info in infos:
-            node_id = info.node_id
             if info.name in taken:  # two nodes claiming one name: keep both, distinguishably
                 info = SiteInfo(
-                    node_id, f"{info.name}-{node_id}", info.partition_id, info.num_examples
+                    info.node_id,
+                    f"{info.name[:40]}-{info.node_id}",
+                    info.partition_id,
+                    info.num_examples,
+                    info.device,
                 )
             taken.add(info.name)
-            self.sites[node_id] = info
-            profile = {"device": info.device} if info.device else {}
-            self.ledger.add_site(info, profile)
-        log.info("sites: %s", ", ".join(s.name for s in self.sites.values()))
-        return self.sites
+            self.sites[info.node_id] = info
+            self.ledger.add_site(info, {"device": info.device} if info.device else {})
+        self.connected.update(node_ids)
+        log.info("sites: %s", ", ".join(self.sites[n].name for n in node_ids))
 
     # ============================================================ training round
     def _train_round(
@@ -299,31 +335,38 @@ class RoundEngine:
     ) -> tuple[RoundSummary, MetricRecord | None]:
         state = _RoundState(server_round, self.clock.now())
         self.strategy.begin_aggregation(server_round, self.arrays)
-        wait_since = time.monotonic()
+        idle_since = time.monotonic()
         while True:
             # ---- dispatch: the policy says who may get work; the strategy samples
             targets = self.policy.dispatch_targets(self._view(state))
             if targets:
-                state.dispatched += self._dispatch(server_round, targets, train_config)
-            # ---- collect: whatever has arrived, in clock order; then overdue sites
-            arrived = self._collect(state)
+                state.dispatched += self._dispatch(state, targets, train_config)
+            # ---- pull what has arrived into the clock-ordered queue; drop overdue sites
+            pulled = self._pull()
             self._expire_overdue(state)
+            # ---- judge arrivals one at a time, asking the policy before each
+            while self._arrivals and self.clock.releasable(
+                self._arrivals[0].arrived_at, self._in_flight
+            ):
+                if self.policy.ready_to_aggregate(self._view(state)):
+                    break
+                state.outcomes.append(self._judge(heapq.heappop(self._arrivals), state))
             # ---- cancel what the policy no longer wants
             for node_id in self.policy.to_cancel(self._view(state)):
                 self._cancel(node_id, state)
             if self.policy.ready_to_aggregate(self._view(state)):
                 break
-            if not arrived:
-                if (
-                    not self._in_flight
-                    and not self._abandoned
-                    and time.monotonic() - wait_since > self.round_timeout
-                ):
+            if pulled:
+                idle_since = time.monotonic()
+                continue
+            if not self._in_flight and not self._abandoned and not self._arrivals:
+                if time.monotonic() - idle_since > self.round_timeout:
                     raise RunFailed(
                         f"round {server_round}: no site could be given work within "
                         f"{self.round_timeout:.0f} s"
                     )
-                time.sleep(self.poll_interval)
+                self.refresh_sites()  # waiting for sites: maybe some joined
+            time.sleep(self.poll_interval)
 
         # ---- aggregate into the next model version
         arrays, train_metrics = self.strategy.finish_aggregation()
@@ -331,32 +374,34 @@ class RoundEngine:
             self.arrays = arrays
             self.version += 1
         self._prune_bases()
-        losses = [u.train_loss for u in state.outcomes if u.status == APPLIED and u.train_loss]
         summary = RoundSummary(
             server_round=server_round,
             model_version=self.version,
             started_at=state.started_at,
             finished_at=self.clock.now(),
             metrics={},
-            train_loss=mean_or_none([float(x) for x in losses]),
+            train_loss=_example_weighted_loss(state.outcomes),
             updates=tuple(state.outcomes),
         )
         return summary, train_metrics
 
     def _dispatch(
-        self, server_round: int, targets: Sequence[int], train_config: ConfigRecord | None
+        self, state: _RoundState, targets: Sequence[int], train_config: ConfigRecord | None
     ) -> int:
+        """Push training messages to sampled targets; return how many were attempted."""
         config = ConfigRecord(dict(train_config or {}))  # the strategy may write into it
         config[keys.MODEL_VERSION] = self.version
+        allowed = {n for n in targets if self._is_idle(n)}
         drafts = self.strategy.configure_train(
-            server_round, self.arrays, config, SubsetGrid(self.grid, targets)
+            state.server_round, self.arrays, config, SubsetGrid(self.grid, sorted(allowed))
         )
         messages: list[Message] = []
         for draft in drafts:
             node_id = draft.metadata.dst_node_id
-            if node_id in self._in_flight:  # never two messages to one site
-                log.warning("not dispatching to busy node %s", node_id)
+            if node_id not in allowed:  # busy, not offered, or already picked this batch
+                log.warning("strategy addressed node %s, which may not get work now", node_id)
                 continue
+            allowed.discard(node_id)
             messages.append(
                 Message(
                     draft.content,
@@ -372,74 +417,77 @@ class RoundEngine:
         sizes: dict[int, int] = {}  # a broadcast shares one content: measure it once
         now = self.clock.now()
         message_ids = list(self.grid.push_messages(messages))
-        for msg, message_id in zip(messages, message_ids, strict=True):
+        for i, msg in enumerate(messages):
+            message_id = message_ids[i] if i < len(message_ids) else ""
             key = id(msg.content)
             if key not in sizes:
                 sizes[key] = content_size(msg.content)
             dispatch = Dispatch(
                 node_id=msg.metadata.dst_node_id,
                 message_id=message_id,
-                server_round=server_round,
+                server_round=state.server_round,
                 model_version=self.version,
                 dispatched_at=now,
                 deadline=time.monotonic() + self.round_timeout,
                 bytes_down=message_size(msg, sizes[key]),
             )
+            if not message_id:  # the SuperLink took nothing: no bytes went down
+                state.outcomes.append(self._unanswered(dispatch, DROPPED, REFUSED, sent=False))
+                continue
             self._in_flight[dispatch.node_id] = dispatch
             self._by_message[message_id] = dispatch
         return len(messages)
 
-    def _collect(self, state: _RoundState) -> int:
-        if not self._by_message and not self._abandoned:
+    def _pull(self) -> int:
+        """Pull one chunk of awaited replies into the arrival queue; return how many."""
+        waiting = [*self._by_message, *self._abandoned]
+        if not waiting:
             return 0
         self._release_stuck()
-        replies = list(self.grid.pull_messages([*self._by_message, *self._abandoned]))
-        stamped: list[tuple[float, Dispatch, Message, int]] = []
-        for reply in replies:
+        start = self._pull_offset % len(waiting)
+        chunk = (waiting[start:] + waiting[:start])[:PULL_CHUNK]
+        self._pull_offset += PULL_CHUNK
+        count = 0
+        for reply in self.grid.pull_messages(chunk):
             message_id = reply.metadata.reply_to_message_id
             if self._abandoned.pop(message_id, None) is not None:
-                continue  # a late reply to a message already recorded as dropped: site free
+                continue  # a late reply to a message already recorded: its site is free
             dispatch = self._by_message.pop(message_id, None)
             if dispatch is None:
-                continue
+                continue  # not ours (or already handled)
             self._in_flight.pop(dispatch.node_id, None)
             bytes_up = message_size(reply)
+            reported = reported_metrics(reply) if not reply.has_error() else {}
             arrived_at = self.clock.arrival_time(
                 site=self._name(dispatch.node_id),
                 dispatched_at=dispatch.dispatched_at,
                 bytes_down=dispatch.bytes_down,
                 bytes_up=bytes_up,
-                compute_seconds=None,
+                compute_seconds=reported.get("compute_seconds"),
             )
-            stamped.append((arrived_at, dispatch, reply, bytes_up))
-        for arrived_at, dispatch, reply, bytes_up in sorted(stamped, key=lambda s: s[0]):
-            state.outcomes.append(self._judge(dispatch, reply, bytes_up, arrived_at, state))
-        return len(stamped)
+            arrival = _Arrival(arrived_at, next(self._seq), dispatch, reply, bytes_up)
+            heapq.heappush(self._arrivals, arrival)
+            count += 1
+        return count
 
-    def _judge(
-        self,
-        dispatch: Dispatch,
-        reply: Message,
-        bytes_up: int,
-        arrived_at: float,
-        state: _RoundState,
-    ) -> UpdateOutcome:
+    def _judge(self, arrival: _Arrival, state: _RoundState) -> UpdateOutcome:
         """Turn one reply into a ledger row, feeding it to the strategy if applied."""
+        dispatch, reply = arrival.dispatch, arrival.reply
         row: dict[str, Any] = dict(
             site=self._name(dispatch.node_id),
             dispatched_round=dispatch.server_round,
             version_trained_on=dispatch.model_version,
             staleness=self.version - dispatch.model_version,
-            bytes_up=bytes_up,
+            bytes_up=arrival.bytes_up,
             bytes_down=dispatch.bytes_down,
             dispatched_at=dispatch.dispatched_at,
-            arrived_at=arrived_at,
+            arrived_at=arrival.arrived_at,
         )
         if reply.has_error():
             reason = f"site error {reply.error.code}: {condense_error(reply.error.reason or '')}"
             return UpdateOutcome(status=DROPPED, reason=reason, **row)
+        row.update(reported_metrics(reply))
         verdict = self.policy.judge(dispatch, self._view(state))
-        row.update(_reported_metrics(reply))
         if verdict.status != APPLIED:
             return UpdateOutcome(status=verdict.status, reason=verdict.reason, **row)
         try:
@@ -450,19 +498,20 @@ class RoundEngine:
             log.warning("rejected update from %s: %s", row["site"], exc.reason)
             return UpdateOutcome(status=REJECTED, reason=exc.reason, **row)
         except Exception as exc:  # a hostile reply must never take the server down
-            log.warning("rejected malformed update from %s: %r", row["site"], exc)
-            return UpdateOutcome(status=REJECTED, reason=f"malformed reply: {exc!r}"[:500], **row)
+            log.exception("rejected malformed update from %s", row["site"])
+            return UpdateOutcome(status=REJECTED, reason=f"malformed reply: {exc!r}"[:300], **row)
+        state.applied += 1
         row.update(
             num_examples=contribution.num_examples,
-            train_loss=contribution.train_loss,
-            compute_seconds=contribution.compute_seconds,
+            train_loss=finite(contribution.train_loss),
+            compute_seconds=finite(contribution.compute_seconds, minimum=0.0),
         )
         return UpdateOutcome(status=APPLIED, **row)
 
     def _expire_overdue(self, state: _RoundState) -> None:
         now = time.monotonic()
         for dispatch in [d for d in self._in_flight.values() if d.deadline < now]:
-            self._forget(dispatch)
+            self._abandon(dispatch)
             state.outcomes.append(
                 self._unanswered(dispatch, DROPPED, f"no reply within {self.round_timeout:.0f} s")
             )
@@ -470,23 +519,25 @@ class RoundEngine:
     def _cancel(self, node_id: int, state: _RoundState) -> None:
         dispatch = self._in_flight.get(node_id)
         if dispatch is not None:
-            self._forget(dispatch)
+            self._abandon(dispatch)
             state.outcomes.append(self._unanswered(dispatch, CANCELLED, "cancelled by policy"))
 
-    def _unanswered(self, dispatch: Dispatch, status: str, reason: str) -> UpdateOutcome:
+    def _unanswered(
+        self, dispatch: Dispatch, status: str, reason: str, *, sent: bool = True
+    ) -> UpdateOutcome:
         return UpdateOutcome(
             site=self._name(dispatch.node_id),
             dispatched_round=dispatch.server_round,
             version_trained_on=dispatch.model_version,
             staleness=self.version - dispatch.model_version,
             bytes_up=0,
-            bytes_down=dispatch.bytes_down,
+            bytes_down=dispatch.bytes_down if sent else 0,
             status=status,
             dispatched_at=dispatch.dispatched_at,
             reason=reason,
         )
 
-    def _forget(self, dispatch: Dispatch) -> None:
+    def _abandon(self, dispatch: Dispatch) -> None:
         """Stop waiting for ``dispatch``; its site stays busy until Flower answers it."""
         self._in_flight.pop(dispatch.node_id, None)
         self._by_message.pop(dispatch.message_id, None)
@@ -498,13 +549,14 @@ class RoundEngine:
         Flower answers an expired message with an error reply; this is the safety net
         for a SuperLink that never does, so a site is not lost for the rest of the run.
         """
-        limit = time.monotonic() - self.round_timeout
+        limit = time.monotonic() - self.round_timeout - 2 * TTL_GRACE_SECONDS
         for message_id, dispatch in list(self._abandoned.items()):
             if dispatch.deadline < limit:
                 del self._abandoned[message_id]
 
     def _prune_bases(self) -> None:
-        live = {d.model_version for d in self._in_flight.values()} | {self.version}
+        live = {d.model_version for d in self._in_flight.values()}
+        live |= {a.dispatch.model_version for a in self._arrivals} | {self.version}
         self._bases = {v: a for v, a in self._bases.items() if v in live}
 
     # ========================================================= federated evaluation
@@ -517,51 +569,81 @@ class RoundEngine:
         drafts = self.strategy.configure_evaluate(
             server_round, self.arrays, config, SubsetGrid(self.grid, idle)
         )
-        messages = [
-            Message(
-                d.content,
-                dst_node_id=d.metadata.dst_node_id,
-                message_type=d.metadata.message_type,
-                ttl=self.round_timeout + TTL_GRACE_SECONDS,
-                group_id=str(self.version),
-            )
-            for d in drafts
-        ]
+        allowed = set(idle)
+        messages = []
+        for draft in drafts:
+            node_id = draft.metadata.dst_node_id
+            if node_id in allowed:
+                allowed.discard(node_id)
+                messages.append(
+                    Message(
+                        draft.content,
+                        dst_node_id=node_id,
+                        message_type=draft.metadata.message_type,
+                        ttl=self.round_timeout + TTL_GRACE_SECONDS,
+                        group_id=str(self.version),
+                    )
+                )
         replies = self._exchange(messages, timeout=self.round_timeout)
         return self.strategy.aggregate_evaluate(server_round, replies.values())
 
     def _exchange(self, messages: list[Message], *, timeout: float) -> dict[int, Message]:
-        """Push messages and pull until every reply is in or the timeout passes."""
+        """Push messages and pull until every reply is in or ``timeout`` passes.
+
+        Unanswered messages are abandoned like overdue training messages: their sites get
+        no other message until Flower answers these.
+        """
         if not messages:
             return {}
         ids = list(self.grid.push_messages(messages))
-        pending = dict(zip(ids, (m.metadata.dst_node_id for m in messages), strict=True))
+        now, deadline = self.clock.now(), time.monotonic() + timeout
+        pending = {
+            message_id: Dispatch(
+                node_id=msg.metadata.dst_node_id,
+                message_id=message_id,
+                server_round=0,
+                model_version=self.version,
+                dispatched_at=now,
+                deadline=deadline,
+                bytes_down=0,
+            )
+            for msg, message_id in zip(messages, ids, strict=False)
+            if message_id
+        }
         replies: dict[int, Message] = {}
-        deadline = time.monotonic() + timeout
         while pending and time.monotonic() < deadline:
-            got = list(self.grid.pull_messages(list(pending)))
+            got = list(self.grid.pull_messages(list(pending)[:PULL_CHUNK]))
             for reply in got:
-                node_id = pending.pop(reply.metadata.reply_to_message_id, None)
-                if node_id is not None:
-                    replies[node_id] = reply
+                dispatch = pending.pop(reply.metadata.reply_to_message_id, None)
+                if dispatch is not None:
+                    replies[dispatch.node_id] = reply
             if not got:
                 time.sleep(self.poll_interval)
+        for dispatch in pending.values():
+            self._abandoned[dispatch.message_id] = dispatch
         return replies
 
     # ================================================================= helpers
     def _view(self, state: _RoundState) -> EngineView:
+        queued = {a.dispatch.node_id: a.dispatch for a in self._arrivals}
         return EngineView(
             server_round=state.server_round,
             model_version=self.version,
             idle_nodes=tuple(n for n in self.sites if self._is_idle(n)),
-            in_flight=dict(self._in_flight),
+            outstanding={**self._in_flight, **queued},
             dispatched_this_round=state.dispatched,
             arrived_this_round=len(state.outcomes),
+            applied_this_round=state.applied,
         )
 
     def _is_idle(self, node_id: int) -> bool:
-        return node_id not in self._in_flight and all(
-            d.node_id != node_id for d in self._abandoned.values()
+        """Connected, known, and with no message of any kind outstanding."""
+        if node_id not in self.sites or node_id not in self.connected:
+            return False
+        if node_id in self._in_flight:
+            return False
+        return all(d.node_id != node_id for d in self._abandoned.values()) and all(
+            a.dispatch.node_id != node_id for a in self._arrivals
         )
 
     def _name(self, node_id: int) -> str:
@@ -569,61 +651,15 @@ class RoundEngine:
         return info.name if info else f"node-{node_id}"
 
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*")
-
-
-def condense_error(reason: str, limit: int = 300) -> str:
-    """The telling part of a site's error: the last ``SomeError: message`` line.
-
-    Error replies carry whole remote tracebacks (Ray's, with terminal colours); the
-    ledger keeps one readable line.
-    """
-    lines = [line.strip() for line in _ANSI.sub("", reason).splitlines() if line.strip()]
-    exceptions = [line for line in lines if _EXCEPTION_LINE.match(line)]
-    # Wrappers (ClientAppException, RayTaskError) often end with an empty message; the
-    # site's own exception is the last one that says something.
-    telling = [line for line in exceptions if line.split(":", 1)[-1].strip()]
-    chosen = (telling or exceptions or lines or ["no reason given"])[-1]
-    return chosen[:limit]
-
-
-def _site_info(node_id: int, reply: Message | None) -> SiteInfo:
-    if reply is None or reply.has_error() or keys.SITE_INFO not in reply.content:
-        return SiteInfo(node_id=node_id, name=f"node-{node_id}")
-    info = reply.content[keys.SITE_INFO]
-    name = str(info.get(keys.SITE_NAME, f"node-{node_id}"))[:64] or f"node-{node_id}"
-    partition = info.get(keys.PARTITION_ID)
-    examples = info.get(keys.NUM_EXAMPLES)
-    device = info.get(keys.DEVICE)
-    return SiteInfo(
-        node_id=node_id,
-        name=name,
-        partition_id=int(partition) if isinstance(partition, int) else None,
-        num_examples=int(examples) if isinstance(examples, int) else None,
-        device=str(device) if device is not None else None,
-    )
-
-
-def _reported_metrics(reply: Message) -> dict[str, Any]:
-    """Best-effort read of what a site reports, for replies that are not applied."""
-    out: dict[str, Any] = {}
-    try:
-        metrics = reply.content[keys.METRICS]
-    except Exception:
-        return out
-    examples = metrics.get(keys.NUM_EXAMPLES) if hasattr(metrics, "get") else None
-    if isinstance(examples, int) and examples >= 0:
-        out["num_examples"] = examples
-    for key in keys.TRAIN_LOSS_ALIASES:
-        value = metrics.get(key)
-        if isinstance(value, int | float):
-            out["train_loss"] = float(value)
-            break
-    seconds = metrics.get(keys.COMPUTE_SECONDS)
-    if isinstance(seconds, int | float):
-        out["compute_seconds"] = float(seconds)
-    return out
+def _example_weighted_loss(outcomes: Sequence[UpdateOutcome]) -> float | None:
+    """Σ n·loss / Σ n over applied updates that reported both."""
+    pairs = [
+        (u.num_examples, u.train_loss)
+        for u in outcomes
+        if u.status == APPLIED and u.train_loss is not None and u.num_examples
+    ]
+    total = sum(n for n, _ in pairs)
+    return sum(n * loss for n, loss in pairs) / total if total else None
 
 
 def _floats(record: MetricRecord) -> dict[str, float]:

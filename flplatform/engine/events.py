@@ -6,7 +6,6 @@ The engine writes through ``LedgerSink``, an interface it is given; it never imp
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -103,8 +102,3 @@ class NullLedger:
 
     def record_round(self, summary: RoundSummary) -> None:
         """Ignore the round."""
-
-
-def mean_or_none(values: Sequence[float]) -> float | None:
-    """Mean of ``values``, or None when there are none."""
-    return sum(values) / len(values) if values else None

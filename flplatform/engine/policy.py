@@ -21,19 +21,28 @@ class EngineView:
 
     server_round: int
     model_version: int
-    idle_nodes: tuple[int, ...]  # connected, nothing in flight
-    in_flight: Mapping[int, Dispatch]  # node id → its one message in flight
+    idle_nodes: tuple[int, ...]  # connected, with no message of any kind outstanding
+    # node id → its training message, in flight or arrived but not yet judged
+    outstanding: Mapping[int, Dispatch]
     dispatched_this_round: int
     arrived_this_round: int  # outcomes of any status so far this round
+    applied_this_round: int  # updates the strategy accumulated this round
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """What to do with a well-formed arrival."""
+    """What to do with a well-formed arrival.
 
-    status: str  # APPLIED, BUFFERED or DROPPED
+    APPLIED hands the update to the strategy's accumulator; buffering (FedBuff) is
+    applying into the accumulator while ``ready_to_aggregate`` waits for K of them.
+    Anything else (DROPPED, CANCELLED) is recorded and not used.
+    """
+
+    status: str
     reason: str | None = None
-    weight_scale: float = 1.0  # multiplies the example weight (staleness weighting)
+    # Multiplies the update's example weight in Σ w·s·Δ / Σ w (staleness weighting); the
+    # denominator keeps the unscaled weights so a discount really shrinks the step.
+    weight_scale: float = 1.0
 
 
 class AggregationPolicy(Protocol):
@@ -80,7 +89,7 @@ class SyncPolicy:
     def ready_to_aggregate(self, view: EngineView) -> bool:
         """Once every message dispatched this round is accounted for."""
         return view.dispatched_this_round > 0 and not any(
-            d.server_round == view.server_round for d in view.in_flight.values()
+            d.server_round == view.server_round for d in view.outstanding.values()
         )
 
     def to_cancel(self, view: EngineView) -> tuple[int, ...]:

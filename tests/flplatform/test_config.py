@@ -50,6 +50,8 @@ def test_strategy_aliases_name_one_algorithm() -> None:
         ({"sites": "a,a"}, "duplicate names"),
         ({"sites": "ok,../etc"}, "bad site name"),
         ({"no-such-key": 1}, "unknown config key 'no-such-key'"),
+        ({"strategy": "fedavgm"}, "fedavgm needs server-momentum > 0"),
+        ({"round-timeout": 1e12}, "round-timeout must be at most"),
     ],
 )
 def test_bad_values_name_the_problem(values: dict, message: str) -> None:

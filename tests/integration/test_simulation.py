@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 from pathlib import Path
 
@@ -91,8 +93,9 @@ def test_three_sites_two_rounds_fill_the_ledger(tmp_path: Path) -> None:
     assert [row["model_version"] for row in json.loads(shown.output)] == [1, 2]
     sites_csv = runner.invoke(app, ["history", "sites", "latest", "--db", db, "--format", "csv"])
     assert sites_csv.exit_code == 0
-    assert sites_csv.output.splitlines()[1].split(",")[0:2] != []
-    assert "london" in sites_csv.output and "california" in sites_csv.output
+    rows = list(csv.DictReader(io.StringIO(sites_csv.output)))
+    assert [r["name"] for r in rows] == ["london", "ohio", "california"]
+    assert all(int(r["applied"]) == 2 and int(r["bytes_up"]) > payload for r in rows)
 
 
 @pytest.mark.usefixtures("flplatform_home")

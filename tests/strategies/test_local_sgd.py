@@ -50,7 +50,6 @@ def test_batch_hook_equals_streaming_and_hand_computed_average() -> None:
     assert arrays is not None and metrics is not None
     np.testing.assert_allclose(record_to_arrays(arrays)["w"], np.full((2, 2), 3.25))
     assert metrics["train_loss"] == pytest.approx((1 * 1.0 + 3 * 0.2) / 4)
-    assert strategy.state.model_version == 1
 
 
 def test_server_learning_rate_scales_the_step() -> None:
@@ -113,12 +112,47 @@ def test_bad_knobs_are_config_errors() -> None:
 
 
 def test_state_round_trips_and_refuses_garbage() -> None:
-    state = LocalSGDState(model_version=4)
+    strategy = LocalSGDAveraging(beta=0.9)
+    strategy.begin_aggregation(1, BASE)
+    strategy.accumulate(
+        reply(record(w=np.ones((2, 2), np.float32), b=np.ones(2, np.float32)), 5), base=BASE
+    )
+    strategy.finish_aggregation()
     restored = LocalSGDState()
-    restored.load_state_dict(state.state_dict())
-    assert restored.model_version == 4
-    with pytest.raises(ConfigError, match="model_version"):
-        restored.load_state_dict({"model_version": -1})
+    restored.load_state_dict(strategy.state.state_dict())
+    np.testing.assert_array_equal(restored.optimizer.velocity["w"], np.ones((2, 2)))
+    with pytest.raises(ConfigError, match="finite array"):
+        restored.load_state_dict({"velocity.w": np.array([np.nan])})
+
+
+def test_staleness_discount_shrinks_the_step_even_for_one_update() -> None:
+    # One update, discounted by 1/2: Σ w·s·Δ / Σ w = Δ/2, not Δ (the discount must not
+    # cancel against its own normalisation).
+    strategy = LocalSGDAveraging()
+    strategy.begin_aggregation(1, BASE)
+    strategy.accumulate(
+        reply(record(w=np.full((2, 2), 2, np.float32), b=np.zeros(2, np.float32)), 10),
+        base=BASE,
+        weight_scale=0.5,
+    )
+    arrays, _ = strategy.finish_aggregation()
+    assert arrays is not None
+    np.testing.assert_allclose(record_to_arrays(arrays)["w"], np.full((2, 2), 1.0))
+
+
+def test_stale_update_is_measured_against_the_version_it_was_trained_on() -> None:
+    # The site trained from an old model (all 1s) to all 3s: its delta is +2, applied to
+    # the current model (all 10s) → 12, not 3.
+    old = record(w=np.ones((2, 2), np.float32), b=np.ones(2, np.float32))
+    current = record(w=np.full((2, 2), 10, np.float32), b=np.full(2, 10, np.float32))
+    strategy = LocalSGDAveraging()
+    strategy.begin_aggregation(5, current)
+    strategy.accumulate(
+        reply(record(w=np.full((2, 2), 3, np.float32), b=np.full(2, 3, np.float32)), 4), base=old
+    )
+    arrays, _ = strategy.finish_aggregation()
+    assert arrays is not None
+    np.testing.assert_allclose(record_to_arrays(arrays)["w"], np.full((2, 2), 12.0))
 
 
 class _OneNodeGrid:

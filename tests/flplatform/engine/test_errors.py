@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flplatform.engine.engine import condense_error
+from flplatform.engine.replies import condense_error
 
 RAY_TRACEBACK = (
     "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'\x1b[36mray::ClientAppActor.run()"

@@ -1,0 +1,95 @@
+"""Reading what sites say about themselves, defensively.
+
+Anything a site reports (its name, example counts, losses, compute time, error text)
+is untrusted: out-of-range or malformed values are dropped here, so that they can never
+make a ledger write fail and end the run.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from flwr.app import Message
+
+from flplatform import keys
+from flplatform.engine.events import SiteInfo
+
+MAX_COUNT = 2**62  # fits the ledger's signed 64-bit columns with room to sum
+MAX_INT32 = 2**31 - 1
+_UNSAFE_NAME = re.compile(r"[^A-Za-z0-9_.\-]+")
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*")
+
+
+def condense_error(reason: str, limit: int = 300) -> str:
+    """The telling part of a site's error: the last ``SomeError: message`` line.
+
+    Error replies carry whole remote tracebacks (Ray's, with terminal colours); the
+    ledger keeps one readable line.
+    """
+    lines = [line.strip() for line in _ANSI.sub("", reason).splitlines() if line.strip()]
+    exceptions = [line for line in lines if _EXCEPTION_LINE.match(line)]
+    # Wrappers (ClientAppException, RayTaskError) often end with an empty message; the
+    # site's own exception is the last one that says something.
+    telling = [line for line in exceptions if line.split(":", 1)[-1].strip()]
+    chosen = (telling or exceptions or lines or ["no reason given"])[-1]
+    return chosen.replace("\x00", "")[:limit]
+
+
+def count(value: Any, *, maximum: int = MAX_COUNT) -> int | None:
+    """A non-negative integer no larger than ``maximum``, else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        return None
+    number = int(value)
+    return number if 0 <= number <= maximum else None
+
+
+def finite(value: Any, *, minimum: float = -math.inf) -> float | None:
+    """A finite float no smaller than ``minimum``, else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) and number >= minimum else None
+
+
+def site_info(node_id: int, reply: Message | None) -> SiteInfo:
+    """What a site's answer to the QUERY says; its node id names it if it said nothing."""
+    fallback = f"node-{node_id}"
+    if reply is None or reply.has_error() or keys.SITE_INFO not in reply.content.config_records:
+        return SiteInfo(node_id=node_id, name=fallback)
+    info = reply.content.config_records[keys.SITE_INFO]
+    raw_name = info.get(keys.SITE_NAME)
+    name = _UNSAFE_NAME.sub("_", raw_name).strip("_.-")[:64] if isinstance(raw_name, str) else ""
+    device = info.get(keys.DEVICE)
+    return SiteInfo(
+        node_id=node_id,
+        name=name or fallback,
+        partition_id=count(info.get(keys.PARTITION_ID), maximum=MAX_INT32),
+        num_examples=count(info.get(keys.NUM_EXAMPLES)),
+        device=_UNSAFE_NAME.sub("_", device)[:64] if isinstance(device, str) else None,
+    )
+
+
+def reported_metrics(reply: Message) -> dict[str, Any]:
+    """Example count, train loss and compute seconds a reply reports, where valid."""
+    records = reply.content.metric_records if reply.has_content() else {}
+    if keys.METRICS not in records:
+        return {}
+    metrics = records[keys.METRICS]
+    out: dict[str, Any] = {}
+    examples = count(metrics.get(keys.NUM_EXAMPLES))
+    if examples is not None:
+        out["num_examples"] = examples
+    for key in keys.TRAIN_LOSS_ALIASES:
+        loss = finite(metrics.get(key))
+        if loss is not None:
+            out["train_loss"] = loss
+            break
+    seconds = finite(metrics.get(keys.COMPUTE_SECONDS), minimum=0.0)
+    if seconds is not None:
+        out["compute_seconds"] = seconds
+    return out

@@ -1,0 +1,230 @@
+"""The round engine's scheduling and accounting, with the real strategy and SQL ledger."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Error,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+from flplatform import keys
+from flplatform.engine import APPLIED, DROPPED, REJECTED, Dispatch, EngineView, RoundEngine, Verdict
+from flplatform.engine.engine import REFUSED
+from flplatform.engine.wire import record_to_arrays
+from flplatform.ledger import SqlLedger
+from storage import LedgerRepository
+from strategies.local_sgd import LocalSGDAveraging
+
+from .scripted_grid import ScriptedGrid
+
+pytestmark = pytest.mark.usefixtures("task_identity")
+
+MODEL = ArrayRecord({"w": Array(np.zeros(4, np.float32))})
+
+
+def flower_size(msg: Message) -> int:
+    return sum(len(o.deflate()) for o in get_all_nested_objects(msg).values())
+
+
+def site(
+    name: str,
+    *,
+    value: float = 1.0,
+    examples: object = 10,
+    loss: float = 0.5,
+    info: dict | None = None,
+    metrics: dict | None = None,
+) -> callable:
+    """A site that introduces itself and replies with its model set to ``value``."""
+
+    def behave(msg: Message) -> Message:
+        if msg.metadata.message_type == MessageType.QUERY:
+            record = ConfigRecord({keys.SITE_NAME: name, **(info or {})})
+            return Message(RecordDict({keys.SITE_INFO: record}), reply_to=msg)
+        if msg.metadata.message_type == MessageType.EVALUATE:
+            evaluated = MetricRecord({"num-examples": 5, "eval_acc": 0.5})
+            return Message(RecordDict({"metrics": evaluated}), reply_to=msg)
+        sent = record_to_arrays(msg.content["arrays"])["w"]
+        arrays = ArrayRecord({"w": Array(np.full_like(sent, value))})
+        reported = MetricRecord({"num-examples": examples, "train_loss": loss, **(metrics or {})})
+        return Message(RecordDict({"arrays": arrays, "metrics": reported}), reply_to=msg)
+
+    return behave
+
+
+def silent(name: str) -> callable:
+    """Introduces itself, then never answers a training message."""
+    talk = site(name)
+    return lambda msg: talk(msg) if msg.metadata.message_type == MessageType.QUERY else None
+
+
+def failing(name: str) -> callable:
+    talk = site(name)
+
+    def behave(msg: Message) -> Message:
+        if msg.metadata.message_type == MessageType.QUERY:
+            return talk(msg)
+        return Message(Error(code=2, reason="ValueError: out of memory"), reply_to=msg)
+
+    return behave
+
+
+@pytest.fixture
+def ledger(tmp_path: Path):
+    repo = LedgerRepository.open(f"sqlite:///{tmp_path / 'l.db'}")
+    run_id = repo.create_run(
+        name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=3
+    )
+    yield repo, run_id
+    repo.close()
+
+
+def engine_for(grid, ledger, **kwargs) -> RoundEngine:
+    repo, run_id = ledger
+    return RoundEngine(
+        grid,
+        LocalSGDAveraging(),
+        ledger=SqlLedger(repo, run_id),
+        poll_interval=0.0,
+        required_sites=len(grid.behaviours),
+        **kwargs,
+    )
+
+
+def test_sync_round_applies_everything_and_records_exact_bytes(ledger) -> None:
+    grid = ScriptedGrid(
+        {
+            1: site("a", value=1.0, examples=10, loss=1.0),
+            2: site("b", value=4.0, examples=30, loss=0.0),
+        }
+    )
+    result = engine_for(grid, ledger).run(MODEL, num_rounds=2)
+    # Example-weighted: (10·1 + 30·4) / 40 = 3.25, both rounds from the same replies.
+    np.testing.assert_allclose(record_to_arrays(result.arrays)["w"], 3.25)
+    repo, run_id = ledger
+    rounds = repo.list_rounds(run_id)
+    assert [r.model_version for r in rounds] == [1, 2]
+    # Example-weighted loss, and a loss of exactly 0.0 still counts: (10·1 + 30·0) / 40.
+    assert rounds[0].train_loss == pytest.approx(0.25)
+    updates = repo.list_updates(run_id)
+    train_pushed = [m for m in grid.pushed if m.metadata.message_type == MessageType.TRAIN]
+    train_replies = [m for m in grid.replies if m.metadata.message_type == MessageType.TRAIN]
+    # Every recorded size is Flower's own measure of the very message that travelled.
+    assert sorted(u.bytes_down for u in updates) == sorted(flower_size(m) for m in train_pushed)
+    assert sorted(u.bytes_up for u in updates) == sorted(flower_size(m) for m in train_replies)
+    assert all(
+        m.metadata.group_id == str(int(m.content["config"]["model-version"])) for m in train_pushed
+    )
+
+
+def test_silent_site_is_dropped_and_gets_no_second_message(ledger) -> None:
+    grid = ScriptedGrid({1: site("a"), 2: silent("ghost")})
+    engine = engine_for(grid, ledger, round_timeout=0.2)
+    engine.run(MODEL, num_rounds=3, federated_evaluation=True)
+    repo, run_id = ledger
+    ghost = repo.list_updates(run_id, site="ghost")
+    # One training message, dropped after the timeout; never a second (the grid asserts).
+    assert [(u.status, u.round) for u in ghost] == [(DROPPED, 1)]
+    assert "no reply within" in (ghost[0].reason or "")
+    assert [r.num_applied for r in repo.list_rounds(run_id)] == [1, 1, 1]
+
+
+def test_refused_push_is_recorded_and_the_round_goes_on(ledger) -> None:
+    grid = ScriptedGrid({1: site("a"), 2: site("b")}, refuse={2})
+    # The query to node 2 is refused too, so it is named after its node id.
+    engine_for(grid, ledger).run(MODEL, num_rounds=1)
+    repo, run_id = ledger
+    (refused,) = repo.list_updates(run_id, site="node-2")
+    assert (refused.status, refused.reason, refused.bytes_down) == (DROPPED, REFUSED, 0)
+    assert repo.list_rounds(run_id)[0].num_applied == 1
+
+
+def test_a_round_with_nothing_applied_keeps_the_model(ledger) -> None:
+    grid = ScriptedGrid({1: site("a", examples=-1), 2: failing("b")})
+    result = engine_for(grid, ledger).run(MODEL, num_rounds=2)
+    np.testing.assert_array_equal(record_to_arrays(result.arrays)["w"], 0.0)
+    repo, run_id = ledger
+    assert [r.model_version for r in repo.list_rounds(run_id)] == [0, 0]
+    statuses = {(u.site, u.status) for u in repo.list_updates(run_id)}
+    assert statuses == {("a", REJECTED), ("b", DROPPED)}
+    assert "out of memory" in (repo.list_updates(run_id, site="b")[0].reason or "")
+
+
+def test_garbage_a_site_reports_about_itself_cannot_end_the_run(ledger) -> None:
+    nasty = {"partition-id": -1, "num-examples": -7, keys.SITE_NAME: "x\x00 y/../z"}
+    grid = ScriptedGrid(
+        {
+            1: site("ignored", info=nasty, metrics={"compute-seconds": -1.0}),
+            2: site("b", loss=float("nan")),
+        }
+    )
+    engine_for(grid, ledger).run(MODEL, num_rounds=1)
+    repo, run_id = ledger
+    sites = {s.name: s for s in repo.list_sites(run_id)}
+    assert set(sites) == {"x_y_.._z", "b"}
+    assert sites["x_y_.._z"].partition_id is None and sites["x_y_.._z"].num_examples is None
+    updates = {u.site: u for u in repo.list_updates(run_id)}
+    assert updates["x_y_.._z"].status == APPLIED and updates["x_y_.._z"].compute_seconds is None
+    assert updates["b"].train_loss is None
+
+
+class OneAtATime:
+    """Async (K = 1): every idle site works; each arrival is its own server step."""
+
+    name = "async"
+
+    def dispatch_targets(self, view: EngineView) -> tuple[int, ...]:
+        return view.idle_nodes
+
+    def judge(self, dispatch: Dispatch, view: EngineView) -> Verdict:
+        return Verdict(APPLIED)
+
+    def ready_to_aggregate(self, view: EngineView) -> bool:
+        return view.applied_this_round >= 1
+
+    def to_cancel(self, view: EngineView) -> tuple[int, ...]:
+        return ()
+
+
+def test_each_arrival_can_be_its_own_step_with_staleness(ledger) -> None:
+    # Four replies land in one pull; a K = 1 policy must still take one per step, and the
+    # ones left over arrive stale, each measured against the model it was trained on.
+    grid = ScriptedGrid({n: site(f"s{n}", value=float(n)) for n in range(1, 5)}, delay_pulls=1)
+    engine_for(grid, ledger, policy=OneAtATime()).run(MODEL, num_rounds=4)
+    repo, run_id = ledger
+    rounds = repo.list_rounds(run_id)
+    assert [r.num_applied for r in rounds] == [1, 1, 1, 1]
+    assert [r.model_version for r in rounds] == [1, 2, 3, 4]
+    first_wave = [u for u in repo.list_updates(run_id) if u.version_trained_on == 0]
+    assert sorted(u.staleness for u in first_wave) == [0, 1, 2, 3]
+
+
+def test_update_outcome_fields_match_the_ledger_input() -> None:
+    # The engine's rows and storage's input are adapted field by field (flplatform/ledger.py).
+    from flplatform.engine import UpdateOutcome
+    from storage import UpdateInput
+
+    outcome = UpdateOutcome(
+        site="a",
+        dispatched_round=1,
+        version_trained_on=0,
+        staleness=0,
+        bytes_up=1,
+        bytes_down=2,
+        status="applied",
+        dispatched_at=time.time(),
+    )
+    assert UpdateInput(**asdict(outcome)).site == "a"
