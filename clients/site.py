@@ -19,6 +19,7 @@ from torch import nn
 from clients.datasets import load_dataset, load_site_file
 from clients.models import build_model
 from clients.partitioning import partition_indices
+from clients.site_files import read_manifest
 from clients.training import pick_device
 from flplatform import keys
 from flplatform.config import RunConfig
@@ -94,6 +95,17 @@ def _load_site(
     if data_path:
         x, y = load_site_file(data_path)
         site_name = name or _name_for(partition_id, config)
+    elif config.partition == "files":
+        # One file per site, in a split directory: a site reads only its own file.
+        manifest = read_manifest(config.dataset)
+        site_name = name or _name_for(partition_id, config)
+        names = [s.name for s in manifest.sites]
+        if site_name not in names:
+            raise ConfigError(
+                f"site '{site_name}' has no file in {manifest.manifest_path.parent}; "
+                f"the split holds: {', '.join(names)}"
+            )
+        x, y = load_site_file(manifest.site(site_name).path)
     else:
         if partition_id is None or num_partitions is None:
             raise ConfigError(
@@ -133,3 +145,23 @@ def _name_for(partition_id: int | None, config: RunConfig) -> str:
     if partition_id is not None and partition_id < len(config.sites):
         return config.sites[partition_id]
     return f"site-{partition_id}"
+
+
+@dataclass(frozen=True)
+class TestSet:
+    """What the server evaluates on, and the shapes its model is built for."""
+
+    x: np.ndarray
+    y: np.ndarray
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+
+def load_test_set(*, dataset: str, partition: str, seed: int) -> TestSet:
+    """The held-out test set of a run's data (the split's test.npz for ``files``)."""
+    if partition == "files":
+        manifest = read_manifest(dataset)
+        x, y = load_site_file(manifest.test.path)
+        return TestSet(x, y, tuple(manifest.input_shape), manifest.num_classes)
+    data = load_dataset(dataset, seed=seed)
+    return TestSet(data.x_test, data.y_test, data.input_shape, data.num_classes)

@@ -20,7 +20,7 @@ STRATEGIES = ("local-sgd",)
 STRATEGY_ALIASES = {"fedavg": "local-sgd", "fedavgm": "local-sgd", "local-sgd": "local-sgd"}
 SYNC_POLICIES = ("sync",)
 MODELS = ("mlp", "cnn")
-PARTITIONS = ("iid", "dirichlet")
+PARTITIONS = ("iid", "dirichlet", "files")
 BUILTIN_DATASETS = ("digits", "mnist5k", "fashion-mnist")
 DEFAULT_SITES = ("london", "ohio", "california", "tokyo")
 # Flower refuses message TTLs beyond its own limits; a week is far beyond any real round.
@@ -112,7 +112,13 @@ class RunConfig:
         _one_of("sync", self.sync, SYNC_POLICIES)
         _one_of("model", self.model, MODELS)
         _one_of("partition", self.partition, PARTITIONS)
-        if self.dataset not in BUILTIN_DATASETS and not self.dataset.endswith(".npz"):
+        if self.partition == "files":
+            if self.dataset in BUILTIN_DATASETS or self.dataset.endswith(".npz"):
+                raise ConfigError(
+                    "partition 'files' reads one file per site: set dataset to the directory "
+                    "written by `flplatform data split` (it holds manifest.json)"
+                )
+        elif self.dataset not in BUILTIN_DATASETS and not self.dataset.endswith(".npz"):
             raise ConfigError(
                 f"unknown dataset '{self.dataset}'; allowed: {', '.join(BUILTIN_DATASETS)}"
                 " or a path to a .npz file with arrays x and y"

@@ -10,8 +10,8 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
-from clients.datasets import Dataset, load_dataset
 from clients.models import build_model
+from clients.site import TestSet, load_test_set
 from clients.training import evaluate, pick_device
 from flplatform import keys
 from flplatform.config import RunConfig
@@ -51,20 +51,17 @@ def train_config_for(config: RunConfig) -> ConfigRecord:
 
 
 def central_evaluator(
-    dataset: Dataset, config: RunConfig
+    test: TestSet, *, model_name: str, seed: int
 ) -> Callable[[int, ArrayRecord], MetricRecord]:
     """Evaluate the global model on the held-out test set after every round."""
     device = pick_device()
     model = build_model(
-        config.model,
-        input_shape=dataset.input_shape,
-        num_classes=dataset.num_classes,
-        seed=config.seed,
+        model_name, input_shape=test.input_shape, num_classes=test.num_classes, seed=seed
     )
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         model.load_state_dict(arrays.to_torch_state_dict())
-        loss, accuracy = evaluate(model, dataset.x_test, dataset.y_test, device=device)
+        loss, accuracy = evaluate(model, test.x, test.y, device=device)
         return MetricRecord({keys.ACCURACY: accuracy, keys.LOSS: loss})
 
     return evaluate_fn
@@ -87,11 +84,11 @@ def run_federation(grid: Grid, config: RunConfig) -> Result:
     )
     log.info("ledger: run %s in %s", run_id, repository.url)
     try:
-        dataset = load_dataset(config.dataset, seed=config.seed)
+        test = load_test_set(dataset=config.dataset, partition=config.partition, seed=config.seed)
         model = build_model(
             config.model,
-            input_shape=dataset.input_shape,
-            num_classes=dataset.num_classes,
+            input_shape=test.input_shape,
+            num_classes=test.num_classes,
             seed=config.seed,
         )
         engine = RoundEngine(
@@ -107,7 +104,7 @@ def run_federation(grid: Grid, config: RunConfig) -> Result:
             ArrayRecord(model.state_dict()),
             num_rounds=config.num_server_rounds,
             train_config=train_config_for(config),
-            evaluate_fn=central_evaluator(dataset, config),
+            evaluate_fn=central_evaluator(test, model_name=config.model, seed=config.seed),
             federated_evaluation=config.fraction_evaluate > 0,
         )
     except BaseException as exc:

@@ -6,6 +6,7 @@ start Flower's simulation, and follow the run through the ledger the ServerApp w
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -15,7 +16,7 @@ from flplatform.cli.errors import handles_errors
 from flplatform.cli.history import rounds as show_rounds
 from flplatform.cli.history import sites as show_sites
 from flplatform.cli.render import OutputFormat, human_bytes, make_console
-from flplatform.config import DEFAULT_SITES, RunConfig
+from flplatform.config import BUILTIN_DATASETS, DEFAULT_SITES, RunConfig
 from flplatform.errors import ConfigError
 from flplatform.simulation import check_ledger, run_simulation
 from storage import RoundRecord, RunRecord
@@ -95,13 +96,16 @@ def _display_url(url: str) -> str:
 
 # ================================================================ commands
 Strategy = Annotated[str, typer.Option(help="local-sgd (also: fedavg, fedavgm).")]
-Sites = Annotated[str, typer.Option(help="Number of sites, or comma-separated site names.")]
+Sites = Annotated[
+    str | None,
+    typer.Option(help="Number of sites, or comma-separated names (default 4, or the split's)."),
+]
 
 
 @handles_errors
 def simulate(
     strategy: Strategy = "local-sgd",
-    sites: Sites = "4",
+    sites: Sites = None,
     rounds: Annotated[int, typer.Option(help="Server rounds.")] = 20,
     local_steps: Annotated[
         int, typer.Option(help="H local SGD steps per round (0: use epochs).")
@@ -115,7 +119,9 @@ def simulate(
     dataset: Annotated[
         str, typer.Option(help="digits, mnist5k, fashion-mnist, or a .npz path.")
     ] = "digits",
-    partition: Annotated[str, typer.Option(help="iid or dirichlet.")] = "dirichlet",
+    partition: Annotated[
+        str, typer.Option(help="iid, dirichlet, or files (dataset = a `data split` directory).")
+    ] = "dirichlet",
     alpha: Annotated[float, typer.Option(help="Dirichlet α (> 0; smaller is more skewed).")] = 0.5,
     model: Annotated[str, typer.Option(help="mlp or cnn.")] = "mlp",
     seed: Annotated[int, typer.Option(help="Seed of every random choice.")] = 0,
@@ -129,10 +135,12 @@ def simulate(
     db: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the ledger.")] = None,
 ) -> None:
     """Run a simulated federation and record every round in the ledger."""
+    if dataset.endswith(".npz") or (partition == "files" and dataset not in BUILTIN_DATASETS):
+        dataset = str(Path(dataset).expanduser().resolve())  # the ServerApp runs elsewhere
     config = RunConfig.from_mapping(
         {
             "strategy": strategy,
-            "sites": site_names(sites),
+            "sites": site_names(sites) if sites else _default_sites(partition, dataset),
             "num-server-rounds": rounds,
             "local-steps": local_steps,
             "local-epochs": 0 if local_steps > 0 else local_epochs,
@@ -157,10 +165,28 @@ def simulate(
     run_and_follow(config)
 
 
-def _check_dataset(config: RunConfig) -> None:
-    """Load the dataset here once, so a missing or malformed file is one clear line now."""
-    from clients.datasets import load_dataset  # imports numpy/sklearn only when needed
+def _default_sites(partition: str, dataset: str) -> tuple[str, ...]:
+    if partition == "files" and dataset not in BUILTIN_DATASETS:
+        from clients.site_files import read_manifest
 
+        return tuple(s.name for s in read_manifest(dataset).sites)
+    return DEFAULT_SITES
+
+
+def _check_dataset(config: RunConfig) -> None:
+    """Load the data here once, so a missing or malformed file is one clear line now."""
+    from clients.datasets import load_dataset  # imports numpy only when needed
+    from clients.site_files import read_manifest
+
+    if config.partition == "files":
+        names = {s.name for s in read_manifest(config.dataset).sites}
+        missing = [s for s in config.sites if s not in names]
+        if missing:
+            raise ConfigError(
+                f"no file for site(s) {', '.join(missing)} in {config.dataset}; "
+                f"it holds: {', '.join(sorted(names))}"
+            )
+        return
     dataset = load_dataset(config.dataset, seed=config.seed)
     if len(dataset.y_train) < config.num_sites:
         raise ConfigError(

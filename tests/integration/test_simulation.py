@@ -140,3 +140,36 @@ def test_malformed_replies_are_rejected_and_the_run_goes_on(
     assert reasons["shape"][0] == "rejected" and "shape (3, 3)" in reasons["shape"][1]
     assert reasons["crash"][0] == "dropped" and "disk on fire" in reasons["crash"][1]
     assert reasons["empty"][0] == "rejected" and "'arrays'" in reasons["empty"][1]
+
+
+@pytest.mark.usefixtures("flplatform_home")
+def test_one_file_per_site_partition(tmp_path: Path) -> None:
+    split = tmp_path / "split"
+    made = runner.invoke(app, ["data", "split", "--out", str(split), "--sites", "lab-a,lab-b"])
+    assert made.exit_code == 0, made.output
+    db = f"sqlite:///{tmp_path / 'ledger.db'}"
+    result = runner.invoke(
+        app,
+        [
+            "simulate",
+            "--partition",
+            "files",
+            "--dataset",
+            str(split),
+            "--rounds",
+            "2",
+            "--local-epochs",
+            "1",
+            "--db",
+            db,
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    with LedgerRepository.open(db) as repo:
+        (run,) = repo.list_runs()
+        sites = {s.name: s for s in repo.list_sites(run.id)}
+        assert set(sites) == {"lab-a", "lab-b"}  # the split's names, in its files
+        for name, site in sites.items():
+            n = len(np.load(split / f"{name}.npz")["y"])
+            assert site.num_examples == n - int(n * 0.1)
+        assert [r.num_applied for r in repo.list_rounds(run.id)] == [2, 2]

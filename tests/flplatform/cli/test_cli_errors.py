@@ -52,6 +52,8 @@ def one_error_line(output: str) -> str:
         (["--db", "nosuchdriver://x/y"], "cannot open database"),
         (["--db", "not a url"], "database"),
         (["--dataset", "/nonexistent/data.npz"], "/nonexistent/data.npz"),
+        (["--partition", "files"], "set dataset to the directory written by"),
+        (["--partition", "files", "--dataset", "/nonexistent/split"], "/nonexistent/split"),
     ],
 )
 def test_simulate_rejects_bad_input(args: list[str], expected: str) -> None:
