@@ -228,7 +228,7 @@ def _install_sqlite_hooks(engine: Engine, *, wal: bool) -> None:
             cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
             cursor.execute("PRAGMA foreign_keys = ON")
             if wal:
-                cursor.execute("PRAGMA journal_mode = WAL")
+                _enable_wal(cursor, operational_error)
         finally:
             cursor.close()
 

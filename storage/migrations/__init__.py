@@ -5,7 +5,8 @@ The scripts live next to this module (``env.py``, ``versions/``) and are found t
 and to race: a database already at head is left untouched without taking any lock, and an
 upgrade runs in one transaction under a lock (``BEGIN IMMEDIATE`` on SQLite, an advisory
 transaction lock on PostgreSQL), so a second process opening a new database at the same moment
-waits, then finds it migrated.
+waits, then finds it migrated. (On SQLite, connecting switches a new file to WAL first; that
+switch is retried by ``storage.session`` since SQLite's busy timeout does not cover it.)
 """
 
 from __future__ import annotations

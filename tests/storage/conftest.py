@@ -200,9 +200,7 @@ def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 @pytest.fixture(params=BACKENDS)
-def new_ledger_urls(
-    request: pytest.FixtureRequest, tmp_path: Path
-) -> Iterator[Callable[[], str]]:
+def new_ledger_urls(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[], str]]:
     """A factory of URLs of distinct empty databases on each backend (all dropped after)."""
     created: list[str] = []
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import io
 import json
+import select
+import sqlite3
 import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from fnmatch import fnmatch
 from pathlib import Path
 
@@ -16,11 +19,13 @@ import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect, text
+from sqlalchemy import create_engine, inspect, text
+from sqlalchemy.engine import make_url
 
 from flplatform.errors import StorageError
 from storage import LedgerRepository
 from storage.migrations import (
+    _POSTGRES_LOCK_KEY,
     MIGRATIONS_DIR,
     VERSION_TABLE,
     alembic_config,
@@ -95,9 +100,9 @@ def test_a_schema_from_a_newer_flplatform_is_refused(ledger_url: str) -> None:
         LedgerRepository.open(ledger_url)
 
 
-# Each racer imports once, then for every line ``[url, start]`` on stdin sleeps until the wall
-# clock reaches ``start`` (all racers wake together, which a line written to each in turn would
-# not achieve), opens the ledger, records one run and answers "ok" or the error on one line.
+# A racer imports once, then for every line ``[url, start]`` on stdin sleeps until the wall
+# clock reaches ``start`` (so all racers set off together, which a line written to each in turn
+# would not achieve), opens the ledger, records one run and answers "ok" or the error.
 _RACER = """
 import json, sys, time
 from storage import LedgerRepository
@@ -114,15 +119,56 @@ for line in sys.stdin:
         print("ok", flush=True)
 """
 RACERS = 5
-RACE_ROUNDS = 6
+FREE_RACES = 4  # on new databases, nothing else holding them
+BLOCKED_RACES = 2  # on new databases that another process is busy creating
+HOLD_S = 0.3
+
+
+@contextmanager
+def _held_as_while_being_created(url: str) -> Iterator[None]:
+    """Hold the lock that a process creating the ledger at ``url`` holds meanwhile.
+
+    On SQLite that is the write lock of the still-empty file, as while the creator switches
+    it to WAL (whoever lost that race used to fail at once with "database is locked", the
+    busy timeout notwithstanding); on PostgreSQL the migration's advisory lock.
+    """
+    if make_url(url).get_backend_name() == "sqlite":
+        connection = sqlite3.connect(make_url(url).database or "", isolation_level=None)
+        try:
+            connection.execute("BEGIN IMMEDIATE")
+            yield
+            connection.execute("ROLLBACK")
+        finally:
+            connection.close()
+        return
+    engine = create_engine(url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(
+                text("SELECT pg_advisory_xact_lock(:key)"), {"key": _POSTGRES_LOCK_KEY}
+            )
+            yield
+    finally:
+        engine.dispose()
+
+
+def _answer(racer: subprocess.Popen[str], timeout: float = 90) -> str:
+    """The racer's next line ("ready", "ok" or "error: ..."); a hung racer is killed."""
+    assert racer.stdout is not None
+    # A racer writes one line per line it is sent, so nothing is left buffered between calls.
+    if not select.select([racer.stdout], [], [], timeout)[0]:
+        racer.kill()
+        return f"no answer within {timeout} s"
+    return racer.stdout.readline().strip() or "the racer died"
 
 
 def test_processes_racing_to_create_a_new_ledger_all_succeed(
     new_ledger_urls: Callable[[], str],
 ) -> None:
-    # Several rounds, each on a brand-new database, then one on a ledger that exists: every
-    # racer must open it (on SQLite, switching a new file to WAL used to fail at once with
-    # "database is locked" for whoever lost that race) and migrate it or find it migrated.
+    # RACERS processes set off together to open (creating and migrating) the same new ledger
+    # and record a run in it: FREE_RACES times on their own, BLOCKED_RACES times while a lock is
+    # held as by a creator midway, released HOLD_S after they set off, then once on a ledger
+    # that exists. Every one of them must succeed every time.
     racers = [
         subprocess.Popen(
             [sys.executable, "-c", _RACER],
@@ -133,18 +179,32 @@ def test_processes_racing_to_create_a_new_ledger_all_succeed(
         )
         for _ in range(RACERS)
     ]
-    urls = [new_ledger_urls() for _ in range(RACE_ROUNDS)]
-    answers: list[list[str]] = []
+    free = [new_ledger_urls() for _ in range(FREE_RACES)]
+    blocked = [new_ledger_urls() for _ in range(BLOCKED_RACES)]
+    failures: list[str] = []
     try:
         for racer in racers:
-            assert racer.stdout is not None and racer.stdout.readline() == "ready\n"
-        for url in [*urls, urls[0]]:
-            line = json.dumps([url, time.time() + 0.05]) + "\n"
+            assert _answer(racer) == "ready"
+        rounds = [
+            *(("new ledger", url) for url in free),
+            *(("new ledger, held locked", url) for url in blocked),
+            ("existing ledger", free[0]),
+        ]
+        for number, (kind, url) in enumerate(rounds):
+            with ExitStack() as stack:
+                if url in blocked:
+                    stack.enter_context(_held_as_while_being_created(url))
+                start = time.time() + 0.05
+                for racer in racers:
+                    assert racer.stdin is not None
+                    racer.stdin.write(json.dumps([url, start]) + "\n")
+                    racer.stdin.flush()
+                if url in blocked:
+                    time.sleep(max(0.0, start + HOLD_S - time.time()))
             for racer in racers:
-                assert racer.stdin is not None
-                racer.stdin.write(line)
-                racer.stdin.flush()
-            answers.append([racer.stdout.readline().strip() for racer in racers if racer.stdout])
+                answer = _answer(racer)
+                if answer != "ok":
+                    failures.append(f"round {number} ({kind}): {answer}")
     finally:
         for racer in racers:
             if racer.stdin is not None:
@@ -152,11 +212,11 @@ def test_processes_racing_to_create_a_new_ledger_all_succeed(
         for racer in racers:
             racer.wait(timeout=90)
 
+    assert not failures, "\n".join(failures)
     assert [racer.returncode for racer in racers] == [0] * RACERS
-    assert all(answer == ["ok"] * RACERS for answer in answers), answers
-    for url in urls:
+    for url in [*free, *blocked]:
         with LedgerRepository.open(url) as repo:
-            assert len(repo.list_runs()) == (2 if url == urls[0] else 1) * RACERS
+            assert len(repo.list_runs()) == (2 if url == free[0] else 1) * RACERS
             with repo._engine.connect() as connection:
                 assert current_revisions(connection) == {head_revision()}
 

@@ -121,6 +121,51 @@ def test_a_second_writer_waits_for_the_first_instead_of_failing(tmp_path: Path) 
         assert waited >= 0.2
 
 
+def test_opening_a_new_ledger_waits_while_another_process_holds_its_write_lock(
+    tmp_path: Path,
+) -> None:
+    # The state a brand-new file is in while another process switches it to WAL. SQLite
+    # answers that switch with "database is locked" at once, never calling the busy handler,
+    # so opening used to fail here in milliseconds despite the 30 s busy timeout.
+    path = tmp_path / "l.db"
+    other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")
+    release = threading.Timer(0.3, lambda: other.execute("COMMIT"))
+    release.start()
+    try:
+        started = time.monotonic()
+        with LedgerRepository.open(f"sqlite:///{path}") as repo:
+            waited = time.monotonic() - started
+            make_run(repo)
+            assert len(repo.list_runs()) == 1
+            with repo._engine.connect() as connection:
+                assert connection.execute(text("PRAGMA journal_mode")).scalar_one() == "wal"
+    finally:
+        release.join()
+        other.close()
+    assert waited >= 0.2
+
+
+def test_a_new_ledger_locked_past_the_busy_timeout_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("storage.session.SQLITE_BUSY_TIMEOUT_MS", 300)
+    path = tmp_path / "l.db"
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        started = time.monotonic()
+        with pytest.raises(StorageError, match="stayed locked by another process") as info:
+            LedgerRepository.open(f"sqlite:///{path}")
+        waited = time.monotonic() - started
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert 0.25 <= waited < 5
+    assert info.value.reason.startswith(f"cannot open database 'sqlite:///{path}'")
+    assert "\n" not in info.value.reason
+
+
 def test_readers_are_not_blocked_by_an_open_write(tmp_path: Path) -> None:
     path = tmp_path / "l.db"
     with LedgerRepository.open(f"sqlite:///{path}") as repo:
