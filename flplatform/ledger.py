@@ -10,7 +10,7 @@ from dataclasses import asdict
 from typing import Any
 
 from flplatform.engine.events import RoundSummary, SiteInfo
-from storage import LedgerRepository, UpdateInput
+from storage import EvaluationInput, LedgerRepository, UpdateInput
 
 
 class SqlLedger:
@@ -32,7 +32,7 @@ class SqlLedger:
         )
 
     def record_round(self, summary: RoundSummary) -> None:
-        """Record one finished round with all its updates."""
+        """Record one finished round with all its updates and evaluations."""
         self.repository.record_round(
             self.run_id,
             round=summary.server_round,
@@ -42,4 +42,5 @@ class SqlLedger:
             metrics=summary.metrics,
             train_loss=summary.train_loss,
             updates=[UpdateInput(**asdict(u)) for u in summary.updates],
+            evaluations=[EvaluationInput(**asdict(e)) for e in summary.evaluations],
         )

@@ -1,4 +1,4 @@
-"""The ledger: every run, round and site update, in any SQLAlchemy database.
+"""The ledger: every run, round, site update and evaluation, in any SQLAlchemy database.
 
 ``LedgerRepository`` is the only way the platform touches the database; it returns the frozen
 records defined in ``storage.records``. This package imports neither Flower nor torch:
@@ -7,6 +7,9 @@ strategies and the engine receive a repository (or something shaped like it) and
 """
 
 from .records import (
+    EVALUATION_DROPPED,
+    EVALUATION_EVALUATED,
+    EVALUATION_STATUSES,
     RUN_FAILED,
     RUN_FINISHED,
     RUN_RUNNING,
@@ -17,6 +20,9 @@ from .records import (
     UPDATE_DROPPED,
     UPDATE_REJECTED,
     UPDATE_STATUSES,
+    EvaluationInput,
+    EvaluationRecord,
+    EvaluationStatus,
     FinalRunStatus,
     RoundRecord,
     RunRecord,
@@ -38,6 +44,9 @@ from .session import (
 )
 
 __all__ = [
+    "EVALUATION_DROPPED",
+    "EVALUATION_EVALUATED",
+    "EVALUATION_STATUSES",
     "FLPLATFORM_HOME_ENV",
     "LEDGER_FILENAME",
     "RUN_FAILED",
@@ -50,6 +59,9 @@ __all__ = [
     "UPDATE_DROPPED",
     "UPDATE_REJECTED",
     "UPDATE_STATUSES",
+    "EvaluationInput",
+    "EvaluationRecord",
+    "EvaluationStatus",
     "FinalRunStatus",
     "LedgerRepository",
     "RoundRecord",

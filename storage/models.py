@@ -1,4 +1,5 @@
-"""SQLAlchemy 2.0 models of the ledger: runs, the sites in them, rounds, and site updates.
+"""SQLAlchemy 2.0 models of the ledger: runs, the sites in them, rounds, site updates and
+federated evaluations.
 
 The schema is created and changed only by the Alembic migrations in ``storage/migrations``;
 ``metadata`` here is what those migrations are checked against (a test compares them), never
@@ -31,7 +32,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-from .records import RUN_STATUSES, UPDATE_STATUSES
+from .records import EVALUATION_STATUSES, RUN_STATUSES, UPDATE_STATUSES
 
 NAMING_CONVENTION: dict[str, str] = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -204,5 +205,35 @@ class Update(Base):
     reason: Mapped[str | None] = mapped_column(Text)
     num_examples: Mapped[int | None] = mapped_column(BigInteger)
     train_loss: Mapped[float | None] = mapped_column(Double)
+    dispatched_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    arrived_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class Evaluation(Base):
+    """One site's federated evaluation, recorded at the server step (``round``) that handled
+    it; a site is evaluated at most once per step (added by migration 0002)."""
+
+    __tablename__ = "evaluations"
+    __table_args__ = (
+        CheckConstraint(_in_clause("status", EVALUATION_STATUSES), name="status"),
+        UniqueConstraint("run_id", "round", "site_id"),
+        # (run_id, round) serves list_evaluations and the per-round sums; site_id serves the
+        # per-site summary and the cascade from sites.
+        Index(None, "run_id", "round"),
+        Index(None, "site_id"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    site_id: Mapped[int] = mapped_column(ForeignKey("sites.id", ondelete="CASCADE"))
+    round: Mapped[int] = mapped_column(Integer)
+    model_version: Mapped[int] = mapped_column(Integer)
+    bytes_up: Mapped[int] = mapped_column(BigInteger)
+    bytes_down: Mapped[int] = mapped_column(BigInteger)
+    status: Mapped[str] = mapped_column(String(STATUS_LENGTH))
+    reason: Mapped[str | None] = mapped_column(Text)
+    num_examples: Mapped[int | None] = mapped_column(BigInteger)
+    loss: Mapped[float | None] = mapped_column(Double)
+    accuracy: Mapped[float | None] = mapped_column(Double)
     dispatched_at: Mapped[datetime] = mapped_column(UTCDateTime)
     arrived_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

@@ -1,4 +1,4 @@
-"""Frozen records the ledger repository returns, and the one record it takes in.
+"""Frozen records the ledger repository returns, and the inputs it takes in.
 
 The repository never hands out ORM objects: callers get these plain, immutable dataclasses,
 detached from any session, so the CLI, the plots and the tests can hold them as long as they
@@ -46,6 +46,14 @@ UPDATE_STATUSES: Final[tuple[UpdateStatus, ...]] = (
     UPDATE_CANCELLED,
     UPDATE_DROPPED,
     UPDATE_REJECTED,
+)
+
+EvaluationStatus = Literal["evaluated", "dropped"]
+EVALUATION_EVALUATED: Final = "evaluated"
+EVALUATION_DROPPED: Final = "dropped"
+EVALUATION_STATUSES: Final[tuple[EvaluationStatus, ...]] = (
+    EVALUATION_EVALUATED,
+    EVALUATION_DROPPED,
 )
 
 # Bytes and example counts are stored as signed 64-bit integers; rounds, versions and
@@ -208,6 +216,92 @@ class UpdateInput:
             )
 
 
+def _finite_or_none(what: str, value: object) -> float | None:
+    """Return ``value`` as a plain ``float``, or ``None`` when it is ``None`` or not finite."""
+    number = _real(what, value, optional=True)
+    return number if number is not None and math.isfinite(number) else None
+
+
+@dataclass(frozen=True, slots=True)
+class EvaluationInput:
+    """One site's federated evaluation, as the engine hands it to ``record_round``.
+
+    Recorded at the server step (``round``) that handled it; at most one per site and step.
+    The constructor validates every field and raises ``StorageError`` naming the bad one.
+
+    Parameters
+    ----------
+    site : str
+        Name of a site added to the run with ``add_site``.
+    model_version : int
+        Global model version the site evaluated.
+    bytes_up, bytes_down : int
+        Serialized sizes of the evaluate reply (site to server) and message (server to site).
+    status : {"evaluated", "dropped"}
+        Whether a usable evaluation arrived.
+    dispatched_at : float
+        Unix time (``time.time()``) the evaluate message was sent.
+    arrived_at : float or None
+        Unix time the reply arrived; ``None`` when nothing arrived.
+    reason : str or None
+        Why the evaluation was dropped.
+    num_examples : int or None
+        Examples the site evaluated on.
+    loss, accuracy : float or None
+        The site's evaluation results; a non-finite value becomes ``None`` here.
+    """
+
+    site: str
+    model_version: int
+    bytes_up: int
+    bytes_down: int
+    status: EvaluationStatus
+    dispatched_at: float
+    arrived_at: float | None = None
+    reason: str | None = None
+    num_examples: int | None = None
+    loss: float | None = None
+    accuracy: float | None = None
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
+
+        if not isinstance(self.site, str) or not self.site.strip():
+            raise StorageError(
+                f"evaluation field 'site' must be a non-empty name, got {self.site!r}"
+            )
+        if self.status not in EVALUATION_STATUSES:
+            raise StorageError(
+                f"evaluation field 'status' is {self.status!r}; allowed: "
+                f"{', '.join(EVALUATION_STATUSES)}"
+            )
+        put(
+            "model_version",
+            check_count("evaluation field 'model_version'", self.model_version, maximum=INT32_MAX),
+        )
+        for name in ("bytes_up", "bytes_down"):
+            put(name, check_count(f"evaluation field {name!r}", getattr(self, name)))
+        if self.num_examples is not None:
+            put("num_examples", check_count("evaluation field 'num_examples'", self.num_examples))
+        for name in ("dispatched_at", "arrived_at"):
+            when = _real(
+                f"evaluation field {name!r}", getattr(self, name), optional=name != "dispatched_at"
+            )
+            if when is not None and not math.isfinite(when):
+                raise StorageError(
+                    f"evaluation field {name!r} must be a finite unix time, got {when}"
+                )
+            put(name, when)
+        for name in ("loss", "accuracy"):
+            put(name, _finite_or_none(f"evaluation field {name!r}", getattr(self, name)))
+        if self.reason is not None and not isinstance(self.reason, str):
+            raise StorageError(
+                "evaluation field 'reason' must be a string or None, got "
+                f"{type(self.reason).__name__}"
+            )
+
+
 # ---------------------------------------------------------------------------- output
 @dataclass(frozen=True, slots=True)
 class RunRecord(_Record):
@@ -256,7 +350,8 @@ class RoundRecord(_Record):
     """One server step: the global metrics and the traffic of the updates it handled.
 
     ``bytes_up``, ``bytes_down`` and the ``num_*`` counts are computed from the round's
-    updates when it is recorded.
+    updates when it is recorded; ``eval_bytes_up``, ``eval_bytes_down`` are the sums over the
+    round's federated evaluations, computed when read (0 when it had none).
     """
 
     id: int
@@ -273,6 +368,8 @@ class RoundRecord(_Record):
     num_rejected: int
     bytes_up: int
     bytes_down: int
+    eval_bytes_up: int = 0
+    eval_bytes_down: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,6 +402,8 @@ class SiteSummary(_Record):
     ``mean_staleness``, ``max_staleness`` are ``None`` for a site with no updates;
     ``mean_train_loss`` is ``None`` when no update reported a finite loss.
     ``compute_seconds`` is the sum over updates that reported it (0.0 when none did).
+    ``evaluations`` counts the site's federated evaluations (any status) and
+    ``eval_bytes_up``, ``eval_bytes_down`` sum their traffic (0 when it had none).
     """
 
     site_id: int
@@ -324,3 +423,27 @@ class SiteSummary(_Record):
     bytes_down: int
     compute_seconds: float
     mean_train_loss: float | None
+    evaluations: int = 0
+    eval_bytes_up: int = 0
+    eval_bytes_down: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EvaluationRecord(_Record):
+    """One site's federated evaluation as stored, with its site's name joined in."""
+
+    id: int
+    run_id: int
+    site_id: int
+    site: str
+    round: int
+    model_version: int
+    bytes_up: int
+    bytes_down: int
+    status: EvaluationStatus
+    reason: str | None
+    num_examples: int | None
+    loss: float | None
+    accuracy: float | None
+    dispatched_at: datetime
+    arrived_at: datetime | None

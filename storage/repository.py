@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from flplatform.errors import FLPlatformError, NotFoundError, StorageError
 
 from .migrations import upgrade_to_head
-from .models import NAME_LENGTH, STRATEGY_LENGTH, Round, Run, Site, Update
+from .models import NAME_LENGTH, STRATEGY_LENGTH, Evaluation, Round, Run, Site, Update
 from .records import (
     INT32_MAX,
     INT64_MAX,
@@ -38,6 +38,9 @@ from .records import (
     UPDATE_CANCELLED,
     UPDATE_DROPPED,
     UPDATE_REJECTED,
+    EvaluationInput,
+    EvaluationRecord,
+    EvaluationStatus,
     FinalRunStatus,
     RoundRecord,
     RunRecord,
@@ -207,7 +210,10 @@ def _site_record(site: Site) -> SiteRecord:
     )
 
 
-def _round_record(row: Round) -> RoundRecord:
+def _round_record(
+    row: Round, eval_bytes_up: Any = None, eval_bytes_down: Any = None
+) -> RoundRecord:
+    # PostgreSQL returns SUM of BIGINT as NUMERIC (Decimal); no evaluations gives NULL.
     return RoundRecord(
         id=row.id,
         run_id=row.run_id,
@@ -223,6 +229,8 @@ def _round_record(row: Round) -> RoundRecord:
         num_rejected=row.num_rejected,
         bytes_up=row.bytes_up,
         bytes_down=row.bytes_down,
+        eval_bytes_up=int(eval_bytes_up or 0),
+        eval_bytes_down=int(eval_bytes_down or 0),
     )
 
 
@@ -243,6 +251,26 @@ def _update_record(row: Update, site_name: str) -> UpdateRecord:
         reason=row.reason,
         num_examples=row.num_examples,
         train_loss=row.train_loss,
+        dispatched_at=row.dispatched_at,
+        arrived_at=row.arrived_at,
+    )
+
+
+def _evaluation_record(row: Evaluation, site_name: str) -> EvaluationRecord:
+    return EvaluationRecord(
+        id=row.id,
+        run_id=row.run_id,
+        site_id=row.site_id,
+        site=site_name,
+        round=row.round,
+        model_version=row.model_version,
+        bytes_up=row.bytes_up,
+        bytes_down=row.bytes_down,
+        status=cast(EvaluationStatus, row.status),
+        reason=row.reason,
+        num_examples=row.num_examples,
+        loss=row.loss,
+        accuracy=row.accuracy,
         dispatched_at=row.dispatched_at,
         arrived_at=row.arrived_at,
     )
@@ -273,7 +301,7 @@ def _runs_query() -> Select[tuple[Run, int | None, dict[str, Any] | None]]:
 
 # ---------------------------------------------------------------------------- repository
 class LedgerRepository:
-    """Typed access to the ledger: runs, their sites, rounds and site updates.
+    """Typed access to the ledger: runs, their sites, rounds, site updates and evaluations.
 
     Open one with ``LedgerRepository.open(url)``; it migrates the schema to the current
     revision first. Use it as a context manager, or call ``close()``. Every call takes its own
@@ -414,6 +442,15 @@ class LedgerRepository:
         if run is None:
             raise self._missing_run(run_id)
         return run
+
+    @staticmethod
+    def _require_site(session: Session, run_id: int, site: str) -> None:
+        names = list(session.scalars(select(Site.name).where(Site.run_id == run_id)))
+        if site not in names:
+            raise NotFoundError(
+                f"run {run_id} has no site {site!r}; its sites: "
+                f"{', '.join(sorted(names)) or 'none'}"
+            )
 
     # ------------------------------------------------------------------ runs
     def create_run(
@@ -706,12 +743,13 @@ class LedgerRepository:
         metrics: dict[str, float],
         train_loss: float | None,
         updates: Sequence[UpdateInput],
+        evaluations: Sequence[EvaluationInput] = (),
     ) -> None:
-        """Record one server step and every update it handled, in one transaction.
+        """Record one server step, every update and evaluation it handled, in one transaction.
 
         The round's ``bytes_up``, ``bytes_down`` and ``num_applied``/``num_dropped``/
         ``num_rejected`` are computed from ``updates``. Either the round and all its
-        updates are stored, or nothing is.
+        updates and evaluations are stored, or nothing is.
 
         Parameters
         ----------
@@ -729,14 +767,17 @@ class LedgerRepository:
             Aggregated training loss; non-finite is stored as ``None``.
         updates : Sequence[UpdateInput]
             The site updates handled at this step; each names a site added to the run.
+        evaluations : Sequence[EvaluationInput]
+            The federated evaluations handled at this step, at most one per site; each names
+            a site added to the run.
 
         Raises
         ------
         NotFoundError
             If the run does not exist.
         StorageError
-            If a value is invalid, the round is already recorded, or an update names a
-            site the run does not have.
+            If a value is invalid, the round is already recorded, an update or evaluation
+            names a site the run does not have, or two evaluations name the same site.
         """
         run_id = self._run_id(run_id)
         step = check_count("round", round, maximum=INT32_MAX)
@@ -754,6 +795,22 @@ class LedgerRepository:
                 raise StorageError(
                     f"updates[{index}] must be an UpdateInput, got {type(update).__name__}"
                 )
+        evals = list(evaluations)
+        evaluated: set[str] = set()
+        for index, evaluation in enumerate(evals):
+            if not isinstance(evaluation, EvaluationInput):
+                raise StorageError(
+                    f"evaluations[{index}] must be an EvaluationInput, got "
+                    f"{type(evaluation).__name__}"
+                )
+            if evaluation.site in evaluated:
+                raise StorageError(
+                    f"round {step}: two evaluations from site {evaluation.site!r}; a site is "
+                    "evaluated at most once per server step"
+                )
+            evaluated.add(evaluation.site)
+        if max(sum(e.bytes_up for e in evals), sum(e.bytes_down for e in evals)) > INT64_MAX:
+            raise StorageError(f"round {step}: total evaluation bytes exceed 2**63 - 1")
         row = Round(
             run_id=run_id,
             round=step,
@@ -795,6 +852,19 @@ class LedgerRepository:
                 rows.append(self._update_row(run_id, step, site_ids[update.site], update))
             if rows:
                 session.execute(insert(Update), rows)
+            eval_rows: list[dict[str, Any]] = []
+            for evaluation in evals:
+                if evaluation.site not in site_ids:
+                    known = ", ".join(sorted(site_ids)) or "none"
+                    raise StorageError(
+                        f"round {step}: evaluation from site {evaluation.site!r}, which run "
+                        f"{run_id} does not have (its sites: {known}); add it with add_site first"
+                    )
+                eval_rows.append(
+                    self._evaluation_row(run_id, step, site_ids[evaluation.site], evaluation)
+                )
+            if eval_rows:
+                session.execute(insert(Evaluation), eval_rows)
 
     @staticmethod
     def _update_row(run_id: int, step: int, site_id: int, update: UpdateInput) -> dict[str, Any]:
@@ -818,6 +888,28 @@ class LedgerRepository:
             else _timestamp("arrived_at", update.arrived_at),
         }
 
+    @staticmethod
+    def _evaluation_row(
+        run_id: int, step: int, site_id: int, evaluation: EvaluationInput
+    ) -> dict[str, Any]:
+        return {
+            "run_id": run_id,
+            "site_id": site_id,
+            "round": step,
+            "model_version": evaluation.model_version,
+            "bytes_up": evaluation.bytes_up,
+            "bytes_down": evaluation.bytes_down,
+            "status": evaluation.status,
+            "reason": _free_text(evaluation.reason),
+            "num_examples": evaluation.num_examples,
+            "loss": _optional_float("loss", evaluation.loss),
+            "accuracy": _optional_float("accuracy", evaluation.accuracy),
+            "dispatched_at": _timestamp("dispatched_at", evaluation.dispatched_at),
+            "arrived_at": None
+            if evaluation.arrived_at is None
+            else _timestamp("arrived_at", evaluation.arrived_at),
+        }
+
     def list_rounds(self, run_id: int) -> list[RoundRecord]:
         """Return a run's rounds ordered by round number.
 
@@ -829,7 +921,7 @@ class LedgerRepository:
         Returns
         -------
         list[RoundRecord]
-            One record per recorded server step.
+            One record per recorded server step, with its evaluation traffic summed in SQL.
 
         Raises
         ------
@@ -837,12 +929,25 @@ class LedgerRepository:
             If the run does not exist.
         """
         run_id = self._run_id(run_id)
+        traffic = (
+            select(
+                Evaluation.round.label("round"),
+                func.sum(Evaluation.bytes_up).label("eval_bytes_up"),
+                func.sum(Evaluation.bytes_down).label("eval_bytes_down"),
+            )
+            .where(Evaluation.run_id == run_id)
+            .group_by(Evaluation.round)
+            .subquery()
+        )
+        query = (
+            select(Round, traffic.c.eval_bytes_up, traffic.c.eval_bytes_down)
+            .outerjoin(traffic, traffic.c.round == Round.round)
+            .where(Round.run_id == run_id)
+            .order_by(Round.round)
+        )
         with self._session(f"list the rounds of run {run_id}") as session:
             self._require_run(session, run_id)
-            rows = session.scalars(
-                select(Round).where(Round.run_id == run_id).order_by(Round.round)
-            )
-            return [_round_record(row) for row in rows]
+            return [_round_record(row, up, down) for row, up, down in session.execute(query)]
 
     # ------------------------------------------------------------------ updates
     def list_updates(
@@ -883,19 +988,57 @@ class LedgerRepository:
         with self._session(f"list the updates of run {run_id}") as session:
             self._require_run(session, run_id)
             if site is not None:
-                names = list(session.scalars(select(Site.name).where(Site.run_id == run_id)))
-                if site not in names:
-                    raise NotFoundError(
-                        f"run {run_id} has no site {site!r}; its sites: "
-                        f"{', '.join(sorted(names)) or 'none'}"
-                    )
+                self._require_site(session, run_id, site)
             return [_update_record(row, name) for row, name in session.execute(query)]
 
-    def site_summaries(self, run_id: int) -> list[SiteSummary]:
-        """Return per-site totals over all of a run's updates, computed in SQL.
+    # ------------------------------------------------------------------ evaluations
+    def list_evaluations(
+        self, run_id: int, *, round: int | None = None, site: str | None = None
+    ) -> list[EvaluationRecord]:
+        """Return a run's federated evaluations ordered by round, then as recorded.
 
-        Sites with no updates are included with zero counts. Sites come in the order they
-        were added.
+        Parameters
+        ----------
+        run_id : int
+            The run.
+        round : int or None
+            Only the evaluations handled at this server step.
+        site : str or None
+            Only this site's evaluations.
+
+        Returns
+        -------
+        list[EvaluationRecord]
+            The matching evaluations, each with its site's name.
+
+        Raises
+        ------
+        NotFoundError
+            If the run does not exist, or ``site`` is not one of its sites.
+        """
+        run_id = self._run_id(run_id)
+        query = (
+            select(Evaluation, Site.name)
+            .join(Site, Site.id == Evaluation.site_id)
+            .where(Evaluation.run_id == run_id)
+            .order_by(Evaluation.round, Evaluation.id)
+        )
+        if round is not None:
+            step = check_count("round", round, maximum=INT32_MAX)
+            query = query.where(Evaluation.round == step)
+        if site is not None:
+            query = query.where(Site.name == site)
+        with self._session(f"list the evaluations of run {run_id}") as session:
+            self._require_run(session, run_id)
+            if site is not None:
+                self._require_site(session, run_id, site)
+            return [_evaluation_record(row, name) for row, name in session.execute(query)]
+
+    def site_summaries(self, run_id: int) -> list[SiteSummary]:
+        """Return per-site totals over all of a run's updates and evaluations, computed in SQL.
+
+        Sites with no updates or evaluations are included with zero counts. Sites come in the
+        order they were added.
 
         Parameters
         ----------
@@ -937,9 +1080,27 @@ class LedgerRepository:
             .group_by(Update.site_id)
             .subquery()
         )
+        evaluated = (
+            select(
+                Evaluation.site_id.label("site_id"),
+                func.count(Evaluation.id).label("evaluations"),
+                func.sum(Evaluation.bytes_up).label("eval_bytes_up"),
+                func.sum(Evaluation.bytes_down).label("eval_bytes_down"),
+            )
+            .where(Evaluation.run_id == run_id)
+            .group_by(Evaluation.site_id)
+            .subquery()
+        )
         query = (
-            select(Site, totals)
+            select(
+                Site,
+                totals,
+                evaluated.c.evaluations,
+                evaluated.c.eval_bytes_up,
+                evaluated.c.eval_bytes_down,
+            )
             .outerjoin(totals, totals.c.site_id == Site.id)
+            .outerjoin(evaluated, evaluated.c.site_id == Site.id)
             .where(Site.run_id == run_id)
             .order_by(Site.id)
         )
@@ -975,6 +1136,9 @@ class LedgerRepository:
                         mean_train_loss=None
                         if t["mean_train_loss"] is None
                         else float(t["mean_train_loss"]),
+                        evaluations=int(t["evaluations"] or 0),
+                        eval_bytes_up=int(t["eval_bytes_up"] or 0),
+                        eval_bytes_down=int(t["eval_bytes_down"] or 0),
                     )
                 )
             return summaries

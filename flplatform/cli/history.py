@@ -97,6 +97,7 @@ def rounds(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForm
                 "rejected",
                 "bytes up",
                 "bytes down",
+                "eval up/down",
                 "wall s",
             ],
             rows=[
@@ -111,6 +112,7 @@ def rounds(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForm
                     r.num_rejected,
                     human_bytes(r.bytes_up),
                     human_bytes(r.bytes_down),
+                    _pair(r.eval_bytes_up, r.eval_bytes_down),
                     r.wall_seconds,
                 )
                 for r in records
@@ -141,6 +143,7 @@ def sites(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForma
                 "staleness mean/max",
                 "bytes up",
                 "bytes down",
+                "eval up/down",
                 "compute s",
                 "train loss",
             ],
@@ -157,9 +160,15 @@ def sites(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForma
                     else f"{s.mean_staleness:.2f}/{s.max_staleness}",
                     human_bytes(s.bytes_up),
                     human_bytes(s.bytes_down),
+                    _pair(s.eval_bytes_up, s.eval_bytes_down),
                     s.compute_seconds,
                     s.mean_train_loss,
                 )
                 for s in records
             ],
         )
+
+
+def _pair(up: int, down: int) -> str:
+    """Federated-evaluation traffic, or '-' when there was none."""
+    return "-" if not (up or down) else f"{human_bytes(up)} / {human_bytes(down)}"

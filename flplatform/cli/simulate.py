@@ -64,8 +64,9 @@ def run_and_follow(config: RunConfig) -> RunRecord:
             progress.update(task, status="sites joining…")
             return
         accuracy = done[-1].metrics.get("accuracy")
-        up = human_bytes(sum(r.bytes_up for r in done))
-        down = human_bytes(sum(r.bytes_down for r in done))
+        # All traffic: training and federated evaluation.
+        up = human_bytes(sum(r.bytes_up + r.eval_bytes_up for r in done))
+        down = human_bytes(sum(r.bytes_down + r.eval_bytes_down for r in done))
         status = (
             f"accuracy {accuracy:.4f}  " if accuracy is not None else ""
         ) + f"up {up}  down {down}"

@@ -36,8 +36,10 @@ from flplatform.engine.events import (
     APPLIED,
     CANCELLED,
     DROPPED,
+    EVALUATED,
     REJECTED,
     Dispatch,
+    EvaluationOutcome,
     LedgerSink,
     NullLedger,
     RoundSummary,
@@ -45,7 +47,13 @@ from flplatform.engine.events import (
     UpdateOutcome,
 )
 from flplatform.engine.policy import AggregationPolicy, EngineView, SyncPolicy
-from flplatform.engine.replies import condense_error, finite, reported_metrics, site_info
+from flplatform.engine.replies import (
+    condense_error,
+    evaluation_metrics,
+    finite,
+    reported_metrics,
+    site_info,
+)
 from flplatform.engine.wire import content_size, message_size
 from flplatform.errors import RunFailed, UpdateRejected
 
@@ -248,8 +256,9 @@ class RoundEngine:
                     result.evaluate_metrics_serverapp[server_round] = central
                     metrics.update(_floats(central))
             # ---- federated evaluation on the sites, when asked
+            evaluations: tuple[EvaluationOutcome, ...] = ()
             if federated_evaluation:
-                site_metrics = self._evaluate_round(server_round, evaluate_config)
+                site_metrics, evaluations = self._evaluate_round(server_round, evaluate_config)
                 if site_metrics is not None:
                     result.evaluate_metrics_clientapp[server_round] = site_metrics
                     # site_accuracy, site_loss: the sites' view beside the server's own
@@ -264,6 +273,7 @@ class RoundEngine:
                 metrics=metrics,
                 train_loss=summary.train_loss,
                 updates=summary.updates,
+                evaluations=evaluations,
             )
             self.ledger.record_round(summary)
             if self.on_round is not None:
@@ -309,7 +319,7 @@ class RoundEngine:
             )
             for node_id in node_ids
         ]
-        replies = self._exchange(queries, timeout=timeout)
+        replies = {d.node_id: r for d, r in self._exchange(queries, timeout=timeout)}
         taken = {s.name for s in self.sites.values()}
         infos = [site_info(node_id, replies.get(node_id)) for node_id in node_ids]
         # Partition order (then name) keeps the ledger's site order the same across runs.
@@ -562,7 +572,8 @@ class RoundEngine:
     # ========================================================= federated evaluation
     def _evaluate_round(
         self, server_round: int, evaluate_config: ConfigRecord | None
-    ) -> MetricRecord | None:
+    ) -> tuple[MetricRecord | None, tuple[EvaluationOutcome, ...]]:
+        """Ask idle sites to evaluate the current model; aggregate and account for it."""
         idle = [n for n in self.sites if self._is_idle(n)]
         config = ConfigRecord(dict(evaluate_config or {}))
         config[keys.MODEL_VERSION] = self.version
@@ -584,44 +595,83 @@ class RoundEngine:
                         group_id=str(self.version),
                     )
                 )
-        replies = self._exchange(messages, timeout=self.round_timeout)
-        return self.strategy.aggregate_evaluate(server_round, replies.values())
+        exchanged = self._exchange(messages, timeout=self.round_timeout)
+        outcomes = tuple(self._evaluation_outcome(dispatch, reply) for dispatch, reply in exchanged)
+        answered = [reply for _, reply in exchanged if reply is not None]
+        return self.strategy.aggregate_evaluate(server_round, answered), outcomes
 
-    def _exchange(self, messages: list[Message], *, timeout: float) -> dict[int, Message]:
+    def _evaluation_outcome(self, dispatch: Dispatch, reply: Message | None) -> EvaluationOutcome:
+        row: dict[str, Any] = dict(
+            site=self._name(dispatch.node_id),
+            model_version=dispatch.model_version,
+            bytes_down=dispatch.bytes_down,
+            dispatched_at=dispatch.dispatched_at,
+        )
+        if not dispatch.message_id:
+            return EvaluationOutcome(
+                bytes_up=0, status=DROPPED, reason=REFUSED, **{**row, "bytes_down": 0}
+            )
+        if reply is None:
+            reason = f"no reply within {self.round_timeout:.0f} s"
+            return EvaluationOutcome(bytes_up=0, status=DROPPED, reason=reason, **row)
+        bytes_up, arrived_at = message_size(reply), self.clock.now()
+        if reply.has_error():
+            reason = f"site error {reply.error.code}: {condense_error(reply.error.reason or '')}"
+            return EvaluationOutcome(
+                bytes_up=bytes_up, status=DROPPED, reason=reason, arrived_at=arrived_at, **row
+            )
+        return EvaluationOutcome(
+            bytes_up=bytes_up,
+            status=EVALUATED,
+            arrived_at=arrived_at,
+            **row,
+            **evaluation_metrics(reply),
+        )
+
+    def _exchange(
+        self, messages: list[Message], *, timeout: float
+    ) -> list[tuple[Dispatch, Message | None]]:
         """Push messages and pull until every reply is in or ``timeout`` passes.
 
-        Unanswered messages are abandoned like overdue training messages: their sites get
-        no other message until Flower answers these.
+        Returns each message's dispatch (with its measured size; an empty message id if
+        the SuperLink refused it) and its reply, or None. Unanswered messages are
+        abandoned like overdue training messages: their sites get no other message until
+        Flower answers these.
         """
         if not messages:
-            return {}
+            return []
+        sizes: dict[int, int] = {}
         ids = list(self.grid.push_messages(messages))
         now, deadline = self.clock.now(), time.monotonic() + timeout
-        pending = {
-            message_id: Dispatch(
-                node_id=msg.metadata.dst_node_id,
-                message_id=message_id,
-                server_round=0,
-                model_version=self.version,
-                dispatched_at=now,
-                deadline=deadline,
-                bytes_down=0,
+        dispatches: list[Dispatch] = []
+        for i, msg in enumerate(messages):
+            key = id(msg.content)
+            if key not in sizes:
+                sizes[key] = content_size(msg.content)
+            dispatches.append(
+                Dispatch(
+                    node_id=msg.metadata.dst_node_id,
+                    message_id=ids[i] if i < len(ids) else "",
+                    server_round=0,
+                    model_version=self.version,
+                    dispatched_at=now,
+                    deadline=deadline,
+                    bytes_down=message_size(msg, sizes[key]),
+                )
             )
-            for msg, message_id in zip(messages, ids, strict=False)
-            if message_id
-        }
-        replies: dict[int, Message] = {}
+        pending = {d.message_id: d for d in dispatches if d.message_id}
+        replies: dict[str, Message] = {}
         while pending and time.monotonic() < deadline:
             got = list(self.grid.pull_messages(list(pending)[:PULL_CHUNK]))
             for reply in got:
-                dispatch = pending.pop(reply.metadata.reply_to_message_id, None)
-                if dispatch is not None:
-                    replies[dispatch.node_id] = reply
+                message_id = reply.metadata.reply_to_message_id
+                if pending.pop(message_id, None) is not None:
+                    replies[message_id] = reply
             if not got:
                 time.sleep(self.poll_interval)
         for dispatch in pending.values():
             self._abandoned[dispatch.message_id] = dispatch
-        return replies
+        return [(d, replies.get(d.message_id)) for d in dispatches]
 
     # ================================================================= helpers
     def _view(self, state: _RoundState) -> EngineView:

@@ -14,6 +14,7 @@ BUFFERED = "buffered"
 CANCELLED = "cancelled"
 DROPPED = "dropped"
 REJECTED = "rejected"
+EVALUATED = "evaluated"  # an evaluation message answered with metrics
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,23 @@ class UpdateOutcome:
 
 
 @dataclass(frozen=True)
+class EvaluationOutcome:
+    """One federated-evaluation message and its reply: one ledger row."""
+
+    site: str
+    model_version: int
+    bytes_up: int
+    bytes_down: int
+    status: str  # EVALUATED or DROPPED
+    dispatched_at: float
+    arrived_at: float | None = None
+    reason: str | None = None
+    num_examples: int | None = None
+    loss: float | None = None
+    accuracy: float | None = None
+
+
+@dataclass(frozen=True)
 class RoundSummary:
     """One server step, as the engine reports it to the ledger and to progress displays."""
 
@@ -70,15 +88,16 @@ class RoundSummary:
     metrics: dict[str, float]
     train_loss: float | None
     updates: tuple[UpdateOutcome, ...]
+    evaluations: tuple[EvaluationOutcome, ...] = ()
 
     @property
     def bytes_up(self) -> int:
-        """Bytes sent by sites this round."""
+        """Bytes sites sent for training this round."""
         return sum(u.bytes_up for u in self.updates)
 
     @property
     def bytes_down(self) -> int:
-        """Bytes sent to sites this round."""
+        """Bytes sent to sites for training this round."""
         return sum(u.bytes_down for u in self.updates)
 
 

@@ -93,3 +93,29 @@ def reported_metrics(reply: Message) -> dict[str, Any]:
     if seconds is not None:
         out["compute_seconds"] = seconds
     return out
+
+
+def evaluation_metrics(reply: Message) -> dict[str, Any]:
+    """Example count, loss and accuracy of an evaluation reply, where valid.
+
+    Flower's quickstarts report ``eval_loss`` / ``eval_acc``; ``loss`` / ``accuracy`` are
+    read too.
+    """
+    records = reply.content.metric_records if reply.has_content() else {}
+    if keys.METRICS not in records:
+        return {}
+    metrics = records[keys.METRICS]
+    out: dict[str, Any] = {}
+    examples = count(metrics.get(keys.NUM_EXAMPLES))
+    if examples is not None:
+        out["num_examples"] = examples
+    for field, names in (
+        ("loss", (keys.EVAL_LOSS, keys.LOSS)),
+        ("accuracy", (keys.EVAL_ACCURACY, keys.ACCURACY)),
+    ):
+        for name in names:
+            value = finite(metrics.get(name), minimum=0.0)
+            if value is not None:
+                out[field] = value
+                break
+    return out

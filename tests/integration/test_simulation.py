@@ -86,6 +86,10 @@ def test_three_sites_two_rounds_fill_the_ledger(tmp_path: Path) -> None:
             assert update.compute_seconds is not None and update.compute_seconds > 0
             assert update.train_loss is not None and np.isfinite(update.train_loss)
         assert rounds[0].bytes_up == sum(u.bytes_up for u in updates if u.round == 1)
+        evaluations = repo.list_evaluations(run.id)
+        assert len(evaluations) == 6 and all(e.status == "evaluated" for e in evaluations)
+        # An evaluation message carries the whole model down, like a training message.
+        assert all(payload < e.bytes_down < payload + 4000 for e in evaluations)
 
     # The history CLI reads the same rows back.
     shown = runner.invoke(app, ["history", "rounds", str(run.id), "--db", db, "--format", "json"])

@@ -229,6 +229,9 @@ def repo(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LedgerRepos
         if request.param != "sqlite":
             with repository._engine.begin() as connection:
                 connection.execute(
-                    text("TRUNCATE runs, sites, rounds, updates RESTART IDENTITY CASCADE")
+                    text(
+                        "TRUNCATE runs, sites, rounds, updates, evaluations "
+                        "RESTART IDENTITY CASCADE"
+                    )
                 )
         yield repository

@@ -8,7 +8,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from storage import LedgerRepository, UpdateInput, UpdateRecord, UpdateStatus
+from storage import (
+    EvaluationInput,
+    EvaluationRecord,
+    EvaluationStatus,
+    LedgerRepository,
+    UpdateInput,
+    UpdateRecord,
+    UpdateStatus,
+)
 
 T0 = 1_700_000_000.25  # a fixed unix time with a fractional part
 
@@ -54,6 +62,31 @@ def update(
     }
     fields.update(overrides)
     return UpdateInput(**fields)
+
+
+def evaluation(
+    site: str,
+    status: EvaluationStatus = "evaluated",
+    *,
+    bytes_up: int = 30,
+    bytes_down: int = 300,
+    **overrides: Any,
+) -> EvaluationInput:
+    """An ``EvaluationInput`` with plausible defaults."""
+    fields: dict[str, Any] = {
+        "site": site,
+        "model_version": 1,
+        "bytes_up": bytes_up,
+        "bytes_down": bytes_down,
+        "status": status,
+        "dispatched_at": T0 + 3,
+        "arrived_at": T0 + 4 if status == "evaluated" else None,
+        "num_examples": 50 if status == "evaluated" else None,
+        "loss": 0.25 if status == "evaluated" else None,
+        "accuracy": 0.875 if status == "evaluated" else None,
+    }
+    fields.update(overrides)
+    return EvaluationInput(**fields)
 
 
 def record(
@@ -118,6 +151,14 @@ def naive_summary(rows: Iterable[UpdateRecord | UpdateInput]) -> NaiveSummary:
         compute_seconds=sum(row.compute_seconds or 0.0 for row in rows),
         mean_train_loss=statistics.fmean(losses) if losses else None,
     )
+
+
+def naive_eval_traffic(
+    rows: Iterable[EvaluationRecord | EvaluationInput],
+) -> tuple[int, int, int]:
+    """``(count, bytes_up, bytes_down)`` of some evaluations, the obvious way."""
+    rows = list(rows)
+    return len(rows), sum(row.bytes_up for row in rows), sum(row.bytes_down for row in rows)
 
 
 def assert_summary_matches(actual: Any, expected: NaiveSummary) -> None:

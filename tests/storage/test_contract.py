@@ -15,11 +15,13 @@ import pytest
 from sqlalchemy import event, text
 
 from flplatform.errors import NotFoundError, StorageError
-from storage import LedgerRepository, UpdateInput
+from storage import EvaluationInput, LedgerRepository, UpdateInput
 from tests.storage.helpers import (
     T0,
     assert_summary_matches,
+    evaluation,
     make_run,
+    naive_eval_traffic,
     naive_summary,
     record,
     update,
@@ -426,6 +428,238 @@ def test_site_summaries_match_a_naive_aggregation(repo: LedgerRepository) -> Non
     assert summaries[0].bytes_up == 10 + 2**40 + 100
 
 
+# ---------------------------------------------------------------------------- evaluations
+def test_round_and_evaluations_round_trip_every_field(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    london = repo.add_site(run_id, name="london", node_id=UINT64_MAX)
+    tokyo = repo.add_site(run_id, name="tokyo", node_id=5)
+    evaluated = EvaluationInput(
+        site="london",
+        model_version=3,
+        bytes_up=3_000_000_000_000,
+        bytes_down=4321,
+        status="evaluated",
+        dispatched_at=T0 + 40.125,
+        arrived_at=T0 + 41.5,
+        num_examples=120,
+        loss=0.375,
+        accuracy=0.9375,
+    )
+    dropped = EvaluationInput(
+        site="tokyo",
+        model_version=3,
+        bytes_up=0,
+        bytes_down=4321,
+        status="dropped",
+        dispatched_at=T0 + 40.25,
+        reason="deadline passed",
+    )
+
+    repo.record_round(
+        run_id,
+        round=4,
+        model_version=3,
+        started_at=T0 + 40,
+        finished_at=T0 + 42.5,
+        metrics={"accuracy": 0.95},
+        train_loss=0.31,
+        updates=[update("london", bytes_up=10, bytes_down=20)],
+        evaluations=[evaluated, dropped],
+    )
+
+    [rnd] = repo.list_rounds(run_id)
+    assert (rnd.bytes_up, rnd.bytes_down) == (10, 20)  # updates only
+    assert (rnd.eval_bytes_up, rnd.eval_bytes_down) == (3_000_000_000_000, 2 * 4321)
+    got = repo.list_evaluations(run_id)
+    assert [(e.site, e.site_id, e.status) for e in got] == [
+        ("london", london, "evaluated"),
+        ("tokyo", tokyo, "dropped"),
+    ]
+    first, second = got
+    assert (first.run_id, first.round, first.model_version) == (run_id, 4, 3)
+    assert (first.bytes_up, first.bytes_down) == (3_000_000_000_000, 4321)
+    assert (first.num_examples, first.loss, first.accuracy, first.reason) == (
+        120,
+        0.375,
+        0.9375,
+        None,
+    )
+    assert (first.dispatched_at, first.arrived_at) == (utc(T0 + 40.125), utc(T0 + 41.5))
+    assert all(e.dispatched_at.utcoffset() == timedelta(0) for e in got)
+    assert (second.arrived_at, second.num_examples, second.loss, second.accuracy) == (
+        None,
+        None,
+        None,
+        None,
+    )
+    assert (second.reason, second.bytes_up) == ("deadline passed", 0)
+    # Recording evaluations leaves the update accounting as it was.
+    assert len(repo.list_updates(run_id)) == 1
+
+
+def test_rounds_without_evaluations_have_zero_eval_traffic(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    repo.add_site(run_id, name="a", node_id=1)
+    record(repo, run_id, 1, [update("a")])
+    record(repo, run_id, 2, [], evaluations=[evaluation("a", bytes_up=5, bytes_down=6)])
+    record(repo, run_id, 3, [update("a")], evaluations=[])
+
+    rounds = repo.list_rounds(run_id)
+    assert [(r.round, r.eval_bytes_up, r.eval_bytes_down) for r in rounds] == [
+        (1, 0, 0),
+        (2, 5, 6),
+        (3, 0, 0),
+    ]
+    assert all(type(r.eval_bytes_up) is int for r in rounds)
+    [summary] = repo.site_summaries(run_id)
+    assert (summary.evaluations, summary.eval_bytes_up, summary.eval_bytes_down) == (1, 5, 6)
+
+
+def test_unknown_evaluation_site_leaves_no_round_updates_or_evaluations(
+    repo: LedgerRepository,
+) -> None:
+    run_id = make_run(repo)
+    repo.add_site(run_id, name="a", node_id=1)
+
+    with pytest.raises(StorageError, match="evaluation from site 'ghost'"):
+        record(repo, run_id, 1, [update("a")], evaluations=[evaluation("a"), evaluation("ghost")])
+
+    assert repo.list_rounds(run_id) == []
+    assert repo.list_updates(run_id) == []
+    assert repo.list_evaluations(run_id) == []
+    assert count_rows(repo, "evaluations") == 0
+    assert repo.get_run(run_id).rounds_completed == 0
+    # The step can then be recorded properly.
+    record(repo, run_id, 1, [update("a")], evaluations=[evaluation("a")])
+    assert len(repo.list_evaluations(run_id)) == 1
+
+
+def test_a_failure_while_writing_evaluations_rolls_back_the_round(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    repo.add_site(run_id, name="a", node_id=1)
+    seen: list[str] = []
+
+    def fail_on_evaluations(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        head = " ".join(statement.split()[:3]).upper()
+        seen.append(head)
+        if head == "INSERT INTO EVALUATIONS":
+            raise RuntimeError("disk on fire")
+
+    event.listen(repo._engine, "before_cursor_execute", fail_on_evaluations)
+    try:
+        with pytest.raises(RuntimeError, match="disk on fire"):
+            record(repo, run_id, 1, [update("a")], evaluations=[evaluation("a")])
+    finally:
+        event.remove(repo._engine, "before_cursor_execute", fail_on_evaluations)
+
+    assert {"INSERT INTO ROUNDS", "INSERT INTO UPDATES"} <= set(seen)
+    assert repo.list_rounds(run_id) == []
+    assert (count_rows(repo, "updates"), count_rows(repo, "evaluations")) == (0, 0)
+
+
+def test_evaluation_inputs_are_validated_before_writing(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    repo.add_site(run_id, name="a", node_id=1)
+    with pytest.raises(StorageError, match=r"evaluations\[1\] must be an EvaluationInput"):
+        record(repo, run_id, 1, [], evaluations=[evaluation("a"), update("a")])
+    with pytest.raises(StorageError, match="two evaluations from site 'a'"):
+        record(repo, run_id, 1, [], evaluations=[evaluation("a"), evaluation("a", "dropped")])
+    assert repo.list_rounds(run_id) == []
+    # One evaluation per site and step, but a site may be evaluated again at later steps.
+    record(repo, run_id, 1, [], evaluations=[evaluation("a")])
+    record(repo, run_id, 2, [], evaluations=[evaluation("a", model_version=2)])
+    assert [(e.round, e.model_version) for e in repo.list_evaluations(run_id)] == [(1, 1), (2, 2)]
+
+
+def test_the_schema_refuses_a_second_evaluation_of_a_site_in_a_step(
+    repo: LedgerRepository,
+) -> None:
+    run_id = make_run(repo)
+    site_id = repo.add_site(run_id, name="a", node_id=1)
+    record(repo, run_id, 1, [], evaluations=[evaluation("a")])
+    row = {"run_id": run_id, "site_id": site_id, "round": 1, "model_version": 1, "bytes_up": 0}
+    columns = ", ".join([*row, "bytes_down", "status", "dispatched_at"])
+    values = ", ".join([f":{name}" for name in row] + ["0", "'dropped'", "CURRENT_TIMESTAMP"])
+    with pytest.raises(Exception, match="(?i)unique"), repo._engine.begin() as connection:
+        connection.execute(text(f"INSERT INTO evaluations ({columns}) VALUES ({values})"), row)
+    assert count_rows(repo, "evaluations") == 1
+
+
+def test_evaluation_floats_that_are_not_finite_are_stored_as_null(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    repo.add_site(run_id, name="a", node_id=1)
+    given = evaluation("a", loss=math.nan, accuracy=-math.inf, reason="bad\x00payload")
+    assert (given.loss, given.accuracy) == (None, None)
+    record(repo, run_id, 1, [], evaluations=[given])
+
+    [stored] = repo.list_evaluations(run_id)
+    assert (stored.loss, stored.accuracy, stored.reason) == (None, None, "bad\ufffdpayload")
+
+
+def test_list_evaluations_filters_by_round_and_site(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    for name in ("a", "b"):
+        repo.add_site(run_id, name=name, node_id=ord(name))
+    record(repo, run_id, 1, [], evaluations=[evaluation("b"), evaluation("a", "dropped")])
+    record(repo, run_id, 2, [update("a")], evaluations=[evaluation("a")])
+
+    assert [(e.round, e.site, e.status) for e in repo.list_evaluations(run_id)] == [
+        (1, "b", "evaluated"),
+        (1, "a", "dropped"),
+        (2, "a", "evaluated"),
+    ]
+    assert [(e.round, e.status) for e in repo.list_evaluations(run_id, site="a")] == [
+        (1, "dropped"),
+        (2, "evaluated"),
+    ]
+    assert [e.site for e in repo.list_evaluations(run_id, round=2)] == ["a"]
+    assert [e.status for e in repo.list_evaluations(run_id, round=1, site="b")] == ["evaluated"]
+    assert repo.list_evaluations(run_id, round=7) == []
+    with pytest.raises(NotFoundError, match="no site 'c'"):
+        repo.list_evaluations(run_id, site="c")
+    with pytest.raises(StorageError, match="round"):
+        repo.list_evaluations(run_id, round=-1)
+
+
+def test_evaluation_aggregates_match_a_naive_computation(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    names = ("london", "ohio", "tokyo", "idle")
+    for name in names:
+        repo.add_site(run_id, name=name, node_id=len(name))
+    given = {
+        1: [
+            evaluation("london", bytes_up=10, bytes_down=2**40),
+            evaluation("ohio", "dropped", bytes_up=0, bytes_down=7),
+        ],
+        2: [],
+        3: [
+            evaluation("london", bytes_up=2**41, bytes_down=3),
+            evaluation("ohio", bytes_up=5, bytes_down=6),
+            evaluation("tokyo", "dropped", bytes_up=0, bytes_down=0),
+        ],
+    }
+    for step, evals in given.items():
+        record(repo, run_id, step, [update("london"), update("tokyo")], evaluations=evals)
+
+    stored = repo.list_evaluations(run_id)
+    for rnd in repo.list_rounds(run_id):
+        _, up, down = naive_eval_traffic(given[rnd.round])
+        assert (rnd.eval_bytes_up, rnd.eval_bytes_down) == (up, down)
+        assert (up, down) == naive_eval_traffic(e for e in stored if e.round == rnd.round)[1:]
+    updates = repo.list_updates(run_id)
+    summaries = repo.site_summaries(run_id)
+    assert [s.name for s in summaries] == list(names)
+    for summary in summaries:
+        mine = [e for evals in given.values() for e in evals if e.site == summary.name]
+        assert (summary.evaluations, summary.eval_bytes_up, summary.eval_bytes_down) == (
+            naive_eval_traffic(mine)
+        )
+        # Evaluations do not change the update totals.
+        assert_summary_matches(summary, naive_summary(u for u in updates if u.site == summary.name))
+    assert (summaries[-1].evaluations, summaries[-1].eval_bytes_up) == (0, 0)
+    assert summaries[0].eval_bytes_down == 2**40 + 3
+
+
 # ---------------------------------------------------------------------------- errors
 def test_a_missing_run_is_not_found_everywhere(repo: LedgerRepository) -> None:
     calls = {
@@ -436,6 +670,7 @@ def test_a_missing_run_is_not_found_everywhere(repo: LedgerRepository) -> None:
         "record_round": lambda: record(repo, 42, 1, []),
         "list_rounds": lambda: repo.list_rounds(42),
         "list_updates": lambda: repo.list_updates(42),
+        "list_evaluations": lambda: repo.list_evaluations(42),
         "site_summaries": lambda: repo.site_summaries(42),
         "huge id": lambda: repo.get_run(2**40),
     }
@@ -507,7 +742,7 @@ def test_deleting_a_run_cascades_to_its_rows(repo: LedgerRepository) -> None:
     keep, drop = make_run(repo), make_run(repo)
     for run_id in (keep, drop):
         repo.add_site(run_id, name="a", node_id=1)
-        record(repo, run_id, 1, [update("a")])
+        record(repo, run_id, 1, [update("a")], evaluations=[evaluation("a")])
 
     # No repository method deletes (yet); the schema's ON DELETE CASCADE must hold regardless,
     # which on SQLite needs the foreign_keys pragma on every connection.
@@ -519,13 +754,20 @@ def test_deleting_a_run_cascades_to_its_rows(repo: LedgerRepository) -> None:
         1,
         1,
     )
+    assert count_rows(repo, "evaluations") == 1
     assert len(repo.list_updates(keep)) == 1
+    assert len(repo.list_evaluations(keep)) == 1
+
+    # Deleting a site takes its evaluations (and updates) with it.
+    with repo._engine.begin() as connection:
+        connection.execute(text("DELETE FROM sites WHERE run_id = :id"), {"id": keep})
+    assert (count_rows(repo, "updates"), count_rows(repo, "evaluations")) == (0, 0)
 
 
 def test_records_serialise_to_json(repo: LedgerRepository) -> None:
     run_id = make_run(repo, tag="j")
     repo.add_site(run_id, name="a", node_id=UINT64_MAX, profile={"x": [1, 2]})
-    record(repo, run_id, 1, [update("a")])
+    record(repo, run_id, 1, [update("a")], evaluations=[evaluation("a")])
     repo.finish_run(run_id, status="finished", finished_at=T0 + 60)
 
     records: list[Any] = [
@@ -534,6 +776,7 @@ def test_records_serialise_to_json(repo: LedgerRepository) -> None:
         *repo.list_rounds(run_id),
         *repo.list_updates(run_id),
         *repo.site_summaries(run_id),
+        *repo.list_evaluations(run_id),
     ]
     for rec in records:
         data = json.loads(json.dumps(rec.to_dict()))
@@ -541,5 +784,19 @@ def test_records_serialise_to_json(repo: LedgerRepository) -> None:
     run = records[0].to_dict()
     assert datetime.fromisoformat(run["finished_at"]) == utc(T0 + 60)
     assert records[1].to_dict()["node_id"] == UINT64_MAX
+    assert {"eval_bytes_up": 30, "eval_bytes_down": 300}.items() <= records[2].to_dict().items()
+    summary = records[4].to_dict()
+    assert (summary["evaluations"], summary["eval_bytes_up"], summary["eval_bytes_down"]) == (
+        1,
+        30,
+        300,
+    )
+    evaluated = records[5].to_dict()
+    assert (evaluated["site"], evaluated["status"], evaluated["accuracy"]) == (
+        "a",
+        "evaluated",
+        0.875,
+    )
+    assert datetime.fromisoformat(evaluated["arrived_at"]) == utc(T0 + 4)
     run["config"]["lr"] = 99  # a copy: the record itself is untouched
     assert records[0].config == {"lr": 0.1}

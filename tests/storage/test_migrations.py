@@ -12,6 +12,7 @@ import time
 import tomllib
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from datetime import UTC, datetime, timedelta
 from fnmatch import fnmatch
 from pathlib import Path
 
@@ -19,11 +20,11 @@ import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import create_engine, inspect, text
-from sqlalchemy.engine import make_url
+from sqlalchemy import JSON, column, create_engine, insert, inspect, table, text
+from sqlalchemy.engine import Connection, make_url
 
 from flplatform.errors import StorageError
-from storage import LedgerRepository
+from storage import EvaluationInput, LedgerRepository
 from storage.migrations import (
     _POSTGRES_LOCK_KEY,
     MIGRATIONS_DIR,
@@ -32,11 +33,13 @@ from storage.migrations import (
     current_revisions,
     head_revision,
 )
-from storage.models import metadata
-from tests.storage.helpers import make_run
+from storage.models import UInt64, UTCDateTime, metadata
+from storage.session import create_ledger_engine
+from tests.storage.helpers import T0, evaluation, make_run, record, update
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-LEDGER_TABLES = {"runs", "sites", "rounds", "updates"}
+LEDGER_TABLES = {"runs", "sites", "rounds", "updates", "evaluations"}
+TABLES_OF_0001 = {"runs", "sites", "rounds", "updates"}
 
 
 def test_opening_twice_keeps_data_and_stays_at_head(ledger_url: str) -> None:
@@ -70,16 +73,37 @@ def test_every_constraint_and_index_is_named_by_convention(ledger_url: str) -> N
             "uq": {uq["name"] for t in LEDGER_TABLES for uq in inspector.get_unique_constraints(t)},
             "ix": {ix["name"] for t in LEDGER_TABLES for ix in inspector.get_indexes(t)},
         }
-        fks = {fk["name"]: fk for fk in inspector.get_foreign_keys("updates")}
+        fks = {
+            fk["name"]: fk
+            for t in ("updates", "evaluations")
+            for fk in inspector.get_foreign_keys(t)
+        }
+        checks = {ck["name"] for ck in inspector.get_check_constraints("evaluations")}
     assert names["fk"] == {
         "fk_sites_run_id_runs",
         "fk_rounds_run_id_runs",
         "fk_updates_run_id_runs",
         "fk_updates_site_id_sites",
+        "fk_evaluations_run_id_runs",
+        "fk_evaluations_site_id_sites",
     }
-    assert names["uq"] == {"uq_runs_tag", "uq_sites_run_id_name", "uq_rounds_run_id_round"}
-    assert {"ix_runs_created_at", "ix_updates_run_id_round", "ix_updates_site_id"} <= names["ix"]
-    assert fks["fk_updates_site_id_sites"]["options"].get("ondelete") == "CASCADE"
+    assert names["uq"] == {
+        "uq_runs_tag",
+        "uq_sites_run_id_name",
+        "uq_rounds_run_id_round",
+        "uq_evaluations_run_id_round_site_id",
+    }
+    assert {
+        "ix_runs_created_at",
+        "ix_updates_run_id_round",
+        "ix_updates_site_id",
+        "ix_evaluations_run_id_round",
+        "ix_evaluations_site_id",
+    } <= names["ix"]
+    assert checks == {"ck_evaluations_status"}
+    for name in ("fk_updates_site_id_sites", "fk_evaluations_site_id_sites"):
+        assert fks[name]["options"].get("ondelete") == "CASCADE", name
+    assert fks["fk_evaluations_run_id_runs"]["options"].get("ondelete") == "CASCADE"
 
 
 def test_downgrade_to_base_and_back(ledger_url: str) -> None:
@@ -90,6 +114,176 @@ def test_downgrade_to_base_and_back(ledger_url: str) -> None:
             assert not LEDGER_TABLES & set(inspect(connection).get_table_names())
     with LedgerRepository.open(ledger_url) as repo:
         assert repo.list_runs() == []
+
+
+def _assert_no_schema_diff(connection: Connection) -> None:
+    context = MigrationContext.configure(
+        connection, opts={"version_table": VERSION_TABLE, "compare_type": True}
+    )
+    assert compare_metadata(context, metadata) == []
+
+
+def _fill_an_0001_ledger(connection: Connection) -> None:
+    """Insert a run, a site, a round and an update with the 0001 schema (no ORM models)."""
+    runs = table(
+        "runs",
+        *map(column, ("id", "name", "strategy", "seed", "num_rounds_planned", "status")),
+        column("config", JSON),
+        column("created_at", UTCDateTime()),
+    )
+    sites = table(
+        "sites",
+        *map(column, ("id", "run_id", "name")),
+        column("node_id", UInt64()),
+        column("profile", JSON),
+    )
+    rounds = table(
+        "rounds",
+        *map(column, ("id", "run_id", "round", "model_version", "wall_seconds", "train_loss")),
+        *map(column, ("num_applied", "num_dropped", "num_rejected", "bytes_up", "bytes_down")),
+        column("metrics", JSON),
+        column("started_at", UTCDateTime()),
+        column("finished_at", UTCDateTime()),
+    )
+    updates = table(
+        "updates",
+        *map(column, ("id", "run_id", "site_id", "round", "dispatched_round")),
+        *map(column, ("version_trained_on", "staleness", "bytes_up", "bytes_down", "status")),
+        column("dispatched_at", UTCDateTime()),
+    )
+    when = datetime.fromtimestamp(T0, tz=UTC)
+    connection.execute(
+        insert(runs).values(
+            id=1,
+            name="old",
+            strategy="fedavg",
+            seed=7,
+            num_rounds_planned=3,
+            status="running",
+            config={"lr": 0.1},
+            created_at=when,
+        )
+    )
+    connection.execute(
+        insert(sites).values(id=1, run_id=1, name="london", node_id=2**64 - 1, profile={})
+    )
+    connection.execute(
+        insert(rounds).values(
+            id=1,
+            run_id=1,
+            round=1,
+            model_version=1,
+            wall_seconds=2.0,
+            train_loss=0.5,
+            num_applied=1,
+            num_dropped=0,
+            num_rejected=0,
+            bytes_up=111,
+            bytes_down=222,
+            metrics={"accuracy": 0.5},
+            started_at=when,
+            finished_at=when + timedelta(seconds=2),
+        )
+    )
+    connection.execute(
+        insert(updates).values(
+            id=1,
+            run_id=1,
+            site_id=1,
+            round=1,
+            dispatched_round=1,
+            version_trained_on=0,
+            staleness=0,
+            bytes_up=111,
+            bytes_down=222,
+            status="applied",
+            dispatched_at=when,
+        )
+    )
+    if connection.dialect.name == "postgresql":
+        # Explicit ids do not advance PostgreSQL's sequences; an application never sets them.
+        for name in ("runs", "sites", "rounds", "updates"):
+            connection.execute(text(f"SELECT setval(pg_get_serial_sequence('{name}', 'id'), 1)"))
+
+
+def test_an_0001_ledger_upgrades_keeping_its_rows_and_downgrades_back(ledger_url: str) -> None:
+    assert head_revision() == "0002"
+    engine = create_ledger_engine(ledger_url)
+    try:
+        with engine.begin() as connection:
+            command.upgrade(alembic_config(connection), "0001")
+            _fill_an_0001_ledger(connection)
+        with engine.connect() as connection:
+            assert current_revisions(connection) == {"0001"}
+            assert set(inspect(connection).get_table_names()) >= TABLES_OF_0001
+            assert "evaluations" not in inspect(connection).get_table_names()
+    finally:
+        engine.dispose()
+
+    with LedgerRepository.open(ledger_url) as repo:  # opening upgrades to head
+        with repo._engine.connect() as connection:
+            assert current_revisions(connection) == {head_revision()}
+            _assert_no_schema_diff(connection)
+        run = repo.get_run(1)
+        assert (run.name, run.config, run.rounds_completed, run.last_metrics) == (
+            "old",
+            {"lr": 0.1},
+            1,
+            {"accuracy": 0.5},
+        )
+        [old_round] = repo.list_rounds(1)
+        assert (old_round.bytes_up, old_round.bytes_down) == (111, 222)
+        assert (old_round.eval_bytes_up, old_round.eval_bytes_down) == (0, 0)
+        assert [(u.site, u.bytes_up, u.status) for u in repo.list_updates(1)] == [
+            ("london", 111, "applied")
+        ]
+        assert repo.list_sites(1)[0].node_id == 2**64 - 1
+        assert repo.list_evaluations(1) == []
+        [summary] = repo.site_summaries(1)
+        assert (summary.updates, summary.bytes_up, summary.evaluations) == (1, 111, 0)
+
+        # The new API works on the upgraded ledger, next to the old rows.
+        record(repo, 1, 2, [update("london")], evaluations=[evaluation("london", bytes_up=9)])
+        new_run = make_run(repo)
+        assert new_run == 2
+        [evaluated] = repo.list_evaluations(1)
+        assert (evaluated.round, evaluated.site, evaluated.bytes_up) == (2, "london", 9)
+        assert [r.eval_bytes_up for r in repo.list_rounds(1)] == [0, 9]
+        [summary] = repo.site_summaries(1)
+        assert (summary.updates, summary.evaluations, summary.eval_bytes_up) == (2, 1, 9)
+
+        with repo._engine.begin() as connection:
+            command.downgrade(alembic_config(connection), "0001")
+        with repo._engine.connect() as connection:
+            assert current_revisions(connection) == {"0001"}
+            tables = set(inspect(connection).get_table_names())
+            assert "evaluations" not in tables and tables >= TABLES_OF_0001
+            kept = connection.execute(text("SELECT COUNT(*) FROM rounds")).scalar_one()
+            assert kept == 2
+
+    with LedgerRepository.open(ledger_url) as repo:  # and back up to head
+        with repo._engine.connect() as connection:
+            assert current_revisions(connection) == {head_revision()}
+            _assert_no_schema_diff(connection)
+        assert [r.round for r in repo.list_rounds(1)] == [1, 2]
+        assert repo.list_evaluations(1) == []  # a downgrade drops what 0002 added
+        record(
+            repo,
+            1,
+            3,
+            [],
+            evaluations=[
+                EvaluationInput(
+                    site="london",
+                    model_version=3,
+                    bytes_up=1,
+                    bytes_down=2,
+                    status="dropped",
+                    dispatched_at=T0,
+                )
+            ],
+        )
+        assert [(e.round, e.status) for e in repo.list_evaluations(1)] == [(3, "dropped")]
 
 
 def test_a_schema_from_a_newer_flplatform_is_refused(ledger_url: str) -> None:
@@ -231,7 +425,13 @@ def test_every_migration_file_would_ship_in_a_wheel() -> None:
         for path in MIGRATIONS_DIR.rglob("*")
         if path.is_file() and "__pycache__" not in path.parts
     ]
-    assert {"env.py", "script.py.mako", "alembic.ini", "0001_initial.py"} <= {f.name for f in files}
+    assert {
+        "env.py",
+        "script.py.mako",
+        "alembic.ini",
+        "0001_initial.py",
+        "0002_evaluations.py",
+    } <= {f.name for f in files}
     for path in files:
         in_package = path.suffix == ".py" and (path.parent / "__init__.py").exists()
         relative = path.relative_to(package_root).as_posix()

@@ -1,4 +1,5 @@
-"""Property: whatever batches of updates are recorded, SQL aggregates equal a naive loop."""
+"""Property: whatever batches of updates and evaluations are recorded, SQL aggregates equal a
+naive loop."""
 
 from __future__ import annotations
 
@@ -7,8 +8,20 @@ import math
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from storage import UPDATE_STATUSES, LedgerRepository, UpdateInput
-from tests.storage.helpers import T0, assert_summary_matches, make_run, naive_summary
+from storage import (
+    EVALUATION_STATUSES,
+    UPDATE_STATUSES,
+    EvaluationInput,
+    LedgerRepository,
+    UpdateInput,
+)
+from tests.storage.helpers import (
+    T0,
+    assert_summary_matches,
+    make_run,
+    naive_eval_traffic,
+    naive_summary,
+)
 
 SITES = ("london", "ohio", "tokyo")
 
@@ -34,8 +47,30 @@ updates = st.builds(
     num_examples=st.none() | st.integers(0, 10**6),
     train_loss=losses,
 )
-# Up to three rounds of up to eight updates each.
-batches = st.lists(st.lists(updates, max_size=8), min_size=1, max_size=3)
+evaluations = st.builds(
+    EvaluationInput,
+    site=st.sampled_from(SITES),
+    model_version=st.integers(0, 50),
+    bytes_up=st.integers(0, 2**50),
+    bytes_down=st.integers(0, 2**50),
+    status=st.sampled_from(EVALUATION_STATUSES),
+    dispatched_at=st.floats(T0, T0 + 1e6),
+    arrived_at=st.none() | st.floats(T0, T0 + 1e6),
+    reason=st.none() | st.text(max_size=20),
+    num_examples=st.none() | st.integers(0, 10**6),
+    loss=losses,
+    accuracy=losses,
+)
+Batch = tuple[list[UpdateInput], list[EvaluationInput]]
+# Up to three rounds of up to eight updates and at most one evaluation per site each.
+batches = st.lists(
+    st.tuples(
+        st.lists(updates, max_size=8),
+        st.lists(evaluations, max_size=len(SITES), unique_by=lambda e: e.site),
+    ),
+    min_size=1,
+    max_size=3,
+)
 
 
 def test_site_summaries_equal_naive_aggregation(repo: LedgerRepository) -> None:
@@ -48,11 +83,11 @@ def test_site_summaries_equal_naive_aggregation(repo: LedgerRepository) -> None:
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     )
     @given(batches=batches)
-    def check(batches: list[list[UpdateInput]]) -> None:
+    def check(batches: list[Batch]) -> None:
         run_id = make_run(repo)  # a fresh run per example: examples never see each other
         for name in SITES:
             repo.add_site(run_id, name=name, node_id=2**64 - len(name))
-        for step, batch in enumerate(batches, start=1):
+        for step, (batch, evals) in enumerate(batches, start=1):
             repo.record_round(
                 run_id,
                 round=step,
@@ -62,18 +97,34 @@ def test_site_summaries_equal_naive_aggregation(repo: LedgerRepository) -> None:
                 metrics={},
                 train_loss=None,
                 updates=batch,
+                evaluations=evals,
             )
 
         summaries = {s.name: s for s in repo.site_summaries(run_id)}
         stored = repo.list_updates(run_id)
+        stored_evals = repo.list_evaluations(run_id)
+        assert [
+            (e.round, e.site, e.model_version, e.status, e.loss, e.accuracy) for e in stored_evals
+        ] == [
+            (step, e.site, e.model_version, e.status, e.loss, e.accuracy)
+            for step, (_, evals) in enumerate(batches, start=1)
+            for e in evals
+        ]
         assert set(summaries) == set(SITES)
         for name in SITES:
-            given_rows = [u for batch in batches for u in batch if u.site == name]
+            given_rows = [u for batch, _ in batches for u in batch if u.site == name]
             stored_rows = [u for u in stored if u.site == name]
             assert_summary_matches(summaries[name], naive_summary(given_rows))
             assert_summary_matches(summaries[name], naive_summary(stored_rows))
-        for step, (batch, rnd) in enumerate(zip(batches, repo.list_rounds(run_id), strict=True), 1):
+            given_evals = [e for _, evals in batches for e in evals if e.site == name]
+            s = summaries[name]
+            assert (s.evaluations, s.eval_bytes_up, s.eval_bytes_down) == (
+                naive_eval_traffic(given_evals)
+            )
+        rounds = repo.list_rounds(run_id)
+        for step, ((batch, evals), rnd) in enumerate(zip(batches, rounds, strict=True), 1):
             assert rnd.round == step
+            assert (rnd.eval_bytes_up, rnd.eval_bytes_down) == naive_eval_traffic(evals)[1:]
             assert (rnd.bytes_up, rnd.bytes_down) == (
                 sum(u.bytes_up for u in batch),
                 sum(u.bytes_down for u in batch),

@@ -13,8 +13,16 @@ import numpy as np
 import pytest
 
 from flplatform.errors import StorageError
-from storage import UPDATE_STATUSES, SiteSummary
-from tests.storage.helpers import update
+from storage import (
+    EVALUATION_DROPPED,
+    EVALUATION_EVALUATED,
+    EVALUATION_STATUSES,
+    UPDATE_STATUSES,
+    EvaluationRecord,
+    RoundRecord,
+    SiteSummary,
+)
+from tests.storage.helpers import evaluation, update
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,6 +73,97 @@ def test_update_input_is_frozen() -> None:
         update("a").status = "dropped"  # type: ignore[misc]
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("status", "applied", "'status' is 'applied'; allowed: evaluated, dropped"),
+        ("site", " ", "evaluation field 'site' must be a non-empty name"),
+        ("model_version", -1, "'model_version' must be between 0 and 2147483647"),
+        ("model_version", 2**31, "'model_version' must be between 0 and 2147483647"),
+        ("bytes_up", -1, "'bytes_up' must be between 0 and"),
+        ("bytes_down", 2**63, "'bytes_down' must be between 0 and"),
+        ("bytes_down", 2.0, "'bytes_down' must be an integer"),
+        ("bytes_up", False, "'bytes_up' must be an integer"),
+        ("num_examples", -1, "'num_examples' must be between 0 and"),
+        ("dispatched_at", math.inf, "'dispatched_at' must be a finite unix time"),
+        ("dispatched_at", None, "'dispatched_at' must be a number, got NoneType"),
+        ("arrived_at", math.nan, "'arrived_at' must be a finite unix time"),
+        ("loss", "low", "'loss' must be a number or None"),
+        ("accuracy", True, "'accuracy' must be a number or None"),
+        ("reason", b"late", "'reason' must be a string or None"),
+    ],
+)
+def test_evaluation_input_names_the_bad_field(field: str, value: Any, message: str) -> None:
+    with pytest.raises(StorageError, match=message):
+        evaluation(**{"site": "a", field: value})
+
+
+def test_evaluation_input_normalises_values() -> None:
+    assert EVALUATION_STATUSES == (EVALUATION_EVALUATED, EVALUATION_DROPPED)
+    assert EVALUATION_STATUSES == ("evaluated", "dropped")
+    for status in EVALUATION_STATUSES:
+        assert evaluation("a", status).status == status
+    numpy_fields: dict[str, Any] = {
+        "bytes_up": np.int64(5),
+        "model_version": np.int32(2),
+        "loss": np.float32(0.5),
+        "accuracy": np.float64(math.nan),
+        "dispatched_at": np.float64(10.0),
+    }
+    converted = evaluation("a", **numpy_fields)
+    assert (converted.bytes_up, converted.model_version, converted.loss) == (5, 2, 0.5)
+    assert converted.accuracy is None  # non-finite becomes None
+    assert evaluation("a", loss=math.inf, accuracy=-math.inf).loss is None
+    assert type(converted.bytes_up) is int and type(converted.model_version) is int
+    assert type(converted.loss) is float and type(converted.dispatched_at) is float
+    with pytest.raises(AttributeError):
+        converted.status = "dropped"  # type: ignore[misc]
+
+
+def test_evaluation_records_serialise_with_the_site_name() -> None:
+    when = datetime(2026, 1, 2, tzinfo=UTC)
+    record = EvaluationRecord(
+        id=1,
+        run_id=2,
+        site_id=3,
+        site="london",
+        round=4,
+        model_version=3,
+        bytes_up=10,
+        bytes_down=20,
+        status="evaluated",
+        reason=None,
+        num_examples=5,
+        loss=0.5,
+        accuracy=0.75,
+        dispatched_at=when,
+        arrived_at=None,
+    )
+    data = record.to_dict()
+    assert (data["site"], data["dispatched_at"], data["arrived_at"]) == (
+        "london",
+        "2026-01-02T00:00:00+00:00",
+        None,
+    )
+    rnd = RoundRecord(
+        id=1,
+        run_id=2,
+        round=1,
+        model_version=1,
+        started_at=when,
+        finished_at=when,
+        wall_seconds=0.0,
+        metrics={},
+        train_loss=None,
+        num_applied=0,
+        num_dropped=0,
+        num_rejected=0,
+        bytes_up=0,
+        bytes_down=0,
+    )
+    assert (rnd.to_dict()["eval_bytes_up"], rnd.to_dict()["eval_bytes_down"]) == (0, 0)
+
+
 def test_to_dict_gives_iso_datetimes_and_copies() -> None:
     summary = SiteSummary(
         site_id=1,
@@ -86,6 +185,9 @@ def test_to_dict_gives_iso_datetimes_and_copies() -> None:
         mean_train_loss=None,
     )
     assert summary.to_dict()["node_id"] == 2**64 - 1
+    assert {"evaluations": 0, "eval_bytes_up": 0, "eval_bytes_down": 0}.items() <= (
+        summary.to_dict().items()
+    )
 
     from storage import RunRecord
 

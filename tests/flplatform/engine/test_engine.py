@@ -92,11 +92,11 @@ def ledger(tmp_path: Path):
     repo.close()
 
 
-def engine_for(grid, ledger, **kwargs) -> RoundEngine:
+def engine_for(grid, ledger, *, fraction_evaluate: float = 0.0, **kwargs) -> RoundEngine:
     repo, run_id = ledger
     return RoundEngine(
         grid,
-        LocalSGDAveraging(),
+        LocalSGDAveraging(fraction_evaluate=fraction_evaluate),
         ledger=SqlLedger(repo, run_id),
         poll_interval=0.0,
         required_sites=len(grid.behaviours),
@@ -130,9 +130,29 @@ def test_sync_round_applies_everything_and_records_exact_bytes(ledger) -> None:
     )
 
 
+def test_evaluation_traffic_is_recorded_per_site(ledger) -> None:
+    grid = ScriptedGrid({1: site("a"), 2: site("b")})
+    engine_for(grid, ledger, fraction_evaluate=1.0).run(
+        MODEL, num_rounds=2, federated_evaluation=True
+    )
+    repo, run_id = ledger
+    evaluations = repo.list_evaluations(run_id)
+    assert [(e.round, e.status) for e in evaluations] == [(1, "evaluated")] * 2 + [
+        (2, "evaluated")
+    ] * 2
+    assert all(e.accuracy == 0.5 and e.num_examples == 5 for e in evaluations)
+    pushed = [m for m in grid.pushed if m.metadata.message_type == MessageType.EVALUATE]
+    replies = [m for m in grid.replies if m.metadata.message_type == MessageType.EVALUATE]
+    assert sorted(e.bytes_down for e in evaluations) == sorted(flower_size(m) for m in pushed)
+    assert sorted(e.bytes_up for e in evaluations) == sorted(flower_size(m) for m in replies)
+    rounds = repo.list_rounds(run_id)
+    assert rounds[0].eval_bytes_down == sum(e.bytes_down for e in evaluations if e.round == 1)
+    assert rounds[0].metrics["site_accuracy"] == pytest.approx(0.5)
+
+
 def test_silent_site_is_dropped_and_gets_no_second_message(ledger) -> None:
     grid = ScriptedGrid({1: site("a"), 2: silent("ghost")})
-    engine = engine_for(grid, ledger, round_timeout=0.2)
+    engine = engine_for(grid, ledger, round_timeout=0.2, fraction_evaluate=1.0)
     engine.run(MODEL, num_rounds=3, federated_evaluation=True)
     repo, run_id = ledger
     ghost = repo.list_updates(run_id, site="ghost")
@@ -140,6 +160,8 @@ def test_silent_site_is_dropped_and_gets_no_second_message(ledger) -> None:
     assert [(u.status, u.round) for u in ghost] == [(DROPPED, 1)]
     assert "no reply within" in (ghost[0].reason or "")
     assert [r.num_applied for r in repo.list_rounds(run_id)] == [1, 1, 1]
+    # The ghost is busy all along, so it is never asked to evaluate either.
+    assert {e.site for e in repo.list_evaluations(run_id)} == {"a"}
 
 
 def test_refused_push_is_recorded_and_the_round_goes_on(ledger) -> None:
