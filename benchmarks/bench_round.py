@@ -32,7 +32,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
 from flplatform import keys
-from flplatform.engine import RoundEngine, RoundSummary, SiteInfo, SyncPolicy
+from flplatform.engine import RoundEngine, RoundSummary, SyncPolicy
 from flplatform.ledger import SqlLedger
 from storage import LedgerRepository
 from strategies.local_sgd import LocalSGDAveraging
@@ -79,7 +79,7 @@ class ReplayGrid(Grid):
         raise AttributeError("no run")
 
     def create_message(self, *args, **kwargs) -> Message:  # noqa: ANN002, ANN003
-        raise NotImplementedError
+        raise AssertionError("the engine builds its own messages")
 
     def get_node_ids(self) -> Iterable[int]:
         return list(self.nodes)
@@ -101,7 +101,7 @@ class ReplayGrid(Grid):
         return replies
 
     def send_and_receive(self, messages, *, timeout=None):  # noqa: ANN001, ANN201
-        raise NotImplementedError
+        raise AssertionError("the engine never uses send_and_receive")
 
     def _reply(self, msg: Message, message_id: str) -> Message:
         node = msg.metadata.dst_node_id
@@ -212,5 +212,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    SiteInfo  # noqa: B018 - re-exported type, kept for readers of the engine API
     main()

@@ -401,26 +401,11 @@ class RoundEngine:
         """Push training messages to sampled targets; return how many were attempted."""
         config = ConfigRecord(dict(train_config or {}))  # the strategy may write into it
         config[keys.MODEL_VERSION] = self.version
-        allowed = {n for n in targets if self._is_idle(n)}
+        allowed = sorted(n for n in targets if self._is_idle(n))
         drafts = self.strategy.configure_train(
-            state.server_round, self.arrays, config, SubsetGrid(self.grid, sorted(allowed))
+            state.server_round, self.arrays, config, SubsetGrid(self.grid, allowed)
         )
-        messages: list[Message] = []
-        for draft in drafts:
-            node_id = draft.metadata.dst_node_id
-            if node_id not in allowed:  # busy, not offered, or already picked this batch
-                log.warning("strategy addressed node %s, which may not get work now", node_id)
-                continue
-            allowed.discard(node_id)
-            messages.append(
-                Message(
-                    draft.content,
-                    dst_node_id=node_id,
-                    message_type=draft.metadata.message_type,
-                    ttl=self.round_timeout + TTL_GRACE_SECONDS,
-                    group_id=str(self.version),
-                )
-            )
+        messages = self._addressed(drafts, allowed)
         if not messages:
             return 0
         self._bases[self.version] = self.arrays
@@ -580,22 +565,7 @@ class RoundEngine:
         drafts = self.strategy.configure_evaluate(
             server_round, self.arrays, config, SubsetGrid(self.grid, idle)
         )
-        allowed = set(idle)
-        messages = []
-        for draft in drafts:
-            node_id = draft.metadata.dst_node_id
-            if node_id in allowed:
-                allowed.discard(node_id)
-                messages.append(
-                    Message(
-                        draft.content,
-                        dst_node_id=node_id,
-                        message_type=draft.metadata.message_type,
-                        ttl=self.round_timeout + TTL_GRACE_SECONDS,
-                        group_id=str(self.version),
-                    )
-                )
-        exchanged = self._exchange(messages, timeout=self.round_timeout)
+        exchanged = self._exchange(self._addressed(drafts, idle), timeout=self.round_timeout)
         outcomes = tuple(self._evaluation_outcome(dispatch, reply) for dispatch, reply in exchanged)
         answered = [reply for _, reply in exchanged if reply is not None]
         return self.strategy.aggregate_evaluate(server_round, answered), outcomes
@@ -674,6 +644,31 @@ class RoundEngine:
         return [(d, replies.get(d.message_id)) for d in dispatches]
 
     # ================================================================= helpers
+    def _addressed(self, drafts: Iterable[Message], allowed: Sequence[int]) -> list[Message]:
+        """The strategy's messages, re-stamped with the engine's TTL and model version.
+
+        A message to a node outside ``allowed`` (busy, not offered), or a second one to
+        the same node, is not sent: no site ever has two messages at once.
+        """
+        open_nodes = set(allowed)
+        messages: list[Message] = []
+        for draft in drafts:
+            node_id = draft.metadata.dst_node_id
+            if node_id not in open_nodes:
+                log.warning("strategy addressed node %s, which may not get a message now", node_id)
+                continue
+            open_nodes.discard(node_id)
+            messages.append(
+                Message(
+                    draft.content,
+                    dst_node_id=node_id,
+                    message_type=draft.metadata.message_type,
+                    ttl=self.round_timeout + TTL_GRACE_SECONDS,
+                    group_id=str(self.version),  # the model version the site is sent
+                )
+            )
+        return messages
+
     def _view(self, state: _RoundState) -> EngineView:
         queued = {a.dispatch.node_id: a.dispatch for a in self._arrivals}
         return EngineView(
