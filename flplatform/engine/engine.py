@@ -66,6 +66,8 @@ TTL_GRACE_SECONDS = 5.0
 # pulling all pending ids at once would hold (sites × model) bytes in memory.
 PULL_CHUNK = 16
 REFUSED = "refused by the SuperLink (node not connected, or the message too large)"
+# A refused site is not offered work again for this long (it may be reconnecting).
+REFUSED_BACKOFF = 5.0
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,7 @@ class _RoundState:
     started_at: float
     dispatched: int = 0
     applied: int = 0
+    applied_nodes: set[int] = field(default_factory=set)
     outcomes: list[UpdateOutcome] = field(default_factory=list)
 
 
@@ -222,8 +225,9 @@ class RoundEngine:
         # site ever has two messages at once.
         self._abandoned: dict[str, Dispatch] = {}
         self._arrivals: list[_Arrival] = []  # pulled, not yet judged; a heap by clock
+        self._refused_until: dict[int, float] = {}  # node → when to try it again
+        self._replied_at: dict[str, float] = {}  # evaluation/query reply → arrival time
         self._seq = itertools.count()
-        self._pull_offset = 0
 
     # ======================================================================= run
     def run(
@@ -345,32 +349,27 @@ class RoundEngine:
     ) -> tuple[RoundSummary, MetricRecord | None]:
         state = _RoundState(server_round, self.clock.now())
         self.strategy.begin_aggregation(server_round, self.arrays)
-        idle_since = time.monotonic()
+        waiting_since = time.monotonic()
         while True:
             # ---- dispatch: the policy says who may get work; the strategy samples
             targets = self.policy.dispatch_targets(self._view(state))
             if targets:
                 state.dispatched += self._dispatch(state, targets, train_config)
-            # ---- pull what has arrived into the clock-ordered queue; drop overdue sites
-            pulled = self._pull()
+            # ---- pull what has arrived, judging it in clock order; drop overdue sites
+            pulled = self._pull_chunks(state)
             self._expire_overdue(state)
-            # ---- judge arrivals one at a time, asking the policy before each
-            while self._arrivals and self.clock.releasable(
-                self._arrivals[0].arrived_at, self._in_flight
-            ):
-                if self.policy.ready_to_aggregate(self._view(state)):
-                    break
-                state.outcomes.append(self._judge(heapq.heappop(self._arrivals), state))
+            self._judge_ready(state)
             # ---- cancel what the policy no longer wants
             for node_id in self.policy.to_cancel(self._view(state)):
                 self._cancel(node_id, state)
             if self.policy.ready_to_aggregate(self._view(state)):
                 break
             if pulled:
-                idle_since = time.monotonic()
+                waiting_since = time.monotonic()
                 continue
-            if not self._in_flight and not self._abandoned and not self._arrivals:
-                if time.monotonic() - idle_since > self.round_timeout:
+            outstanding = self._in_flight or self._abandoned or self._arrivals
+            if not outstanding and not self._view(state).idle_nodes:
+                if time.monotonic() - waiting_since > self.round_timeout:
                     raise RunFailed(
                         f"round {server_round}: no site could be given work within "
                         f"{self.round_timeout:.0f} s"
@@ -401,7 +400,8 @@ class RoundEngine:
         """Push training messages to sampled targets; return how many were attempted."""
         config = ConfigRecord(dict(train_config or {}))  # the strategy may write into it
         config[keys.MODEL_VERSION] = self.version
-        allowed = sorted(n for n in targets if self._is_idle(n))
+        idle = set(self._idle_nodes())
+        allowed = sorted(n for n in targets if n in idle)
         drafts = self.strategy.configure_train(
             state.server_round, self.arrays, config, SubsetGrid(self.grid, allowed)
         )
@@ -411,9 +411,7 @@ class RoundEngine:
         self._bases[self.version] = self.arrays
         sizes: dict[int, int] = {}  # a broadcast shares one content: measure it once
         now = self.clock.now()
-        message_ids = list(self.grid.push_messages(messages))
-        for i, msg in enumerate(messages):
-            message_id = message_ids[i] if i < len(message_ids) else ""
+        for msg, message_id in zip(messages, self._push(messages), strict=True):
             key = id(msg.content)
             if key not in sizes:
                 sizes[key] = content_size(msg.content)
@@ -428,25 +426,54 @@ class RoundEngine:
             )
             if not message_id:  # the SuperLink took nothing: no bytes went down
                 state.outcomes.append(self._unanswered(dispatch, DROPPED, REFUSED, sent=False))
+                self._refused_until[dispatch.node_id] = time.monotonic() + REFUSED_BACKOFF
                 continue
             self._in_flight[dispatch.node_id] = dispatch
             self._by_message[message_id] = dispatch
         return len(messages)
 
-    def _pull(self) -> int:
-        """Pull one chunk of awaited replies into the arrival queue; return how many."""
-        waiting = [*self._by_message, *self._abandoned]
-        if not waiting:
-            return 0
+    def _push(self, messages: list[Message]) -> list[str]:
+        """Push ``messages``; return each one's message id, or "" where it was refused.
+
+        Grids report refusals differently (Flower's in-memory grid leaves refused
+        messages out of the returned list, its HTTP grid puts None in their place, or
+        returns [] for an oversize payload), but every grid writes the id into each
+        message: a message is accepted when its own id is among those returned.
+        """
+        accepted = {i for i in self.grid.push_messages(messages) if i}
+        return [
+            m.metadata.message_id if m.metadata.message_id in accepted else "" for m in messages
+        ]
+
+    def _pull_chunks(self, state: _RoundState) -> int:
+        """Pull every awaited reply, a chunk at a time, judging between chunks.
+
+        A SuperLink hands back each ready reply fully decoded; judging (and so
+        aggregating and freeing) a chunk before pulling the next keeps the server's
+        memory at one chunk of replies, not one reply per site. Returns how many
+        replies came back, late ones included.
+        """
         self._release_stuck()
-        start = self._pull_offset % len(waiting)
-        chunk = (waiting[start:] + waiting[:start])[:PULL_CHUNK]
-        self._pull_offset += PULL_CHUNK
+        waiting = [*self._by_message, *self._abandoned]
+        pulled = 0
+        for start in range(0, len(waiting), PULL_CHUNK):
+            pulled += self._pull(waiting[start : start + PULL_CHUNK], state)
+            self._judge_ready(state)
+            if self.policy.ready_to_aggregate(self._view(state)):
+                break
+        return pulled
+
+    def _pull(self, message_ids: list[str], state: _RoundState) -> int:
+        """Pull replies to ``message_ids`` into the clock-ordered arrival queue."""
         count = 0
-        for reply in self.grid.pull_messages(chunk):
+        for reply in self.grid.pull_messages(message_ids):
             message_id = reply.metadata.reply_to_message_id
-            if self._abandoned.pop(message_id, None) is not None:
-                continue  # a late reply to a message already recorded: its site is free
+            abandoned = self._abandoned.pop(message_id, None)
+            if abandoned is not None:  # its row is written; the site is free again
+                count += 1
+                if reply.has_content():  # the site did send it: account for the bytes
+                    state.outcomes.append(self._late(abandoned, reply))
+                continue
             dispatch = self._by_message.pop(message_id, None)
             if dispatch is None:
                 continue  # not ours (or already handled)
@@ -460,10 +487,35 @@ class RoundEngine:
                 bytes_up=bytes_up,
                 compute_seconds=reported.get("compute_seconds"),
             )
-            arrival = _Arrival(arrived_at, next(self._seq), dispatch, reply, bytes_up)
-            heapq.heappush(self._arrivals, arrival)
+            heapq.heappush(
+                self._arrivals, _Arrival(arrived_at, next(self._seq), dispatch, reply, bytes_up)
+            )
             count += 1
         return count
+
+    def _judge_ready(self, state: _RoundState) -> None:
+        """Judge queued arrivals in clock order, one at a time, until the policy is ready."""
+        while self._arrivals and self.clock.releasable(
+            self._arrivals[0].arrived_at, self._in_flight
+        ):
+            if self.policy.ready_to_aggregate(self._view(state)):
+                return
+            state.outcomes.append(self._judge(heapq.heappop(self._arrivals), state))
+
+    def _late(self, dispatch: Dispatch, reply: Message) -> UpdateOutcome:
+        """A reply that came after its message was given up on: only its bytes count."""
+        return UpdateOutcome(
+            site=self._name(dispatch.node_id),
+            dispatched_round=dispatch.server_round,
+            version_trained_on=dispatch.model_version,
+            staleness=self.version - dispatch.model_version,
+            bytes_up=message_size(reply),
+            bytes_down=0,  # counted with the row written when it was given up on
+            status=DROPPED,
+            dispatched_at=dispatch.dispatched_at,
+            arrived_at=self.clock.now(),
+            reason="late: arrived after it was given up on",
+        )
 
     def _judge(self, arrival: _Arrival, state: _RoundState) -> UpdateOutcome:
         """Turn one reply into a ledger row, feeding it to the strategy if applied."""
@@ -496,6 +548,7 @@ class RoundEngine:
             log.exception("rejected malformed update from %s", row["site"])
             return UpdateOutcome(status=REJECTED, reason=f"malformed reply: {exc!r}"[:300], **row)
         state.applied += 1
+        state.applied_nodes.add(dispatch.node_id)
         row.update(
             num_examples=contribution.num_examples,
             train_loss=finite(contribution.train_loss),
@@ -559,7 +612,7 @@ class RoundEngine:
         self, server_round: int, evaluate_config: ConfigRecord | None
     ) -> tuple[MetricRecord | None, tuple[EvaluationOutcome, ...]]:
         """Ask idle sites to evaluate the current model; aggregate and account for it."""
-        idle = [n for n in self.sites if self._is_idle(n)]
+        idle = list(self._idle_nodes())
         config = ConfigRecord(dict(evaluate_config or {}))
         config[keys.MODEL_VERSION] = self.version
         drafts = self.strategy.configure_evaluate(
@@ -584,7 +637,8 @@ class RoundEngine:
         if reply is None:
             reason = f"no reply within {self.round_timeout:.0f} s"
             return EvaluationOutcome(bytes_up=0, status=DROPPED, reason=reason, **row)
-        bytes_up, arrived_at = message_size(reply), self.clock.now()
+        bytes_up = message_size(reply)
+        arrived_at = self._replied_at.pop(dispatch.message_id, self.clock.now())
         if reply.has_error():
             reason = f"site error {reply.error.code}: {condense_error(reply.error.reason or '')}"
             return EvaluationOutcome(
@@ -611,17 +665,17 @@ class RoundEngine:
         if not messages:
             return []
         sizes: dict[int, int] = {}
-        ids = list(self.grid.push_messages(messages))
+        ids = self._push(messages)
         now, deadline = self.clock.now(), time.monotonic() + timeout
         dispatches: list[Dispatch] = []
-        for i, msg in enumerate(messages):
+        for msg, message_id in zip(messages, ids, strict=True):
             key = id(msg.content)
             if key not in sizes:
                 sizes[key] = content_size(msg.content)
             dispatches.append(
                 Dispatch(
                     node_id=msg.metadata.dst_node_id,
-                    message_id=ids[i] if i < len(ids) else "",
+                    message_id=message_id,
                     server_round=0,
                     model_version=self.version,
                     dispatched_at=now,
@@ -632,11 +686,15 @@ class RoundEngine:
         pending = {d.message_id: d for d in dispatches if d.message_id}
         replies: dict[str, Message] = {}
         while pending and time.monotonic() < deadline:
-            got = list(self.grid.pull_messages(list(pending)[:PULL_CHUNK]))
-            for reply in got:
-                message_id = reply.metadata.reply_to_message_id
-                if pending.pop(message_id, None) is not None:
-                    replies[message_id] = reply
+            got = 0
+            waiting = list(pending)
+            for start in range(0, len(waiting), PULL_CHUNK):
+                for reply in self.grid.pull_messages(waiting[start : start + PULL_CHUNK]):
+                    message_id = reply.metadata.reply_to_message_id
+                    if pending.pop(message_id, None) is not None:
+                        replies[message_id] = reply
+                        self._replied_at[message_id] = self.clock.now()
+                        got += 1
             if not got:
                 time.sleep(self.poll_interval)
         for dispatch in pending.values():
@@ -674,22 +732,28 @@ class RoundEngine:
         return EngineView(
             server_round=state.server_round,
             model_version=self.version,
-            idle_nodes=tuple(n for n in self.sites if self._is_idle(n)),
+            idle_nodes=self._idle_nodes(),
             outstanding={**self._in_flight, **queued},
             dispatched_this_round=state.dispatched,
             arrived_this_round=len(state.outcomes),
             applied_this_round=state.applied,
+            applied_nodes=frozenset(state.applied_nodes),
+            connected_nodes=len(self.connected),
         )
 
-    def _is_idle(self, node_id: int) -> bool:
-        """Connected, known, and with no message of any kind outstanding."""
-        if node_id not in self.sites or node_id not in self.connected:
-            return False
-        if node_id in self._in_flight:
-            return False
-        return all(d.node_id != node_id for d in self._abandoned.values()) and all(
-            a.dispatch.node_id != node_id for a in self._arrivals
-        )
+    def _busy(self) -> set[int]:
+        """Nodes with a message of any kind outstanding, or refused a moment ago."""
+        now = time.monotonic()
+        busy = set(self._in_flight)
+        busy.update(d.node_id for d in self._abandoned.values())
+        busy.update(a.dispatch.node_id for a in self._arrivals)
+        busy.update(n for n, until in self._refused_until.items() if until > now)
+        return busy
+
+    def _idle_nodes(self) -> tuple[int, ...]:
+        """Known, connected sites with nothing outstanding, in join order."""
+        busy = self._busy()
+        return tuple(n for n in self.sites if n in self.connected and n not in busy)
 
     def _name(self, node_id: int) -> str:
         info = self.sites.get(node_id)

@@ -27,6 +27,8 @@ class EngineView:
     dispatched_this_round: int
     arrived_this_round: int  # outcomes of any status so far this round
     applied_this_round: int  # updates the strategy accumulated this round
+    applied_nodes: frozenset[int]  # the sites those updates came from (K different sites)
+    connected_nodes: int  # P: sites the SuperLink lists now
 
 
 @dataclass(frozen=True)

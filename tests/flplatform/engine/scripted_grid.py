@@ -23,10 +23,15 @@ class ScriptedGrid(Grid):
         behaviours: dict[int, Behaviour],
         *,
         refuse: set[int] | None = None,
+        refusal: str = "inmemory",
         delay_pulls: int = 0,
     ) -> None:
         self.behaviours = behaviours
         self.refuse = refuse or set()
+        # How refusals are reported, as Flower's grids do: "inmemory" leaves refused
+        # messages out of the returned ids, "http" puts None in their place, "oversize"
+        # returns no ids at all. Every message gets an id written into it regardless.
+        self.refusal = refusal
         self.delay_pulls = delay_pulls  # pulls before a reply becomes visible
         self.pushed: list[Message] = []
         self.replies: list[Message] = []
@@ -48,20 +53,31 @@ class ScriptedGrid(Grid):
         return list(self.behaviours)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        ids = []
+        ids: list[str | None] = []
+        messages = list(messages)
         for msg in messages:
-            node = msg.metadata.dst_node_id
-            if node in self.refuse:
-                ids.append("")
-                continue
-            assert node not in self._busy, f"second message to busy node {node}"
             message_id = f"m{next(self._ids)}"
             msg.metadata.__dict__["_message_id"] = message_id
+            node = msg.metadata.dst_node_id
+            if node in self.refuse:
+                if self.refusal == "http":
+                    ids.append(None)
+                continue
+            assert node not in self._busy, f"second message to busy node {node}"
             self.pushed.append(msg)
             self._pending[message_id] = (msg, self.delay_pulls)
             self._busy[node] = message_id
             ids.append(message_id)
-        return ids
+        if self.refusal == "oversize" and any(
+            m.metadata.dst_node_id in self.refuse for m in messages
+        ):
+            for msg in messages:  # the SuperLink took none of them
+                self._pending.pop(msg.metadata.message_id, None)
+                self._busy.pop(msg.metadata.dst_node_id, None)
+                if msg in self.pushed:
+                    self.pushed.remove(msg)
+            return []
+        return ids  # type: ignore[return-value]
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         out = []

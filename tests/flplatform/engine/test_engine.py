@@ -94,12 +94,12 @@ def ledger(tmp_path: Path):
 
 def engine_for(grid, ledger, *, fraction_evaluate: float = 0.0, **kwargs) -> RoundEngine:
     repo, run_id = ledger
+    kwargs.setdefault("required_sites", len(grid.behaviours))
     return RoundEngine(
         grid,
         LocalSGDAveraging(fraction_evaluate=fraction_evaluate),
         ledger=SqlLedger(repo, run_id),
         poll_interval=0.0,
-        required_sites=len(grid.behaviours),
         **kwargs,
     )
 
@@ -164,14 +164,75 @@ def test_silent_site_is_dropped_and_gets_no_second_message(ledger) -> None:
     assert {e.site for e in repo.list_evaluations(run_id)} == {"a"}
 
 
-def test_refused_push_is_recorded_and_the_round_goes_on(ledger) -> None:
-    grid = ScriptedGrid({1: site("a"), 2: site("b")}, refuse={2})
-    # The query to node 2 is refused too, so it is named after its node id.
-    engine_for(grid, ledger).run(MODEL, num_rounds=1)
+@pytest.mark.parametrize("refusal", ["inmemory", "http"])
+def test_refused_push_is_recorded_and_the_others_keep_their_ids(ledger, refusal) -> None:
+    # The FIRST site is refused: the others must still be matched to their own messages.
+    grid = ScriptedGrid({1: site("a"), 2: site("b"), 3: site("c")}, refuse={1}, refusal=refusal)
+    engine_for(grid, ledger).run(MODEL, num_rounds=2)
     repo, run_id = ledger
-    (refused,) = repo.list_updates(run_id, site="node-2")
+    names = [s.name for s in repo.list_sites(run_id)]
+    assert sorted(names) == ["b", "c", "node-1"]  # its query was refused too
+    rows = {(u.site, u.round): u for u in repo.list_updates(run_id)}
+    refused = rows[("node-1", 1)]
     assert (refused.status, refused.reason, refused.bytes_down) == (DROPPED, REFUSED, 0)
-    assert repo.list_rounds(run_id)[0].num_applied == 1
+    assert rows[("b", 1)].status == rows[("c", 1)].status == APPLIED
+    assert [r.num_applied for r in repo.list_rounds(run_id)] == [2, 2]
+
+
+def test_oversize_push_refuses_the_whole_batch(ledger) -> None:
+    grid = ScriptedGrid({1: site("a"), 2: site("b")}, refuse={2}, refusal="oversize")
+    engine_for(grid, ledger, required_sites=2).run(MODEL, num_rounds=1)
+    repo, run_id = ledger
+    assert {u.status for u in repo.list_updates(run_id)} == {DROPPED}
+    assert repo.list_rounds(run_id)[0].model_version == 0
+
+
+def test_more_sites_than_a_pull_chunk(ledger) -> None:
+    grid = ScriptedGrid({n: site(f"s{n}") for n in range(1, 41)})
+    engine = engine_for(grid, ledger, startup_timeout=2.0, fraction_evaluate=1.0)
+    engine.run(MODEL, num_rounds=1, federated_evaluation=True)
+    repo, run_id = ledger
+    # Every site introduced itself and was evaluated, past the first chunk of replies.
+    assert sorted(s.name for s in repo.list_sites(run_id)) == sorted(f"s{n}" for n in range(1, 41))
+    assert len(repo.list_evaluations(run_id)) == 40
+    assert repo.list_rounds(run_id)[0].num_applied == 40
+
+
+def test_late_reply_frees_the_site_and_its_bytes_count(ledger) -> None:
+    # The only site takes 0.6 s the first time, twice the round timeout. Round 1 drops
+    # it; round 2 waits (without failing) until the late reply frees it, then uses it.
+    talk = site("slow")
+    first: dict[str, float] = {}
+
+    def slow_once(msg: Message) -> Message | None:
+        if msg.metadata.message_type != MessageType.TRAIN:
+            return talk(msg)
+        first.setdefault(msg.metadata.message_id, time.monotonic())
+        is_first = next(iter(first)) == msg.metadata.message_id
+        if is_first and time.monotonic() - first[msg.metadata.message_id] < 0.6:
+            return None
+        return talk(msg)
+
+    grid = ScriptedGrid({1: slow_once})
+    engine_for(grid, ledger, round_timeout=0.3).run(MODEL, num_rounds=2)
+    repo, run_id = ledger
+    rows = repo.list_updates(run_id)
+    dropped, late, applied = rows
+    assert (dropped.round, dropped.status, dropped.bytes_up) == (1, DROPPED, 0)
+    assert "no reply within" in (dropped.reason or "") and dropped.bytes_down > 0
+    assert (late.round, late.status, late.bytes_down) == (2, DROPPED, 0)
+    assert late.bytes_up > 0 and "late" in (late.reason or "")
+    assert (applied.round, applied.status) == (2, APPLIED)
+
+
+def test_a_site_that_joins_mid_run_is_introduced_and_used(ledger) -> None:
+    grid = ScriptedGrid({1: site("a")})
+    engine = engine_for(grid, ledger)
+    engine.on_round = lambda summary: grid.behaviours.setdefault(2, site("newcomer"))
+    engine.run(MODEL, num_rounds=3)
+    repo, run_id = ledger
+    assert [s.name for s in repo.list_sites(run_id)] == ["a", "newcomer"]
+    assert [r.num_applied for r in repo.list_rounds(run_id)] == [1, 2, 2]
 
 
 def test_a_round_with_nothing_applied_keeps_the_model(ledger) -> None:
