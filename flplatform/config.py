@@ -15,7 +15,6 @@ from typing import Any
 
 from flplatform.errors import ConfigError
 
-STRATEGIES = ("local-sgd",)
 # Names users know from Flower and the literature, all the same algorithm here.
 STRATEGY_ALIASES = {"fedavg": "local-sgd", "fedavgm": "local-sgd", "local-sgd": "local-sgd"}
 SYNC_POLICIES = ("sync",)

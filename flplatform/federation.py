@@ -26,7 +26,7 @@ log = logging.getLogger("flplatform")
 
 def build_strategy(config: RunConfig) -> LocalSGDAveraging:
     """The strategy named in ``config``, with its knobs."""
-    # One strategy today; the CLI and config already validate the name against STRATEGIES.
+    # One strategy today; RunConfig has already validated the name.
     return LocalSGDAveraging(
         eta=config.server_lr,
         beta=config.server_momentum,

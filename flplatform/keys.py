@@ -42,5 +42,6 @@ DATA_PATH = "data-path"  # node config of a deployed site: its own data file
 # ---- global metrics written to the ledger
 ACCURACY = "accuracy"
 LOSS = "loss"
-SITE_ACCURACY = "site_accuracy"
-SITE_LOSS = "site_loss"
+# Federated evaluation's aggregate, written beside the server's own: "site_" + name.
+SITE_ACCURACY = "site_" + ACCURACY
+SITE_LOSS = "site_" + LOSS

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from clients.datasets import load_dataset
 from clients.models import build_model, count_parameters
+from flplatform import keys
 from flplatform.cli.app import app
 from flplatform.config import RunConfig
 from flplatform.simulation import run_simulation
@@ -63,8 +64,8 @@ def test_three_sites_two_rounds_fill_the_ledger(tmp_path: Path) -> None:
         assert [r.model_version for r in rounds] == [1, 2]
         assert rounds[1].metrics["accuracy"] > 0.3  # ten classes: chance is 0.1
         # Federated evaluation: the sites' own validation slices, example-weighted.
-        assert 0.3 < rounds[1].metrics["site_accuracy"] <= 1.0
-        assert rounds[1].metrics["site_loss"] < rounds[0].metrics["site_loss"]
+        assert 0.3 < rounds[1].metrics[keys.SITE_ACCURACY] <= 1.0
+        assert rounds[1].metrics[keys.SITE_LOSS] < rounds[0].metrics[keys.SITE_LOSS]
         assert all(
             r.num_applied == 3 and r.num_dropped == 0 and r.num_rejected == 0 for r in rounds
         )

@@ -147,7 +147,7 @@ def test_evaluation_traffic_is_recorded_per_site(ledger) -> None:
     assert sorted(e.bytes_up for e in evaluations) == sorted(flower_size(m) for m in replies)
     rounds = repo.list_rounds(run_id)
     assert rounds[0].eval_bytes_down == sum(e.bytes_down for e in evaluations if e.round == 1)
-    assert rounds[0].metrics["site_accuracy"] == pytest.approx(0.5)
+    assert rounds[0].metrics[keys.SITE_ACCURACY] == pytest.approx(0.5)
 
 
 def test_silent_site_is_dropped_and_gets_no_second_message(ledger) -> None:
