@@ -18,7 +18,7 @@ from flwr.clientapp import ClientApp
 
 from flplatform import client_app as honest
 
-SLOW_SITE_SECONDS = 25.0
+SLOW_SITE_SECONDS = 40.0
 
 app = ClientApp()
 
