@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
@@ -44,7 +43,6 @@ def handles_errors(command: Callable[P, R]) -> Callable[P, R]:
         except Exception as exc:
             if os.environ.get("FLPLATFORM_DEBUG"):
                 raise
-            print(file=sys.stderr, end="")
             raise fail(
                 f"unexpected {type(exc).__name__}: {exc} (set FLPLATFORM_DEBUG=1 for details)",
                 70,
