@@ -247,13 +247,17 @@ def _toml(values: dict[str, str | int | float | bool]) -> str:
 
 
 # ===================================================================== run and follow
+def ledger_url(config: RunConfig) -> str:
+    """The absolute URL of the ledger ``config`` names (the ServerApp runs elsewhere)."""
+    return normalize_db_url(config.db) if config.db else default_db_url()
+
+
 def check_ledger(config: RunConfig) -> str:
     """Open (creating if needed) the ledger ``config`` names; return its absolute URL.
 
     Fails fast, before any start-up cost, with a ``StorageError`` saying what is wrong.
-    The URL is absolute because the ServerApp runs in another process and directory.
     """
-    db_url = normalize_db_url(config.db) if config.db else default_db_url()
+    db_url = ledger_url(config)
     with LedgerRepository.open(db_url):
         pass
     return db_url

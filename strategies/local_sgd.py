@@ -150,7 +150,7 @@ class LocalSGDAveraging(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Send the global model and the round's config to a seeded sample of sites."""
-        self._current, self._current_record = record_to_arrays(arrays), arrays
+        self._use_current(arrays)
         config = ConfigRecord(dict(config))  # never write into the caller's record
         config[keys.SERVER_ROUND] = server_round
         config[keys.SITE_ALGORITHM] = SITE_ALGORITHM
@@ -214,10 +214,19 @@ class LocalSGDAveraging(Strategy):
         return MetricRecord({k: v / total for k, v in sums.items()})
 
     # ------------------------------------------------- streaming aggregation
+    def _use_current(self, arrays: ArrayRecord) -> None:
+        """Make ``arrays`` the model updates are applied to, decoding it once per version.
+
+        The engine hands the same record to ``begin_aggregation`` and to every
+        ``configure_train`` of a round; decoding it each time would cost a model-sized
+        decode per dispatch.
+        """
+        if arrays is not self._current_record:
+            self._current, self._current_record = record_to_arrays(arrays), arrays
+
     def begin_aggregation(self, server_round: int, arrays: ArrayRecord) -> None:
         """Start a new accumulator for the round producing the next version."""
-        self._current = record_to_arrays(arrays)
-        self._current_record = arrays
+        self._use_current(arrays)
         self._acc = WeightedDeltaSum()
         self._loss_sum, self._loss_weight = 0.0, 0.0
 

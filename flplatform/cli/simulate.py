@@ -18,7 +18,7 @@ from flplatform.cli.history import sites as show_sites
 from flplatform.cli.render import OutputFormat, human_bytes, make_console
 from flplatform.config import BUILTIN_DATASETS, DEFAULT_SITES, RunConfig
 from flplatform.errors import ConfigError
-from flplatform.simulation import check_ledger, run_simulation
+from flplatform.simulation import check_ledger, ledger_url, run_simulation
 from storage import RoundRecord, RunRecord
 
 console = make_console()
@@ -76,19 +76,15 @@ def run_and_follow(config: RunConfig) -> RunRecord:
         record = run_simulation(config, on_progress=show)
     db = config.db or None
     console.print()
-    show_rounds(str(record.id), db=record_db(config), fmt=OutputFormat.table)
-    show_sites(str(record.id), db=record_db(config), fmt=OutputFormat.table)
+    url = ledger_url(config)
+    show_rounds(str(record.id), db=url, fmt=OutputFormat.table)
+    show_sites(str(record.id), db=url, fmt=OutputFormat.table)
     console.print(
         f"\nRun {record.id} {record.status} in {record.wall_seconds or 0:.1f} s; "
-        f"ledger: [bold]{_display_url(record_db(config))}[/]\n"
+        f"ledger: [bold]{_display_url(url)}[/]\n"
         f"See it again with: flplatform history rounds {record.id}" + (f" --db {db}" if db else ""),
     )
     return record
-
-
-def record_db(config: RunConfig) -> str:
-    """The ledger URL a run of ``config`` was written to."""
-    return check_ledger(config)
 
 
 def _display_url(url: str) -> str:
