@@ -34,7 +34,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
 from flplatform import keys
-from flplatform.engine import RoundEngine, RoundSummary, SyncPolicy
+from flplatform.engine import RoundEngine, RoundSummary, Synchrony
 from flplatform.engine.engine import PULL_CHUNK
 from flplatform.ledger import SqlLedger
 from storage import LedgerRepository
@@ -149,7 +149,7 @@ def measure(num_replies: int, shapes: dict[str, tuple[int, ...]], workdir: Path)
     engine = RoundEngine(
         grid,
         LocalSGDAveraging(),
-        policy=SyncPolicy(),
+        policy=Synchrony("sync"),
         ledger=ledger,
         required_sites=num_replies,
         poll_interval=0.0,

@@ -13,11 +13,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from flplatform.engine.synchrony import SYNC_MODES, synchrony_problems
 from flplatform.errors import ConfigError
+from flplatform.network import Network, load_network
 
 # Names users know from Flower and the literature, all the same algorithm here.
 STRATEGY_ALIASES = {"fedavg": "local-sgd", "fedavgm": "local-sgd", "local-sgd": "local-sgd"}
-SYNC_POLICIES = ("sync",)
 MODELS = ("mlp", "cnn")
 PARTITIONS = ("iid", "dirichlet", "files")
 BUILTIN_DATASETS = ("digits", "mnist5k", "fashion-mnist")
@@ -53,6 +54,17 @@ class RunConfig:
     db: str = ""  # "" means the default SQLite file
     run_tag: str = ""
     round_timeout: float = 600.0
+    # ---- synchrony (flplatform.engine.synchrony)
+    k: int = 2  # K of the K modes
+    staleness_bound: int = -1  # s of stale-synchronous parallel; -1: no bound
+    staleness_weighting: str = ""  # none, sqrt, step; "": the mode's default
+    staleness_step_c: float = 1.0  # C of the staleness-dependent step size
+    adasync: bool = False  # grow K as the loss falls
+    concurrency: int = 0  # async modes: most sites training at once; 0: all
+    # ---- simulated network (flplatform.network); "" runs on the wall clock
+    network: str = ""  # a preset (world, datacenter, mobile-4g, mobile-5g) or a .toml path
+    compute_model: str = ""  # override every site's compute model
+    step_seconds: float = 0.0  # override the mean compute seconds per local step; 0: keep
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -108,7 +120,26 @@ class RunConfig:
             raise ConfigError("fedavgm needs server-momentum > 0 (e.g. 0.9); 0 is plain fedavg")
         if strategy != self.strategy:
             object.__setattr__(self, "strategy", strategy)
-        _one_of("sync", self.sync, SYNC_POLICIES)
+        _one_of("sync", self.sync, SYNC_MODES)
+        problems = synchrony_problems(
+            self.sync,
+            k=self.k,
+            staleness_bound=self.staleness_bound,
+            weighting=self.staleness_weighting,
+            adasync=self.adasync,
+            concurrency=self.concurrency,
+        )
+        if problems:
+            raise ConfigError("; ".join(problems))
+        if not (math.isfinite(self.staleness_step_c) and self.staleness_step_c > 0):
+            raise ConfigError(f"staleness-step-c must be > 0, got {self.staleness_step_c}")
+        if self.network:
+            self.load_network()  # a bad preset name or profile file fails here, early
+        elif self.compute_model or self.step_seconds:
+            raise ConfigError(
+                "compute-model and step-seconds shape a simulated network's compute times: "
+                "also set network (a preset such as world, or a profile .toml)"
+            )
         _one_of("model", self.model, MODELS)
         _one_of("partition", self.partition, PARTITIONS)
         if self.partition == "files":
@@ -150,6 +181,17 @@ class RunConfig:
             )
 
     # ---------------------------------------------------------------- helpers
+    def load_network(self) -> Network | None:
+        """The simulated network, or None for the wall clock; raise ``ConfigError``."""
+        if not self.network:
+            return None
+        return load_network(
+            self.network,
+            seed=self.seed,
+            compute_model=self.compute_model,
+            step_seconds=self.step_seconds,
+        )
+
     @property
     def num_sites(self) -> int:
         """Number of named sites (one simulated SuperNode each)."""

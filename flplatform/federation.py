@@ -15,7 +15,7 @@ from clients.site import TestSet, load_test_set
 from clients.training import evaluate, pick_device
 from flplatform import keys
 from flplatform.config import RunConfig
-from flplatform.engine import RoundEngine, RoundSummary, SyncPolicy
+from flplatform.engine import Clock, RoundEngine, RoundSummary, Synchrony, VirtualClock, WallClock
 from flplatform.errors import FLPlatformError
 from flplatform.ledger import SqlLedger
 from storage import LedgerRepository
@@ -34,6 +34,25 @@ def build_strategy(config: RunConfig) -> LocalSGDAveraging:
         fraction_evaluate=config.fraction_evaluate,
         seed=config.seed,
     )
+
+
+def build_policy(config: RunConfig) -> Synchrony:
+    """The synchrony mode named in ``config``, with its options."""
+    return Synchrony(
+        config.sync,
+        k=config.k,
+        staleness_bound=None if config.staleness_bound < 0 else config.staleness_bound,
+        weighting=config.staleness_weighting or None,
+        step_c=config.staleness_step_c,
+        adasync=config.adasync,
+        concurrency=config.concurrency,
+    )
+
+
+def build_clock(config: RunConfig) -> Clock:
+    """A virtual clock over the configured network, or the wall clock without one."""
+    network = config.load_network()
+    return WallClock() if network is None else VirtualClock(network, seed=config.seed)
 
 
 def train_config_for(config: RunConfig) -> ConfigRecord:
@@ -81,8 +100,10 @@ def run_federation(grid: Grid, config: RunConfig) -> Result:
         config=dict(config.to_run_config()),
         num_rounds_planned=config.num_server_rounds,
         tag=config.run_tag or None,
+        network=config.network or None,
     )
     log.info("ledger: run %s in %s", run_id, repository.url)
+    engine: RoundEngine | None = None
     try:
         test = load_test_set(dataset=config.dataset, partition=config.partition, seed=config.seed)
         model = build_model(
@@ -94,7 +115,8 @@ def run_federation(grid: Grid, config: RunConfig) -> Result:
         engine = RoundEngine(
             grid,
             build_strategy(config),
-            policy=SyncPolicy(),
+            policy=build_policy(config),
+            clock=build_clock(config),
             ledger=SqlLedger(repository, run_id),
             round_timeout=config.round_timeout,
             required_sites=config.required_sites,
@@ -109,7 +131,13 @@ def run_federation(grid: Grid, config: RunConfig) -> Result:
         )
     except BaseException as exc:
         reason = exc.reason if isinstance(exc, FLPlatformError) else f"{type(exc).__name__}: {exc}"
-        repository.finish_run(run_id, status="failed", error=reason, finished_at=time.time())
+        repository.finish_run(
+            run_id,
+            status="failed",
+            error=reason,
+            finished_at=time.time(),
+            simulated_seconds=engine.simulated_seconds if engine else None,
+        )
         repository.close()
         raise
     final = result.evaluate_metrics_serverapp.get(config.num_server_rounds)
@@ -120,6 +148,7 @@ def run_federation(grid: Grid, config: RunConfig) -> Result:
         if final
         else None,
         finished_at=time.time(),
+        simulated_seconds=engine.simulated_seconds,
     )
     repository.close()
     return result
@@ -127,12 +156,18 @@ def run_federation(grid: Grid, config: RunConfig) -> Result:
 
 def _log_round(summary: RoundSummary) -> None:
     metrics = " ".join(f"{k}={v:.4f}" for k, v in summary.metrics.items())
+    simulated = (
+        f", simulated t={summary.virtual_finished_at:.2f} s"
+        if summary.virtual_finished_at is not None
+        else ""
+    )
     log.info(
-        "round %d: version %d, %d updates, %d B up, %d B down, %s",
+        "round %d: version %d, %d updates, %d B up, %d B down%s, %s",
         summary.server_round,
         summary.model_version,
         len(summary.updates),
         summary.bytes_up,
         summary.bytes_down,
+        simulated,
         metrics,
     )

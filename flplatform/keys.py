@@ -39,6 +39,10 @@ NUM_PARTITIONS = "num-partitions"
 DEVICE = "device"
 DATA_PATH = "data-path"  # node config of a deployed site: its own data file
 
+# ---- the site's persistent state (Flower's context.state), kept between messages
+SITE_STATE = "flplatform-site"  # ConfigRecord of counters
+TRAININGS = "trainings"  # training messages this site has run
+
 # ---- global metrics written to the ledger
 ACCURACY = "accuracy"
 LOSS = "loss"

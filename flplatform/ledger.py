@@ -41,6 +41,8 @@ class SqlLedger:
             finished_at=summary.finished_at,
             metrics=summary.metrics,
             train_loss=summary.train_loss,
+            virtual_started_at=summary.virtual_started_at,
+            virtual_finished_at=summary.virtual_finished_at,
             updates=[UpdateInput(**asdict(u)) for u in summary.updates],
             evaluations=[EvaluationInput(**asdict(e)) for e in summary.evaluations],
         )

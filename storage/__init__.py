@@ -7,6 +7,8 @@ strategies and the engine receive a repository (or something shaped like it) and
 """
 
 from .records import (
+    CLOCK_VIRTUAL,
+    CLOCK_WALL,
     EVALUATION_DROPPED,
     EVALUATION_EVALUATED,
     EVALUATION_STATUSES,
@@ -32,6 +34,7 @@ from .records import (
     UpdateInput,
     UpdateRecord,
     UpdateStatus,
+    WaitingClock,
 )
 from .repository import LedgerRepository
 from .session import (
@@ -44,6 +47,8 @@ from .session import (
 )
 
 __all__ = [
+    "CLOCK_VIRTUAL",
+    "CLOCK_WALL",
     "EVALUATION_DROPPED",
     "EVALUATION_EVALUATED",
     "EVALUATION_STATUSES",
@@ -72,6 +77,7 @@ __all__ = [
     "UpdateInput",
     "UpdateRecord",
     "UpdateStatus",
+    "WaitingClock",
     "default_db_url",
     "flplatform_home",
     "mask_db_url",

@@ -1,6 +1,10 @@
 """SQLAlchemy 2.0 models of the ledger: runs, the sites in them, rounds, site updates and
 federated evaluations.
 
+Times come on two clocks. ``*_at`` datetimes are the wall clock (UTC). ``virtual_*`` floats
+are the simulated clock of a run that simulated a network: seconds since the simulated start
+of the run (0.0 at the start), NULL for wall-clock runs and for rows older than migration 0003.
+
 The schema is created and changed only by the Alembic migrations in ``storage/migrations``;
 ``metadata`` here is what those migrations are checked against (a test compares them), never
 something to ``create_all`` from.
@@ -140,6 +144,9 @@ class Run(Base):
     wall_seconds: Mapped[float | None] = mapped_column(Double)
     # none_as_null: a run without final metrics is SQL NULL, not the JSON text 'null'.
     final_metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    # Migration 0003: the network preset or TOML path simulated, and the run's simulated length.
+    network: Mapped[str | None] = mapped_column(String(NAME_LENGTH))
+    simulated_seconds: Mapped[float | None] = mapped_column(Double)
 
 
 class Site(Base):
@@ -177,6 +184,9 @@ class Round(Base):
     num_rejected: Mapped[int] = mapped_column(Integer)
     bytes_up: Mapped[int] = mapped_column(BigInteger)
     bytes_down: Mapped[int] = mapped_column(BigInteger)
+    # Migration 0003: the step on the simulated clock.
+    virtual_started_at: Mapped[float | None] = mapped_column(Double)
+    virtual_finished_at: Mapped[float | None] = mapped_column(Double)
 
 
 class Update(Base):
@@ -207,6 +217,11 @@ class Update(Base):
     train_loss: Mapped[float | None] = mapped_column(Double)
     dispatched_at: Mapped[datetime] = mapped_column(UTCDateTime)
     arrived_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # Migration 0003: the update on the simulated clock; transfer is download plus upload.
+    virtual_dispatched_at: Mapped[float | None] = mapped_column(Double)
+    virtual_arrived_at: Mapped[float | None] = mapped_column(Double)
+    virtual_compute_seconds: Mapped[float | None] = mapped_column(Double)
+    transfer_seconds: Mapped[float | None] = mapped_column(Double)
 
 
 class Evaluation(Base):

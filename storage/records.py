@@ -5,10 +5,16 @@ detached from any session, so the CLI, the plots and the tests can hold them as 
 like. Every record has ``to_dict()`` with JSON-ready values (datetimes as ISO-8601 strings in
 UTC), which is what the CLI renders as JSON or CSV.
 
+Two clocks: ``*_at`` datetimes are the wall clock. ``virtual_*`` values (and
+``transfer_seconds``, ``simulated_seconds``) are plain float seconds on the simulated clock of a
+run that simulated a network, counted from the simulated start of the run (0.0); they are
+``None`` for wall-clock runs.
+
 Non-finite floats: JSON has no NaN or Infinity, and SQLite turns a NaN ``REAL`` into ``NULL``
 while PostgreSQL keeps it. So that every backend returns the same thing, the ledger stores every
 non-finite float (in metrics, config, profiles and float columns) as ``NULL``; records show it as
-``None``, meaning "not a finite number".
+``None``, meaning "not a finite number". Simulated-clock values are the exception: a non-finite
+one is refused (see ``check_seconds``), since ``None`` there means "not simulated".
 """
 
 from __future__ import annotations
@@ -60,6 +66,19 @@ EVALUATION_STATUSES: Final[tuple[EvaluationStatus, ...]] = (
 # staleness as 32-bit ones (the portable SQL INTEGER).
 INT64_MAX: Final = 2**63 - 1
 INT32_MAX: Final = 2**31 - 1
+
+# The simulated-clock fields of an update (seconds, each None or finite and >= 0).
+VIRTUAL_UPDATE_FIELDS: Final = (
+    "virtual_dispatched_at",
+    "virtual_arrived_at",
+    "virtual_compute_seconds",
+    "transfer_seconds",
+)
+
+# ``SiteSummary.waiting_clock``: which clock the waiting and busy times were measured on.
+WaitingClock = Literal["virtual", "wall"]
+CLOCK_VIRTUAL: Final = "virtual"
+CLOCK_WALL: Final = "wall"
 
 
 def _json_value(value: Any) -> Any:
@@ -121,6 +140,42 @@ def check_count(what: str, value: object, *, maximum: int = INT64_MAX) -> int:
     return int(value)
 
 
+def check_seconds(what: str, value: object) -> float | None:
+    """Return ``value`` as a plain ``float`` if it is ``None`` or a finite number ``>= 0``.
+
+    Used for simulated (virtual) times and durations: seconds since the simulated start of the
+    run, or lengths on that clock. Unlike metrics, a non-finite value is refused rather than
+    stored as ``None``: a virtual clock that reads NaN is a bug in the simulator, and storing
+    it as "no virtual time" would silently switch the run's summaries to the wall clock.
+
+    Parameters
+    ----------
+    what : str
+        How to name the value in the error, e.g. ``"update field 'virtual_arrived_at'"``.
+    value : object
+        The value to check; ``bool`` is refused even though it is a number.
+
+    Returns
+    -------
+    float or None
+        ``value`` as a plain ``float`` (NumPy scalars are accepted), or ``None``.
+
+    Raises
+    ------
+    StorageError
+        If ``value`` is not ``None``, not a real number, not finite or negative.
+    """
+    if value is None:
+        return None
+    allowed = "None or a finite number of seconds >= 0"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise StorageError(f"{what} must be {allowed}, got {type(value).__name__} {value!r}")
+    number = float(value)
+    if not math.isfinite(number) or number < 0:
+        raise StorageError(f"{what} must be {allowed}, got {number}")
+    return number
+
+
 def _real(what: str, value: object, *, optional: bool) -> float | None:
     """Return ``value`` as a plain ``float`` (``None`` passes if ``optional``)."""
     if value is None and optional:
@@ -164,6 +219,14 @@ class UpdateInput:
         Examples the site trained on.
     train_loss : float or None
         The site's training loss; a non-finite loss is stored as ``None``.
+    virtual_dispatched_at, virtual_arrived_at : float or None
+        Dispatch and arrival on the simulated clock (seconds since the simulated start of the
+        run); ``None`` in a wall-clock run, and arrival ``None`` when nothing arrived. Arrival
+        may not precede dispatch.
+    virtual_compute_seconds : float or None
+        Simulated time the site spent training.
+    transfer_seconds : float or None
+        Simulated time on the network, download plus upload.
     """
 
     site: str
@@ -179,6 +242,10 @@ class UpdateInput:
     reason: str | None = None
     num_examples: int | None = None
     train_loss: float | None = None
+    virtual_dispatched_at: float | None = None
+    virtual_arrived_at: float | None = None
+    virtual_compute_seconds: float | None = None
+    transfer_seconds: float | None = None
 
     def __post_init__(self) -> None:
         # Fields are normalised to plain int/float here (NumPy scalars in, Python numbers
@@ -213,6 +280,16 @@ class UpdateInput:
         if self.reason is not None and not isinstance(self.reason, str):
             raise StorageError(
                 f"update field 'reason' must be a string or None, got {type(self.reason).__name__}"
+            )
+        for name in VIRTUAL_UPDATE_FIELDS:
+            put(name, check_seconds(f"update field {name!r}", getattr(self, name)))
+        # The simulated clock only moves forward, so an arrival before its dispatch is a bug in
+        # the simulator; it would also make the site's busy time negative.
+        sent, came = self.virtual_dispatched_at, self.virtual_arrived_at
+        if sent is not None and came is not None and came < sent:
+            raise StorageError(
+                f"update field 'virtual_arrived_at' ({came}) is before 'virtual_dispatched_at' "
+                f"({sent}); the simulated clock only moves forward"
             )
 
 
@@ -309,7 +386,9 @@ class RunRecord(_Record):
 
     ``rounds_completed`` counts the run's round rows and ``last_metrics`` holds the global
     metrics of its latest round (empty before the first round), so a run listing needs no
-    second query.
+    second query. ``network`` is the network preset name or TOML path a simulated run used and
+    ``simulated_seconds`` the run's length on the simulated clock; both are ``None`` for a
+    wall-clock run (``simulated_seconds`` also while the run has not finished).
     """
 
     id: int
@@ -327,6 +406,8 @@ class RunRecord(_Record):
     final_metrics: dict[str, float | None] | None
     rounds_completed: int = 0
     last_metrics: dict[str, float | None] = field(default_factory=dict)
+    network: str | None = None
+    simulated_seconds: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,6 +433,8 @@ class RoundRecord(_Record):
     ``bytes_up``, ``bytes_down`` and the ``num_*`` counts are computed from the round's
     updates when it is recorded; ``eval_bytes_up``, ``eval_bytes_down`` are the sums over the
     round's federated evaluations, computed when read (0 when it had none).
+    ``virtual_started_at``, ``virtual_finished_at`` bracket the step on the simulated clock
+    (``None`` in a wall-clock run).
     """
 
     id: int
@@ -370,11 +453,17 @@ class RoundRecord(_Record):
     bytes_down: int
     eval_bytes_up: int = 0
     eval_bytes_down: int = 0
+    virtual_started_at: float | None = None
+    virtual_finished_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class UpdateRecord(_Record):
-    """One site update as stored, with its site's name joined in."""
+    """One site update as stored, with its site's name joined in.
+
+    The ``virtual_*`` and ``transfer_seconds`` fields are on the simulated clock, as given in
+    ``UpdateInput``; ``None`` in a wall-clock run.
+    """
 
     id: int
     run_id: int
@@ -393,15 +482,39 @@ class UpdateRecord(_Record):
     train_loss: float | None
     dispatched_at: datetime
     arrived_at: datetime | None
+    virtual_dispatched_at: float | None = None
+    virtual_arrived_at: float | None = None
+    virtual_compute_seconds: float | None = None
+    transfer_seconds: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class SiteSummary(_Record):
-    """Per-site totals over all of a run's updates, whatever their status.
+    """Per-site totals over a run's updates and evaluations.
 
-    ``mean_staleness``, ``max_staleness`` are ``None`` for a site with no updates;
-    ``mean_train_loss`` is ``None`` when no update reported a finite loss.
+    Counts, bytes, compute time and ``mean_train_loss`` cover every update, whatever its
+    status; ``mean_train_loss`` is ``None`` when no update reported a finite loss, and
     ``compute_seconds`` is the sum over updates that reported it (0.0 when none did).
+
+    Staleness covers **applied** updates only, since only they moved the global model (a
+    dropped or rejected update's staleness says nothing about the model the site hurt or
+    helped). ``staleness_counts`` maps each staleness to how many applied updates had it, in
+    ascending order of staleness; ``mean_staleness``, ``max_staleness`` and ``p90_staleness``
+    summarise it and are ``None`` when the site had no applied update. ``p90_staleness`` is the
+    nearest-rank 90th percentile: the smallest staleness that at least 90 % of the applied
+    updates do not exceed, so it is always a staleness that occurred. In ``to_dict()``
+    ``staleness_counts`` becomes a list of ``[staleness, count]`` pairs, so its keys stay
+    integers through JSON (whose object keys can only be strings).
+
+    ``waiting_seconds`` is how long the site sat idle waiting for the server: over the site's
+    updates ordered by dispatch time, the gap from each arrival to the next dispatch, summed
+    (a negative gap, an overlap, counts as 0; an update that never arrived, and the last one,
+    contribute nothing). ``busy_seconds`` sums arrival minus dispatch over updates that
+    arrived. Both use the clock named by ``waiting_clock``: ``"virtual"`` when any update of
+    the run has a virtual dispatch time (updates without one are then left out), else
+    ``"wall"``. ``virtual_compute_seconds`` and ``transfer_seconds`` are sums over the updates
+    that have them, ``None`` when none does.
+
     ``evaluations`` counts the site's federated evaluations (any status) and
     ``eval_bytes_up``, ``eval_bytes_down`` sum their traffic (0 when it had none).
     """
@@ -426,6 +539,27 @@ class SiteSummary(_Record):
     evaluations: int = 0
     eval_bytes_up: int = 0
     eval_bytes_down: int = 0
+    staleness_counts: dict[int, int] = field(default_factory=dict)
+    p90_staleness: int | None = None
+    waiting_seconds: float = 0.0
+    busy_seconds: float = 0.0
+    waiting_clock: WaitingClock = CLOCK_WALL
+    virtual_compute_seconds: float | None = None
+    transfer_seconds: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the summary's fields as JSON-ready values.
+
+        Returns
+        -------
+        dict[str, Any]
+            As ``_Record.to_dict``, with ``staleness_counts`` as ``[staleness, count]`` pairs
+            in ascending order of staleness.
+        """
+        # Not super(): zero-argument super() breaks in slots dataclasses before Python 3.14.
+        data = _Record.to_dict(self)
+        data["staleness_counts"] = [[k, v] for k, v in sorted(self.staleness_counts.items())]
+        return data
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from types import TracebackType
@@ -28,6 +28,8 @@ from flplatform.errors import FLPlatformError, NotFoundError, StorageError
 from .migrations import upgrade_to_head
 from .models import NAME_LENGTH, STRATEGY_LENGTH, Evaluation, Round, Run, Site, Update
 from .records import (
+    CLOCK_VIRTUAL,
+    CLOCK_WALL,
     INT32_MAX,
     INT64_MAX,
     RUN_FAILED,
@@ -38,6 +40,7 @@ from .records import (
     UPDATE_CANCELLED,
     UPDATE_DROPPED,
     UPDATE_REJECTED,
+    VIRTUAL_UPDATE_FIELDS,
     EvaluationInput,
     EvaluationRecord,
     EvaluationStatus,
@@ -50,7 +53,9 @@ from .records import (
     UpdateInput,
     UpdateRecord,
     UpdateStatus,
+    WaitingClock,
     check_count,
+    check_seconds,
 )
 from .session import (
     URL_HINT,
@@ -177,6 +182,61 @@ def _metrics(what: str, value: object) -> dict[str, float | None]:
     return result
 
 
+# ---------------------------------------------------------------------------- summary maths
+def nearest_rank_p90(counts: Mapping[int, int]) -> int | None:
+    """Return the nearest-rank 90th percentile of a histogram of integer values.
+
+    Parameters
+    ----------
+    counts : Mapping[int, int]
+        Value (a staleness) to how many times it occurred; counts must be ``>= 0``.
+
+    Returns
+    -------
+    int or None
+        The smallest value ``v`` such that at least ``ceil(0.9 * n)`` of the ``n``
+        occurrences are ``<= v`` (so always a value that occurred); ``None`` when ``n`` is 0.
+    """
+    total = sum(counts.values())
+    if total == 0:
+        return None
+    rank = -(-9 * total // 10)  # ceil(0.9 * total) in integers, exact for any total
+    seen = 0
+    for value in sorted(counts):
+        seen += counts[value]
+        if seen >= rank:
+            return value
+    raise ValueError(f"histogram counts must be >= 0, got {dict(counts)}")
+
+
+def waiting_and_busy(intervals: Iterable[tuple[float, float | None]]) -> tuple[float, float]:
+    """Return how long a site waited for the server and how long it was busy, in seconds.
+
+    Parameters
+    ----------
+    intervals : Iterable[tuple[float, float or None]]
+        ``(dispatched, arrived)`` of each of one site's updates on one clock, in the order
+        they were recorded; ``arrived`` is ``None`` when nothing came back.
+
+    Returns
+    -------
+    tuple[float, float]
+        ``(waiting, busy)``. The updates are put in dispatch order (ties keep recording
+        order); waiting sums, for each update that arrived and is followed by another, the gap
+        from its arrival to the next dispatch, a negative gap (overlapping work) counting as
+        0; busy sums ``arrived - dispatched`` over the updates that arrived.
+    """
+    timeline = sorted(intervals, key=lambda interval: interval[0])  # stable: ties keep order
+    waiting = busy = 0.0
+    for index, (dispatched, arrived) in enumerate(timeline):
+        if arrived is None:
+            continue
+        busy += arrived - dispatched
+        if index + 1 < len(timeline):
+            waiting += max(0.0, timeline[index + 1][0] - arrived)
+    return waiting, busy
+
+
 # ---------------------------------------------------------------------------- records
 def _run_record(run: Run, rounds_completed: int, last_metrics: dict[str, Any] | None) -> RunRecord:
     return RunRecord(
@@ -195,6 +255,8 @@ def _run_record(run: Run, rounds_completed: int, last_metrics: dict[str, Any] | 
         final_metrics=None if run.final_metrics is None else dict(run.final_metrics),
         rounds_completed=rounds_completed,
         last_metrics=dict(last_metrics or {}),
+        network=run.network,
+        simulated_seconds=run.simulated_seconds,
     )
 
 
@@ -231,6 +293,8 @@ def _round_record(
         bytes_down=row.bytes_down,
         eval_bytes_up=int(eval_bytes_up or 0),
         eval_bytes_down=int(eval_bytes_down or 0),
+        virtual_started_at=row.virtual_started_at,
+        virtual_finished_at=row.virtual_finished_at,
     )
 
 
@@ -253,6 +317,10 @@ def _update_record(row: Update, site_name: str) -> UpdateRecord:
         train_loss=row.train_loss,
         dispatched_at=row.dispatched_at,
         arrived_at=row.arrived_at,
+        virtual_dispatched_at=row.virtual_dispatched_at,
+        virtual_arrived_at=row.virtual_arrived_at,
+        virtual_compute_seconds=row.virtual_compute_seconds,
+        transfer_seconds=row.transfer_seconds,
     )
 
 
@@ -463,6 +531,7 @@ class LedgerRepository:
         num_rounds_planned: int,
         tag: str | None = None,
         created_at: float | None = None,
+        network: str | None = None,
     ) -> int:
         """Record a new run with status ``"running"``.
 
@@ -482,6 +551,9 @@ class LedgerRepository:
             External id unique in the ledger, so a separate process can find the run.
         created_at : float or None
             Unix time; ``None`` means now.
+        network : str or None
+            The network preset name or TOML path the run simulates; ``None`` for a run on the
+            wall clock (a real deployment).
 
         Returns
         -------
@@ -504,6 +576,7 @@ class LedgerRepository:
             ),
             status=RUN_RUNNING,
             created_at=_timestamp("created_at", time.time() if created_at is None else created_at),
+            network=_text("network", network, max_length=NAME_LENGTH, optional=True),
         )
         taken = f"a run tagged {tag!r} already exists in {self.url}; pick another tag"
         with self._session("create a run", write=True) as session:
@@ -525,8 +598,9 @@ class LedgerRepository:
         error: str | None = None,
         final_metrics: dict[str, float] | None = None,
         finished_at: float | None = None,
+        simulated_seconds: float | None = None,
     ) -> None:
-        """Mark a running run finished or failed and record its wall time.
+        """Mark a running run finished or failed and record its wall (and simulated) time.
 
         Parameters
         ----------
@@ -540,14 +614,18 @@ class LedgerRepository:
             Final global metrics; non-finite values are stored as null.
         finished_at : float or None
             Unix time; ``None`` means now. ``wall_seconds`` is ``finished_at - created_at``.
+        simulated_seconds : float or None
+            Simulated elapsed time of the whole run (finite, ``>= 0``); ``None`` for a run
+            on the wall clock.
 
         Raises
         ------
         NotFoundError
             If the run does not exist.
         StorageError
-            If ``status`` is not allowed, the run is no longer running, or ``finished_at``
-            is before the run was created.
+            If ``status`` is not allowed, ``simulated_seconds`` is not ``None`` or a finite
+            number ``>= 0``, the run is no longer running, or ``finished_at`` is before the
+            run was created.
         """
         run_id = self._run_id(run_id)
         if status not in (RUN_FINISHED, RUN_FAILED):
@@ -557,6 +635,7 @@ class LedgerRepository:
         metrics = None if final_metrics is None else _metrics("final_metrics", final_metrics)
         if error is not None and not isinstance(error, str):
             raise StorageError(f"error must be a string or None, got {type(error).__name__}")
+        simulated = check_seconds("simulated_seconds", simulated_seconds)
         end = time.time() if finished_at is None else finished_at
         end_dt = _timestamp("finished_at", end)
         with self._session(f"finish run {run_id}", write=True) as session:
@@ -576,6 +655,7 @@ class LedgerRepository:
             run.final_metrics = metrics
             run.finished_at = end_dt
             run.wall_seconds = wall
+            run.simulated_seconds = simulated
 
     def get_run(self, run_id: int) -> RunRecord:
         """Return one run.
@@ -744,6 +824,8 @@ class LedgerRepository:
         train_loss: float | None,
         updates: Sequence[UpdateInput],
         evaluations: Sequence[EvaluationInput] = (),
+        virtual_started_at: float | None = None,
+        virtual_finished_at: float | None = None,
     ) -> None:
         """Record one server step, every update and evaluation it handled, in one transaction.
 
@@ -770,6 +852,9 @@ class LedgerRepository:
         evaluations : Sequence[EvaluationInput]
             The federated evaluations handled at this step, at most one per site; each names
             a site added to the run.
+        virtual_started_at, virtual_finished_at : float or None
+            The step on the simulated clock, in seconds since the simulated start of the run
+            (finite, ``>= 0``, finish not before start); ``None`` for a wall-clock run.
 
         Raises
         ------
@@ -788,6 +873,13 @@ class LedgerRepository:
         if end < start:
             raise StorageError(
                 f"round {step}: finished_at {finished_at} is before started_at {started_at}"
+            )
+        virtual_start = check_seconds("virtual_started_at", virtual_started_at)
+        virtual_end = check_seconds("virtual_finished_at", virtual_finished_at)
+        if virtual_start is not None and virtual_end is not None and virtual_end < virtual_start:
+            raise StorageError(
+                f"round {step}: virtual_finished_at {virtual_end} is before virtual_started_at "
+                f"{virtual_start}"
             )
         batch = list(updates)
         for index, update in enumerate(batch):
@@ -825,6 +917,8 @@ class LedgerRepository:
             num_rejected=sum(u.status == UPDATE_REJECTED for u in batch),
             bytes_up=sum(u.bytes_up for u in batch),
             bytes_down=sum(u.bytes_down for u in batch),
+            virtual_started_at=virtual_start,
+            virtual_finished_at=virtual_end,
         )
         if max(row.bytes_up, row.bytes_down) > INT64_MAX:
             raise StorageError(f"round {step}: total bytes exceed 2**63 - 1")
@@ -886,6 +980,7 @@ class LedgerRepository:
             "arrived_at": None
             if update.arrived_at is None
             else _timestamp("arrived_at", update.arrived_at),
+            **{name: check_seconds(name, getattr(update, name)) for name in VIRTUAL_UPDATE_FIELDS},
         }
 
     @staticmethod
@@ -1035,10 +1130,14 @@ class LedgerRepository:
             return [_evaluation_record(row, name) for row, name in session.execute(query)]
 
     def site_summaries(self, run_id: int) -> list[SiteSummary]:
-        """Return per-site totals over all of a run's updates and evaluations, computed in SQL.
+        """Return per-site totals over a run's updates and evaluations.
 
-        Sites with no updates or evaluations are included with zero counts. Sites come in the
-        order they were added.
+        Counts, sums, means and the staleness histogram are computed in SQL; the waiting and
+        busy times, which depend on each update's successor in dispatch order, are computed
+        here from each site's dispatch and arrival times (see ``waiting_and_busy``), and the
+        90th percentile from the histogram. Staleness covers applied updates only (see
+        ``SiteSummary``). Sites with no updates or evaluations are included with zero counts.
+        Sites come in the order they were added.
 
         Parameters
         ----------
@@ -1060,6 +1159,8 @@ class LedgerRepository:
         def count(status: str) -> Any:
             return func.sum(case((Update.status == status, 1), else_=0))
 
+        # NULL for every other status, which AVG and MAX skip.
+        applied_staleness = case((Update.status == UPDATE_APPLIED, Update.staleness))
         totals = (
             select(
                 Update.site_id.label("site_id"),
@@ -1069,12 +1170,15 @@ class LedgerRepository:
                 count(UPDATE_CANCELLED).label("cancelled"),
                 count(UPDATE_DROPPED).label("dropped"),
                 count(UPDATE_REJECTED).label("rejected"),
-                func.avg(Update.staleness).label("mean_staleness"),
-                func.max(Update.staleness).label("max_staleness"),
+                func.avg(applied_staleness).label("mean_staleness"),
+                func.max(applied_staleness).label("max_staleness"),
                 func.sum(Update.bytes_up).label("bytes_up"),
                 func.sum(Update.bytes_down).label("bytes_down"),
                 func.sum(Update.compute_seconds).label("compute_seconds"),
                 func.avg(Update.train_loss).label("mean_train_loss"),
+                # SUM over only NULLs is NULL: "no update had a simulated time".
+                func.sum(Update.virtual_compute_seconds).label("virtual_compute_seconds"),
+                func.sum(Update.transfer_seconds).label("transfer_seconds"),
             )
             .where(Update.run_id == run_id)
             .group_by(Update.site_id)
@@ -1104,12 +1208,34 @@ class LedgerRepository:
             .where(Site.run_id == run_id)
             .order_by(Site.id)
         )
+        histogram = (
+            select(Update.site_id, Update.staleness, func.count(Update.id))
+            .where(Update.run_id == run_id, Update.status == UPDATE_APPLIED)
+            .group_by(Update.site_id, Update.staleness)
+        )
+        timeline = (
+            select(
+                Update.site_id,
+                Update.dispatched_at,
+                Update.arrived_at,
+                Update.virtual_dispatched_at,
+                Update.virtual_arrived_at,
+            )
+            .where(Update.run_id == run_id)
+            .order_by(Update.id)
+        )
         with self._session(f"summarise the sites of run {run_id}") as session:
             self._require_run(session, run_id)
+            counts: dict[int, dict[int, int]] = {}
+            for site_id, staleness, n in session.execute(histogram):
+                counts.setdefault(site_id, {})[int(staleness)] = int(n)
+            clock, intervals = _site_intervals(session.execute(timeline))
             summaries = []
             for row in session.execute(query):
                 site: Site = row[0]
                 t = row._mapping
+                by_staleness = dict(sorted(counts.get(site.id, {}).items()))
+                waiting, busy = waiting_and_busy(intervals.get(site.id, []))
                 # PostgreSQL returns SUM/AVG of integers as NUMERIC (Decimal); normalise.
                 summaries.append(
                     SiteSummary(
@@ -1124,21 +1250,66 @@ class LedgerRepository:
                         cancelled=int(t["cancelled"] or 0),
                         dropped=int(t["dropped"] or 0),
                         rejected=int(t["rejected"] or 0),
-                        mean_staleness=None
-                        if t["mean_staleness"] is None
-                        else float(t["mean_staleness"]),
+                        mean_staleness=_float_or_none(t["mean_staleness"]),
                         max_staleness=None
                         if t["max_staleness"] is None
                         else int(t["max_staleness"]),
                         bytes_up=int(t["bytes_up"] or 0),
                         bytes_down=int(t["bytes_down"] or 0),
                         compute_seconds=float(t["compute_seconds"] or 0.0),
-                        mean_train_loss=None
-                        if t["mean_train_loss"] is None
-                        else float(t["mean_train_loss"]),
+                        mean_train_loss=_float_or_none(t["mean_train_loss"]),
                         evaluations=int(t["evaluations"] or 0),
                         eval_bytes_up=int(t["eval_bytes_up"] or 0),
                         eval_bytes_down=int(t["eval_bytes_down"] or 0),
+                        staleness_counts=by_staleness,
+                        p90_staleness=nearest_rank_p90(by_staleness),
+                        waiting_seconds=waiting,
+                        busy_seconds=busy,
+                        waiting_clock=clock,
+                        virtual_compute_seconds=_float_or_none(t["virtual_compute_seconds"]),
+                        transfer_seconds=_float_or_none(t["transfer_seconds"]),
                     )
                 )
             return summaries
+
+
+def _float_or_none(value: Any) -> float | None:
+    """An aggregate as a ``float`` (PostgreSQL gives ``Decimal`` for integer columns)."""
+    return None if value is None else float(value)
+
+
+def _site_intervals(
+    rows: Iterable[tuple[int, datetime, datetime | None, float | None, float | None]],
+) -> tuple[WaitingClock, dict[int, list[tuple[float, float | None]]]]:
+    """Pick a run's clock and return each site's ``(dispatched, arrived)`` seconds on it.
+
+    The virtual clock is used as soon as any update of the run has a virtual dispatch time:
+    in a simulated run the wall times only measure how fast the simulator ran. Updates without
+    a virtual dispatch time cannot be placed on that clock and are left out. On the wall clock
+    the datetimes become seconds relative to the run's first dispatch, so differences keep
+    microsecond precision instead of being taken between two ~1.7e9 floats.
+
+    Parameters
+    ----------
+    rows : Iterable[tuple]
+        ``(site_id, dispatched_at, arrived_at, virtual_dispatched_at, virtual_arrived_at)``
+        of every update of the run, in the order they were recorded.
+
+    Returns
+    -------
+    tuple[WaitingClock, dict[int, list[tuple[float, float or None]]]]
+        The clock, and per site id the intervals in recording order.
+    """
+    rows = list(rows)
+    per_site: dict[int, list[tuple[float, float | None]]] = {}
+    if any(row[3] is not None for row in rows):
+        for site_id, _, _, sent, came in rows:
+            if sent is not None:
+                per_site.setdefault(site_id, []).append((sent, came))
+        return CLOCK_VIRTUAL, per_site
+    if rows:
+        origin = min(row[1] for row in rows)
+        for site_id, sent_at, came_at, _, _ in rows:
+            arrived = None if came_at is None else (came_at - origin).total_seconds()
+            per_site.setdefault(site_id, []).append(((sent_at - origin).total_seconds(), arrived))
+    return CLOCK_WALL, per_site

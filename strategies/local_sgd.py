@@ -39,7 +39,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from clients.site import Site
 from clients.training import evaluate, train_local
 from flplatform import keys
-from flplatform.engine import Contribution, RoundEngine, SyncPolicy
+from flplatform.engine import Contribution, RoundEngine, Synchrony
 from flplatform.engine.wire import arrays_to_record, record_to_arrays
 from flplatform.errors import ConfigError, UpdateRejected
 from flplatform.seeding import rng_for
@@ -293,7 +293,7 @@ class LocalSGDAveraging(Strategy):
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
     ) -> Result:
         """Flower's ``start``, run by flplatform's round engine (no ledger)."""
-        engine = RoundEngine(grid, self, policy=SyncPolicy(), round_timeout=timeout)
+        engine = RoundEngine(grid, self, policy=Synchrony("sync"), round_timeout=timeout)
         return engine.run(
             initial_arrays,
             num_rounds=num_rounds,
@@ -358,6 +358,9 @@ def train_site(msg: Message, context: Context, site: Site) -> Message:
         msg.content.config_records.get(keys.CONFIG, ConfigRecord())
     )
     model = _received_model(msg, site, config.seed)
+    # A site may train twice on one round's model (the K-batch modes give a finished site
+    # work again at once), so its data order also follows how often it has trained.
+    trainings = _count_training(context)
     stats = train_local(
         model,
         site.x_train,
@@ -367,7 +370,7 @@ def train_site(msg: Message, context: Context, site: Site) -> Message:
         batch_size=config.batch_size,
         local_steps=config.local_steps,
         local_epochs=config.local_epochs,
-        rng=rng_for(config.seed, config.server_round, site.name, "data-order"),
+        rng=rng_for(config.seed, config.server_round, site.name, trainings, "data-order"),
         device=site.device,
     )
     metrics = MetricRecord(
@@ -379,6 +382,15 @@ def train_site(msg: Message, context: Context, site: Site) -> Message:
     )
     content = RecordDict({keys.ARRAYS: ArrayRecord(model.state_dict()), keys.METRICS: metrics})
     return Message(content, reply_to=msg)
+
+
+def _count_training(context: Context) -> int:
+    """How many training messages this site ran before this one (kept in the site's state)."""
+    state = context.state.config_records.get(keys.SITE_STATE, ConfigRecord())
+    done = state.get(keys.TRAININGS, 0)
+    done = done if isinstance(done, int) and not isinstance(done, bool) and done >= 0 else 0
+    context.state[keys.SITE_STATE] = ConfigRecord({**state, keys.TRAININGS: done + 1})
+    return done
 
 
 def evaluate_site(msg: Message, context: Context, site: Site) -> Message:

@@ -129,11 +129,47 @@ def simulate(
     round_timeout: Annotated[
         float, typer.Option(help="Seconds a site may take per message.")
     ] = 600.0,
+    sync: Annotated[
+        str,
+        typer.Option(help="sync, k-sync, k-batch-sync, async, k-async, k-batch-async or buffered."),
+    ] = "sync",
+    k: Annotated[int, typer.Option("--k", help="K of the K modes (updates per step).")] = 2,
+    staleness_bound: Annotated[
+        int, typer.Option(help="Async modes: most versions an update may lag (-1: none).")
+    ] = -1,
+    staleness_weighting: Annotated[
+        str, typer.Option(help="Async modes: none, sqrt (1/√(1+s)) or step (Dutta et al.).")
+    ] = "",
+    staleness_step_c: Annotated[
+        float, typer.Option(help="C of the staleness-dependent step size.")
+    ] = 1.0,
+    adasync: Annotated[bool, typer.Option(help="Grow K as the training loss falls.")] = False,
+    concurrency: Annotated[
+        int, typer.Option(help="Async modes: most sites training at once (0: all).")
+    ] = 0,
+    network: Annotated[
+        str,
+        typer.Option(
+            help="Simulate a network: world, datacenter, mobile-4g, mobile-5g, or a .toml "
+            "profile file (empty: real time)."
+        ),
+    ] = "",
+    compute_model: Annotated[
+        str,
+        typer.Option(
+            help="Override the sites' compute model: fixed, exponential, "
+            "shifted-exponential, pareto, measured."
+        ),
+    ] = "",
+    step_seconds: Annotated[
+        float, typer.Option(help="Override the mean compute seconds per local step.")
+    ] = 0.0,
     db: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the ledger.")] = None,
 ) -> None:
     """Run a simulated federation and record every round in the ledger."""
     if dataset.endswith(".npz") or (partition == "files" and dataset not in BUILTIN_DATASETS):
         dataset = str(Path(dataset).expanduser().resolve())  # the ServerApp runs elsewhere
+    network = _network_spec(network)
     config = RunConfig.from_mapping(
         {
             "strategy": strategy,
@@ -154,12 +190,30 @@ def simulate(
             "fraction-train": fraction_train,
             "fraction-evaluate": fraction_evaluate,
             "round-timeout": round_timeout,
+            "sync": sync,
+            "k": k,
+            "staleness-bound": staleness_bound,
+            "staleness-weighting": staleness_weighting,
+            "staleness-step-c": staleness_step_c,
+            "adasync": adasync,
+            "concurrency": concurrency,
+            "network": network,
+            "compute-model": compute_model,
+            "step-seconds": step_seconds,
             "db": db or "",
         }
     )
     _check_dataset(config)
     check_ledger(config)
     run_and_follow(config)
+
+
+def _network_spec(network: str) -> str:
+    """A preset name as is; a profile file as an absolute path (the ServerApp runs elsewhere)."""
+    text = network.strip()
+    if text.endswith(".toml") or "/" in text or Path(text).is_file():
+        return str(Path(text).expanduser().resolve())
+    return text
 
 
 def _default_sites(partition: str, dataset: str) -> tuple[str, ...]:

@@ -1,6 +1,6 @@
 """The round engine: dispatch, pull, order by clock, account for every byte."""
 
-from flplatform.engine.clock import Clock, WallClock
+from flplatform.engine.clock import Clock, Landing, Schedule, VirtualClock, WallClock
 from flplatform.engine.engine import Contribution, EngineStrategy, RoundEngine, SubsetGrid
 from flplatform.engine.events import (
     APPLIED,
@@ -17,7 +17,8 @@ from flplatform.engine.events import (
     SiteInfo,
     UpdateOutcome,
 )
-from flplatform.engine.policy import AggregationPolicy, EngineView, SyncPolicy, Verdict
+from flplatform.engine.policy import AggregationPolicy, EngineView, Verdict
+from flplatform.engine.synchrony import SYNC_MODES, Synchrony
 
 __all__ = [
     "APPLIED",
@@ -39,7 +40,11 @@ __all__ = [
     "RoundSummary",
     "SiteInfo",
     "SubsetGrid",
-    "SyncPolicy",
+    "Synchrony",
+    "SYNC_MODES",
+    "Schedule",
+    "Landing",
+    "VirtualClock",
     "UpdateOutcome",
     "Verdict",
     "WallClock",

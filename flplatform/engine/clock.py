@@ -1,41 +1,90 @@
-"""Clocks the engine reads time from.
+"""Clocks the engine reads time from: the wall clock, or a virtual clock over a network.
 
-In deployment the wall clock orders arrivals. A virtual clock driven by site profiles
-(latency, bandwidth, compute model) plugs in behind the same interface: the engine stamps
-every dispatch and arrival through it and processes arrivals in clock order, so a 2-core
-machine can reproduce a federation spanning continents.
+In deployment the wall clock orders arrivals: a reply has arrived when it is pulled. In
+simulation a ``VirtualClock`` driven by site profiles (latency, bandwidth, compute model,
+availability) decides when each message *would* have arrived, and the engine judges
+arrivals in that order, so a 2-core machine reproduces a federation spanning continents.
+
+A training message on the virtual clock, dispatched at t₀ with B↓ bytes down and B↑ up::
+
+    arrives at  t₀ + (L/2 + 8·B↓/b↓) + compute + (L/2 + 8·B↑/b↑)
+
+with the site's round-trip latency L and link bandwidths b; compute is drawn from the
+site's compute model at dispatch (seeded by (seed, site, attempt)), so every message has
+a known earliest arrival (B↑ ≥ 0) before its reply exists. The engine may judge a queued
+arrival only when no outstanding message could still land before it.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
+
+from flplatform import keys
+from flplatform.network import Network, SiteProfile, compute_seconds
+from flplatform.seeding import rng_for
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What the clock fixed about one message when it was dispatched.
+
+    On the wall clock nothing is known ahead and ``earliest_arrival`` is -inf.
+    """
+
+    dispatched_at: float  # clock time of dispatch
+    download_seconds: float | None = None
+    compute_seconds: float | None = None  # None: known only from the site's report
+    earliest_arrival: float = -math.inf
+
+
+@dataclass(frozen=True)
+class Landing:
+    """When a reply counts as arrived on the clock, and what the time was spent on."""
+
+    arrived_at: float  # clock time
+    compute_seconds: float | None = None  # simulated compute (None on the wall clock)
+    transfer_seconds: float | None = None  # simulated download + upload
 
 
 class Clock(Protocol):
     """What the engine needs from a clock."""
 
+    virtual: bool  # whether times are simulated (and written to the ledger's virtual columns)
+
     def now(self) -> float:
-        """Current time in seconds (virtual or wall)."""
+        """Current time in seconds (virtual, or Unix time)."""
         ...
 
-    def arrival_time(
-        self,
-        *,
-        site: str,
-        dispatched_at: float,
-        bytes_down: int,
-        bytes_up: int,
-        compute_seconds: float | None,
-    ) -> float:
-        """When a reply dispatched at ``dispatched_at`` counts as arrived on this clock."""
+    def advance(self, to: float) -> None:
+        """Move the clock forward to ``to`` (never backwards); a no-op on the wall clock."""
         ...
 
-    def releasable(self, arrived_at: float, in_flight: Mapping[int, Any]) -> bool:
-        """Whether the earliest queued arrival may be judged now.
+    def join(self, site: str, index: int) -> dict[str, Any]:
+        """Register a site (``index``: its position in the federation); return its profile."""
+        ...
 
-        A virtual clock says no while a message still in flight could land earlier;
+    def away_seconds(self, site: str) -> float | None:
+        """If the site sits out the work offered now, for how long; None if it takes part."""
+        ...
+
+    def schedule(self, *, site: str, bytes_down: int, steps: int) -> Schedule:
+        """Fix what is known of a message dispatched to ``site`` now."""
+        ...
+
+    def land(
+        self, schedule: Schedule, *, site: str, bytes_up: int, measured_compute: float | None
+    ) -> Landing:
+        """When the reply to a message with ``schedule`` arrives on this clock."""
+        ...
+
+    def releasable(self, arrived_at: float, outstanding: Iterable[Schedule]) -> bool:
+        """Whether an arrival at ``arrived_at`` may be judged while ``outstanding`` run.
+
+        A virtual clock says no while an outstanding message could still land earlier;
         the wall clock always says yes: what has been pulled has arrived.
         """
         ...
@@ -44,22 +93,163 @@ class Clock(Protocol):
 class WallClock:
     """Real time: a reply has arrived when the server pulls it."""
 
+    virtual = False
+
     def now(self) -> float:
         """Seconds since the epoch."""
         return time.time()
 
-    def arrival_time(
-        self,
-        *,
-        site: str,
-        dispatched_at: float,
-        bytes_down: int,
-        bytes_up: int,
-        compute_seconds: float | None,
-    ) -> float:
-        """The moment the reply was pulled."""
-        return time.time()
+    def advance(self, to: float) -> None:
+        """Real time moves by itself."""
 
-    def releasable(self, arrived_at: float, in_flight: Mapping[int, Any]) -> bool:
+    def join(self, site: str, index: int) -> dict[str, Any]:
+        """Real sites have no simulated profile."""
+        return {}
+
+    def away_seconds(self, site: str) -> float | None:
+        """A real site's availability shows in its replies, not here."""
+        return None
+
+    def schedule(self, *, site: str, bytes_down: int, steps: int) -> Schedule:
+        """Only the dispatch time is known."""
+        return Schedule(dispatched_at=time.time())
+
+    def land(
+        self, schedule: Schedule, *, site: str, bytes_up: int, measured_compute: float | None
+    ) -> Landing:
+        """The moment the reply was pulled."""
+        return Landing(arrived_at=time.time())
+
+    def releasable(self, arrived_at: float, outstanding: Iterable[Schedule]) -> bool:
         """Always: on the wall clock, whatever has been pulled has arrived."""
         return True
+
+
+class VirtualClock:
+    """Simulated time over a ``Network`` of site profiles; starts at 0.
+
+    Parameters
+    ----------
+    network : Network
+        Site profiles by name (or by position for sites the network does not name).
+    seed : int
+        Compute times and availability are drawn from (seed, site, attempt), attempt
+        counting the messages offered to that site, so a run is reproducible.
+    """
+
+    virtual = True
+
+    def __init__(self, network: Network, *, seed: int = 0) -> None:
+        self.network = network
+        self.seed = seed
+        self._now = 0.0
+        self._profiles: dict[str, SiteProfile] = {}
+        self._attempts: dict[str, int] = {}
+
+    def now(self) -> float:
+        """Simulated seconds since the run started."""
+        return self._now
+
+    def advance(self, to: float) -> None:
+        """Jump to ``to`` if it is later (arrivals are judged in order, so it always is)."""
+        self._now = max(self._now, to)
+
+    def join(self, site: str, index: int) -> dict[str, Any]:
+        """Give ``site`` its profile (by name, else by position) and return it for the ledger."""
+        profile = self.network.profile_for(site, index)
+        self._profiles[site] = profile
+        return profile.to_dict()
+
+    def profile(self, site: str) -> SiteProfile:
+        """The profile of a site that joined (a site unknown so far joins at the end)."""
+        if site not in self._profiles:
+            self.join(site, len(self._profiles))
+        return self._profiles[site]
+
+    def _attempt(self, site: str) -> int:
+        attempt = self._attempts.get(site, 0)
+        self._attempts[site] = attempt + 1
+        return attempt
+
+    def away_seconds(self, site: str) -> float | None:
+        """With probability 1 − availability the site sits this work out.
+
+        It is then away for as long as one update would have taken it (a fresh draw of
+        its compute time), after which it can be offered work again.
+        """
+        profile = self.profile(site)
+        if profile.availability >= 1.0:
+            return None
+        attempt = self._attempt(site)
+        rng = rng_for(self.seed, "availability", site, attempt)
+        if rng.random() < profile.availability:
+            return None
+        away = compute_seconds(
+            profile.compute, steps=1, speed=_speed(profile), rng=rng, measured=None
+        )
+        return away if away is not None and away > 0 else profile.compute.mean_seconds
+
+    def schedule(self, *, site: str, bytes_down: int, steps: int) -> Schedule:
+        """Draw the compute time now, so the earliest possible arrival is known."""
+        profile = self.profile(site)
+        rng = rng_for(self.seed, "compute", site, self._attempt(site))
+        compute = compute_seconds(
+            profile.compute, steps=steps, speed=_speed(profile), rng=rng, measured=None
+        )
+        down = profile.download_seconds(bytes_down)
+        # An empty reply still pays half the round trip on the way back.
+        earliest = self._now + down + (compute or 0.0) + profile.upload_seconds(0)
+        return Schedule(
+            dispatched_at=self._now,
+            download_seconds=down,
+            compute_seconds=compute,
+            earliest_arrival=earliest,
+        )
+
+    def land(
+        self, schedule: Schedule, *, site: str, bytes_up: int, measured_compute: float | None
+    ) -> Landing:
+        """Dispatch + download + compute + upload of the measured reply."""
+        profile = self.profile(site)
+        compute = schedule.compute_seconds
+        if compute is None:  # the "measured" model: the site's own time, scaled by speed
+            measured = measured_compute if measured_compute is not None else math.nan
+            valid = math.isfinite(measured)
+            compute = max(0.0, measured) / _speed(profile) if valid else 0.0
+        transfer = (schedule.download_seconds or 0.0) + profile.upload_seconds(bytes_up)
+        return Landing(
+            arrived_at=schedule.dispatched_at + transfer + compute,
+            compute_seconds=compute,
+            transfer_seconds=transfer,
+        )
+
+    def releasable(self, arrived_at: float, outstanding: Iterable[Schedule]) -> bool:
+        """Only if no outstanding message could land before ``arrived_at``."""
+        return all(arrived_at <= s.earliest_arrival for s in outstanding)
+
+
+def _speed(profile: SiteProfile) -> float:
+    # Network.profile_for resolves seeded random speeds; 1.0 guards a hand-built profile.
+    return profile.speed if profile.speed is not None else 1.0
+
+
+def planned_steps(config: Mapping[str, Any], num_examples: int | None) -> int:
+    """Local optimiser steps a training message asks for: what its compute time scales with.
+
+    ``local-steps`` when positive, else ``local-epochs`` passes over the site's examples
+    in batches of ``batch-size``; 1 when the config says neither (a plain Flower app).
+    """
+    steps = _positive(config.get(keys.LOCAL_STEPS))
+    if steps:
+        return steps
+    epochs = _positive(config.get(keys.LOCAL_EPOCHS))
+    batch = _positive(config.get(keys.BATCH_SIZE))
+    if epochs and batch and num_examples:
+        return epochs * max(1, math.ceil(num_examples / batch))
+    return 1
+
+
+def _positive(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        return 0
+    return int(value) if math.isfinite(value) else 0

@@ -11,6 +11,12 @@ no staleness, no partial rounds, no per-site accounting. This engine instead
 * hands each well-formed arrival to the strategy as it comes (streaming aggregation), and
   asks an ``AggregationPolicy`` when the arrivals so far become a new model version.
 
+On a ``VirtualClock`` (simulation) arrivals are judged in simulated order: an arrival is
+judged only when no outstanding message could land before it, the clock jumps to it, and
+its site is given work again before the next arrival is judged. Cancelling a straggler
+frees the site at once in that order; its next message is pushed when Flower hands back
+the cancelled one, so a site still never holds two messages.
+
 The strategy keeps Flower's hooks (``configure_train``, ``configure_evaluate``,
 ``aggregate_evaluate``) and adds three streaming ones (``begin_aggregation``,
 ``accumulate``, ``finish_aggregation``); see ``EngineStrategy``.
@@ -21,17 +27,19 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from flplatform import keys
-from flplatform.engine.clock import Clock, WallClock
+from flplatform.engine.clock import Clock, Landing, WallClock, planned_steps
 from flplatform.engine.events import (
     APPLIED,
     CANCELLED,
@@ -46,7 +54,7 @@ from flplatform.engine.events import (
     SiteInfo,
     UpdateOutcome,
 )
-from flplatform.engine.policy import AggregationPolicy, EngineView, SyncPolicy
+from flplatform.engine.policy import AggregationPolicy, EngineView
 from flplatform.engine.replies import (
     condense_error,
     evaluation_metrics,
@@ -54,7 +62,8 @@ from flplatform.engine.replies import (
     reported_metrics,
     site_info,
 )
-from flplatform.engine.wire import content_size, message_size
+from flplatform.engine.synchrony import Synchrony
+from flplatform.engine.wire import content_size, message_size, record_to_arrays
 from flplatform.errors import RunFailed, UpdateRejected
 
 log = logging.getLogger("flplatform.engine")
@@ -66,6 +75,7 @@ TTL_GRACE_SECONDS = 5.0
 # pulling all pending ids at once would hold (sites × model) bytes in memory.
 PULL_CHUNK = 16
 REFUSED = "refused by the SuperLink (node not connected, or the message too large)"
+UNAVAILABLE = "unavailable: sat this work out (simulated availability)"
 # A refused site is not offered work again for this long (it may be reconnecting).
 REFUSED_BACKOFF = 5.0
 
@@ -143,20 +153,25 @@ class SubsetGrid(Grid):
 class _Arrival:
     """A pulled reply waiting for its turn, in clock order."""
 
-    arrived_at: float
+    arrived_at: float  # clock time
     seq: int
     dispatch: Dispatch = field(compare=False)
     reply: Message = field(compare=False)
     bytes_up: int = field(compare=False)
+    landing: Landing = field(compare=False)
+    pulled_at: float = field(compare=False)  # wall time
 
 
 @dataclass
 class _RoundState:
     server_round: int
-    started_at: float
+    started_at: float  # wall
+    clock_started_at: float
+    train_config: ConfigRecord | None = None
     dispatched: int = 0
     applied: int = 0
     applied_nodes: set[int] = field(default_factory=set)
+    failed_nodes: set[int] = field(default_factory=set)
     outcomes: list[UpdateOutcome] = field(default_factory=list)
 
 
@@ -172,7 +187,7 @@ class RoundEngine:
     policy : AggregationPolicy, optional
         When arrivals are aggregated; fully synchronous by default.
     clock : Clock, optional
-        Orders arrivals; the wall clock by default.
+        Orders arrivals; the wall clock by default, a ``VirtualClock`` in simulation.
     ledger : LedgerSink, optional
         Receives sites and finished rounds.
     round_timeout : float
@@ -205,7 +220,7 @@ class RoundEngine:
     ) -> None:
         self.grid = grid
         self.strategy = strategy
-        self.policy: AggregationPolicy = policy or SyncPolicy()
+        self.policy: AggregationPolicy = policy or Synchrony("sync")
         self.clock: Clock = clock or WallClock()
         self.ledger: LedgerSink = ledger or NullLedger()
         self.round_timeout = round_timeout
@@ -224,6 +239,12 @@ class RoundEngine:
         # busy until Flower hands back the late reply or the TTL-expiry error, so that no
         # site ever has two messages at once.
         self._abandoned: dict[str, Dispatch] = {}
+        # Messages the policy cancelled: the site is free (in clock order) for new work,
+        # which is pushed (from _deferred) once Flower hands the cancelled one back.
+        self._cancelled: dict[str, Dispatch] = {}
+        self._deferred: dict[int, Message] = {}
+        self._away: dict[int, float] = {}  # node → clock time it is back (availability)
+        self._distances: dict[tuple[int, int], float] = {}
         self._arrivals: list[_Arrival] = []  # pulled, not yet judged; a heap by clock
         self._refused_until: dict[int, float] = {}  # node → when to try it again
         self._replied_at: dict[str, float] = {}  # evaluation/query reply → arrival time
@@ -269,21 +290,19 @@ class RoundEngine:
                     metrics.update({f"site_{k}": v for k, v in _floats(site_metrics).items()})
             if train_metrics is not None:
                 result.train_metrics_clientapp[server_round] = train_metrics
-            summary = RoundSummary(
-                server_round=summary.server_round,
-                model_version=summary.model_version,
-                started_at=summary.started_at,
-                finished_at=self.clock.now(),
-                metrics=metrics,
-                train_loss=summary.train_loss,
-                updates=summary.updates,
-                evaluations=evaluations,
+            summary = replace(
+                summary, finished_at=time.time(), metrics=metrics, evaluations=evaluations
             )
             self.ledger.record_round(summary)
             if self.on_round is not None:
                 self.on_round(summary)
         result.arrays = self.arrays
         return result
+
+    @property
+    def simulated_seconds(self) -> float | None:
+        """Simulated time the federation has taken so far (None on the wall clock)."""
+        return self.clock.now() if self.clock.virtual else None
 
     # ============================================================ site discovery
     def discover_sites(self) -> dict[int, SiteInfo]:
@@ -338,8 +357,11 @@ class RoundEngine:
                     info.device,
                 )
             taken.add(info.name)
+            profile = self.clock.join(info.name, len(self.sites))
             self.sites[info.node_id] = info
-            self.ledger.add_site(info, {"device": info.device} if info.device else {})
+            self.ledger.add_site(
+                info, {**profile, **({"device": info.device} if info.device else {})}
+            )
         self.connected.update(node_ids)
         log.info("sites: %s", ", ".join(self.sites[n].name for n in node_ids))
 
@@ -347,25 +369,24 @@ class RoundEngine:
     def _train_round(
         self, server_round: int, train_config: ConfigRecord | None
     ) -> tuple[RoundSummary, MetricRecord | None]:
-        state = _RoundState(server_round, self.clock.now())
+        state = _RoundState(server_round, time.time(), self.clock.now(), train_config)
         self.strategy.begin_aggregation(server_round, self.arrays)
         waiting_since = time.monotonic()
         while True:
             # ---- dispatch: the policy says who may get work; the strategy samples
-            targets = self.policy.dispatch_targets(self._view(state))
-            if targets:
-                state.dispatched += self._dispatch(state, targets, train_config)
+            self._dispatch_wanted(state)
             # ---- pull what has arrived, judging it in clock order; drop overdue sites
             pulled = self._pull_chunks(state)
             self._expire_overdue(state)
             self._judge_ready(state)
             # ---- cancel what the policy no longer wants
-            for node_id in self.policy.to_cancel(self._view(state)):
-                self._cancel(node_id, state)
+            self._cancel_unwanted(state)
             if self.policy.ready_to_aggregate(self._view(state)):
                 break
             if pulled:
                 waiting_since = time.monotonic()
+                continue
+            if self._skip_to_return():
                 continue
             outstanding = self._in_flight or self._abandoned or self._arrivals
             if not outstanding and not self._view(state).idle_nodes:
@@ -383,22 +404,34 @@ class RoundEngine:
             self.arrays = arrays
             self.version += 1
         self._prune_bases()
+        train_loss = _example_weighted_loss(state.outcomes)
+        self.policy.round_finished(train_loss)
         summary = RoundSummary(
             server_round=server_round,
             model_version=self.version,
             started_at=state.started_at,
-            finished_at=self.clock.now(),
+            finished_at=time.time(),
             metrics={},
-            train_loss=_example_weighted_loss(state.outcomes),
+            train_loss=train_loss,
             updates=tuple(state.outcomes),
+            virtual_started_at=state.clock_started_at if self.clock.virtual else None,
+            virtual_finished_at=self.clock.now() if self.clock.virtual else None,
         )
         return summary, train_metrics
 
-    def _dispatch(
-        self, state: _RoundState, targets: Sequence[int], train_config: ConfigRecord | None
-    ) -> int:
-        """Push training messages to sampled targets; return how many were attempted."""
-        config = ConfigRecord(dict(train_config or {}))  # the strategy may write into it
+    def _dispatch_wanted(self, state: _RoundState) -> None:
+        targets = self.policy.dispatch_targets(self._view(state))
+        if targets:
+            state.dispatched += self._dispatch(state, targets)
+
+    def _dispatch(self, state: _RoundState, targets: Sequence[int]) -> int:
+        """Send training messages to sampled targets; return how many were attempted.
+
+        A site the clock says sits this work out (availability) gets a row and no
+        message, and does not count as attempted; a site whose cancelled message is
+        still out gets its message when that one comes back.
+        """
+        config = ConfigRecord(dict(state.train_config or {}))  # the strategy may write into it
         config[keys.MODEL_VERSION] = self.version
         idle = set(self._idle_nodes())
         allowed = sorted(n for n in targets if n in idle)
@@ -410,27 +443,74 @@ class RoundEngine:
             return 0
         self._bases[self.version] = self.arrays
         sizes: dict[int, int] = {}  # a broadcast shares one content: measure it once
-        now = self.clock.now()
-        for msg, message_id in zip(messages, self._push(messages), strict=True):
+        to_push: list[tuple[Message, Dispatch]] = []
+        attempted = 0
+        for msg in messages:
+            node_id = msg.metadata.dst_node_id
+            away = self.clock.away_seconds(self._name(node_id))
+            if away is not None:  # not counted as dispatched: nothing was sent to wait for
+                self._away[node_id] = self.clock.now() + away
+                state.outcomes.append(
+                    self._row(self._planned(msg, state, bytes_down=0), DROPPED, UNAVAILABLE)
+                )
+                continue
+            attempted += 1
             key = id(msg.content)
             if key not in sizes:
                 sizes[key] = content_size(msg.content)
-            dispatch = Dispatch(
-                node_id=msg.metadata.dst_node_id,
-                message_id=message_id,
-                server_round=state.server_round,
-                model_version=self.version,
-                dispatched_at=now,
-                deadline=time.monotonic() + self.round_timeout,
-                bytes_down=message_size(msg, sizes[key]),
-            )
+            dispatch = self._planned(msg, state, bytes_down=message_size(msg, sizes[key]))
+            self._in_flight[node_id] = dispatch
+            if any(d.node_id == node_id for d in self._cancelled.values()):
+                self._deferred[node_id] = msg  # pushed when the cancelled one returns
+            else:
+                to_push.append((msg, dispatch))
+        if to_push:
+            self._push_dispatches(to_push, state)
+        return attempted
+
+    def _planned(self, msg: Message, state: _RoundState, *, bytes_down: int) -> Dispatch:
+        """A dispatch for ``msg`` with the clock's plan; pushed (given an id) later."""
+        node_id = msg.metadata.dst_node_id
+        info = self.sites.get(node_id)
+        steps = planned_steps(
+            msg.content.config_records.get(keys.CONFIG, ConfigRecord()),
+            info.num_examples if info else None,
+        )
+        return Dispatch(
+            node_id=node_id,
+            message_id="",
+            server_round=state.server_round,
+            model_version=self.version,
+            dispatched_at=time.time(),
+            deadline=math.inf,  # set when pushed
+            bytes_down=bytes_down,
+            schedule=self.clock.schedule(
+                site=self._name(node_id), bytes_down=bytes_down, steps=steps
+            ),
+        )
+
+    def _push_dispatches(self, pairs: list[tuple[Message, Dispatch]], state: _RoundState) -> None:
+        """Push messages whose dispatches wait in ``_in_flight``; record refusals."""
+        ids = self._push([msg for msg, _ in pairs])
+        for (_, dispatch), message_id in zip(pairs, ids, strict=True):
             if not message_id:  # the SuperLink took nothing: no bytes went down
-                state.outcomes.append(self._unanswered(dispatch, DROPPED, REFUSED, sent=False))
+                self._in_flight.pop(dispatch.node_id, None)
+                dispatch.bytes_down = 0
+                state.outcomes.append(self._row(dispatch, DROPPED, REFUSED))
+                state.failed_nodes.add(dispatch.node_id)
                 self._refused_until[dispatch.node_id] = time.monotonic() + REFUSED_BACKOFF
                 continue
-            self._in_flight[dispatch.node_id] = dispatch
+            dispatch.message_id = message_id
+            dispatch.dispatched_at = time.time()
+            dispatch.deadline = time.monotonic() + self.round_timeout
             self._by_message[message_id] = dispatch
-        return len(messages)
+
+    def _push_deferred(self, node_id: int, state: _RoundState) -> None:
+        """The site's cancelled message came back: push the one waiting for it."""
+        msg = self._deferred.pop(node_id, None)
+        dispatch = self._in_flight.get(node_id)
+        if msg is not None and dispatch is not None:
+            self._push_dispatches([(msg, dispatch)], state)
 
     def _push(self, messages: list[Message]) -> list[str]:
         """Push ``messages``; return each one's message id, or "" where it was refused.
@@ -453,8 +533,8 @@ class RoundEngine:
         memory at one chunk of replies, not one reply per site. Returns how many
         replies came back, late ones included.
         """
-        self._release_stuck()
-        waiting = [*self._by_message, *self._abandoned]
+        self._release_stuck(state)
+        waiting = [*self._by_message, *self._abandoned, *self._cancelled]
         pulled = 0
         for start in range(0, len(waiting), PULL_CHUNK):
             pulled += self._pull(waiting[start : start + PULL_CHUNK], state)
@@ -472,7 +552,16 @@ class RoundEngine:
             if abandoned is not None:  # its row is written; the site is free again
                 count += 1
                 if reply.has_content():  # the site did send it: account for the bytes
-                    state.outcomes.append(self._late(abandoned, reply))
+                    state.outcomes.append(self._late(abandoned, reply, "given up on"))
+                continue
+            cancelled = self._cancelled.pop(message_id, None)
+            if cancelled is not None:
+                count += 1
+                # On the wall clock the bytes really crossed; a simulated site stopped
+                # when it was cancelled and sent nothing.
+                if reply.has_content() and not self.clock.virtual:
+                    state.outcomes.append(self._late(cancelled, reply, "cancelled"))
+                self._push_deferred(cancelled.node_id, state)
                 continue
             dispatch = self._by_message.pop(message_id, None)
             if dispatch is None:
@@ -480,29 +569,48 @@ class RoundEngine:
             self._in_flight.pop(dispatch.node_id, None)
             bytes_up = message_size(reply)
             reported = reported_metrics(reply) if not reply.has_error() else {}
-            arrived_at = self.clock.arrival_time(
+            landing = self.clock.land(
+                dispatch.schedule,
                 site=self._name(dispatch.node_id),
-                dispatched_at=dispatch.dispatched_at,
-                bytes_down=dispatch.bytes_down,
                 bytes_up=bytes_up,
-                compute_seconds=reported.get("compute_seconds"),
+                measured_compute=reported.get("compute_seconds"),
             )
             heapq.heappush(
-                self._arrivals, _Arrival(arrived_at, next(self._seq), dispatch, reply, bytes_up)
+                self._arrivals,
+                _Arrival(
+                    landing.arrived_at,
+                    next(self._seq),
+                    dispatch,
+                    reply,
+                    bytes_up,
+                    landing,
+                    time.time(),
+                ),
             )
             count += 1
         return count
 
     def _judge_ready(self, state: _RoundState) -> None:
-        """Judge queued arrivals in clock order, one at a time, until the policy is ready."""
+        """Judge queued arrivals in clock order, one at a time, until the policy is ready.
+
+        After each, the policy may cancel and dispatch at that moment of the clock, so a
+        site that just finished gets its next message before a later arrival is judged.
+        """
         while self._arrivals and self.clock.releasable(
-            self._arrivals[0].arrived_at, self._in_flight
+            self._arrivals[0].arrived_at, [d.schedule for d in self._in_flight.values()]
         ):
             if self.policy.ready_to_aggregate(self._view(state)):
                 return
-            state.outcomes.append(self._judge(heapq.heappop(self._arrivals), state))
+            arrival = heapq.heappop(self._arrivals)
+            self.clock.advance(arrival.arrived_at)
+            outcome = self._judge(arrival, state)
+            state.outcomes.append(outcome)
+            if outcome.status in (DROPPED, REJECTED):
+                state.failed_nodes.add(arrival.dispatch.node_id)
+            self._cancel_unwanted(state)
+            self._dispatch_wanted(state)
 
-    def _late(self, dispatch: Dispatch, reply: Message) -> UpdateOutcome:
+    def _late(self, dispatch: Dispatch, reply: Message, given_up: str) -> UpdateOutcome:
         """A reply that came after its message was given up on: only its bytes count."""
         return UpdateOutcome(
             site=self._name(dispatch.node_id),
@@ -513,8 +621,8 @@ class RoundEngine:
             bytes_down=0,  # counted with the row written when it was given up on
             status=DROPPED,
             dispatched_at=dispatch.dispatched_at,
-            arrived_at=self.clock.now(),
-            reason="late: arrived after it was given up on",
+            arrived_at=time.time(),
+            reason=f"late: arrived after it was {given_up}",
         )
 
     def _judge(self, arrival: _Arrival, state: _RoundState) -> UpdateOutcome:
@@ -528,8 +636,15 @@ class RoundEngine:
             bytes_up=arrival.bytes_up,
             bytes_down=dispatch.bytes_down,
             dispatched_at=dispatch.dispatched_at,
-            arrived_at=arrival.arrived_at,
+            arrived_at=arrival.pulled_at,
         )
+        if self.clock.virtual:
+            row.update(
+                virtual_dispatched_at=dispatch.schedule.dispatched_at,
+                virtual_arrived_at=arrival.arrived_at,
+                virtual_compute_seconds=arrival.landing.compute_seconds,
+                transfer_seconds=arrival.landing.transfer_seconds,
+            )
         if reply.has_error():
             reason = f"site error {reply.error.code}: {condense_error(reply.error.reason or '')}"
             return UpdateOutcome(status=DROPPED, reason=reason, **row)
@@ -561,28 +676,52 @@ class RoundEngine:
         for dispatch in [d for d in self._in_flight.values() if d.deadline < now]:
             self._abandon(dispatch)
             state.outcomes.append(
-                self._unanswered(dispatch, DROPPED, f"no reply within {self.round_timeout:.0f} s")
+                self._row(dispatch, DROPPED, f"no reply within {self.round_timeout:.0f} s")
             )
+            state.failed_nodes.add(dispatch.node_id)
+
+    def _cancel_unwanted(self, state: _RoundState) -> None:
+        for node_id in self.policy.to_cancel(self._view(state)):
+            self._cancel(node_id, state)
 
     def _cancel(self, node_id: int, state: _RoundState) -> None:
-        dispatch = self._in_flight.get(node_id)
+        """Stop waiting for the site's update; the site is free for new work at once."""
+        reason = "cancelled: the step it was computing for was decided without it"
+        dispatch = self._in_flight.pop(node_id, None)
         if dispatch is not None:
-            self._abandon(dispatch)
-            state.outcomes.append(self._unanswered(dispatch, CANCELLED, "cancelled by policy"))
+            if dispatch.message_id:
+                self._by_message.pop(dispatch.message_id, None)
+                self._cancelled[dispatch.message_id] = dispatch
+            else:  # never pushed: nothing went down
+                self._deferred.pop(node_id, None)
+                dispatch.bytes_down = 0
+            state.outcomes.append(self._row(dispatch, CANCELLED, reason))
+            return
+        for i, arrival in enumerate(self._arrivals):
+            if arrival.dispatch.node_id == node_id:
+                # Pulled, but later on the clock than the decision. On the wall clock it
+                # did arrive (its bytes count); a simulated one was still on its way.
+                del self._arrivals[i]
+                heapq.heapify(self._arrivals)
+                row = self._row(arrival.dispatch, CANCELLED, reason)
+                if not self.clock.virtual:
+                    row = replace(row, bytes_up=arrival.bytes_up, arrived_at=arrival.pulled_at)
+                state.outcomes.append(row)
+                return
 
-    def _unanswered(
-        self, dispatch: Dispatch, status: str, reason: str, *, sent: bool = True
-    ) -> UpdateOutcome:
+    def _row(self, dispatch: Dispatch, status: str, reason: str) -> UpdateOutcome:
+        """The ledger row of a message that brought no update (dropped, cancelled, refused)."""
         return UpdateOutcome(
             site=self._name(dispatch.node_id),
             dispatched_round=dispatch.server_round,
             version_trained_on=dispatch.model_version,
             staleness=self.version - dispatch.model_version,
             bytes_up=0,
-            bytes_down=dispatch.bytes_down if sent else 0,
+            bytes_down=dispatch.bytes_down,
             status=status,
             dispatched_at=dispatch.dispatched_at,
             reason=reason,
+            virtual_dispatched_at=dispatch.schedule.dispatched_at if self.clock.virtual else None,
         )
 
     def _abandon(self, dispatch: Dispatch) -> None:
@@ -591,8 +730,8 @@ class RoundEngine:
         self._by_message.pop(dispatch.message_id, None)
         self._abandoned[dispatch.message_id] = dispatch
 
-    def _release_stuck(self) -> None:
-        """Free sites whose abandoned message neither came back nor expired in time.
+    def _release_stuck(self, state: _RoundState) -> None:
+        """Free sites whose given-up message neither came back nor expired in time.
 
         Flower answers an expired message with an error reply; this is the safety net
         for a SuperLink that never does, so a site is not lost for the rest of the run.
@@ -601,11 +740,51 @@ class RoundEngine:
         for message_id, dispatch in list(self._abandoned.items()):
             if dispatch.deadline < limit:
                 del self._abandoned[message_id]
+        for message_id, dispatch in list(self._cancelled.items()):
+            if dispatch.deadline < limit:
+                del self._cancelled[message_id]
+                self._push_deferred(dispatch.node_id, state)
+
+    def _skip_to_return(self) -> bool:
+        """On a virtual clock with nothing running and every free site away, jump ahead.
+
+        Simulated absence ends at a clock time no message will bring; without the jump
+        the run would wait for it forever.
+        """
+        if not self.clock.virtual or self._in_flight or self._arrivals or not self._away:
+            return False
+        if self._idle_nodes():
+            return False
+        now = self.clock.now()
+        returns = [t for n, t in self._away.items() if t > now and n in self.connected]
+        if not returns:
+            return False
+        self.clock.advance(min(returns))
+        return True
 
     def _prune_bases(self) -> None:
         live = {d.model_version for d in self._in_flight.values()}
         live |= {a.dispatch.model_version for a in self._arrivals} | {self.version}
         self._bases = {v: a for v, a in self._bases.items() if v in live}
+        self._distances.clear()
+
+    def _model_distance(self, version: int) -> float:
+        """‖x_current − x_version‖², computed once per pair of versions."""
+        key = (self.version, version)
+        if key not in self._distances:
+            base = self._bases.get(version)
+            if base is None or version == self.version:
+                self._distances[key] = 0.0
+            else:
+                now, then = record_to_arrays(self.arrays), record_to_arrays(base)
+                self._distances[key] = float(
+                    sum(
+                        np.sum((now[k].astype(np.float64) - then[k]) ** 2)
+                        for k in now
+                        if k in then and now[k].shape == then[k].shape
+                    )
+                )
+        return self._distances[key]
 
     # ========================================================= federated evaluation
     def _evaluate_round(
@@ -638,7 +817,7 @@ class RoundEngine:
             reason = f"no reply within {self.round_timeout:.0f} s"
             return EvaluationOutcome(bytes_up=0, status=DROPPED, reason=reason, **row)
         bytes_up = message_size(reply)
-        arrived_at = self._replied_at.pop(dispatch.message_id, self.clock.now())
+        arrived_at = self._replied_at.pop(dispatch.message_id, time.time())
         if reply.has_error():
             reason = f"site error {reply.error.code}: {condense_error(reply.error.reason or '')}"
             return EvaluationOutcome(
@@ -666,7 +845,9 @@ class RoundEngine:
             return []
         sizes: dict[int, int] = {}
         ids = self._push(messages)
-        now, deadline = self.clock.now(), time.monotonic() + timeout
+        # Evaluation and queries are measurements beside training: wall times only, and
+        # they do not move a virtual clock.
+        now, deadline = time.time(), time.monotonic() + timeout
         dispatches: list[Dispatch] = []
         for msg, message_id in zip(messages, ids, strict=True):
             key = id(msg.content)
@@ -693,7 +874,7 @@ class RoundEngine:
                     message_id = reply.metadata.reply_to_message_id
                     if pending.pop(message_id, None) is not None:
                         replies[message_id] = reply
-                        self._replied_at[message_id] = self.clock.now()
+                        self._replied_at[message_id] = time.time()
                         got += 1
             if not got:
                 time.sleep(self.poll_interval)
@@ -730,6 +911,8 @@ class RoundEngine:
     def _view(self, state: _RoundState) -> EngineView:
         queued = {a.dispatch.node_id: a.dispatch for a in self._arrivals}
         return EngineView(
+            failed_nodes=frozenset(state.failed_nodes),
+            model_distance=self._model_distance,
             server_round=state.server_round,
             model_version=self.version,
             idle_nodes=self._idle_nodes(),
@@ -742,12 +925,18 @@ class RoundEngine:
         )
 
     def _busy(self) -> set[int]:
-        """Nodes with a message of any kind outstanding, or refused a moment ago."""
+        """Nodes with a message outstanding, refused a moment ago, or away (simulated).
+
+        A node whose message was cancelled is not busy: its next message waits in
+        ``_deferred`` for the cancelled one to come back.
+        """
         now = time.monotonic()
         busy = set(self._in_flight)
         busy.update(d.node_id for d in self._abandoned.values())
         busy.update(a.dispatch.node_id for a in self._arrivals)
         busy.update(n for n, until in self._refused_until.items() if until > now)
+        clock_now = self.clock.now()
+        busy.update(n for n, back in self._away.items() if back > clock_now)
         return busy
 
     def _idle_nodes(self) -> tuple[int, ...]:

@@ -6,8 +6,11 @@ The engine writes through ``LedgerSink``, an interface it is given; it never imp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from flplatform.engine.clock import Schedule
 
 APPLIED = "applied"
 BUFFERED = "buffered"
@@ -33,12 +36,14 @@ class Dispatch:
     """One training message in flight to one site."""
 
     node_id: int
-    message_id: str
+    message_id: str  # "" while its push waits for the site's cancelled message to return
     server_round: int  # server step at dispatch
     model_version: int  # version of the global model the site was sent
-    dispatched_at: float
-    deadline: float
+    dispatched_at: float  # wall time (Unix) of the push
+    deadline: float  # time.monotonic() after which the site is overdue
     bytes_down: int
+    # the clock's plan for this message: clock time of dispatch, earliest arrival, ...
+    schedule: Schedule = field(default_factory=lambda: Schedule(dispatched_at=math.nan))
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,11 @@ class UpdateOutcome:
     reason: str | None = None
     num_examples: int | None = None
     train_loss: float | None = None
+    # Simulated times (seconds since the run's simulated start); None on the wall clock.
+    virtual_dispatched_at: float | None = None
+    virtual_arrived_at: float | None = None
+    virtual_compute_seconds: float | None = None
+    transfer_seconds: float | None = None  # simulated download + upload
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,9 @@ class RoundSummary:
     train_loss: float | None
     updates: tuple[UpdateOutcome, ...]
     evaluations: tuple[EvaluationOutcome, ...] = ()
+    # Simulated times of the step; None on the wall clock.
+    virtual_started_at: float | None = None
+    virtual_finished_at: float | None = None
 
     @property
     def bytes_up(self) -> int:

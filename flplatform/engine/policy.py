@@ -1,18 +1,19 @@
 """Aggregation policies: when to dispatch, what to do with an arrival, when to aggregate.
 
-A policy sees the engine's state through ``EngineView`` and answers three questions. The
-fully synchronous barrier is one policy among several that plug into the same engine:
-K-sync, K-async, buffered (FedBuff) and delayed updates answer the same questions
-differently (wait for the first K, keep stragglers running, buffer, ...).
+A policy sees the engine's state through ``EngineView`` and answers four questions: who
+may get work, what to do with an arrival, when to aggregate, whom to cancel. The fully
+synchronous barrier is one answer among several that plug into the same engine (see
+``flplatform.engine.synchrony``): K-sync, K-async, buffered (FedBuff) and, later, delayed
+updates answer the same questions differently.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from flplatform.engine.events import APPLIED, DROPPED, Dispatch
+from flplatform.engine.events import Dispatch
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,10 @@ class EngineView:
     applied_this_round: int  # updates the strategy accumulated this round
     applied_nodes: frozenset[int]  # the sites those updates came from (K different sites)
     connected_nodes: int  # P: sites the SuperLink lists now
+    # sites whose update this round was dropped or rejected: not offered work again this round
+    failed_nodes: frozenset[int] = frozenset()
+    # ‖x_current − x_version‖² for a version still in use (the staleness-aware step size)
+    model_distance: Callable[[int], float] = field(default=lambda version: 0.0)
 
 
 @dataclass(frozen=True)
@@ -65,35 +70,9 @@ class AggregationPolicy(Protocol):
         ...
 
     def to_cancel(self, view: EngineView) -> tuple[int, ...]:
-        """Nodes whose in-flight work is cancelled once the round's model is out."""
+        """Nodes whose outstanding work is cancelled now (stragglers of a K-sync step)."""
         ...
 
-
-class SyncPolicy:
-    """Fully synchronous rounds: every sampled site once, aggregate when all are back.
-
-    A site that fails, times out or sends a malformed reply is recorded and the round
-    closes with the others.
-    """
-
-    name = "sync"
-
-    def dispatch_targets(self, view: EngineView) -> tuple[int, ...]:
-        """All idle nodes, once, at the start of a round."""
-        return view.idle_nodes if view.dispatched_this_round == 0 else ()
-
-    def judge(self, dispatch: Dispatch, view: EngineView) -> Verdict:
-        """Apply updates computed on the current version; anything older is late."""
-        if dispatch.model_version != view.model_version:
-            return Verdict(DROPPED, reason="late: computed on an older model version")
-        return Verdict(APPLIED)
-
-    def ready_to_aggregate(self, view: EngineView) -> bool:
-        """Once every message dispatched this round is accounted for."""
-        return view.dispatched_this_round > 0 and not any(
-            d.server_round == view.server_round for d in view.outstanding.values()
-        )
-
-    def to_cancel(self, view: EngineView) -> tuple[int, ...]:
-        """Nothing: a sync round has no stragglers left when it closes."""
-        return ()
+    def round_finished(self, train_loss: float | None) -> None:
+        """Learn from the step that just closed (AdaSync grows K as the loss falls)."""
+        ...

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, Message, RecordDict
-from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+from flwr.supercore.inflatable.inflatable_object import (
+    get_all_nested_objects,
+    no_object_id_recompute,
+)
 
 
 def content_size(content: RecordDict) -> int:
@@ -13,7 +16,10 @@ def content_size(content: RecordDict) -> int:
     Objects are content-addressed, so identical chunks (e.g. two all-zero arrays) travel
     once; ``get_all_nested_objects`` deduplicates them the same way.
     """
-    return sum(len(obj.deflate()) for obj in get_all_nested_objects(content).values())
+    # Within the context each object's id (a SHA-256 of its deflated bytes, which its
+    # parent's bytes embed) is computed once instead of once per ancestor.
+    with no_object_id_recompute():
+        return sum(len(obj.deflate()) for obj in get_all_nested_objects(content).values())
 
 
 def message_size(msg: Message, content_bytes: int | None = None) -> int:
@@ -23,10 +29,11 @@ def message_size(msg: Message, content_bytes: int | None = None) -> int:
     message's own object (metadata, error) plus its content tree. Pass ``content_bytes``
     when many messages share one content (a broadcast model) to measure it once.
     """
-    own = len(msg.deflate())
-    if not msg.has_content():
-        return own
-    return own + (content_size(msg.content) if content_bytes is None else content_bytes)
+    with no_object_id_recompute():
+        own = len(msg.deflate())
+        if not msg.has_content():
+            return own
+        return own + (content_size(msg.content) if content_bytes is None else content_bytes)
 
 
 def record_to_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from storage import (
@@ -122,17 +124,79 @@ class NaiveSummary:
     bytes_down: int
     compute_seconds: float
     mean_train_loss: float | None
+    staleness_counts: dict[int, int]
+    p90_staleness: int | None
+    waiting_seconds: float
+    busy_seconds: float
+    waiting_clock: str
+    virtual_compute_seconds: float | None
+    transfer_seconds: float | None
 
 
-def naive_summary(rows: Iterable[UpdateRecord | UpdateInput]) -> NaiveSummary:
-    """Aggregate one site's updates the slow, obvious way."""
+def _seconds(value: datetime | float) -> float:
+    return value.timestamp() if isinstance(value, datetime) else value
+
+
+def naive_run_clock(rows: Iterable[UpdateRecord | UpdateInput]) -> str:
+    """The clock a run's summaries use: virtual if any update has a virtual dispatch time."""
+    return "virtual" if any(row.virtual_dispatched_at is not None for row in rows) else "wall"
+
+
+def naive_waiting_and_busy(
+    rows: Sequence[UpdateRecord | UpdateInput], clock: str
+) -> tuple[float, float]:
+    """``(waiting, busy)`` of one site's updates (in recording order), straight from the
+    definition: each arrival's gap to the dispatch of the update that follows it in
+    (dispatch time, recording order), clamped at 0; busy is arrival minus dispatch."""
+    if clock == "virtual":
+        times = [
+            (row.virtual_dispatched_at, row.virtual_arrived_at)
+            for row in rows
+            if row.virtual_dispatched_at is not None
+        ]
+    else:
+        times = [
+            (
+                _seconds(row.dispatched_at),
+                None if row.arrived_at is None else _seconds(row.arrived_at),
+            )
+            for row in rows
+        ]
+    waiting = busy = 0.0
+    for index, (dispatched, arrived) in enumerate(times):
+        if arrived is None:
+            continue
+        busy += arrived - dispatched
+        later = [(d, j) for j, (d, _) in enumerate(times) if (d, j) > (dispatched, index)]
+        if later:
+            waiting += max(0.0, min(later)[0] - arrived)
+    return waiting, busy
+
+
+def naive_p90(values: Sequence[int]) -> int | None:
+    """The smallest value that at least 90 % of ``values`` do not exceed."""
+    ordered = sorted(values)
+    return next((v for v in ordered if 10 * sum(x <= v for x in ordered) >= 9 * len(ordered)), None)
+
+
+def naive_summary(
+    rows: Iterable[UpdateRecord | UpdateInput], *, clock: str = "wall"
+) -> NaiveSummary:
+    """Aggregate one site's updates (in recording order) the slow, obvious way.
+
+    ``clock`` is the run's (see ``naive_run_clock``): it depends on every site's updates.
+    """
     rows = list(rows)
-    staleness = [row.staleness for row in rows]
+    staleness = [row.staleness for row in rows if row.status == "applied"]
     losses = [
         row.train_loss
         for row in rows
         if row.train_loss is not None and math.isfinite(row.train_loss)
     ]
+
+    compute = [r.virtual_compute_seconds for r in rows if r.virtual_compute_seconds is not None]
+    transfer = [r.transfer_seconds for r in rows if r.transfer_seconds is not None]
+    waiting, busy = naive_waiting_and_busy(rows, clock)
 
     def count(status: str) -> int:
         return sum(1 for row in rows if row.status == status)
@@ -150,6 +214,13 @@ def naive_summary(rows: Iterable[UpdateRecord | UpdateInput]) -> NaiveSummary:
         bytes_down=sum(row.bytes_down for row in rows),
         compute_seconds=sum(row.compute_seconds or 0.0 for row in rows),
         mean_train_loss=statistics.fmean(losses) if losses else None,
+        staleness_counts=dict(sorted(Counter(staleness).items())),
+        p90_staleness=naive_p90(staleness),
+        waiting_seconds=waiting,
+        busy_seconds=busy,
+        waiting_clock=clock,
+        virtual_compute_seconds=None if not compute else sum(compute),
+        transfer_seconds=None if not transfer else sum(transfer),
     )
 
 
@@ -173,9 +244,20 @@ def assert_summary_matches(actual: Any, expected: NaiveSummary) -> None:
         "max_staleness",
         "bytes_up",
         "bytes_down",
+        "staleness_counts",
+        "p90_staleness",
+        "waiting_clock",
     ):
         assert getattr(actual, name) == getattr(expected, name), name
-    for name in ("mean_staleness", "compute_seconds", "mean_train_loss"):
+    for name in (
+        "mean_staleness",
+        "compute_seconds",
+        "mean_train_loss",
+        "waiting_seconds",
+        "busy_seconds",
+        "virtual_compute_seconds",
+        "transfer_seconds",
+    ):
         want, got = getattr(expected, name), getattr(actual, name)
         if want is None:
             assert got is None, name

@@ -15,7 +15,7 @@ import pytest
 from sqlalchemy import event, text
 
 from flplatform.errors import NotFoundError, StorageError
-from storage import EvaluationInput, LedgerRepository, UpdateInput
+from storage import EvaluationInput, LedgerRepository, UpdateInput, UpdateStatus
 from tests.storage.helpers import (
     T0,
     assert_summary_matches,
@@ -658,6 +658,206 @@ def test_evaluation_aggregates_match_a_naive_computation(repo: LedgerRepository)
         assert_summary_matches(summary, naive_summary(u for u in updates if u.site == summary.name))
     assert (summaries[-1].evaluations, summaries[-1].eval_bytes_up) == (0, 0)
     assert summaries[0].eval_bytes_down == 2**40 + 3
+
+
+# ---------------------------------------------------------------------------- virtual time
+def test_virtual_time_round_trips_on_runs_rounds_and_updates(repo: LedgerRepository) -> None:
+    run_id = make_run(repo, network="configs/networks/mobile.toml")
+    repo.add_site(run_id, name="london", node_id=1)
+    simulated = update(
+        "london",
+        virtual_dispatched_at=12.125,
+        virtual_arrived_at=30.5,
+        virtual_compute_seconds=15.25,
+        transfer_seconds=3.125,
+    )
+    dropped = update("london", "dropped", arrived_at=None, virtual_dispatched_at=13.0)
+    record(
+        repo,
+        run_id,
+        1,
+        [simulated, dropped],
+        virtual_started_at=0.0,
+        virtual_finished_at=30.5,
+    )
+    repo.finish_run(run_id, status="finished", finished_at=T0 + 9, simulated_seconds=1234.5)
+
+    run = repo.get_run(run_id)
+    assert (run.network, run.simulated_seconds) == ("configs/networks/mobile.toml", 1234.5)
+    assert repo.list_runs()[0].network == "configs/networks/mobile.toml"
+    [rnd] = repo.list_rounds(run_id)
+    assert (rnd.virtual_started_at, rnd.virtual_finished_at) == (0.0, 30.5)
+    first, second = repo.list_updates(run_id)
+    assert (first.virtual_dispatched_at, first.virtual_arrived_at) == (12.125, 30.5)
+    assert (first.virtual_compute_seconds, first.transfer_seconds) == (15.25, 3.125)
+    assert (second.virtual_dispatched_at, second.virtual_arrived_at) == (13.0, None)
+    assert (second.virtual_compute_seconds, second.transfer_seconds) == (None, None)
+    data = json.loads(json.dumps(run.to_dict()))
+    assert (data["network"], data["simulated_seconds"]) == ("configs/networks/mobile.toml", 1234.5)
+
+
+def test_wall_clock_runs_have_no_virtual_time(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    repo.add_site(run_id, name="a", node_id=1)
+    record(repo, run_id, 1, [update("a")])
+    repo.finish_run(run_id, status="finished", finished_at=T0 + 9)
+
+    run = repo.get_run(run_id)
+    assert (run.network, run.simulated_seconds) == (None, None)
+    [rnd] = repo.list_rounds(run_id)
+    assert (rnd.virtual_started_at, rnd.virtual_finished_at) == (None, None)
+    [stored] = repo.list_updates(run_id)
+    assert (stored.virtual_dispatched_at, stored.virtual_arrived_at) == (None, None)
+    assert (stored.virtual_compute_seconds, stored.transfer_seconds) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [(-0.5, "got -0.5"), (math.nan, "got nan"), (math.inf, "got inf"), ("1", "got str '1'")],
+)
+def test_virtual_times_of_runs_and_rounds_are_validated(
+    repo: LedgerRepository, value: Any, shown: str
+) -> None:
+    allowed = "must be None or a finite number of seconds >= 0, "
+    run_id = make_run(repo)
+    repo.add_site(run_id, name="a", node_id=1)
+    for name in ("virtual_started_at", "virtual_finished_at"):
+        with pytest.raises(StorageError, match=f"{name} {allowed}{shown}"):
+            record(repo, run_id, 1, [update("a")], **{name: value})
+    with pytest.raises(StorageError, match=f"simulated_seconds {allowed}{shown}"):
+        repo.finish_run(run_id, status="finished", finished_at=T0 + 1, simulated_seconds=value)
+    assert repo.list_rounds(run_id) == []
+    assert repo.get_run(run_id).status == "running"
+
+
+def test_virtual_round_times_must_be_in_order_and_network_a_name(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    with pytest.raises(StorageError, match="virtual_finished_at 1.0 is before virtual_started_at"):
+        record(repo, run_id, 1, [], virtual_started_at=2.0, virtual_finished_at=1.0)
+    with pytest.raises(StorageError, match="network must be a non-empty string"):
+        make_run(repo, network="")
+    with pytest.raises(StorageError, match="network must be at most 255 characters"):
+        make_run(repo, network="x" * 256)
+    with pytest.raises(StorageError, match="network must be a non-empty string"):
+        make_run(repo, network=3)
+    assert repo.list_rounds(run_id) == []
+    assert len(repo.list_runs()) == 1
+
+
+# One site's updates for the golden summaries, sorted by dispatch time (seconds from 0):
+# (dispatched, arrived, status, staleness, compute, transfer). D is recorded after E, so the
+# summary must order by dispatch time, not by recording order.
+GOLDEN: dict[str, tuple[float, float | None, UpdateStatus, int, float | None, float | None]] = {
+    "A": (0.0, 3.0, "applied", 0, 2.0, 1.0),
+    "B": (4.0, 9.0, "applied", 1, 3.5, 1.5),
+    "C": (10.0, None, "dropped", 5, None, None),  # nothing arrived: no gap from it
+    "D": (12.5, 14.0, "applied", 2, 1.0, 0.5),
+    "E": (13.0, 16.0, "rejected", 7, 0.5, 0.25),  # dispatched before D arrived: overlap
+    "F": (20.0, 21.0, "applied", 1, 0.25, None),  # the last: no next dispatch
+}
+GOLDEN_ROUNDS = (("A",), ("B", "C"), ("E", "D"), ("F",))
+# Waiting: A->B 4-3=1, B->C 10-9=1, C none, D->E 13-14<0 so 0, E->F 20-16=4, F none: 6.
+GOLDEN_WAITING = 6.0
+# Busy: A 3, B 5, D 1.5, E 3, F 1.
+GOLDEN_BUSY = 13.5
+# Applied only (A, B, D, F): staleness 0, 1, 2, 1; over all six the mean would be 16/6.
+GOLDEN_COUNTS = {0: 1, 1: 2, 2: 1}
+
+
+def _golden_update(key: str, *, virtual: bool, **overrides: Any) -> UpdateInput:
+    dispatched, arrived, status, staleness, compute, transfer = GOLDEN[key]
+    if virtual:
+        times: dict[str, Any] = {
+            "virtual_dispatched_at": dispatched,
+            "virtual_arrived_at": arrived,
+            "virtual_compute_seconds": compute,
+            "transfer_seconds": transfer,
+        }
+    else:
+        times = {
+            "dispatched_at": T0 + dispatched,
+            "arrived_at": None if arrived is None else T0 + arrived,
+        }
+    return update("london", status, staleness=staleness, **{**times, **overrides})
+
+
+def test_site_summary_golden_case_on_the_virtual_clock(repo: LedgerRepository) -> None:
+    run_id = make_run(repo, network="lan")
+    for name in ("london", "tokyo", "idle"):
+        repo.add_site(run_id, name=name, node_id=len(name))
+    # tokyo: 10 applied updates back to back (1 s busy, 1 s waiting between), staleness eight
+    # times 0, then 1 and 9, so the 9th of 10 (the nearest-rank p90) is 1 while the max is 9.
+    tokyo = [
+        update(
+            "tokyo",
+            staleness=staleness,
+            virtual_dispatched_at=2.0 * k,
+            virtual_arrived_at=2.0 * k + 1,
+        )
+        for k, staleness in enumerate([0] * 8 + [1, 9])
+    ]
+    for step, keys in enumerate(GOLDEN_ROUNDS, start=1):
+        # Wall times: every update dispatched at T0+1 and arrived at T0+2 (the helper's
+        # defaults), which would give other answers if the wall clock were used.
+        batch = [_golden_update(key, virtual=True) for key in keys]
+        record(repo, run_id, step, batch + tokyo[5 * (step - 1) : 5 * step])
+    # Buffered with wall times only: left off the virtual clock, and not applied.
+    record(repo, run_id, 5, [update("london", "buffered", staleness=3)])
+
+    london, tokyo_summary, idle = repo.site_summaries(run_id)
+
+    assert london.waiting_clock == tokyo_summary.waiting_clock == idle.waiting_clock == "virtual"
+    assert (london.updates, london.applied) == (7, 4)
+    assert london.staleness_counts == GOLDEN_COUNTS
+    assert (london.mean_staleness, london.max_staleness, london.p90_staleness) == (1.0, 2, 2)
+    assert london.waiting_seconds == pytest.approx(GOLDEN_WAITING)
+    assert london.busy_seconds == pytest.approx(GOLDEN_BUSY)
+    assert london.virtual_compute_seconds == pytest.approx(7.25)
+    assert london.transfer_seconds == pytest.approx(3.25)
+    assert london.to_dict()["staleness_counts"] == [[0, 1], [1, 2], [2, 1]]
+
+    assert tokyo_summary.staleness_counts == {0: 8, 1: 1, 9: 1}
+    assert (tokyo_summary.max_staleness, tokyo_summary.p90_staleness) == (9, 1)
+    assert tokyo_summary.mean_staleness == pytest.approx(1.0)
+    assert (tokyo_summary.waiting_seconds, tokyo_summary.busy_seconds) == (9.0, 10.0)
+    assert (tokyo_summary.virtual_compute_seconds, tokyo_summary.transfer_seconds) == (None, None)
+
+    assert (idle.updates, idle.staleness_counts, idle.p90_staleness) == (0, {}, None)
+    assert (idle.waiting_seconds, idle.busy_seconds) == (0.0, 0.0)
+
+
+def test_site_summary_golden_case_on_the_wall_clock(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    repo.add_site(run_id, name="london", node_id=1)
+    for step, keys in enumerate(GOLDEN_ROUNDS, start=1):
+        record(repo, run_id, step, [_golden_update(key, virtual=False) for key in keys])
+
+    [london] = repo.site_summaries(run_id)
+
+    assert london.waiting_clock == "wall"
+    assert london.waiting_seconds == pytest.approx(GOLDEN_WAITING, abs=1e-6)
+    assert london.busy_seconds == pytest.approx(GOLDEN_BUSY, abs=1e-6)
+    assert london.staleness_counts == GOLDEN_COUNTS
+    assert (london.mean_staleness, london.max_staleness, london.p90_staleness) == (1.0, 2, 2)
+    assert (london.virtual_compute_seconds, london.transfer_seconds) == (None, None)
+
+
+def test_staleness_is_summarised_over_applied_updates_only(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    repo.add_site(run_id, name="a", node_id=1)
+    record(
+        repo, run_id, 1, [update("a", status, staleness=4) for status in ("dropped", "rejected")]
+    )
+
+    [summary] = repo.site_summaries(run_id)
+
+    assert (summary.updates, summary.applied) == (2, 0)
+    assert (summary.mean_staleness, summary.max_staleness, summary.p90_staleness) == (
+        None,
+        None,
+        None,
+    )
+    assert summary.staleness_counts == {}
 
 
 # ---------------------------------------------------------------------------- errors

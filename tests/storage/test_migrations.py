@@ -207,7 +207,7 @@ def _fill_an_0001_ledger(connection: Connection) -> None:
 
 
 def test_an_0001_ledger_upgrades_keeping_its_rows_and_downgrades_back(ledger_url: str) -> None:
-    assert head_revision() == "0002"
+    assert head_revision() == "0003"
     engine = create_ledger_engine(ledger_url)
     try:
         with engine.begin() as connection:
@@ -284,6 +284,101 @@ def test_an_0001_ledger_upgrades_keeping_its_rows_and_downgrades_back(ledger_url
             ],
         )
         assert [(e.round, e.status) for e in repo.list_evaluations(1)] == [(3, "dropped")]
+
+
+VIRTUAL_COLUMNS = {
+    "runs": {"network", "simulated_seconds"},
+    "rounds": {"virtual_started_at", "virtual_finished_at"},
+    "updates": {
+        "virtual_dispatched_at",
+        "virtual_arrived_at",
+        "virtual_compute_seconds",
+        "transfer_seconds",
+    },
+}
+
+
+def _columns(connection: Connection, name: str) -> set[str]:
+    return {c["name"] for c in inspect(connection).get_columns(name)}
+
+
+def test_an_0002_ledger_upgrades_to_virtual_time_keeping_its_rows_and_downgrades_back(
+    ledger_url: str,
+) -> None:
+    engine = create_ledger_engine(ledger_url)
+    try:
+        with engine.begin() as connection:
+            command.upgrade(alembic_config(connection), "0002")
+            _fill_an_0001_ledger(connection)  # 0002 only added a table; these rows still fit
+        with engine.connect() as connection:
+            assert current_revisions(connection) == {"0002"}
+            for name, added in VIRTUAL_COLUMNS.items():
+                assert not added & _columns(connection, name), name
+    finally:
+        engine.dispose()
+
+    with LedgerRepository.open(ledger_url) as repo:  # opening upgrades to 0003
+        with repo._engine.connect() as connection:
+            assert current_revisions(connection) == {"0003"}
+            _assert_no_schema_diff(connection)
+        # Every old row is intact and reads as a wall-clock row: NULL virtual times.
+        run = repo.get_run(1)
+        assert (run.name, run.config, run.rounds_completed) == ("old", {"lr": 0.1}, 1)
+        assert (run.network, run.simulated_seconds) == (None, None)
+        [old_round] = repo.list_rounds(1)
+        assert (old_round.bytes_up, old_round.virtual_started_at) == (111, None)
+        assert old_round.virtual_finished_at is None
+        [old_update] = repo.list_updates(1)
+        assert (old_update.site, old_update.bytes_up, old_update.status) == (
+            "london",
+            111,
+            "applied",
+        )
+        assert (old_update.virtual_dispatched_at, old_update.virtual_arrived_at) == (None, None)
+        assert (old_update.virtual_compute_seconds, old_update.transfer_seconds) == (None, None)
+        [summary] = repo.site_summaries(1)
+        assert (summary.waiting_clock, summary.virtual_compute_seconds) == ("wall", None)
+        assert (summary.staleness_counts, summary.p90_staleness) == ({0: 1}, 0)
+
+        # The new fields work next to the old rows.
+        record(
+            repo,
+            1,
+            2,
+            [update("london", virtual_dispatched_at=4.0, virtual_arrived_at=6.5)],
+            virtual_started_at=4.0,
+            virtual_finished_at=6.5,
+        )
+        repo.finish_run(1, status="finished", finished_at=T0 + 60, simulated_seconds=6.5)
+        simulated = make_run(repo, network="lan")
+        assert repo.get_run(1).simulated_seconds == 6.5
+        assert repo.get_run(simulated).network == "lan"
+        assert [r.virtual_finished_at for r in repo.list_rounds(1)] == [None, 6.5]
+        [summary] = repo.site_summaries(1)
+        assert (summary.waiting_clock, summary.busy_seconds) == ("virtual", 2.5)
+
+        with repo._engine.begin() as connection:
+            command.downgrade(alembic_config(connection), "0002")
+        with repo._engine.connect() as connection:
+            assert current_revisions(connection) == {"0002"}
+            for name, added in VIRTUAL_COLUMNS.items():
+                assert not added & _columns(connection, name), name
+            # Dropping columns must not cascade (SQLite's batch mode would recreate, so drop,
+            # the parent tables): every row survives.
+            counts = {
+                name: connection.execute(text(f"SELECT COUNT(*) FROM {name}")).scalar_one()
+                for name in ("runs", "sites", "rounds", "updates")
+            }
+            assert counts == {"runs": 2, "sites": 1, "rounds": 2, "updates": 2}
+
+    with LedgerRepository.open(ledger_url) as repo:  # and back up to head
+        with repo._engine.connect() as connection:
+            assert current_revisions(connection) == {head_revision()}
+            _assert_no_schema_diff(connection)
+        run = repo.get_run(1)
+        assert (run.status, run.rounds_completed, run.simulated_seconds) == ("finished", 2, None)
+        assert [u.virtual_arrived_at for u in repo.list_updates(1)] == [None, None]
+        assert repo.site_summaries(1)[0].waiting_clock == "wall"
 
 
 def test_a_schema_from_a_newer_flplatform_is_refused(ledger_url: str) -> None:
@@ -431,6 +526,7 @@ def test_every_migration_file_would_ship_in_a_wheel() -> None:
         "alembic.ini",
         "0001_initial.py",
         "0002_evaluations.py",
+        "0003_virtual_time.py",
     } <= {f.name for f in files}
     for path in files:
         in_package = path.suffix == ".py" and (path.parent / "__init__.py").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -51,6 +52,90 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def test_update_input_names_the_bad_field(field: str, value: Any, message: str) -> None:
     with pytest.raises(StorageError, match=message):
         update(**{"site": "a", field: value})
+
+
+VIRTUAL_FIELDS = (
+    "virtual_dispatched_at",
+    "virtual_arrived_at",
+    "virtual_compute_seconds",
+    "transfer_seconds",
+)
+
+
+@pytest.mark.parametrize("field", VIRTUAL_FIELDS)
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (-1.0, "got -1.0"),
+        (-1, "got -1.0"),
+        (math.nan, "got nan"),
+        (-math.inf, "got -inf"),
+        (math.inf, "got inf"),
+        ("3", "got str '3'"),
+        (True, "got bool True"),
+        ([1.0], r"got list \[1.0\]"),
+    ],
+)
+def test_update_input_refuses_bad_virtual_times(field: str, value: Any, shown: str) -> None:
+    with pytest.raises(
+        StorageError,
+        match=f"update field '{field}' must be None or a finite number of seconds >= 0, {shown}",
+    ):
+        update("a", **{field: value})
+
+
+def test_update_input_normalises_virtual_times() -> None:
+    assert all(getattr(update("a"), name) is None for name in VIRTUAL_FIELDS)
+    given = update(
+        "a",
+        virtual_dispatched_at=np.float32(0.5),
+        virtual_arrived_at=np.int64(3),
+        virtual_compute_seconds=0,
+        transfer_seconds=np.float64(1.25),
+    )
+    values = [getattr(given, name) for name in VIRTUAL_FIELDS]
+    assert values == [0.5, 3.0, 0.0, 1.25]
+    assert all(type(v) is float for v in values)
+    # Arrival equal to dispatch is fine (an instant reply); before it is not.
+    assert update("a", virtual_dispatched_at=2.0, virtual_arrived_at=2.0).virtual_arrived_at == 2.0
+    with pytest.raises(StorageError, match=r"'virtual_arrived_at' \(1.0\) is before"):
+        update("a", virtual_dispatched_at=2.0, virtual_arrived_at=1.0)
+
+
+def test_site_summary_serialises_staleness_counts_as_integer_pairs() -> None:
+    summary = SiteSummary(
+        site_id=1,
+        name="a",
+        node_id=1,
+        partition_id=None,
+        num_examples=None,
+        updates=3,
+        applied=3,
+        buffered=0,
+        cancelled=0,
+        dropped=0,
+        rejected=0,
+        mean_staleness=1.0,
+        max_staleness=2,
+        bytes_up=0,
+        bytes_down=0,
+        compute_seconds=0.0,
+        mean_train_loss=None,
+        staleness_counts={2: 1, 0: 1, 1: 1},
+        p90_staleness=2,
+        waiting_seconds=1.5,
+        waiting_clock="virtual",
+    )
+    data = summary.to_dict()
+    assert data["staleness_counts"] == [[0, 1], [1, 1], [2, 1]]
+    assert json.loads(json.dumps(data)) == data  # integer keys survive JSON as pairs
+    assert (data["waiting_clock"], data["waiting_seconds"], data["p90_staleness"]) == (
+        "virtual",
+        1.5,
+        2,
+    )
+    data["staleness_counts"].append([9, 9])
+    assert summary.staleness_counts == {2: 1, 0: 1, 1: 1}
 
 
 def test_update_input_accepts_every_status_and_converts_numpy_scalars() -> None:
@@ -185,6 +270,16 @@ def test_to_dict_gives_iso_datetimes_and_copies() -> None:
         mean_train_loss=None,
     )
     assert summary.to_dict()["node_id"] == 2**64 - 1
+    # Fields added with migration 0003 default to "nothing recorded".
+    assert {
+        "staleness_counts": [],
+        "p90_staleness": None,
+        "waiting_seconds": 0.0,
+        "busy_seconds": 0.0,
+        "waiting_clock": "wall",
+        "virtual_compute_seconds": None,
+        "transfer_seconds": None,
+    }.items() <= summary.to_dict().items()
     assert {"evaluations": 0, "eval_bytes_up": 0, "eval_bytes_down": 0}.items() <= (
         summary.to_dict().items()
     )

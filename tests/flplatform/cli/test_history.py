@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from flplatform.cli.app import app
+from flplatform.cli.history import human_seconds, staleness_counts
 from storage import LedgerRepository, UpdateInput
 
 runner = CliRunner()
@@ -119,6 +120,142 @@ def test_missing_run_is_one_line(ledger: str) -> None:
     assert "run 42 does not exist" in result.output
     bad = runner.invoke(app, ["history", "sites", "abc", "--db", ledger])
     assert bad.exit_code == 2 and "RUN must be a run id" in bad.output
+
+
+@pytest.fixture
+def simulated_ledger(tmp_path: Path) -> str:
+    """A run on the 'mobile' network: two rounds with virtual times, one site stale once."""
+    url = f"sqlite:///{tmp_path / 'simulated.db'}"
+    t0 = time.time()
+    with LedgerRepository.open(url) as repo:
+        run_id = repo.create_run(
+            name="fedbuff-digits",
+            strategy="fedbuff",
+            seed=3,
+            config={},
+            num_rounds_planned=2,
+            network="mobile",
+        )
+        for name in ("london", "tokyo"):
+            repo.add_site(run_id, name=name, node_id=len(name), num_examples=100)
+        for rnd in (1, 2):
+            # Simulated: each round takes 10 s; london's replies take 8 s, tokyo's 9 s, so
+            # london waits 2 s and tokyo 1 s for their second dispatch at 10 s.
+            start = 10.0 * (rnd - 1)
+            repo.record_round(
+                run_id,
+                round=rnd,
+                model_version=rnd,
+                started_at=t0 + rnd,
+                finished_at=t0 + rnd + 0.5,
+                metrics={"accuracy": 0.5},
+                train_loss=0.5,
+                virtual_started_at=start,
+                virtual_finished_at=start + 10.0,
+                updates=[
+                    UpdateInput(
+                        site=name,
+                        dispatched_round=rnd,
+                        version_trained_on=rnd - 1,
+                        staleness=rnd - 1 if name == "london" else 0,
+                        bytes_up=1000,
+                        bytes_down=1000,
+                        status="applied",
+                        dispatched_at=t0 + rnd,
+                        arrived_at=t0 + rnd + 0.4,
+                        virtual_dispatched_at=start,
+                        virtual_arrived_at=start + busy,
+                        virtual_compute_seconds=busy - 3.0,
+                        transfer_seconds=3.0,
+                    )
+                    for name, busy in (("london", 8.0), ("tokyo", 9.0))
+                ],
+            )
+        repo.finish_run(run_id, status="finished", simulated_seconds=3725.0)
+    return url
+
+
+def history(*args: str) -> str:
+    result = runner.invoke(app, ["history", *args])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_runs_show_the_network_and_simulated_time(simulated_ledger: str, ledger: str) -> None:
+    table = history("runs", "--db", simulated_ledger)
+    assert "network" in table and "simulated" in table
+    assert "mobile" in table and "1h 02m 05s" in table
+
+    [row] = json.loads(history("runs", "--db", simulated_ledger, "--format", "json"))
+    assert (row["network"], row["simulated_seconds"]) == ("mobile", 3725.0)
+    [wall] = json.loads(history("runs", "--db", ledger, "--format", "json"))
+    assert (wall["network"], wall["simulated_seconds"]) == (None, None)
+    (record,) = csv.DictReader(io.StringIO(history("runs", "--db", ledger, "--format", "csv")))
+    assert (record["network"], record["simulated_seconds"]) == ("", "")
+
+
+def test_rounds_show_simulated_time_only_for_simulated_runs(
+    simulated_ledger: str, ledger: str
+) -> None:
+    table = history("rounds", "latest", "--db", simulated_ledger)
+    assert "sim s" in table and "20.0" in table
+    assert "sim s" not in history("rounds", "latest", "--db", ledger)
+
+    rows = json.loads(history("rounds", "1", "--db", simulated_ledger, "--format", "json"))
+    assert [(r["virtual_started_at"], r["virtual_finished_at"]) for r in rows] == [
+        (0.0, 10.0),
+        (10.0, 20.0),
+    ]
+    rows = json.loads(history("rounds", "1", "--db", ledger, "--format", "json"))
+    assert {r["virtual_finished_at"] for r in rows} == {None}
+
+
+def test_sites_show_staleness_distribution_and_waiting(simulated_ledger: str, ledger: str) -> None:
+    table = history("sites", "1", "--db", simulated_ledger)
+    assert "staleness" in table and "counts" in table and "p90" in table
+    assert "0:1 1:1" in table and "0:2" in table
+    assert "waiting s" in table and "(virtual)" in table
+
+    rows = {
+        r["name"]: r
+        for r in json.loads(history("sites", "1", "--db", simulated_ledger, "-f", "json"))
+    }
+    london, tokyo = rows["london"], rows["tokyo"]
+    assert london["staleness_counts"] == [[0, 1], [1, 1]]
+    assert (london["p90_staleness"], london["max_staleness"]) == (1, 1)
+    assert (london["waiting_seconds"], london["busy_seconds"]) == (2.0, 16.0)
+    assert (tokyo["waiting_seconds"], tokyo["busy_seconds"]) == (1.0, 18.0)
+    assert london["waiting_clock"] == "virtual"
+    assert (london["virtual_compute_seconds"], london["transfer_seconds"]) == (10.0, 6.0)
+
+    out = history("sites", "1", "--db", simulated_ledger, "--format", "csv")
+    by_name = {r["name"]: r for r in csv.DictReader(io.StringIO(out))}
+    assert json.loads(by_name["tokyo"]["staleness_counts"]) == [[0, 2]]
+    assert (by_name["tokyo"]["waiting_clock"], by_name["tokyo"]["waiting_seconds"]) == (
+        "virtual",
+        "1.0",
+    )
+
+    wall = history("sites", "1", "--db", ledger)
+    assert "(wall)" in wall and "0:2" in wall
+    rows = {r["name"]: r for r in json.loads(history("sites", "1", "--db", ledger, "-f", "json"))}
+    # tokyo's second update was rejected: only the applied one counts for staleness.
+    assert rows["tokyo"]["staleness_counts"] == [[0, 1]]
+    assert rows["london"]["waiting_clock"] == "wall"
+    assert rows["london"]["waiting_seconds"] == pytest.approx(0.6, abs=1e-5)  # 1.4 s -> 2 s
+
+
+def test_table_cells_for_durations_and_staleness() -> None:
+    assert [human_seconds(s) for s in (None, 0.0, 42.54, 65.0, 3725.0)] == [
+        "-",
+        "0.0 s",
+        "42.5 s",
+        "1m 05s",
+        "1h 02m 05s",
+    ]
+    assert staleness_counts({}) == "-"
+    assert staleness_counts({2: 1, 0: 12, 1: 5}) == "0:12 1:5 2:1"
+    assert staleness_counts({k: 1 for k in range(10)}, limit=3) == "0:1 1:1 2:1 (+7 more)"
 
 
 def test_data_split_writes_one_file_per_site(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from flwr.app import (
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from flplatform import keys
-from flplatform.engine import APPLIED, DROPPED, REJECTED, Dispatch, EngineView, RoundEngine, Verdict
+from flplatform.engine import APPLIED, DROPPED, REJECTED, RoundEngine, Synchrony
 from flplatform.engine.engine import REFUSED
 from flplatform.engine.wire import record_to_arrays
 from flplatform.ledger import SqlLedger
@@ -264,29 +264,11 @@ def test_garbage_a_site_reports_about_itself_cannot_end_the_run(ledger) -> None:
     assert updates["b"].train_loss is None
 
 
-class OneAtATime:
-    """Async (K = 1): every idle site works; each arrival is its own server step."""
-
-    name = "async"
-
-    def dispatch_targets(self, view: EngineView) -> tuple[int, ...]:
-        return view.idle_nodes
-
-    def judge(self, dispatch: Dispatch, view: EngineView) -> Verdict:
-        return Verdict(APPLIED)
-
-    def ready_to_aggregate(self, view: EngineView) -> bool:
-        return view.applied_this_round >= 1
-
-    def to_cancel(self, view: EngineView) -> tuple[int, ...]:
-        return ()
-
-
 def test_each_arrival_can_be_its_own_step_with_staleness(ledger) -> None:
     # Four replies land in one pull; a K = 1 policy must still take one per step, and the
     # ones left over arrive stale, each measured against the model it was trained on.
     grid = ScriptedGrid({n: site(f"s{n}", value=float(n)) for n in range(1, 5)}, delay_pulls=1)
-    engine_for(grid, ledger, policy=OneAtATime()).run(MODEL, num_rounds=4)
+    engine_for(grid, ledger, policy=Synchrony("async")).run(MODEL, num_rounds=4)
     repo, run_id = ledger
     rounds = repo.list_rounds(run_id)
     assert [r.num_applied for r in rounds] == [1, 1, 1, 1]

@@ -1,0 +1,247 @@
+"""The synchrony family of Dutta et al., "Slow and Stale Gradients Can Win the Race" (2018).
+
+Every mode is one ``Synchrony`` policy of the round engine; they differ along two axes:
+
+* **cancel or keep stragglers.** Sync modes (``sync``, ``k-sync``, ``k-batch-sync``) apply
+  only updates computed on the current model: once a step is decided, the stragglers are
+  cancelled (recorded as cancelled) and restart on the new model. Async modes keep them
+  running; they finish on the old model and arrive stale.
+* **count sites or count updates.** ``k-sync``/``k-async`` wait for K updates from K
+  different sites, and a site that finished waits for the step. Batch modes
+  (``k-batch-sync``, ``k-batch-async``, ``async``, ``buffered``) count any K updates, and
+  a site that finished is given work again at once (on the current model).
+
+| mode | waits for | stragglers | time per step, X ~ Exp(μ), P sites |
+|---|---|---|---|
+| sync | all sampled | none | H_P/μ |
+| k-sync | first K sites | cancelled | (H_P − H_{P−K})/μ |
+| k-batch-sync | first K updates | cancelled | K/(Pμ) |
+| k-async | K different sites | kept, arrive stale | (H_P − H_{P−K})/μ |
+| k-batch-async | any K updates | kept | K/(Pμ) |
+| async | 1 update | kept | 1/(Pμ) |
+| buffered | any K updates (FedBuff) | kept | K/(Pμ) |
+
+Options for the async modes: a staleness bound s (stale-synchronous parallel: the model
+never moves more than s versions past an update still being computed, so the fastest
+site waits for the slowest), staleness weighting (``flplatform.engine.staleness``) and a
+concurrency limit (FedBuff's number of sites training at once). AdaSync grows K as the
+training loss falls, for any K mode.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flplatform.engine.events import APPLIED, DROPPED, Dispatch
+from flplatform.engine.policy import EngineView, Verdict
+from flplatform.engine.staleness import WEIGHTINGS, adasync_k, staleness_weight
+from flplatform.errors import ConfigError
+
+SYNC_MODES = ("sync", "k-sync", "k-batch-sync", "async", "k-async", "k-batch-async", "buffered")
+CANCELLING_MODES = ("sync", "k-sync", "k-batch-sync")
+ASYNC_MODES = ("async", "k-async", "k-batch-async", "buffered")
+# Modes that count any K updates and give a finished site work again at once.
+BATCH_MODES = ("k-batch-sync", "k-batch-async", "async", "buffered")
+K_MODES = ("k-sync", "k-batch-sync", "k-async", "k-batch-async", "buffered")
+
+
+def synchrony_problems(
+    mode: str,
+    *,
+    k: int,
+    staleness_bound: int,
+    weighting: str,
+    adasync: bool,
+    concurrency: int,
+) -> list[str]:
+    """Every reason these settings do not make a policy (empty when they do)."""
+    if mode not in SYNC_MODES:
+        return [f"sync mode {mode!r} is unknown; allowed: {', '.join(SYNC_MODES)}"]
+    problems = []
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        problems.append(f"k must be a whole number ≥ 1, got {k!r}")
+    if weighting not in ("", *WEIGHTINGS):
+        problems.append(
+            f"staleness weighting {weighting!r} is unknown; allowed: {', '.join(WEIGHTINGS)}"
+        )
+    if mode in CANCELLING_MODES:
+        # Sync modes never apply a stale update: these knobs would silently do nothing.
+        for knob, is_set in (
+            ("staleness-bound", staleness_bound >= 0),
+            ("staleness-weighting", weighting not in ("", "none")),
+            ("concurrency", concurrency > 0),
+        ):
+            if is_set:
+                problems.append(
+                    f"{knob} applies to the async modes ({', '.join(ASYNC_MODES)}), "
+                    f"not to {mode!r}, which applies no stale update"
+                )
+    if staleness_bound < -1:
+        problems.append(f"staleness-bound must be ≥ 0 (or -1 for none), got {staleness_bound}")
+    if concurrency < 0:
+        problems.append(f"concurrency must be ≥ 0 (0: every site), got {concurrency}")
+    if adasync and mode not in K_MODES:
+        problems.append(
+            f"adasync grows K, so it needs a K mode ({', '.join(K_MODES)}), not {mode!r}"
+        )
+    return problems
+
+
+class Synchrony:
+    """One synchrony mode as the engine's ``AggregationPolicy`` (see the module docstring).
+
+    Parameters
+    ----------
+    mode : str
+        One of ``SYNC_MODES``.
+    k : int
+        K of the K modes (``async`` is K = 1; ``sync`` waits for every sampled site).
+    staleness_bound : int or None
+        s of stale-synchronous parallel (async modes); None for no bound.
+    weighting : {"none", "sqrt", "step"} or None
+        Staleness weighting; None picks ``sqrt`` for ``buffered`` (as FedBuff) and
+        ``none`` otherwise.
+    step_c : float
+        C of the staleness-dependent step size (``weighting="step"``).
+    adasync : bool
+        Grow K as K₀·√(F(x₀)/F(x_t)) with the training loss F (K modes).
+    concurrency : int
+        Most sites training at once in the async modes (0: all of them).
+    """
+
+    def __init__(
+        self,
+        mode: str = "sync",
+        *,
+        k: int = 1,
+        staleness_bound: int | None = None,
+        weighting: str | None = None,
+        step_c: float = 1.0,
+        adasync: bool = False,
+        concurrency: int = 0,
+    ) -> None:
+        problems = synchrony_problems(
+            mode,
+            k=k,
+            staleness_bound=-1 if staleness_bound is None else staleness_bound,
+            weighting=weighting or "",
+            adasync=adasync,
+            concurrency=concurrency,
+        )
+        if not step_c > 0:
+            problems.append(f"staleness-step-c must be > 0, got {step_c}")
+        if problems:
+            raise ConfigError("; ".join(problems))
+        self.name = mode
+        self.cancels = mode in CANCELLING_MODES
+        self.batch = mode in BATCH_MODES
+        self.k0: int | None = None if mode == "sync" else (1 if mode == "async" else k)
+        self.k = self.k0
+        self.staleness_bound = staleness_bound
+        self.weighting = weighting or ("sqrt" if mode == "buffered" else "none")
+        self.step_c = step_c
+        self.adasync = adasync
+        self.concurrency = concurrency
+        self._offered_round = 0  # the round whose start offered work (non-batch modes)
+        self._initial_loss: float | None = None
+        self._sites = 1  # P, as last seen
+
+    def __repr__(self) -> str:
+        options = [f"k={self.k}"] if self.k is not None else []
+        if self.staleness_bound is not None:
+            options.append(f"s={self.staleness_bound}")
+        if self.weighting != "none":
+            options.append(f"weighting={self.weighting}")
+        if self.adasync:
+            options.append("adasync")
+        if self.concurrency:
+            options.append(f"concurrency={self.concurrency}")
+        return f"Synchrony({self.name}{', ' if options else ''}{', '.join(options)})"
+
+    # ------------------------------------------------------------ the four questions
+    def dispatch_targets(self, view: EngineView) -> tuple[int, ...]:
+        """Batch modes: every idle site, any time; the others: idle sites at the step's start."""
+        if self.ready_to_aggregate(view):
+            return ()  # the step is decided: new work waits for the new model
+        idle = tuple(n for n in view.idle_nodes if n not in view.failed_nodes)
+        if not self.batch:
+            if view.dispatched_this_round > 0:
+                return ()
+            # Offered once, at the step's start; a site finishing later waits for the next
+            # step, unless nothing at all is running (then waiting would never end).
+            if self._offered_round == view.server_round and view.outstanding:
+                return ()
+            self._offered_round = view.server_round
+        if self.concurrency:
+            idle = idle[: max(0, self.concurrency - len(view.outstanding))]
+        return idle
+
+    def judge(self, dispatch: Dispatch, view: EngineView) -> Verdict:
+        """Apply (with its staleness weight), or drop what this mode may not use."""
+        staleness = view.model_version - dispatch.model_version
+        if self.cancels and staleness > 0:
+            return Verdict(DROPPED, reason="late: computed on an older model version")
+        if self.staleness_bound is not None and staleness > self.staleness_bound:
+            return Verdict(
+                DROPPED,
+                reason=f"stale: {staleness} versions behind, bound {self.staleness_bound}",
+            )
+        weight = staleness_weight(
+            self.weighting,
+            staleness,
+            distance_sq=lambda: view.model_distance(dispatch.model_version),
+            c=self.step_c,
+        )
+        return Verdict(APPLIED, weight_scale=weight)
+
+    def ready_to_aggregate(self, view: EngineView) -> bool:
+        """K counted (or nothing more can count), and no outstanding update left too far behind."""
+        self._sites = max(1, view.connected_nodes)
+        if self.k is None:  # fully sync: every message of this step is accounted for
+            return view.dispatched_this_round > 0 and not any(
+                d.server_round == view.server_round for d in view.outstanding.values()
+            )
+        counted = view.applied_this_round if self.batch else len(view.applied_nodes)
+        if counted < min(self.k, self._sites) and self._more_can_come(view):
+            return False
+        if counted == 0 and view.dispatched_this_round == 0:
+            return False  # nothing happened yet (every site away or refused): keep waiting
+        if self.staleness_bound is not None and view.outstanding:
+            oldest = min(d.model_version for d in view.outstanding.values())
+            if view.model_version + 1 - oldest > self.staleness_bound:
+                return False  # SSP: the next version would leave that update too stale
+        return True
+
+    def _more_can_come(self, view: EngineView) -> bool:
+        if self.cancels and not self.batch:  # k-sync: only this step's messages count
+            return any(d.server_round == view.server_round for d in view.outstanding.values())
+        if view.outstanding:
+            return True
+        return self.batch and any(n not in view.failed_nodes for n in view.idle_nodes)
+
+    def to_cancel(self, view: EngineView) -> tuple[int, ...]:
+        """Sync modes: once the step is decided, every straggler (to restart on the new model)."""
+        if not self.cancels or not view.outstanding or not self.ready_to_aggregate(view):
+            return ()
+        return tuple(view.outstanding)
+
+    def round_finished(self, train_loss: float | None) -> None:
+        """AdaSync: K for the next step from the loss of the one just closed."""
+        if not self.adasync or self.k0 is None:
+            return
+        if self._initial_loss is None:
+            self._initial_loss = train_loss
+        self.k = max(
+            self.k or 1,  # never shrink: a noisy loss should not undo the waiting
+            adasync_k(self.k0, initial_loss=self._initial_loss, loss=train_loss, k_max=self._sites),
+        )
+
+    # ------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to continue with the same K."""
+        return {"k": self.k, "initial_loss": self._initial_loss}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` output."""
+        self.k = state["k"]
+        self._initial_loss = state["initial_loss"]

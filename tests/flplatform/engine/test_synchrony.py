@@ -1,0 +1,312 @@
+"""Each synchrony mode's behaviour, row by row in the ledger, on the virtual clock."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, MessageType
+
+from flplatform import keys
+from flplatform.engine import (
+    APPLIED,
+    CANCELLED,
+    DROPPED,
+    EngineView,
+    RoundEngine,
+    Synchrony,
+    VirtualClock,
+    WallClock,
+)
+from flplatform.engine.engine import UNAVAILABLE
+from flplatform.engine.events import Dispatch
+from flplatform.engine.staleness import adasync_k, staleness_weight
+from flplatform.errors import ConfigError
+from flplatform.ledger import SqlLedger
+from flplatform.network import ComputeModel, Network, SiteProfile
+from storage import LedgerRepository
+from strategies.local_sgd import LocalSGDAveraging
+
+from .idle_sites import CountingStrategy, idle_site, network
+from .scripted_grid import ScriptedGrid
+from .test_engine import site
+
+pytestmark = pytest.mark.usefixtures("task_identity")
+
+STEP = ConfigRecord({keys.LOCAL_STEPS: 1})
+
+
+@pytest.fixture
+def ledger(tmp_path: Path):
+    repo = LedgerRepository.open(f"sqlite:///{tmp_path / 'l.db'}")
+    run_id = repo.create_run(name="t", strategy="x", seed=0, config={}, num_rounds_planned=1)
+    yield repo, run_id
+    repo.close()
+
+
+def run(
+    ledger,
+    mode: str,
+    *,
+    sites: int = 4,
+    rounds: int = 6,
+    compute: ComputeModel | Network | None = None,
+    grid: ScriptedGrid | None = None,
+    strategy=None,
+    seed: int = 3,
+    **options,
+) -> tuple[RoundEngine, list]:
+    repo, _ = ledger
+    run_id = repo.create_run(name=mode, strategy="x", seed=0, config={}, num_rounds_planned=1)
+    grid = grid or ScriptedGrid({n: idle_site(f"s{n}") for n in range(1, sites + 1)})
+    net = compute if isinstance(compute, Network) else network(sites, compute or EXP)
+    engine = RoundEngine(
+        grid,
+        strategy or CountingStrategy(),
+        policy=Synchrony(mode, **options),
+        clock=VirtualClock(net, seed=seed),
+        ledger=SqlLedger(repo, run_id),
+        required_sites=len(grid.behaviours),
+        poll_interval=0.0,
+    )
+    engine.run(ArrayRecord(), num_rounds=rounds, train_config=STEP)
+    return engine, repo.list_updates(run_id)
+
+
+EXP = ComputeModel("exponential", mean_seconds=1.0)
+
+
+# ============================================================== cancel or keep stragglers
+def test_k_sync_cancels_stragglers_and_restarts_everyone_on_the_new_model(ledger) -> None:
+    _, rows = run(ledger, "k-sync", k=2, rounds=5)
+    for step in range(1, 6):
+        this = [u for u in rows if u.round == step]
+        assert Counter(u.status for u in this) == {APPLIED: 2, CANCELLED: 2}
+        # Everyone worked on the step's own model: nothing stale is ever applied.
+        assert {u.version_trained_on for u in this} == {step - 1}
+        assert all(u.staleness == 0 for u in this if u.status == APPLIED)
+        cancelled = [u for u in this if u.status == CANCELLED]
+        # A cancelled site sent nothing back (in simulated time it stopped), and the
+        # step closed at the second arrival, before the cancelled ones would have landed.
+        assert all(u.bytes_up == 0 and u.virtual_arrived_at is None for u in cancelled)
+        assert all(u.bytes_down > 0 for u in cancelled)
+        applied_at = max(u.virtual_arrived_at for u in this if u.status == APPLIED)
+        # Restarted at once: the next step's dispatches are at this step's close.
+        nxt = [u for u in rows if u.round == step + 1]
+        assert all(u.virtual_dispatched_at == pytest.approx(applied_at) for u in nxt)
+
+
+def test_k_async_keeps_stragglers_and_applies_them_stale(ledger) -> None:
+    engine, rows = run(ledger, "k-async", k=2, rounds=12)
+    assert not [u for u in rows if u.status == CANCELLED]
+    stale = [u for u in rows if u.status == APPLIED and u.staleness > 0]
+    assert stale, "stragglers should arrive computed on older versions"
+    for u in stale:  # staleness is measured against the version the site was sent
+        assert u.round - 1 - u.version_trained_on == u.staleness
+    # K different sites per step.
+    for step in range(1, 13):
+        applied = [u.site for u in rows if u.round == step and u.status == APPLIED]
+        assert len(applied) == len(set(applied)) == 2
+    assert engine.version == 12
+
+
+def test_k_batch_async_counts_updates_and_a_fast_site_may_give_several(ledger) -> None:
+    # One site 20× faster than the others: it supplies most updates in a step.
+    profiles = network(4, EXP).profiles
+    fast = SiteProfile(**{**profiles[0].__dict__, "speed": 20.0})
+    net = Network(name="skewed", profiles=(fast, *profiles[1:]))
+    _, rows = run(ledger, "k-batch-async", k=3, rounds=10, compute=net)
+    per_step = Counter(u.round for u in rows if u.status == APPLIED)
+    assert set(per_step.values()) == {3}
+    by_site = Counter(u.site for u in rows if u.status == APPLIED)
+    assert by_site["s1"] > sum(by_site.values()) / 2
+    steps_with_repeat = [
+        step
+        for step in range(1, 11)
+        if max(Counter(u.site for u in rows if u.round == step and u.status == APPLIED).values())
+        > 1
+    ]
+    assert steps_with_repeat
+
+
+def test_k_batch_sync_restarts_a_finished_site_on_the_same_version(ledger) -> None:
+    profiles = network(3, EXP).profiles
+    fast = SiteProfile(**{**profiles[0].__dict__, "speed": 50.0})
+    net = Network(name="skewed", profiles=(fast, *profiles[1:]))
+    _, rows = run(ledger, "k-batch-sync", k=3, rounds=4, sites=3, compute=net)
+    for step in range(1, 5):
+        applied = [u for u in rows if u.round == step and u.status == APPLIED]
+        assert len(applied) == 3
+        assert {u.version_trained_on for u in applied} == {step - 1}
+    assert Counter(u.site for u in rows if u.status == APPLIED)["s1"] >= 8
+
+
+def test_sync_waits_for_everyone(ledger) -> None:
+    _, rows = run(ledger, "sync", rounds=3)
+    for step in range(1, 4):
+        this = [u for u in rows if u.round == step]
+        assert Counter(u.status for u in this) == {APPLIED: 4}
+
+
+# ============================================================== staleness
+def test_staleness_bound_is_never_exceeded_and_the_fast_site_waits(ledger) -> None:
+    profiles = network(4, EXP).profiles
+    slow = SiteProfile(**{**profiles[3].__dict__, "speed": 0.05})
+    net = Network(name="straggler", profiles=(*profiles[:3], slow))
+    _, unbounded = run(ledger, "async", rounds=30, compute=net)
+    assert max(u.staleness for u in unbounded if u.status == APPLIED) > 2
+    _, rows = run(ledger, "async", rounds=30, compute=net, staleness_bound=2)
+    applied = [u for u in rows if u.status == APPLIED]
+    assert max(u.staleness for u in applied) <= 2
+    assert any(u.site == "s4" for u in applied)  # the straggler is waited for, not dropped
+    assert not [u for u in rows if u.status == DROPPED]
+
+
+def test_staleness_weights_reach_the_strategy(ledger) -> None:
+    strategy = CountingStrategy()
+    _, rows = run(ledger, "async", rounds=20, strategy=strategy, weighting="sqrt")
+    applied = [u for u in rows if u.status == APPLIED]
+    weights = [w for _, w in strategy.applied]
+    assert len(weights) == len(applied)
+    for u, w in zip(applied, weights, strict=True):
+        assert w == pytest.approx(1 / math.sqrt(1 + u.staleness))
+    assert any(w < 1 for w in weights)
+
+
+def test_buffered_defaults_to_fedbuff_weights_and_respects_concurrency(ledger) -> None:
+    strategy = CountingStrategy()
+    _, rows = run(ledger, "buffered", k=2, rounds=10, strategy=strategy, concurrency=2, sites=4)
+    assert Counter(u.round for u in rows if u.status == APPLIED) == {r: 2 for r in range(1, 11)}
+    # Concurrency 2: at no moment are more than two sites computing.
+    spans = [(u.virtual_dispatched_at, u.virtual_arrived_at) for u in rows]
+    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    running = peak = 0
+    for _, change in events:
+        running += change
+        peak = max(peak, running)
+    assert peak <= 2
+    assert any(w < 1 for _, w in strategy.applied)  # 1/sqrt(1 + s) by default
+
+
+def test_staleness_weight_golden_values() -> None:
+    assert staleness_weight("none", 5) == 1.0
+    assert staleness_weight("sqrt", 3) == pytest.approx(0.5)
+    assert staleness_weight("sqrt", 0) == 1.0
+    # Dutta et al.: min(C / ‖x_j − x_τ‖², η_max) relative to η_max.
+    assert staleness_weight("step", 2, distance_sq=lambda: 4.0, c=1.0) == pytest.approx(0.25)
+    assert staleness_weight("step", 2, distance_sq=lambda: 0.5, c=1.0) == 1.0
+    assert staleness_weight("step", 0, distance_sq=lambda: 1 / 0, c=1.0) == 1.0  # not called
+
+
+def test_step_weighting_uses_the_distance_between_model_versions(ledger) -> None:
+    # Real arrays: each site moves w to its own value, so versions differ measurably.
+    grid = ScriptedGrid({n: site(f"s{n}", value=float(n)) for n in range(1, 4)})
+    repo, run_id = ledger
+    engine = RoundEngine(
+        grid,
+        LocalSGDAveraging(),
+        policy=Synchrony("async", weighting="step", step_c=0.5),
+        clock=VirtualClock(network(3, EXP), seed=1),
+        ledger=SqlLedger(repo, run_id),
+        required_sites=3,
+        poll_interval=0.0,
+    )
+    seen: list[tuple[int, float]] = []
+    judge = engine.policy.judge
+
+    def spy(dispatch: Dispatch, view: EngineView):
+        verdict = judge(dispatch, view)
+        distance = view.model_distance(dispatch.model_version)
+        seen.append((view.model_version - dispatch.model_version, distance))
+        expected = 1.0 if distance <= 0.5 else 0.5 / distance
+        assert verdict.weight_scale == pytest.approx(expected)
+        return verdict
+
+    engine.policy.judge = spy  # type: ignore[method-assign]
+    engine.run(ArrayRecord({"w": Array(np.zeros(4, np.float32))}), num_rounds=8, train_config=STEP)
+    assert any(s > 0 and d > 0.5 for s, d in seen)  # a stale update was discounted
+
+
+def test_adasync_grows_k_as_the_loss_falls() -> None:
+    assert adasync_k(2, initial_loss=2.0, loss=2.0, k_max=8) == 2
+    assert adasync_k(2, initial_loss=2.0, loss=0.5, k_max=8) == 4  # 2·√4
+    assert adasync_k(2, initial_loss=2.0, loss=0.001, k_max=8) == 8  # capped at P
+    assert adasync_k(2, initial_loss=None, loss=0.5, k_max=8) == 2
+    policy = Synchrony("k-async", k=2, adasync=True)
+    policy._sites = 8
+    for loss in (2.0, 1.0, 0.5, 0.9):
+        policy.round_finished(loss)
+    assert policy.k == 4  # grew to 2·√(2/0.5) and did not shrink when the loss rose
+
+
+# ============================================================== availability
+def test_unavailable_sites_sit_rounds_out_and_the_run_goes_on(ledger) -> None:
+    net = network(4, EXP, availability=0.5)
+    engine, rows = run(ledger, "sync", rounds=12, compute=net)
+    away = [u for u in rows if u.status == DROPPED and u.reason == UNAVAILABLE]
+    assert 5 < len(away) < 40
+    assert all(u.bytes_down == 0 and u.bytes_up == 0 for u in away)
+    # A round whose sites all sat out waits (in simulated time) for the first to return.
+    assert engine.version == 12
+
+
+def test_every_site_away_moves_the_clock_to_the_first_return(ledger) -> None:
+    net = network(2, ComputeModel("fixed", mean_seconds=1.0), availability=0.3)
+    engine, rows = run(ledger, "async", rounds=6, compute=net, sites=2)
+    assert engine.version == 6
+    assert [u for u in rows if u.reason == UNAVAILABLE]
+
+
+# ============================================================== deferred restarts
+def test_a_cancelled_site_gets_no_second_message_until_the_first_returns(ledger) -> None:
+    # Replies become visible only after a few pulls: the restart must wait (the grid
+    # asserts it never holds two messages for one node) yet count from the cancel time.
+    grid = ScriptedGrid({n: idle_site(f"s{n}") for n in range(1, 5)}, delay_pulls=3)
+    _, rows = run(ledger, "k-sync", k=1, rounds=6, grid=grid)
+    assert Counter(u.status for u in rows) == {APPLIED: 6, CANCELLED: 18}
+    train = [m for m in grid.pushed if m.metadata.message_type == MessageType.TRAIN]
+    assert len(train) == 24
+
+
+def test_k_sync_on_the_wall_clock_cancels_too(ledger) -> None:
+    repo, run_id = ledger
+    grid = ScriptedGrid({n: site(f"s{n}") for n in range(1, 5)}, delay_pulls=1)
+    engine = RoundEngine(
+        grid,
+        LocalSGDAveraging(),
+        policy=Synchrony("k-sync", k=2),
+        clock=WallClock(),
+        ledger=SqlLedger(repo, run_id),
+        required_sites=4,
+        poll_interval=0.0,
+    )
+    engine.run(ArrayRecord({"w": Array(np.zeros(4, np.float32))}), num_rounds=3, train_config=STEP)
+    rows = repo.list_updates(run_id)
+    for step in range(1, 4):
+        assert Counter(u.status for u in rows if u.round == step and u.status == APPLIED) == {
+            APPLIED: 2
+        }
+    assert all(u.virtual_dispatched_at is None for u in rows)
+    assert engine.simulated_seconds is None
+
+
+# ============================================================== settings
+@pytest.mark.parametrize(
+    ("mode", "options", "fragment"),
+    [
+        ("k-sync", {"staleness_bound": 2}, "staleness-bound applies to the async modes"),
+        ("sync", {"weighting": "sqrt"}, "staleness-weighting applies"),
+        ("k-batch-sync", {"concurrency": 2}, "concurrency applies"),
+        ("async", {"adasync": True}, "adasync grows K"),
+        ("k-async", {"k": 0}, "k must be a whole number"),
+        ("k-async", {"weighting": "cubic"}, "staleness weighting 'cubic' is unknown"),
+        ("eventually", {}, "sync mode 'eventually' is unknown"),
+        ("async", {"step_c": 0.0}, "staleness-step-c must be > 0"),
+    ],
+)
+def test_bad_settings_are_refused_with_what_is_allowed(mode, options, fragment) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        Synchrony(mode, **options)
