@@ -11,15 +11,25 @@ from typing import Annotated, Any
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from flplatform.cli.errors import handles_errors
 from flplatform.cli.history import rounds as show_rounds
 from flplatform.cli.history import sites as show_sites
 from flplatform.cli.render import OutputFormat, human_bytes, make_console
+from flplatform.comparison import (
+    DEMO_MODES,
+    ModePlan,
+    ModeResult,
+    plan_modes,
+    plot_results,
+    read_results,
+    run_comparison,
+)
 from flplatform.config import BUILTIN_DATASETS, DEFAULT_SITES, RunConfig
 from flplatform.errors import ConfigError
-from flplatform.simulation import check_ledger, ledger_url, run_simulation
-from storage import RoundRecord, RunRecord
+from flplatform.simulation import check_ledger, ledger_url, run_simulation, work_home
+from storage import LedgerRepository, RoundRecord, RunRecord
 
 console = make_console()
 
@@ -41,9 +51,11 @@ def site_names(sites: str) -> tuple[str, ...]:
 
 def run_and_follow(config: RunConfig) -> RunRecord:
     """Run with a live progress display, then print the round and site tables."""
+    sync = config.sync if config.sync in ("sync", "async") else f"{config.sync}, K={config.k}"
+    network = f" on the {config.network} network" if config.network else ""
     console.print(
-        f"Simulating {config.num_sites} sites ({', '.join(config.sites)}), "
-        f"{config.num_server_rounds} rounds of {config.strategy} on {config.dataset} "
+        f"Simulating {config.num_sites} sites ({', '.join(config.sites)}){network}, "
+        f"{config.num_server_rounds} rounds of {config.strategy} ({sync}) on {config.dataset} "
         f"({config.partition}{f' α={config.alpha}' if config.partition == 'dirichlet' else ''}, "
         f"{config.model})"
     )
@@ -79,8 +91,13 @@ def run_and_follow(config: RunConfig) -> RunRecord:
     url = ledger_url(config)
     show_rounds(str(record.id), db=url, fmt=OutputFormat.table)
     show_sites(str(record.id), db=url, fmt=OutputFormat.table)
+    simulated = (
+        f" ({record.simulated_seconds:.1f} s simulated)"
+        if record.simulated_seconds is not None
+        else ""
+    )
     console.print(
-        f"\nRun {record.id} {record.status} in {record.wall_seconds or 0:.1f} s; "
+        f"\nRun {record.id} {record.status} in {record.wall_seconds or 0:.1f} s{simulated}; "
         f"ledger: [bold]{_display_url(url)}[/]\n"
         f"See it again with: flplatform history rounds {record.id}" + (f" --db {db}" if db else ""),
     )
@@ -252,15 +269,114 @@ demo_app = typer.Typer(help="Ready-made demonstrations.")
 @demo_app.command("cross-silo")
 @handles_errors
 def cross_silo(
-    rounds: Annotated[int, typer.Option(help="Server rounds.")] = 20,
+    rounds: Annotated[
+        int, typer.Option(help="Fully-sync rounds; every mode gets as many site updates.")
+    ] = 15,
+    k: Annotated[int, typer.Option("--k", help="K of the K modes.")] = 2,
+    modes: Annotated[str, typer.Option(help="Comma-separated sync modes to compare.")] = ",".join(
+        DEMO_MODES
+    ),
+    network: Annotated[str, typer.Option(help="Network preset or .toml profile.")] = "world",
+    target: Annotated[
+        float, typer.Option(help="Accuracy whose simulated time-to-reach is reported.")
+    ] = 0.9,
     seed: Annotated[int, typer.Option(help="Seed of every random choice.")] = 0,
+    out: Annotated[
+        Path | None, typer.Option(help="Directory for the plots (default: .flplatform/demo).")
+    ] = None,
     db: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the ledger.")] = None,
 ) -> None:
-    """Four sites (London, Ohio, California, Tokyo), non-IID digits, local-SGD averaging."""
-    config = RunConfig.from_mapping(
-        _DEMO | {"num-server-rounds": rounds, "seed": seed, "db": db or ""}
+    """Four sites on the world map (London, Ohio, California, Tokyo), non-IID digits:
+    the synchrony modes side by side in simulated time, with two plots."""
+    if not 0.0 < target <= 1.0:
+        raise ConfigError(f"--target is an accuracy in (0, 1], got {target}")
+    base = RunConfig.from_mapping(
+        _DEMO | {"seed": seed, "db": db or "", "network": _network_spec(network)}
     )
-    run_and_follow(config)
+    names = tuple(m.strip() for m in modes.split(",") if m.strip())
+    plans = plan_modes(names, sites=base.num_sites, rounds=rounds, k=k)
+    check_ledger(base)
+    console.print(
+        f"Comparing {len(plans)} synchrony modes: {base.num_sites} sites "
+        f"({', '.join(base.sites)}) on the {network} network, {base.dataset} "
+        f"(dirichlet α={base.alpha}, {base.model}), {rounds * base.num_sites} site updates each"
+    )
+    run_ids = run_comparison(base, plans, run=_follow_mode)
+    url = ledger_url(base)
+    with LedgerRepository.open(url) as repository:
+        results = read_results(repository, run_ids, [p.label for p in plans], target=target)
+    show_comparison(results, target=target)
+    out_dir = out or work_home() / "demo"
+    paths = plot_results(
+        results, out_dir, title=f"{base.num_sites} sites, {network} network", target=target
+    )
+    console.print("Plots: " + ", ".join(f"[bold]{p}[/]" for p in paths))
+    console.print(
+        f"Ledger: [bold]{_display_url(url)}[/]; per site: flplatform history sites RUN"
+        + (f" --db {db}" if db else "")
+    )
+
+
+def _follow_mode(config: RunConfig, plan: ModePlan) -> RunRecord:
+    """Run one mode with a one-line progress bar."""
+    progress = Progress(
+        TextColumn(f"[bold]{plan.label:<24}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[status]}"),
+        console=console,
+    )
+    task = progress.add_task(plan.label, total=config.num_server_rounds, status="starting…")
+
+    def show(record: RunRecord | None, done: list[RoundRecord]) -> None:
+        if record is None or not done:
+            return
+        accuracy = done[-1].metrics.get("accuracy")
+        simulated = done[-1].virtual_finished_at
+        status = f"accuracy {accuracy:.4f}" if isinstance(accuracy, float) else ""
+        if simulated is not None:
+            status += f"  simulated {simulated:.1f} s"
+        progress.update(task, completed=len(done), status=status)
+
+    with progress:
+        return run_simulation(config, on_progress=show)
+
+
+def show_comparison(results: list[ModeResult], *, target: float) -> None:
+    """The comparison table: one row per mode."""
+    table = Table(title=f"Synchrony modes (time to accuracy {target:g} in simulated seconds)")
+    for column in (
+        "mode",
+        "final acc",
+        "best acc",
+        f"time to {target:g}",
+        "simulated s",
+        "steps",
+        "bytes up",
+        "bytes down",
+        "mean staleness per site",
+        "run",
+    ):
+        table.add_column(column)
+    for r in results:
+        table.add_row(
+            r.label,
+            _fmt(r.final_accuracy, "{:.4f}"),
+            _fmt(r.best_accuracy, "{:.4f}"),
+            _fmt(r.time_to_target, "{:.1f}") if r.time_to_target is not None else "not reached",
+            _fmt(r.simulated_seconds, "{:.1f}"),
+            str(r.server_steps),
+            human_bytes(r.bytes_up),
+            human_bytes(r.bytes_down),
+            " ".join(f"{site} {_fmt(value, '{:.2f}')}" for site, value in r.mean_staleness.items()),
+            str(r.run_id),
+        )
+    console.print(table)
+
+
+def _fmt(value: float | None, pattern: str) -> str:
+    return "-" if value is None else pattern.format(value)
 
 
 _DEMO: dict[str, Any] = {

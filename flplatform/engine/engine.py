@@ -791,7 +791,10 @@ class RoundEngine:
         self, server_round: int, evaluate_config: ConfigRecord | None
     ) -> tuple[MetricRecord | None, tuple[EvaluationOutcome, ...]]:
         """Ask idle sites to evaluate the current model; aggregate and account for it."""
-        idle = list(self._idle_nodes())
+        # Not a site whose cancelled training message Flower still holds: an evaluation
+        # message cannot wait behind it the way a deferred training message does.
+        held = {d.node_id for d in self._cancelled.values()}
+        idle = [n for n in self._idle_nodes() if n not in held]
         config = ConfigRecord(dict(evaluate_config or {}))
         config[keys.MODEL_VERSION] = self.version
         drafts = self.strategy.configure_evaluate(

@@ -54,6 +54,16 @@ def one_error_line(output: str) -> str:
         (["--dataset", "/nonexistent/data.npz"], "/nonexistent/data.npz"),
         (["--partition", "files"], "set dataset to the directory written by"),
         (["--partition", "files", "--dataset", "/nonexistent/split"], "/nonexistent/split"),
+        (["--sync", "eventually"], "unknown sync 'eventually'; allowed: sync, k-sync"),
+        (["--sync", "k-async", "--k", "0"], "k must be a whole number"),
+        (["--sync", "k-sync", "--staleness-bound", "2"], "applies to the async modes"),
+        (["--sync", "async", "--staleness-weighting", "cubic"], "staleness weighting 'cubic'"),
+        (["--sync", "async", "--adasync"], "adasync grows K"),
+        (["--network", "mars"], "mars"),
+        (["--network", "/nonexistent/net.toml"], "/nonexistent/net.toml"),
+        (["--compute-model", "pareto"], "also set network"),
+        (["--network", "world", "--compute-model", "gaussian"], "gaussian"),
+        (["--network", "world", "--step-seconds", "-1"], "step"),
     ],
 )
 def test_simulate_rejects_bad_input(args: list[str], expected: str) -> None:

@@ -310,3 +310,47 @@ def test_k_sync_on_the_wall_clock_cancels_too(ledger) -> None:
 def test_bad_settings_are_refused_with_what_is_allowed(mode, options, fragment) -> None:
     with pytest.raises(ConfigError, match=fragment):
         Synchrony(mode, **options)
+
+
+def test_evaluation_never_goes_to_a_site_flower_still_holds_a_cancelled_message_for(
+    ledger,
+) -> None:
+    repo, run_id = ledger
+
+    # s1 is first on the simulated clock and answers at once; the others answer only
+    # after many pulls, so their cancelled messages are still held when the round's
+    # federated evaluation starts. The grid asserts a node never gets two messages.
+    def slow(behave, pulls: int = 40):
+        seen: Counter = Counter()
+
+        def later(msg):
+            if msg.metadata.message_type != MessageType.TRAIN:
+                return behave(msg)
+            seen[msg.metadata.message_id] += 1
+            return behave(msg) if seen[msg.metadata.message_id] > pulls else None
+
+        return later
+
+    grid = ScriptedGrid({1: site("s1"), **{n: slow(site(f"s{n}")) for n in range(2, 5)}})
+    profiles = network(4, ComputeModel("fixed", mean_seconds=1.0)).profiles
+    fast = SiteProfile(**{**profiles[0].__dict__, "speed": 10.0})
+    engine = RoundEngine(
+        grid,
+        LocalSGDAveraging(fraction_evaluate=1.0),
+        policy=Synchrony("k-sync", k=1),
+        clock=VirtualClock(Network(name="n", profiles=(fast, *profiles[1:])), seed=2),
+        ledger=SqlLedger(repo, run_id),
+        required_sites=4,
+        poll_interval=0.0,
+    )
+    engine.run(
+        ArrayRecord({"w": Array(np.zeros(4, np.float32))}),
+        num_rounds=4,
+        train_config=STEP,
+        federated_evaluation=True,
+    )
+    rows = repo.list_updates(run_id)
+    assert [u.site for u in rows if u.status == APPLIED] == ["s1"] * 4
+    assert Counter(u.status for u in rows)[CANCELLED] == 12
+    evaluated = repo.list_evaluations(run_id)
+    assert evaluated and all(e.status == "evaluated" for e in evaluated)

@@ -1,0 +1,167 @@
+"""The virtual clock: transfer and compute times, earliest arrivals, and a hand-computed run."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord
+
+from flplatform import keys
+from flplatform.engine import RoundEngine, Synchrony, VirtualClock, WallClock
+from flplatform.engine.clock import Schedule, planned_steps
+from flplatform.ledger import SqlLedger
+from flplatform.network import ComputeModel, Network, SiteProfile
+from storage import LedgerRepository
+from strategies.local_sgd import LocalSGDAveraging
+
+from .scripted_grid import ScriptedGrid
+from .test_engine import site
+
+MBIT = 1e6
+
+
+def profile(name: str, *, rtt: float, mbps: float, compute: float) -> SiteProfile:
+    return SiteProfile(
+        name=name,
+        rtt_seconds=rtt,
+        uplink_bps=mbps * MBIT,
+        downlink_bps=mbps * MBIT,
+        compute=ComputeModel("fixed", mean_seconds=compute),
+        speed=1.0,
+    )
+
+
+TWO_SITES = Network(
+    name="two",
+    profiles=(
+        profile("a", rtt=0.100, mbps=8, compute=0.5),  # 1 MB takes 1 s each way
+        profile("b", rtt=0.300, mbps=80, compute=1.0),  # 1 MB takes 0.1 s each way
+    ),
+)
+
+
+def test_schedule_and_land_golden_values() -> None:
+    clock = VirtualClock(TWO_SITES)
+    clock.join("a", 0)
+    schedule = clock.schedule(site="a", bytes_down=1_000_000, steps=2)
+    # Down: 0.1/2 + 8·10⁶/(8·10⁶) = 1.05 s; compute 2 steps × 0.5 s; the earliest
+    # arrival assumes an empty reply: + 0.05 s.
+    assert schedule.download_seconds == pytest.approx(1.05)
+    assert schedule.compute_seconds == pytest.approx(1.0)
+    assert schedule.earliest_arrival == pytest.approx(2.1)
+    landing = clock.land(schedule, site="a", bytes_up=500_000, measured_compute=99.0)
+    assert landing.arrived_at == pytest.approx(1.05 + 1.0 + 0.05 + 0.5)
+    assert landing.transfer_seconds == pytest.approx(1.05 + 0.55)
+    assert landing.compute_seconds == pytest.approx(1.0)  # the profile's, not the measured
+
+
+def test_measured_compute_is_the_sites_own_time_over_its_speed() -> None:
+    measured = SiteProfile(
+        name="m",
+        rtt_seconds=0.0,
+        uplink_bps=math.inf,
+        downlink_bps=math.inf,
+        compute=ComputeModel("measured"),
+        speed=2.0,
+    )
+    clock = VirtualClock(Network(name="m", profiles=(measured,)))
+    schedule = clock.schedule(site="m", bytes_down=10, steps=5)
+    assert schedule.compute_seconds is None and schedule.earliest_arrival == 0.0
+    assert clock.land(schedule, site="m", bytes_up=10, measured_compute=3.0).arrived_at == 1.5
+    assert clock.land(schedule, site="m", bytes_up=10, measured_compute=None).arrived_at == 0.0
+
+
+def test_releasable_only_when_nothing_outstanding_could_land_earlier() -> None:
+    clock = VirtualClock(TWO_SITES)
+    later = Schedule(dispatched_at=0.0, earliest_arrival=5.0)
+    assert clock.releasable(4.0, [later])
+    assert clock.releasable(5.0, [later])  # a tie cannot be overtaken
+    assert not clock.releasable(5.5, [later])
+    assert WallClock().releasable(5.5, [later])
+
+
+def test_clock_never_moves_backwards() -> None:
+    clock = VirtualClock(TWO_SITES)
+    clock.advance(3.0)
+    clock.advance(1.0)
+    assert clock.now() == 3.0
+
+
+def test_compute_draws_are_a_function_of_seed_site_and_attempt() -> None:
+    net = Network(
+        name="r",
+        profiles=(profile("a", rtt=0, mbps=10, compute=1.0),),
+    )
+    exponential = Network(
+        name="r",
+        profiles=(
+            SiteProfile(**{**net.profiles[0].__dict__, "compute": ComputeModel("exponential")}),
+        ),
+    )
+
+    def draws(seed: int) -> list[float | None]:
+        clock = VirtualClock(exponential, seed=seed)
+        return [clock.schedule(site="a", bytes_down=0, steps=1).compute_seconds for _ in range(5)]
+
+    assert draws(1) == draws(1)
+    assert draws(1) != draws(2)
+    assert len(set(draws(1))) == 5
+
+
+@pytest.mark.parametrize(
+    ("config", "examples", "steps"),
+    [
+        ({keys.LOCAL_STEPS: 7}, 100, 7),
+        ({keys.LOCAL_STEPS: 0, keys.LOCAL_EPOCHS: 2, keys.BATCH_SIZE: 32}, 100, 8),
+        ({keys.LOCAL_EPOCHS: 1, keys.BATCH_SIZE: 32}, None, 1),
+        ({}, 100, 1),  # a plain Flower app's config
+        ({keys.LOCAL_STEPS: "many"}, 100, 1),
+        ({keys.LOCAL_STEPS: float("inf")}, 100, 1),
+    ],
+)
+def test_planned_steps(config, examples, steps) -> None:
+    assert planned_steps(config, examples) == steps
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_a_hand_computed_run_of_two_sites(tmp_path: Path) -> None:
+    """Two sync rounds of a 1 MB model: every time is L/2 + 8B/b each way plus compute."""
+    repo = LedgerRepository.open(f"sqlite:///{tmp_path / 'l.db'}")
+    run_id = repo.create_run(name="t", strategy="x", seed=0, config={}, num_rounds_planned=2)
+    grid = ScriptedGrid({1: site("a", value=1.0), 2: site("b", value=3.0)})
+    engine = RoundEngine(
+        grid,
+        LocalSGDAveraging(),
+        policy=Synchrony("sync"),
+        clock=VirtualClock(TWO_SITES),
+        ledger=SqlLedger(repo, run_id),
+        required_sites=2,
+        poll_interval=0.0,
+    )
+    model = ArrayRecord({"w": Array(np.zeros(250_000, np.float32))})  # 1 000 000 bytes
+    engine.run(model, num_rounds=2, train_config=ConfigRecord({keys.LOCAL_STEPS: 1}))
+    rows = {(u.site, u.round): u for u in repo.list_updates(run_id)}
+    links = {"a": (0.100, 8 * MBIT, 0.5), "b": (0.300, 80 * MBIT, 1.0)}
+    for (name, _), u in rows.items():
+        rtt, bandwidth, compute = links[name]
+        # Measured sizes are the 1 MB array plus Flower's framing (well under 1 KB).
+        assert 1_000_000 < u.bytes_down < 1_001_000 and 1_000_000 < u.bytes_up < 1_001_000
+        transfer = rtt / 2 + 8 * u.bytes_down / bandwidth + rtt / 2 + 8 * u.bytes_up / bandwidth
+        assert u.transfer_seconds == pytest.approx(transfer, rel=1e-12)
+        assert u.virtual_compute_seconds == pytest.approx(compute)
+        assert u.virtual_arrived_at - u.virtual_dispatched_at == pytest.approx(
+            transfer + compute, rel=1e-12
+        )
+    # By hand: a takes 0.05 + 1.0 + 0.5 + 0.05 + 1.0 = 2.6 s, b 0.15 + 0.1 + 1.0 + 0.15
+    # + 0.1 = 1.5 s; a sync round waits for a, so round 2 starts at 2.6 and ends at 5.2.
+    assert rows[("a", 1)].virtual_arrived_at == pytest.approx(2.6, abs=2e-3)
+    assert rows[("b", 1)].virtual_arrived_at == pytest.approx(1.5, abs=2e-3)
+    assert rows[("b", 2)].virtual_dispatched_at == pytest.approx(2.6, abs=2e-3)
+    rounds = repo.list_rounds(run_id)
+    assert [r.virtual_finished_at for r in rounds] == pytest.approx([2.6, 5.2], abs=4e-3)
+    assert rounds[1].virtual_started_at == rounds[0].virtual_finished_at
+    assert engine.simulated_seconds == pytest.approx(5.2, abs=4e-3)
+    repo.close()

@@ -1,0 +1,125 @@
+"""Real Flower simulations on a simulated network, through the CLI, checked in the ledger."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from flplatform.cli.app import app
+from storage import LedgerRepository
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("flplatform_home")]
+runner = CliRunner()
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_k_async_on_the_world_network(tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path / 'ledger.db'}"
+    args = ["simulate", "--network", "world", "--sync", "k-async", "--k", "2"]
+    result = runner.invoke(app, [*args, "--rounds", "8", "--local-epochs", "1", "--db", db])
+    assert result.exit_code == 0, result.output
+    assert "simulated" in result.output
+
+    with LedgerRepository.open(db) as repo:
+        (run,) = repo.list_runs()
+        assert run.network == "world" and run.config["sync"] == "k-async"
+        rounds = repo.list_rounds(run.id)
+        assert run.simulated_seconds == pytest.approx(rounds[-1].virtual_finished_at)
+        finished = [r.virtual_finished_at for r in rounds]
+        assert finished == sorted(finished) and finished[0] > 0
+        # Each site has its map profile (Tokyo: 277 ms, 13 Mbit/s) and a seeded speed.
+        profiles = {s.name: s.profile for s in repo.list_sites(run.id)}
+        assert profiles["tokyo"]["rtt_ms"] == pytest.approx(277)
+        assert profiles["tokyo"]["uplink_mbps"] == pytest.approx(13)
+        assert 0.5 <= profiles["london"]["speed"] <= 2.0
+
+        updates = repo.list_updates(run.id)
+        applied = [u for u in updates if u.status == "applied"]
+        assert all(r.num_applied == 2 for r in rounds)
+        # K-async keeps stragglers: some updates arrive computed on older versions, and
+        # each says which version it was computed on.
+        assert any(u.staleness > 0 for u in applied)
+        for u in applied:
+            assert u.version_trained_on == u.round - 1 - u.staleness
+            rtt, bandwidth = profiles[u.site]["rtt_ms"] / 1e3, profiles[u.site]["uplink_mbps"]
+            transfer = rtt + 8 * (u.bytes_up + u.bytes_down) / (bandwidth * 1e6)
+            assert u.transfer_seconds == pytest.approx(transfer, rel=1e-9)
+            assert u.virtual_arrived_at == pytest.approx(
+                u.virtual_dispatched_at + u.transfer_seconds + u.virtual_compute_seconds
+            )
+
+    shown = runner.invoke(app, ["history", "sites", str(run.id), "--db", db, "--format", "json"])
+    assert shown.exit_code == 0, shown.output
+    sites = json.loads(shown.output)
+    assert {s["name"] for s in sites} == {"london", "ohio", "california", "tokyo"}
+    assert all(s["waiting_clock"] == "virtual" and s["waiting_seconds"] >= 0 for s in sites)
+    assert sum(count for s in sites for _, count in s["staleness_counts"]) == len(applied)
+
+
+def test_the_cross_silo_demo_compares_modes_and_plots(tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path / 'ledger.db'}"
+    out = tmp_path / "plots"
+    result = runner.invoke(
+        app,
+        [
+            "demo",
+            "cross-silo",
+            "--modes",
+            "sync,k-sync",
+            "--rounds",
+            "2",
+            "--db",
+            db,
+            "--out",
+            str(out),
+        ],
+        terminal_width=250,
+    )
+    assert result.exit_code == 0, result.output
+    assert "sync" in result.output and "k-sync (K=2)" in result.output
+    for name in ("accuracy_vs_simulated_time.png", "accuracy_vs_server_steps.png"):
+        assert (out / name).read_bytes().startswith(PNG)
+    with LedgerRepository.open(db) as repo:
+        sync, k_sync = repo.list_runs()[::-1]
+        # Equal site updates: 2 rounds of 4 for sync, 4 steps of 2 for k-sync.
+        assert (sync.config["sync"], len(repo.list_rounds(sync.id))) == ("sync", 2)
+        assert (k_sync.config["sync"], len(repo.list_rounds(k_sync.id))) == ("k-sync", 4)
+        cancelled = [u for u in repo.list_updates(k_sync.id) if u.status == "cancelled"]
+        assert len(cancelled) == 8  # the two stragglers of each of the four steps
+        assert all(u.bytes_up == 0 for u in cancelled)
+
+
+def test_a_network_profile_file(tmp_path: Path) -> None:
+    profile = tmp_path / "labs.toml"
+    profile.write_text(
+        """
+[defaults]
+rtt_ms = 50
+uplink_mbps = 10
+downlink_mbps = 100
+[defaults.compute]
+model = "fixed"
+mean_seconds = 0.01
+[sites.london]
+[sites.ohio]
+rtt_ms = 400
+"""
+    )
+    db = f"sqlite:///{tmp_path / 'ledger.db'}"
+    result = runner.invoke(
+        app,
+        ["simulate", "--network", str(profile), "--sites", "london,ohio", "--rounds", "2"]
+        + ["--local-steps", "5", "--db", db],
+    )
+    assert result.exit_code == 0, result.output
+    with LedgerRepository.open(db) as repo:
+        (run,) = repo.list_runs()
+        assert run.network == str(profile)
+        updates = repo.list_updates(run.id)
+        for u in updates:  # 5 steps × 10 ms, fixed
+            assert u.virtual_compute_seconds == pytest.approx(0.05)
+        ohio = [u for u in updates if u.site == "ohio"]
+        assert all(u.transfer_seconds > 0.4 for u in ohio)
