@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from flplatform.engine.synchrony import SYNC_MODES, synchrony_problems
+from flplatform.engine.synchrony import BATCH_MODES, SYNC_MODES, synchrony_problems
 from flplatform.errors import ConfigError
 from flplatform.network import Network, load_network
 
@@ -131,6 +131,14 @@ class RunConfig:
         )
         if problems:
             raise ConfigError("; ".join(problems))
+        if self.sync in BATCH_MODES and self.fraction_train < 1.0:
+            # Batch modes offer work again at every arrival: a per-offer fraction would
+            # not bound how many sites train; concurrency does.
+            raise ConfigError(
+                f"fraction-train < 1 samples the sites of a round; sync mode {self.sync!r} "
+                "gives work at every arrival: bound the sites training at once with "
+                "concurrency instead"
+            )
         if not (math.isfinite(self.staleness_step_c) and self.staleness_step_c > 0):
             raise ConfigError(f"staleness-step-c must be > 0, got {self.staleness_step_c}")
         if self.network:

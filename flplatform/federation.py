@@ -46,6 +46,7 @@ def build_policy(config: RunConfig) -> Synchrony:
         step_c=config.staleness_step_c,
         adasync=config.adasync,
         concurrency=config.concurrency,
+        seed=config.seed,
     )
 
 

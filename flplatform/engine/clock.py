@@ -67,8 +67,8 @@ class Clock(Protocol):
         """Register a site (``index``: its position in the federation); return its profile."""
         ...
 
-    def away_seconds(self, site: str) -> float | None:
-        """If the site sits out the work offered now, for how long; None if it takes part."""
+    def away_seconds(self, site: str, *, steps: int) -> float | None:
+        """For how long the site sits out work of ``steps`` local steps; None: it takes part."""
         ...
 
     def schedule(self, *, site: str, bytes_down: int, steps: int) -> Schedule:
@@ -106,7 +106,7 @@ class WallClock:
         """Real sites have no simulated profile."""
         return {}
 
-    def away_seconds(self, site: str) -> float | None:
+    def away_seconds(self, site: str, *, steps: int) -> float | None:
         """A real site's availability shows in its replies, not here."""
         return None
 
@@ -171,11 +171,12 @@ class VirtualClock:
         self._attempts[site] = attempt + 1
         return attempt
 
-    def away_seconds(self, site: str) -> float | None:
+    def away_seconds(self, site: str, *, steps: int) -> float | None:
         """With probability 1 − availability the site sits this work out.
 
-        It is then away for as long as one update would have taken it (a fresh draw of
-        its compute time), after which it can be offered work again.
+        It is then away for as long as this update would have taken it (a fresh draw of
+        its compute time for ``steps`` local steps), after which it can be offered work
+        again.
         """
         profile = self.profile(site)
         if profile.availability >= 1.0:
@@ -185,9 +186,11 @@ class VirtualClock:
         if rng.random() < profile.availability:
             return None
         away = compute_seconds(
-            profile.compute, steps=1, speed=_speed(profile), rng=rng, measured=None
+            profile.compute, steps=max(1, steps), speed=_speed(profile), rng=rng, measured=None
         )
-        return away if away is not None and away > 0 else profile.compute.mean_seconds
+        if away is None or not away > 0:  # the "measured" model: nothing drawn
+            away = max(1, steps) * profile.compute.mean_seconds / _speed(profile)
+        return away
 
     def schedule(self, *, site: str, bytes_down: int, steps: int) -> Schedule:
         """Draw the compute time now, so the earliest possible arrival is known."""

@@ -386,16 +386,16 @@ class RoundEngine:
             if pulled:
                 waiting_since = time.monotonic()
                 continue
-            if self._skip_to_return():
-                continue
-            outstanding = self._in_flight or self._abandoned or self._arrivals
-            if not outstanding and not self._view(state).idle_nodes:
+            outstanding = self._in_flight or self._abandoned or self._cancelled or self._arrivals
+            if not outstanding:
+                # Nothing on its way and the step is still open: sites may join; if none
+                # can be given work for a whole round timeout, the run cannot go on.
                 if time.monotonic() - waiting_since > self.round_timeout:
                     raise RunFailed(
                         f"round {server_round}: no site could be given work within "
                         f"{self.round_timeout:.0f} s"
                     )
-                self.refresh_sites()  # waiting for sites: maybe some joined
+                self.refresh_sites()
             time.sleep(self.poll_interval)
 
         # ---- aggregate into the next model version
@@ -447,7 +447,7 @@ class RoundEngine:
         attempted = 0
         for msg in messages:
             node_id = msg.metadata.dst_node_id
-            away = self.clock.away_seconds(self._name(node_id))
+            away = self.clock.away_seconds(self._name(node_id), steps=self._steps(msg))
             if away is not None:  # not counted as dispatched: nothing was sent to wait for
                 self._away[node_id] = self.clock.now() + away
                 state.outcomes.append(
@@ -468,14 +468,18 @@ class RoundEngine:
             self._push_dispatches(to_push, state)
         return attempted
 
-    def _planned(self, msg: Message, state: _RoundState, *, bytes_down: int) -> Dispatch:
-        """A dispatch for ``msg`` with the clock's plan; pushed (given an id) later."""
-        node_id = msg.metadata.dst_node_id
-        info = self.sites.get(node_id)
-        steps = planned_steps(
+    def _steps(self, msg: Message) -> int:
+        """Local steps a training message asks of its site (what compute time scales with)."""
+        info = self.sites.get(msg.metadata.dst_node_id)
+        return planned_steps(
             msg.content.config_records.get(keys.CONFIG, ConfigRecord()),
             info.num_examples if info else None,
         )
+
+    def _planned(self, msg: Message, state: _RoundState, *, bytes_down: int) -> Dispatch:
+        """A dispatch for ``msg`` with the clock's plan; pushed (given an id) later."""
+        node_id = msg.metadata.dst_node_id
+        steps = self._steps(msg)
         return Dispatch(
             node_id=node_id,
             message_id="",
@@ -551,7 +555,9 @@ class RoundEngine:
             abandoned = self._abandoned.pop(message_id, None)
             if abandoned is not None:  # its row is written; the site is free again
                 count += 1
-                if reply.has_content():  # the site did send it: account for the bytes
+                # A training reply the site did send: account for its bytes. (A late
+                # evaluation or query reply is only let go; its row is already written.)
+                if reply.has_content() and abandoned.message_type == MessageType.TRAIN:
                     state.outcomes.append(self._late(abandoned, reply, "given up on"))
                 continue
             cancelled = self._cancelled.pop(message_id, None)
@@ -591,22 +597,35 @@ class RoundEngine:
         return count
 
     def _judge_ready(self, state: _RoundState) -> None:
-        """Judge queued arrivals in clock order, one at a time, until the policy is ready.
+        """Take events in clock order, one at a time, until the policy is ready.
 
-        After each, the policy may cancel and dispatch at that moment of the clock, so a
-        site that just finished gets its next message before a later arrival is judged.
+        An event is a queued arrival, or (on a virtual clock) an away site coming back.
+        One is taken only when no outstanding message could land before it; the clock
+        jumps to it, and the policy may then cancel and dispatch at that moment, so a
+        site that just finished (or returned) gets work before any later event.
         """
-        while self._arrivals and self.clock.releasable(
-            self._arrivals[0].arrived_at, [d.schedule for d in self._in_flight.values()]
-        ):
+        while True:
+            arrival_at = self._arrivals[0].arrived_at if self._arrivals else math.inf
+            returning = min(
+                ((t, n) for n, t in self._away.items() if n in self.connected),
+                default=(math.inf, -1),
+            )
+            next_at = min(arrival_at, returning[0])
+            if next_at == math.inf or not self.clock.releasable(
+                next_at, [d.schedule for d in self._in_flight.values()]
+            ):
+                return
             if self.policy.ready_to_aggregate(self._view(state)):
                 return
-            arrival = heapq.heappop(self._arrivals)
-            self.clock.advance(arrival.arrived_at)
-            outcome = self._judge(arrival, state)
-            state.outcomes.append(outcome)
-            if outcome.status in (DROPPED, REJECTED):
-                state.failed_nodes.add(arrival.dispatch.node_id)
+            self.clock.advance(next_at)
+            if returning[0] <= arrival_at:  # the site is back and may be offered work
+                del self._away[returning[1]]
+            else:
+                arrival = heapq.heappop(self._arrivals)
+                outcome = self._judge(arrival, state)
+                state.outcomes.append(outcome)
+                if outcome.status in (DROPPED, REJECTED):
+                    state.failed_nodes.add(arrival.dispatch.node_id)
             self._cancel_unwanted(state)
             self._dispatch_wanted(state)
 
@@ -745,23 +764,6 @@ class RoundEngine:
                 del self._cancelled[message_id]
                 self._push_deferred(dispatch.node_id, state)
 
-    def _skip_to_return(self) -> bool:
-        """On a virtual clock with nothing running and every free site away, jump ahead.
-
-        Simulated absence ends at a clock time no message will bring; without the jump
-        the run would wait for it forever.
-        """
-        if not self.clock.virtual or self._in_flight or self._arrivals or not self._away:
-            return False
-        if self._idle_nodes():
-            return False
-        now = self.clock.now()
-        returns = [t for n, t in self._away.items() if t > now and n in self.connected]
-        if not returns:
-            return False
-        self.clock.advance(min(returns))
-        return True
-
     def _prune_bases(self) -> None:
         live = {d.model_version for d in self._in_flight.values()}
         live |= {a.dispatch.model_version for a in self._arrivals} | {self.version}
@@ -865,6 +867,7 @@ class RoundEngine:
                     dispatched_at=now,
                     deadline=deadline,
                     bytes_down=message_size(msg, sizes[key]),
+                    message_type=msg.metadata.message_type,
                 )
             )
         pending = {d.message_id: d for d in dispatches if d.message_id}
@@ -914,6 +917,7 @@ class RoundEngine:
     def _view(self, state: _RoundState) -> EngineView:
         queued = {a.dispatch.node_id: a.dispatch for a in self._arrivals}
         return EngineView(
+            away_nodes=frozenset(self._away),
             failed_nodes=frozenset(state.failed_nodes),
             model_distance=self._model_distance,
             server_round=state.server_round,
@@ -938,8 +942,7 @@ class RoundEngine:
         busy.update(d.node_id for d in self._abandoned.values())
         busy.update(a.dispatch.node_id for a in self._arrivals)
         busy.update(n for n, until in self._refused_until.items() if until > now)
-        clock_now = self.clock.now()
-        busy.update(n for n, back in self._away.items() if back > clock_now)
+        busy.update(self._away)  # until their return is taken in clock order
         return busy
 
     def _idle_nodes(self) -> tuple[int, ...]:

@@ -42,6 +42,7 @@ class Dispatch:
     dispatched_at: float  # wall time (Unix) of the push
     deadline: float  # time.monotonic() after which the site is overdue
     bytes_down: int
+    message_type: str = "train"  # Flower's MessageType: train, evaluate or query
     # the clock's plan for this message: clock time of dispatch, earliest arrival, ...
     schedule: Schedule = field(default_factory=lambda: Schedule(dispatched_at=math.nan))
 

@@ -32,6 +32,8 @@ class EngineView:
     connected_nodes: int  # P: sites the SuperLink lists now
     # sites whose update this round was dropped or rejected: not offered work again this round
     failed_nodes: frozenset[int] = frozenset()
+    # sites sitting work out (simulated availability) that will come back
+    away_nodes: frozenset[int] = frozenset()
     # ‖x_current − x_version‖² for a version still in use (the staleness-aware step size)
     model_distance: Callable[[int], float] = field(default=lambda version: 0.0)
 

@@ -36,6 +36,7 @@ from flplatform.engine.events import APPLIED, DROPPED, Dispatch
 from flplatform.engine.policy import EngineView, Verdict
 from flplatform.engine.staleness import WEIGHTINGS, adasync_k, staleness_weight
 from flplatform.errors import ConfigError
+from flplatform.seeding import rng_for
 
 SYNC_MODES = ("sync", "k-sync", "k-batch-sync", "async", "k-async", "k-batch-async", "buffered")
 CANCELLING_MODES = ("sync", "k-sync", "k-batch-sync")
@@ -106,7 +107,10 @@ class Synchrony:
     adasync : bool
         Grow K as K₀·√(F(x₀)/F(x_t)) with the training loss F (K modes).
     concurrency : int
-        Most sites training at once in the async modes (0: all of them).
+        Most sites training at once in the async modes (0: all of them); which idle
+        sites start is drawn from (seed, step, arrivals so far).
+    seed : int
+        The run's seed.
     """
 
     def __init__(
@@ -119,6 +123,7 @@ class Synchrony:
         step_c: float = 1.0,
         adasync: bool = False,
         concurrency: int = 0,
+        seed: int = 0,
     ) -> None:
         problems = synchrony_problems(
             mode,
@@ -142,6 +147,7 @@ class Synchrony:
         self.step_c = step_c
         self.adasync = adasync
         self.concurrency = concurrency
+        self.seed = seed
         self._offered_round = 0  # the round whose start offered work (non-batch modes)
         self._initial_loss: float | None = None
         self._sites = 1  # P, as last seen
@@ -160,21 +166,27 @@ class Synchrony:
 
     # ------------------------------------------------------------ the four questions
     def dispatch_targets(self, view: EngineView) -> tuple[int, ...]:
-        """Batch modes: every idle site, any time; the others: idle sites at the step's start."""
-        if self.ready_to_aggregate(view):
-            return ()  # the step is decided: new work waits for the new model
-        idle = tuple(n for n in view.idle_nodes if n not in view.failed_nodes)
+        """Batch modes: every idle site, any time; the others: idle sites at the step's start.
+
+        Nothing once the step is decided (new work waits for the new model), and nothing
+        while the staleness bound holds the step open: then the fast sites wait for the
+        slow one, as stale-synchronous parallel asks.
+        """
+        if self._counted_enough(view):
+            return ()
+        idle = self._candidates(view)
         if not self.batch:
-            if view.dispatched_this_round > 0:
-                return ()
             # Offered once, at the step's start; a site finishing later waits for the next
             # step, unless nothing at all is running (then waiting would never end).
             if self._offered_round == view.server_round and view.outstanding:
                 return ()
             self._offered_round = view.server_round
-        if self.concurrency:
-            idle = idle[: max(0, self.concurrency - len(view.outstanding))]
-        return idle
+        if self.concurrency and idle:
+            room = max(0, self.concurrency - len(view.outstanding))
+            if room < len(idle):  # FedBuff samples the sites to start uniformly
+                rng = rng_for(self.seed, "concurrency", view.server_round, view.arrived_this_round)
+                idle = sorted(rng.choice(idle, size=room, replace=False).tolist())
+        return tuple(idle)
 
     def judge(self, dispatch: Dispatch, view: EngineView) -> Verdict:
         """Apply (with its staleness weight), or drop what this mode may not use."""
@@ -196,28 +208,47 @@ class Synchrony:
 
     def ready_to_aggregate(self, view: EngineView) -> bool:
         """K counted (or nothing more can count), and no outstanding update left too far behind."""
-        self._sites = max(1, view.connected_nodes)
-        if self.k is None:  # fully sync: every message of this step is accounted for
-            return view.dispatched_this_round > 0 and not any(
-                d.server_round == view.server_round for d in view.outstanding.values()
-            )
-        counted = view.applied_this_round if self.batch else len(view.applied_nodes)
-        if counted < min(self.k, self._sites) and self._more_can_come(view):
+        if not self._counted_enough(view):
             return False
-        if counted == 0 and view.dispatched_this_round == 0:
-            return False  # nothing happened yet (every site away or refused): keep waiting
         if self.staleness_bound is not None and view.outstanding:
             oldest = min(d.model_version for d in view.outstanding.values())
             if view.model_version + 1 - oldest > self.staleness_bound:
                 return False  # SSP: the next version would leave that update too stale
         return True
 
+    def _counted_enough(self, view: EngineView) -> bool:
+        """Whether this step has its K (or all it can get)."""
+        self._sites = max(1, view.connected_nodes)
+        if self.k is None:  # fully sync: every message of this step is accounted for
+            return view.dispatched_this_round > 0 and not any(
+                d.server_round == view.server_round for d in view.outstanding.values()
+            )
+        counted = view.applied_this_round if self.batch else len(view.applied_nodes)
+        if counted < self._k_now() and self._more_can_come(view):
+            return False
+        # Nothing happened yet (every site away or refused): keep waiting.
+        return counted > 0 or view.dispatched_this_round > 0
+
+    def _k_now(self) -> int:
+        """K, capped at P where it counts different sites (a batch may hold more updates)."""
+        k = self.k or 1
+        return k if self.batch else min(k, self._sites)
+
     def _more_can_come(self, view: EngineView) -> bool:
         if self.cancels and not self.batch:  # k-sync: only this step's messages count
             return any(d.server_round == view.server_round for d in view.outstanding.values())
-        if view.outstanding:
+        if view.outstanding or view.away_nodes:
             return True
-        return self.batch and any(n not in view.failed_nodes for n in view.idle_nodes)
+        return bool(self._candidates(view))
+
+    def _candidates(self, view: EngineView) -> list[int]:
+        """Idle sites that could still add to this step.
+
+        Not one whose update failed this step; in the modes that count different sites,
+        not one already counted (it could only repeat itself).
+        """
+        skip = view.failed_nodes if self.batch else view.failed_nodes | view.applied_nodes
+        return [n for n in view.idle_nodes if n not in skip]
 
     def to_cancel(self, view: EngineView) -> tuple[int, ...]:
         """Sync modes: once the step is decided, every straggler (to restart on the new model)."""
@@ -231,9 +262,11 @@ class Synchrony:
             return
         if self._initial_loss is None:
             self._initial_loss = train_loss
+        # K counts different sites in k-sync/k-async (at most P); a batch may hold more.
+        k_max = max(self._sites, self.k0) if self.batch else self._sites
         self.k = max(
             self.k or 1,  # never shrink: a noisy loss should not undo the waiting
-            adasync_k(self.k0, initial_loss=self._initial_loss, loss=train_loss, k_max=self._sites),
+            adasync_k(self.k0, initial_loss=self._initial_loss, loss=train_loss, k_max=k_max),
         )
 
     # ------------------------------------------------------------ checkpointing

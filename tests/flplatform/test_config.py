@@ -63,3 +63,12 @@ def test_derived_seeds_are_stable_and_distinct() -> None:
     assert derive_seed(0, 1, "london") == derive_seed(0, 1, "london")
     assert len({derive_seed(0, r, s) for r in range(5) for s in ("a", "b")}) == 10
     assert rng_for(3, "x").integers(1 << 30) == rng_for(3, "x").integers(1 << 30)
+
+
+def test_batch_modes_refuse_a_sampling_fraction() -> None:
+    from flplatform.config import RunConfig
+    from flplatform.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="concurrency instead"):
+        RunConfig.from_mapping({"sync": "k-batch-async", "fraction-train": 0.5})
+    assert RunConfig.from_mapping({"sync": "k-async", "fraction-train": 0.5}).sync == "k-async"

@@ -293,3 +293,27 @@ def test_update_outcome_fields_match_the_ledger_input() -> None:
         dispatched_at=time.time(),
     )
     assert UpdateInput(**asdict(outcome)).site == "a"
+
+
+def test_a_late_evaluation_reply_is_not_recorded_as_a_training_update(ledger) -> None:
+    # The site answers its first evaluation message only after the round timeout: the
+    # evaluation row says dropped, and the late reply must not appear as a training row.
+    talk = site("slow-eval")
+    first_eval: dict[str, float] = {}
+
+    def behave(msg: Message) -> Message | None:
+        if msg.metadata.message_type == MessageType.EVALUATE:
+            started = first_eval.setdefault(msg.metadata.message_id, time.monotonic())
+            if len(first_eval) == 1 and time.monotonic() - started < 0.5:
+                return None
+        return talk(msg)
+
+    grid = ScriptedGrid({1: behave})
+    engine_for(grid, ledger, round_timeout=0.2, fraction_evaluate=1.0).run(
+        MODEL, num_rounds=3, federated_evaluation=True
+    )
+    repo, run_id = ledger
+    updates = repo.list_updates(run_id)
+    assert all(u.dispatched_round >= 1 for u in updates)
+    assert [u.status for u in updates if u.status != APPLIED] == []
+    assert repo.list_evaluations(run_id)[0].status == DROPPED

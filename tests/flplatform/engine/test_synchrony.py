@@ -354,3 +354,87 @@ def test_evaluation_never_goes_to_a_site_flower_still_holds_a_cancelled_message_
     assert Counter(u.status for u in rows)[CANCELLED] == 12
     evaluated = repo.list_evaluations(run_id)
     assert evaluated and all(e.status == "evaluated" for e in evaluated)
+
+
+# ============================================================== regressions from review
+def erroring(name: str):
+    talk = idle_site(name)
+
+    def behave(msg):
+        if msg.metadata.message_type == MessageType.QUERY:
+            return talk(msg)
+        from flwr.app import Error, Message
+
+        return Message(Error(code=2, reason="ValueError: boom"), reply_to=msg)
+
+    return behave
+
+
+@pytest.mark.parametrize("mode", ["async", "k-batch-async", "buffered", "k-async"])
+def test_staleness_bound_zero_behaves_like_sync(ledger, mode) -> None:
+    # s = 0: the model may not move while any update is out, so every step waits for
+    # every site and nothing stale is ever applied; the fast sites wait meanwhile.
+    engine, rows = run(ledger, mode, rounds=5, k=1 if mode == "async" else 2, staleness_bound=0)
+    assert engine.version == 5
+    applied = [u for u in rows if u.status == APPLIED]
+    assert all(u.staleness == 0 for u in applied)
+    for step in range(1, 6):  # every site is in every step (a batch may hold a fast
+        # site twice, while K is not yet reached)
+        assert {u.site for u in applied if u.round == step} == {"s1", "s2", "s3", "s4"}
+
+
+def test_ssp_makes_the_fast_sites_wait_for_the_straggler(ledger) -> None:
+    profiles = network(4, ComputeModel("fixed", mean_seconds=1.0)).profiles
+    slow = SiteProfile(**{**profiles[3].__dict__, "speed": 0.05})  # 20 s per update
+    net = Network(name="ssp", profiles=(*profiles[:3], slow))
+    _, rows = run(ledger, "async", rounds=12, compute=net, staleness_bound=2)
+    applied = [u for u in rows if u.status == APPLIED]
+    assert max(u.staleness for u in applied) <= 2
+    # Waiting, not piling up: no step holds more than one update per site.
+    for step in range(1, 13):
+        sites = [u.site for u in applied if u.round == step]
+        assert len(sites) == len(set(sites))
+
+
+def test_a_returning_site_is_offered_work_the_moment_it_is_back(ledger) -> None:
+    profiles = network(2, ComputeModel("fixed", mean_seconds=1.0), availability=0.5).profiles
+    slow = SiteProfile(**{**profiles[1].__dict__, "speed": 0.1, "availability": 1.0})
+    net = Network(name="away", profiles=(profiles[0], slow))
+    _, rows = run(ledger, "async", rounds=8, compute=net, sites=2, seed=5)
+    s1 = [u for u in rows if u.site == "s1"]
+    away = [i for i, u in enumerate(s1[:-1]) if u.reason == UNAVAILABLE]
+    assert away
+    for i in away:  # away for one update (1 s), then offered work at once
+        assert s1[i + 1].virtual_dispatched_at == pytest.approx(s1[i].virtual_dispatched_at + 1.0)
+
+
+def test_k_async_with_only_one_healthy_site_still_steps(ledger) -> None:
+    grid = ScriptedGrid({1: idle_site("s1"), 2: erroring("s2")})
+    engine, rows = run(ledger, "k-async", k=2, rounds=4, sites=2, grid=grid)
+    assert engine.version == 4
+    assert {u.site for u in rows if u.status == APPLIED} == {"s1"}
+
+
+def test_an_erroring_site_and_an_away_site_do_not_stall_a_step(ledger) -> None:
+    net = Network(
+        name="n",
+        profiles=(
+            network(1, EXP, availability=0.5).profiles[0],
+            SiteProfile(**{**network(2, EXP).profiles[1].__dict__}),
+        ),
+    )
+    for mode in ("async", "k-async", "k-batch-async"):
+        grid = ScriptedGrid({1: idle_site("s1"), 2: erroring("s2")})
+        engine, _ = run(ledger, mode, k=1, rounds=6, sites=2, grid=grid, compute=net)
+        assert engine.version == 6, mode
+
+
+def test_concurrency_lets_every_site_train(ledger) -> None:
+    _, rows = run(ledger, "buffered", k=2, rounds=30, sites=6, concurrency=2)
+    assert {u.site for u in rows if u.status == APPLIED} == {f"s{n}" for n in range(1, 7)}
+
+
+@pytest.mark.parametrize("mode", ["k-batch-sync", "k-batch-async", "buffered"])
+def test_batch_modes_count_updates_so_k_may_exceed_the_sites(ledger, mode) -> None:
+    _, rows = run(ledger, mode, k=6, rounds=4, sites=4)
+    assert Counter(u.round for u in rows if u.status == APPLIED) == {r: 6 for r in range(1, 5)}
