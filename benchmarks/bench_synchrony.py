@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from flplatform.comparison import DEMO_MODES, plan_modes, read_results, run_comparison
-from flplatform.comparison import time_to_reach as reach
 from flplatform.config import RunConfig
 from flplatform.simulation import run_simulation
 from storage import LedgerRepository
@@ -71,15 +70,15 @@ def main() -> None:
     run_ids = run_comparison(base, plans, run=lambda config, plan: run_simulation(config))
     wall = time.perf_counter() - started
 
+    labels = [p.label for p in plans]
     with LedgerRepository.open(base.db) as repository:
-        results = read_results(repository, run_ids, [p.label for p in plans], target=1.0)
-        reference = results[0]
-        target = (reference.final_accuracy or 0.0) - 0.01
-        times = {r.label: reach(repository.list_rounds(r.run_id), target) for r in results}
-    sync_time = times[reference.label]
+        (reference,) = read_results(repository, run_ids[:1], labels[:1], target=1.0)
+        target = (reference.final_accuracy or 0.0) - 0.01  # sync's final, less 1 point
+        results = read_results(repository, run_ids, labels, target=target)
+    sync_time = results[0].time_to_target
     rows: list[dict[str, Any]] = []
     for r in results:
-        t = times[r.label]
+        t = r.time_to_target
         rows.append(
             {
                 "mode": r.label,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from flplatform.config import RunConfig
+from flplatform.engine.synchrony import SYNC_MODES
 from flplatform.errors import ConfigError
 from storage import LedgerRepository, RoundRecord, RunRecord
 
@@ -71,8 +72,6 @@ class ModeResult:
 
 def plan_modes(modes: Sequence[str], *, sites: int, rounds: int, k: int) -> list[ModePlan]:
     """Plans with equal numbers of site updates: ``rounds`` × ``sites`` for every mode."""
-    from flplatform.engine.synchrony import SYNC_MODES
-
     if not 1 <= k <= sites:
         raise ConfigError(f"k must be between 1 and the {sites} sites, got {k}")
     plans = []

@@ -128,6 +128,7 @@ class RunConfig:
             weighting=self.staleness_weighting,
             adasync=self.adasync,
             concurrency=self.concurrency,
+            step_c=self.staleness_step_c,
         )
         if problems:
             raise ConfigError("; ".join(problems))
@@ -139,8 +140,6 @@ class RunConfig:
                 "gives work at every arrival: bound the sites training at once with "
                 "concurrency instead"
             )
-        if not (math.isfinite(self.staleness_step_c) and self.staleness_step_c > 0):
-            raise ConfigError(f"staleness-step-c must be > 0, got {self.staleness_step_c}")
         if self.network:
             self.load_network()  # a bad preset name or profile file fails here, early
         elif self.compute_model or self.step_seconds:

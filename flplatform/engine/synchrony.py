@@ -30,6 +30,7 @@ training loss falls, for any K mode.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from flplatform.engine.events import APPLIED, DROPPED, Dispatch
@@ -54,6 +55,7 @@ def synchrony_problems(
     weighting: str,
     adasync: bool,
     concurrency: int,
+    step_c: float = 1.0,
 ) -> list[str]:
     """Every reason these settings do not make a policy (empty when they do)."""
     if mode not in SYNC_MODES:
@@ -79,6 +81,8 @@ def synchrony_problems(
                 )
     if staleness_bound < -1:
         problems.append(f"staleness-bound must be ≥ 0 (or -1 for none), got {staleness_bound}")
+    if not (math.isfinite(step_c) and step_c > 0):
+        problems.append(f"staleness-step-c must be > 0, got {step_c}")
     if concurrency < 0:
         problems.append(f"concurrency must be ≥ 0 (0: every site), got {concurrency}")
     if adasync and mode not in K_MODES:
@@ -132,9 +136,8 @@ class Synchrony:
             weighting=weighting or "",
             adasync=adasync,
             concurrency=concurrency,
+            step_c=step_c,
         )
-        if not step_c > 0:
-            problems.append(f"staleness-step-c must be > 0, got {step_c}")
         if problems:
             raise ConfigError("; ".join(problems))
         self.name = mode

@@ -32,7 +32,7 @@ from strategies.local_sgd import LocalSGDAveraging
 
 from .idle_sites import CountingStrategy, idle_site, network
 from .scripted_grid import ScriptedGrid
-from .test_engine import site
+from .test_engine import failing, site
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -357,19 +357,6 @@ def test_evaluation_never_goes_to_a_site_flower_still_holds_a_cancelled_message_
 
 
 # ============================================================== regressions from review
-def erroring(name: str):
-    talk = idle_site(name)
-
-    def behave(msg):
-        if msg.metadata.message_type == MessageType.QUERY:
-            return talk(msg)
-        from flwr.app import Error, Message
-
-        return Message(Error(code=2, reason="ValueError: boom"), reply_to=msg)
-
-    return behave
-
-
 @pytest.mark.parametrize("mode", ["async", "k-batch-async", "buffered", "k-async"])
 def test_staleness_bound_zero_behaves_like_sync(ledger, mode) -> None:
     # s = 0: the model may not move while any update is out, so every step waits for
@@ -409,7 +396,7 @@ def test_a_returning_site_is_offered_work_the_moment_it_is_back(ledger) -> None:
 
 
 def test_k_async_with_only_one_healthy_site_still_steps(ledger) -> None:
-    grid = ScriptedGrid({1: idle_site("s1"), 2: erroring("s2")})
+    grid = ScriptedGrid({1: idle_site("s1"), 2: failing("s2")})
     engine, rows = run(ledger, "k-async", k=2, rounds=4, sites=2, grid=grid)
     assert engine.version == 4
     assert {u.site for u in rows if u.status == APPLIED} == {"s1"}
@@ -424,7 +411,7 @@ def test_an_erroring_site_and_an_away_site_do_not_stall_a_step(ledger) -> None:
         ),
     )
     for mode in ("async", "k-async", "k-batch-async"):
-        grid = ScriptedGrid({1: idle_site("s1"), 2: erroring("s2")})
+        grid = ScriptedGrid({1: idle_site("s1"), 2: failing("s2")})
         engine, _ = run(ledger, mode, k=1, rounds=6, sites=2, grid=grid, compute=net)
         assert engine.version == 6, mode
 
