@@ -3,8 +3,10 @@
 Every mode trains the same sites on the same data and network; what differs is when
 the server aggregates. To compare like with like each mode gets the same number of site
 updates: fully sync runs R rounds of P updates, a K mode R·P/K steps of K, async R·P
-steps of one. The results (and the plots) are read from the ledger, never from memory,
-so ``flplatform history`` shows exactly what the table summarises.
+steps of one, and delayed updates (``delayed``: local-SGD's rounds, but no site waits
+for the latest average) R rounds of P. The results (and the plots) are read from the
+ledger, never from memory, so ``flplatform history`` shows exactly what the table
+summarises.
 """
 
 from __future__ import annotations
@@ -20,8 +22,19 @@ from flplatform.engine.synchrony import SYNC_MODES
 from flplatform.errors import ConfigError
 from storage import LedgerRepository, RoundRecord, RunRecord
 
-# The modes the cross-silo demo compares, in the order of Dutta et al.'s table.
-DEMO_MODES = ("sync", "k-sync", "k-batch-sync", "async", "k-async", "k-batch-async", "buffered")
+# The modes the cross-silo demo compares: local-SGD averaging (sync) and delayed updates
+# beside it, then Dutta et al.'s table in order.
+DELAYED_MODE = "delayed"
+DEMO_MODES = (
+    "sync",
+    DELAYED_MODE,
+    "k-sync",
+    "k-batch-sync",
+    "async",
+    "k-async",
+    "k-batch-async",
+    "buffered",
+)
 ACCURACY = "accuracy"
 
 
@@ -70,14 +83,23 @@ class ModeResult:
         }
 
 
-def plan_modes(modes: Sequence[str], *, sites: int, rounds: int, k: int) -> list[ModePlan]:
+def plan_modes(
+    modes: Sequence[str], *, sites: int, rounds: int, k: int, delay: int = 2
+) -> list[ModePlan]:
     """Plans with equal numbers of site updates: ``rounds`` × ``sites`` for every mode."""
     if not 1 <= k <= sites:
         raise ConfigError(f"k must be between 1 and the {sites} sites, got {k}")
+    if delay < 0:
+        raise ConfigError(f"delay must be >= 0 rounds, got {delay}")
     plans = []
     for mode in modes:
+        if mode == DELAYED_MODE:
+            settings = {"strategy": DELAYED_MODE, "sync": "sync", "delay": delay}
+            plans.append(ModePlan(f"delayed (D={delay})", settings, rounds))
+            continue
         if mode not in SYNC_MODES:
-            raise ConfigError(f"unknown sync mode {mode!r}; allowed: {', '.join(SYNC_MODES)}")
+            allowed = ", ".join((*SYNC_MODES, DELAYED_MODE))
+            raise ConfigError(f"unknown mode {mode!r}; allowed: {allowed}")
         per_step = sites if mode == "sync" else 1 if mode == "async" else k
         label = mode if mode in ("sync", "async") else f"{mode} (K={k})"
         plans.append(

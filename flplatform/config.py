@@ -16,9 +16,18 @@ from typing import Any
 from flplatform.engine.synchrony import BATCH_MODES, SYNC_MODES, synchrony_problems
 from flplatform.errors import ConfigError
 from flplatform.network import Network, load_network
+from strategies.codecs import make_codec
 
 # Names users know from Flower and the literature, all the same algorithm here.
-STRATEGY_ALIASES = {"fedavg": "local-sgd", "fedavgm": "local-sgd", "local-sgd": "local-sgd"}
+STRATEGY_ALIASES = {
+    "fedavg": "local-sgd",
+    "fedavgm": "local-sgd",
+    "local-sgd": "local-sgd",
+    "delayed": "delayed",
+    "dts": "delayed",
+    "dga": "delayed",
+}
+DELAYED = "delayed"
 MODELS = ("mlp", "cnn")
 PARTITIONS = ("iid", "dirichlet", "files")
 BUILTIN_DATASETS = ("digits", "mnist5k", "fashion-mnist")
@@ -65,6 +74,12 @@ class RunConfig:
     network: str = ""  # a preset (world, datacenter, mobile-4g, mobile-5g) or a .toml path
     compute_model: str = ""  # override every site's compute model
     step_seconds: float = 0.0  # override the mean compute seconds per local step; 0: keep
+    # ---- delayed compensated updates (strategies/delayed.py)
+    delay: int = 2  # D: rounds until a period's average reaches the site
+    period: int = 0  # p: local steps per message; 0: local-steps / local-epochs decide
+    compensation: bool = True  # swap the site's stale steps for the averages
+    # ---- upload compression with error feedback (strategies/codecs.py), local-sgd
+    codec: str = "none"  # none, int8, topk:<k> or topk:<fraction>
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -121,6 +136,13 @@ class RunConfig:
         if strategy != self.strategy:
             object.__setattr__(self, "strategy", strategy)
         _one_of("sync", self.sync, SYNC_MODES)
+        self._validate_delayed()
+        make_codec(self.codec)  # a bad spec fails here, saying what is allowed
+        if self.codec.strip().lower() != "none" and self.strategy != "local-sgd":
+            raise ConfigError(
+                f"codec compresses local-SGD averaging's uploads; strategy "
+                f"'{self.strategy}' sends its own updates: leave codec 'none'"
+            )
         problems = synchrony_problems(
             self.sync,
             k=self.k,
@@ -185,6 +207,42 @@ class RunConfig:
             raise ConfigError(
                 f"round-timeout must be at most {MAX_ROUND_TIMEOUT:.0f} s (7 days), "
                 f"got {self.round_timeout}"
+            )
+
+    def _validate_delayed(self) -> None:
+        if self.strategy != DELAYED:
+            changed = [
+                name
+                for name in ("delay", "period", "compensation")
+                if getattr(self, name) != getattr(RunConfig, name)  # the class default
+            ]
+            if changed:
+                raise ConfigError(
+                    f"{', '.join(changed)} shape delayed compensated updates: use them with "
+                    f"strategy 'delayed', not '{self.strategy}'"
+                )
+            return
+        if self.delay < 0:
+            raise ConfigError(f"delay must be an integer >= 0 rounds, got {self.delay}")
+        if self.period < 0:
+            raise ConfigError(
+                f"period must be >= 0 local steps (0: use local-steps), got {self.period}"
+            )
+        if self.sync != "sync":
+            raise ConfigError(
+                f"strategy 'delayed' runs with sync mode 'sync' only, got {self.sync!r}: every "
+                "site's period-r update forms the round-r average and fast sites run up to "
+                "delay rounds ahead instead of waiting; dropping or cancelling stragglers "
+                "(k-sync, async modes) would take updates out of the swap"
+            )
+        if self.server_momentum != 0.0:
+            raise ConfigError(
+                "strategy 'delayed' applies each average with server-lr and no server "
+                "momentum (sites swap in x_0 + Σ server-lr·Ā exactly); set server-momentum 0"
+            )
+        if self.fraction_train != 1.0:
+            raise ConfigError(
+                "strategy 'delayed' trains every site every period; fraction-train must be 1"
             )
 
     # ---------------------------------------------------------------- helpers

@@ -14,30 +14,53 @@ from clients.models import build_model
 from clients.site import TestSet, load_test_set
 from clients.training import evaluate, pick_device
 from flplatform import keys
-from flplatform.config import RunConfig
-from flplatform.engine import Clock, RoundEngine, RoundSummary, Synchrony, VirtualClock, WallClock
+from flplatform.config import DELAYED, RunConfig
+from flplatform.engine import (
+    Clock,
+    PeriodSync,
+    RoundEngine,
+    RoundSummary,
+    Synchrony,
+    VirtualClock,
+    WallClock,
+)
 from flplatform.errors import FLPlatformError
 from flplatform.ledger import SqlLedger
 from storage import LedgerRepository
+from strategies.delayed import DelayedCompensated
 from strategies.local_sgd import LocalSGDAveraging
 
 log = logging.getLogger("flplatform")
 
 
-def build_strategy(config: RunConfig) -> LocalSGDAveraging:
-    """The strategy named in ``config``, with its knobs."""
-    # One strategy today; RunConfig has already validated the name.
+def build_strategy(config: RunConfig) -> LocalSGDAveraging | DelayedCompensated:
+    """The strategy named in ``config``, with its knobs (RunConfig validated them)."""
+    if config.strategy == DELAYED:
+        return DelayedCompensated(
+            delay=config.delay,
+            num_rounds=config.num_server_rounds,
+            compensate=config.compensation,
+            eta=config.server_lr,
+            fraction_evaluate=config.fraction_evaluate,
+            seed=config.seed,
+        )
     return LocalSGDAveraging(
         eta=config.server_lr,
         beta=config.server_momentum,
         fraction_train=config.fraction_train,
         fraction_evaluate=config.fraction_evaluate,
         seed=config.seed,
+        codec=config.codec,
     )
 
 
-def build_policy(config: RunConfig) -> Synchrony:
-    """The synchrony mode named in ``config``, with its options."""
+def build_policy(config: RunConfig) -> Synchrony | PeriodSync:
+    """The synchrony mode named in ``config``, with its options.
+
+    Delayed updates run ``sync`` pipelined: sites work ahead of the last average.
+    """
+    if config.strategy == DELAYED:
+        return PeriodSync()
     return Synchrony(
         config.sync,
         k=config.k,
@@ -62,7 +85,8 @@ def train_config_for(config: RunConfig) -> ConfigRecord:
         {
             keys.LR: config.lr,
             keys.MOMENTUM: config.momentum,
-            keys.LOCAL_STEPS: config.local_steps,
+            # delayed updates: one message per period of p local steps
+            keys.LOCAL_STEPS: config.period or config.local_steps,
             keys.LOCAL_EPOCHS: config.local_epochs,
             keys.BATCH_SIZE: config.batch_size,
             keys.SEED: config.seed,

@@ -23,12 +23,21 @@ LOCAL_STEPS = "local-steps"
 LOCAL_EPOCHS = "local-epochs"
 BATCH_SIZE = "batch-size"
 SEED = "seed"
+# delayed updates (strategies/delayed.py): the round is the period the site computes, the
+# model version the (D-round-old) model it is sent
+DELAY = "delay"
+COMPENSATE = "compensate"
+INCLUDED_PERIODS = "included-periods"  # the site's periods that made it into the averages
+# upload compression (strategies/codecs.py): the codec a site encodes its update with;
+# a compressed reply names it in its own ``config`` record
+CODEC = "codec"
 
 # ---- MetricRecord keys sent back by sites
 NUM_EXAMPLES = "num-examples"  # Flower's weighting key
 TRAIN_LOSS = "train_loss"  # spelled as in Flower's quickstarts
 TRAIN_LOSS_ALIASES = ("train_loss", "train-loss", "loss")
 COMPUTE_SECONDS = "compute-seconds"
+PERIOD = "period"  # delayed updates: the period an accumulated step was computed for
 EVAL_LOSS = "eval_loss"
 EVAL_ACCURACY = "eval_acc"
 
@@ -42,6 +51,8 @@ DATA_PATH = "data-path"  # node config of a deployed site: its own data file
 # ---- the site's persistent state (Flower's context.state), kept between messages
 SITE_STATE = "flplatform-site"  # ConfigRecord of counters
 TRAININGS = "trainings"  # training messages this site has run
+DELAYED_STATE = "flplatform-delayed"  # delayed updates: periods kept, plus one record each
+CODEC_STATE = "flplatform-codec"  # upload compression: the error-feedback residual
 
 # ---- global metrics written to the ledger
 ACCURACY = "accuracy"

@@ -222,6 +222,11 @@ class Update(Base):
     virtual_arrived_at: Mapped[float | None] = mapped_column(Double)
     virtual_compute_seconds: Mapped[float | None] = mapped_column(Double)
     transfer_seconds: Mapped[float | None] = mapped_column(Double)
+    # Migration 0004: delayed compensated updates (NULL for every other strategy): the period
+    # the update was sent for, the global average the site had applied, and how old that was.
+    period: Mapped[int | None] = mapped_column(Integer)
+    average_applied: Mapped[int | None] = mapped_column(Integer)
+    delay: Mapped[int | None] = mapped_column(Integer)
 
 
 class Evaluation(Base):

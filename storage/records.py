@@ -75,6 +75,11 @@ VIRTUAL_UPDATE_FIELDS: Final = (
     "transfer_seconds",
 )
 
+# The delayed-compensated-update fields of an update (each None or an integer >= 0): the
+# period the update was sent for, the latest global average the site had applied, and
+# ``delay = period - 1 - average_applied``. None for every strategy but the delayed one.
+DELAY_UPDATE_FIELDS: Final = ("period", "average_applied", "delay")
+
 # ``SiteSummary.waiting_clock``: which clock the waiting and busy times were measured on.
 WaitingClock = Literal["virtual", "wall"]
 CLOCK_VIRTUAL: Final = "virtual"
@@ -227,6 +232,16 @@ class UpdateInput:
         Simulated time the site spent training.
     transfer_seconds : float or None
         Simulated time on the network, download plus upload.
+    period : int or None
+        Delayed strategy only: the round whose average this update was sent for, which may
+        differ from ``dispatched_round`` (a fast site may start period r+1 before the average
+        of period r has formed).
+    average_applied : int or None
+        Delayed strategy only: index of the latest global average the site had swapped into its
+        model before computing this update (the model version it was sent).
+    delay : int or None
+        Delayed strategy only: ``period - 1 - average_applied``, how many rounds old that
+        average was (0 is local SGD).
     """
 
     site: str
@@ -246,6 +261,9 @@ class UpdateInput:
     virtual_arrived_at: float | None = None
     virtual_compute_seconds: float | None = None
     transfer_seconds: float | None = None
+    period: int | None = None
+    average_applied: int | None = None
+    delay: int | None = None
 
     def __post_init__(self) -> None:
         # Fields are normalised to plain int/float here (NumPy scalars in, Python numbers
@@ -265,6 +283,10 @@ class UpdateInput:
             put(name, check_count(f"update field {name!r}", getattr(self, name)))
         if self.num_examples is not None:
             put("num_examples", check_count("update field 'num_examples'", self.num_examples))
+        for name in DELAY_UPDATE_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                put(name, check_count(f"update field {name!r}", value, maximum=INT32_MAX))
         for name in ("dispatched_at", "arrived_at"):
             when = _real(
                 f"update field {name!r}", getattr(self, name), optional=name != "dispatched_at"
@@ -462,7 +484,9 @@ class UpdateRecord(_Record):
     """One site update as stored, with its site's name joined in.
 
     The ``virtual_*`` and ``transfer_seconds`` fields are on the simulated clock, as given in
-    ``UpdateInput``; ``None`` in a wall-clock run.
+    ``UpdateInput``; ``None`` in a wall-clock run. ``period``, ``average_applied`` and
+    ``delay`` are those of a delayed compensated update (see ``UpdateInput``); ``None`` for
+    every other strategy and for rows older than migration 0004.
     """
 
     id: int
@@ -486,6 +510,9 @@ class UpdateRecord(_Record):
     virtual_arrived_at: float | None = None
     virtual_compute_seconds: float | None = None
     transfer_seconds: float | None = None
+    period: int | None = None
+    average_applied: int | None = None
+    delay: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -514,6 +541,10 @@ class SiteSummary(_Record):
     the run has a virtual dispatch time (updates without one are then left out), else
     ``"wall"``. ``virtual_compute_seconds`` and ``transfer_seconds`` are sums over the updates
     that have them, ``None`` when none does.
+
+    ``mean_delay`` is the mean ``delay`` (how many rounds old the global average was) over the
+    site's **applied** updates that have one, like staleness; ``None`` when none has one, as
+    for every strategy but the delayed one.
 
     ``evaluations`` counts the site's federated evaluations (any status) and
     ``eval_bytes_up``, ``eval_bytes_down`` sum their traffic (0 when it had none).
@@ -546,6 +577,7 @@ class SiteSummary(_Record):
     waiting_clock: WaitingClock = CLOCK_WALL
     virtual_compute_seconds: float | None = None
     transfer_seconds: float | None = None
+    mean_delay: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Return the summary's fields as JSON-ready values.

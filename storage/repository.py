@@ -30,6 +30,7 @@ from .models import NAME_LENGTH, STRATEGY_LENGTH, Evaluation, Round, Run, Site, 
 from .records import (
     CLOCK_VIRTUAL,
     CLOCK_WALL,
+    DELAY_UPDATE_FIELDS,
     INT32_MAX,
     INT64_MAX,
     RUN_FAILED,
@@ -321,6 +322,9 @@ def _update_record(row: Update, site_name: str) -> UpdateRecord:
         virtual_arrived_at=row.virtual_arrived_at,
         virtual_compute_seconds=row.virtual_compute_seconds,
         transfer_seconds=row.transfer_seconds,
+        period=row.period,
+        average_applied=row.average_applied,
+        delay=row.delay,
     )
 
 
@@ -981,6 +985,8 @@ class LedgerRepository:
             if update.arrived_at is None
             else _timestamp("arrived_at", update.arrived_at),
             **{name: check_seconds(name, getattr(update, name)) for name in VIRTUAL_UPDATE_FIELDS},
+            # Already validated by UpdateInput: None or an int in [0, INT32_MAX].
+            **{name: getattr(update, name) for name in DELAY_UPDATE_FIELDS},
         }
 
     @staticmethod
@@ -1135,9 +1141,9 @@ class LedgerRepository:
         Counts, sums, means and the staleness histogram are computed in SQL; the waiting and
         busy times, which depend on each update's successor in dispatch order, are computed
         here from each site's dispatch and arrival times (see ``waiting_and_busy``), and the
-        90th percentile from the histogram. Staleness covers applied updates only (see
-        ``SiteSummary``). Sites with no updates or evaluations are included with zero counts.
-        Sites come in the order they were added.
+        90th percentile from the histogram. Staleness and the mean delay cover applied updates
+        only (see ``SiteSummary``). Sites with no updates or evaluations are included with zero
+        counts. Sites come in the order they were added.
 
         Parameters
         ----------
@@ -1161,6 +1167,7 @@ class LedgerRepository:
 
         # NULL for every other status, which AVG and MAX skip.
         applied_staleness = case((Update.status == UPDATE_APPLIED, Update.staleness))
+        applied_delay = case((Update.status == UPDATE_APPLIED, Update.delay))
         totals = (
             select(
                 Update.site_id.label("site_id"),
@@ -1172,6 +1179,8 @@ class LedgerRepository:
                 count(UPDATE_REJECTED).label("rejected"),
                 func.avg(applied_staleness).label("mean_staleness"),
                 func.max(applied_staleness).label("max_staleness"),
+                # AVG over only NULLs is NULL: "no applied update had a delay".
+                func.avg(applied_delay).label("mean_delay"),
                 func.sum(Update.bytes_up).label("bytes_up"),
                 func.sum(Update.bytes_down).label("bytes_down"),
                 func.sum(Update.compute_seconds).label("compute_seconds"),
@@ -1268,6 +1277,7 @@ class LedgerRepository:
                         waiting_clock=clock,
                         virtual_compute_seconds=_float_or_none(t["virtual_compute_seconds"]),
                         transfer_seconds=_float_or_none(t["transfer_seconds"]),
+                        mean_delay=_float_or_none(t["mean_delay"]),
                     )
                 )
             return summaries

@@ -13,6 +13,12 @@ The server forms Δ_n = x_n − x against the version the site was sent and appl
 
 Site momentum restarts at every sync (a fresh optimiser per round); model buffers such as
 BatchNorm statistics, if a user's model has them, are averaged like weights.
+
+With a codec (``codec = "topk:0.01"`` or ``"int8"``, strategies/codecs.py) our site part
+uploads Δ_n compressed with error feedback, e_n ← (Δ_n + e_n) − decode(encode(Δ_n + e_n)),
+and names the codec in its reply's ``config`` record; the server decodes it to Δ_n. A
+plain Flower ClientApp ignores the codec and replies with its model, which is averaged
+as usual, so it still takes part.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from flplatform.engine.wire import arrays_to_record, record_to_arrays
 from flplatform.errors import ConfigError, UpdateRejected
 from flplatform.seeding import rng_for
 from strategies.aggregation import ServerOptimizerState, WeightedDeltaSum, apply_server_update
+from strategies.codecs import Codec, ErrorFeedback, Identity, Layout, make_codec
 from strategies.site_parts import register
 from strategies.validation import check_arrays, check_num_examples
 
@@ -91,6 +98,9 @@ class LocalSGDAveraging(Strategy):
         Fraction of sites asked to evaluate the global model after each round (0: none).
     seed : int
         Sampling depends only on (seed, round).
+    codec : str
+        Upload compression our site part applies (``none``, ``int8``, ``topk:<k>``,
+        ``topk:<fraction>``), with error feedback at the site.
     """
 
     def __init__(
@@ -101,6 +111,7 @@ class LocalSGDAveraging(Strategy):
         fraction_train: float = 1.0,
         fraction_evaluate: float = 0.0,
         seed: int = 0,
+        codec: str = "none",
     ) -> None:
         if not (math.isfinite(eta) and eta > 0):
             raise ConfigError(f"server learning rate must be > 0, got {eta}")
@@ -115,6 +126,8 @@ class LocalSGDAveraging(Strategy):
         self.fraction_train = fraction_train
         self.fraction_evaluate = fraction_evaluate
         self.seed = seed
+        self.codec: Codec = make_codec(codec)
+        self._layout: Layout | None = None
         self.state = LocalSGDState()
         self._acc = WeightedDeltaSum()
         self._current: dict[str, np.ndarray] = {}
@@ -154,6 +167,8 @@ class LocalSGDAveraging(Strategy):
         config = ConfigRecord(dict(config))  # never write into the caller's record
         config[keys.SERVER_ROUND] = server_round
         config[keys.SITE_ALGORITHM] = SITE_ALGORITHM
+        if not isinstance(self.codec, Identity):
+            config[keys.CODEC] = self.codec.name
         content = RecordDict({keys.ARRAYS: arrays, keys.CONFIG: config})
         return [
             Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN)
@@ -223,6 +238,7 @@ class LocalSGDAveraging(Strategy):
         """
         if arrays is not self._current_record:
             self._current, self._current_record = record_to_arrays(arrays), arrays
+            self._layout = None
 
     def begin_aggregation(self, server_round: int, arrays: ArrayRecord) -> None:
         """Start a new accumulator for the round producing the next version."""
@@ -254,15 +270,30 @@ class LocalSGDAveraging(Strategy):
             received = record_to_arrays(record)
         except Exception as exc:  # not .npy bytes, pickled objects, truncated data
             raise UpdateRejected(f"arrays cannot be decoded: {exc}") from None
-        check_arrays(received, base_arrays)
-        delta = {k: received[k].astype(np.float64) - base_arrays[k] for k in base_arrays}
+        codec = _reply_codec(content)
+        if codec is None:  # a whole model, Flower's convention
+            check_arrays(received, base_arrays)
+            delta = {k: received[k].astype(np.float64) - base_arrays[k] for k in base_arrays}
+        else:
+            delta = self._decode(codec, received)
         self._acc.add(delta, float(num_examples), scale=weight_scale)
-        loss = _first_number(metrics, keys.TRAIN_LOSS_ALIASES)
+        loss = first_number(metrics, keys.TRAIN_LOSS_ALIASES)
         if loss is not None:
             self._loss_sum += num_examples * loss
             self._loss_weight += num_examples
-        seconds = _first_number(metrics, (keys.COMPUTE_SECONDS,))
+        seconds = first_number(metrics, (keys.COMPUTE_SECONDS,))
         return Contribution(num_examples=num_examples, train_loss=loss, compute_seconds=seconds)
+
+    def _decode(self, name: str, wire: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Δ_n from a compressed reply, in float64; only the codec the server asked for."""
+        if name != self.codec.name:
+            raise UpdateRejected(
+                f"reply compressed with codec '{name}', but this run asked for '{self.codec.name}'"
+            )
+        if self._layout is None:
+            self._layout = Layout.of(self._current)
+        decoded = self.codec.decode(wire, self._layout)  # validates: UpdateRejected
+        return {k: decoded[k].astype(np.float64) for k in self._current}
 
     def finish_aggregation(self) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Apply the server update; None when no update was accepted this round."""
@@ -304,7 +335,19 @@ class LocalSGDAveraging(Strategy):
         )
 
 
-def _first_number(metrics: MetricRecord, names: Iterable[str]) -> float | None:
+def _reply_codec(content: RecordDict) -> str | None:
+    """The codec a reply says it was compressed with; None for a whole model."""
+    config = content.config_records.get(keys.CONFIG)
+    if config is None or keys.CODEC not in config:
+        return None
+    name = config[keys.CODEC]
+    if not isinstance(name, str):
+        raise UpdateRejected(f"reply config '{keys.CODEC}' must be a codec name, got {name!r}")
+    return name
+
+
+def first_number(metrics: MetricRecord, names: Iterable[str]) -> float | None:
+    """The first of ``names`` that ``metrics`` holds as a finite number, else None."""
     for name in names:
         value = metrics.get(name)
         if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
@@ -346,7 +389,7 @@ def _received_model(msg: Message, site: Site, seed: int = 0) -> torch.nn.Module:
     if keys.ARRAYS not in records:
         raise ConfigError(f"the server's message has no '{keys.ARRAYS}' record")
     state_dict = records[keys.ARRAYS].to_torch_state_dict()
-    model = site.build_model(num_classes=_num_classes(state_dict), seed=seed)
+    model = site.build_model(num_classes=num_classes_of(state_dict), seed=seed)
     model.load_state_dict(state_dict)
     return model
 
@@ -360,7 +403,7 @@ def train_site(msg: Message, context: Context, site: Site) -> Message:
     model = _received_model(msg, site, config.seed)
     # A site may train twice on one round's model (the K-batch modes give a finished site
     # work again at once), so its data order also follows how often it has trained.
-    trainings = _count_training(context)
+    trainings = count_training(context)
     stats = train_local(
         model,
         site.x_train,
@@ -380,11 +423,50 @@ def train_site(msg: Message, context: Context, site: Site) -> Message:
             keys.COMPUTE_SECONDS: stats.seconds,
         }
     )
-    content = RecordDict({keys.ARRAYS: ArrayRecord(model.state_dict()), keys.METRICS: metrics})
+    spec = msg.content.config_records.get(keys.CONFIG, ConfigRecord()).get(keys.CODEC)
+    if spec is None or spec == "none":
+        content = RecordDict({keys.ARRAYS: ArrayRecord(model.state_dict()), keys.METRICS: metrics})
+        return Message(content, reply_to=msg)
+    codec = make_codec(str(spec))
+    sent = record_to_arrays(msg.content.array_records[keys.ARRAYS])
+    trained = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+    delta = {k: (trained[k].astype(np.float64) - sent[k]).astype(sent[k].dtype) for k in sent}
+    wire = compress_with_feedback(
+        context,
+        delta,
+        codec,
+        rng=rng_for(config.seed, config.server_round, site.name, trainings, "codec"),
+    )
+    content = RecordDict(
+        {
+            keys.ARRAYS: arrays_to_record(wire),
+            keys.METRICS: metrics,
+            keys.CONFIG: ConfigRecord({keys.CODEC: codec.name}),
+        }
+    )
     return Message(content, reply_to=msg)
 
 
-def _count_training(context: Context) -> int:
+def compress_with_feedback(
+    context: Context, update: dict[str, np.ndarray], codec: Codec, *, rng: np.random.Generator
+) -> dict[str, np.ndarray]:
+    """Encode update + residual; keep the new residual in the site's persistent state.
+
+    A residual that no longer fits the model (the run's model changed) is dropped.
+    """
+    feedback = ErrorFeedback()
+    saved = context.state.array_records.get(keys.CODEC_STATE)
+    if saved is not None:
+        feedback.load_state_dict(record_to_arrays(saved))
+        residual_shapes = {k: v.shape for k, v in feedback.residual.items()}
+        if residual_shapes != {k: v.shape for k, v in update.items()}:
+            feedback.reset()
+    wire, _ = feedback.compress(update, codec, rng=rng)
+    context.state[keys.CODEC_STATE] = arrays_to_record(feedback.state_dict())
+    return wire
+
+
+def count_training(context: Context) -> int:
     """How many training messages this site ran before this one (kept in the site's state)."""
     state = context.state.config_records.get(keys.SITE_STATE, ConfigRecord())
     done = state.get(keys.TRAININGS, 0)
@@ -404,7 +486,7 @@ def evaluate_site(msg: Message, context: Context, site: Site) -> Message:
     return Message(RecordDict({keys.METRICS: metrics}), reply_to=msg)
 
 
-def _num_classes(state_dict: dict[str, torch.Tensor]) -> int:
+def num_classes_of(state_dict: dict[str, torch.Tensor]) -> int:
     """The output width of the model the server sent (its last bias)."""
     last = list(state_dict.values())[-1]
     return int(last.shape[0])

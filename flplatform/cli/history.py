@@ -158,7 +158,8 @@ def sites(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForma
     Staleness is over applied updates: mean/max, the 90th percentile, and how many applied
     updates had each staleness ("0:12 1:5" is twelve at 0, five at 1). Waiting is the time
     the site sat idle between an update arriving and its next dispatch, on the clock named in
-    the header.
+    the header. A run of the delayed strategy also shows each site's mean delay: how many
+    rounds old the global average its applied updates started from was.
     """
     with LedgerRepository.open(db) as repository:
         run_id = resolve_run(repository, run)
@@ -166,6 +167,8 @@ def sites(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForma
         records = repository.site_summaries(run_id)
         # One clock per run, so every summary names the same one.
         clock = records[0].waiting_clock if records else CLOCK_WALL
+        # Only delayed runs get the column: on any other run it would be all dashes.
+        delayed = any(s.mean_delay is not None for s in records)
         emit(
             console,
             fmt,
@@ -181,6 +184,7 @@ def sites(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForma
                 "staleness mean/max",
                 "p90",
                 "staleness counts",
+                *(["delay"] if delayed else []),
                 "bytes up",
                 "bytes down",
                 "eval up/down",
@@ -201,6 +205,7 @@ def sites(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForma
                     else f"{s.mean_staleness:.2f}/{s.max_staleness}",
                     s.p90_staleness,
                     staleness_counts(s.staleness_counts),
+                    *([_mean(s.mean_delay)] if delayed else []),
                     human_bytes(s.bytes_up),
                     human_bytes(s.bytes_down),
                     _pair(s.eval_bytes_up, s.eval_bytes_down),
@@ -241,6 +246,11 @@ def staleness_counts(counts: Mapping[int, int], *, limit: int = MAX_STALENESS_SH
     shown = sorted(counts.items())
     text = " ".join(f"{staleness}:{n}" for staleness, n in shown[:limit])
     return text if len(shown) <= limit else f"{text} (+{len(shown) - limit} more)"
+
+
+def _mean(value: float | None) -> str:
+    """A mean of rounds with two decimals, as the staleness mean is shown, or '-' for None."""
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _fixed(seconds: float | None) -> str:

@@ -52,6 +52,8 @@ def site_names(sites: str) -> tuple[str, ...]:
 def run_and_follow(config: RunConfig) -> RunRecord:
     """Run with a live progress display, then print the round and site tables."""
     sync = config.sync if config.sync in ("sync", "async") else f"{config.sync}, K={config.k}"
+    if config.strategy == "delayed":
+        sync = f"D={config.delay}{'' if config.compensation else ', no compensation'}"
     network = f" on the {config.network} network" if config.network else ""
     console.print(
         f"Simulating {config.num_sites} sites ({', '.join(config.sites)}){network}, "
@@ -109,7 +111,10 @@ def _display_url(url: str) -> str:
 
 
 # ================================================================ commands
-Strategy = Annotated[str, typer.Option(help="local-sgd (also: fedavg, fedavgm).")]
+Strategy = Annotated[
+    str,
+    typer.Option(help="local-sgd (also: fedavg, fedavgm) or delayed (also: dts, dga)."),
+]
 Sites = Annotated[
     str | None,
     typer.Option(help="Number of sites, or comma-separated names (default 4, or the split's)."),
@@ -181,6 +186,25 @@ def simulate(
     step_seconds: Annotated[
         float, typer.Option(help="Override the mean compute seconds per local step.")
     ] = 0.0,
+    delay: Annotated[
+        int, typer.Option(help="Delayed: D, rounds until a period's average reaches a site.")
+    ] = 2,
+    period: Annotated[
+        int, typer.Option(help="Delayed: p local steps per message (0: use --local-steps).")
+    ] = 0,
+    compensation: Annotated[
+        bool,
+        typer.Option(
+            help="Delayed: swap each site's stale steps for the averages (ablation: off)."
+        ),
+    ] = True,
+    codec: Annotated[
+        str,
+        typer.Option(
+            help="Local-SGD: compress uploads with error feedback: none, int8, "
+            "topk:<k> or topk:<fraction>."
+        ),
+    ] = "none",
     db: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the ledger.")] = None,
 ) -> None:
     """Run a simulated federation and record every round in the ledger."""
@@ -217,6 +241,10 @@ def simulate(
             "network": network,
             "compute-model": compute_model,
             "step-seconds": step_seconds,
+            "delay": delay,
+            "period": period,
+            "compensation": compensation,
+            "codec": codec,
             "db": db or "",
         }
     )
@@ -273,9 +301,10 @@ def cross_silo(
         int, typer.Option(help="Fully-sync rounds; every mode gets as many site updates.")
     ] = 15,
     k: Annotated[int, typer.Option("--k", help="K of the K modes.")] = 2,
-    modes: Annotated[str, typer.Option(help="Comma-separated sync modes to compare.")] = ",".join(
-        DEMO_MODES
-    ),
+    modes: Annotated[
+        str, typer.Option(help="Comma-separated sync modes to compare, and/or delayed.")
+    ] = ",".join(DEMO_MODES),
+    delay: Annotated[int, typer.Option(help="D of the delayed-updates row.")] = 2,
     network: Annotated[str, typer.Option(help="Network preset or .toml profile.")] = "world",
     target: Annotated[
         float, typer.Option(help="Accuracy whose simulated time-to-reach is reported.")
@@ -287,17 +316,18 @@ def cross_silo(
     db: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the ledger.")] = None,
 ) -> None:
     """Four sites on the world map (London, Ohio, California, Tokyo), non-IID digits:
-    the synchrony modes side by side in simulated time, with two plots."""
+    local-SGD averaging, delayed updates and the synchrony modes side by side in
+    simulated time, with two plots."""
     if not 0.0 < target <= 1.0:
         raise ConfigError(f"--target is an accuracy in (0, 1], got {target}")
     base = RunConfig.from_mapping(
         _DEMO | {"seed": seed, "db": db or "", "network": _network_spec(network)}
     )
     names = tuple(m.strip() for m in modes.split(",") if m.strip())
-    plans = plan_modes(names, sites=base.num_sites, rounds=rounds, k=k)
+    plans = plan_modes(names, sites=base.num_sites, rounds=rounds, k=k, delay=delay)
     check_ledger(base)
     console.print(
-        f"Comparing {len(plans)} synchrony modes: {base.num_sites} sites "
+        f"Comparing {len(plans)} modes: {base.num_sites} sites "
         f"({', '.join(base.sites)}) on the {network} network, {base.dataset} "
         f"(dirichlet α={base.alpha}, {base.model}), {rounds * base.num_sites} site updates each"
     )
@@ -345,7 +375,7 @@ def _follow_mode(config: RunConfig, plan: ModePlan) -> RunRecord:
 
 def show_comparison(results: list[ModeResult], *, target: float) -> None:
     """The comparison table: one row per mode."""
-    table = Table(title=f"Synchrony modes (time to accuracy {target:g} in simulated seconds)")
+    table = Table(title=f"Modes (time to accuracy {target:g} in simulated seconds)")
     for column in (
         "mode",
         "final acc",

@@ -18,7 +18,7 @@ from flplatform.engine.events import (
     UpdateOutcome,
 )
 from flplatform.engine.policy import AggregationPolicy, EngineView, Verdict
-from flplatform.engine.synchrony import SYNC_MODES, Synchrony
+from flplatform.engine.synchrony import SYNC_MODES, PeriodSync, Synchrony
 
 __all__ = [
     "APPLIED",
@@ -40,6 +40,7 @@ __all__ = [
     "RoundSummary",
     "SiteInfo",
     "SubsetGrid",
+    "PeriodSync",
     "Synchrony",
     "SYNC_MODES",
     "Schedule",

@@ -13,6 +13,13 @@ with the site's round-trip latency L and link bandwidths b; compute is drawn fro
 site's compute model at dispatch (seeded by (seed, site, attempt)), so every message has
 a known earliest arrival (B↑ ≥ 0) before its reply exists. The engine may judge a queued
 arrival only when no outstanding message could still land before it.
+
+A *pipelined* message (delayed updates) overlaps communication with computation: its
+content existed at the server since ``ready_at``, so its download starts then; the site
+computes it once that download is in and its previous computation has ended; its upload
+starts when it is computed. A link transmits one message at a time (8·B/b each) while
+latency overlaps, so downloads and uploads of one site queue on its links. Round trips
+then leave the critical path whenever the model a site needs was formed early enough.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ class Schedule:
     download_seconds: float | None = None
     compute_seconds: float | None = None  # None: known only from the site's report
     earliest_arrival: float = -math.inf
+    # pipelined messages only: when the site starts computing (None: at download's end)
+    compute_started_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -71,8 +80,14 @@ class Clock(Protocol):
         """For how long the site sits out work of ``steps`` local steps; None: it takes part."""
         ...
 
-    def schedule(self, *, site: str, bytes_down: int, steps: int) -> Schedule:
-        """Fix what is known of a message dispatched to ``site`` now."""
+    def schedule(
+        self, *, site: str, bytes_down: int, steps: int, ready_at: float | None = None
+    ) -> Schedule:
+        """Fix what is known of a message dispatched to ``site`` now.
+
+        ``ready_at`` (pipelined messages): the clock time since when the message's
+        content existed; the download may have started then.
+        """
         ...
 
     def land(
@@ -110,8 +125,10 @@ class WallClock:
         """A real site's availability shows in its replies, not here."""
         return None
 
-    def schedule(self, *, site: str, bytes_down: int, steps: int) -> Schedule:
-        """Only the dispatch time is known."""
+    def schedule(
+        self, *, site: str, bytes_down: int, steps: int, ready_at: float | None = None
+    ) -> Schedule:
+        """Only the dispatch time is known; a real site computes after it downloads."""
         return Schedule(dispatched_at=time.time())
 
     def land(
@@ -145,6 +162,12 @@ class VirtualClock:
         self._now = 0.0
         self._profiles: dict[str, SiteProfile] = {}
         self._attempts: dict[str, int] = {}
+        # per site, when its links and its processor are free again (pipelined messages)
+        self._downlink_free: dict[str, float] = {}
+        self._uplink_free: dict[str, float] = {}
+        # site → (when its last pipelined message was sent, when it was computed), while
+        # the site has been busy without a break since: how far its next one reaches back
+        self._pipeline_from: dict[str, tuple[float, float]] = {}
 
     def now(self) -> float:
         """Simulated seconds since the run started."""
@@ -185,6 +208,7 @@ class VirtualClock:
         rng = rng_for(self.seed, "availability", site, attempt)
         if rng.random() < profile.availability:
             return None
+        self._pipeline_from.pop(site, None)  # it sits out: its next work starts afresh
         away = compute_seconds(
             profile.compute, steps=max(1, steps), speed=_speed(profile), rng=rng, measured=None
         )
@@ -192,21 +216,43 @@ class VirtualClock:
             away = max(1, steps) * profile.compute.mean_seconds / _speed(profile)
         return away
 
-    def schedule(self, *, site: str, bytes_down: int, steps: int) -> Schedule:
-        """Draw the compute time now, so the earliest possible arrival is known."""
+    def schedule(
+        self, *, site: str, bytes_down: int, steps: int, ready_at: float | None = None
+    ) -> Schedule:
+        """Draw the compute time now, so the earliest possible arrival is known.
+
+        Without ``ready_at`` the message leaves now and the site starts on it once it is
+        downloaded. With it (pipelined), see the module docstring.
+        """
         profile = self.profile(site)
         rng = rng_for(self.seed, "compute", site, self._attempt(site))
         compute = compute_seconds(
             profile.compute, steps=steps, speed=_speed(profile), rng=rng, measured=None
         )
         down = profile.download_seconds(bytes_down)
-        # An empty reply still pays half the round trip on the way back.
-        earliest = self._now + down + (compute or 0.0) + profile.upload_seconds(0)
+        if ready_at is None:
+            # An empty reply still pays half the round trip on the way back.
+            earliest = self._now + down + (compute or 0.0) + profile.upload_seconds(0)
+            return Schedule(
+                dispatched_at=self._now,
+                download_seconds=down,
+                compute_seconds=compute,
+                earliest_arrival=earliest,
+            )
+        # A site busy without a break since its last message may have received this one
+        # while computing that one; otherwise (first message, back from being away, a
+        # message lost or refused) nothing of it happened before now.
+        sent_before, computed_before = self._pipeline_from.pop(site, (self._now, self._now))
+        sent = max(ready_at, self._downlink_free.get(site, -math.inf), sent_before)
+        self._downlink_free[site] = sent + down - profile.download_seconds(0)  # transmitted
+        started = max(sent + down, computed_before)
+        upload_from = max(started + (compute or 0.0), self._uplink_free.get(site, -math.inf))
         return Schedule(
-            dispatched_at=self._now,
+            dispatched_at=sent,
             download_seconds=down,
             compute_seconds=compute,
-            earliest_arrival=earliest,
+            earliest_arrival=upload_from + profile.upload_seconds(0),
+            compute_started_at=started,
         )
 
     def land(
@@ -219,12 +265,22 @@ class VirtualClock:
             measured = measured_compute if measured_compute is not None else math.nan
             valid = math.isfinite(measured)
             compute = max(0.0, measured) / _speed(profile) if valid else 0.0
-        transfer = (schedule.download_seconds or 0.0) + profile.upload_seconds(bytes_up)
-        return Landing(
-            arrived_at=schedule.dispatched_at + transfer + compute,
-            compute_seconds=compute,
-            transfer_seconds=transfer,
-        )
+        up = profile.upload_seconds(bytes_up)
+        transfer = (schedule.download_seconds or 0.0) + up
+        if schedule.compute_started_at is None:
+            return Landing(
+                arrived_at=schedule.dispatched_at + transfer + compute,
+                compute_seconds=compute,
+                transfer_seconds=transfer,
+            )
+        # Pipelined: replies of one site land in order (it answers one message at a
+        # time), so its uplink is known free up to here.
+        computed = schedule.compute_started_at + compute
+        self._pipeline_from[site] = (schedule.dispatched_at, computed)
+        sending = max(computed, self._uplink_free.get(site, -math.inf))
+        self._uplink_free[site] = sending + up - profile.upload_seconds(0)  # transmitted
+        arrived = sending + up
+        return Landing(arrived_at=arrived, compute_seconds=compute, transfer_seconds=transfer)
 
     def releasable(self, arrived_at: float, outstanding: Iterable[Schedule]) -> bool:
         """Only if no outstanding message could land before ``arrived_at``."""

@@ -39,7 +39,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from flplatform import keys
-from flplatform.engine.clock import Clock, Landing, WallClock, planned_steps
+from flplatform.engine.clock import Clock, Landing, Schedule, WallClock, planned_steps
 from flplatform.engine.events import (
     APPLIED,
     CANCELLED,
@@ -245,6 +245,9 @@ class RoundEngine:
         self._deferred: dict[int, Message] = {}
         self._away: dict[int, float] = {}  # node → clock time it is back (availability)
         self._distances: dict[tuple[int, int], float] = {}
+        # clock time each model version was formed (pipelined messages download from then)
+        self._version_at: dict[int, float] = {}
+        self._sent_per_period: dict[int, int] = {}  # training messages sent, by period
         self._arrivals: list[_Arrival] = []  # pulled, not yet judged; a heap by clock
         self._refused_until: dict[int, float] = {}  # node → when to try it again
         self._replied_at: dict[str, float] = {}  # evaluation/query reply → arrival time
@@ -264,6 +267,7 @@ class RoundEngine:
         """Run ``num_rounds`` server steps and return Flower's ``Result``."""
         result = Result(arrays=initial_arrays)
         self.arrays, self.version = initial_arrays, 0
+        self._version_at = {0: self.clock.now()}
         self.discover_sites()
         if evaluate_fn is not None:
             initial = evaluate_fn(0, initial_arrays)
@@ -403,6 +407,7 @@ class RoundEngine:
         if arrays is not None:
             self.arrays = arrays
             self.version += 1
+            self._version_at[self.version] = self.clock.now()
         self._prune_bases()
         train_loss = _example_weighted_loss(state.outcomes)
         self.policy.round_finished(train_loss)
@@ -450,15 +455,18 @@ class RoundEngine:
             away = self.clock.away_seconds(self._name(node_id), steps=self._steps(msg))
             if away is not None:  # not counted as dispatched: nothing was sent to wait for
                 self._away[node_id] = self.clock.now() + away
-                state.outcomes.append(
-                    self._row(self._planned(msg, state, bytes_down=0), DROPPED, UNAVAILABLE)
-                )
+                # (A pipelined site's timeline must not book the work it skipped.)
+                skipped = self._planned(msg, state, bytes_down=0, plan=not self.policy.pipelined)
+                state.outcomes.append(self._row(skipped, DROPPED, UNAVAILABLE))
                 continue
             attempted += 1
             key = id(msg.content)
             if key not in sizes:
                 sizes[key] = content_size(msg.content)
             dispatch = self._planned(msg, state, bytes_down=message_size(msg, sizes[key]))
+            self._sent_per_period[dispatch.period] = (
+                self._sent_per_period.get(dispatch.period, 0) + 1
+            )
             self._in_flight[node_id] = dispatch
             if any(d.node_id == node_id for d in self._cancelled.values()):
                 self._deferred[node_id] = msg  # pushed when the cancelled one returns
@@ -476,21 +484,36 @@ class RoundEngine:
             info.num_examples if info else None,
         )
 
-    def _planned(self, msg: Message, state: _RoundState, *, bytes_down: int) -> Dispatch:
-        """A dispatch for ``msg`` with the clock's plan; pushed (given an id) later."""
+    def _planned(
+        self, msg: Message, state: _RoundState, *, bytes_down: int, plan: bool = True
+    ) -> Dispatch:
+        """A dispatch for ``msg`` with the clock's plan; pushed (given an id) later.
+
+        Under a pipelined policy the strategy says in the message's config which period
+        the work is for and which (possibly older) model version it sent.
+        """
         node_id = msg.metadata.dst_node_id
         steps = self._steps(msg)
+        period, version, ready_at = state.server_round, self.version, None
+        if self.policy.pipelined:
+            config = msg.content.config_records.get(keys.CONFIG, ConfigRecord())
+            period = _int_within(config.get(keys.SERVER_ROUND), 1, None, state.server_round)
+            version = _int_within(config.get(keys.MODEL_VERSION), 0, self.version, self.version)
+            ready_at = self._version_at.get(version, self.clock.now())
         return Dispatch(
             node_id=node_id,
             message_id="",
             server_round=state.server_round,
-            model_version=self.version,
+            model_version=version,
             dispatched_at=time.time(),
             deadline=math.inf,  # set when pushed
             bytes_down=bytes_down,
+            period=period,
             schedule=self.clock.schedule(
-                site=self._name(node_id), bytes_down=bytes_down, steps=steps
-            ),
+                site=self._name(node_id), bytes_down=bytes_down, steps=steps, ready_at=ready_at
+            )
+            if plan
+            else Schedule(dispatched_at=self.clock.now()),
         )
 
     def _push_dispatches(self, pairs: list[tuple[Message, Dispatch]], state: _RoundState) -> None:
@@ -642,6 +665,7 @@ class RoundEngine:
             dispatched_at=dispatch.dispatched_at,
             arrived_at=time.time(),
             reason=f"late: arrived after it was {given_up}",
+            **self._period_fields(dispatch),
         )
 
     def _judge(self, arrival: _Arrival, state: _RoundState) -> UpdateOutcome:
@@ -656,6 +680,7 @@ class RoundEngine:
             bytes_down=dispatch.bytes_down,
             dispatched_at=dispatch.dispatched_at,
             arrived_at=arrival.pulled_at,
+            **self._period_fields(dispatch),
         )
         if self.clock.virtual:
             row.update(
@@ -672,8 +697,11 @@ class RoundEngine:
         if verdict.status != APPLIED:
             return UpdateOutcome(status=verdict.status, reason=verdict.reason, **row)
         try:
+            # A strategy that sends older versions than the current one (delayed updates)
+            # keeps those itself; the engine holds the versions it handed out.
+            base = self._bases.get(dispatch.model_version, self.arrays)
             contribution = self.strategy.accumulate(
-                reply, base=self._bases[dispatch.model_version], weight_scale=verdict.weight_scale
+                reply, base=base, weight_scale=verdict.weight_scale
             )
         except UpdateRejected as exc:
             log.warning("rejected update from %s: %s", row["site"], exc.reason)
@@ -741,6 +769,17 @@ class RoundEngine:
             dispatched_at=dispatch.dispatched_at,
             reason=reason,
             virtual_dispatched_at=dispatch.schedule.dispatched_at if self.clock.virtual else None,
+            **self._period_fields(dispatch),
+        )
+
+    def _period_fields(self, dispatch: Dispatch) -> dict[str, int]:
+        """Under a pipelined policy: the update's period, the average its site had, the delay."""
+        if not self.policy.pipelined:
+            return {}
+        return dict(
+            period=dispatch.period,
+            average_applied=dispatch.model_version,
+            delay=max(0, dispatch.period - 1 - dispatch.model_version),
         )
 
     def _abandon(self, dispatch: Dispatch) -> None:
@@ -929,6 +968,10 @@ class RoundEngine:
             applied_this_round=state.applied,
             applied_nodes=frozenset(state.applied_nodes),
             connected_nodes=len(self.connected),
+            sent_for_round=self._sent_per_period.get(state.server_round, 0),
+            periods_outstanding=frozenset(
+                d.period for d in (*self._in_flight.values(), *queued.values())
+            ),
         )
 
     def _busy(self) -> set[int]:
@@ -964,6 +1007,15 @@ def _example_weighted_loss(outcomes: Sequence[UpdateOutcome]) -> float | None:
     ]
     total = sum(n for n, _ in pairs)
     return sum(n * loss for n, loss in pairs) / total if total else None
+
+
+def _int_within(value: object, low: int, high: int | None, default: int) -> int:
+    """``value`` if it is an int in [low, high] (high None: no limit), else ``default``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return default
+    if value < low or (high is not None and value > high):
+        return default
+    return value
 
 
 def _floats(record: MetricRecord) -> dict[str, float]:

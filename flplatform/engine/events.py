@@ -43,6 +43,9 @@ class Dispatch:
     deadline: float  # time.monotonic() after which the site is overdue
     bytes_down: int
     message_type: str = "train"  # Flower's MessageType: train, evaluate or query
+    # the round whose aggregate this update is for: the round open at dispatch, except
+    # under a pipelined policy (delayed updates), where a site may work ahead
+    period: int = 0
     # the clock's plan for this message: clock time of dispatch, earliest arrival, ...
     schedule: Schedule = field(default_factory=lambda: Schedule(dispatched_at=math.nan))
 
@@ -69,6 +72,11 @@ class UpdateOutcome:
     virtual_arrived_at: float | None = None
     virtual_compute_seconds: float | None = None
     transfer_seconds: float | None = None  # simulated download + upload
+    # Delayed updates only (None otherwise): the round whose average this update is for,
+    # the latest average the site had swapped into its model, and how old that was.
+    period: int | None = None
+    average_applied: int | None = None
+    delay: int | None = None
 
 
 @dataclass(frozen=True)

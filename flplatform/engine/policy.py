@@ -36,6 +36,10 @@ class EngineView:
     away_nodes: frozenset[int] = frozenset()
     # ‖x_current − x_version‖² for a version still in use (the staleness-aware step size)
     model_distance: Callable[[int], float] = field(default=lambda version: 0.0)
+    # Pipelined policies: messages sent so far for this round's period (in any round),
+    # and the periods of the messages still outstanding.
+    sent_for_round: int = 0
+    periods_outstanding: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,10 @@ class AggregationPolicy(Protocol):
     """The scheduling decisions of one synchrony mode."""
 
     name: str
+    # True: a site may start work for a later round before this one is aggregated, and
+    # on a virtual clock its next computation starts when its previous one ends and
+    # the model it was sent has arrived (its upload and download overlap computation).
+    pipelined: bool
 
     def dispatch_targets(self, view: EngineView) -> tuple[int, ...]:
         """Nodes that may be given work now; the strategy samples among them."""

@@ -117,6 +117,8 @@ class Synchrony:
         The run's seed.
     """
 
+    pipelined = False  # one period per round: a site is given work in the round open
+
     def __init__(
         self,
         mode: str = "sync",
@@ -281,3 +283,49 @@ class Synchrony:
         """Restore ``state_dict()`` output."""
         self.k = state["k"]
         self._initial_loss = state["initial_loss"]
+
+
+class PeriodSync:
+    """Synchronous per round, with sites working ahead: the policy of delayed updates.
+
+    Round r is aggregated once every message sent for period r has come back (applied,
+    dropped or rejected), like ``sync``; but a site that finished its period is offered
+    work at once, and the strategy decides which period it may start (delayed updates:
+    at most D rounds ahead of the last average). On a virtual clock the engine then
+    schedules it pipelined: its next computation starts when its last one ended and the
+    (D-round-old) model it needs has arrived, so uploads and downloads overlap work.
+    """
+
+    name = "sync"
+    pipelined = True
+
+    def dispatch_targets(self, view: EngineView) -> tuple[int, ...]:
+        """Every idle site; the strategy knows which period each may start."""
+        return view.idle_nodes
+
+    def judge(self, dispatch: Dispatch, view: EngineView) -> Verdict:
+        """Every well-formed update joins the average of its own period."""
+        return Verdict(APPLIED)
+
+    def ready_to_aggregate(self, view: EngineView) -> bool:
+        """Nothing for this round (or earlier) is out, and the round had its chance.
+
+        It had its chance once something was sent for it, or once sites are working on
+        later rounds: a site that sat this round out (simulated availability) moves on
+        to the next period when it is back, so waiting for it would wait forever.
+        """
+        outstanding = view.periods_outstanding
+        if any(period <= view.server_round for period in outstanding):
+            return False
+        return view.sent_for_round > 0 or bool(outstanding)
+
+    def to_cancel(self, view: EngineView) -> tuple[int, ...]:
+        """Never: a cancelled period would cost the site its place in the swap."""
+        return ()
+
+    def round_finished(self, train_loss: float | None) -> None:
+        """Nothing adapts."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """No state of its own: periods live in the strategy."""
+        return {"mode": self.name, "pipelined": True}

@@ -29,12 +29,29 @@ def test_round_trip_through_run_config() -> None:
 
 def test_strategy_aliases_name_one_algorithm() -> None:
     assert RunConfig.from_mapping({"strategy": "fedavg"}).strategy == "local-sgd"
+    assert RunConfig.from_mapping({"strategy": "dts"}).strategy == "delayed"
+
+
+def test_the_period_sets_the_local_steps_of_delayed_updates() -> None:
+    from flplatform.federation import build_policy, build_strategy, train_config_for
+
+    config = RunConfig.from_mapping(
+        {"strategy": "delayed", "delay": 3, "period": 20, "compensation": False}
+    )
+    assert train_config_for(config)["local-steps"] == 20
+    strategy = build_strategy(config)
+    assert (strategy.delay, strategy.compensate) == (3, False)
+    assert build_policy(config).pipelined
+    assert not build_policy(RunConfig()).pipelined
 
 
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"strategy": "magic"}, "unknown strategy 'magic'; allowed: fedavg, fedavgm, local-sgd"),
+        (
+            {"strategy": "magic"},
+            "unknown strategy 'magic'; allowed: delayed, dga, dts, fedavg, fedavgm, local-sgd",
+        ),
         ({"model": "resnet"}, "unknown model 'resnet'; allowed: mlp, cnn"),
         ({"dataset": "imagenet"}, "unknown dataset 'imagenet'; allowed: digits, mnist5k"),
         ({"partition": "zipf"}, "unknown partition 'zipf'; allowed: iid, dirichlet"),
@@ -52,6 +69,13 @@ def test_strategy_aliases_name_one_algorithm() -> None:
         ({"no-such-key": 1}, "unknown config key 'no-such-key'"),
         ({"strategy": "fedavgm"}, "fedavgm needs server-momentum > 0"),
         ({"round-timeout": 1e12}, "round-timeout must be at most"),
+        ({"delay": 3}, "delay shape delayed compensated updates: use them with strategy"),
+        ({"period": 20, "compensation": False}, "period, compensation shape delayed"),
+        ({"strategy": "delayed", "delay": -1}, "delay must be an integer >= 0"),
+        ({"strategy": "delayed", "period": -5}, "period must be >= 0"),
+        ({"strategy": "delayed", "sync": "k-sync"}, "runs with sync mode 'sync' only"),
+        ({"strategy": "delayed", "server-momentum": 0.9}, "set server-momentum 0"),
+        ({"strategy": "delayed", "fraction-train": 0.5}, "fraction-train must be 1"),
     ],
 )
 def test_bad_values_name_the_problem(values: dict, message: str) -> None:

@@ -68,7 +68,7 @@ def test_the_cross_silo_demo_compares_modes_and_plots(tmp_path: Path) -> None:
             "demo",
             "cross-silo",
             "--modes",
-            "sync,k-sync",
+            "sync,delayed,k-sync",
             "--rounds",
             "2",
             "--db",
@@ -80,12 +80,14 @@ def test_the_cross_silo_demo_compares_modes_and_plots(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     assert "sync" in result.output and "k-sync (K=2)" in result.output
+    assert "delayed (D=2)" in result.output
     for name in ("accuracy_vs_simulated_time.png", "accuracy_vs_server_steps.png"):
         assert (out / name).read_bytes().startswith(PNG)
     with LedgerRepository.open(db) as repo:
-        sync, k_sync = repo.list_runs()[::-1]
-        # Equal site updates: 2 rounds of 4 for sync, 4 steps of 2 for k-sync.
+        sync, delayed, k_sync = repo.list_runs()[::-1]
+        # Equal site updates: 2 rounds of 4 for sync and delayed, 4 steps of 2 for k-sync.
         assert (sync.config["sync"], len(repo.list_rounds(sync.id))) == ("sync", 2)
+        assert (delayed.config["strategy"], len(repo.list_rounds(delayed.id))) == ("delayed", 2)
         assert (k_sync.config["sync"], len(repo.list_rounds(k_sync.id))) == ("k-sync", 4)
         cancelled = [u for u in repo.list_updates(k_sync.id) if u.status == "cancelled"]
         assert len(cancelled) == 8  # the two stragglers of each of the four steps

@@ -131,6 +131,7 @@ class NaiveSummary:
     waiting_clock: str
     virtual_compute_seconds: float | None
     transfer_seconds: float | None
+    mean_delay: float | None
 
 
 def _seconds(value: datetime | float) -> float:
@@ -196,6 +197,7 @@ def naive_summary(
 
     compute = [r.virtual_compute_seconds for r in rows if r.virtual_compute_seconds is not None]
     transfer = [r.transfer_seconds for r in rows if r.transfer_seconds is not None]
+    delays = [r.delay for r in rows if r.status == "applied" and r.delay is not None]
     waiting, busy = naive_waiting_and_busy(rows, clock)
 
     def count(status: str) -> int:
@@ -221,6 +223,7 @@ def naive_summary(
         waiting_clock=clock,
         virtual_compute_seconds=None if not compute else sum(compute),
         transfer_seconds=None if not transfer else sum(transfer),
+        mean_delay=statistics.fmean(delays) if delays else None,
     )
 
 
@@ -257,6 +260,7 @@ def assert_summary_matches(actual: Any, expected: NaiveSummary) -> None:
         "busy_seconds",
         "virtual_compute_seconds",
         "transfer_seconds",
+        "mean_delay",
     ):
         want, got = getattr(expected, name), getattr(actual, name)
         if want is None:

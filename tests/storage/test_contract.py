@@ -860,6 +860,91 @@ def test_staleness_is_summarised_over_applied_updates_only(repo: LedgerRepositor
     assert summary.staleness_counts == {}
 
 
+# ---------------------------------------------------------------------------- delayed updates
+def test_delayed_update_fields_round_trip(repo: LedgerRepository) -> None:
+    run_id = make_run(repo, strategy="delayed")
+    repo.add_site(run_id, name="london", node_id=1)
+    repo.add_site(run_id, name="tokyo", node_id=2)
+    # london started period 4 in round 3 from average 2 (delay 1); tokyo's dropped update was
+    # local SGD (delay 0) on average 3; the rejected one has no delayed fields at all.
+    ahead = update("london", dispatched_round=3, period=4, average_applied=2, delay=1)
+    local = update("tokyo", "dropped", arrived_at=None, period=4, average_applied=3, delay=0)
+    plain = update("tokyo", "rejected", reason="non-finite")
+    largest = update("london", period=2**31 - 1, average_applied=2**31 - 1, delay=2**31 - 1)
+    record(repo, run_id, 4, [ahead, local, plain, largest])
+
+    stored = repo.list_updates(run_id)
+    assert [(u.dispatched_round, u.period, u.average_applied, u.delay) for u in stored] == [
+        (3, 4, 2, 1),
+        (1, 4, 3, 0),
+        (1, None, None, None),
+        (1, 2**31 - 1, 2**31 - 1, 2**31 - 1),
+    ]
+    data = json.loads(json.dumps(stored[0].to_dict()))
+    assert (data["period"], data["average_applied"], data["delay"]) == (4, 2, 1)
+    assert json.loads(json.dumps(stored[2].to_dict()))["delay"] is None
+
+
+def test_updates_of_other_strategies_have_no_delay(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    repo.add_site(run_id, name="a", node_id=1)
+    record(repo, run_id, 1, [update("a"), update("a", "dropped")])
+
+    assert {(u.period, u.average_applied, u.delay) for u in repo.list_updates(run_id)} == {
+        (None, None, None)
+    }
+    [summary] = repo.site_summaries(run_id)
+    assert summary.mean_delay is None
+
+
+def test_mean_delay_is_over_applied_updates_that_have_a_delay(repo: LedgerRepository) -> None:
+    run_id = make_run(repo, strategy="delayed")
+    for name in ("london", "tokyo", "ohio", "idle"):
+        repo.add_site(run_id, name=name, node_id=len(name))
+
+    def delayed(site: str, status: UpdateStatus, delay: int | None) -> UpdateInput:
+        # Always from average 4, sent for the period that makes delay = period - 1 - 4.
+        period = None if delay is None else 5 + delay
+        average = None if delay is None else 4
+        return update(site, status, period=period, average_applied=average, delay=delay)
+
+    # london: applied delays 0, 2, 2 and one applied update without a delay; the dropped,
+    # rejected and buffered ones (9, 7, 5) are left out. Mean (0 + 2 + 2) / 3 = 4/3; counting
+    # the missing delay as 0 would give 1, counting every status 25/6.
+    record(
+        repo,
+        run_id,
+        1,
+        [
+            delayed("london", "applied", 0),
+            delayed("london", "dropped", 9),
+            delayed("tokyo", "rejected", 3),
+            delayed("ohio", "applied", None),
+        ],
+    )
+    record(
+        repo,
+        run_id,
+        2,
+        [
+            delayed("london", "applied", 2),
+            delayed("london", "rejected", 7),
+            delayed("london", "applied", None),
+            delayed("london", "buffered", 5),
+            delayed("london", "applied", 2),
+        ],
+    )
+
+    london, tokyo, ohio, idle = repo.site_summaries(run_id)
+
+    assert (london.updates, london.applied) == (7, 4)
+    assert london.mean_delay == pytest.approx(4 / 3)
+    assert tokyo.mean_delay is None  # its only delay is on a rejected update
+    assert ohio.mean_delay is None  # applied, but without a delay
+    assert (idle.updates, idle.mean_delay) == (0, None)
+    assert json.loads(json.dumps(london.to_dict()))["mean_delay"] == pytest.approx(4 / 3)
+
+
 # ---------------------------------------------------------------------------- errors
 def test_a_missing_run_is_not_found_everywhere(repo: LedgerRepository) -> None:
     calls = {

@@ -207,7 +207,7 @@ def _fill_an_0001_ledger(connection: Connection) -> None:
 
 
 def test_an_0001_ledger_upgrades_keeping_its_rows_and_downgrades_back(ledger_url: str) -> None:
-    assert head_revision() == "0003"
+    assert head_revision() == "0004"
     engine = create_ledger_engine(ledger_url)
     try:
         with engine.begin() as connection:
@@ -317,9 +317,9 @@ def test_an_0002_ledger_upgrades_to_virtual_time_keeping_its_rows_and_downgrades
     finally:
         engine.dispose()
 
-    with LedgerRepository.open(ledger_url) as repo:  # opening upgrades to 0003
+    with LedgerRepository.open(ledger_url) as repo:  # opening upgrades to head
         with repo._engine.connect() as connection:
-            assert current_revisions(connection) == {"0003"}
+            assert current_revisions(connection) == {head_revision()}
             _assert_no_schema_diff(connection)
         # Every old row is intact and reads as a wall-clock row: NULL virtual times.
         run = repo.get_run(1)
@@ -379,6 +379,76 @@ def test_an_0002_ledger_upgrades_to_virtual_time_keeping_its_rows_and_downgrades
         assert (run.status, run.rounds_completed, run.simulated_seconds) == ("finished", 2, None)
         assert [u.virtual_arrived_at for u in repo.list_updates(1)] == [None, None]
         assert repo.site_summaries(1)[0].waiting_clock == "wall"
+
+
+DELAY_COLUMNS = {"period", "average_applied", "delay"}
+
+
+def test_an_0003_ledger_upgrades_to_delayed_updates_keeping_its_rows_and_downgrades_back(
+    ledger_url: str,
+) -> None:
+    engine = create_ledger_engine(ledger_url)
+    try:
+        with engine.begin() as connection:
+            command.upgrade(alembic_config(connection), "0003")
+            _fill_an_0001_ledger(connection)  # 0002 and 0003 only added; these rows still fit
+        with engine.connect() as connection:
+            assert current_revisions(connection) == {"0003"}
+            assert not DELAY_COLUMNS & _columns(connection, "updates")
+    finally:
+        engine.dispose()
+
+    with LedgerRepository.open(ledger_url) as repo:  # opening upgrades to 0004
+        with repo._engine.connect() as connection:
+            assert current_revisions(connection) == {"0004"}
+            assert _columns(connection, "updates") >= DELAY_COLUMNS
+            nullable = {
+                c["name"]: c["nullable"] for c in inspect(connection).get_columns("updates")
+            }
+            assert all(nullable[name] for name in DELAY_COLUMNS)
+            _assert_no_schema_diff(connection)
+        # The old row is intact and reads as an update of a strategy without delays.
+        [old_update] = repo.list_updates(1)
+        assert (old_update.site, old_update.bytes_up, old_update.status) == (
+            "london",
+            111,
+            "applied",
+        )
+        assert (old_update.period, old_update.average_applied, old_update.delay) == (
+            None,
+            None,
+            None,
+        )
+        assert repo.site_summaries(1)[0].mean_delay is None
+
+        # The new fields work next to the old row.
+        record(repo, 1, 2, [update("london", period=3, average_applied=0, delay=2)])
+        assert [(u.period, u.average_applied, u.delay) for u in repo.list_updates(1)] == [
+            (None, None, None),
+            (3, 0, 2),
+        ]
+        assert repo.site_summaries(1)[0].mean_delay == 2.0
+
+        with repo._engine.begin() as connection:
+            command.downgrade(alembic_config(connection), "0003")
+        with repo._engine.connect() as connection:
+            assert current_revisions(connection) == {"0003"}
+            assert not DELAY_COLUMNS & _columns(connection, "updates")
+            # Every other column and every row survives the drop (no cascade, no rebuild).
+            assert _columns(connection, "updates") >= VIRTUAL_COLUMNS["updates"]
+            counts = {
+                name: connection.execute(text(f"SELECT COUNT(*) FROM {name}")).scalar_one()
+                for name in ("runs", "sites", "rounds", "updates")
+            }
+            assert counts == {"runs": 1, "sites": 1, "rounds": 2, "updates": 2}
+
+    with LedgerRepository.open(ledger_url) as repo:  # and back up to head
+        with repo._engine.connect() as connection:
+            assert current_revisions(connection) == {head_revision()}
+            _assert_no_schema_diff(connection)
+        stored = repo.list_updates(1)
+        assert [(u.round, u.delay) for u in stored] == [(1, None), (2, None)]
+        assert repo.site_summaries(1)[0].mean_delay is None
 
 
 def test_a_schema_from_a_newer_flplatform_is_refused(ledger_url: str) -> None:
@@ -527,6 +597,7 @@ def test_every_migration_file_would_ship_in_a_wheel() -> None:
         "0001_initial.py",
         "0002_evaluations.py",
         "0003_virtual_time.py",
+        "0004_delayed_updates.py",
     } <= {f.name for f in files}
     for path in files:
         in_package = path.suffix == ".py" and (path.parent / "__init__.py").exists()

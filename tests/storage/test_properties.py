@@ -74,6 +74,10 @@ def updates(draw: st.DrawFn, clock: str) -> UpdateInput:
         reason=draw(st.none() | st.text(max_size=20)),
         num_examples=draw(st.none() | st.integers(0, 10**6)),
         train_loss=draw(losses),
+        # The delayed strategy's columns; only delay is summarised (over applied updates).
+        period=draw(st.none() | st.integers(0, 50)),
+        average_applied=draw(st.none() | st.integers(0, 50)),
+        delay=draw(st.none() | st.integers(0, 3) | st.integers(0, 2**31 - 1)),
         **virtual,
     )
 

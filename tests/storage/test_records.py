@@ -102,6 +102,37 @@ def test_update_input_normalises_virtual_times() -> None:
         update("a", virtual_dispatched_at=2.0, virtual_arrived_at=1.0)
 
 
+DELAY_FIELDS = ("period", "average_applied", "delay")
+
+
+@pytest.mark.parametrize("field", DELAY_FIELDS)
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (-1, "must be between 0 and 2147483647, got -1"),
+        (2**31, "must be between 0 and 2147483647, got 2147483648"),
+        (np.int64(-3), "must be between 0 and 2147483647, got -3"),
+        (1.0, "must be an integer, got float 1.0"),
+        ("2", "must be an integer, got str '2'"),
+        (True, "must be an integer, got bool True"),
+    ],
+)
+def test_update_input_refuses_bad_delay_fields(field: str, value: Any, message: str) -> None:
+    with pytest.raises(StorageError, match=f"update field '{field}' {message}"):
+        update("a", **{field: value})
+
+
+def test_update_input_normalises_delay_fields() -> None:
+    assert all(getattr(update("a"), name) is None for name in DELAY_FIELDS)
+    given = update("a", period=np.int32(5), average_applied=np.int64(2), delay=2)
+    values = [getattr(given, name) for name in DELAY_FIELDS]
+    assert values == [5, 2, 2]
+    assert all(type(v) is int for v in values)
+    # 0 is a valid value everywhere (the first period, the initial average, local SGD).
+    zeros = update("a", period=0, average_applied=0, delay=0)
+    assert [getattr(zeros, name) for name in DELAY_FIELDS] == [0, 0, 0]
+
+
 def test_site_summary_serialises_staleness_counts_as_integer_pairs() -> None:
     summary = SiteSummary(
         site_id=1,
@@ -279,6 +310,7 @@ def test_to_dict_gives_iso_datetimes_and_copies() -> None:
         "waiting_clock": "wall",
         "virtual_compute_seconds": None,
         "transfer_seconds": None,
+        "mean_delay": None,  # added with migration 0004
     }.items() <= summary.to_dict().items()
     assert {"evaluations": 0, "eval_bytes_up": 0, "eval_bytes_down": 0}.items() <= (
         summary.to_dict().items()

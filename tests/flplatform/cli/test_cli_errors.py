@@ -33,7 +33,10 @@ def one_error_line(output: str) -> str:
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--strategy", "magic"], "unknown strategy 'magic'; allowed: fedavg, fedavgm, local-sgd"),
+        (
+            ["--strategy", "magic"],
+            "unknown strategy 'magic'; allowed: delayed, dga, dts, fedavg, fedavgm, local-sgd",
+        ),
         (["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
         (["--model", "resnet"], "unknown model 'resnet'; allowed: mlp, cnn"),
         (["--partition", "zipf"], "unknown partition 'zipf'; allowed: iid, dirichlet"),
@@ -64,6 +67,9 @@ def one_error_line(output: str) -> str:
         (["--compute-model", "pareto"], "also set network"),
         (["--network", "world", "--compute-model", "gaussian"], "gaussian"),
         (["--network", "world", "--step-seconds", "-1"], "step"),
+        (["--delay", "3"], "use them with strategy 'delayed'"),
+        (["--strategy", "delayed", "--delay", "-1"], "delay must be an integer >= 0"),
+        (["--strategy", "delayed", "--sync", "k-async"], "runs with sync mode 'sync' only"),
     ],
 )
 def test_simulate_rejects_bad_input(args: list[str], expected: str) -> None:

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from flplatform.cli import history as history_command
 from flplatform.cli.app import app
 from flplatform.cli.history import human_seconds, staleness_counts
-from storage import LedgerRepository, UpdateInput
+from storage import LedgerRepository, UpdateInput, UpdateStatus
 
 runner = CliRunner()
 
@@ -243,6 +244,104 @@ def test_sites_show_staleness_distribution_and_waiting(simulated_ledger: str, le
     assert rows["tokyo"]["staleness_counts"] == [[0, 1]]
     assert rows["london"]["waiting_clock"] == "wall"
     assert rows["london"]["waiting_seconds"] == pytest.approx(0.6, abs=1e-5)  # 1.4 s -> 2 s
+
+
+@pytest.fixture
+def delayed_ledger(tmp_path: Path) -> str:
+    """A delayed run: london applies with delays 0 then 1; tokyo's only delayed update is
+    rejected, so it has no mean delay; paris applies without delay fields."""
+    url = f"sqlite:///{tmp_path / 'delayed.db'}"
+    t0 = time.time()
+    with LedgerRepository.open(url) as repo:
+        run_id = repo.create_run(
+            name="delayed-digits", strategy="delayed", seed=3, config={}, num_rounds_planned=2
+        )
+        for name in ("london", "tokyo", "paris"):
+            repo.add_site(run_id, name=name, node_id=len(name), num_examples=100)
+        # (site, status, period, average_applied, delay) per round; delay = period - 1 - average.
+        plan: dict[int, list[tuple[str, UpdateStatus, int | None, int | None, int | None]]] = {
+            1: [("london", "applied", 1, 0, 0), ("tokyo", "applied", None, None, None)],
+            2: [
+                ("london", "applied", 3, 1, 1),
+                ("tokyo", "rejected", 3, 0, 2),
+                ("paris", "applied", None, None, None),
+            ],
+        }
+        for rnd, rows in plan.items():
+            repo.record_round(
+                run_id,
+                round=rnd,
+                model_version=rnd,
+                started_at=t0 + rnd,
+                finished_at=t0 + rnd + 0.5,
+                metrics={"accuracy": 0.5},
+                train_loss=0.5,
+                updates=[
+                    UpdateInput(
+                        site=site,
+                        dispatched_round=rnd,
+                        version_trained_on=rnd - 1,
+                        staleness=0,
+                        bytes_up=1000,
+                        bytes_down=1000,
+                        status=status,
+                        dispatched_at=t0 + rnd,
+                        arrived_at=t0 + rnd + 0.4,
+                        period=period,
+                        average_applied=average,
+                        delay=delay,
+                    )
+                    for site, status, period, average, delay in rows
+                ],
+            )
+        repo.finish_run(run_id, status="finished")
+    return url
+
+
+def _table(output: str) -> tuple[list[str], dict[str, list[str]]]:
+    """A rich table's header (each column's wrapped header lines joined) and its body rows,
+    keyed by their first cell."""
+    header: list[str] = []
+    rows: dict[str, list[str]] = {}
+    for line in output.splitlines():
+        if line.startswith("┃"):
+            parts = [part.strip() for part in line.split("┃")[1:-1]]
+            header = [
+                " ".join(filter(None, pair))
+                for pair in zip(header or [""] * len(parts), parts, strict=True)
+            ]
+        elif line.startswith("│"):
+            cells = [cell.strip() for cell in line.split("│")[1:-1]]
+            rows[cells[0]] = cells
+    return header, rows
+
+
+def test_sites_show_a_delay_column_only_for_delayed_runs(
+    delayed_ledger: str, ledger: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Wide enough that no header or cell is cut short, whatever terminal runs the tests.
+    monkeypatch.setattr(history_command.console, "width", 220)
+    header, rows = _table(history("sites", "1", "--db", delayed_ledger))
+    assert header[:2] == ["site", "examples"]
+    at = header.index("delay")
+    # london: (0 + 1) / 2; tokyo's delayed update was rejected; paris had no delays.
+    assert (rows["london"][at], rows["tokyo"][at], rows["paris"][at]) == ("0.50", "-", "-")
+
+    by_name = {
+        r["name"]: r
+        for r in json.loads(history("sites", "1", "--db", delayed_ledger, "-f", "json"))
+    }
+    assert [by_name[n]["mean_delay"] for n in ("london", "tokyo", "paris")] == [0.5, None, None]
+    out = history("sites", "1", "--db", delayed_ledger, "--format", "csv")
+    csv_rows = {r["name"]: r for r in csv.DictReader(io.StringIO(out))}
+    assert (csv_rows["london"]["mean_delay"], csv_rows["paris"]["mean_delay"]) == ("0.5", "")
+
+    # A run without delays looks as before: no column, but JSON still carries the field.
+    header, rows = _table(history("sites", "1", "--db", ledger))
+    assert "delay" not in header and len(rows["london"]) == len(header)
+    assert {
+        r["mean_delay"] for r in json.loads(history("sites", "1", "--db", ledger, "-f", "json"))
+    } == {None}
 
 
 def test_table_cells_for_durations_and_staleness() -> None:

@@ -1,0 +1,666 @@
+"""Site codecs: compress a model update for upload, with error feedback.
+
+Pure NumPy; imports no Flower. ALGORITHMS.md §5: per-site codecs with a residual, measured
+by their bytes on the wire. A codec maps an update u (a dict name → array) to *wire arrays*
+(what is actually sent) and back::
+
+    wire = codec.encode(u, rng=rng)           # on the site
+    û    = codec.decode(wire, layout)         # on the server (and on the site, for feedback)
+
+Codecs
+------
+``TopK``            global top-k by |u_i| over the flattened update; k indices + k values.
+``StochasticInt8``  per array, s = max|x|, q = SR(127·x/s) ∈ [−127, 127] int8; û = q·s/127,
+                    unbiased: E[û] = x.
+``Identity``        the arrays themselves.
+
+Error feedback (Seide et al. 2014; Stich et al., "Sparsified SGD with Memory", 2018; Karimireddy
+et al., "Error Feedback Fixes SignSGD", 2019) keeps what the codec dropped and sends it later::
+
+    v_t = u_t + e_{t−1},   ŝ_t = decode(encode(v_t)),   e_t = v_t − ŝ_t
+
+so Σ_t ŝ_t + e_T = Σ_t u_t: nothing is lost, only delayed.
+
+Wire input comes from a possibly hostile site: ``decode`` checks every key, dtype, shape,
+length, index and value against the server's own ``Layout`` and raises ``UpdateRejected``
+naming the problem; nothing it returns can be larger than the model or non-finite.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from flplatform.errors import ConfigError, UpdateRejected
+
+Arrays = dict[str, np.ndarray]
+Wire = dict[str, np.ndarray]
+
+TOPK_INDICES = "topk.indices"
+TOPK_VALUES = "topk.values"
+INT8_PREFIX = "int8."
+SCALE_SUFFIX = ".scale"
+RAW_PREFIX = "raw."
+RESIDUAL_PREFIX = "residual."
+INT32_LIMIT = 2**31  # indices into d >= 2^31 coordinates need int64
+INT8_LEVELS = 127  # q ∈ [−127, 127]: symmetric, so −x encodes as −q (−128 is never sent)
+QUANT_CHUNK = 1 << 14  # elements quantized at a time; results do not depend on it
+TOPK_SAMPLE = 1 << 16  # entries in top-k's threshold sample; results do not depend on it
+CODEC_SPECS = "'none', 'int8', 'topk:<k>' (an integer >= 1) or 'topk:<fraction>' in (0, 1]"
+
+# dtype kinds a layout accepts: float, signed/unsigned integer, bool (model buffers)
+_REAL_KINDS = "fiub"
+
+
+# ---------------------------------------------------------------------------- layout
+@dataclass(frozen=True)
+class Layout:
+    """Names, shapes and dtypes of a model's arrays, and their order in a flat vector.
+
+    Parameters
+    ----------
+    names : tuple of str
+        Array names, sorted: a site and the server then agree on what coordinate i is,
+        whatever order their dicts were built in.
+    shapes : tuple of tuple of int
+        Shape of each array.
+    dtypes : tuple of np.dtype
+        Dtype of each array (float, integer or bool).
+
+    Notes
+    -----
+    Array ``names[j]`` occupies coordinates ``[offsets[j], offsets[j] + sizes[j])`` of the
+    flat vector of length d = ``size``.
+    """
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[np.dtype[Any], ...]
+
+    def __post_init__(self) -> None:
+        if not len(self.names) == len(self.shapes) == len(self.dtypes):
+            raise ValueError("layout needs one shape and one dtype per name")
+        if list(self.names) != sorted(set(self.names)):
+            raise ValueError("layout names must be unique and sorted")
+        for name, dtype in zip(self.names, self.dtypes, strict=True):
+            if np.dtype(dtype).kind not in _REAL_KINDS:
+                raise ValueError(f"array '{name}' has dtype {dtype}; codecs handle real numbers")
+
+    @classmethod
+    def of(cls, arrays: Mapping[str, np.ndarray]) -> Layout:
+        """The layout of ``arrays`` (names sorted)."""
+        names = tuple(sorted(arrays))
+        return cls(
+            names=names,
+            shapes=tuple(tuple(np.shape(arrays[n])) for n in names),
+            dtypes=tuple(np.asarray(arrays[n]).dtype for n in names),
+        )
+
+    @cached_property
+    def sizes(self) -> tuple[int, ...]:
+        """Number of elements of each array."""
+        return tuple(math.prod(shape) for shape in self.shapes)
+
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        """First flat coordinate of each array."""
+        starts = np.cumsum((0, *self.sizes))[:-1]
+        return tuple(int(s) for s in starts)
+
+    @property
+    def size(self) -> int:
+        """Total number of coordinates d."""
+        return sum(self.sizes)
+
+    @cached_property
+    def _position(self) -> dict[str, int]:
+        return {name: j for j, name in enumerate(self.names)}
+
+    def dtype_of(self, name: str) -> np.dtype[Any]:
+        """Dtype of array ``name``."""
+        return np.dtype(self.dtypes[self._position[name]])
+
+    def is_float(self, name: str) -> bool:
+        """Whether array ``name`` holds floats (weights) rather than integers or bools."""
+        return self.dtype_of(name).kind == "f"
+
+    def flatten(
+        self, arrays: Mapping[str, np.ndarray], dtype: npt.DTypeLike = np.float64
+    ) -> np.ndarray:
+        """Concatenate ``arrays`` in layout order into a new (d,) vector (float64 by default).
+
+        The arrays must have this layout's names and shapes (any real dtype).
+        """
+        self._check_names(arrays)
+        out = np.empty(self.size, dtype=dtype)  # (d,)
+        for name, shape, start, n in zip(
+            self.names, self.shapes, self.offsets, self.sizes, strict=True
+        ):
+            value = np.asarray(arrays[name])
+            if value.shape != shape:
+                raise ValueError(f"array '{name}' has shape {value.shape}, layout says {shape}")
+            out[start : start + n] = value.reshape(-1)
+        return out
+
+    def unflatten(self, vector: np.ndarray) -> Arrays:
+        """Split a (d,) vector into new arrays of this layout's shapes and dtypes.
+
+        Integer and bool arrays are rounded to the nearest integer first; a value outside
+        an integer dtype's range raises ``ValueError`` (a cast would silently wrap).
+        """
+        return {name: self._cast(name, piece) for name, piece in self._split(vector).items()}
+
+    def scatter(self, indices: np.ndarray, values: np.ndarray) -> Arrays:
+        """New arrays of this layout, zero except ``values`` at the flat ``indices``.
+
+        The same as ``unflatten`` of a dense vector holding ``values`` at ``indices``, without
+        building that float64 vector: each array is filled in its own dtype. ``indices``
+        must be ascending and in [0, d).
+        """
+        # bounds[j]:bounds[j + 1] is the run of indices that fall in array j
+        bounds = np.searchsorted(indices, (*self.offsets, self.size))
+        out: Arrays = {}
+        for j, name in enumerate(self.names):
+            a, b = int(bounds[j]), int(bounds[j + 1])
+            piece = np.zeros(self.sizes[j], dtype=self.dtype_of(name))  # (n_j,)
+            piece[indices[a:b] - self.offsets[j]] = self._cast(name, values[a:b])
+            out[name] = piece.reshape(self.shapes[j])
+        return out
+
+    def _cast(self, name: str, piece: np.ndarray) -> np.ndarray:
+        """A new array of ``piece``'s values in array ``name``'s dtype (integers rounded)."""
+        dtype = self.dtype_of(name)
+        if dtype.kind == "f":
+            return piece.astype(dtype)
+        piece = np.asarray(np.rint(piece))  # asarray: rint of a 0-d array is a scalar
+        if dtype.kind in "iu" and piece.size:
+            info = np.iinfo(dtype)
+            # both bounds are powers of two (or 0), so exact in float64
+            low, high = float(info.min), float(int(info.max) + 1)
+            if not (low <= piece.min() and piece.max() < high):
+                raise ValueError(f"array '{name}' has values outside the range of {dtype}")
+        return piece.astype(dtype)
+
+    def _split(self, vector: np.ndarray) -> Arrays:
+        """Views of a (d,) vector shaped like each array, in the vector's dtype."""
+        vector = np.asarray(vector)
+        if vector.shape != (self.size,):
+            raise ValueError(f"vector must have shape ({self.size},), got {vector.shape}")
+        return {
+            name: vector[start : start + n].reshape(shape)
+            for name, shape, start, n in zip(
+                self.names, self.shapes, self.offsets, self.sizes, strict=True
+            )
+        }
+
+    def _check_names(self, arrays: Mapping[str, np.ndarray]) -> None:
+        if set(arrays) != set(self.names):
+            missing = sorted(set(self.names) - set(arrays))
+            extra = sorted(set(arrays) - set(self.names))
+            raise ValueError(f"arrays do not match the layout: missing {missing}, extra {extra}")
+
+
+# ---------------------------------------------------------------------------- codec protocol
+class Codec(Protocol):
+    """Compression of one site's update for upload.
+
+    ``encode`` returns the wire arrays (what is sent); ``decode`` rebuilds the dense update
+    in the layout's dtypes and rejects malformed wire input with ``UpdateRejected``.
+    ``name`` is the spec ``make_codec`` parses back into the same codec.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    def encode(self, update: Mapping[str, np.ndarray], *, rng: np.random.Generator) -> Wire: ...
+
+    def decode(self, wire: Mapping[str, np.ndarray], layout: Layout) -> Arrays: ...
+
+
+def wire_nbytes(wire: Mapping[str, np.ndarray]) -> int:
+    """Σ nbytes of the wire arrays (payload only; the ledger measures serialized bytes)."""
+    return sum(int(np.asarray(a).nbytes) for a in wire.values())
+
+
+# ---------------------------------------------------------------------------- identity
+@dataclass(frozen=True)
+class Identity:
+    """No compression: the wire is each array itself under ``raw.<name>``."""
+
+    @property
+    def name(self) -> str:
+        """Spec of this codec."""
+        return "none"
+
+    def encode(self, update: Mapping[str, np.ndarray], *, rng: np.random.Generator) -> Wire:
+        """Copies of the arrays (``rng`` is unused)."""
+        layout = Layout.of(update)
+        _require_finite(update)
+        return {RAW_PREFIX + n: np.array(update[n]) for n in layout.names}
+
+    def decode(self, wire: Mapping[str, np.ndarray], layout: Layout) -> Arrays:
+        """Check each ``raw.<name>`` against the layout and return copies."""
+        _check_keys(wire, {RAW_PREFIX + n for n in layout.names}, self.name)
+        return {n: _raw_array(wire, n, layout).copy() for n in layout.names}
+
+
+# ---------------------------------------------------------------------------- top-k
+def top_k_indices(x: np.ndarray, k: int, *, sample: int = TOPK_SAMPLE) -> np.ndarray:
+    """Indices of the k entries of a 1-D ``x`` largest in magnitude, sorted ascending.
+
+    Ties are broken by the lower index. O(d): with t the k-th largest |x_i| (one
+    ``np.partition``), every i with |x_i| > t is selected (fewer than k of them) and the
+    remaining places go to the lowest indices with |x_i| = t. This is deterministic, unlike
+    ``np.argpartition``, whose choice among equal magnitudes depends on the algorithm.
+
+    When k is small, a strided sample of ``sample`` entries first guesses a threshold g a
+    little below t, and only the candidates |x_i| >= g are partitioned. If at least k
+    candidates survive, t is among them, so the result is the same as without the sample;
+    otherwise (an unlucky sample) the whole vector is partitioned.
+
+    Returns
+    -------
+    np.ndarray
+        (min(k, d),) int64.
+    """
+    d = x.size
+    if k >= d:
+        return np.arange(d, dtype=np.int64)
+    if k <= 0:
+        return np.empty(0, dtype=np.int64)
+    a = np.abs(x)  # (d,)
+    cand = _topk_candidates(a, k, sample)  # (c,) ascending, or None: all of [0, d)
+    if cand is not None:
+        a = a[cand]  # (c,)
+    n = a.size
+    t = np.partition(a, n - k)[n - k]  # k-th largest magnitude
+    above = np.flatnonzero(a > t)  # (< k,)
+    at = np.flatnonzero(a == t)[: k - above.size]  # ties at t, lowest indices first
+    idx = np.concatenate([above, at]).astype(np.int64, copy=False)  # (k,)
+    idx.sort(kind="stable")  # two ascending runs: timsort merges them in O(k)
+    return idx if cand is None else cand[idx]
+
+
+def _topk_candidates(a: np.ndarray, k: int, sample: int) -> np.ndarray | None:
+    """Ascending indices of every |x_i| >= g, g guessed from a strided sample; None if unsure."""
+    d = a.size
+    stride = d // sample
+    if stride < 2 or k > d // 8:
+        return None  # the sample would not save much
+    s = a[::stride]  # (m,)
+    m = s.size
+    # about k·m/d sample entries lie above t; aim 25% (+16) higher so the guess falls below t
+    r = min(m, math.ceil(k * m / d * 1.25) + 16)
+    guess = np.partition(s, m - r)[m - r]
+    cand = np.flatnonzero(a >= guess)
+    return cand if k <= cand.size <= d // 2 else None
+
+
+@dataclass(frozen=True)
+class TopK:
+    """Global top-k sparsification of the flattened update.
+
+    Parameters
+    ----------
+    k : int, optional
+        Number of coordinates sent, >= 1; capped at d.
+    fraction : float, optional
+        Fraction of the d coordinates sent, in (0, 1]: k = max(1, round(fraction·d)).
+
+    Exactly one of ``k`` and ``fraction`` is given.
+
+    Notes
+    -----
+    Wire: ``topk.indices`` (k,) int32 (int64 when d >= 2^31), strictly increasing, and
+    ``topk.values`` (k,) float32, the update at those indices. Coordinates run over the
+    arrays in ``Layout`` order (sorted names), integer buffers included. Selection is
+    deterministic (``top_k_indices``); ``rng`` is unused. Biased: use with ``ErrorFeedback``.
+    """
+
+    k: int | None = None
+    fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.k is None) == (self.fraction is None):
+            raise ConfigError("top-k needs exactly one of k (a count) and fraction (of d)")
+        if self.k is not None and (
+            isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1
+        ):
+            raise ConfigError(f"top-k k must be an integer >= 1, got {self.k!r}")
+        if self.fraction is not None and (
+            isinstance(self.fraction, bool)
+            or not isinstance(self.fraction, int | float)
+            or not 0.0 < self.fraction <= 1.0
+        ):
+            raise ConfigError(f"top-k fraction must be in (0, 1], got {self.fraction!r}")
+
+    @property
+    def name(self) -> str:
+        """Spec of this codec: ``topk:<k>`` or ``topk:<fraction>``."""
+        return f"topk:{self.k}" if self.k is not None else f"topk:{float(self.fraction or 0)!r}"
+
+    def k_for(self, d: int) -> int:
+        """Number of coordinates sent for a d-dimensional update."""
+        if self.k is not None:
+            return min(self.k, d)
+        assert self.fraction is not None  # __post_init__ guarantees one of them
+        return min(d, max(1, round(self.fraction * d)))
+
+    def encode(self, update: Mapping[str, np.ndarray], *, rng: np.random.Generator) -> Wire:
+        """The k largest-magnitude coordinates of the flattened update."""
+        layout = Layout.of(update)
+        # float32 models are selected in float32: exact (same order), half the memory traffic
+        single = all(np.dtype(t) == np.float32 for t in layout.dtypes)
+        x = layout.flatten(update, dtype=np.float32 if single else np.float64)  # (d,)
+        if not np.isfinite(x).all():
+            raise ValueError("cannot encode an update with NaN or Inf")
+        idx = top_k_indices(x, self.k_for(layout.size))  # (k,)
+        return {
+            TOPK_INDICES: idx.astype(_index_dtype(layout.size)),
+            TOPK_VALUES: x[idx].astype(np.float32),
+        }
+
+    def decode(self, wire: Mapping[str, np.ndarray], layout: Layout) -> Arrays:
+        """Scatter the k values into a dense update of ``layout``; reject malformed input."""
+        _check_keys(wire, {TOPK_INDICES, TOPK_VALUES}, self.name)
+        d, k = layout.size, self.k_for(layout.size)
+        idx = _wire_array(wire, TOPK_INDICES, _index_dtype(d), (k,))
+        values = _wire_array(wire, TOPK_VALUES, np.dtype(np.float32), (k,))
+        if k:
+            low, high = int(idx.min()), int(idx.max())
+            if low < 0:
+                raise UpdateRejected(f"{TOPK_INDICES} has a negative index ({low})")
+            if high >= d:
+                raise UpdateRejected(f"{TOPK_INDICES} has an index out of range [0, {d}): {high}")
+            step = np.diff(idx)
+            if (step == 0).any():
+                raise UpdateRejected(f"{TOPK_INDICES} has a duplicate index")
+            if (step < 0).any():
+                raise UpdateRejected(f"{TOPK_INDICES} must be sorted ascending")
+        if not np.isfinite(values).all():
+            raise UpdateRejected(f"{TOPK_VALUES} contains NaN or Inf")
+        try:
+            return layout.scatter(idx, values)
+        except ValueError as exc:  # a value that does not fit an integer buffer
+            raise UpdateRejected(str(exc)) from None
+
+
+def _index_dtype(d: int) -> np.dtype[Any]:
+    return np.dtype(np.int32 if d < INT32_LIMIT else np.int64)
+
+
+# ---------------------------------------------------------------------------- int8
+def quantize_int8(
+    x: np.ndarray, rng: np.random.Generator, *, chunk: int = QUANT_CHUNK
+) -> tuple[np.ndarray, np.float32]:
+    """Stochastic 8-bit quantization of one float array: (q int8 of x's shape, s float32).
+
+    s = max|x| rounded up to float32 (so |x| <= s); with y = 127·x/s in float64,
+    q = ⌊y⌋ + 1[U < y − ⌊y⌋], U ~ Uniform[0, 1) from ``rng.random`` (one float64 draw per
+    element, in C order), so E[q] = y exactly and |q − y| < 1. A zero array gets s = 0,
+    q = 0 and draws nothing.
+
+    Elements are processed ``chunk`` at a time so the float64 temporaries stay in cache;
+    the generator yields the same stream however its draws are split, so q does not depend
+    on ``chunk``.
+    """
+    shape = np.shape(x)
+    flat = np.asarray(x).reshape(-1)  # (n,) view
+    n = flat.size
+    m = max(-float(flat.min()), float(flat.max())) if n else 0.0  # max|x|, no |x| temporary
+    if not math.isfinite(m):
+        raise ValueError("cannot quantize an array with NaN or Inf")
+    s = np.float32(m)
+    if float(s) < m:
+        s = np.nextafter(s, np.float32(np.inf))
+    if not np.isfinite(s):
+        raise ValueError(f"max |x| = {m} does not fit a float32 scale")
+    q = np.zeros(n, dtype=np.int8)  # (n,)
+    if s == 0:
+        return q.reshape(shape), s
+    width = min(chunk, n)
+    y, low, u = np.empty(width), np.empty(width), np.empty(width)  # float64 (width,)
+    up = np.empty(width, dtype=bool)
+    for start in range(0, n, chunk):
+        k = min(chunk, n - start)
+        yk, lowk, uk, upk = y[:k], low[:k], u[:k], up[:k]
+        # |x| <= s ⇒ |x/s| <= 1 (division rounds monotonically) ⇒ |y| <= 127: q fits int8
+        np.divide(flat[start : start + k], float(s), out=yk, dtype=np.float64)
+        yk *= INT8_LEVELS
+        np.floor(yk, out=lowk)
+        yk -= lowk  # fractional part, exact
+        rng.random(out=uk)
+        np.less(uk, yk, out=upk)
+        lowk += upk
+        q[start : start + k] = lowk
+    return q.reshape(shape), s
+
+
+@dataclass(frozen=True)
+class StochasticInt8:
+    """Per-array stochastic rounding to int8 with a float32 scale (QSGD-style, 255 levels).
+
+    Notes
+    -----
+    Wire per float array ``n``: ``int8.<n>`` (int8, n's shape, values in [−127, 127]) and
+    ``int8.<n>.scale`` ((1,) float32, s >= 0); decode gives q·s/127, so E[decode] = x (up
+    to the rounding of the result to the array's dtype) and |decode − x| <= s/127. Integer
+    and bool arrays (buffers) pass through exactly as ``raw.<n>``. Arrays are visited in
+    ``Layout`` order, each drawing its uniforms from ``rng`` in turn (see ``quantize_int8``).
+    """
+
+    @property
+    def name(self) -> str:
+        """Spec of this codec."""
+        return "int8"
+
+    def encode(self, update: Mapping[str, np.ndarray], *, rng: np.random.Generator) -> Wire:
+        """Quantize every float array; copy the others."""
+        layout = Layout.of(update)
+        self._keys(layout)  # refuse layouts whose wire keys collide
+        wire: Wire = {}
+        for n in layout.names:
+            if layout.is_float(n):
+                q, s = quantize_int8(update[n], rng)
+                wire[INT8_PREFIX + n] = q
+                wire[INT8_PREFIX + n + SCALE_SUFFIX] = np.array([s], dtype=np.float32)
+            else:
+                wire[RAW_PREFIX + n] = np.array(update[n])
+        return wire
+
+    def decode(self, wire: Mapping[str, np.ndarray], layout: Layout) -> Arrays:
+        """Dequantize q·s/127 into each float array's dtype; check the raw arrays."""
+        _check_keys(wire, self._keys(layout), self.name)
+        out: Arrays = {}
+        for n, shape, dtype in zip(layout.names, layout.shapes, layout.dtypes, strict=True):
+            if not layout.is_float(n):
+                out[n] = _raw_array(wire, n, layout).copy()
+                continue
+            key = INT8_PREFIX + n
+            q = _wire_array(wire, key, np.dtype(np.int8), shape)
+            scale = _wire_array(wire, key + SCALE_SUFFIX, np.dtype(np.float32), (1,))
+            s = float(scale[0])
+            if not (math.isfinite(s) and s >= 0.0):
+                raise UpdateRejected(f"{key}{SCALE_SUFFIX} must be finite and >= 0, got {s}")
+            if q.size and q.min() < -INT8_LEVELS:
+                raise UpdateRejected(f"{key} has code {q.min()} outside [-127, 127]")
+            if s == 0.0 and q.any():
+                raise UpdateRejected(f"{key} has non-zero codes with scale 0")
+            value = np.empty(shape, dtype=dtype)
+            # q·s/127 in float64, cast to the array's dtype block by block (no temporaries)
+            np.multiply(q, s / INT8_LEVELS, out=value, dtype=np.float64, casting="same_kind")
+            out[n] = value
+        return out
+
+    @staticmethod
+    def _keys(layout: Layout) -> set[str]:
+        """The wire keys of ``layout``; a float array 'x' beside a float 'x.scale' collide."""
+        keys: list[str] = []
+        for n in layout.names:
+            if layout.is_float(n):
+                keys += [INT8_PREFIX + n, INT8_PREFIX + n + SCALE_SUFFIX]
+            else:
+                keys.append(RAW_PREFIX + n)
+        unique = set(keys)
+        if len(unique) != len(keys):
+            clash = sorted(k for k in unique if keys.count(k) > 1)
+            raise ConfigError(
+                f"int8 cannot encode this model: wire keys {clash} collide "
+                "(an array 'x' beside an array 'x.scale'); use 'topk:<k>' or 'none'"
+            )
+        return unique
+
+
+# ---------------------------------------------------------------------------- parsing
+def make_codec(spec: str) -> Codec:
+    """Parse a codec spec: 'none', 'int8', 'topk:<k>' or 'topk:<fraction>'.
+
+    The top-k argument is a fraction of d when it contains a '.' or an exponent, or is
+    below 1 ('topk:0.01', 'topk:1e-3'), and a count k otherwise ('topk:5000').
+    """
+    text = spec.strip().lower() if isinstance(spec, str) else ""
+    if text == "none":
+        return Identity()
+    if text == "int8":
+        return StochasticInt8()
+    head, sep, arg = text.partition(":")
+    if head == "topk" and sep:
+        arg = arg.strip()
+        try:
+            if any(c in arg for c in ".e"):
+                fraction = float(arg)
+                if not math.isfinite(fraction):
+                    raise ValueError
+                return TopK(fraction=fraction)
+            number = int(arg)
+        except ValueError:
+            raise ConfigError(
+                f"codec '{spec}': top-k needs a count or a fraction after 'topk:'; "
+                f"allowed: {CODEC_SPECS}"
+            ) from None
+        return TopK(k=number)  # k < 1 is rejected there, with the rule for k
+    raise ConfigError(f"unknown codec {spec!r}; allowed: {CODEC_SPECS}")
+
+
+# ---------------------------------------------------------------------------- error feedback
+@dataclass
+class ErrorFeedback:
+    """The site's residual e: what its codec has not yet delivered.
+
+    ``compress`` sends v = u + e and keeps e ← v − decode(encode(v)), so the server's
+    updates plus the residual always sum to the site's true updates. e is float64 (it
+    accumulates small float32 roundings too); with ``Identity`` it stays exactly 0.
+
+    Parameters
+    ----------
+    residual : dict of str to np.ndarray
+        float64 arrays shaped like the update; empty means e = 0.
+    """
+
+    residual: Arrays = field(default_factory=dict)
+
+    def compress(
+        self, update: Mapping[str, np.ndarray], codec: Codec, *, rng: np.random.Generator
+    ) -> tuple[Wire, Arrays]:
+        """Encode u + e; return (wire, sent_dense) and keep the new residual.
+
+        ``sent_dense`` is exactly what the server decodes (same codec, same layout: the
+        update's), in the update's dtypes. If encoding fails the residual is unchanged.
+        """
+        layout = Layout.of(update)
+        v = layout.flatten(update)  # (d,) float64: u
+        if self.residual:
+            self._check_layout(layout)
+            v += layout.flatten(self.residual)  # u + e
+        wire = codec.encode(layout.unflatten(v), rng=rng)
+        sent = codec.decode(wire, layout)
+        v -= layout.flatten(sent)  # e ← (u + e) − ŝ
+        self.residual = layout._split(v)  # views of v, which no one else holds
+        return wire, sent
+
+    def norm(self) -> float:
+        """‖e‖₂, a cheap health metric (it should stay bounded)."""
+        return math.sqrt(sum(float(np.vdot(a, a)) for a in self.residual.values()))
+
+    def reset(self) -> None:
+        """Forget the residual (e = 0), e.g. when the model's layout changes."""
+        self.residual = {}
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Plain float64 arrays ``residual.<name>``, for the site's persistent state."""
+        return {RESIDUAL_PREFIX + n: a.copy() for n, a in self.residual.items()}
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        """Restore from ``state_dict()``; every problem is listed in one ``ConfigError``."""
+        problems = []
+        residual: Arrays = {}
+        for key, value in state.items():
+            if not key.startswith(RESIDUAL_PREFIX):
+                problems.append(f"unexpected key '{key}'")
+            elif not isinstance(value, np.ndarray) or value.dtype.kind != "f":
+                problems.append(f"'{key}' must be a float array")
+            elif not np.isfinite(value).all():
+                problems.append(f"'{key}' contains NaN or Inf")
+            else:
+                residual[key[len(RESIDUAL_PREFIX) :]] = np.array(value, dtype=np.float64)
+        if problems:
+            raise ConfigError("bad error-feedback state: " + "; ".join(problems))
+        self.residual = residual
+
+    def _check_layout(self, layout: Layout) -> None:
+        mine = {n: a.shape for n, a in self.residual.items()}
+        theirs = dict(zip(layout.names, layout.shapes, strict=True))
+        if mine != theirs:
+            raise ValueError(
+                "the update's arrays differ from the residual's; call reset() after "
+                "changing the model"
+            )
+
+
+# ---------------------------------------------------------------------------- wire checks
+def _check_keys(wire: Mapping[str, np.ndarray], expected: set[str], codec: str) -> None:
+    got = set(wire)
+    missing = sorted(expected - got)
+    if missing:
+        raise UpdateRejected(f"{codec} wire is missing arrays: {', '.join(missing[:5])}")
+    extra = sorted(str(k) for k in got - expected)
+    if extra:
+        raise UpdateRejected(f"{codec} wire has unexpected arrays: {', '.join(extra[:5])}")
+
+
+def _wire_array(
+    wire: Mapping[str, np.ndarray], key: str, dtype: np.dtype[Any], shape: tuple[int, ...]
+) -> np.ndarray:
+    """``wire[key]`` if it is an array of exactly ``dtype`` and ``shape``, else reject."""
+    value = wire[key]
+    # exactly ndarray: a subclass (a masked array, say) could hide values from the checks
+    if type(value) is not np.ndarray:
+        raise UpdateRejected(f"wire '{key}' must be an array, got {type(value).__name__}")
+    if value.dtype != dtype:
+        raise UpdateRejected(f"wire '{key}' has dtype {value.dtype}, expected {dtype}")
+    if value.shape != shape:
+        # the usual hostile case: more values than k, or a differently sized model
+        raise UpdateRejected(f"wire '{key}' has shape {value.shape}, expected {shape}")
+    return value
+
+
+def _raw_array(wire: Mapping[str, np.ndarray], name: str, layout: Layout) -> np.ndarray:
+    j = layout._position[name]
+    key = RAW_PREFIX + name
+    value = _wire_array(wire, key, layout.dtype_of(name), layout.shapes[j])
+    if value.dtype.kind == "f" and not np.isfinite(value).all():
+        raise UpdateRejected(f"wire '{key}' contains NaN or Inf")
+    return value
+
+
+def _require_finite(update: Mapping[str, np.ndarray]) -> None:
+    for name, value in update.items():
+        a = np.asarray(value)
+        if a.dtype.kind == "f" and not np.isfinite(a).all():
+            raise ValueError(f"cannot encode array '{name}': it contains NaN or Inf")

@@ -1,0 +1,184 @@
+"""Delayed compensated updates: a site's bookkeeping of its unsettled periods (pure maths).
+
+ALGORITHMS.md §2 (DTS, "Distributed Training Across the World"; DGA). Site n trains p
+local steps per period from its local model, giving the accumulated step A_{n,r}; it
+applies A_{n,r} at once, sends it, and keeps it. The average of round r,
+Ā_r = Σ_n w_n A_{n,r} over the sites whose round-r update was included, reaches it D
+rounds later, and the site swaps its own contribution for it:
+
+    x_local ← x_local − A_{n,r} + Ā_r
+
+so that after every round every replica is
+
+    x_local = x_0 + Σ_{j ≤ r−D} Ā_j + Σ_{r−D < j ≤ r} A_{n,j}     (the invariant).
+
+Here the server sends the global model x_v = x_0 + Σ_{j ≤ v} Ā_j of version v (the same
+bytes as Ā_v) and the site rebuilds ``x_local = x_v + Σ_{j > v} A_{n,j}``: the swap in
+closed form, so replicas agree on the averaged history bit for bit instead of drifting
+apart by rounding over hundreds of swaps.
+
+A period whose update was **not** included in Ā_j (dropped, rejected, late) cannot be
+swapped out: the site applies Ā_j − 0 and keeps its A_{n,j}, which it re-sends inside its
+next update (``carry``). The invariant then holds with that next update counted in full,
+and no site's work is lost to a bad link.
+
+Without compensation (the ablation) the site trains from the stale global model x_v
+alone, forgetting its own recent periods: plain delayed SGD.
+
+Momentum: the site's optimiser (momentum included) restarts at every period, as in
+local-SGD averaging, so A_{n,r} is exactly the net change the site made to its model and
+the swap leaves no residue; weight decay enters A_{n,r} the same way. With D = 0 this is
+local-SGD averaging exactly; with D = 0 and p = 1, synchronous SGD.
+
+No Flower and no torch: arrays are name → numpy array, in float64 where the sums are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from flplatform.errors import ConfigError
+
+Arrays = dict[str, np.ndarray]
+
+
+def _add(total: Arrays | None, update: Mapping[str, np.ndarray]) -> Arrays:
+    if total is None:
+        return {k: np.array(v, dtype=np.float64) for k, v in update.items()}
+    return {k: total[k] + update[k] for k in total}
+
+
+@dataclass
+class SiteLedger:
+    """What a site keeps between messages: its unsettled accumulated steps and its carry.
+
+    ``pending`` maps a period r to A_{n,r} for every period whose average the site has
+    not yet received; ``carry`` sums the steps of periods the server left out, to be
+    re-sent with the next update. At most D + 1 pending vectors exist at a time.
+    """
+
+    pending: dict[int, Arrays] = field(default_factory=dict)
+    carry: Arrays | None = None
+
+    def settle(self, version: int, included: Collection[int]) -> list[int]:
+        """The site received x_version: drop what it holds, carry what it lacks.
+
+        ``included``: this site's periods ≤ ``version`` whose update is in the average.
+        Returns the periods that were left out (their steps are now in ``carry``).
+        """
+        left_out = []
+        for period in sorted(p for p in self.pending if p <= version):
+            update = self.pending.pop(period)
+            if period not in included:
+                self.carry = _add(self.carry, update)
+                left_out.append(period)
+        return left_out
+
+    def local_model(self, global_model: Mapping[str, np.ndarray], *, compensate: bool) -> Arrays:
+        """x_local = x_v + Σ pending A_j + carry; x_v alone without compensation."""
+        model = {k: np.array(v, dtype=np.float64) for k, v in global_model.items()}
+        if not compensate:
+            return model
+        for update in [*self.pending.values(), *([self.carry] if self.carry else [])]:
+            if set(update) != set(model) or any(update[k].shape != model[k].shape for k in model):
+                raise ConfigError(
+                    "the site's kept updates do not fit the model the server sent "
+                    "(was the model changed mid-run?); restart the site to clear its state"
+                )
+            for k in model:
+                model[k] += update[k]
+        return model
+
+    def record(
+        self,
+        period: int,
+        start: Mapping[str, np.ndarray],
+        trained: Mapping[str, np.ndarray],
+        *,
+        compensate: bool,
+    ) -> Arrays:
+        """A_{n,period} = (trained − start) + carry, in the model's dtypes: what is sent.
+
+        Compensating, it is also kept (exactly as sent, so the site's model is the sum
+        of what the server knows) until its average arrives.
+        """
+        update = {k: np.asarray(trained[k], dtype=np.float64) - start[k] for k in start}
+        if compensate and self.carry is not None:
+            update = {k: update[k] + self.carry[k] for k in update}
+        sent = {k: update[k].astype(np.asarray(trained[k]).dtype) for k in update}
+        if compensate:
+            self.carry = None
+            self.pending[period] = {k: v.astype(np.float64) for k, v in sent.items()}
+        return sent
+
+
+@dataclass
+class ServerLedger:
+    """The server's side: which period each site is on, and which of its updates counted.
+
+    A site may start period q once the global model of version q − 1 − D exists; it is
+    sent exactly that version (the average arrives D rounds late). ``unsettled`` holds
+    each site's periods whose fate it has not yet been told; the site is told with its
+    next message and they are forgotten once it replies to that message.
+    """
+
+    delay: int
+    next_period: dict[int, int] = field(default_factory=dict)
+    unsettled: dict[int, set[int]] = field(default_factory=dict)
+    included: dict[int, set[int]] = field(default_factory=dict)
+    awaited: dict[int, int] = field(default_factory=dict)  # site → period sent, no reply seen
+
+    def __post_init__(self) -> None:
+        if isinstance(self.delay, bool) or not isinstance(self.delay, int) or self.delay < 0:
+            raise ConfigError(f"delay must be an integer >= 0 rounds, got {self.delay!r}")
+
+    def period_for(self, site: int, *, open_round: int, last_round: int) -> int | None:
+        """The period ``site`` (idle now) may start while ``open_round`` is open, or None.
+
+        A site that joined late starts at the open round. A site idle while a reply is
+        still awaited never computed that period (it sat it out, failed, or its message
+        was lost): it is offered the same period again while that round is open.
+        """
+        lost = self.awaited.pop(site, None)
+        if lost is not None:
+            self.next_period[site] = lost
+        period = max(self.next_period.get(site, 1), open_round)
+        if period > last_round or period - 1 - self.delay > open_round - 1:
+            return None
+        return period
+
+    def version_for(self, period: int) -> int:
+        """The global model version a site starting ``period`` is sent: D rounds old."""
+        return max(0, period - 1 - self.delay)
+
+    def sent(self, site: int, period: int) -> None:
+        """``site`` was given ``period``."""
+        self.next_period[site] = period + 1
+        self.unsettled.setdefault(site, set()).add(period)
+        self.awaited[site] = period
+
+    def replied(self, site: int, period: int) -> None:
+        """``site`` answered for ``period`` (whatever becomes of the update)."""
+        if self.awaited.get(site) == period:
+            del self.awaited[site]
+
+    def counted(self, site: int, period: int) -> None:
+        """``site``'s update for ``period`` is in Ā_period."""
+        self.included.setdefault(site, set()).add(period)
+
+    def news_for(self, site: int, version: int) -> list[int]:
+        """The site's periods ≤ ``version`` included in the averages (what it may swap)."""
+        return sorted(
+            p
+            for p in self.unsettled.get(site, set())
+            if p <= version and p in self.included.get(site, set())
+        )
+
+    def acknowledged(self, site: int, version: int) -> None:
+        """The site replied to a message carrying x_version: it has settled up to there."""
+        kept = {p for p in self.unsettled.get(site, set()) if p > version}
+        self.unsettled[site] = kept
+        self.included[site] = {p for p in self.included.get(site, set()) if p > version}

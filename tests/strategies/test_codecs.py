@@ -1,0 +1,693 @@
+"""Site codecs against naive oracles, hand-computed golden cases and hostile wire input."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from flplatform.errors import ConfigError, UpdateRejected
+from strategies.codecs import (
+    Codec,
+    ErrorFeedback,
+    Identity,
+    Layout,
+    StochasticInt8,
+    TopK,
+    _topk_candidates,
+    make_codec,
+    quantize_int8,
+    top_k_indices,
+    wire_nbytes,
+)
+
+Arrays = dict[str, np.ndarray]
+
+
+# ---------------------------------------------------------------- naive oracles
+def naive_top_k(x: list[float], k: int) -> list[int]:
+    """Rank every coordinate by (−|x_i|, i) in plain Python; keep k; ascending."""
+    ranked: list[tuple[float, int]] = []
+    for i, value in enumerate(x):
+        ranked.append((-abs(value), i))
+    ranked.sort()
+    return sorted(i for _, i in ranked[:k])
+
+
+def flat(arrays: Arrays) -> np.ndarray:
+    """Float64 concatenation in sorted-name order (the documented layout order)."""
+    return np.concatenate([np.asarray(arrays[n], np.float64).reshape(-1) for n in sorted(arrays)])
+
+
+# ---------------------------------------------------------------- hypothesis strategies
+NAMES = ["conv.weight", "fc.bias", "fc.weight", "head.weight"]
+# small integers force ties and zeros; wide floats exercise the float32 path
+ELEMENTS = st.one_of(
+    st.integers(-3, 3).map(float),
+    st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False, width=32),
+)
+SHAPES = hnp.array_shapes(min_dims=0, max_dims=3, min_side=1, max_side=5)
+
+
+@st.composite
+def layouts(draw: st.DrawFn, *, buffer: bool = False) -> dict[str, tuple[int, ...]]:
+    names = draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=3, unique=True))
+    shapes = {n: draw(SHAPES) for n in names}
+    if buffer:
+        shapes["norm.num_batches_tracked"] = ()  # a 0-d int64 buffer, like BatchNorm's
+    return shapes
+
+
+def draw_update(draw: st.DrawFn, shapes: dict[str, tuple[int, ...]]) -> Arrays:
+    out: Arrays = {}
+    for name, shape in shapes.items():
+        if name.endswith("num_batches_tracked"):
+            out[name] = np.array(draw(st.integers(0, 50)), dtype=np.int64).reshape(shape)
+        else:
+            out[name] = draw(hnp.arrays(np.float32, shape, elements=ELEMENTS))
+    return out
+
+
+@st.composite
+def updates(draw: st.DrawFn, *, buffer: bool = False) -> Arrays:
+    return draw_update(draw, draw(layouts(buffer=buffer)))
+
+
+@st.composite
+def update_sequences(draw: st.DrawFn) -> list[Arrays]:
+    shapes = draw(layouts(buffer=draw(st.booleans())))
+    return [draw_update(draw, shapes) for _ in range(draw(st.integers(1, 6)))]
+
+
+@st.composite
+def top_ks(draw: st.DrawFn) -> TopK:
+    if draw(st.booleans()):
+        return TopK(k=draw(st.integers(1, 80)))
+    return TopK(fraction=draw(st.floats(0.001, 1.0)))
+
+
+def rng(seed: int = 0) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+# ---------------------------------------------------------------- layout
+def test_layout_orders_by_name_and_round_trips_dtypes() -> None:
+    arrays: Arrays = {
+        "b": np.array([[1.5, -2.0]], dtype=np.float32),
+        "a": np.array([7, -3], dtype=np.int64),
+        "c": np.array(True),
+        "d": np.array([0.25], dtype=np.float64),
+    }
+    layout = Layout.of(arrays)
+    assert layout.names == ("a", "b", "c", "d")
+    assert layout.shapes == ((2,), (1, 2), (), (1,))
+    assert layout.size == 6 and layout.offsets == (0, 2, 4, 5)
+    vector = layout.flatten(arrays)
+    assert vector.dtype == np.float64
+    np.testing.assert_array_equal(vector, [7, -3, 1.5, -2.0, 1.0, 0.25])
+    back = layout.unflatten(vector)
+    for name, value in arrays.items():
+        assert isinstance(back[name], np.ndarray)
+        assert back[name].dtype == value.dtype and back[name].shape == value.shape
+        np.testing.assert_array_equal(back[name], value)
+
+
+def test_layout_unflatten_rounds_integers_and_rejects_overflow() -> None:
+    layout = Layout.of({"n": np.zeros(2, dtype=np.int8)})
+    np.testing.assert_array_equal(layout.unflatten(np.array([2.6, -1.4]))["n"], [3, -1])
+    with pytest.raises(ValueError, match="outside the range of int8"):
+        layout.unflatten(np.array([128.0, 0.0]))
+
+
+def test_layout_rejects_mismatched_arrays() -> None:
+    layout = Layout.of({"w": np.zeros((2, 3), np.float32)})
+    with pytest.raises(ValueError, match="missing \\['w'\\], extra \\['v'\\]"):
+        layout.flatten({"v": np.zeros((2, 3))})
+    with pytest.raises(ValueError, match="shape"):
+        layout.flatten({"w": np.zeros((3, 2))})
+    with pytest.raises(ValueError, match="shape"):
+        layout.unflatten(np.zeros(5))
+    with pytest.raises(ValueError, match="real numbers"):
+        Layout.of({"z": np.zeros(2, np.complex64)})
+
+
+# ---------------------------------------------------------------- top-k
+def test_topk_golden_by_hand() -> None:
+    # layout order is by name: a (2 × 2) then b, whatever the dict order
+    update: Arrays = {
+        "b": np.array([3.0, -1.0, 2.0], dtype=np.float32),
+        "a": np.array([[0.5, -3.0], [2.0, 0.0]], dtype=np.float32),
+    }
+    # flat: [0.5, −3, 2, 0 | 3, −1, 2]; |x| = 3 at 1 and 4, then a tie of 2 at 2 and 6:
+    # the lower index (2) wins
+    wire = TopK(k=3).encode(update, rng=rng())
+    assert wire["topk.indices"].dtype == np.int32
+    assert wire["topk.values"].dtype == np.float32
+    np.testing.assert_array_equal(wire["topk.indices"], [1, 2, 4])
+    np.testing.assert_array_equal(wire["topk.values"], [-3.0, 2.0, 3.0])
+    dense = TopK(k=3).decode(wire, Layout.of(update))
+    np.testing.assert_array_equal(dense["a"], [[0.0, -3.0], [2.0, 0.0]])
+    np.testing.assert_array_equal(dense["b"], [3.0, 0.0, 0.0])
+    assert dense["a"].dtype == np.float32
+    assert wire_nbytes(wire) == 3 * 4 + 3 * 4
+
+
+@settings(max_examples=150, deadline=None)
+@given(update=updates(buffer=True), codec=top_ks())
+def test_topk_matches_naive_oracle(update: Arrays, codec: TopK) -> None:
+    x = flat(update)
+    k = codec.k_for(x.size)
+    wire = codec.encode(update, rng=rng())
+    expected = naive_top_k(x.tolist(), k)
+    assert wire["topk.indices"].tolist() == expected
+    np.testing.assert_array_equal(wire["topk.values"], x[expected].astype(np.float32))
+    decoded = codec.decode(wire, Layout.of(update))
+    assert all(isinstance(v, np.ndarray) for v in decoded.values())
+    dense = flat(decoded)
+    want = np.zeros_like(x)
+    want[expected] = x[expected].astype(np.float32)
+    np.testing.assert_array_equal(dense, want)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    x=hnp.arrays(np.float64, st.integers(1, 300), elements=ELEMENTS),
+    k=st.integers(1, 40),
+    sample=st.integers(1, 64),
+)
+def test_top_k_indices_with_any_sample_size_matches_naive(
+    x: np.ndarray, k: int, sample: int
+) -> None:
+    # small samples take the sampled-threshold path, including its fallback
+    got = top_k_indices(x, k, sample=sample)
+    assert got.dtype == np.int64
+    assert got.tolist() == naive_top_k(x.tolist(), k)
+
+
+def test_sampled_threshold_path_is_taken_and_exact() -> None:
+    x = rng(3).standard_normal(50_000)
+    x[[10, 20, 30]] = 9.0  # a three-way tie inside the top-k
+    cand = _topk_candidates(np.abs(x), 100, 1024)
+    assert cand is not None and 100 <= cand.size < 1_000
+    got = top_k_indices(x, 100, sample=1024)
+    np.testing.assert_array_equal(got, top_k_indices(x, 100, sample=x.size))  # no sample
+    assert got.tolist() == naive_top_k(x.tolist(), 100)
+
+
+def test_unlucky_sample_falls_back_to_the_full_partition() -> None:
+    # the stride-16 sample sees only the 64 tens, so its guess keeps fewer than k candidates
+    x = rng(4).uniform(-1, 1, 1024)
+    x[::16] = 10.0
+    assert _topk_candidates(np.abs(x), 100, 64) is None
+    assert top_k_indices(x, 100, sample=64).tolist() == naive_top_k(x.tolist(), 100)
+
+
+def test_topk_with_k_at_least_d_sends_the_exact_update() -> None:
+    update: Arrays = {
+        "w": rng(1).standard_normal((4, 3)).astype(np.float32),
+        "n": np.array(5, dtype=np.int64),
+    }
+    layout = Layout.of(update)
+    for codec in (TopK(k=13), TopK(k=10**6), TopK(fraction=1.0)):
+        assert codec.k_for(layout.size) == 13
+        dense = codec.decode(codec.encode(update, rng=rng()), layout)
+        for name, value in update.items():
+            assert dense[name].dtype == value.dtype
+            np.testing.assert_array_equal(dense[name], value)
+
+
+def test_topk_k_from_fraction() -> None:
+    assert TopK(fraction=0.01).k_for(1_000_000) == 10_000
+    assert TopK(fraction=0.01).k_for(10) == 1  # at least one coordinate
+    assert TopK(fraction=0.25).k_for(10) == 2  # round(2.5) = 2
+    assert TopK(k=5).k_for(3) == 3
+
+
+def test_topk_uses_int64_indices_from_two_to_the_31() -> None:
+    # checked from the wire's dtype alone: nothing of size 2^31 is allocated
+    huge = Layout(names=("w",), shapes=((2**31,),), dtypes=(np.dtype(np.float32),))
+    wire = {"topk.indices": np.array([0, 1], np.int32), "topk.values": np.ones(2, np.float32)}
+    with pytest.raises(UpdateRejected, match="dtype int32, expected int64"):
+        TopK(k=2).decode(wire, huge)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({}, "exactly one"),
+        ({"k": 3, "fraction": 0.1}, "exactly one"),
+        ({"k": 0}, "k must be an integer >= 1"),
+        ({"k": True}, "k must be an integer >= 1"),
+        ({"k": 2.0}, "k must be an integer >= 1"),
+        ({"fraction": 0.0}, "fraction must be in \\(0, 1\\]"),
+        ({"fraction": 1.5}, "fraction must be in \\(0, 1\\]"),
+        ({"fraction": float("nan")}, "fraction must be in \\(0, 1\\]"),
+    ],
+)
+def test_topk_rejects_bad_settings(kwargs: dict[str, float], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        TopK(**kwargs)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- stochastic int8
+def test_int8_golden_by_hand() -> None:
+    # default_rng(0).random(4) draws these uniforms (one per element, in C order)
+    u = [0.6369616873214543, 0.2697867137638703, 0.04097352393619469, 0.016527635528529094]
+    np.testing.assert_array_equal(rng(0).random(4), u)
+    x = np.array([0.5, -1.0, 0.25, 0.0], dtype=np.float32)
+    # s = 1; y = 127·x = [63.5, −127, 31.75, 0]; round up iff U < frac(y) = [.5, 0, .75, 0]:
+    # 0.637 < .5 no → 63; never for −127 and 0; 0.041 < .75 yes → 32
+    wire = StochasticInt8().encode({"w": x}, rng=rng(0))
+    assert set(wire) == {"int8.w", "int8.w.scale"}
+    assert wire["int8.w"].dtype == np.int8 and wire["int8.w.scale"].dtype == np.float32
+    np.testing.assert_array_equal(wire["int8.w"], [63, -127, 32, 0])
+    np.testing.assert_array_equal(wire["int8.w.scale"], [1.0])
+    dense = StochasticInt8().decode(wire, Layout.of({"w": x}))["w"]
+    assert dense.dtype == np.float32
+    np.testing.assert_array_equal(dense, np.array([63 / 127, -1.0, 32 / 127, 0.0], np.float32))
+    assert wire_nbytes(wire) == 4 + 4
+
+
+def test_int8_is_unbiased() -> None:
+    x = np.linspace(-0.8, 1.3, 41).astype(np.float32)  # max |x| = 1.3 sets the scale
+    n = 3000
+    decoded = np.stack(
+        [
+            StochasticInt8()
+            .decode(StochasticInt8().encode({"w": x}, rng=rng(seed)), Layout.of({"w": x}))["w"]
+            .astype(np.float64)
+            for seed in range(n)
+        ]
+    )  # (n, 41)
+    s = float(np.float32(1.3))
+    y = x.astype(np.float64) / s * 127
+    f = y - np.floor(y)
+    # one decode is ⌊y⌋·s/127 or (⌊y⌋ + 1)·s/127 with P = f: variance (s/127)²·f(1 − f)
+    standard_error = (s / 127) * np.sqrt(f * (1 - f) / n)
+    error = np.abs(decoded.mean(axis=0) - x)
+    assert (error <= 5 * standard_error + 1e-6 * s / 127).all(), error / (standard_error + 1e-12)
+    # rounding to nearest would be off by up to half a level, far outside 5 standard errors
+    assert 5 * standard_error.max() < 0.1 * s / 127
+
+
+@settings(max_examples=100, deadline=None)
+@given(update=updates(buffer=True), seed=st.integers(0, 2**32))
+def test_int8_error_is_below_one_level(update: Arrays, seed: int) -> None:
+    codec = StochasticInt8()
+    wire = codec.encode(update, rng=rng(seed))
+    dense = codec.decode(wire, Layout.of(update))
+    for name, x in update.items():
+        assert isinstance(dense[name], np.ndarray) and dense[name].shape == x.shape
+        if x.dtype.kind != "f":
+            assert f"raw.{name}" in wire
+            np.testing.assert_array_equal(dense[name], x)
+            continue
+        s = float(wire[f"int8.{name}.scale"][0])
+        assert s >= float(np.max(np.abs(x)))  # the scale covers every element
+        # one level s/127, plus the rounding of q·s/127 to float32
+        bound = s / 127 + np.spacing(np.float32(s))
+        assert (np.abs(dense[name].astype(np.float64) - x) <= bound).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    x=hnp.arrays(np.float32, st.integers(1, 200), elements=ELEMENTS),
+    chunk=st.integers(1, 70),
+    seed=st.integers(0, 2**32),
+)
+def test_int8_codes_do_not_depend_on_the_chunk(x: np.ndarray, chunk: int, seed: int) -> None:
+    q_one, s_one = quantize_int8(x, rng(seed), chunk=x.size)
+    q_chunked, s_chunked = quantize_int8(x, rng(seed), chunk=chunk)
+    assert s_one == s_chunked
+    np.testing.assert_array_equal(q_one, q_chunked)
+
+
+def test_int8_zero_array_has_scale_zero_and_draws_nothing() -> None:
+    generator = rng(5)
+    before = generator.bit_generator.state
+    wire = StochasticInt8().encode({"w": np.zeros((2, 3), np.float32)}, rng=generator)
+    assert generator.bit_generator.state == before
+    np.testing.assert_array_equal(wire["int8.w.scale"], [0.0])
+    np.testing.assert_array_equal(wire["int8.w"], np.zeros((2, 3), np.int8))
+    dense = StochasticInt8().decode(wire, Layout.of({"w": np.zeros((2, 3), np.float32)}))
+    np.testing.assert_array_equal(dense["w"], np.zeros((2, 3), np.float32))
+
+
+def test_int8_passes_integer_and_bool_buffers_exactly() -> None:
+    update: Arrays = {
+        "n": np.array(2**40 + 3, dtype=np.int64),  # not representable in float32
+        "m": np.array([-7, 9], dtype=np.int32),
+        "flag": np.array([True, False]),
+        "w": np.array([0.1, -0.2], dtype=np.float32),
+    }
+    wire = StochasticInt8().encode(update, rng=rng())
+    assert set(wire) == {"raw.n", "raw.m", "raw.flag", "int8.w", "int8.w.scale"}
+    dense = StochasticInt8().decode(wire, Layout.of(update))
+    for name in ("n", "m", "flag"):
+        assert dense[name].dtype == update[name].dtype
+        np.testing.assert_array_equal(dense[name], update[name])
+
+
+def test_int8_scale_is_rounded_up_to_cover_float64_input() -> None:
+    x = np.array([1.0 + 2.0**-30, -0.5])  # max |x| is not a float32: s must not fall below
+    q, s = quantize_int8(x, rng())
+    assert float(s) > 1.0 and s.dtype == np.float32
+    assert q.min() >= -127 and q.max() <= 127
+
+
+def test_int8_refuses_models_whose_wire_keys_collide() -> None:
+    model: Arrays = {"x": np.ones(2, np.float32), "x.scale": np.ones(1, np.float32)}
+    with pytest.raises(ConfigError, match="wire keys \\['int8.x.scale'\\] collide"):
+        StochasticInt8().encode(model, rng=rng())
+    with pytest.raises(ConfigError, match="collide"):
+        StochasticInt8().decode({}, Layout.of(model))
+    # an integer 'x.scale' travels as raw.x.scale: no clash
+    model["x.scale"] = np.ones(1, np.int64)
+    wire = StochasticInt8().encode(model, rng=rng())
+    StochasticInt8().decode(wire, Layout.of(model))
+
+
+def test_same_seed_gives_the_same_wire() -> None:
+    update = {"w": rng(9).standard_normal(1000).astype(np.float32)}
+    for codec in (StochasticInt8(), TopK(fraction=0.1), Identity()):
+        a, b = codec.encode(update, rng=rng(4)), codec.encode(update, rng=rng(4))
+        assert set(a) == set(b)
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])
+    c, d = (StochasticInt8().encode(update, rng=rng(s))["int8.w"] for s in (4, 5))
+    assert not np.array_equal(c, d)  # the rounding really is random
+    # top-k ignores the generator
+    np.testing.assert_array_equal(
+        TopK(k=5).encode(update, rng=rng(1))["topk.indices"],
+        TopK(k=5).encode(update, rng=rng(2))["topk.indices"],
+    )
+
+
+def test_encode_refuses_non_finite_updates() -> None:
+    bad: Arrays = {"w": np.array([1.0, np.nan], np.float32)}
+    for codec in (TopK(k=1), StochasticInt8(), Identity()):
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            codec.encode(bad, rng=rng())
+
+
+# ---------------------------------------------------------------- error feedback
+@settings(max_examples=120, deadline=None)
+@given(
+    sequence=update_sequences(),
+    codec=st.one_of(top_ks(), st.just(StochasticInt8())),
+    seed=st.integers(0, 2**32),
+)
+def test_sent_plus_residual_equals_sum_of_true_updates(
+    sequence: list[Arrays], codec: Codec, seed: int
+) -> None:
+    feedback = ErrorFeedback()
+    generator = rng(seed)
+    layout = Layout.of(sequence[0])
+    sent_total = np.zeros(layout.size)
+    true_total = np.zeros(layout.size)
+    for update in sequence:
+        wire, sent = feedback.compress(update, codec, rng=generator)
+        for name, value in update.items():
+            assert isinstance(sent[name], np.ndarray)  # 0-d buffers stay arrays, not scalars
+            assert sent[name].dtype == value.dtype and sent[name].shape == value.shape
+        sent_total += flat(sent)
+        true_total += flat(update)
+        residual = layout.flatten(feedback.residual)
+        # float64 tolerance: far below one float32 rounding of the update
+        scale = 1.0 + np.abs(true_total).max() + np.abs(sent_total).max()
+        np.testing.assert_allclose(sent_total + residual, true_total, rtol=0, atol=1e-12 * scale)
+    assert all(v.dtype == np.float64 for v in feedback.residual.values())
+
+
+def test_sent_dense_is_what_the_server_decodes() -> None:
+    update: Arrays = {
+        "b": rng(2).standard_normal(50).astype(np.float32),
+        "a": np.ones(3, np.float32),
+    }
+    server_model: Arrays = {
+        "a": np.zeros(3, np.float32),
+        "b": np.zeros(50, np.float32),
+    }  # other order
+    for codec in (TopK(k=7), StochasticInt8(), Identity()):
+        feedback = ErrorFeedback()
+        for seed in range(3):
+            wire, sent = feedback.compress(update, codec, rng=rng(seed))
+            on_server = codec.decode(wire, Layout.of(server_model))
+            for name in update:
+                np.testing.assert_array_equal(on_server[name], sent[name])
+
+
+def test_error_feedback_topk_golden_by_hand() -> None:
+    feedback, codec = ErrorFeedback(), TopK(k=1)
+    # round 1: u = [3, 1] → send 3 at 0; e = [0, 1]
+    _, sent = feedback.compress({"w": np.array([3.0, 1.0], np.float32)}, codec, rng=rng())
+    np.testing.assert_array_equal(sent["w"], [3.0, 0.0])
+    np.testing.assert_array_equal(feedback.residual["w"], [0.0, 1.0])
+    # round 2: u = [0.5, 1] → v = [0.5, 2] → send 2 at 1; e = [0.5, 0]
+    _, sent = feedback.compress({"w": np.array([0.5, 1.0], np.float32)}, codec, rng=rng())
+    np.testing.assert_array_equal(sent["w"], [0.0, 2.0])
+    np.testing.assert_array_equal(feedback.residual["w"], [0.5, 0.0])
+    assert feedback.norm() == 0.5
+
+
+def test_error_feedback_keeps_float32_rounding_in_the_residual() -> None:
+    # 0.1 is not a float32: the value sent is float32(0.1 + 0.1 + ...) and e holds the rest
+    feedback = ErrorFeedback()
+    u = {"w": np.array([0.1], np.float64)}
+    _, sent = feedback.compress(u, TopK(k=1), rng=rng())
+    assert sent["w"].dtype == np.float64  # the update's dtype
+    assert sent["w"][0] == float(np.float32(0.1))
+    assert feedback.residual["w"][0] == 0.1 - float(np.float32(0.1)) != 0.0
+
+
+def test_identity_residual_stays_exactly_zero() -> None:
+    feedback = ErrorFeedback()
+    for seed in range(4):
+        update: Arrays = {
+            "w": rng(seed).standard_normal((3, 4)).astype(np.float32),
+            "n": np.array(seed, np.int64),
+        }
+        wire, sent = feedback.compress(update, Identity(), rng=rng(seed))
+        assert set(wire) == {"raw.w", "raw.n"}
+        for name, value in update.items():
+            np.testing.assert_array_equal(sent[name], value)
+            assert sent[name].dtype == value.dtype
+        assert all(not v.any() for v in feedback.residual.values())
+    assert feedback.norm() == 0.0
+
+
+def test_error_feedback_resumes_from_state_dict() -> None:
+    updates = [{"w": rng(s).standard_normal(40).astype(np.float32)} for s in range(6)]
+    codec = StochasticInt8()
+
+    def run(feedback: ErrorFeedback, batch: list[Arrays], generator: np.random.Generator):
+        return [feedback.compress(u, codec, rng=generator)[0]["int8.w"] for u in batch]
+
+    straight = run(ErrorFeedback(), updates, rng(0))
+    first = ErrorFeedback()
+    generator = rng(0)
+    resumed = run(first, updates[:3], generator)
+    state = first.state_dict()
+    assert set(state) == {"residual.w"} and state["residual.w"].dtype == np.float64
+    second = ErrorFeedback()
+    second.load_state_dict(state)
+    resumed += run(second, updates[3:], generator)
+    for a, b in zip(straight, resumed, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_error_feedback_state_is_validated_all_at_once() -> None:
+    feedback = ErrorFeedback()
+    bad: Arrays = {
+        "residual.w": np.array([np.nan]),
+        "residual.n": np.array([1, 2]),
+        "velocity.w": np.zeros(2),
+    }
+    with pytest.raises(ConfigError, match="NaN.*float array.*unexpected key 'velocity.w'"):
+        feedback.load_state_dict(bad)
+    assert feedback.residual == {}
+
+
+def test_error_feedback_layout_change_needs_reset() -> None:
+    feedback = ErrorFeedback()
+    feedback.compress({"w": np.ones(4, np.float32)}, TopK(k=1), rng=rng())
+    with pytest.raises(ValueError, match="reset"):
+        feedback.compress({"w": np.ones(5, np.float32)}, TopK(k=1), rng=rng())
+    feedback.reset()
+    assert feedback.residual == {}
+    feedback.compress({"w": np.ones(5, np.float32)}, TopK(k=1), rng=rng())
+
+
+def test_failed_encode_leaves_the_residual_alone() -> None:
+    feedback = ErrorFeedback()
+    feedback.compress({"w": np.array([2.0, 1.0], np.float32)}, TopK(k=1), rng=rng())
+    with pytest.raises(ValueError, match="NaN"):
+        feedback.compress({"w": np.array([np.nan, 1.0], np.float32)}, TopK(k=1), rng=rng())
+    np.testing.assert_array_equal(feedback.residual["w"], [0.0, 1.0])
+
+
+# ---------------------------------------------------------------- hostile wire input
+MODEL: Arrays = {
+    "w": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4),
+    "n": np.array(7, dtype=np.int64),
+}
+LAYOUT = Layout.of(MODEL)  # d = 13: n at 0, w at 1..12
+Mutation = Callable[[dict[str, object]], None]
+
+
+def _set(key: str, value: object) -> Mutation:
+    def mutate(wire: dict[str, object]) -> None:
+        wire[key] = value
+
+    return mutate
+
+
+def _edit(key: str, fn: Callable[[np.ndarray], None]) -> Mutation:
+    def mutate(wire: dict[str, object]) -> None:
+        value = np.array(wire[key])
+        fn(value)
+        wire[key] = value
+
+    return mutate
+
+
+def _drop(key: str) -> Mutation:
+    def mutate(wire: dict[str, object]) -> None:
+        del wire[key]
+
+    return mutate
+
+
+def _index(i: int, value: int) -> Callable[[np.ndarray], None]:
+    def fn(a: np.ndarray) -> None:
+        a[i] = value
+
+    return fn
+
+
+TOPK_ATTACKS: list[tuple[str, Mutation, str]] = [
+    ("index = d", _edit("topk.indices", _index(-1, 13)), "out of range \\[0, 13\\): 13"),
+    ("huge index", _edit("topk.indices", _index(-1, 2**31 - 1)), "out of range"),
+    ("negative index", _edit("topk.indices", _index(0, -1)), "negative index"),
+    ("duplicate", _edit("topk.indices", _index(1, 0)), "duplicate index"),
+    ("unsorted", _set("topk.indices", np.array([5, 1, 9], np.int32)), "sorted ascending"),
+    ("short values", _set("topk.values", np.ones(2, np.float32)), "shape \\(2,\\)"),
+    ("more than k", _set("topk.indices", np.arange(4, dtype=np.int32)), "expected \\(3,\\)"),
+    ("2-D indices", _set("topk.indices", np.ones((3, 1), np.int32)), "shape"),
+    ("NaN value", _edit("topk.values", _index(0, np.nan)), "contains NaN"),  # type: ignore[arg-type]
+    ("inf value", _edit("topk.values", _index(2, np.inf)), "NaN or Inf"),  # type: ignore[arg-type]
+    ("int64 indices", _set("topk.indices", np.array([1, 2, 3])), "dtype int64, expected int32"),
+    ("float indices", _set("topk.indices", np.array([1.0, 2, 3], np.float32)), "dtype"),
+    ("float64 values", _set("topk.values", np.ones(3)), "dtype float64, expected float32"),
+    ("list values", _set("topk.values", [1.0, 2.0, 3.0]), "must be an array, got list"),
+    (
+        "masked NaN",
+        _set("topk.values", np.ma.masked_invalid(np.array([np.nan, 1, 2], np.float32))),
+        "must be an array, got MaskedArray",
+    ),
+    ("missing", _drop("topk.values"), "missing arrays: topk.values"),
+    ("extra", _set("topk.norm", np.ones(1, np.float32)), "unexpected arrays: topk.norm"),
+    (
+        "buffer overflow",
+        lambda w: w.update(
+            {
+                "topk.indices": np.array([0, 1, 2], np.int32),
+                "topk.values": np.array([1e30, 0, 0], np.float32),
+            }
+        ),
+        "outside the range of int64",
+    ),
+]
+INT8_ATTACKS: list[tuple[str, Mutation, str]] = [
+    ("NaN scale", _set("int8.w.scale", np.array([np.nan], np.float32)), "finite and >= 0, got nan"),
+    ("inf scale", _set("int8.w.scale", np.array([np.inf], np.float32)), "finite and >= 0, got inf"),
+    (
+        "negative scale",
+        _set("int8.w.scale", np.array([-1.0], np.float32)),
+        "finite and >= 0, got -1",
+    ),
+    ("float64 scale", _set("int8.w.scale", np.array([1.0])), "dtype float64, expected float32"),
+    (
+        "two scales",
+        _set("int8.w.scale", np.array([1, 2], np.float32)),
+        "shape \\(2,\\), expected \\(1,\\)",
+    ),
+    ("int16 codes", _set("int8.w", np.zeros((3, 4), np.int16)), "dtype int16, expected int8"),
+    ("flat codes", _set("int8.w", np.zeros(12, np.int8)), "shape \\(12,\\), expected \\(3, 4\\)"),
+    ("code -128", _edit("int8.w", _index(0, -128)), "code -128 outside \\[-127, 127\\]"),
+    (
+        "codes with zero scale",
+        _set("int8.w.scale", np.array([0.0], np.float32)),
+        "non-zero codes with scale 0",
+    ),
+    ("missing scale", _drop("int8.w.scale"), "missing arrays: int8.w.scale"),
+    ("extra", _set("int8.n", np.zeros((), np.int8)), "unexpected arrays: int8.n"),
+    ("buffer dtype", _set("raw.n", np.array(7, np.int32)), "dtype int32, expected int64"),
+    ("buffer missing", _drop("raw.n"), "missing arrays: raw.n"),
+]
+IDENTITY_ATTACKS: list[tuple[str, Mutation, str]] = [
+    ("NaN", _edit("raw.w", _index(0, np.nan)), "'raw.w' contains NaN"),  # type: ignore[arg-type]
+    ("shape", _set("raw.w", np.zeros((4, 3), np.float32)), "shape \\(4, 3\\)"),
+    ("dtype", _set("raw.w", np.zeros((3, 4), np.float64)), "dtype float64, expected float32"),
+    ("missing", _drop("raw.w"), "missing arrays: raw.w"),
+    ("extra", _set("raw.x", np.zeros(1, np.float32)), "unexpected arrays: raw.x"),
+]
+
+
+@pytest.mark.parametrize(
+    ("codec", "attack", "match"),
+    [pytest.param(TopK(k=3), m, r, id=f"topk-{n}") for n, m, r in TOPK_ATTACKS]
+    + [pytest.param(StochasticInt8(), m, r, id=f"int8-{n}") for n, m, r in INT8_ATTACKS]
+    + [pytest.param(Identity(), m, r, id=f"none-{n}") for n, m, r in IDENTITY_ATTACKS],
+)
+def test_decode_rejects_hostile_wire(codec: Codec, attack: Mutation, match: str) -> None:
+    wire: dict[str, object] = dict(codec.encode(MODEL, rng=rng()))
+    codec.decode(wire, LAYOUT)  # type: ignore[arg-type]  # the honest wire decodes
+    attack(wire)
+    with pytest.raises(UpdateRejected, match=match):
+        codec.decode(wire, LAYOUT)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- make_codec
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("none", Identity()),
+        ("int8", StochasticInt8()),
+        (" INT8 ", StochasticInt8()),
+        ("topk:0.01", TopK(fraction=0.01)),
+        ("topk:1.0", TopK(fraction=1.0)),
+        ("topk:1e-3", TopK(fraction=0.001)),
+        ("topk:5000", TopK(k=5000)),
+        ("topk: 7", TopK(k=7)),
+    ],
+)
+def test_make_codec_parses(spec: str, expected: Codec) -> None:
+    codec = make_codec(spec)
+    assert codec == expected
+    assert make_codec(codec.name) == codec  # a codec's name is its spec
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("", "unknown codec ''; allowed: 'none', 'int8', 'topk:<k>'"),
+        ("int4", "unknown codec 'int4'"),
+        ("topk", "unknown codec 'topk'"),
+        ("topk:", "needs a count or a fraction"),
+        ("topk:abc", "needs a count or a fraction"),
+        ("topk:nan", "needs a count or a fraction"),
+        ("topk:1e400", "needs a count or a fraction"),
+        ("topk:0", "k must be an integer >= 1, got 0"),
+        ("topk:-3", "k must be an integer >= 1, got -3"),
+        ("topk:1.5", "fraction must be in \\(0, 1\\], got 1.5"),
+        ("topk:0.0", "fraction must be in \\(0, 1\\], got 0.0"),
+    ],
+)
+def test_make_codec_rejects_bad_specs(spec: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        make_codec(spec)
