@@ -37,6 +37,7 @@ from storage import LedgerRepository
 SITES = ("london", "ohio", "california", "tokyo", "london-2", "ohio-2", "california-2", "tokyo-2")
 GOAL_SPEEDUP = 2.5
 TARGET_MARGIN = 0.005  # local-SGD's final accuracy less half a point
+PERIOD_SECONDS = 0.2  # mean compute of one period at speed 1 (0.38 s at the slowest site)
 
 
 def plans(rounds: int, delays: list[int]) -> list[ModePlan]:
@@ -53,6 +54,13 @@ def plans(rounds: int, delays: list[int]) -> list[ModePlan]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument(
+        "--period",
+        type=int,
+        default=20,
+        help="p local steps per message (the compute per "
+        "period is kept at 0.2 s at speed 1: step seconds = 0.2 / p)",
+    )
     parser.add_argument("--delays", default="1,2,4")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
@@ -69,14 +77,14 @@ def main() -> None:
             "partition": "dirichlet",
             "alpha": 1.0,
             "model": "cnn",
-            "local-steps": 20,
+            "local-steps": args.period,
             "batch-size": 32,
             "lr": 0.05,
             "momentum": 0.9,
             "seed": args.seed,
             "network": "world",
             "compute-model": "exponential",
-            "step-seconds": 0.01,
+            "step-seconds": PERIOD_SECONDS / args.period,
             "db": f"sqlite:///{home / 'ledger.db'}",
         }
     )
@@ -103,6 +111,9 @@ def main() -> None:
                 "run": r.label,
                 "run_id": r.run_id,
                 "time_to_target_s": None if t is None else round(t, 2),
+                "rounds_to_target": next(
+                    (step for _, step, acc in r.curve if acc is not None and acc >= target), None
+                ),
                 "speedup_over_local_sgd": None
                 if t is None or not local_time
                 else round(local_time / t, 2),
@@ -133,7 +144,8 @@ def main() -> None:
             "model": base.model,
             "partition": f"dirichlet alpha={base.alpha}",
             "network": base.network,
-            "compute": "exponential, 0.01 s per local step, seeded speeds in [0.5, 2]",
+            "compute": f"exponential, {PERIOD_SECONDS / args.period:g} s per local step, "
+            "seeded speeds in [0.5, 2]",
             "period_local_steps": base.local_steps,
             "rounds": args.rounds,
             "seed": args.seed,

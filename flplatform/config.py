@@ -26,8 +26,10 @@ STRATEGY_ALIASES = {
     "delayed": "delayed",
     "dts": "delayed",
     "dga": "delayed",
+    "fetchsgd": "fetchsgd",
 }
 DELAYED = "delayed"
+FETCHSGD = "fetchsgd"
 MODELS = ("mlp", "cnn")
 PARTITIONS = ("iid", "dirichlet", "files")
 BUILTIN_DATASETS = ("digits", "mnist5k", "fashion-mnist")
@@ -80,6 +82,10 @@ class RunConfig:
     compensation: bool = True  # swap the site's stale steps for the averages
     # ---- upload compression with error feedback (strategies/codecs.py), local-sgd
     codec: str = "none"  # none, int8, topk:<k> or topk:<fraction>
+    # ---- sketched aggregation (strategies/fetchsgd.py); k is the top-k, server-momentum ρ
+    sketch_rows: int = 5  # r, odd
+    sketch_cols: int = 0  # c; 0: 5·k
+    sketch_removal: str = "zero"  # zero (the authors' code) or subtract (the paper)
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -137,6 +143,7 @@ class RunConfig:
             object.__setattr__(self, "strategy", strategy)
         _one_of("sync", self.sync, SYNC_MODES)
         self._validate_delayed()
+        self._validate_sketch()
         make_codec(self.codec)  # a bad spec fails here, saying what is allowed
         if self.codec.strip().lower() != "none" and self.strategy != "local-sgd":
             raise ConfigError(
@@ -208,6 +215,29 @@ class RunConfig:
                 f"round-timeout must be at most {MAX_ROUND_TIMEOUT:.0f} s (7 days), "
                 f"got {self.round_timeout}"
             )
+
+    def _validate_sketch(self) -> None:
+        names = ("sketch_rows", "sketch_cols", "sketch_removal")
+        if self.strategy != FETCHSGD:
+            changed = [n for n in names if getattr(self, n) != getattr(RunConfig, n)]
+            if changed:
+                raise ConfigError(
+                    f"{', '.join(n.replace('_', '-') for n in changed)} shape FetchSGD's "
+                    f"sketches: use them with strategy 'fetchsgd', not '{self.strategy}'"
+                )
+            return
+        if self.sync != "sync":
+            raise ConfigError(
+                f"strategy 'fetchsgd' runs with sync mode 'sync' only, got {self.sync!r}; "
+                "sample sites with fraction-train instead"
+            )
+        if self.k < 1:
+            raise ConfigError(f"k (coordinates applied per round) must be >= 1, got {self.k}")
+        if self.sketch_rows < 1 or self.sketch_rows % 2 == 0:
+            raise ConfigError(f"sketch-rows must be odd and >= 1, got {self.sketch_rows}")
+        if self.sketch_cols < 0:
+            raise ConfigError(f"sketch-cols must be >= 0 (0: 5·k), got {self.sketch_cols}")
+        _one_of("sketch-removal", self.sketch_removal, ("zero", "subtract"))
 
     def _validate_delayed(self) -> None:
         if self.strategy != DELAYED:

@@ -14,7 +14,7 @@ from clients.models import build_model
 from clients.site import TestSet, load_test_set
 from clients.training import evaluate, pick_device
 from flplatform import keys
-from flplatform.config import DELAYED, RunConfig
+from flplatform.config import DELAYED, FETCHSGD, RunConfig
 from flplatform.engine import (
     Clock,
     PeriodSync,
@@ -28,13 +28,26 @@ from flplatform.errors import FLPlatformError
 from flplatform.ledger import SqlLedger
 from storage import LedgerRepository
 from strategies.delayed import DelayedCompensated
+from strategies.fetchsgd import FetchSGD
 from strategies.local_sgd import LocalSGDAveraging
 
 log = logging.getLogger("flplatform")
 
 
-def build_strategy(config: RunConfig) -> LocalSGDAveraging | DelayedCompensated:
+def build_strategy(config: RunConfig) -> LocalSGDAveraging | DelayedCompensated | FetchSGD:
     """The strategy named in ``config``, with its knobs (RunConfig validated them)."""
+    if config.strategy == FETCHSGD:
+        return FetchSGD(
+            k=config.k,
+            sketch_rows=config.sketch_rows,
+            sketch_cols=config.sketch_cols,
+            rho=config.server_momentum,
+            eta=config.server_lr,
+            removal=config.sketch_removal,
+            fraction_train=config.fraction_train,
+            fraction_evaluate=config.fraction_evaluate,
+            seed=config.seed,
+        )
     if config.strategy == DELAYED:
         return DelayedCompensated(
             delay=config.delay,

@@ -31,6 +31,12 @@ INCLUDED_PERIODS = "included-periods"  # the site's periods that made it into th
 # upload compression (strategies/codecs.py): the codec a site encodes its update with;
 # a compressed reply names it in its own ``config`` record
 CODEC = "codec"
+# sketched aggregation (strategies/fetchsgd.py): the sketch's hashes and shape, and the
+# version whose changes a sparse download carries (-1: the whole model)
+SKETCH_SEED = "sketch-seed"
+SKETCH_ROWS = "sketch-rows"
+SKETCH_COLS = "sketch-cols"
+SYNC_FROM = "sync-from"
 
 # ---- MetricRecord keys sent back by sites
 NUM_EXAMPLES = "num-examples"  # Flower's weighting key
@@ -53,6 +59,8 @@ SITE_STATE = "flplatform-site"  # ConfigRecord of counters
 TRAININGS = "trainings"  # training messages this site has run
 DELAYED_STATE = "flplatform-delayed"  # delayed updates: periods kept, plus one record each
 CODEC_STATE = "flplatform-codec"  # upload compression: the error-feedback residual
+FETCHSGD_STATE = "flplatform-fetchsgd"  # the version of the model a FetchSGD site holds
+FETCHSGD_MODEL = "flplatform-fetchsgd.model"  # ... and that model
 
 # ---- global metrics written to the ledger
 ACCURACY = "accuracy"

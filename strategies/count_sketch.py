@@ -125,6 +125,10 @@ class _DeviceHashes:
     def flat_index_and_sign(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat table indices (r, n) int64 and signs (r, n) float32 of coordinates [start, stop)."""
         i = torch.arange(start, stop, dtype=torch.int64, device=self.offsets.device)  # (n,)
+        return self.flat_index_and_sign_of(i)
+
+    def flat_index_and_sign_of(self, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``flat_index_and_sign`` for the coordinates ``i`` ((n,) int64, any order)."""
         x = self.bucket_a * i  # (r, n); < 2^62 since a < 2^31 and i < 2^31
         x.add_(self.bucket_b).remainder_(P).remainder_(self.cols).add_(self.offsets)
         y = self.sign_a * i  # (r, n)
@@ -226,6 +230,12 @@ class CountSketch:
         dev = _DeviceHashes(self.hashes, torch.device(device or "cpu"))
         index, sign = dev.flat_index_and_sign(start, stop)
         return index.sub_(dev.offsets), sign
+
+    def buckets_of(self, indices: torch.Tensor) -> torch.Tensor:
+        """Buckets h_j(i) ((r, n) int64 in [0, c)) of the coordinates ``indices`` ((n,))."""
+        dev = _DeviceHashes(self.hashes, indices.device)
+        index, _ = dev.flat_index_and_sign_of(indices.to(torch.int64))
+        return index.sub_(dev.offsets)
 
     # ------------------------------------------------------------------ building tables
     def zeros(self, device: torch.device | str | None = None) -> torch.Tensor:

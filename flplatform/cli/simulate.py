@@ -113,7 +113,7 @@ def _display_url(url: str) -> str:
 # ================================================================ commands
 Strategy = Annotated[
     str,
-    typer.Option(help="local-sgd (also: fedavg, fedavgm) or delayed (also: dts, dga)."),
+    typer.Option(help="local-sgd (fedavg, fedavgm), delayed (dts, dga) or fetchsgd."),
 ]
 Sites = Annotated[
     str | None,
@@ -155,7 +155,10 @@ def simulate(
         str,
         typer.Option(help="sync, k-sync, k-batch-sync, async, k-async, k-batch-async or buffered."),
     ] = "sync",
-    k: Annotated[int, typer.Option("--k", help="K of the K modes (updates per step).")] = 2,
+    k: Annotated[
+        int,
+        typer.Option("--k", help="K of the K modes; for fetchsgd, coordinates applied per round."),
+    ] = 2,
     staleness_bound: Annotated[
         int, typer.Option(help="Async modes: most versions an update may lag (-1: none).")
     ] = -1,
@@ -205,6 +208,11 @@ def simulate(
             "topk:<k> or topk:<fraction>."
         ),
     ] = "none",
+    sketch_rows: Annotated[int, typer.Option(help="FetchSGD: sketch rows r (odd).")] = 5,
+    sketch_cols: Annotated[int, typer.Option(help="FetchSGD: sketch columns c (0: 5·k).")] = 0,
+    sketch_removal: Annotated[
+        str, typer.Option(help="FetchSGD: remove applied steps by 'zero' or 'subtract'.")
+    ] = "zero",
     db: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the ledger.")] = None,
 ) -> None:
     """Run a simulated federation and record every round in the ledger."""
@@ -245,6 +253,9 @@ def simulate(
             "period": period,
             "compensation": compensation,
             "codec": codec,
+            "sketch-rows": sketch_rows,
+            "sketch-cols": sketch_cols,
+            "sketch-removal": sketch_removal,
             "db": db or "",
         }
     )

@@ -63,8 +63,13 @@ class QuadraticSite:
         return reply
 
 
-def digits_site(index: int, num_partitions: int, **run_config: object) -> Behaviour:
-    """A site on a digits partition running whichever site part the server names."""
+def digits_site(
+    index: int, num_partitions: int, state: Context | None = None, **run_config: object
+) -> Behaviour:
+    """A site on a digits partition running whichever site part the server names.
+
+    ``state``: its persistent Flower context (a fresh one by default).
+    """
     settings = {
         "dataset": "digits",
         "partition": "dirichlet",
@@ -75,7 +80,7 @@ def digits_site(index: int, num_partitions: int, **run_config: object) -> Behavi
     }
     node_config = {keys.PARTITION_ID: index, keys.NUM_PARTITIONS: num_partitions}
     site = load_site(node_config, settings)
-    state = context(index + 1)
+    state = state if state is not None else context(index + 1)
 
     def behave(msg: Message) -> Message:
         if msg.metadata.message_type == MessageType.QUERY:

@@ -1,0 +1,144 @@
+"""FetchSGD's server state: momentum and error feedback in sketch space (pure torch).
+
+ALGORITHMS.md §3 (Rothchild et al., "FetchSGD", 2020). Sites send count sketches S(g_n)
+of their updates; the sketch is linear, so the server works on tables only:
+
+    S   = Σ w_n S(g_n) / Σ w_n          (weighted mean of the sites' tables)
+    S_u ← ρ·S_u + S                     (momentum, in sketch space)
+    S_e ← S_e + η·S_u                   (error accumulation, in sketch space)
+    Δ   = top-k of the estimates from S_e   (k coordinates and their estimated values)
+    x   ← x + Δ
+
+and then removes what it applied from the error, one of two ways:
+
+* ``subtract`` (the paper): S_e ← S_e − S(Δ);
+* ``zero`` (the authors' code, which reports the subtraction diverging): every bucket of
+  S_e and S_u that S(Δ) touches is set to zero.
+
+Learning rate: a site's update is its local-training delta g_n = x_n − x (its own lr
+inside); η scales the momentum into the error (η = 1: plain averaging of the deltas when
+the sketch is exact and k = d). Sign: x ← x + Δ because g_n is a delta, not a gradient.
+
+Memory: two r × c tables, whatever the number of sites.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from flplatform.errors import ConfigError
+from strategies.count_sketch import CountSketch
+
+REMOVALS = ("zero", "subtract")
+
+
+@dataclass
+class SketchFeedback:
+    """S_u and S_e of one run, and the rule that turns them into a k-sparse step.
+
+    Parameters
+    ----------
+    sketch : CountSketch
+        The hashes every site uses (same seed, rows, columns).
+    k : int
+        Coordinates applied per round.
+    rho : float
+        Momentum ρ in [0, 1).
+    eta : float
+        Server learning rate η > 0.
+    removal : {"zero", "subtract"}
+        How the applied step leaves the error (see the module docstring).
+    """
+
+    sketch: CountSketch
+    k: int
+    rho: float = 0.9
+    eta: float = 1.0
+    removal: str = "zero"
+    momentum: torch.Tensor | None = field(default=None, repr=False)  # S_u
+    error: torch.Tensor | None = field(default=None, repr=False)  # S_e
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or not self.k >= 1:
+            raise ConfigError(f"k must be an integer >= 1 coordinates, got {self.k!r}")
+        if self.k > self.sketch.d:
+            raise ConfigError(f"k must be at most the model's {self.sketch.d} parameters")
+        if not (0.0 <= self.rho < 1.0):
+            raise ConfigError(f"sketch momentum must be in [0, 1), got {self.rho}")
+        if not (math.isfinite(self.eta) and self.eta > 0):
+            raise ConfigError(f"server learning rate must be > 0, got {self.eta}")
+        if self.removal not in REMOVALS:
+            raise ConfigError(
+                f"unknown sketch removal {self.removal!r}; allowed: {', '.join(REMOVALS)}"
+            )
+
+    def step(self, mean_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One round: fold the sites' mean table in and return Δ as (indices, values).
+
+        ``indices`` are (k,) int64 ascending, ``values`` (k,) float32.
+        """
+        if self.momentum is None or self.error is None:
+            self.momentum = self.sketch.zeros(mean_table.device)
+            self.error = self.sketch.zeros(mean_table.device)
+        self.momentum.mul_(self.rho).add_(mean_table)
+        self.error.add_(self.momentum, alpha=self.eta)
+        indices, values = self.sketch.top_k(self.error, self.k)
+        order = torch.argsort(indices)
+        indices, values = indices[order], values[order]
+        if self.removal == "subtract":
+            applied = torch.zeros(self.sketch.d, dtype=torch.float32, device=self.error.device)
+            applied[indices] = values
+            self.sketch.accumulate(self.error, -applied)
+        else:
+            rows = torch.arange(self.sketch.rows, device=self.error.device).view(-1, 1)
+            buckets = self.sketch.buckets_of(indices)  # (r, k)
+            self.error[rows, buckets] = 0.0
+            self.momentum[rows, buckets] = 0.0
+        return indices, values
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The two tables (empty before the first round)."""
+        if self.momentum is None or self.error is None:
+            return {}
+        return {"momentum": self.momentum.clone(), "error": self.error.clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore from ``state_dict()``."""
+        shape = (self.sketch.rows, self.sketch.cols)
+        for name in ("momentum", "error"):
+            table = state.get(name)
+            if table is None or tuple(table.shape) != shape or not torch.isfinite(table).all():
+                raise ConfigError(f"bad FetchSGD state: '{name}' must be a finite {shape} table")
+        self.momentum = state["momentum"].to(torch.float32).clone()
+        self.error = state["error"].to(torch.float32).clone()
+
+
+@dataclass
+class ChangeLog:
+    """Which coordinates each model version changed: what a site that missed rounds needs.
+
+    A site holding version v is sent x at every coordinate changed in versions v+1..now.
+    Versions older than ``keep`` rounds are forgotten; a site that far behind gets the
+    whole model.
+    """
+
+    keep: int = 64
+    changes: dict[int, torch.Tensor] = field(default_factory=dict)  # version → indices
+
+    def record(self, version: int, indices: torch.Tensor) -> None:
+        """Version ``version`` changed ``indices``."""
+        self.changes[version] = indices.to(torch.int64).cpu()
+        for old in [v for v in self.changes if v <= version - self.keep]:
+            del self.changes[old]
+
+    def changed_since(self, version: int, current: int) -> torch.Tensor | None:
+        """Sorted coordinates changed after ``version`` up to ``current``; None if unknown."""
+        needed = range(version + 1, current + 1)
+        if any(v not in self.changes for v in needed):
+            return None
+        if not needed:
+            return torch.empty(0, dtype=torch.int64)
+        return torch.unique(torch.cat([self.changes[v] for v in needed]))
