@@ -1,4 +1,4 @@
-"""The models a site trains: a small MLP and a small CNN, built from a seed.
+"""The models a site trains: a small MLP, a wide MLP and a small CNN, built from a seed.
 
 Both are plain ``nn.Sequential`` stacks with named layers (``fc1.weight``, ``conv1.bias``, ...)
 so their ``state_dict`` keys read well in records and checkpoints. Neither has BatchNorm: its
@@ -25,7 +25,8 @@ from flplatform.errors import ConfigError
 
 __all__ = ["MODELS", "build_model", "count_parameters"]
 
-MODELS: tuple[str, ...] = ("mlp", "cnn")
+MODELS: tuple[str, ...] = ("mlp", "cnn", "wide-mlp")
+WIDE_HIDDEN = 640  # wide-mlp's hidden width: 509k parameters on 28×28 inputs
 
 
 def build_model(
@@ -39,6 +40,9 @@ def build_model(
     """Build model ``name`` with initial weights drawn from ``seed``.
 
     ``"mlp"``: flatten → Linear(F, hidden) → ReLU → Linear(hidden, num_classes).
+
+    ``"wide-mlp"``: the MLP with ``max(hidden, 640)`` hidden units, 508 810 parameters on
+    28×28 inputs and 10 classes: big enough that compressing its updates matters.
 
     ``"cnn"``: two blocks of 3×3 convolution (padding 1; 16 then 32 channels), ReLU and 2×2
     max-pooling, then Linear(·, hidden) → ReLU → Linear(hidden, num_classes). A spatial axis
@@ -81,6 +85,8 @@ def build_model(
         torch.manual_seed(seed)
         if name == "mlp":
             return _mlp(shape, num_classes, hidden)
+        if name == "wide-mlp":
+            return _mlp(shape, num_classes, max(hidden, WIDE_HIDDEN))
         return _cnn(shape, num_classes, hidden)
 
 

@@ -30,7 +30,7 @@ STRATEGY_ALIASES = {
 }
 DELAYED = "delayed"
 FETCHSGD = "fetchsgd"
-MODELS = ("mlp", "cnn")
+MODELS = ("mlp", "cnn", "wide-mlp")
 PARTITIONS = ("iid", "dirichlet", "files")
 BUILTIN_DATASETS = ("digits", "mnist5k", "fashion-mnist")
 DEFAULT_SITES = ("london", "ohio", "california", "tokyo")

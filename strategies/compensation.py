@@ -77,6 +77,12 @@ class SiteLedger:
                 left_out.append(period)
         return left_out
 
+    def retry(self, period: int) -> None:
+        """The site is asked for ``period`` again: its kept step for it goes to ``carry``."""
+        update = self.pending.pop(period, None)
+        if update is not None:
+            self.carry = _add(self.carry, update)
+
     def local_model(self, global_model: Mapping[str, np.ndarray], *, compensate: bool) -> Arrays:
         """x_local = x_v + Σ pending A_j + carry; x_v alone without compensation."""
         model = {k: np.array(v, dtype=np.float64) for k, v in global_model.items()}
@@ -160,10 +166,9 @@ class ServerLedger:
         self.unsettled.setdefault(site, set()).add(period)
         self.awaited[site] = period
 
-    def replied(self, site: int, period: int) -> None:
-        """``site`` answered for ``period`` (whatever becomes of the update)."""
-        if self.awaited.get(site) == period:
-            del self.awaited[site]
+    def answered(self, site: int) -> int | None:
+        """``site`` replied to its message: return the period it was asked for (or None)."""
+        return self.awaited.pop(site, None)
 
     def counted(self, site: int, period: int) -> None:
         """``site``'s update for ``period`` is in Ā_period."""

@@ -218,6 +218,10 @@ class DelayedCompensated(Strategy):
         self, reply: Message, *, base: ArrayRecord, weight_scale: float = 1.0
     ) -> Contribution:
         """Add n_n·A_{n,q} to the accumulator of the period q the site computed."""
+        node_id = reply.metadata.src_node_id
+        ledger = self.state.ledger
+        # Whatever the reply holds, the site answered: it is not re-offered the period.
+        asked = ledger.answered(node_id)
         content = reply.content
         if keys.ARRAYS not in content or keys.METRICS not in content:
             raise UpdateRejected(
@@ -228,20 +232,21 @@ class DelayedCompensated(Strategy):
         if not isinstance(metrics, MetricRecord):
             raise UpdateRejected(f"'{keys.METRICS}' must be a MetricRecord")
         period = metrics.get(keys.PERIOD)
-        node_id = reply.metadata.src_node_id
-        ledger = self.state.ledger
         if isinstance(period, bool) or not isinstance(period, int):
             raise UpdateRejected(
                 f"delayed updates carry the '{keys.PERIOD}' they were computed for, got "
                 f"{period!r}: is the site running flplatform's delayed site part?"
             )
-        if period not in ledger.unsettled.get(node_id, set()):
-            raise UpdateRejected(f"period {period} was not asked of this site")
+        if asked is None:
+            raise UpdateRejected("no update was awaited from this site (a duplicate reply?)")
+        if period != asked or period not in ledger.unsettled.get(node_id, set()):
+            raise UpdateRejected(
+                f"reply for period {period}, but this site was asked for period {asked}"
+            )
         if period in ledger.included.get(node_id, set()):
             raise UpdateRejected(f"period {period} of this site was counted already")
         # The site has now settled everything up to the model it was sent, whatever
         # becomes of this update.
-        ledger.replied(node_id, period)
         ledger.acknowledged(node_id, ledger.version_for(period))
         if period < self._round:
             raise UpdateRejected(f"period {period} was averaged already (round {self._round})")
@@ -393,6 +398,9 @@ def run_period(msg: Message, context: Context, train: TrainStep) -> Message:
 
     ledger = load_site_ledger(context)
     ledger.settle(delayed.version, delayed.included)
+    # Asked again for a period it already computed: its reply never counted (lost or
+    # late), so that work is carried into this update instead of overwritten.
+    ledger.retry(delayed.period)
     local = ledger.local_model(global_model, compensate=delayed.compensate)
     start = {k: local[k].astype(global_model[k].dtype) for k in global_model}
     trained, reported = train(start, config)

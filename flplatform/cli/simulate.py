@@ -142,7 +142,7 @@ def simulate(
         str, typer.Option(help="iid, dirichlet, or files (dataset = a `data split` directory).")
     ] = "dirichlet",
     alpha: Annotated[float, typer.Option(help="Dirichlet α (> 0; smaller is more skewed).")] = 0.5,
-    model: Annotated[str, typer.Option(help="mlp or cnn.")] = "mlp",
+    model: Annotated[str, typer.Option(help="mlp, cnn or wide-mlp (509k parameters).")] = "mlp",
     seed: Annotated[int, typer.Option(help="Seed of every random choice.")] = 0,
     fraction_train: Annotated[float, typer.Option(help="Fraction of sites per round.")] = 1.0,
     fraction_evaluate: Annotated[
@@ -313,7 +313,11 @@ def cross_silo(
     ] = 15,
     k: Annotated[int, typer.Option("--k", help="K of the K modes.")] = 2,
     modes: Annotated[
-        str, typer.Option(help="Comma-separated sync modes to compare, and/or delayed.")
+        str,
+        typer.Option(
+            help="Comma-separated rows: sync modes, delayed, and the optional topk, int8, "
+            "fetchsgd (compressed uploads)."
+        ),
     ] = ",".join(DEMO_MODES),
     delay: Annotated[int, typer.Option(help="D of the delayed-updates row.")] = 2,
     network: Annotated[str, typer.Option(help="Network preset or .toml profile.")] = "world",
@@ -396,6 +400,7 @@ def show_comparison(results: list[ModeResult], *, target: float) -> None:
         "steps",
         "bytes up",
         "bytes down",
+        "bytes total",
         "mean staleness per site",
         "run",
     ):
@@ -410,6 +415,7 @@ def show_comparison(results: list[ModeResult], *, target: float) -> None:
             str(r.server_steps),
             human_bytes(r.bytes_up),
             human_bytes(r.bytes_down),
+            human_bytes(r.bytes_up + r.bytes_down),
             " ".join(f"{site} {_fmt(value, '{:.2f}')}" for site, value in r.mean_staleness.items()),
             str(r.run_id),
         )

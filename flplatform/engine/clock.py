@@ -96,6 +96,11 @@ class Clock(Protocol):
         """When the reply to a message with ``schedule`` arrives on this clock."""
         ...
 
+    def rest(self, site: str) -> None:
+        """The site is busy with something the clock does not see (a message given up on):
+        its next pipelined work starts afresh, not where its last one ended."""
+        ...
+
     def releasable(self, arrived_at: float, outstanding: Iterable[Schedule]) -> bool:
         """Whether an arrival at ``arrived_at`` may be judged while ``outstanding`` run.
 
@@ -137,6 +142,9 @@ class WallClock:
         """The moment the reply was pulled."""
         return Landing(arrived_at=time.time())
 
+    def rest(self, site: str) -> None:
+        """Nothing is planned ahead on the wall clock."""
+
     def releasable(self, arrived_at: float, outstanding: Iterable[Schedule]) -> bool:
         """Always: on the wall clock, whatever has been pulled has arrived."""
         return True
@@ -165,9 +173,9 @@ class VirtualClock:
         # per site, when its links and its processor are free again (pipelined messages)
         self._downlink_free: dict[str, float] = {}
         self._uplink_free: dict[str, float] = {}
-        # site → (when its last pipelined message was sent, when it was computed), while
-        # the site has been busy without a break since: how far its next one reaches back
-        self._pipeline_from: dict[str, tuple[float, float]] = {}
+        # site → when its last pipelined message was sent, computed and landed: how far
+        # its next one may reach back
+        self._pipeline_from: dict[str, tuple[float, float, float]] = {}
 
     def now(self) -> float:
         """Simulated seconds since the run started."""
@@ -242,10 +250,18 @@ class VirtualClock:
         # A site busy without a break since its last message may have received this one
         # while computing that one; otherwise (first message, back from being away, a
         # message lost or refused) nothing of it happened before now.
-        sent_before, computed_before = self._pipeline_from.pop(site, (self._now, self._now))
+        # It reaches back only when it is given this message the moment its last one
+        # landed; a site kept waiting (its work failed, it was refused) starts afresh.
+        sent_before, computed_before, landed = self._pipeline_from.pop(
+            site, (self._now, self._now, self._now)
+        )
+        if landed != self._now:
+            sent_before = computed_before = self._now
         sent = max(ready_at, self._downlink_free.get(site, -math.inf), sent_before)
         self._downlink_free[site] = sent + down - profile.download_seconds(0)  # transmitted
         started = max(sent + down, computed_before)
+        # Safety net: nothing may land before what has already been judged.
+        started = max(started, self._now - profile.upload_seconds(0) - (compute or 0.0))
         upload_from = max(started + (compute or 0.0), self._uplink_free.get(site, -math.inf))
         return Schedule(
             dispatched_at=sent,
@@ -276,11 +292,15 @@ class VirtualClock:
         # Pipelined: replies of one site land in order (it answers one message at a
         # time), so its uplink is known free up to here.
         computed = schedule.compute_started_at + compute
-        self._pipeline_from[site] = (schedule.dispatched_at, computed)
         sending = max(computed, self._uplink_free.get(site, -math.inf))
         self._uplink_free[site] = sending + up - profile.upload_seconds(0)  # transmitted
         arrived = sending + up
+        self._pipeline_from[site] = (schedule.dispatched_at, computed, arrived)
         return Landing(arrived_at=arrived, compute_seconds=compute, transfer_seconds=transfer)
+
+    def rest(self, site: str) -> None:
+        """Break the site's pipeline: its next message starts from the time it is sent."""
+        self._pipeline_from.pop(site, None)
 
     def releasable(self, arrived_at: float, outstanding: Iterable[Schedule]) -> bool:
         """Only if no outstanding message could land before ``arrived_at``."""

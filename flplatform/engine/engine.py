@@ -410,6 +410,11 @@ class RoundEngine:
             self._version_at[self.version] = self.clock.now()
         self._prune_bases()
         train_loss = _example_weighted_loss(state.outcomes)
+        if self.policy.pipelined and train_metrics is not None:
+            # Updates of later periods land in this round too: the strategy's loss is
+            # the one of this round's period.
+            period_loss = train_metrics.get(keys.TRAIN_LOSS)
+            train_loss = float(period_loss) if isinstance(period_loss, float) else None
         self.policy.round_finished(train_loss)
         summary = RoundSummary(
             server_round=server_round,
@@ -925,6 +930,8 @@ class RoundEngine:
                 time.sleep(self.poll_interval)
         for dispatch in pending.values():
             self._abandoned[dispatch.message_id] = dispatch
+            # busy for as long as Flower holds it: no pipelined work reaches back past it
+            self.clock.rest(self._name(dispatch.node_id))
         return [(d, replies.get(d.message_id)) for d in dispatches]
 
     # ================================================================= helpers

@@ -300,8 +300,12 @@ class PeriodSync:
     pipelined = True
 
     def dispatch_targets(self, view: EngineView) -> tuple[int, ...]:
-        """Every idle site; the strategy knows which period each may start."""
-        return view.idle_nodes
+        """Idle sites whose work did not fail this round; the strategy picks periods.
+
+        A site that failed (error, rejected, overdue) waits for the next round, so one
+        that always fails cannot keep a round open by failing again and again.
+        """
+        return tuple(n for n in view.idle_nodes if n not in view.failed_nodes)
 
     def judge(self, dispatch: Dispatch, view: EngineView) -> Verdict:
         """Every well-formed update joins the average of its own period."""

