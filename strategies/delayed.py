@@ -49,20 +49,19 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from clients.site import Site
-from clients.training import train_local
 from flplatform import keys
-from flplatform.engine import Contribution, PeriodSync, RoundEngine
+from flplatform.engine import Contribution, PeriodSync, start_with_engine
 from flplatform.engine.wire import arrays_to_record, record_to_arrays
 from flplatform.errors import ConfigError, UpdateRejected
-from flplatform.seeding import rng_for
 from strategies.aggregation import ServerOptimizerState, WeightedDeltaSum, apply_server_update
 from strategies.compensation import ServerLedger, SiteLedger
 from strategies.local_sgd import (
     LocalSGDAveraging,
     SiteTrainConfig,
-    count_training,
+    aggregate_batch,
     first_number,
     num_classes_of,
+    train_on_site,
 )
 from strategies.site_parts import register
 from strategies.validation import check_arrays, check_num_examples
@@ -181,15 +180,7 @@ class DelayedCompensated(Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Flower's batch hook: accumulate the round's replies and average them."""
         base = self.state.models[self.state.version]
-        self.begin_aggregation(server_round, base)
-        for reply in replies:
-            if reply.has_error():
-                continue
-            try:
-                self.accumulate(reply, base=base)
-            except UpdateRejected as exc:
-                log.warning("skipping reply from node %s: %s", reply.metadata.src_node_id, exc)
-        return self.finish_aggregation()
+        return aggregate_batch(self, server_round, base, replies)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -305,10 +296,13 @@ class DelayedCompensated(Strategy):
     ) -> Result:
         """Flower's ``start``, run by flplatform's round engine with ``PeriodSync``."""
         self.num_rounds = num_rounds
-        engine = RoundEngine(grid, self, policy=PeriodSync(), round_timeout=timeout)
-        return engine.run(
+        return start_with_engine(
+            self,
+            grid,
             initial_arrays,
+            policy=PeriodSync(),
             num_rounds=num_rounds,
+            timeout=timeout,
             train_config=train_config,
             evaluate_config=evaluate_config,
             evaluate_fn=evaluate_fn,
@@ -420,19 +414,7 @@ def train_site(msg: Message, context: Context, site: Site) -> Message:
         model = site.build_model(num_classes=num_classes_of(state_dict), seed=config.seed)
         model.load_state_dict(state_dict)
         # The same data order local-SGD averaging would use, so D = 0 reproduces it.
-        trainings = count_training(context)
-        stats = train_local(
-            model,
-            site.x_train,
-            site.y_train,
-            lr=config.lr,
-            momentum=config.momentum,
-            batch_size=config.batch_size,
-            local_steps=config.local_steps,
-            local_epochs=config.local_epochs,
-            rng=rng_for(config.seed, config.server_round, site.name, trainings, "data-order"),
-            device=site.device,
-        )
+        stats, _ = train_on_site(model, site, config, context)
         trained = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
         reported = {
             keys.NUM_EXAMPLES: len(site.x_train),

@@ -38,20 +38,20 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from clients.site import Site
-from clients.training import train_local
 from flplatform import keys
-from flplatform.engine import Contribution, RoundEngine, Synchrony
+from flplatform.engine import Contribution, Synchrony, start_with_engine
 from flplatform.engine.wire import arrays_to_record, record_to_arrays
 from flplatform.errors import ConfigError, UpdateRejected
-from flplatform.seeding import derive_seed, rng_for
+from flplatform.seeding import derive_seed
 from strategies.codecs import Layout
 from strategies.count_sketch import CountSketch
 from strategies.local_sgd import (
     LocalSGDAveraging,
     SiteTrainConfig,
-    count_training,
+    aggregate_batch,
     first_number,
     num_classes_of,
+    train_on_site,
 )
 from strategies.site_parts import register
 from strategies.sketch_feedback import ChangeLog, SketchFeedback
@@ -206,15 +206,7 @@ class FetchSGD(Strategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Flower's batch hook, through the streaming path (malformed replies skipped)."""
         assert self.record is not None, "configure_train runs first"
-        self.begin_aggregation(server_round, self.record)
-        for reply in replies:
-            if reply.has_error():
-                continue
-            try:
-                self.accumulate(reply, base=self.record)
-            except UpdateRejected as exc:
-                log.warning("skipping reply from node %s: %s", reply.metadata.src_node_id, exc)
-        return self.finish_aggregation()
+        return aggregate_batch(self, server_round, self.record, replies)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -309,10 +301,13 @@ class FetchSGD(Strategy):
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
     ) -> Result:
         """Flower's ``start``, run by flplatform's round engine (fully synchronous)."""
-        engine = RoundEngine(grid, self, policy=Synchrony("sync"), round_timeout=timeout)
-        return engine.run(
+        return start_with_engine(
+            self,
+            grid,
             initial_arrays,
+            policy=Synchrony("sync"),
             num_rounds=num_rounds,
+            timeout=timeout,
             train_config=train_config,
             evaluate_config=evaluate_config,
             evaluate_fn=evaluate_fn,
@@ -377,19 +372,7 @@ def train_site(msg: Message, context: Context, site: Site) -> Message:
     state_dict = {k: torch.from_numpy(np.array(v)) for k, v in model_arrays.items()}
     model = site.build_model(num_classes=num_classes_of(state_dict), seed=config.seed)
     model.load_state_dict(state_dict)
-    trainings = count_training(context)
-    stats = train_local(
-        model,
-        site.x_train,
-        site.y_train,
-        lr=config.lr,
-        momentum=config.momentum,
-        batch_size=config.batch_size,
-        local_steps=config.local_steps,
-        local_epochs=config.local_epochs,
-        rng=rng_for(config.seed, config.server_round, site.name, trainings, "data-order"),
-        device=site.device,
-    )
+    stats, _ = train_on_site(model, site, config, context)
     trained = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
     layout = Layout.of(model_arrays)
     delta = layout.flatten(trained) - layout.flatten(model_arrays)  # (d,) float64

@@ -43,9 +43,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from clients.site import Site
-from clients.training import evaluate, train_local
+from clients.training import TrainStats, evaluate, train_local
 from flplatform import keys
-from flplatform.engine import Contribution, RoundEngine, Synchrony
+from flplatform.engine import Contribution, EngineStrategy, Synchrony, start_with_engine
 from flplatform.engine.wire import arrays_to_record, record_to_arrays
 from flplatform.errors import ConfigError, UpdateRejected
 from flplatform.seeding import rng_for
@@ -179,16 +179,7 @@ class LocalSGDAveraging(Strategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Flower's batch hook, through the streaming path (malformed replies skipped)."""
-        base = arrays_to_record(self._current)
-        self.begin_aggregation(server_round, base)
-        for reply in replies:
-            if reply.has_error():
-                continue
-            try:
-                self.accumulate(reply, base=base)
-            except UpdateRejected as exc:
-                log.warning("skipping reply from node %s: %s", reply.metadata.src_node_id, exc)
-        return self.finish_aggregation()
+        return aggregate_batch(self, server_round, arrays_to_record(self._current), replies)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -324,15 +315,36 @@ class LocalSGDAveraging(Strategy):
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
     ) -> Result:
         """Flower's ``start``, run by flplatform's round engine (no ledger)."""
-        engine = RoundEngine(grid, self, policy=Synchrony("sync"), round_timeout=timeout)
-        return engine.run(
+        return start_with_engine(
+            self,
+            grid,
             initial_arrays,
+            policy=Synchrony("sync"),
             num_rounds=num_rounds,
+            timeout=timeout,
             train_config=train_config,
             evaluate_config=evaluate_config,
             evaluate_fn=evaluate_fn,
             federated_evaluation=self.fraction_evaluate > 0,
         )
+
+
+def aggregate_batch(
+    strategy: EngineStrategy, server_round: int, base: ArrayRecord, replies: Iterable[Message]
+) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    """Flower's batch ``aggregate_train`` through a strategy's streaming hooks.
+
+    Error replies are skipped and malformed ones logged, as the engine does.
+    """
+    strategy.begin_aggregation(server_round, base)
+    for reply in replies:
+        if reply.has_error():
+            continue
+        try:
+            strategy.accumulate(reply, base=base)
+        except UpdateRejected as exc:
+            log.warning("skipping reply from node %s: %s", reply.metadata.src_node_id, exc)
+    return strategy.finish_aggregation()
 
 
 def _reply_codec(content: RecordDict) -> str | None:
@@ -401,21 +413,7 @@ def train_site(msg: Message, context: Context, site: Site) -> Message:
         msg.content.config_records.get(keys.CONFIG, ConfigRecord())
     )
     model = _received_model(msg, site, config.seed)
-    # A site may train twice on one round's model (the K-batch modes give a finished site
-    # work again at once), so its data order also follows how often it has trained.
-    trainings = count_training(context)
-    stats = train_local(
-        model,
-        site.x_train,
-        site.y_train,
-        lr=config.lr,
-        momentum=config.momentum,
-        batch_size=config.batch_size,
-        local_steps=config.local_steps,
-        local_epochs=config.local_epochs,
-        rng=rng_for(config.seed, config.server_round, site.name, trainings, "data-order"),
-        device=site.device,
-    )
+    stats, trainings = train_on_site(model, site, config, context)
     metrics = MetricRecord(
         {
             keys.NUM_EXAMPLES: len(site.x_train),
@@ -464,6 +462,31 @@ def compress_with_feedback(
     wire, _ = feedback.compress(update, codec, rng=rng)
     context.state[keys.CODEC_STATE] = arrays_to_record(feedback.state_dict())
     return wire
+
+
+def train_on_site(
+    model: torch.nn.Module, site: Site, config: SiteTrainConfig, context: Context
+) -> tuple[TrainStats, int]:
+    """Train ``model`` in place as the round's config says; return stats and the count of
+    trainings before this one.
+
+    A site may train twice on one round's model (the K-batch modes give a finished site
+    work again at once), so its data order follows (seed, round, site, trainings).
+    """
+    trainings = count_training(context)
+    stats = train_local(
+        model,
+        site.x_train,
+        site.y_train,
+        lr=config.lr,
+        momentum=config.momentum,
+        batch_size=config.batch_size,
+        local_steps=config.local_steps,
+        local_epochs=config.local_epochs,
+        rng=rng_for(config.seed, config.server_round, site.name, trainings, "data-order"),
+        device=site.device,
+    )
+    return stats, trainings
 
 
 def count_training(context: Context) -> int:

@@ -1,7 +1,13 @@
 """The round engine: dispatch, pull, order by clock, account for every byte."""
 
 from flplatform.engine.clock import Clock, Landing, Schedule, VirtualClock, WallClock
-from flplatform.engine.engine import Contribution, EngineStrategy, RoundEngine, SubsetGrid
+from flplatform.engine.engine import (
+    Contribution,
+    EngineStrategy,
+    RoundEngine,
+    SubsetGrid,
+    start_with_engine,
+)
 from flplatform.engine.events import (
     APPLIED,
     BUFFERED,
@@ -49,4 +55,5 @@ __all__ = [
     "UpdateOutcome",
     "Verdict",
     "WallClock",
+    "start_with_engine",
 ]
