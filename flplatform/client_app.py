@@ -15,7 +15,7 @@ from clients.site import Site, load_site
 from flplatform import keys
 
 # Importing a strategy module registers its site part under its site-algorithm name.
-from strategies import delayed, fetchsgd  # noqa: F401  (register their site parts)
+from strategies import delayed, fetchsgd, sketched_sgd  # noqa: F401  (register site parts)
 from strategies.local_sgd import SITE_ALGORITHM, evaluate_site
 from strategies.site_parts import site_part
 

@@ -45,7 +45,14 @@ COMPRESSION_MODES: dict[str, tuple[str, dict[str, Any]]] = {
         "fetchsgd k=250",
         {"strategy": "fetchsgd", "k": 250, "server-momentum": 0.9},
     ),
+    "sketched-sgd": (
+        "sketched-sgd k=250",
+        {"strategy": "sketched-sgd", "k": 250, "server-momentum": 0.9},
+    ),
 }
+# Sketched-SGD takes two rounds per step (sketches, then exact values): as many steps, and
+# so as many site trainings, as the other rows take twice the rounds.
+ROUNDS_PER_STEP = {"sketched-sgd": 2}
 ACCURACY = "accuracy"
 
 
@@ -110,7 +117,8 @@ def plan_modes(
             continue
         if mode in COMPRESSION_MODES:
             label, settings = COMPRESSION_MODES[mode]
-            plans.append(ModePlan(label, {"sync": "sync", **settings}, rounds))
+            steps = rounds * ROUNDS_PER_STEP.get(mode, 1)
+            plans.append(ModePlan(label, {"sync": "sync", **settings}, steps))
             continue
         if mode not in SYNC_MODES:
             allowed = ", ".join((*SYNC_MODES, DELAYED_MODE, *COMPRESSION_MODES))

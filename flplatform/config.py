@@ -27,9 +27,12 @@ STRATEGY_ALIASES = {
     "dts": "delayed",
     "dga": "delayed",
     "fetchsgd": "fetchsgd",
+    "sketched-sgd": "sketched-sgd",
 }
 DELAYED = "delayed"
 FETCHSGD = "fetchsgd"
+SKETCHED_SGD = "sketched-sgd"
+SKETCHED = (FETCHSGD, SKETCHED_SGD)  # strategies whose sites upload count sketches
 MODELS = ("mlp", "cnn", "wide-mlp")
 PARTITIONS = ("iid", "dirichlet", "files")
 BUILTIN_DATASETS = ("digits", "mnist5k", "fashion-mnist")
@@ -82,10 +85,12 @@ class RunConfig:
     compensation: bool = True  # swap the site's stale steps for the averages
     # ---- upload compression with error feedback (strategies/codecs.py), local-sgd
     codec: str = "none"  # none, int8, topk:<k> or topk:<fraction>
-    # ---- sketched aggregation (strategies/fetchsgd.py); k is the top-k, server-momentum ρ
+    # ---- sketched aggregation (strategies/fetchsgd.py, strategies/sketched_sgd.py); k is
+    # the top-k, server-momentum FetchSGD's sketch momentum ρ or Sketched-SGD's step momentum
     sketch_rows: int = 5  # r, odd
     sketch_cols: int = 0  # c; 0: 5·k
-    sketch_removal: str = "zero"  # zero (the authors' code) or subtract (the paper)
+    sketch_removal: str = "zero"  # FetchSGD: zero (the authors' code) or subtract (the paper)
+    candidate_factor: int = 2  # Sketched-SGD: P, the values round asks for P·k coordinates
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -217,27 +222,38 @@ class RunConfig:
             )
 
     def _validate_sketch(self) -> None:
-        names = ("sketch_rows", "sketch_cols", "sketch_removal")
-        if self.strategy != FETCHSGD:
-            changed = [n for n in names if getattr(self, n) != getattr(RunConfig, n)]
-            if changed:
+        # Which options shape which sketched strategy's messages.
+        owners = {
+            "sketch_rows": SKETCHED,
+            "sketch_cols": SKETCHED,
+            "sketch_removal": (FETCHSGD,),
+            "candidate_factor": (SKETCHED_SGD,),
+        }
+        for name, strategies in owners.items():
+            if self.strategy not in strategies and getattr(self, name) != getattr(RunConfig, name):
                 raise ConfigError(
-                    f"{', '.join(n.replace('_', '-') for n in changed)} shape FetchSGD's "
-                    f"sketches: use them with strategy 'fetchsgd', not '{self.strategy}'"
+                    f"{name.replace('_', '-')} shapes the sketches of strategy "
+                    f"{' and '.join(repr(s) for s in strategies)}, not '{self.strategy}'"
                 )
+        if self.strategy not in SKETCHED:
             return
         if self.sync != "sync":
             raise ConfigError(
-                f"strategy 'fetchsgd' runs with sync mode 'sync' only, got {self.sync!r}; "
-                "sample sites with fraction-train instead"
+                f"strategy '{self.strategy}' runs with sync mode 'sync' only, got "
+                f"{self.sync!r}; sample sites with fraction-train instead"
             )
         if self.k < 1:
-            raise ConfigError(f"k (coordinates applied per round) must be >= 1, got {self.k}")
+            raise ConfigError(f"k (coordinates applied per step) must be >= 1, got {self.k}")
         if self.sketch_rows < 1 or self.sketch_rows % 2 == 0:
             raise ConfigError(f"sketch-rows must be odd and >= 1, got {self.sketch_rows}")
         if self.sketch_cols < 0:
             raise ConfigError(f"sketch-cols must be >= 0 (0: 5·k), got {self.sketch_cols}")
         _one_of("sketch-removal", self.sketch_removal, ("zero", "subtract"))
+        if self.candidate_factor < 1:
+            raise ConfigError(
+                f"candidate-factor P must be >= 1 (the values round asks for P·k "
+                f"coordinates), got {self.candidate_factor}"
+            )
 
     def _validate_delayed(self) -> None:
         if self.strategy != DELAYED:

@@ -14,7 +14,7 @@ from clients.models import build_model
 from clients.site import TestSet, load_test_set
 from clients.training import evaluate, pick_device
 from flplatform import keys
-from flplatform.config import DELAYED, FETCHSGD, RunConfig
+from flplatform.config import DELAYED, FETCHSGD, SKETCHED_SGD, RunConfig
 from flplatform.engine import (
     Clock,
     PeriodSync,
@@ -30,12 +30,27 @@ from storage import LedgerRepository
 from strategies.delayed import DelayedCompensated
 from strategies.fetchsgd import FetchSGD
 from strategies.local_sgd import LocalSGDAveraging
+from strategies.sketched_sgd import SketchedSGD
 
 log = logging.getLogger("flplatform")
 
 
-def build_strategy(config: RunConfig) -> LocalSGDAveraging | DelayedCompensated | FetchSGD:
+def build_strategy(
+    config: RunConfig,
+) -> LocalSGDAveraging | DelayedCompensated | FetchSGD | SketchedSGD:
     """The strategy named in ``config``, with its knobs (RunConfig validated them)."""
+    if config.strategy == SKETCHED_SGD:
+        return SketchedSGD(
+            k=config.k,
+            sketch_rows=config.sketch_rows,
+            sketch_cols=config.sketch_cols,
+            candidate_factor=config.candidate_factor,
+            momentum=config.server_momentum,
+            eta=config.server_lr,
+            fraction_train=config.fraction_train,
+            fraction_evaluate=config.fraction_evaluate,
+            seed=config.seed,
+        )
     if config.strategy == FETCHSGD:
         return FetchSGD(
             k=config.k,

@@ -37,6 +37,12 @@ SKETCH_SEED = "sketch-seed"
 SKETCH_ROWS = "sketch-rows"
 SKETCH_COLS = "sketch-cols"
 SYNC_FROM = "sync-from"
+# Sketched-SGD (strategies/sketched_sgd.py): which of a step's two rounds, the round whose
+# sketches chose the candidates, the step momentum, the step whose coordinates to zero
+SKETCH_PHASE = "sketch-phase"
+SKETCHED_ROUND = "sketched-round"
+STEP_MOMENTUM = "step-momentum"
+ZERO_STEP = "zero-step"
 
 # ---- MetricRecord keys sent back by sites
 NUM_EXAMPLES = "num-examples"  # Flower's weighting key
@@ -61,6 +67,10 @@ DELAYED_STATE = "flplatform-delayed"  # delayed updates: periods kept, plus one 
 CODEC_STATE = "flplatform-codec"  # upload compression: the error-feedback residual
 FETCHSGD_STATE = "flplatform-fetchsgd"  # the version of the model a FetchSGD site holds
 FETCHSGD_MODEL = "flplatform-fetchsgd.model"  # ... and that model
+SKETCHED_STATE = "flplatform-sketched-sgd"  # the version of the model a site holds
+SKETCHED_MODEL = "flplatform-sketched-sgd.model"  # ... and that model
+SKETCHED_ACCUMULATORS = "flplatform-sketched-sgd.uv"  # its momentum u and error v
+SKETCHED_PROGRESS = "flplatform-sketched-sgd.progress"  # zeroed step, last sketch's round
 
 # ---- global metrics written to the ledger
 ACCURACY = "accuracy"

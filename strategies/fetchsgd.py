@@ -54,17 +54,14 @@ from strategies.local_sgd import (
     train_on_site,
 )
 from strategies.site_parts import register
-from strategies.sketch_feedback import ChangeLog, SketchFeedback
+from strategies.sketch_feedback import SketchFeedback
+from strategies.sparse_sync import SparseModel, int_config, remember_model, synced_model
 from strategies.validation import check_num_examples
 
 log = logging.getLogger("flplatform.strategies.fetchsgd")
 
 SITE_ALGORITHM = "fetchsgd"
 SKETCH = "sketch"  # the reply's table
-SYNC_INDICES, SYNC_VALUES = "sync.indices", "sync.values"  # a sparse download
-DENSE = -1  # sync-from of a message carrying the whole model
-# More changed coordinates than this fraction of d travel as the whole model.
-DENSE_ABOVE = 0.5
 
 
 class FetchSGD(Strategy):
@@ -115,15 +112,9 @@ class FetchSGD(Strategy):
         self._sampling = LocalSGDAveraging(
             fraction_train=fraction_train, fraction_evaluate=fraction_evaluate, seed=seed
         )
+        self.model = SparseModel()  # x, its versions, and what each site holds
         # Fixed once the model is known (first configure_train or begin_aggregation).
-        self.layout: Layout | None = None
         self.feedback: SketchFeedback | None = None
-        self.flat = torch.empty(0)  # x, flattened in the layout's order (float32)
-        self.record: ArrayRecord | None = None  # x as sent to sites
-        self.version = 0
-        self.changes = ChangeLog()
-        self.synced: dict[int, int] = {}  # node → version it holds (confirmed by a reply)
-        self._sent: dict[int, int] = {}  # node → version its outstanding message carries
         self._table: torch.Tensor | None = None
         self._weight = 0.0
         self._count = 0
@@ -146,31 +137,13 @@ class FetchSGD(Strategy):
     # ------------------------------------------------------------ model bookkeeping
     def _use(self, arrays: ArrayRecord) -> None:
         """Adopt ``arrays`` as x the first time (the engine's initial model)."""
-        if self.layout is not None:
-            return
-        model = record_to_arrays(arrays)
-        self.layout = Layout.of(model)
-        sketch = CountSketch.from_seed(
-            self.layout.size, rows=self.rows, cols=self.cols, seed=self.sketch_seed
-        )
-        self.feedback = SketchFeedback(
-            sketch, k=self.k, rho=self.rho, eta=self.eta, removal=self.removal
-        )
-        self.flat = torch.from_numpy(self.layout.flatten(model).astype(np.float32))
-        self.record = arrays
-
-    def _download(self, node_id: int) -> tuple[ArrayRecord, int]:
-        """What ``node_id`` needs to hold x: (record, version it must hold first or DENSE)."""
-        assert self.layout is not None and self.record is not None  # set by _use
-        # Taken, not read: until the site replies to this message, what it holds is not
-        # known (a failed or lost message is followed by the whole model).
-        held = self.synced.pop(node_id, None)
-        changed = None if held is None else self.changes.changed_since(held, self.version)
-        if held is None or changed is None or len(changed) > DENSE_ABOVE * self.layout.size:
-            return self.record, DENSE
-        indices = changed.numpy().astype(np.int32 if self.layout.size < 2**31 else np.int64)
-        values = self.flat[changed].numpy()
-        return arrays_to_record({SYNC_INDICES: indices, SYNC_VALUES: values}), held
+        if self.model.adopt(arrays):
+            sketch = CountSketch.from_seed(
+                self.model.size, rows=self.rows, cols=self.cols, seed=self.sketch_seed
+            )
+            self.feedback = SketchFeedback(
+                sketch, k=self.k, rho=self.rho, eta=self.eta, removal=self.removal
+            )
 
     # ------------------------------------------------------------ Flower hooks
     def configure_train(
@@ -183,13 +156,13 @@ class FetchSGD(Strategy):
         )
         messages = []
         for node_id in nodes:
-            record, sync_from = self._download(node_id)
+            record, sync_from = self.model.download(node_id)
             site_config = ConfigRecord(dict(config))
             site_config.update(
                 {
                     keys.SERVER_ROUND: server_round,
                     keys.SITE_ALGORITHM: SITE_ALGORITHM,
-                    keys.MODEL_VERSION: self.version,
+                    keys.MODEL_VERSION: self.model.version,
                     keys.SYNC_FROM: sync_from,
                     keys.SKETCH_SEED: self.sketch_seed,
                     keys.SKETCH_ROWS: self.rows,
@@ -198,15 +171,14 @@ class FetchSGD(Strategy):
             )
             content = RecordDict({keys.ARRAYS: record, keys.CONFIG: site_config})
             messages.append(Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN))
-            self._sent[node_id] = self.version
         return messages
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Flower's batch hook, through the streaming path (malformed replies skipped)."""
-        assert self.record is not None, "configure_train runs first"
-        return aggregate_batch(self, server_round, self.record, replies)
+        assert self.model.record is not None, "configure_train runs first"
+        return aggregate_batch(self, server_round, self.model.record, replies)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -231,36 +203,11 @@ class FetchSGD(Strategy):
     ) -> Contribution:
         """Add w_n·S(g_n); the site now holds the version its message carried."""
         assert self.feedback is not None
-        content = reply.content
-        if keys.ARRAYS not in content or keys.METRICS not in content:
-            raise UpdateRejected(
-                f"reply must hold '{keys.ARRAYS}' and '{keys.METRICS}' records, "
-                f"got {sorted(content.keys())}"
-            )
-        metrics = content[keys.METRICS]
-        record = content[keys.ARRAYS]
-        if not isinstance(metrics, MetricRecord) or not isinstance(record, ArrayRecord):
-            raise UpdateRejected("reply records have the wrong types")
-        node_id = reply.metadata.src_node_id
-        if node_id in self._sent:  # it applied the download, whatever becomes of its sketch
-            self.synced[node_id] = self._sent.pop(node_id)
+        record, metrics = reply_parts(reply)
+        # It applied the download, whatever becomes of its sketch.
+        self.model.confirm(reply.metadata.src_node_id)
         num_examples = check_num_examples(metrics.get(keys.NUM_EXAMPLES))
-        if list(record.keys()) != [SKETCH]:
-            raise UpdateRejected(
-                f"FetchSGD replies carry one '{SKETCH}' array, got {sorted(record.keys())}: "
-                "is the site running flplatform's fetchsgd site part?"
-            )
-        try:
-            table = record_to_arrays(record)[SKETCH]
-        except Exception as exc:
-            raise UpdateRejected(f"sketch cannot be decoded: {exc}") from None
-        shape = (self.rows, self.cols)
-        if table.shape != shape or table.dtype != np.float32:
-            raise UpdateRejected(
-                f"sketch must be float32 of shape {shape}, got {table.dtype} {table.shape}"
-            )
-        if not np.isfinite(table).all():
-            raise UpdateRejected("sketch contains NaN or Inf")
+        table = sketch_table(record, (self.rows, self.cols), SITE_ALGORITHM)
         weighted = torch.from_numpy(table.astype(np.float32)) * float(num_examples * weight_scale)
         self._table = weighted if self._table is None else self._table.add_(weighted)
         self._weight += num_examples
@@ -273,21 +220,18 @@ class FetchSGD(Strategy):
 
     def finish_aggregation(self) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Δ from the sketches; x ← x + Δ; None when no sketch was accepted."""
-        assert self.feedback is not None and self.layout is not None
+        assert self.feedback is not None
         if self._table is None or self._count == 0:
             return None, None
         indices, values = self.feedback.step(self._table / self._weight)
-        self.flat[indices] += values
-        self.version += 1
-        self.changes.record(self.version, indices)
-        self.record = arrays_to_record(self.layout.unflatten(self.flat.numpy()))
+        record = self.model.apply(indices, values)
         metrics = MetricRecord(
             {"num-updates": self._count, "applied-coordinates": int(indices.numel())}
         )
         if self._loss[1] > 0:
             metrics[keys.TRAIN_LOSS] = self._loss[0] / self._loss[1]
         self._table = None
-        return self.record, metrics
+        return record, metrics
 
     # -------------------------------------------------------------- driving
     def start(
@@ -315,60 +259,54 @@ class FetchSGD(Strategy):
         )
 
 
-# =============================================================== site part
-def _int_config(config: ConfigRecord, key: str, low: int) -> int:
-    value = config.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"round config '{key}' must be an integer >= {low}, got {value!r}")
-    return value
-
-
-def synced_model(msg: Message, context: Context) -> dict[str, np.ndarray]:
-    """The model the server holds, from the message and the site's stored copy."""
-    config = msg.content.config_records.get(keys.CONFIG, ConfigRecord())
-    sync_from = _int_config(config, keys.SYNC_FROM, DENSE)
-    if keys.ARRAYS not in msg.content.array_records:
-        raise ConfigError(f"the server's message has no '{keys.ARRAYS}' record")
-    sent = record_to_arrays(msg.content.array_records[keys.ARRAYS])
-    if sync_from == DENSE:
-        return sent
-    state = context.state.config_records.get(keys.FETCHSGD_STATE, ConfigRecord())
-    stored = context.state.array_records.get(keys.FETCHSGD_MODEL)
-    held = state.get("version")
-    # Changes since an older version than the site holds still bring it to the server's
-    # model: they cover every coordinate changed since, with its current value.
-    if stored is None or not isinstance(held, int) or held < sync_from:
-        raise ConfigError(
-            f"this site holds model version {held!r}, but the server sent the changes since "
-            f"version {sync_from}; it will send the whole model next time"
+# ====================================================== replies (shared by sketched strategies)
+def reply_parts(reply: Message) -> tuple[ArrayRecord, MetricRecord]:
+    """A site's reply as its arrays and metrics records; ``UpdateRejected`` if it is not."""
+    content = reply.content
+    if keys.ARRAYS not in content or keys.METRICS not in content:
+        raise UpdateRejected(
+            f"reply must hold '{keys.ARRAYS}' and '{keys.METRICS}' records, "
+            f"got {sorted(content.keys())}"
         )
-    model = record_to_arrays(stored)
-    layout = Layout.of(model)
-    indices, values = sent.get(SYNC_INDICES), sent.get(SYNC_VALUES)
-    if (
-        indices is None
-        or values is None
-        or indices.ndim != 1
-        or indices.shape != values.shape
-        or not np.issubdtype(indices.dtype, np.integer)
-        or (len(indices) and (indices.min() < 0 or indices.max() >= layout.size))
-    ):
-        raise ConfigError("the server's sparse model update is malformed")
-    flat = layout.flatten(model)
-    flat[indices] = values
-    return layout.unflatten(flat)
+    record, metrics = content[keys.ARRAYS], content[keys.METRICS]
+    if not isinstance(metrics, MetricRecord) or not isinstance(record, ArrayRecord):
+        raise UpdateRejected("reply records have the wrong types")
+    return record, metrics
 
 
+def sketch_table(record: ArrayRecord, shape: tuple[int, int], algorithm: str) -> np.ndarray:
+    """The one finite float32 r × c table a sketch reply carries; ``UpdateRejected`` if not."""
+    if list(record.keys()) != [SKETCH]:
+        raise UpdateRejected(
+            f"sketch replies carry one '{SKETCH}' array, got {sorted(record.keys())}: "
+            f"is the site running flplatform's {algorithm} site part?"
+        )
+    try:
+        table = record_to_arrays(record)[SKETCH]
+    except Exception as exc:
+        raise UpdateRejected(f"sketch cannot be decoded: {exc}") from None
+    if table.shape != shape or table.dtype != np.float32:
+        raise UpdateRejected(
+            f"sketch must be float32 of shape {shape}, got {table.dtype} {table.shape}"
+        )
+    if not np.isfinite(table).all():
+        raise UpdateRejected("sketch contains NaN or Inf")
+    return table
+
+
+# =============================================================== site part
 @register(SITE_ALGORITHM)
 def train_site(msg: Message, context: Context, site: Site) -> Message:
     """Sync the model, train p local steps, reply with the count sketch of the delta."""
     raw = msg.content.config_records.get(keys.CONFIG, ConfigRecord())
     config = SiteTrainConfig.from_record(raw)
-    version = _int_config(raw, keys.MODEL_VERSION, 0)
-    seed = _int_config(raw, keys.SKETCH_SEED, 0)
-    rows = _int_config(raw, keys.SKETCH_ROWS, 1)
-    cols = _int_config(raw, keys.SKETCH_COLS, 1)
-    model_arrays = synced_model(msg, context)
+    version = int_config(raw, keys.MODEL_VERSION, 0)
+    seed = int_config(raw, keys.SKETCH_SEED, 0)
+    rows = int_config(raw, keys.SKETCH_ROWS, 1)
+    cols = int_config(raw, keys.SKETCH_COLS, 1)
+    model_arrays = synced_model(
+        msg, context, state_key=keys.FETCHSGD_STATE, model_key=keys.FETCHSGD_MODEL
+    )
     state_dict = {k: torch.from_numpy(np.array(v)) for k, v in model_arrays.items()}
     model = site.build_model(num_classes=num_classes_of(state_dict), seed=config.seed)
     model.load_state_dict(state_dict)
@@ -379,8 +317,9 @@ def train_site(msg: Message, context: Context, site: Site) -> Message:
     sketch = CountSketch.from_seed(layout.size, rows=rows, cols=cols, seed=seed)
     table = sketch.sketch(torch.from_numpy(delta.astype(np.float32)).to(site.device)).cpu()
     # Only now, with the work done, does the site hold the synced model.
-    context.state[keys.FETCHSGD_MODEL] = arrays_to_record(model_arrays)
-    context.state[keys.FETCHSGD_STATE] = ConfigRecord({"version": version})
+    remember_model(
+        context, model_arrays, version, state_key=keys.FETCHSGD_STATE, model_key=keys.FETCHSGD_MODEL
+    )
     metrics = MetricRecord(
         {
             keys.NUM_EXAMPLES: len(site.x_train),

@@ -1,7 +1,10 @@
-"""FetchSGD's server state: momentum and error feedback in sketch space (pure torch).
+"""The maths of sketched aggregation beyond the sketch itself (pure torch).
 
-ALGORITHMS.md §3 (Rothchild et al., "FetchSGD", 2020). Sites send count sketches S(g_n)
-of their updates; the sketch is linear, so the server works on tables only:
+FetchSGD's server state (``SketchFeedback``) and Sketched-SGD's candidate selection and site
+accumulators (at the end of this module).
+
+FetchSGD (ALGORITHMS.md §3; Rothchild et al., 2020): sites send count sketches S(g_n) of
+their updates; the sketch is linear, so the server works on tables only:
 
     S   = Σ w_n S(g_n) / Σ w_n          (weighted mean of the sites' tables)
     S_u ← ρ·S_u + S                     (momentum, in sketch space)
@@ -116,29 +119,58 @@ class SketchFeedback:
         self.error = state["error"].to(torch.float32).clone()
 
 
-@dataclass
-class ChangeLog:
-    """Which coordinates each model version changed: what a site that missed rounds needs.
+# =================================================== Sketched-SGD (two rounds per step)
+def candidate_coordinates(sketch: CountSketch, table: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` coordinates of largest estimated magnitude, ascending (int64).
 
-    A site holding version v is sent x at every coordinate changed in versions v+1..now.
-    Versions older than ``keep`` rounds are forgotten; a site that far behind gets the
-    whole model.
+    Sketched-SGD's first round: the server asks the sites for their exact values there.
+    ``count >= d`` asks for every coordinate (the sketch is then not consulted at all).
+    """
+    if count >= sketch.d:
+        return torch.arange(sketch.d, device=table.device)
+    indices, _ = sketch.top_k(table, count)
+    return torch.sort(indices).values
+
+
+def exact_top_k(
+    indices: torch.Tensor, values: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k entries of largest |value| among (indices, values), ascending by index.
+
+    Sketched-SGD's second round: ``values`` is the exact weighted sum of the sites' error
+    accumulators at the candidate ``indices``; ties go to the lower coordinate.
+    """
+    if k >= len(indices):
+        return indices, values
+    # A stable sort on -|v| keeps candidates (ascending) in order among equal magnitudes.
+    chosen = torch.sort(torch.argsort(-values.abs(), stable=True)[:k]).values
+    return indices[chosen], values[chosen]
+
+
+@dataclass
+class SiteAccumulators:
+    """One Sketched-SGD site's momentum u and error accumulation v (dense, d each).
+
+    Each step the site adds its update g (u ← m·u + g; v ← v + u) and sketches v; after the
+    server applies a step the site's exact values went into, u and v are zeroed at the
+    applied coordinates: what was applied leaves the error, and its momentum stops.
     """
 
-    keep: int = 64
-    changes: dict[int, torch.Tensor] = field(default_factory=dict)  # version → indices
+    momentum: float
+    u: torch.Tensor
+    v: torch.Tensor
 
-    def record(self, version: int, indices: torch.Tensor) -> None:
-        """Version ``version`` changed ``indices``."""
-        self.changes[version] = indices.to(torch.int64).cpu()
-        for old in [v for v in self.changes if v <= version - self.keep]:
-            del self.changes[old]
+    @classmethod
+    def zeros(cls, d: int, momentum: float) -> SiteAccumulators:
+        """Fresh accumulators for a model of d coordinates."""
+        return cls(momentum, torch.zeros(d), torch.zeros(d))
 
-    def changed_since(self, version: int, current: int) -> torch.Tensor | None:
-        """Sorted coordinates changed after ``version`` up to ``current``; None if unknown."""
-        needed = range(version + 1, current + 1)
-        if any(v not in self.changes for v in needed):
-            return None
-        if not needed:
-            return torch.empty(0, dtype=torch.int64)
-        return torch.unique(torch.cat([self.changes[v] for v in needed]))
+    def add(self, update: torch.Tensor) -> None:
+        """Fold this step's update in: u ← m·u + g; v ← v + u."""
+        self.u.mul_(self.momentum).add_(update)
+        self.v.add_(self.u)
+
+    def zero(self, indices: torch.Tensor) -> None:
+        """The server applied these coordinates with this site's values in them."""
+        self.u[indices] = 0.0
+        self.v[indices] = 0.0

@@ -113,7 +113,7 @@ def _display_url(url: str) -> str:
 # ================================================================ commands
 Strategy = Annotated[
     str,
-    typer.Option(help="local-sgd (fedavg, fedavgm), delayed (dts, dga) or fetchsgd."),
+    typer.Option(help="local-sgd (fedavg, fedavgm), delayed (dts, dga), fetchsgd or sketched-sgd."),
 ]
 Sites = Annotated[
     str | None,
@@ -134,7 +134,13 @@ def simulate(
     lr: Annotated[float, typer.Option(help="Site learning rate.")] = 0.1,
     momentum: Annotated[float, typer.Option(help="Site SGD momentum, reset each round.")] = 0.9,
     server_lr: Annotated[float, typer.Option(help="Server learning rate η.")] = 1.0,
-    server_momentum: Annotated[float, typer.Option(help="Server momentum β (FedAvgM).")] = 0.0,
+    server_momentum: Annotated[
+        float,
+        typer.Option(
+            help="Server momentum β (FedAvgM); FetchSGD's sketch momentum ρ; Sketched-SGD's "
+            "step momentum m (kept at the sites)."
+        ),
+    ] = 0.0,
     dataset: Annotated[
         str, typer.Option(help="digits, mnist5k, fashion-mnist, or a .npz path.")
     ] = "digits",
@@ -157,7 +163,9 @@ def simulate(
     ] = "sync",
     k: Annotated[
         int,
-        typer.Option("--k", help="K of the K modes; for fetchsgd, coordinates applied per round."),
+        typer.Option(
+            "--k", help="K of the K modes; for fetchsgd/sketched-sgd, coordinates per step."
+        ),
     ] = 2,
     staleness_bound: Annotated[
         int, typer.Option(help="Async modes: most versions an update may lag (-1: none).")
@@ -208,11 +216,15 @@ def simulate(
             "topk:<k> or topk:<fraction>."
         ),
     ] = "none",
-    sketch_rows: Annotated[int, typer.Option(help="FetchSGD: sketch rows r (odd).")] = 5,
-    sketch_cols: Annotated[int, typer.Option(help="FetchSGD: sketch columns c (0: 5·k).")] = 0,
+    sketch_rows: Annotated[int, typer.Option(help="Sketches: rows r (odd).")] = 5,
+    sketch_cols: Annotated[int, typer.Option(help="Sketches: columns c (0: 5·k).")] = 0,
     sketch_removal: Annotated[
         str, typer.Option(help="FetchSGD: remove applied steps by 'zero' or 'subtract'.")
     ] = "zero",
+    candidate_factor: Annotated[
+        int,
+        typer.Option(help="Sketched-SGD: P; the second round asks the sites for P·k values."),
+    ] = 2,
     db: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the ledger.")] = None,
 ) -> None:
     """Run a simulated federation and record every round in the ledger."""
@@ -256,6 +268,7 @@ def simulate(
             "sketch-rows": sketch_rows,
             "sketch-cols": sketch_cols,
             "sketch-removal": sketch_removal,
+            "candidate-factor": candidate_factor,
             "db": db or "",
         }
     )
@@ -316,7 +329,7 @@ def cross_silo(
         str,
         typer.Option(
             help="Comma-separated rows: sync modes, delayed, and the optional topk, int8, "
-            "fetchsgd (compressed uploads)."
+            "fetchsgd, sketched-sgd (compressed uploads)."
         ),
     ] = ",".join(DEMO_MODES),
     delay: Annotated[int, typer.Option(help="D of the delayed-updates row.")] = 2,

@@ -316,8 +316,12 @@ def planned_steps(config: Mapping[str, Any], num_examples: int | None) -> int:
     """Local optimiser steps a training message asks for: what its compute time scales with.
 
     ``local-steps`` when positive, else ``local-epochs`` passes over the site's examples
-    in batches of ``batch-size``; 1 when the config says neither (a plain Flower app).
+    in batches of ``batch-size``; 0 when both are set to 0 (a message that asks for no
+    training, such as Sketched-SGD's request for values); 1 when the config says neither
+    (a plain Flower app).
     """
+    if config.get(keys.LOCAL_STEPS) == 0 and config.get(keys.LOCAL_EPOCHS) == 0:
+        return 0
     steps = _positive(config.get(keys.LOCAL_STEPS))
     if steps:
         return steps

@@ -51,7 +51,7 @@ def test_the_period_sets_the_local_steps_of_delayed_updates() -> None:
         (
             {"strategy": "magic"},
             "unknown strategy 'magic'; allowed: delayed, dga, dts, fedavg, fedavgm, fetchsgd, "
-            "local-sgd",
+            "local-sgd, sketched-sgd",
         ),
         ({"model": "resnet"}, "unknown model 'resnet'; allowed: mlp, cnn"),
         ({"dataset": "imagenet"}, "unknown dataset 'imagenet'; allowed: digits, mnist5k"),

@@ -49,3 +49,29 @@ def test_local_sgd_with_top_k_uploads(tmp_path: Path) -> None:
         }
         assert up["topk:0.05"] < 0.2 * up["none"]
         assert repo.list_rounds(sparse.id)[-1].metrics["accuracy"] > 0.5
+
+
+def test_sketched_sgd_takes_two_rounds_per_step_on_a_simulated_network(tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path / 'ledger.db'}"
+    args = ["simulate", "--strategy", "sketched-sgd", "--k", "500", "--server-momentum", "0.9"]
+    args += ["--rounds", "8", "--local-steps", "10", "--network", "world", "--db", db]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    with LedgerRepository.open(db) as repo:
+        (run,) = repo.list_runs()
+        assert run.status == "finished" and run.config["strategy"] == "sketched-sgd"
+        rounds = repo.list_rounds(run.id)
+        assert [r.model_version for r in rounds] == [0, 1, 1, 2, 2, 3, 3, 4]
+        assert rounds[-1].metrics["accuracy"] > 0.5
+        updates = repo.list_updates(run.id)
+        assert len(updates) == 8 * 4 and all(u.status == "applied" for u in updates)
+        table, values = 5 * 2500 * 4, 2 * 500 * 4  # r × c float32; P·k float32
+        for number in range(1, 9):
+            rows = [u for u in updates if u.round == number]
+            if number % 2:  # sketch rounds train; values rounds only answer
+                assert all(table < u.bytes_up < table + 4096 for u in rows)
+                assert all(u.virtual_compute_seconds > 0 for u in rows)
+            else:
+                assert all(values < u.bytes_up < values + 4096 for u in rows)
+                assert all(values < u.bytes_down < values + 4096 for u in rows)
+                assert all(u.virtual_compute_seconds == 0 for u in rows)

@@ -28,8 +28,17 @@ def _stop_local_superlink(port: int) -> None:
             os.killpg(int(pid), signal.SIGTERM)
 
 
-@pytest.mark.parametrize("strategy", ["local-sgd", "delayed"])
-def test_flwr_run_dot_trains_and_writes_the_ledger(flplatform_home: Path, strategy: str) -> None:
+@pytest.mark.parametrize(
+    ("strategy", "options"),
+    [
+        ("local-sgd", "num-server-rounds=2"),
+        ("delayed", "num-server-rounds=2"),
+        ("sketched-sgd", "num-server-rounds=4 k=500"),
+    ],
+)
+def test_flwr_run_dot_trains_and_writes_the_ledger(
+    flplatform_home: Path, strategy: str, options: str
+) -> None:
     env = flower_environment(flplatform_home)
     http_port, control_port = free_port(), free_port()
     env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(http_port)
@@ -43,7 +52,7 @@ def test_flwr_run_dot_trains_and_writes_the_ledger(flplatform_home: Path, strate
                 ".",
                 "--stream",
                 "--run-config",
-                f"num-server-rounds=2 local-epochs=1 sites='a,b,c' strategy='{strategy}'",
+                f"{options} local-epochs=1 sites='a,b,c' strategy='{strategy}'",
                 "--federation-config",
                 "num-supernodes=3 init-args-num-cpus=2",
             ],
@@ -65,6 +74,13 @@ def test_flwr_run_dot_trains_and_writes_the_ledger(flplatform_home: Path, strate
         assert run.config["strategy"] == strategy
         if strategy == "local-sgd":
             assert [r.num_applied for r in rounds] == [3, 3]
+        elif strategy == "sketched-sgd":  # a sketch round, then a values round, per step
+            assert [(r.model_version, r.num_applied) for r in rounds] == [
+                (0, 3),
+                (1, 3),
+                (1, 3),
+                (2, 3),
+            ]
         else:  # a site may land its period-2 update while round 1 is still open
             updates = repo.list_updates(run.id)
             assert sorted(u.period for u in updates) == [1, 1, 1, 2, 2, 2]

@@ -22,13 +22,15 @@ from flplatform.engine.wire import arrays_to_record, record_to_arrays
 from flplatform.errors import ConfigError, UpdateRejected
 from strategies.codecs import Layout
 from strategies.count_sketch import CountSketch
-from strategies.fetchsgd import FetchSGD, synced_model
-from strategies.sketch_feedback import ChangeLog, SketchFeedback
+from strategies.fetchsgd import FetchSGD
+from strategies.sketch_feedback import SketchFeedback
+from strategies.sparse_sync import ChangeLog, synced_model
 from tests.flplatform.engine.scripted_grid import ScriptedGrid
 
 from .delayed_sites import context, digits_site
 
 pytestmark = pytest.mark.usefixtures("task_identity")
+FETCHSGD_KEYS = {"state_key": keys.FETCHSGD_STATE, "model_key": keys.FETCHSGD_MODEL}
 
 
 def collision_free_sketch(d: int, rows: int = 3) -> CountSketch:
@@ -119,7 +121,7 @@ def test_sites_that_missed_rounds_receive_every_coordinate_changed_since() -> No
         config = msg.content[keys.CONFIG]
         since, version = config[keys.SYNC_FROM], config[keys.MODEL_VERSION]
         sent = record_to_arrays(msg.content[keys.ARRAYS])["sync.indices"]
-        expected = strategy.changes.changed_since(since, version)
+        expected = strategy.model.changes.changed_since(since, version)
         np.testing.assert_array_equal(sent, expected.numpy())
         assert len(sent) <= strategy.k * (version - since)
     # Up: one r × c float32 table per update; down: sparse syncs cost less than the model.
@@ -140,11 +142,11 @@ def test_every_site_rebuilds_exactly_the_servers_model() -> None:
     # Offer every site the next round: from its stored copy and what it is sent (dense
     # or the changes since the version it holds) it must rebuild x bit for bit.
     strategy._sampling.fraction_train = 1.0
-    messages = list(strategy.configure_train(5, strategy.record, ConfigRecord(), Grid()))  # type: ignore[arg-type]
+    messages = list(strategy.configure_train(5, strategy.model.record, ConfigRecord(), Grid()))  # type: ignore[arg-type]
     assert any(m.content[keys.CONFIG][keys.SYNC_FROM] >= 0 for m in messages)
-    server = record_to_arrays(strategy.record)
+    server = record_to_arrays(strategy.model.record)
     for msg in messages:
-        rebuilt = synced_model(msg, contexts[msg.metadata.dst_node_id])
+        rebuilt = synced_model(msg, contexts[msg.metadata.dst_node_id], **FETCHSGD_KEYS)
         for name in server:
             np.testing.assert_array_equal(rebuilt[name], server[name])
 
@@ -160,11 +162,11 @@ def test_a_site_out_of_sync_fails_once_then_gets_the_whole_model() -> None:
 
     (msg,) = strategy.configure_train(1, base, ConfigRecord(), Grid())  # type: ignore[arg-type]
     assert msg.content[keys.CONFIG][keys.SYNC_FROM] == -1  # first contact: dense
-    strategy.synced[3] = 0  # as if the site had replied, but it lost its state
+    strategy.model.synced[3] = 0  # as if the site had replied, but it lost its state
     (sparse,) = strategy.configure_train(1, base, ConfigRecord(), Grid())  # type: ignore[arg-type]
     assert sparse.content[keys.CONFIG][keys.SYNC_FROM] == 0
     with pytest.raises(ConfigError, match="send the whole model next time"):
-        synced_model(sparse, context(3))
+        synced_model(sparse, context(3), **FETCHSGD_KEYS)
     # No reply came: the next message is the whole model again.
     (again,) = strategy.configure_train(1, base, ConfigRecord(), Grid())  # type: ignore[arg-type]
     assert again.content[keys.CONFIG][keys.SYNC_FROM] == -1
@@ -208,8 +210,17 @@ def test_fetchsgd_settings_are_checked() -> None:
         RunConfig.from_mapping({"strategy": "fetchsgd", "sketch-rows": 4})
     with pytest.raises(ConfigError, match="sync mode 'sync' only"):
         RunConfig.from_mapping({"strategy": "fetchsgd", "sync": "k-async"})
-    with pytest.raises(ConfigError, match="use them with strategy 'fetchsgd'"):
+    with pytest.raises(ConfigError, match="sketch-cols shapes the sketches of strategy 'fetchsgd'"):
         RunConfig.from_mapping({"sketch-cols": 100})
+    with pytest.raises(
+        ConfigError,
+        match="sketch-removal shapes the sketches of strategy 'fetchsgd', not 'sketched-sgd'",
+    ):
+        RunConfig.from_mapping({"strategy": "sketched-sgd", "sketch-removal": "subtract"})
+    with pytest.raises(
+        ConfigError, match="candidate-factor shapes .* 'sketched-sgd', not 'fetchsgd'"
+    ):
+        RunConfig.from_mapping({"strategy": "fetchsgd", "candidate-factor": 3})
     with pytest.raises(ConfigError, match="sketch-removal"):
         RunConfig.from_mapping({"strategy": "fetchsgd", "sketch-removal": "halve"})
     with pytest.raises(ConfigError, match="k must be"):

@@ -36,7 +36,7 @@ def one_error_line(output: str) -> str:
         (
             ["--strategy", "magic"],
             "unknown strategy 'magic'; allowed: delayed, dga, dts, fedavg, fedavgm, fetchsgd, "
-            "local-sgd",
+            "local-sgd, sketched-sgd",
         ),
         (["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
         (["--model", "resnet"], "unknown model 'resnet'; allowed: mlp, cnn"),

@@ -118,6 +118,7 @@ def test_compute_draws_are_a_function_of_seed_site_and_attempt() -> None:
         ({keys.LOCAL_STEPS: 0, keys.LOCAL_EPOCHS: 2, keys.BATCH_SIZE: 32}, 100, 8),
         ({keys.LOCAL_EPOCHS: 1, keys.BATCH_SIZE: 32}, None, 1),
         ({}, 100, 1),  # a plain Flower app's config
+        ({keys.LOCAL_STEPS: 0, keys.LOCAL_EPOCHS: 0}, 100, 0),  # no training asked
         ({keys.LOCAL_STEPS: "many"}, 100, 1),
         ({keys.LOCAL_STEPS: float("inf")}, 100, 1),
     ],

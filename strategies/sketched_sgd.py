@@ -1,0 +1,519 @@
+"""Sketched-SGD: two rounds per step; sites keep momentum and error, the server finds heavy hitters.
+
+ALGORITHMS.md §3 (Ivkin et al., "Communication-efficient Distributed SGD with Sketching",
+2019). One step takes two rounds of the round engine, each a row in the ledger:
+
+* **Sketch round.** Server → site: the coordinates changed since the version the site holds
+  (``strategies.sparse_sync``), and which applied coordinates to zero. Site: trains p local
+  steps from x; its update g is the delta x_n − x; u ← m·u + g, v ← v + u (``u``, ``v`` kept
+  in the site's persistent state); replies with the count sketch S(v) (r × c float32).
+* **Values round.** Server: the weighted mean of the tables, estimates of every coordinate,
+  and the P·k of largest magnitude as candidates; it asks each site whose sketch it took for
+  v at those candidates (P·k indices down, P·k float32 values up). Server: the exact
+  weighted mean of those values; Δ = its top k; x ← x + η·Δ.
+
+A site whose values went into Δ zeroes u and v at Δ's coordinates when it next hears from
+the server (carried by its next sketch-round message, once, whatever is lost on the way); a
+site whose values did not arrive keeps them, so its work reaches a later step. With k = d
+every coordinate is a candidate and applied, u and v are zeroed whole each step, and the
+method is local-SGD averaging with server learning rate η.
+
+Learning rate and momentum: the site's lr is inside g; m (``server-momentum`` in the run
+config: the step's momentum, kept at the sites because only they hold dense vectors) and
+η (``server-lr``) act on the steps. Tiny tensors are not sent dense: every coordinate goes
+through the sketch, whatever its tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import torch
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+
+from clients.site import Site
+from flplatform import keys
+from flplatform.engine import Contribution, Synchrony, start_with_engine
+from flplatform.engine.wire import arrays_to_record, record_to_arrays
+from flplatform.errors import ConfigError, UpdateRejected
+from flplatform.seeding import derive_seed
+from strategies.codecs import Layout
+from strategies.count_sketch import CountSketch
+from strategies.fetchsgd import SKETCH, reply_parts, sketch_table
+from strategies.local_sgd import (
+    LocalSGDAveraging,
+    SiteTrainConfig,
+    aggregate_batch,
+    first_number,
+    num_classes_of,
+    train_on_site,
+)
+from strategies.site_parts import register
+from strategies.sketch_feedback import SiteAccumulators, candidate_coordinates, exact_top_k
+from strategies.sparse_sync import (
+    SYNC_INDICES,
+    SparseModel,
+    int_config,
+    remember_model,
+    synced_model,
+)
+from strategies.validation import check_num_examples
+
+log = logging.getLogger("flplatform.strategies.sketched_sgd")
+
+SITE_ALGORITHM = "sketched-sgd"
+SKETCH_PHASE, VALUES_PHASE = "sketch", "values"
+CANDIDATES = "candidates"  # a values request's indices
+VALUES = "values"  # a values reply's array
+ZERO = "zero"  # a sketch message's record of coordinates to zero, when not its sync's
+ZERO_INDICES = "zero.indices"
+
+
+class SketchedSGD(Strategy):
+    """Sketched-SGD as a Flower Message-API strategy, driven by the round engine.
+
+    Parameters
+    ----------
+    k : int
+        Coordinates applied per step.
+    sketch_rows, sketch_cols : int
+        r (odd) and c of the count sketch; c = 0 means 5·k.
+    candidate_factor : int
+        P: the values round asks for the P·k coordinates of largest estimate.
+    momentum : float
+        m, the step momentum the sites keep (u ← m·u + g).
+    eta : float
+        Server learning rate: x ← x + η·Δ.
+    fraction_train, fraction_evaluate : float
+        Seeded sampling of sites per sketch round, as local-SGD averaging.
+    seed : int
+        The run's seed; the sketch's hashes derive from it.
+    """
+
+    def __init__(
+        self,
+        *,
+        k: int,
+        sketch_rows: int = 5,
+        sketch_cols: int = 0,
+        candidate_factor: int = 2,
+        momentum: float = 0.9,
+        eta: float = 1.0,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 0.0,
+        seed: int = 0,
+    ) -> None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError(f"k must be an integer >= 1 coordinates, got {k!r}")
+        if sketch_rows < 1 or sketch_rows % 2 == 0:
+            raise ConfigError(f"sketch-rows must be odd and >= 1, got {sketch_rows}")
+        if sketch_cols < 0:
+            raise ConfigError(f"sketch-cols must be >= 0 (0: 5·k), got {sketch_cols}")
+        if isinstance(candidate_factor, bool) or candidate_factor < 1:
+            raise ConfigError(f"candidate-factor P must be an integer >= 1, got {candidate_factor}")
+        if not 0.0 <= momentum < 1.0:
+            raise ConfigError(f"Sketched-SGD's momentum must be in [0, 1), got {momentum}")
+        if not eta > 0:
+            raise ConfigError(f"server learning rate must be > 0, got {eta}")
+        self.k, self.rows, self.cols = k, sketch_rows, sketch_cols or 5 * k
+        self.candidate_factor, self.momentum, self.eta = candidate_factor, momentum, eta
+        self.sketch_seed = derive_seed(seed, "sketched-sgd-sketch")
+        self._sampling = LocalSGDAveraging(
+            fraction_train=fraction_train, fraction_evaluate=fraction_evaluate, seed=seed
+        )
+        self.model = SparseModel()  # x, its versions, and what each site holds
+        self.sketch: CountSketch | None = None  # fixed once the model is known
+        # ---- the step in progress
+        self.phase = SKETCH_PHASE  # what the next round asks of the sites
+        self.candidates = torch.empty(0, dtype=torch.int64)
+        self.sketch_round = 0  # the round whose sketches chose the candidates
+        self.contributors: dict[int, int] = {}  # node → weight of the sketch it sent
+        # ---- zeroing owed to sites: node → step its values went into; step → coordinates
+        self.pending_zero: dict[int, int] = {}
+        self.applied: dict[int, torch.Tensor] = {}
+        self._zero_sent: dict[int, int] = {}  # node → zero step its outstanding message carries
+        # ---- this round
+        self._round_phase, self._round = SKETCH_PHASE, 0
+        self._asked: set[int] = set()
+        self._answered: set[int] = set()
+        self._sum: torch.Tensor | None = None  # Σ w·S(v) or Σ w·v[candidates]
+        self._weight = 0.0
+        self._loss = (0.0, 0.0)
+
+    def summary(self) -> None:
+        """Log the configuration."""
+        log.info(
+            "Sketched-SGD: k=%s P=%s sketch=%sx%s momentum=%s eta=%s",
+            self.k,
+            self.candidate_factor,
+            self.rows,
+            self.cols,
+            self.momentum,
+            self.eta,
+        )
+
+    def _use(self, arrays: ArrayRecord) -> None:
+        if self.model.adopt(arrays):
+            if self.k > self.model.size:
+                raise ConfigError(f"k must be at most the model's {self.model.size} parameters")
+            self.sketch = CountSketch.from_seed(
+                self.model.size, rows=self.rows, cols=self.cols, seed=self.sketch_seed
+            )
+
+    # ------------------------------------------------------------ Flower hooks
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Sketch round: sync and train; values round: ask the sketches' sites for values."""
+        self._use(arrays)
+        nodes = sorted(grid.get_node_ids())
+        if self._round_phase == VALUES_PHASE:
+            wanted = [n for n in nodes if n in self.contributors and n not in self._asked]
+            if wanted or self._asked:
+                return [self._values_request(n, server_round, config) for n in wanted]
+            # Every site whose sketch chose the candidates is gone: start the step afresh.
+            log.warning(
+                "round %s: no site that sent a sketch is here; sketching again", server_round
+            )
+            self._round_phase = self.phase = SKETCH_PHASE
+            self.contributors = {}
+        sampled = self._sampling.sample(server_round, nodes, self._sampling.fraction_train)
+        return [self._sketch_request(n, server_round, config) for n in sampled]
+
+    def _sketch_request(self, node_id: int, server_round: int, config: ConfigRecord) -> Message:
+        record, sync_from = self.model.download(node_id)
+        zero_step = self.pending_zero.get(node_id, 0)
+        site_config = ConfigRecord(dict(config))
+        site_config.update(
+            {
+                keys.SERVER_ROUND: server_round,
+                keys.SITE_ALGORITHM: SITE_ALGORITHM,
+                keys.SKETCH_PHASE: SKETCH_PHASE,
+                keys.MODEL_VERSION: self.model.version,
+                keys.SYNC_FROM: sync_from,
+                keys.SKETCH_SEED: self.sketch_seed,
+                keys.SKETCH_ROWS: self.rows,
+                keys.SKETCH_COLS: self.cols,
+                keys.STEP_MOMENTUM: self.momentum,
+                keys.ZERO_STEP: zero_step,
+            }
+        )
+        content = RecordDict({keys.ARRAYS: record, keys.CONFIG: site_config})
+        # The step's coordinates are exactly this sync's when the site holds the version
+        # before it and that step is the latest: then they travel once.
+        if zero_step and not (sync_from == zero_step - 1 and self.model.version == zero_step):
+            indices = self.applied[zero_step].numpy().astype(np.int32)
+            content[ZERO] = arrays_to_record({ZERO_INDICES: indices})
+        if zero_step:
+            self._zero_sent[node_id] = zero_step
+        return Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN)
+
+    def _values_request(self, node_id: int, server_round: int, config: ConfigRecord) -> Message:
+        self._asked.add(node_id)
+        site_config = ConfigRecord(dict(config))
+        site_config.update(
+            {
+                keys.SERVER_ROUND: server_round,
+                keys.SITE_ALGORITHM: SITE_ALGORITHM,
+                keys.SKETCH_PHASE: VALUES_PHASE,
+                keys.SKETCHED_ROUND: self.sketch_round,
+                # No training: the virtual clock books no compute for it.
+                keys.LOCAL_STEPS: 0,
+                keys.LOCAL_EPOCHS: 0,
+            }
+        )
+        indices = self.candidates.numpy().astype(np.int32)
+        content = RecordDict(
+            {keys.ARRAYS: arrays_to_record({CANDIDATES: indices}), keys.CONFIG: site_config}
+        )
+        return Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Flower's batch hook, through the streaming path (malformed replies skipped)."""
+        assert self.model.record is not None, "configure_train runs first"
+        return aggregate_batch(self, server_round, self.model.record, replies)
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """As local-SGD averaging: a seeded sample of sites evaluates the whole model."""
+        return self._sampling.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """Example-weighted mean of the sites' evaluation metrics."""
+        return self._sampling.aggregate_evaluate(server_round, replies)
+
+    # ------------------------------------------------- streaming aggregation
+    def begin_aggregation(self, server_round: int, arrays: ArrayRecord) -> None:
+        """Start this round: a sketch round or the values round of the step in progress."""
+        self._use(arrays)
+        self._round_phase = self.phase
+        self._round = server_round
+        self._asked, self._answered = set(), set()
+        self._sum, self._weight, self._loss = None, 0.0, (0.0, 0.0)
+        if self.phase == SKETCH_PHASE:
+            self.contributors = {}
+
+    def accumulate(
+        self, reply: Message, *, base: ArrayRecord, weight_scale: float = 1.0
+    ) -> Contribution:
+        """Add a site's sketch (sketch round) or its values at the candidates."""
+        record, metrics = reply_parts(reply)
+        node_id = reply.metadata.src_node_id
+        num_examples = check_num_examples(metrics.get(keys.NUM_EXAMPLES))
+        if self._round_phase == SKETCH_PHASE:
+            # It synced and zeroed, whatever becomes of its sketch.
+            self.model.confirm(node_id)
+            if self._zero_sent.get(node_id) == self.pending_zero.get(node_id, 0):
+                self._forget_zero(node_id)
+            table = sketch_table(record, (self.rows, self.cols), SITE_ALGORITHM)
+            # (Sync only: weight_scale is 1; a discount would shrink the numerator only.)
+            table_tensor = torch.from_numpy(table.astype(np.float32))
+            self._add(table_tensor, num_examples * weight_scale, num_examples)
+            self.contributors[node_id] = num_examples
+            loss = first_number(metrics, keys.TRAIN_LOSS_ALIASES)
+            if loss is not None:
+                self._loss = (self._loss[0] + num_examples * loss, self._loss[1] + num_examples)
+            seconds = first_number(metrics, (keys.COMPUTE_SECONDS,))
+            return Contribution(num_examples, train_loss=loss, compute_seconds=seconds)
+        # ---- values round
+        if node_id not in self._asked or node_id in self._answered:
+            raise UpdateRejected(f"node {node_id} was not asked for values this round")
+        if list(record.keys()) != [VALUES]:
+            raise UpdateRejected(
+                f"values replies carry one '{VALUES}' array, got {sorted(record.keys())}"
+            )
+        try:
+            values = record_to_arrays(record)[VALUES]
+        except Exception as exc:
+            raise UpdateRejected(f"values cannot be decoded: {exc}") from None
+        shape = (len(self.candidates),)
+        if values.shape != shape or values.dtype != np.float32:
+            raise UpdateRejected(
+                f"values must be float32 of shape {shape}, got {values.dtype} {values.shape}"
+            )
+        if not np.isfinite(values).all():
+            raise UpdateRejected("values contain NaN or Inf")
+        # Weighted as the sketch that made this site a contributor.
+        weight = self.contributors[node_id]
+        self._add(torch.from_numpy(values.astype(np.float32)), weight, weight)
+        self._answered.add(node_id)
+        return Contribution(num_examples)
+
+    def _add(self, values: torch.Tensor, scaled: float, weight: float) -> None:
+        weighted = values * float(scaled)
+        self._sum = weighted if self._sum is None else self._sum.add_(weighted)
+        self._weight += weight
+
+    def _forget_zero(self, node_id: int) -> None:
+        step = self.pending_zero.pop(node_id, None)
+        self._zero_sent.pop(node_id, None)
+        if step is not None and step not in self.pending_zero.values():
+            self.applied.pop(step, None)
+
+    def finish_aggregation(self) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Sketch round: choose the candidates (x unchanged); values round: the step."""
+        assert self.sketch is not None
+        if self._round_phase == SKETCH_PHASE:
+            if self._sum is None:
+                return None, None
+            count = min(self.candidate_factor * self.k, self.model.size)
+            self.candidates = candidate_coordinates(
+                self.sketch, self._sum / self._weight, count
+            ).cpu()
+            self.phase, self.sketch_round = VALUES_PHASE, self._round
+            metrics = MetricRecord(
+                {"num-updates": len(self.contributors), "candidates": len(self.candidates)}
+            )
+            if self._loss[1] > 0:
+                metrics[keys.TRAIN_LOSS] = self._loss[0] / self._loss[1]
+            return None, metrics
+        # ---- values round: whatever arrived, the next round sketches again
+        self.phase = SKETCH_PHASE
+        if self._sum is None:
+            return None, None
+        indices, values = exact_top_k(self.candidates, self._sum / self._weight, self.k)
+        record = self.model.apply(indices, self.eta * values)
+        self.applied[self.model.version] = indices
+        for node_id in self._answered:
+            self.pending_zero[node_id] = self.model.version
+        metrics = MetricRecord(
+            {"num-updates": len(self._answered), "applied-coordinates": int(indices.numel())}
+        )
+        return record, metrics
+
+    # -------------------------------------------------------------- driving
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Flower's ``start``, run by flplatform's round engine; a step takes two rounds."""
+        return start_with_engine(
+            self,
+            grid,
+            initial_arrays,
+            policy=Synchrony("sync"),
+            num_rounds=num_rounds,
+            timeout=timeout,
+            train_config=train_config,
+            evaluate_config=evaluate_config,
+            evaluate_fn=evaluate_fn,
+            federated_evaluation=self._sampling.fraction_evaluate > 0,
+        )
+
+
+# =============================================================== site part
+def _progress(context: Context) -> tuple[int, int]:
+    """(last step whose coordinates this site zeroed, round of the sketch it last sent)."""
+    state = context.state.config_records.get(keys.SKETCHED_PROGRESS, ConfigRecord())
+    zeroed, sketched = state.get("zeroed-step", 0), state.get("sketched-round", 0)
+    return (zeroed if isinstance(zeroed, int) else 0, sketched if isinstance(sketched, int) else 0)
+
+
+def _accumulators(context: Context, d: int, momentum: float) -> SiteAccumulators:
+    stored = context.state.array_records.get(keys.SKETCHED_ACCUMULATORS)
+    if stored is None:
+        return SiteAccumulators.zeros(d, momentum)
+    arrays = record_to_arrays(stored)
+    u, v = arrays.get("u"), arrays.get("v")
+    if u is None or v is None or u.shape != (d,) or v.shape != (d,):
+        raise ConfigError(
+            f"this site's Sketched-SGD accumulators do not fit a model of {d} parameters"
+        )
+    return SiteAccumulators(momentum, torch.from_numpy(u.copy()), torch.from_numpy(v.copy()))
+
+
+def _zero_indices(msg: Message, d: int) -> np.ndarray:
+    """The coordinates the message says to zero: its own record, else its sync's."""
+    if ZERO in msg.content.array_records:
+        indices = record_to_arrays(msg.content.array_records[ZERO]).get(ZERO_INDICES)
+    else:
+        sent = msg.content.array_records.get(keys.ARRAYS)
+        indices = None if sent is None else record_to_arrays(sent).get(SYNC_INDICES)
+    if (
+        indices is None
+        or indices.ndim != 1
+        or not np.issubdtype(indices.dtype, np.integer)
+        or (len(indices) and (indices.min() < 0 or indices.max() >= d))
+    ):
+        raise ConfigError("the server's coordinates to zero are missing or malformed")
+    return indices.astype(np.int64)
+
+
+@register(SITE_ALGORITHM)
+def train_site(msg: Message, context: Context, site: Site) -> Message:
+    """Sketch round: sync, zero, train, reply S(v). Values round: reply v at the candidates."""
+    raw = msg.content.config_records.get(keys.CONFIG, ConfigRecord())
+    phase = raw.get(keys.SKETCH_PHASE)
+    if phase == VALUES_PHASE:
+        return _values_reply(msg, context, site, raw)
+    if phase != SKETCH_PHASE:
+        raise ConfigError(
+            f"round config '{keys.SKETCH_PHASE}' must be {SKETCH_PHASE!r} or "
+            f"{VALUES_PHASE!r}, got {phase!r}"
+        )
+    config = SiteTrainConfig.from_record(raw)
+    version = int_config(raw, keys.MODEL_VERSION, 0)
+    seed = int_config(raw, keys.SKETCH_SEED, 0)
+    rows = int_config(raw, keys.SKETCH_ROWS, 1)
+    cols = int_config(raw, keys.SKETCH_COLS, 1)
+    zero_step = int_config(raw, keys.ZERO_STEP, 0)
+    momentum = raw.get(keys.STEP_MOMENTUM)
+    if isinstance(momentum, bool) or not isinstance(momentum, float) or not 0 <= momentum < 1:
+        raise ConfigError(f"round config '{keys.STEP_MOMENTUM}' must be in [0, 1)")
+    model_arrays = synced_model(
+        msg, context, state_key=keys.SKETCHED_STATE, model_key=keys.SKETCHED_MODEL
+    )
+    layout = Layout.of(model_arrays)
+    accumulators = _accumulators(context, layout.size, momentum)
+    zeroed, _ = _progress(context)
+    if zero_step > zeroed:  # once per step, however often the message is sent
+        accumulators.zero(torch.from_numpy(_zero_indices(msg, layout.size)))
+        zeroed = zero_step
+    state_dict = {k: torch.from_numpy(np.array(v)) for k, v in model_arrays.items()}
+    model = site.build_model(num_classes=num_classes_of(state_dict), seed=config.seed)
+    model.load_state_dict(state_dict)
+    # The data order follows the step (version + 1), not the round, as local-SGD
+    # averaging's does: a step takes two rounds.
+    stats, _ = train_on_site(
+        model, site, dataclasses.replace(config, server_round=version + 1), context
+    )
+    trained = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+    update = layout.flatten(trained) - layout.flatten(model_arrays)
+    accumulators.add(torch.from_numpy(update.astype(np.float32)))
+    sketch = CountSketch.from_seed(layout.size, rows=rows, cols=cols, seed=seed)
+    table = sketch.sketch(accumulators.v.to(site.device)).cpu()
+    # Only now, with the work done, does the site hold the synced model and its new v.
+    remember_model(
+        context, model_arrays, version, state_key=keys.SKETCHED_STATE, model_key=keys.SKETCHED_MODEL
+    )
+    context.state[keys.SKETCHED_ACCUMULATORS] = arrays_to_record(
+        {"u": accumulators.u.numpy(), "v": accumulators.v.numpy()}
+    )
+    context.state[keys.SKETCHED_PROGRESS] = ConfigRecord(
+        {"zeroed-step": zeroed, "sketched-round": config.server_round}
+    )
+    metrics = MetricRecord(
+        {
+            keys.NUM_EXAMPLES: len(site.x_train),
+            keys.TRAIN_LOSS: stats.loss,
+            keys.COMPUTE_SECONDS: stats.seconds,
+        }
+    )
+    content = RecordDict(
+        {keys.ARRAYS: arrays_to_record({SKETCH: table.numpy()}), keys.METRICS: metrics}
+    )
+    return Message(content, reply_to=msg)
+
+
+def _values_reply(msg: Message, context: Context, site: Site, raw: ConfigRecord) -> Message:
+    """v at the candidates, from the accumulators of the sketch the server asks about."""
+    asked_round = int_config(raw, keys.SKETCHED_ROUND, 1)
+    _, sketched = _progress(context)
+    stored = context.state.array_records.get(keys.SKETCHED_ACCUMULATORS)
+    if stored is None or sketched != asked_round:
+        raise ConfigError(
+            f"the server asks for the values of the sketch of round {asked_round}; this site's "
+            f"last sketch is of round {sketched or 'none'}"
+        )
+    v = record_to_arrays(stored)["v"]
+    sent = msg.content.array_records.get(keys.ARRAYS)
+    candidates = None if sent is None else record_to_arrays(sent).get(CANDIDATES)
+    if (
+        candidates is None
+        or candidates.ndim != 1
+        or not np.issubdtype(candidates.dtype, np.integer)
+        or (len(candidates) and (candidates.min() < 0 or candidates.max() >= len(v)))
+    ):
+        raise ConfigError("the server's candidate coordinates are missing or malformed")
+    metrics = MetricRecord({keys.NUM_EXAMPLES: len(site.x_train)})
+    content = RecordDict(
+        {
+            keys.ARRAYS: arrays_to_record({VALUES: v[candidates].astype(np.float32)}),
+            keys.METRICS: metrics,
+        }
+    )
+    return Message(content, reply_to=msg)

@@ -1,0 +1,318 @@
+"""Sketched-SGD: the two-round maths against a naive reference, and the protocol end to end."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Error,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flplatform import keys
+from flplatform.config import RunConfig
+from flplatform.engine import APPLIED, RoundEngine, RoundSummary
+from flplatform.engine.wire import arrays_to_record, record_to_arrays
+from flplatform.errors import ConfigError, UpdateRejected
+from strategies.local_sgd import LocalSGDAveraging
+from strategies.sketch_feedback import SiteAccumulators, candidate_coordinates, exact_top_k
+from strategies.sketched_sgd import (
+    CANDIDATES,
+    VALUES,
+    VALUES_PHASE,
+    ZERO,
+    SketchedSGD,
+    train_site,
+)
+from tests.flplatform.engine.scripted_grid import Behaviour, ScriptedGrid
+
+from .delayed_sites import context, digits_site
+from .test_fetchsgd import _digits_model, collision_free_sketch
+
+pytestmark = pytest.mark.usefixtures("task_identity")
+
+
+# ================================================================ the maths
+def test_exact_top_k_golden_case() -> None:
+    indices = torch.tensor([2, 5, 7, 9])
+    values = torch.tensor([1.0, -3.0, 3.0, 0.5])
+    chosen, kept = exact_top_k(indices, values, 2)
+    assert chosen.tolist() == [5, 7] and kept.tolist() == [-3.0, 3.0]
+    chosen, kept = exact_top_k(indices, values, 1)  # a tie goes to the lower coordinate
+    assert chosen.tolist() == [5] and kept.tolist() == [-3.0]
+    chosen, kept = exact_top_k(indices, values, 9)  # k beyond the candidates: all of them
+    assert chosen.tolist() == [2, 5, 7, 9]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.floats(-1e3, 1e3, allow_nan=False, width=32), min_size=1, max_size=40),
+    st.integers(1, 45),
+)
+def test_exact_top_k_keeps_the_largest_magnitudes(values: list[float], k: int) -> None:
+    indices = torch.arange(0, 3 * len(values), 3)  # ascending candidates
+    vals = torch.tensor(values, dtype=torch.float32)
+    chosen, kept = exact_top_k(indices, vals, k)
+    assert len(chosen) == min(k, len(values))
+    assert torch.all(chosen[1:] > chosen[:-1])  # ascending, distinct
+    np.testing.assert_array_equal(kept.numpy(), vals[chosen // 3].numpy())
+    left_out = np.setdiff1d(indices.numpy(), chosen.numpy()) // 3
+    if len(left_out):
+        assert kept.abs().min() >= vals[left_out].abs().max()
+
+
+def test_two_rounds_match_a_naive_reference_also_when_a_site_is_left_out() -> None:
+    """Collision-free sketch: the candidates are the true top P·k of the weighted mean of v."""
+    d, k, factor, m, eta = 40, 3, 2, 0.9, 0.5
+    weights = [3.0, 1.0, 2.0]
+    sketch = collision_free_sketch(d)
+    sites = [SiteAccumulators.zeros(d, m) for _ in weights]
+    u = np.zeros((3, d))
+    v = np.zeros((3, d))
+    x, x_ref = torch.zeros(d), np.zeros(d)
+    rng = np.random.default_rng(0)
+    for step in range(8):
+        g = rng.normal(size=(3, d)).astype(np.float32)
+        for n, site in enumerate(sites):
+            site.add(torch.from_numpy(g[n]))
+        table = sum(w * sketch.sketch(s.v) for w, s in zip(weights, sites, strict=True))
+        candidates = candidate_coordinates(sketch, table / sum(weights), factor * k)
+        # Site 1's values are lost in odd steps: the exact mean is over the others.
+        answered = [0, 2] if step % 2 else [0, 1, 2]
+        total = sum(weights[n] for n in answered)
+        exact = sum(weights[n] * sites[n].v[candidates] for n in answered) / total
+        applied, values = exact_top_k(candidates, exact, k)
+        x[applied] += eta * values
+        for n in answered:
+            sites[n].zero(applied)
+        # ---- the reference, coordinate by coordinate
+        u = m * u + g
+        v = v + u
+        mean_v = np.average(v, axis=0, weights=weights)
+        top = np.sort(np.argsort(-np.abs(mean_v), kind="stable")[: factor * k])
+        np.testing.assert_array_equal(candidates.numpy(), top)
+        exact_ref = np.average(v[answered][:, top], axis=0, weights=[weights[n] for n in answered])
+        chosen = top[np.sort(np.argsort(-np.abs(exact_ref), kind="stable")[:k])]
+        np.testing.assert_array_equal(applied.numpy(), chosen)
+        x_ref[chosen] += eta * exact_ref[np.searchsorted(top, chosen)]
+        u[np.ix_(answered, chosen)] = 0.0
+        v[np.ix_(answered, chosen)] = 0.0
+        np.testing.assert_allclose(x.numpy(), x_ref, rtol=1e-5, atol=1e-5)
+        for n in range(3):
+            np.testing.assert_allclose(sites[n].v.numpy(), v[n], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(sites[n].u.numpy(), u[n], rtol=1e-5, atol=1e-5)
+
+
+# ================================================================ the protocol
+def run_engine(
+    strategy: SketchedSGD | LocalSGDAveraging,
+    rounds: int,
+    *,
+    local_steps: int = 5,
+    contexts: dict[int, Context] | None = None,
+    behaviours: dict[int, Behaviour] | None = None,
+    on_round: object = None,
+) -> tuple[ScriptedGrid, list[RoundSummary], ArrayRecord]:
+    contexts = contexts if contexts is not None else {}
+    for n in range(1, 5):
+        contexts.setdefault(n, context(n))
+    sites = {n: digits_site(n - 1, 4, contexts[n]) for n in range(1, 5)}
+    sites.update(behaviours or {})
+    grid = ScriptedGrid(sites)
+    summaries: list[RoundSummary] = []
+
+    def record(summary: RoundSummary) -> None:
+        summaries.append(summary)
+        if callable(on_round):
+            on_round(summary)
+
+    engine = RoundEngine(grid, strategy, poll_interval=0.0, required_sites=4, on_round=record)
+    result = engine.run(
+        _digits_model(),
+        num_rounds=rounds,
+        train_config=ConfigRecord({keys.LOCAL_STEPS: local_steps, keys.LR: 0.1}),
+    )
+    return grid, summaries, result.arrays
+
+
+@pytest.mark.parametrize("local_steps", [1, 5])
+def test_k_equal_to_d_is_uncompressed_local_sgd(local_steps: int) -> None:
+    """k = d: every coordinate a candidate and applied, u and v zeroed whole each step."""
+    d = sum(a.numel() for a in _digits_model().to_torch_state_dict().values())
+    sketched = SketchedSGD(k=d, sketch_cols=7, momentum=0.9, seed=1)
+    _, summaries, arrays = run_engine(sketched, 6, local_steps=local_steps)
+    _, _, reference = run_engine(LocalSGDAveraging(seed=1), 3, local_steps=local_steps)
+    assert sketched.model.version == 3 and [s.model_version for s in summaries] == [
+        0,
+        1,
+        1,
+        2,
+        2,
+        3,
+    ]
+    got, want = record_to_arrays(arrays), record_to_arrays(reference)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_two_rounds_per_step_with_sparse_bytes_and_zeroing() -> None:
+    contexts: dict[int, Context] = {}
+    strategy = SketchedSGD(k=50, candidate_factor=2, seed=1)
+    models: dict[int, np.ndarray] = {}  # version → the server's flat model
+
+    def keep(summary: RoundSummary) -> None:
+        models[strategy.model.version] = strategy.model.flat.clone().numpy()
+
+    grid, summaries, _ = run_engine(strategy, 6, contexts=contexts, on_round=keep)
+    assert all(u.status == APPLIED for s in summaries for u in s.updates)
+    table_bytes = strategy.rows * strategy.cols * 4
+    for number, summary in enumerate(summaries, start=1):
+        up = [u.bytes_up for u in summary.updates]
+        down = [u.bytes_down for u in summary.updates]
+        assert len(up) == 4
+        if number % 2:  # sketch rounds: a table up; round 1 the model down, then k pairs
+            assert all(table_bytes < b < table_bytes + 4096 for b in up)
+            if number > 1:
+                assert all(8 * strategy.k < b < 8 * strategy.k + 4096 for b in down)
+        else:  # values rounds: P·k indices down, P·k values up, no compute
+            assert all(4 * 100 < b < 4 * 100 + 4096 for b in up + down)
+    train = [m for m in grid.pushed if m.metadata.message_type == MessageType.TRAIN]
+    round3 = [m for m in train if m.content[keys.CONFIG][keys.SERVER_ROUND] == 3]
+    # Every site's values went into step 1; its coordinates travel once, as the sync's.
+    assert all(m.content[keys.CONFIG][keys.ZERO_STEP] == 1 for m in round3)
+    assert all(ZERO not in m.content.array_records for m in round3)
+    step2 = strategy.model.changes.changes[2].numpy()
+    for node, ctx in contexts.items():
+        stored = record_to_arrays(ctx.state.array_records[keys.SKETCHED_MODEL])
+        flat = np.concatenate([stored[name].ravel() for name in strategy.model.layout.names])
+        np.testing.assert_array_equal(flat, models[2], err_msg=f"site {node}")
+        uv = record_to_arrays(ctx.state.array_records[keys.SKETCHED_ACCUMULATORS])
+        # Zeroed at step 2's coordinates in round 5, then one update added: v = u = g.
+        np.testing.assert_array_equal(uv["u"][step2], uv["v"][step2])
+        assert np.any(uv["u"][step2] != 0)
+
+
+def test_a_site_whose_values_are_lost_keeps_them_for_a_later_step() -> None:
+    contexts = {n: context(n) for n in range(1, 5)}
+    real = digits_site(3, 4, contexts[4])
+
+    def loses_values_in_round_2(msg: Message) -> Message:
+        config = msg.content.config_records.get(keys.CONFIG, ConfigRecord())
+        if config.get(keys.SKETCH_PHASE) == VALUES_PHASE and config[keys.SERVER_ROUND] == 2:
+            return Message(Error(code=2, reason="connection reset"), reply_to=msg)
+        return real(msg)
+
+    strategy = SketchedSGD(k=50, seed=1)
+    seen: dict[int, dict[str, np.ndarray]] = {}
+
+    def keep(summary: RoundSummary) -> None:
+        stored = contexts[4].state.array_records[keys.SKETCHED_ACCUMULATORS]
+        seen[summary.server_round] = record_to_arrays(stored)
+
+    grid, summaries, _ = run_engine(
+        strategy, 3, contexts=contexts, behaviours={4: loses_values_in_round_2}, on_round=keep
+    )
+    assert [u.status for u in summaries[1].updates].count(APPLIED) == 3
+    round3 = {
+        m.metadata.dst_node_id: m.content[keys.CONFIG][keys.ZERO_STEP]
+        for m in grid.pushed
+        if m.content[keys.CONFIG].get(keys.SERVER_ROUND) == 3
+    }
+    assert round3 == {1: 1, 2: 1, 3: 1, 4: 0}
+    step1 = strategy.model.changes.changes[1].numpy()
+    before, after = seen[2], seen[3]
+    # Not zeroed: v gained this round's u on top of what it had.
+    np.testing.assert_allclose(after["v"][step1], before["v"][step1] + after["u"][step1], atol=1e-6)
+    assert np.any(before["v"][step1] != 0)
+
+
+# ================================================================ bad input
+def _values_reply(node: int, arrays: dict, examples: object = 10) -> Message:
+    reply = Message(
+        RecordDict(
+            {
+                keys.ARRAYS: arrays_to_record(arrays),
+                keys.METRICS: MetricRecord({keys.NUM_EXAMPLES: examples}),
+            }
+        ),
+        dst_node_id=node,
+        message_type=MessageType.TRAIN,
+    )
+    reply.metadata.__dict__["_src_node_id"] = node
+    return reply
+
+
+@pytest.mark.parametrize(
+    ("node", "arrays", "reason"),
+    [
+        (1, {VALUES: np.zeros(5, np.float32)}, "float32 of shape"),
+        (1, {VALUES: np.zeros(6, np.float64)}, "float32 of shape"),
+        (1, {VALUES: np.full(6, np.nan, np.float32)}, "NaN"),
+        (1, {"w": np.zeros(6, np.float32)}, "one 'values' array"),
+        (9, {VALUES: np.zeros(6, np.float32)}, "not asked"),
+    ],
+)
+def test_malformed_values_are_rejected(node: int, arrays: dict, reason: str) -> None:
+    strategy = SketchedSGD(k=3, sketch_cols=50)
+    base = arrays_to_record({"w": np.zeros(10, np.float32)})
+    strategy._use(base)
+    strategy.phase, strategy.candidates = VALUES_PHASE, torch.arange(6)
+    strategy.contributors = {1: 10}
+    strategy.begin_aggregation(2, base)
+    strategy._asked = {1}
+    with pytest.raises(UpdateRejected, match=reason):
+        strategy.accumulate(_values_reply(node, arrays), base=base)
+
+
+def test_a_site_refuses_values_for_a_sketch_it_did_not_send() -> None:
+    from clients.site import load_site
+
+    site = load_site({keys.PARTITION_ID: 0, keys.NUM_PARTITIONS: 4}, {"dataset": "digits"})
+    config = ConfigRecord(
+        {
+            keys.SITE_ALGORITHM: "sketched-sgd",
+            keys.SKETCH_PHASE: VALUES_PHASE,
+            keys.SKETCHED_ROUND: 3,
+            keys.SERVER_ROUND: 4,
+        }
+    )
+    msg = Message(
+        RecordDict(
+            {
+                keys.ARRAYS: arrays_to_record({CANDIDATES: np.arange(4, dtype=np.int32)}),
+                keys.CONFIG: config,
+            }
+        ),
+        dst_node_id=1,
+        message_type=MessageType.TRAIN,
+    )
+    with pytest.raises(ConfigError, match="sketch of round 3; this site's last sketch is of"):
+        train_site(msg, context(1), site)
+    config[keys.SKETCH_PHASE] = "guess"
+    with pytest.raises(ConfigError, match="'sketch-phase' must be 'sketch' or 'values'"):
+        train_site(msg, context(1), site)
+
+
+def test_sketched_sgd_settings_are_checked() -> None:
+    config = RunConfig.from_mapping(
+        {"strategy": "sketched-sgd", "k": 500, "candidate-factor": 3, "server-momentum": 0.9}
+    )
+    assert (config.k, config.candidate_factor, config.server_momentum) == (500, 3, 0.9)
+    with pytest.raises(ConfigError, match="candidate-factor P must be >= 1"):
+        RunConfig.from_mapping({"strategy": "sketched-sgd", "candidate-factor": 0})
+    with pytest.raises(ConfigError, match="'sketched-sgd' runs with sync mode 'sync' only"):
+        RunConfig.from_mapping({"strategy": "sketched-sgd", "sync": "async"})
+    with pytest.raises(ConfigError, match="momentum must be in"):
+        SketchedSGD(k=3, momentum=1.0)
+    strategy = SketchedSGD(k=11)
+    with pytest.raises(ConfigError, match="k must be at most the model's 10 parameters"):
+        strategy._use(arrays_to_record({"w": np.zeros(10, np.float32)}))
