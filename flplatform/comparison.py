@@ -47,7 +47,7 @@ COMPRESSION_MODES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "sketched-sgd": (
         "sketched-sgd k=250",
-        {"strategy": "sketched-sgd", "k": 250, "server-momentum": 0.9},
+        {"strategy": "sketched-sgd", "k": 250},  # step momentum 0: the sites' own suffices
     ),
 }
 # Sketched-SGD takes two rounds per step (sketches, then exact values): as many steps, and

@@ -208,7 +208,8 @@ class FetchSGD(Strategy):
         self.model.confirm(reply.metadata.src_node_id)
         num_examples = check_num_examples(metrics.get(keys.NUM_EXAMPLES))
         table = sketch_table(record, (self.rows, self.cols), SITE_ALGORITHM)
-        weighted = torch.from_numpy(table.astype(np.float32)) * float(num_examples * weight_scale)
+        # float64: finite float32 tables times large weights cannot overflow the sum
+        weighted = torch.from_numpy(table.astype(np.float64)) * float(num_examples * weight_scale)
         self._table = weighted if self._table is None else self._table.add_(weighted)
         self._weight += num_examples
         self._count += 1
@@ -223,7 +224,12 @@ class FetchSGD(Strategy):
         assert self.feedback is not None
         if self._table is None or self._count == 0:
             return None, None
-        indices, values = self.feedback.step(self._table / self._weight)
+        mean = (self._table / self._weight).to(torch.float32)
+        if not torch.isfinite(mean).all():
+            log.warning("the sketches' mean overflows float32; no step this round")
+            self._table = None
+            return None, None
+        indices, values = self.feedback.step(mean)
         record = self.model.apply(indices, values)
         metrics = MetricRecord(
             {"num-updates": self._count, "applied-coordinates": int(indices.numel())}

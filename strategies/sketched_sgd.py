@@ -66,6 +66,7 @@ from strategies.sketch_feedback import SiteAccumulators, candidate_coordinates, 
 from strategies.sparse_sync import (
     SYNC_INDICES,
     SparseModel,
+    index_dtype,
     int_config,
     remember_model,
     synced_model,
@@ -110,7 +111,7 @@ class SketchedSGD(Strategy):
         sketch_rows: int = 5,
         sketch_cols: int = 0,
         candidate_factor: int = 2,
-        momentum: float = 0.9,
+        momentum: float = 0.0,
         eta: float = 1.0,
         fraction_train: float = 1.0,
         fraction_evaluate: float = 0.0,
@@ -181,7 +182,9 @@ class SketchedSGD(Strategy):
         self._use(arrays)
         nodes = sorted(grid.get_node_ids())
         if self._round_phase == VALUES_PHASE:
-            wanted = [n for n in nodes if n in self.contributors and n not in self._asked]
+            # Asked again while unanswered: a site drawn as away (simulated availability)
+            # got nothing; one whose reply failed is not offered work again this round.
+            wanted = [n for n in nodes if n in self.contributors and n not in self._answered]
             if wanted or self._asked:
                 return [self._values_request(n, server_round, config) for n in wanted]
             # Every site whose sketch chose the candidates is gone: start the step afresh.
@@ -215,7 +218,7 @@ class SketchedSGD(Strategy):
         # The step's coordinates are exactly this sync's when the site holds the version
         # before it and that step is the latest: then they travel once.
         if zero_step and not (sync_from == zero_step - 1 and self.model.version == zero_step):
-            indices = self.applied[zero_step].numpy().astype(np.int32)
+            indices = self.applied[zero_step].numpy().astype(index_dtype(self.model.size))
             content[ZERO] = arrays_to_record({ZERO_INDICES: indices})
         if zero_step:
             self._zero_sent[node_id] = zero_step
@@ -235,7 +238,7 @@ class SketchedSGD(Strategy):
                 keys.LOCAL_EPOCHS: 0,
             }
         )
-        indices = self.candidates.numpy().astype(np.int32)
+        indices = self.candidates.numpy().astype(index_dtype(self.model.size))
         content = RecordDict(
             {keys.ARRAYS: arrays_to_record({CANDIDATES: indices}), keys.CONFIG: site_config}
         )
@@ -318,7 +321,8 @@ class SketchedSGD(Strategy):
         return Contribution(num_examples)
 
     def _add(self, values: torch.Tensor, scaled: float, weight: float) -> None:
-        weighted = values * float(scaled)
+        # float64: finite float32 values times large weights cannot overflow the sum
+        weighted = values.to(torch.float64) * float(scaled)
         self._sum = weighted if self._sum is None else self._sum.add_(weighted)
         self._weight += weight
 
@@ -335,9 +339,11 @@ class SketchedSGD(Strategy):
             if self._sum is None:
                 return None, None
             count = min(self.candidate_factor * self.k, self.model.size)
-            self.candidates = candidate_coordinates(
-                self.sketch, self._sum / self._weight, count
-            ).cpu()
+            mean = (self._sum / self._weight).to(torch.float32)
+            if not torch.isfinite(mean).all():
+                log.warning("round %s: the sketches' mean overflows float32; no step", self._round)
+                return None, None
+            self.candidates = candidate_coordinates(self.sketch, mean, count).cpu()
             self.phase, self.sketch_round = VALUES_PHASE, self._round
             metrics = MetricRecord(
                 {"num-updates": len(self.contributors), "candidates": len(self.candidates)}
@@ -349,8 +355,17 @@ class SketchedSGD(Strategy):
         self.phase = SKETCH_PHASE
         if self._sum is None:
             return None, None
-        indices, values = exact_top_k(self.candidates, self._sum / self._weight, self.k)
-        record = self.model.apply(indices, self.eta * values)
+        mean = (self._sum / self._weight).to(torch.float32)
+        indices, values = exact_top_k(self.candidates, mean, self.k)
+        step = self.eta * values
+        if (
+            not torch.isfinite(step).all()
+            or not torch.isfinite(self.model.flat[indices] + step).all()
+        ):
+            # The sites keep their values (none is told to zero) for a later step.
+            log.warning("round %s: the step overflows float32; not applied", self._round)
+            return None, None
+        record = self.model.apply(indices, step)
         self.applied[self.model.version] = indices
         for node_id in self._answered:
             self.pending_zero[node_id] = self.model.version
@@ -464,6 +479,12 @@ def train_site(msg: Message, context: Context, site: Site) -> Message:
     trained = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
     update = layout.flatten(trained) - layout.flatten(model_arrays)
     accumulators.add(torch.from_numpy(update.astype(np.float32)))
+    if not (torch.isfinite(accumulators.u).all() and torch.isfinite(accumulators.v).all()):
+        # Kept out of u and v: the site's stored accumulators stay as they were, so one
+        # diverging local training costs this round, not the rest of the run.
+        raise ConfigError(
+            "local training diverged (its update is not finite): lower lr or local-steps"
+        )
     sketch = CountSketch.from_seed(layout.size, rows=rows, cols=cols, seed=seed)
     table = sketch.sketch(accumulators.v.to(site.device)).cpu()
     # Only now, with the work done, does the site hold the synced model and its new v.

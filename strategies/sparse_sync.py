@@ -58,6 +58,11 @@ class ChangeLog:
         return torch.unique(torch.cat([self.changes[v] for v in needed]))
 
 
+def index_dtype(d: int) -> type[np.integer]:
+    """The integer type of coordinate indices into a model of d coordinates on the wire."""
+    return np.int32 if d < 2**31 else np.int64
+
+
 class SparseModel:
     """The server's model x, its versions, and what each site holds of it."""
 
@@ -99,7 +104,7 @@ class SparseModel:
         changed = None if held is None else self.changes.changed_since(held, self.version)
         if held is None or changed is None or len(changed) > DENSE_ABOVE * self.layout.size:
             return self.record, DENSE
-        indices = changed.numpy().astype(np.int32 if self.layout.size < 2**31 else np.int64)
+        indices = changed.numpy().astype(index_dtype(self.layout.size))
         values = self.flat[changed].numpy()
         return arrays_to_record({SYNC_INDICES: indices, SYNC_VALUES: values}), held
 

@@ -166,7 +166,7 @@ def test_k_equal_to_d_is_uncompressed_local_sgd(local_steps: int) -> None:
 
 def test_two_rounds_per_step_with_sparse_bytes_and_zeroing() -> None:
     contexts: dict[int, Context] = {}
-    strategy = SketchedSGD(k=50, candidate_factor=2, seed=1)
+    strategy = SketchedSGD(k=50, candidate_factor=2, momentum=0.9, seed=1)
     models: dict[int, np.ndarray] = {}  # version → the server's flat model
 
     def keep(summary: RoundSummary) -> None:
@@ -316,3 +316,74 @@ def test_sketched_sgd_settings_are_checked() -> None:
     strategy = SketchedSGD(k=11)
     with pytest.raises(ConfigError, match="k must be at most the model's 10 parameters"):
         strategy._use(arrays_to_record({"w": np.zeros(10, np.float32)}))
+
+
+# ================================================================ failures, from review
+def test_a_values_round_asks_again_when_its_sites_were_away() -> None:
+    """Availability draws sites as away: an unanswered contributor is asked again later."""
+    from flplatform.engine.clock import VirtualClock
+    from flplatform.network import ComputeModel
+    from tests.flplatform.engine.idle_sites import network
+
+    compute = ComputeModel("fixed", mean_seconds=1.0)
+    clock = VirtualClock(network(4, compute, availability=0.6), seed=2)
+    strategy = SketchedSGD(k=50, seed=1)
+    grid = ScriptedGrid({n: digits_site(n - 1, 4, context(n)) for n in range(1, 5)})
+    engine = RoundEngine(grid, strategy, clock=clock, poll_interval=0.0, required_sites=4)
+    engine.round_timeout = 3.0  # a stuck round fails fast instead of after 600 s
+    engine.run(
+        _digits_model(),
+        num_rounds=16,
+        train_config=ConfigRecord({keys.LOCAL_STEPS: 1, keys.LR: 0.1}),
+    )
+    assert strategy.model.version >= 4
+
+
+def test_huge_finite_values_do_not_overflow_the_model() -> None:
+    strategy = SketchedSGD(k=3, sketch_cols=50)
+    base = arrays_to_record({"w": np.zeros(10, np.float32)})
+    strategy._use(base)
+    strategy.phase, strategy.candidates = VALUES_PHASE, torch.arange(6)
+    strategy.contributors = {1: 1000, 2: 1000}
+    for step in (1, 2):
+        strategy.phase = VALUES_PHASE
+        strategy.begin_aggregation(2 * step, base)
+        strategy._asked = {1, 2}
+        for node in (1, 2):  # w·v overflows float32: the sums are float64
+            huge = np.full(6, 3e38, np.float32)
+            strategy.accumulate(_values_reply(node, {VALUES: huge}), base=base)
+        applied, _ = strategy.finish_aggregation()
+        if step == 1:  # a finite mean and a finite x + Δ: applied
+            assert applied is not None and strategy.model.version == 1
+            assert torch.isfinite(strategy.model.flat).all()
+            strategy.pending_zero.clear()
+        else:  # x + Δ = 6e38 overflows: not applied, and no site is told to zero
+            assert applied is None and strategy.model.version == 1
+            assert torch.isfinite(strategy.model.flat).all()
+            assert strategy.pending_zero == {}
+
+
+def test_a_diverging_local_training_leaves_the_sites_accumulators_as_they_were() -> None:
+    contexts = {n: context(n) for n in range(1, 5)}
+    strategy = SketchedSGD(k=50, seed=1)
+    run_engine(strategy, 2, contexts=contexts)
+    before = record_to_arrays(contexts[1].state.array_records[keys.SKETCHED_ACCUMULATORS])
+    strategy.begin_aggregation(3, strategy.model.record)
+    (msg,) = [m for m in strategy.configure_train(3, strategy.model.record, _lr(1e30), _Nodes())]
+    from clients.site import load_site
+
+    site = load_site({keys.PARTITION_ID: 0, keys.NUM_PARTITIONS: 4}, {"dataset": "digits"})
+    with pytest.raises(ConfigError, match="local training diverged"):
+        train_site(msg, contexts[1], site)
+    after = record_to_arrays(contexts[1].state.array_records[keys.SKETCHED_ACCUMULATORS])
+    for name in ("u", "v"):
+        np.testing.assert_array_equal(after[name], before[name])
+
+
+def _lr(lr: float) -> ConfigRecord:
+    return ConfigRecord({keys.LOCAL_STEPS: 5, keys.LR: lr})
+
+
+class _Nodes:
+    def get_node_ids(self) -> list[int]:
+        return [1]
