@@ -117,7 +117,7 @@ def bench_one(d: int, device: torch.device, repeats: int, seed: int) -> dict[str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dims", type=int, nargs="+", default=[1_000_000, 10_000_000])
+    parser.add_argument("--dims", type=int, nargs="+", default=[1_000_000, 10_000_000, 50_000_000])
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)

@@ -38,6 +38,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
 from clients.site import Site
+from clients.training import TrainStats
 from flplatform import keys
 from flplatform.engine import Contribution, Synchrony, start_with_engine
 from flplatform.engine.wire import arrays_to_record, record_to_arrays
@@ -300,6 +301,19 @@ def sketch_table(record: ArrayRecord, shape: tuple[int, int], algorithm: str) ->
     return table
 
 
+def local_delta(
+    model_arrays: dict[str, np.ndarray], site: Site, config: SiteTrainConfig, context: Context
+) -> tuple[np.ndarray, TrainStats]:
+    """Train from ``model_arrays`` as ``config`` says; the flat delta x_n − x (float64)."""
+    state_dict = {k: torch.from_numpy(np.array(v)) for k, v in model_arrays.items()}
+    model = site.build_model(num_classes=num_classes_of(state_dict), seed=config.seed)
+    model.load_state_dict(state_dict)
+    stats, _ = train_on_site(model, site, config, context)
+    trained = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+    layout = Layout.of(model_arrays)
+    return layout.flatten(trained) - layout.flatten(model_arrays), stats
+
+
 # =============================================================== site part
 @register(SITE_ALGORITHM)
 def train_site(msg: Message, context: Context, site: Site) -> Message:
@@ -313,13 +327,8 @@ def train_site(msg: Message, context: Context, site: Site) -> Message:
     model_arrays = synced_model(
         msg, context, state_key=keys.FETCHSGD_STATE, model_key=keys.FETCHSGD_MODEL
     )
-    state_dict = {k: torch.from_numpy(np.array(v)) for k, v in model_arrays.items()}
-    model = site.build_model(num_classes=num_classes_of(state_dict), seed=config.seed)
-    model.load_state_dict(state_dict)
-    stats, _ = train_on_site(model, site, config, context)
-    trained = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+    delta, stats = local_delta(model_arrays, site, config, context)
     layout = Layout.of(model_arrays)
-    delta = layout.flatten(trained) - layout.flatten(model_arrays)  # (d,) float64
     sketch = CountSketch.from_seed(layout.size, rows=rows, cols=cols, seed=seed)
     table = sketch.sketch(torch.from_numpy(delta.astype(np.float32)).to(site.device)).cpu()
     # Only now, with the work done, does the site hold the synced model.

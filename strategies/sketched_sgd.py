@@ -52,14 +52,12 @@ from flplatform.errors import ConfigError, UpdateRejected
 from flplatform.seeding import derive_seed
 from strategies.codecs import Layout
 from strategies.count_sketch import CountSketch
-from strategies.fetchsgd import SKETCH, reply_parts, sketch_table
+from strategies.fetchsgd import SKETCH, local_delta, reply_parts, sketch_table
 from strategies.local_sgd import (
     LocalSGDAveraging,
     SiteTrainConfig,
     aggregate_batch,
     first_number,
-    num_classes_of,
-    train_on_site,
 )
 from strategies.site_parts import register
 from strategies.sketch_feedback import SiteAccumulators, candidate_coordinates, exact_top_k
@@ -468,16 +466,10 @@ def train_site(msg: Message, context: Context, site: Site) -> Message:
     if zero_step > zeroed:  # once per step, however often the message is sent
         accumulators.zero(torch.from_numpy(_zero_indices(msg, layout.size)))
         zeroed = zero_step
-    state_dict = {k: torch.from_numpy(np.array(v)) for k, v in model_arrays.items()}
-    model = site.build_model(num_classes=num_classes_of(state_dict), seed=config.seed)
-    model.load_state_dict(state_dict)
     # The data order follows the step (version + 1), not the round, as local-SGD
     # averaging's does: a step takes two rounds.
-    stats, _ = train_on_site(
-        model, site, dataclasses.replace(config, server_round=version + 1), context
-    )
-    trained = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
-    update = layout.flatten(trained) - layout.flatten(model_arrays)
+    step_config = dataclasses.replace(config, server_round=version + 1)
+    update, stats = local_delta(model_arrays, site, step_config, context)
     accumulators.add(torch.from_numpy(update.astype(np.float32)))
     if not (torch.isfinite(accumulators.u).all() and torch.isfinite(accumulators.v).all()):
         # Kept out of u and v: the site's stored accumulators stay as they were, so one
