@@ -21,6 +21,16 @@ def test_pyproject_app_config_parses_to_the_defaults() -> None:
     assert RunConfig.from_mapping(app_config) == RunConfig()
 
 
+@pytest.mark.parametrize("app", [".", "examples/plain_flower_client"])
+def test_every_flower_app_declares_every_config_key(app: str) -> None:
+    """Flower refuses a run config key its app does not declare ("Invalid run
+    configuration"), and the CLI passes them all."""
+    app_config = tomllib.loads((ROOT / app / "pyproject.toml").read_text())["tool"]["flwr"]["app"][
+        "config"
+    ]
+    assert sorted(app_config) == sorted(RunConfig().to_run_config())
+
+
 def test_round_trip_through_run_config() -> None:
     config = RunConfig.from_mapping({"sites": "a,b,c", "alpha": 0.1, "local-steps": 5})
     assert config.sites == ("a", "b", "c")
