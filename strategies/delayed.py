@@ -35,7 +35,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
@@ -60,8 +59,8 @@ from strategies.local_sgd import (
     SiteTrainConfig,
     aggregate_batch,
     first_number,
-    num_classes_of,
-    train_on_site,
+    train_from,
+    training_report,
 )
 from strategies.site_parts import register
 from strategies.validation import check_arrays, check_num_examples
@@ -410,17 +409,8 @@ def train_site(msg: Message, context: Context, site: Site) -> Message:
     """One period of p local SGD steps on the site's data (see ``run_period``)."""
 
     def train(start: dict[str, np.ndarray], config: SiteTrainConfig) -> tuple[dict, dict]:
-        state_dict = {k: torch.from_numpy(np.array(v)) for k, v in start.items()}
-        model = site.build_model(num_classes=num_classes_of(state_dict), seed=config.seed)
-        model.load_state_dict(state_dict)
         # The same data order local-SGD averaging would use, so D = 0 reproduces it.
-        stats, _ = train_on_site(model, site, config, context)
-        trained = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
-        reported = {
-            keys.NUM_EXAMPLES: len(site.x_train),
-            keys.TRAIN_LOSS: stats.loss,
-            keys.COMPUTE_SECONDS: stats.seconds,
-        }
-        return trained, reported
+        trained, stats = train_from(start, site, config, context)
+        return trained, training_report(site, stats)
 
     return run_period(msg, context, train)

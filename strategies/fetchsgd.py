@@ -21,7 +21,7 @@ with a reason saying so.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -35,37 +35,33 @@ from flwr.app import (
     RecordDict,
 )
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result, Strategy
 
 from clients.site import Site
-from clients.training import TrainStats
 from flplatform import keys
-from flplatform.engine import Contribution, Synchrony, start_with_engine
-from flplatform.engine.wire import arrays_to_record, record_to_arrays
-from flplatform.errors import ConfigError, UpdateRejected
-from flplatform.seeding import derive_seed
+from flplatform.engine import Contribution
+from flplatform.engine.wire import arrays_to_record
+from flplatform.errors import ConfigError
 from strategies.codecs import Layout
 from strategies.count_sketch import CountSketch
-from strategies.local_sgd import (
-    LocalSGDAveraging,
-    SiteTrainConfig,
-    aggregate_batch,
-    first_number,
-    num_classes_of,
-    train_on_site,
-)
+from strategies.local_sgd import SiteTrainConfig, first_number, training_report
 from strategies.site_parts import register
 from strategies.sketch_feedback import SketchFeedback
-from strategies.sparse_sync import SparseModel, int_config, remember_model, synced_model
+from strategies.sketched_common import (
+    SKETCH,
+    SketchedStrategy,
+    local_delta,
+    reply_parts,
+    sketch_table,
+)
+from strategies.sparse_sync import int_config, remember_model, synced_model
 from strategies.validation import check_num_examples
 
 log = logging.getLogger("flplatform.strategies.fetchsgd")
 
 SITE_ALGORITHM = "fetchsgd"
-SKETCH = "sketch"  # the reply's table
 
 
-class FetchSGD(Strategy):
+class FetchSGD(SketchedStrategy):
     """FetchSGD as a Flower Message-API strategy, driven by the round engine.
 
     Parameters
@@ -99,21 +95,16 @@ class FetchSGD(Strategy):
         fraction_evaluate: float = 0.0,
         seed: int = 0,
     ) -> None:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ConfigError(f"k must be an integer >= 1 coordinates, got {k!r}")
-        if sketch_rows < 1 or sketch_rows % 2 == 0:
-            raise ConfigError(f"sketch-rows must be odd and >= 1, got {sketch_rows}")
-        if sketch_cols < 0:
-            raise ConfigError(f"sketch-cols must be >= 0 (0: 5·k), got {sketch_cols}")
-        self.k = k
-        self.rows = sketch_rows
-        self.cols = sketch_cols or 5 * k
-        self.rho, self.eta, self.removal = rho, eta, removal
-        self.sketch_seed = derive_seed(seed, "fetchsgd-sketch")
-        self._sampling = LocalSGDAveraging(
-            fraction_train=fraction_train, fraction_evaluate=fraction_evaluate, seed=seed
+        super().__init__(
+            site_algorithm=SITE_ALGORITHM,
+            k=k,
+            sketch_rows=sketch_rows,
+            sketch_cols=sketch_cols,
+            fraction_train=fraction_train,
+            fraction_evaluate=fraction_evaluate,
+            seed=seed,
         )
-        self.model = SparseModel()  # x, its versions, and what each site holds
+        self.rho, self.eta, self.removal = rho, eta, removal
         # Fixed once the model is known (first configure_train or begin_aggregation).
         self.feedback: SketchFeedback | None = None
         self._table: torch.Tensor | None = None
@@ -155,43 +146,14 @@ class FetchSGD(Strategy):
         nodes = self._sampling.sample(
             server_round, grid.get_node_ids(), self._sampling.fraction_train
         )
-        messages = []
-        for node_id in nodes:
-            record, sync_from = self.model.download(node_id)
-            site_config = ConfigRecord(dict(config))
-            site_config.update(
-                {
-                    keys.SERVER_ROUND: server_round,
-                    keys.SITE_ALGORITHM: SITE_ALGORITHM,
-                    keys.MODEL_VERSION: self.model.version,
-                    keys.SYNC_FROM: sync_from,
-                    keys.SKETCH_SEED: self.sketch_seed,
-                    keys.SKETCH_ROWS: self.rows,
-                    keys.SKETCH_COLS: self.cols,
-                }
+        return [
+            Message(
+                self._sketch_content(node_id, server_round, config)[0],
+                dst_node_id=node_id,
+                message_type=MessageType.TRAIN,
             )
-            content = RecordDict({keys.ARRAYS: record, keys.CONFIG: site_config})
-            messages.append(Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN))
-        return messages
-
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Flower's batch hook, through the streaming path (malformed replies skipped)."""
-        assert self.model.record is not None, "configure_train runs first"
-        return aggregate_batch(self, server_round, self.model.record, replies)
-
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """As local-SGD averaging: a seeded sample of sites evaluates the whole model."""
-        return self._sampling.configure_evaluate(server_round, arrays, config, grid)
-
-    def aggregate_evaluate(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> MetricRecord | None:
-        """Example-weighted mean of the sites' evaluation metrics."""
-        return self._sampling.aggregate_evaluate(server_round, replies)
+            for node_id in nodes
+        ]
 
     # ------------------------------------------------- streaming aggregation
     def begin_aggregation(self, server_round: int, arrays: ArrayRecord) -> None:
@@ -240,79 +202,6 @@ class FetchSGD(Strategy):
         self._table = None
         return record, metrics
 
-    # -------------------------------------------------------------- driving
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        """Flower's ``start``, run by flplatform's round engine (fully synchronous)."""
-        return start_with_engine(
-            self,
-            grid,
-            initial_arrays,
-            policy=Synchrony("sync"),
-            num_rounds=num_rounds,
-            timeout=timeout,
-            train_config=train_config,
-            evaluate_config=evaluate_config,
-            evaluate_fn=evaluate_fn,
-            federated_evaluation=self._sampling.fraction_evaluate > 0,
-        )
-
-
-# ====================================================== replies (shared by sketched strategies)
-def reply_parts(reply: Message) -> tuple[ArrayRecord, MetricRecord]:
-    """A site's reply as its arrays and metrics records; ``UpdateRejected`` if it is not."""
-    content = reply.content
-    if keys.ARRAYS not in content or keys.METRICS not in content:
-        raise UpdateRejected(
-            f"reply must hold '{keys.ARRAYS}' and '{keys.METRICS}' records, "
-            f"got {sorted(content.keys())}"
-        )
-    record, metrics = content[keys.ARRAYS], content[keys.METRICS]
-    if not isinstance(metrics, MetricRecord) or not isinstance(record, ArrayRecord):
-        raise UpdateRejected("reply records have the wrong types")
-    return record, metrics
-
-
-def sketch_table(record: ArrayRecord, shape: tuple[int, int], algorithm: str) -> np.ndarray:
-    """The one finite float32 r × c table a sketch reply carries; ``UpdateRejected`` if not."""
-    if list(record.keys()) != [SKETCH]:
-        raise UpdateRejected(
-            f"sketch replies carry one '{SKETCH}' array, got {sorted(record.keys())}: "
-            f"is the site running flplatform's {algorithm} site part?"
-        )
-    try:
-        table = record_to_arrays(record)[SKETCH]
-    except Exception as exc:
-        raise UpdateRejected(f"sketch cannot be decoded: {exc}") from None
-    if table.shape != shape or table.dtype != np.float32:
-        raise UpdateRejected(
-            f"sketch must be float32 of shape {shape}, got {table.dtype} {table.shape}"
-        )
-    if not np.isfinite(table).all():
-        raise UpdateRejected("sketch contains NaN or Inf")
-    return table
-
-
-def local_delta(
-    model_arrays: dict[str, np.ndarray], site: Site, config: SiteTrainConfig, context: Context
-) -> tuple[np.ndarray, TrainStats]:
-    """Train from ``model_arrays`` as ``config`` says; the flat delta x_n − x (float64)."""
-    state_dict = {k: torch.from_numpy(np.array(v)) for k, v in model_arrays.items()}
-    model = site.build_model(num_classes=num_classes_of(state_dict), seed=config.seed)
-    model.load_state_dict(state_dict)
-    stats, _ = train_on_site(model, site, config, context)
-    trained = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
-    layout = Layout.of(model_arrays)
-    return layout.flatten(trained) - layout.flatten(model_arrays), stats
-
 
 # =============================================================== site part
 @register(SITE_ALGORITHM)
@@ -335,13 +224,7 @@ def train_site(msg: Message, context: Context, site: Site) -> Message:
     remember_model(
         context, model_arrays, version, state_key=keys.FETCHSGD_STATE, model_key=keys.FETCHSGD_MODEL
     )
-    metrics = MetricRecord(
-        {
-            keys.NUM_EXAMPLES: len(site.x_train),
-            keys.TRAIN_LOSS: stats.loss,
-            keys.COMPUTE_SECONDS: stats.seconds,
-        }
-    )
+    metrics = MetricRecord(training_report(site, stats))
     content = RecordDict(
         {keys.ARRAYS: arrays_to_record({SKETCH: table.numpy()}), keys.METRICS: metrics}
     )

@@ -27,6 +27,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
 import torch
@@ -414,13 +415,7 @@ def train_site(msg: Message, context: Context, site: Site) -> Message:
     )
     model = _received_model(msg, site, config.seed)
     stats, trainings = train_on_site(model, site, config, context)
-    metrics = MetricRecord(
-        {
-            keys.NUM_EXAMPLES: len(site.x_train),
-            keys.TRAIN_LOSS: stats.loss,
-            keys.COMPUTE_SECONDS: stats.seconds,
-        }
-    )
+    metrics = MetricRecord(training_report(site, stats))
     spec = msg.content.config_records.get(keys.CONFIG, ConfigRecord()).get(keys.CODEC)
     if spec is None or spec == "none":
         content = RecordDict({keys.ARRAYS: ArrayRecord(model.state_dict()), keys.METRICS: metrics})
@@ -487,6 +482,26 @@ def train_on_site(
         device=site.device,
     )
     return stats, trainings
+
+
+def train_from(
+    arrays: dict[str, np.ndarray], site: Site, config: SiteTrainConfig, context: Context
+) -> tuple[dict[str, np.ndarray], TrainStats]:
+    """Build the site's model from ``arrays``, train it (``train_on_site``), return its arrays."""
+    state_dict = {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()}
+    model = site.build_model(num_classes=num_classes_of(state_dict), seed=config.seed)
+    model.load_state_dict(state_dict)
+    stats, _ = train_on_site(model, site, config, context)
+    return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}, stats
+
+
+def training_report(site: Site, stats: TrainStats) -> dict[str, Any]:
+    """What a site reports of its training: Flower's ``num-examples``, loss and seconds."""
+    return {
+        keys.NUM_EXAMPLES: len(site.x_train),
+        keys.TRAIN_LOSS: stats.loss,
+        keys.COMPUTE_SECONDS: stats.seconds,
+    }
 
 
 def count_training(context: Context) -> int:

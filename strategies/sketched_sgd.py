@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -42,32 +42,31 @@ from flwr.app import (
     RecordDict,
 )
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result, Strategy
 
 from clients.site import Site
 from flplatform import keys
-from flplatform.engine import Contribution, Synchrony, start_with_engine
+from flplatform.engine import Contribution
 from flplatform.engine.wire import arrays_to_record, record_to_arrays
 from flplatform.errors import ConfigError, UpdateRejected
-from flplatform.seeding import derive_seed
 from strategies.codecs import Layout
 from strategies.count_sketch import CountSketch
-from strategies.fetchsgd import SKETCH, local_delta, reply_parts, sketch_table
-from strategies.local_sgd import (
-    LocalSGDAveraging,
-    SiteTrainConfig,
-    aggregate_batch,
-    first_number,
-)
+from strategies.local_sgd import SiteTrainConfig, first_number, training_report
 from strategies.site_parts import register
 from strategies.sketch_feedback import SiteAccumulators, candidate_coordinates, exact_top_k
+from strategies.sketched_common import (
+    SKETCH,
+    SketchedStrategy,
+    local_delta,
+    reply_parts,
+    sketch_table,
+)
 from strategies.sparse_sync import (
     SYNC_INDICES,
-    SparseModel,
     index_dtype,
     int_config,
     remember_model,
     synced_model,
+    valid_indices,
 )
 from strategies.validation import check_num_examples
 
@@ -81,7 +80,7 @@ ZERO = "zero"  # a sketch message's record of coordinates to zero, when not its 
 ZERO_INDICES = "zero.indices"
 
 
-class SketchedSGD(Strategy):
+class SketchedSGD(SketchedStrategy):
     """Sketched-SGD as a Flower Message-API strategy, driven by the round engine.
 
     Parameters
@@ -115,25 +114,22 @@ class SketchedSGD(Strategy):
         fraction_evaluate: float = 0.0,
         seed: int = 0,
     ) -> None:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ConfigError(f"k must be an integer >= 1 coordinates, got {k!r}")
-        if sketch_rows < 1 or sketch_rows % 2 == 0:
-            raise ConfigError(f"sketch-rows must be odd and >= 1, got {sketch_rows}")
-        if sketch_cols < 0:
-            raise ConfigError(f"sketch-cols must be >= 0 (0: 5·k), got {sketch_cols}")
+        super().__init__(
+            site_algorithm=SITE_ALGORITHM,
+            k=k,
+            sketch_rows=sketch_rows,
+            sketch_cols=sketch_cols,
+            fraction_train=fraction_train,
+            fraction_evaluate=fraction_evaluate,
+            seed=seed,
+        )
         if isinstance(candidate_factor, bool) or candidate_factor < 1:
             raise ConfigError(f"candidate-factor P must be an integer >= 1, got {candidate_factor}")
         if not 0.0 <= momentum < 1.0:
             raise ConfigError(f"Sketched-SGD's momentum must be in [0, 1), got {momentum}")
         if not eta > 0:
             raise ConfigError(f"server learning rate must be > 0, got {eta}")
-        self.k, self.rows, self.cols = k, sketch_rows, sketch_cols or 5 * k
         self.candidate_factor, self.momentum, self.eta = candidate_factor, momentum, eta
-        self.sketch_seed = derive_seed(seed, "sketched-sgd-sketch")
-        self._sampling = LocalSGDAveraging(
-            fraction_train=fraction_train, fraction_evaluate=fraction_evaluate, seed=seed
-        )
-        self.model = SparseModel()  # x, its versions, and what each site holds
         self.sketch: CountSketch | None = None  # fixed once the model is known
         # ---- the step in progress
         self.phase = SKETCH_PHASE  # what the next round asks of the sites
@@ -195,24 +191,13 @@ class SketchedSGD(Strategy):
         return [self._sketch_request(n, server_round, config) for n in sampled]
 
     def _sketch_request(self, node_id: int, server_round: int, config: ConfigRecord) -> Message:
-        record, sync_from = self.model.download(node_id)
         zero_step = self.pending_zero.get(node_id, 0)
-        site_config = ConfigRecord(dict(config))
-        site_config.update(
-            {
-                keys.SERVER_ROUND: server_round,
-                keys.SITE_ALGORITHM: SITE_ALGORITHM,
-                keys.SKETCH_PHASE: SKETCH_PHASE,
-                keys.MODEL_VERSION: self.model.version,
-                keys.SYNC_FROM: sync_from,
-                keys.SKETCH_SEED: self.sketch_seed,
-                keys.SKETCH_ROWS: self.rows,
-                keys.SKETCH_COLS: self.cols,
-                keys.STEP_MOMENTUM: self.momentum,
-                keys.ZERO_STEP: zero_step,
-            }
-        )
-        content = RecordDict({keys.ARRAYS: record, keys.CONFIG: site_config})
+        extra = {
+            keys.SKETCH_PHASE: SKETCH_PHASE,
+            keys.STEP_MOMENTUM: self.momentum,
+            keys.ZERO_STEP: zero_step,
+        }
+        content, sync_from = self._sketch_content(node_id, server_round, config, **extra)
         # The step's coordinates are exactly this sync's when the site holds the version
         # before it and that step is the latest: then they travel once.
         if zero_step and not (sync_from == zero_step - 1 and self.model.version == zero_step):
@@ -241,25 +226,6 @@ class SketchedSGD(Strategy):
             {keys.ARRAYS: arrays_to_record({CANDIDATES: indices}), keys.CONFIG: site_config}
         )
         return Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN)
-
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Flower's batch hook, through the streaming path (malformed replies skipped)."""
-        assert self.model.record is not None, "configure_train runs first"
-        return aggregate_batch(self, server_round, self.model.record, replies)
-
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """As local-SGD averaging: a seeded sample of sites evaluates the whole model."""
-        return self._sampling.configure_evaluate(server_round, arrays, config, grid)
-
-    def aggregate_evaluate(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> MetricRecord | None:
-        """Example-weighted mean of the sites' evaluation metrics."""
-        return self._sampling.aggregate_evaluate(server_round, replies)
 
     # ------------------------------------------------- streaming aggregation
     def begin_aggregation(self, server_round: int, arrays: ArrayRecord) -> None:
@@ -372,31 +338,6 @@ class SketchedSGD(Strategy):
         )
         return record, metrics
 
-    # -------------------------------------------------------------- driving
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        """Flower's ``start``, run by flplatform's round engine; a step takes two rounds."""
-        return start_with_engine(
-            self,
-            grid,
-            initial_arrays,
-            policy=Synchrony("sync"),
-            num_rounds=num_rounds,
-            timeout=timeout,
-            train_config=train_config,
-            evaluate_config=evaluate_config,
-            evaluate_fn=evaluate_fn,
-            federated_evaluation=self._sampling.fraction_evaluate > 0,
-        )
-
 
 # =============================================================== site part
 def _progress(context: Context) -> tuple[int, int]:
@@ -426,12 +367,7 @@ def _zero_indices(msg: Message, d: int) -> np.ndarray:
     else:
         sent = msg.content.array_records.get(keys.ARRAYS)
         indices = None if sent is None else record_to_arrays(sent).get(SYNC_INDICES)
-    if (
-        indices is None
-        or indices.ndim != 1
-        or not np.issubdtype(indices.dtype, np.integer)
-        or (len(indices) and (indices.min() < 0 or indices.max() >= d))
-    ):
+    if indices is None or not valid_indices(indices, d):
         raise ConfigError("the server's coordinates to zero are missing or malformed")
     return indices.astype(np.int64)
 
@@ -489,13 +425,7 @@ def train_site(msg: Message, context: Context, site: Site) -> Message:
     context.state[keys.SKETCHED_PROGRESS] = ConfigRecord(
         {"zeroed-step": zeroed, "sketched-round": config.server_round}
     )
-    metrics = MetricRecord(
-        {
-            keys.NUM_EXAMPLES: len(site.x_train),
-            keys.TRAIN_LOSS: stats.loss,
-            keys.COMPUTE_SECONDS: stats.seconds,
-        }
-    )
+    metrics = MetricRecord(training_report(site, stats))
     content = RecordDict(
         {keys.ARRAYS: arrays_to_record({SKETCH: table.numpy()}), keys.METRICS: metrics}
     )
@@ -515,12 +445,7 @@ def _values_reply(msg: Message, context: Context, site: Site, raw: ConfigRecord)
     v = record_to_arrays(stored)["v"]
     sent = msg.content.array_records.get(keys.ARRAYS)
     candidates = None if sent is None else record_to_arrays(sent).get(CANDIDATES)
-    if (
-        candidates is None
-        or candidates.ndim != 1
-        or not np.issubdtype(candidates.dtype, np.integer)
-        or (len(candidates) and (candidates.min() < 0 or candidates.max() >= len(v)))
-    ):
+    if candidates is None or not valid_indices(candidates, len(v)):
         raise ConfigError("the server's candidate coordinates are missing or malformed")
     metrics = MetricRecord({keys.NUM_EXAMPLES: len(site.x_train)})
     content = RecordDict(

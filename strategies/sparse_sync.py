@@ -133,6 +133,16 @@ def int_config(config: ConfigRecord, key: str, low: int) -> int:
     return value
 
 
+def valid_indices(indices: np.ndarray | None, d: int) -> bool:
+    """Whether ``indices`` is a 1-D integer array of coordinates in [0, d)."""
+    return (
+        indices is not None
+        and indices.ndim == 1
+        and bool(np.issubdtype(indices.dtype, np.integer))
+        and (len(indices) == 0 or (indices.min() >= 0 and indices.max() < d))
+    )
+
+
 def synced_model(
     msg: Message, context: Context, *, state_key: str, model_key: str
 ) -> dict[str, np.ndarray]:
@@ -163,10 +173,8 @@ def synced_model(
     if (
         indices is None
         or values is None
-        or indices.ndim != 1
+        or not valid_indices(indices, layout.size)
         or indices.shape != values.shape
-        or not np.issubdtype(indices.dtype, np.integer)
-        or (len(indices) and (indices.min() < 0 or indices.max() >= layout.size))
     ):
         raise ConfigError("the server's sparse model update is malformed")
     flat = layout.flatten(model)

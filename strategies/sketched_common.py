@@ -1,0 +1,201 @@
+"""What the sketched strategies (FetchSGD, Sketched-SGD) share.
+
+Server side, ``SketchedStrategy``: the sketch's settings (k, r, c and a seed derived from the
+run's), seeded sampling and evaluation as local-SGD averaging, the model with sparse
+downloads, the training message that syncs a site and names the sketch, and Flower's batch
+and ``start`` hooks run by the round engine (fully synchronous). Checks on a sketch reply
+(``reply_parts``, ``sketch_table``). Site side: ``local_delta``, the flat delta x_n − x of
+the site's local training.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Result, Strategy
+
+from clients.site import Site
+from clients.training import TrainStats
+from flplatform import keys
+from flplatform.engine import Contribution, Synchrony, start_with_engine
+from flplatform.engine.wire import record_to_arrays
+from flplatform.errors import ConfigError, UpdateRejected
+from flplatform.seeding import derive_seed
+from strategies.codecs import Layout
+from strategies.local_sgd import LocalSGDAveraging, SiteTrainConfig, aggregate_batch, train_from
+from strategies.sparse_sync import SparseModel
+
+SKETCH = "sketch"  # a sketch reply's table
+
+
+class SketchedStrategy(Strategy):
+    """The parts of a sketched strategy that do not depend on its update rule.
+
+    Parameters
+    ----------
+    site_algorithm : str
+        The site part the sites run (its name in the round config).
+    k : int
+        Coordinates applied per step.
+    sketch_rows, sketch_cols : int
+        r (odd) and c of the count sketch; c = 0 means 5·k.
+    fraction_train, fraction_evaluate : float
+        Seeded sampling of sites per round, as local-SGD averaging.
+    seed : int
+        The run's seed; the sketch's hashes derive from it and ``site_algorithm``.
+    """
+
+    def __init__(
+        self,
+        *,
+        site_algorithm: str,
+        k: int,
+        sketch_rows: int,
+        sketch_cols: int,
+        fraction_train: float,
+        fraction_evaluate: float,
+        seed: int,
+    ) -> None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError(f"k must be an integer >= 1 coordinates, got {k!r}")
+        if sketch_rows < 1 or sketch_rows % 2 == 0:
+            raise ConfigError(f"sketch-rows must be odd and >= 1, got {sketch_rows}")
+        if sketch_cols < 0:
+            raise ConfigError(f"sketch-cols must be >= 0 (0: 5·k), got {sketch_cols}")
+        self.site_algorithm = site_algorithm
+        self.k, self.rows, self.cols = k, sketch_rows, sketch_cols or 5 * k
+        self.sketch_seed = derive_seed(seed, f"{site_algorithm}-sketch")
+        self._sampling = LocalSGDAveraging(
+            fraction_train=fraction_train, fraction_evaluate=fraction_evaluate, seed=seed
+        )
+        self.model = SparseModel()  # x, its versions, and what each site holds
+
+    def _sketch_content(
+        self, node_id: int, server_round: int, config: ConfigRecord, **extra: Any
+    ) -> tuple[RecordDict, int]:
+        """A training message's content: what ``node_id`` lacks of x, the sketch to use and
+        ``extra`` config; and the version the download starts from (or DENSE)."""
+        record, sync_from = self.model.download(node_id)
+        site_config = ConfigRecord(dict(config))
+        site_config.update(
+            {
+                keys.SERVER_ROUND: server_round,
+                keys.SITE_ALGORITHM: self.site_algorithm,
+                keys.MODEL_VERSION: self.model.version,
+                keys.SYNC_FROM: sync_from,
+                keys.SKETCH_SEED: self.sketch_seed,
+                keys.SKETCH_ROWS: self.rows,
+                keys.SKETCH_COLS: self.cols,
+                **extra,
+            }
+        )
+        return RecordDict({keys.ARRAYS: record, keys.CONFIG: site_config}), sync_from
+
+    # --------------------------------- the update rule: the engine's streaming hooks
+    @abstractmethod
+    def begin_aggregation(self, server_round: int, arrays: ArrayRecord) -> None:
+        """Start a round's aggregation."""
+
+    @abstractmethod
+    def accumulate(
+        self, reply: Message, *, base: ArrayRecord, weight_scale: float = 1.0
+    ) -> Contribution:
+        """Take one reply in, or raise ``UpdateRejected``."""
+
+    @abstractmethod
+    def finish_aggregation(self) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The round's new model (None: unchanged) and its metrics."""
+
+    # ------------------------------------------------------------ Flower hooks
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Flower's batch hook, through the streaming path (malformed replies skipped)."""
+        assert self.model.record is not None, "configure_train runs first"
+        return aggregate_batch(self, server_round, self.model.record, replies)
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """As local-SGD averaging: a seeded sample of sites evaluates the whole model."""
+        return self._sampling.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """Example-weighted mean of the sites' evaluation metrics."""
+        return self._sampling.aggregate_evaluate(server_round, replies)
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Flower's ``start``, run by flplatform's round engine (fully synchronous)."""
+        return start_with_engine(
+            self,
+            grid,
+            initial_arrays,
+            policy=Synchrony("sync"),
+            num_rounds=num_rounds,
+            timeout=timeout,
+            train_config=train_config,
+            evaluate_config=evaluate_config,
+            evaluate_fn=evaluate_fn,
+            federated_evaluation=self._sampling.fraction_evaluate > 0,
+        )
+
+
+# ================================================================ replies
+def reply_parts(reply: Message) -> tuple[ArrayRecord, MetricRecord]:
+    """A site's reply as its arrays and metrics records; ``UpdateRejected`` if it is not."""
+    content = reply.content
+    if keys.ARRAYS not in content or keys.METRICS not in content:
+        raise UpdateRejected(
+            f"reply must hold '{keys.ARRAYS}' and '{keys.METRICS}' records, "
+            f"got {sorted(content.keys())}"
+        )
+    record, metrics = content[keys.ARRAYS], content[keys.METRICS]
+    if not isinstance(metrics, MetricRecord) or not isinstance(record, ArrayRecord):
+        raise UpdateRejected("reply records have the wrong types")
+    return record, metrics
+
+
+def sketch_table(record: ArrayRecord, shape: tuple[int, int], algorithm: str) -> np.ndarray:
+    """The one finite float32 r × c table a sketch reply carries; ``UpdateRejected`` if not."""
+    if list(record.keys()) != [SKETCH]:
+        raise UpdateRejected(
+            f"sketch replies carry one '{SKETCH}' array, got {sorted(record.keys())}: "
+            f"is the site running flplatform's {algorithm} site part?"
+        )
+    try:
+        table = record_to_arrays(record)[SKETCH]
+    except Exception as exc:
+        raise UpdateRejected(f"sketch cannot be decoded: {exc}") from None
+    if table.shape != shape or table.dtype != np.float32:
+        raise UpdateRejected(
+            f"sketch must be float32 of shape {shape}, got {table.dtype} {table.shape}"
+        )
+    if not np.isfinite(table).all():
+        raise UpdateRejected("sketch contains NaN or Inf")
+    return table
+
+
+# ================================================================ site side
+def local_delta(
+    model_arrays: dict[str, np.ndarray], site: Site, config: SiteTrainConfig, context: Context
+) -> tuple[np.ndarray, TrainStats]:
+    """Train from ``model_arrays`` as ``config`` says; the flat delta x_n − x (float64)."""
+    trained, stats = train_from(model_arrays, site, config, context)
+    layout = Layout.of(model_arrays)
+    return layout.flatten(trained) - layout.flatten(model_arrays), stats
