@@ -1,22 +1,34 @@
-"""Count sketch of a d-dimensional vector: an r × c table, hashes computed on the fly.
+"""Count sketch of a d-dimensional vector: an r × c table, hashes from small seeded tables.
 
 Pure torch; imports no Flower. ALGORITHMS.md §3: row j has a bucket hash h_j: [d] → [c] and a
 sign hash s_j: [d] → {±1}; sketching adds s_j(i)·g_i into T[j, h_j(i)]. The sketch is linear,
 so tables from many sites can be added (or averaged) and momentum and error feedback can run on
 tables. Estimate of g_i: the median over rows of s_j(i)·T[j, h_j(i)].
 
-Hashes are the pairwise-independent family over the Mersenne prime p = 2^31 − 1::
+Hashes. Row j hashes a coordinate to one of 2c signed buckets q_j(i) ∈ [0, 2c): bucket
+h_j(i) = q_j(i) mod c, sign +1 when q_j(i) < c and −1 otherwise. q is additive tabulation
+over the two halves of i (low ``LOW_BITS`` bits, high bits)::
 
-    h_j(i) = ((a_j·i + b_j) mod p) mod c
-    s_j(i) = 1 − 2·(((a'_j·i + b'_j) mod p) & 1)
+    q_j(i) = (L_j(i mod B) + H_j(i div B)) mod 2c,     B = 2^LOW_BITS
+    L_j(x) = ((a_j·x + b_j) mod p) mod 2c,   H_j(y) = ((a'_j·y + b'_j) mod p) mod 2c
 
-with (a, b) and (a', b') drawn from ``derive_seed(seed, "count-sketch", j, ...)``, so every site
-and the server build identical hashes from the seed sent in the round config, in any process
-and on any device. With i < 2^31 and a, b < p, a·i + b < 2^62 + 2^31 fits int64: a well-known
-library computes this product in a range that overflows and leaves most buckets of a row unused.
+with p = 2^31 − 1 and (a, b), (a', b') drawn from ``derive_seed(seed, "count-sketch", j, ...)``,
+so every site and the server build identical hashes from the seed sent in the round config, in
+any process and on any device. L and H are small tables (B and d/B entries per row), computed
+in int64 where a·x + b < 2^62 cannot overflow (a well-known library computes such a product in
+a range that overflows and leaves most buckets of a row unused). q is pairwise independent:
+two coordinates in the same block differ through two independent L entries, two in different
+blocks through two independent H entries; so the pair (bucket, sign) of one coordinate is
+uniform and independent of another's, which is all the count-sketch analysis needs.
 
-No r × d index tables are stored: indices are recomputed per chunk of coordinates, which bounds
-the working memory to O(r · chunk) whatever d is.
+Why tables and not a·i + b per coordinate: within a block of B coordinates H_j is one number,
+so q_j is the fixed index vector L_j shifted by H_j. Sketching a block into row j is then one
+``index_add_`` of the vector's slice, with the cached L_j as indices, into the window
+[H_j, H_j + 2c) of a 4c-wide scratch row (no wrap-around to compute); the four quarters fold
+back into the row as T = Q0 − Q1 + Q2 − Q3 (quarters 1 and 3 hold the negative signs). No
+per-coordinate hash arithmetic remains, and no r × d index table is stored: the index memory
+is r·(B + d/B) integers. Estimation gathers from the same windows of [T, −T, T, −T], and
+``top_k_indices`` finds the k largest estimates without sorting or heap-selecting all d.
 
 Determinism: on CPU every operation is sequential and exact given the inputs. On CUDA
 ``index_add_`` uses atomic float additions, so the sum order inside a bucket (and hence the last
@@ -26,6 +38,8 @@ estimation and top-k never use ``torch.median`` along a dim (not deterministic o
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -33,9 +47,12 @@ import torch
 from flplatform.errors import ConfigError
 from flplatform.seeding import derive_seed
 
-P = 2**31 - 1  # Mersenne prime; every hash value is < p
-MAX_DIM = 2**31  # i < 2^31 keeps a·i + b < 2^63 (no int64 overflow)
-DEFAULT_CHUNK = 1 << 16  # coordinates per chunk: r·chunk int64 indices stay in L2 cache
+P = 2**31 - 1  # Mersenne prime; every table entry comes from a value < p
+MAX_DIM = 2**31  # coordinates below 2^31: H has fewer than 2^14 entries per row
+MAX_COLS = 2**30  # signed buckets (< 2c) fit int32 indices
+LOW_BITS = 17  # B = 131,072 coordinates per block: one row's B int32 indices take 512 KiB
+BLOCK = 1 << LOW_BITS
+DEFAULT_CHUNK = 1 << 20  # coordinates per pass: estimation's votes are r × chunk floats
 HASH_TAG = "count-sketch"
 
 
@@ -52,89 +69,115 @@ class SketchHashes:
     ----------
     cols : int
         Number of buckets c per row.
-    bucket_a, bucket_b : tuple of int
-        Per-row (a_j, b_j) of the bucket hash; 1 <= a_j < p, 0 <= b_j < p.
-    sign_a, sign_b : tuple of int
-        Per-row (a'_j, b'_j) of the sign hash, drawn independently of the bucket pair.
+    low_a, low_b : tuple of int
+        Per-row (a_j, b_j) of the table L_j over a coordinate's low bits; 1 <= a_j < p,
+        0 <= b_j < p.
+    high_a, high_b : tuple of int
+        Per-row (a'_j, b'_j) of the table H_j over its high bits, drawn independently.
 
     Notes
     -----
-    The number of rows r = len(bucket_a) must be odd, so the median over rows is one element
+    The number of rows r = len(low_a) must be odd, so the median over rows is one element
     (no averaging of two middle values, which would mix two collisions).
     """
 
     cols: int
-    bucket_a: tuple[int, ...]
-    bucket_b: tuple[int, ...]
-    sign_a: tuple[int, ...]
-    sign_b: tuple[int, ...]
+    low_a: tuple[int, ...]
+    low_b: tuple[int, ...]
+    high_a: tuple[int, ...]
+    high_b: tuple[int, ...]
 
     def __post_init__(self) -> None:
         _check_positive("cols", self.cols)
-        rows = len(self.bucket_a)
+        if self.cols >= MAX_COLS:
+            raise ConfigError(f"count sketch cols must be < 2^30, got {self.cols}")
+        rows = len(self.low_a)
         _check_positive("rows", rows)
         if rows % 2 == 0:
             raise ConfigError(f"count sketch rows must be odd (median of one element), got {rows}")
-        for name in ("bucket_b", "sign_a", "sign_b"):
+        for name in ("low_b", "high_a", "high_b"):
             if len(getattr(self, name)) != rows:
-                raise ConfigError(f"count sketch {name} must have {rows} entries like bucket_a")
-        for name in ("bucket_a", "sign_a"):
+                raise ConfigError(f"count sketch {name} must have {rows} entries like low_a")
+        for name in ("low_a", "high_a"):
             if not all(1 <= int(a) < P for a in getattr(self, name)):
                 raise ConfigError(f"count sketch {name} entries must be in [1, 2^31 - 1)")
-        for name in ("bucket_b", "sign_b"):
+        for name in ("low_b", "high_b"):
             if not all(0 <= int(b) < P for b in getattr(self, name)):
                 raise ConfigError(f"count sketch {name} entries must be in [0, 2^31 - 1)")
 
     @classmethod
     def from_seed(cls, seed: int, rows: int, cols: int) -> SketchHashes:
-        """Derive the hashes of row j from ``derive_seed(seed, "count-sketch", j, part)``."""
+        """Derive the parameters of row j from ``derive_seed(seed, "count-sketch", j, part)``."""
         _check_positive("rows", rows)
 
         def draw(j: int, part: str, low: int) -> int:
-            # low = 1 for multipliers (a = 0 would send every coordinate to one bucket)
+            # low = 1 for multipliers (a = 0 would make a table constant)
             return low + derive_seed(seed, HASH_TAG, j, part) % (P - low)
 
         return cls(
             cols=cols,
-            bucket_a=tuple(draw(j, "bucket-a", 1) for j in range(rows)),
-            bucket_b=tuple(draw(j, "bucket-b", 0) for j in range(rows)),
-            sign_a=tuple(draw(j, "sign-a", 1) for j in range(rows)),
-            sign_b=tuple(draw(j, "sign-b", 0) for j in range(rows)),
+            low_a=tuple(draw(j, "low-a", 1) for j in range(rows)),
+            low_b=tuple(draw(j, "low-b", 0) for j in range(rows)),
+            high_a=tuple(draw(j, "high-a", 1) for j in range(rows)),
+            high_b=tuple(draw(j, "high-b", 0) for j in range(rows)),
         )
 
     @property
     def rows(self) -> int:
         """Number of rows r."""
-        return len(self.bucket_a)
+        return len(self.low_a)
+
+    def table(self, a: tuple[int, ...], b: tuple[int, ...], size: int) -> torch.Tensor:
+        """((a_j·x + b_j) mod p) mod 2c for x < size, as an (r, size) int64 CPU tensor."""
+        x = torch.arange(size, dtype=torch.int64)  # (size,); a·x + b < 2^31·2^31 + 2^31
+        a_col = torch.tensor(a, dtype=torch.int64).view(-1, 1)
+        b_col = torch.tensor(b, dtype=torch.int64).view(-1, 1)
+        return (a_col * x).add_(b_col).remainder_(P).remainder_(2 * self.cols)
 
 
-class _DeviceHashes:
-    """The hash parameters as (r, 1) int64 tensors on one device, built once per call."""
+class _HashTables:
+    """L and H of one sketch on one device; built once and cached (see ``_hash_tables``)."""
 
-    def __init__(self, hashes: SketchHashes, device: torch.device) -> None:
-        def col(values: tuple[int, ...]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device).view(-1, 1)
-
-        self.bucket_a, self.bucket_b = col(hashes.bucket_a), col(hashes.bucket_b)
-        self.sign_a, self.sign_b = col(hashes.sign_a), col(hashes.sign_b)
+    def __init__(self, hashes: SketchHashes, d: int, device: torch.device) -> None:
+        low = hashes.table(hashes.low_a, hashes.low_b, min(d, BLOCK))  # (r, min(d, B))
+        high = hashes.table(hashes.high_a, hashes.high_b, (d + BLOCK - 1) // BLOCK)  # (r, d/B)
         self.cols = hashes.cols
-        # row j lives at [j·c, (j+1)·c) of the flattened table
-        self.offsets = torch.arange(hashes.rows, dtype=torch.int64, device=device).view(-1, 1)
-        self.offsets.mul_(hashes.cols)
+        self.rows = hashes.rows
+        # int32 indices: half the cache of int64 and faster index_add_/index_select on CPU
+        # (entries are < 2c <= 2^31 − 2 since cols < 2^30 is checked)
+        self.low = low.to(torch.int32).to(device)
+        self.high = high.to(device)
+        self.high_list: list[list[int]] = high.tolist()  # window offsets for the CPU loops
+        # row j of the flattened 4c-wide scratch table starts at j·4c
+        self.row_starts = torch.arange(self.rows, dtype=torch.int64, device=device).view(-1, 1)
+        self.row_starts.mul_(4 * self.cols)
 
-    def flat_index_and_sign(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat table indices (r, n) int64 and signs (r, n) float32 of coordinates [start, stop)."""
-        i = torch.arange(start, stop, dtype=torch.int64, device=self.offsets.device)  # (n,)
-        return self.flat_index_and_sign_of(i)
+    def positions(self, i: torch.Tensor) -> torch.Tensor:
+        """Positions H_j(i div B) + L_j(i mod B) in [0, 4c) of coordinates ``i``: (r, n) int64.
 
-    def flat_index_and_sign_of(self, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """As ``flat_index_and_sign`` for the coordinates ``i`` ((n,) int64, any order)."""
-        x = self.bucket_a * i  # (r, n); < 2^62 since a < 2^31 and i < 2^31
-        x.add_(self.bucket_b).remainder_(P).remainder_(self.cols).add_(self.offsets)
-        y = self.sign_a * i  # (r, n)
-        y.add_(self.sign_b).remainder_(P).bitwise_and_(1)
-        sign = y.to(torch.float32).mul_(-2.0).add_(1.0)  # bit 0 → +1, bit 1 → −1
-        return x, sign
+        Position p stands for q = p mod 2c, i.e. bucket p mod c with sign −1 when p div c is
+        odd (see the module docstring).
+        """
+        return self.high[:, i >> LOW_BITS] + self.low[:, i & (BLOCK - 1)]  # int64
+
+    def buckets_and_signs(self, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buckets (r, n) int64 in [0, c) and signs (r, n) float32 (±1) of coordinates ``i``."""
+        pos = self.positions(i)
+        sign = (pos // self.cols).bitwise_and_(1).to(torch.float32).mul_(-2.0).add_(1.0)
+        return pos.remainder_(self.cols), sign
+
+
+@functools.lru_cache(maxsize=16)
+def _hash_tables(hashes: SketchHashes, d: int, device: torch.device) -> _HashTables:
+    # A sketch is rebuilt from its seed every round by FetchSGD's sites and server; caching
+    # the tables (a few MB at most) spares recomputing r·(B + d/B) remainders each time.
+    return _HashTables(hashes, d, device)
+
+
+def _fold_quarters(scratch: torch.Tensor, cols: int) -> torch.Tensor:
+    """(r, 4c) scratch → (r, c) table: Q0 − Q1 + Q2 − Q3."""
+    quarters = scratch.view(scratch.shape[0], 4, cols)
+    return (quarters[:, 0] - quarters[:, 1]) + (quarters[:, 2] - quarters[:, 3])
 
 
 def _median_over_rows(v: torch.Tensor) -> torch.Tensor:
@@ -163,6 +206,58 @@ def _median3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
 
 
+SAMPLE_SIZE = 1 << 16  # elements of the strided sample that sets top_k_indices' threshold
+
+
+def top_k_indices(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest entries of a 1-D tensor, largest first (as ``torch.topk``).
+
+    ``torch.topk`` over millions of entries on CPU takes as long as sketching them. Here a
+    strided sample sets a threshold with about 2k entries above it; one comparison pass keeps
+    those, and ``torch.topk`` runs on them only. Exact: when at least k entries reach the
+    threshold, every entry of the true top k is among them; otherwise (an unlucky sample)
+    it falls back to ``torch.topk`` over everything. NaN entries never pass the threshold,
+    so callers keep tables finite (the strategies reject non-finite uploads).
+    """
+    n = values.numel()
+    if n <= SAMPLE_SIZE or 4 * k > n:
+        return torch.topk(values, k, sorted=True).indices
+    sample = values[:: n // SAMPLE_SIZE]  # strided view, deterministic
+    m = sample.numel()
+    expected_above = min(m - 1, 2 * k * m // n + 8)  # sample entries above the threshold
+    threshold = torch.kthvalue(sample, m - expected_above).values
+    candidates = torch.nonzero(values >= threshold).view(-1)  # (≈2k,) ascending
+    if candidates.numel() < k:
+        return torch.topk(values, k, sorted=True).indices
+    return candidates[torch.topk(values[candidates], k, sorted=True).indices]
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Coordinates [start, stop) inside one block: low halves [start − base, stop − base)."""
+
+    block: int
+    start: int
+    stop: int
+
+    @property
+    def low_start(self) -> int:
+        return self.start - self.block * BLOCK
+
+    @property
+    def low_stop(self) -> int:
+        return self.stop - self.block * BLOCK
+
+
+def _pieces(start: int, stop: int, chunk: int) -> Iterator[_Piece]:
+    """[start, stop) cut at every block boundary and into pieces of at most ``chunk``."""
+    while start < stop:
+        block = start // BLOCK
+        piece_stop = min(stop, (block + 1) * BLOCK, start + chunk)
+        yield _Piece(block, start, piece_stop)
+        start = piece_stop
+
+
 @dataclass(frozen=True)
 class CountSketch:
     """A count sketch of vectors of dimension d with the given hashes.
@@ -175,13 +270,14 @@ class CountSketch:
         Row count r (odd), column count c and hash parameters; usually
         ``CountSketch.from_seed`` builds them.
     chunk : int
-        Coordinates hashed at a time. Working memory is about r·chunk·(8 + 4 + 4) bytes;
-        the default keeps it in cache. Results do not depend on it.
+        Coordinates per pass: estimation's temporary votes are r × chunk floats (on CPU passes
+        are cut further at block boundaries). Results do not depend on it.
 
     Notes
     -----
     Tables are float32 tensors of shape (r, c) on the device of the caller's tensors; the
-    sketch holds no tensors itself, so one object serves CPU and CUDA.
+    sketch holds no tensors itself, so one object serves CPU and CUDA. Sketching uses a
+    scratch table of r × 4c floats.
     """
 
     d: int
@@ -193,7 +289,7 @@ class CountSketch:
         _check_positive("chunk", self.chunk)
         if self.d >= MAX_DIM:
             raise ConfigError(
-                f"count sketch d must be < 2^31 so a·i + b fits int64, got d = {self.d}"
+                f"count sketch d must be < 2^31 (int32 coordinates), got d = {self.d}"
             )
 
     @classmethod
@@ -213,6 +309,9 @@ class CountSketch:
         """Number of columns c."""
         return self.hashes.cols
 
+    def _tables(self, device: torch.device) -> _HashTables:
+        return _hash_tables(self.hashes, self.d, device)
+
     def hash_range(
         self, start: int, stop: int, device: torch.device | str | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,15 +326,17 @@ class CountSketch:
         """
         if not 0 <= start <= stop <= self.d:
             raise ValueError(f"need 0 <= start <= stop <= d = {self.d}, got [{start}, {stop})")
-        dev = _DeviceHashes(self.hashes, torch.device(device or "cpu"))
-        index, sign = dev.flat_index_and_sign(start, stop)
-        return index.sub_(dev.offsets), sign
+        dev = torch.device(device or "cpu")
+        i = torch.arange(start, stop, dtype=torch.int64, device=dev)  # (n,)
+        return self._tables(dev).buckets_and_signs(i)
 
     def buckets_of(self, indices: torch.Tensor) -> torch.Tensor:
         """Buckets h_j(i) ((r, n) int64 in [0, c)) of the coordinates ``indices`` ((n,))."""
-        dev = _DeviceHashes(self.hashes, indices.device)
-        index, _ = dev.flat_index_and_sign_of(indices.to(torch.int64))
-        return index.sub_(dev.offsets)
+        i = indices.to(torch.int64)
+        if i.numel() and not (int(i.min()) >= 0 and int(i.max()) < self.d):
+            raise ValueError(f"coordinates must be in [0, {self.d})")
+        buckets, _ = self._tables(indices.device).buckets_and_signs(i)
+        return buckets
 
     # ------------------------------------------------------------------ building tables
     def zeros(self, device: torch.device | str | None = None) -> torch.Tensor:
@@ -258,15 +359,49 @@ class CountSketch:
         """
         self._check_table(table)
         vector = self._check_vector(vector, table.device)
-        flat = table.view(-1)  # (r·c,)
-        dev = _DeviceHashes(self.hashes, table.device)
-        for start in range(0, self.d, self.chunk):
-            stop = min(start + self.chunk, self.d)
-            index, sign = dev.flat_index_and_sign(start, stop)  # (r, n), (r, n)
-            source = sign.mul_(vector[start:stop])  # (r, n): s_j(i)·g_i
-            # one call per chunk for all rows: fewer kernel launches than r calls
-            flat.index_add_(0, index.view(-1), source.view(-1))
+        tables = self._tables(table.device)
+        scratch = torch.zeros(self.rows, 4 * self.cols, dtype=torch.float32, device=table.device)
+        if table.device.type == "cpu":
+            self._scatter_by_blocks(scratch, vector, tables)
+        else:
+            self._scatter_by_positions(scratch, vector, tables, self.chunk)
+        table.add_(_fold_quarters(scratch, self.cols))
         return table
+
+    def _scatter_by_blocks(
+        self, scratch: torch.Tensor, vector: torch.Tensor, tables: _HashTables
+    ) -> None:
+        """CPU: one index_add_ per row and piece, into the window the piece's block selects.
+
+        Rows outermost, so one row's 4c scratch stays in cache while every block adds to it;
+        within a row, blocks in order of their window's offset, so consecutive windows overlap
+        (about 6% faster at d = 50M than block order; the sum order is still fixed).
+        """
+        span = 2 * self.cols
+        pieces = list(_pieces(0, self.d, self.chunk))
+        for j in range(self.rows):
+            row, low, high = scratch[j], tables.low[j], tables.high_list[j]
+            for p in sorted(pieces, key=lambda piece: high[piece.block]):
+                offset = high[p.block]
+                row[offset : offset + span].index_add_(
+                    0, low[p.low_start : p.low_stop], vector[p.start : p.stop]
+                )
+
+    def _scatter_by_positions(
+        self, scratch: torch.Tensor, vector: torch.Tensor, tables: _HashTables, chunk: int
+    ) -> None:
+        """Any device: positions computed by gathers for ``chunk`` coordinates at a time.
+
+        Fewer, larger kernels than ``_scatter_by_blocks`` (CUDA's launches cost more than its
+        arithmetic); same positions, so the same table up to float summation order.
+        """
+        flat = scratch.view(-1)
+        for start in range(0, self.d, chunk):
+            stop = min(start + chunk, self.d)
+            i = torch.arange(start, stop, dtype=torch.int64, device=scratch.device)  # (n,)
+            pos = tables.positions(i).add_(tables.row_starts)  # (r, n) flat positions
+            values = vector[start:stop].expand(self.rows, -1)  # (r, n) view, no copy
+            flat.index_add_(0, pos.view(-1), values.reshape(-1))
 
     # ------------------------------------------------------------------ querying tables
     def estimate(self, table: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
@@ -277,7 +412,7 @@ class CountSketch:
         table : torch.Tensor
             (r, c) float32 table.
         chunk : int, optional
-            Coordinates per gather (default: the sketch's ``chunk``); bounds the temporary
+            Coordinates per pass (default: the sketch's ``chunk``); bounds the temporary
             (r, chunk) tensors. Results do not depend on it.
 
         Returns
@@ -288,15 +423,48 @@ class CountSketch:
         self._check_table(table)
         step = self.chunk if chunk is None else chunk
         _check_positive("chunk", step)
-        flat = table.reshape(-1)  # (r·c,)
-        dev = _DeviceHashes(self.hashes, table.device)
+        tables = self._tables(table.device)
+        # s·T[h] at every position p of [0, 4c): quarters 1 and 3 carry the negative sign
+        signed = torch.cat((table, -table, table, -table), dim=1)  # (r, 4c)
         out = torch.empty(self.d, dtype=torch.float32, device=table.device)  # (d,)
-        for start in range(0, self.d, step):
-            stop = min(start + step, self.d)
-            index, sign = dev.flat_index_and_sign(start, stop)  # (r, n), (r, n)
-            votes = sign.mul_(flat[index])  # (r, n)
-            out[start:stop] = _median_over_rows(votes)
+        if table.device.type == "cpu":
+            self._gather_by_blocks(signed, out, tables, step)
+        else:
+            self._gather_by_positions(signed, out, tables, step)
         return out
+
+    def _gather_by_blocks(
+        self, signed: torch.Tensor, out: torch.Tensor, tables: _HashTables, chunk: int
+    ) -> None:
+        """CPU: per pass, one index_select per row and block from the block's window.
+
+        Rows outermost within a pass, as in sketching: one row's window stays in cache.
+        """
+        span = 2 * self.cols
+        votes = torch.empty(self.rows, min(chunk, self.d), dtype=torch.float32)  # (r, chunk)
+        for start in range(0, self.d, chunk):
+            stop = min(start + chunk, self.d)
+            pieces = list(_pieces(start, stop, chunk))
+            for j in range(self.rows):
+                row, low, high, row_votes = signed[j], tables.low[j], tables.high_list[j], votes[j]
+                for p in pieces:
+                    offset = high[p.block]
+                    torch.index_select(
+                        row[offset : offset + span],
+                        0,
+                        low[p.low_start : p.low_stop],
+                        out=row_votes[p.start - start : p.stop - start],
+                    )
+            out[start:stop] = _median_over_rows(votes[:, : stop - start])
+
+    def _gather_by_positions(
+        self, signed: torch.Tensor, out: torch.Tensor, tables: _HashTables, chunk: int
+    ) -> None:
+        for start in range(0, self.d, chunk):
+            stop = min(start + chunk, self.d)
+            i = torch.arange(start, stop, dtype=torch.int64, device=signed.device)  # (n,)
+            votes = signed.gather(1, tables.positions(i))  # (r, n)
+            out[start:stop] = _median_over_rows(votes)
 
     def norm_estimate(self, table: torch.Tensor) -> torch.Tensor:
         """Estimate ‖g‖² (the squared norm, not the norm) of the sketched vector.
@@ -324,7 +492,7 @@ class CountSketch:
         if k > self.d:
             raise ConfigError(f"top-k needs k <= d = {self.d}, got k = {k}")
         est = self.estimate(table, chunk=chunk)  # (d,)
-        indices = torch.topk(est.abs(), k, sorted=True).indices  # (k,)
+        indices = top_k_indices(est.abs(), k)  # (k,)
         return indices, est[indices]
 
     # ------------------------------------------------------------------ validation

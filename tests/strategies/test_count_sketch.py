@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,17 +14,40 @@ from hypothesis import strategies as st
 
 from flplatform.errors import ConfigError
 from flplatform.seeding import derive_seed
-from strategies.count_sketch import CountSketch, P, SketchHashes
+from strategies.count_sketch import (
+    BLOCK,
+    CountSketch,
+    P,
+    SketchHashes,
+    _fold_quarters,
+    top_k_indices,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------- naive oracle
 def naive_bucket_sign(h: SketchHashes, j: int, i: int) -> tuple[int, int]:
-    """h_j(i) and s_j(i) in Python integers (no overflow possible)."""
-    bucket = ((h.bucket_a[j] * i + h.bucket_b[j]) % P) % h.cols
-    sign = 1 - 2 * (((h.sign_a[j] * i + h.sign_b[j]) % P) & 1)
-    return bucket, sign
+    """h_j(i) and s_j(i) in Python integers (no overflow possible), as the module documents."""
+    span = 2 * h.cols
+    low = ((h.low_a[j] * (i % BLOCK) + h.low_b[j]) % P) % span
+    high = ((h.high_a[j] * (i // BLOCK) + h.high_b[j]) % P) % span
+    q = (low + high) % span
+    return q % h.cols, 1 if q < h.cols else -1
+
+
+def naive_hashes_numpy(h: SketchHashes, d: int) -> tuple[np.ndarray, np.ndarray]:
+    """The same formula vectorised in numpy int64 (a·x + b < 2^62): (r, d) buckets, signs."""
+    i = np.arange(d, dtype=np.int64)
+    span = 2 * h.cols
+    buckets, signs = [], []
+    for j in range(h.rows):
+        low = ((h.low_a[j] * (i % BLOCK) + h.low_b[j]) % P) % span
+        high = ((h.high_a[j] * (i // BLOCK) + h.high_b[j]) % P) % span
+        q = (low + high) % span
+        buckets.append(q % h.cols)
+        signs.append(np.where(q < h.cols, 1.0, -1.0))
+    return np.stack(buckets), np.stack(signs)
 
 
 def naive_sketch(h: SketchHashes, g: list[float]) -> list[list[float]]:
@@ -48,33 +72,36 @@ def naive_estimate(h: SketchHashes, table: list[list[float]], d: int) -> list[fl
 
 # ---------------------------------------------------------------- golden case
 def test_golden_table_by_hand() -> None:
-    # rows: h_0(i) = i mod 4, h_1(i) = (2i + 1) mod 4, h_2(i) = (3i + 2) mod 4 (all < p, so
-    # the mod p is a no-op); signs from the low bit of i, i + 1 and 0 (always +1)
+    # c = 4, so 2c = 8 signed buckets q; d = 5 lies in block 0, where H_j(0) = high_b mod 8.
+    # row 0: L = i,            H = 0 -> q = 0,1,2,3,4
+    # row 1: L = (3i+1) mod 8, H = 2 -> q = 3,6,1,4,7
+    # row 2: L = (2i+5) mod 8, H = 7 -> q = 4,6,0,2,4
+    # bucket = q mod 4, sign = + when q < 4
     hashes = SketchHashes(
-        cols=4, bucket_a=(1, 2, 3), bucket_b=(0, 1, 2), sign_a=(1, 1, 2), sign_b=(0, 1, 0)
+        cols=4, low_a=(1, 3, 2), low_b=(0, 1, 5), high_a=(1, 1, 1), high_b=(0, 2, 7)
     )
     sketch = CountSketch(d=5, hashes=hashes)
     g = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
-    # row 0: buckets 0,1,2,3,0; signs +,-,+,-,+  -> [1+5, -2, 3, -4]
-    # row 1: buckets 1,3,1,3,1; signs -,+,-,+,- -> [0, -1-3-5, 0, 2+4]
-    # row 2: buckets 2,1,0,3,2; signs + always  -> [3, 2, 1+5, 4]
-    expected = torch.tensor([[6.0, -2.0, 3.0, -4.0], [0.0, -9.0, 0.0, 6.0], [3.0, 2.0, 6.0, 4.0]])
+    # row 0: buckets 0,1,2,3,0; signs +,+,+,+,- -> [1-5, 2, 3, 4]
+    # row 1: buckets 3,2,1,0,3; signs +,-,+,-,- -> [-4, 3, -2, 1-5]
+    # row 2: buckets 0,2,0,2,0; signs -,-,+,+,- -> [-1+3-5, 0, -2+4, 0]
+    expected = torch.tensor([[-4.0, 2.0, 3.0, 4.0], [-4.0, 3.0, -2.0, -4.0], [-3.0, 0.0, 2.0, 0.0]])
     table = sketch.sketch(g)
     assert torch.equal(table, expected)
-    # coordinate 0 votes: row0 +6, row1 -(-9)=9, row2 +6 -> median 6
-    # coordinate 4 votes: row0 +6, row1 -(-9)=9, row2 +6 -> median 6
-    assert torch.equal(sketch.estimate(table), torch.tensor([6.0, 2.0, 3.0, 4.0, 6.0]))
-    # per-row sums of squares: 65, 117, 65 -> median 65
-    assert sketch.norm_estimate(table).item() == 65.0
+    # votes s·T[h]: i=0: -4, -4, +3 -> -4 (coordinate 4 collides in rows 0 and 1)
+    # i=1: 2, 2, -2 -> 2;  i=2: 3, 3, -3 -> 3;  i=3: 4, 4, 2 -> 4;  i=4: 4, 4, 3 -> 4
+    assert torch.equal(sketch.estimate(table), torch.tensor([-4.0, 2.0, 3.0, 4.0, 4.0]))
+    # per-row sums of squares: 45, 45, 13 -> median 45
+    assert sketch.norm_estimate(table).item() == 45.0
 
 
 def test_hashes_derive_from_seed_as_documented() -> None:
     h = SketchHashes.from_seed(seed=11, rows=3, cols=7)
     for j in range(3):
-        assert h.bucket_a[j] == 1 + derive_seed(11, "count-sketch", j, "bucket-a") % (P - 1)
-        assert h.bucket_b[j] == derive_seed(11, "count-sketch", j, "bucket-b") % P
-        assert h.sign_a[j] == 1 + derive_seed(11, "count-sketch", j, "sign-a") % (P - 1)
-        assert h.sign_b[j] == derive_seed(11, "count-sketch", j, "sign-b") % P
+        assert h.low_a[j] == 1 + derive_seed(11, "count-sketch", j, "low-a") % (P - 1)
+        assert h.low_b[j] == derive_seed(11, "count-sketch", j, "low-b") % P
+        assert h.high_a[j] == 1 + derive_seed(11, "count-sketch", j, "high-a") % (P - 1)
+        assert h.high_b[j] == derive_seed(11, "count-sketch", j, "high-b") % P
 
 
 # ---------------------------------------------------------------- oracle properties
@@ -109,6 +136,68 @@ def test_hash_of_large_coordinates_matches_python_ints(i: int, seed: int) -> Non
     naive = [naive_bucket_sign(sketch.hashes, j, i) for j in range(5)]
     assert buckets[:, 0].tolist() == [bucket for bucket, _ in naive]
     assert signs[:, 0].tolist() == [float(sign) for _, sign in naive]
+
+
+@pytest.mark.parametrize("chunk", [BLOCK, 5_000, 1 << 20])
+def test_many_blocks_match_numpy_reference(chunk: int) -> None:
+    # d spans four blocks (the last one partial), so H_j changes between blocks; integer
+    # values keep every float32 sum exact whatever the order
+    d, cols = 3 * BLOCK + 1_234, 257
+    gen = torch.Generator().manual_seed(4)
+    g = torch.randint(-8, 9, (d,), generator=gen).float()
+    sketch = CountSketch.from_seed(d, rows=5, cols=cols, seed=21, chunk=chunk)
+    buckets, signs = naive_hashes_numpy(sketch.hashes, d)
+    expected = np.zeros((5, cols))
+    for j in range(5):
+        np.add.at(expected[j], buckets[j], signs[j] * g.numpy())
+    table = sketch.sketch(g)
+    assert np.array_equal(table.numpy(), expected)
+    votes = np.stack([signs[j] * expected[j][buckets[j]] for j in range(5)])
+    assert np.array_equal(sketch.estimate(table).numpy(), np.sort(votes, axis=0)[2])
+    got_buckets, got_signs = sketch.hash_range(0, d)
+    assert np.array_equal(got_buckets.numpy(), buckets)
+    assert np.array_equal(got_signs.numpy(), signs)
+    some = torch.tensor([0, BLOCK - 1, BLOCK, 2 * BLOCK + 5, d - 1])
+    assert np.array_equal(sketch.buckets_of(some).numpy(), buckets[:, some.numpy()])
+
+
+def test_position_path_equals_block_path() -> None:
+    # CUDA sketches and estimates through _scatter_by_positions / _gather_by_positions;
+    # run that code on CPU against the block loops CPU uses
+    d, cols = 2 * BLOCK + 99, 64
+    gen = torch.Generator().manual_seed(5)
+    g = torch.randint(-8, 9, (d,), generator=gen).float()
+    sketch = CountSketch.from_seed(d, rows=3, cols=cols, seed=8)
+    by_blocks = sketch.sketch(g)
+    tables = sketch._tables(torch.device("cpu"))
+    scratch = torch.zeros(3, 4 * cols)
+    sketch._scatter_by_positions(scratch, g, tables, chunk=10_000)
+    assert torch.equal(_fold_quarters(scratch, cols), by_blocks)
+    signed = torch.cat((by_blocks, -by_blocks, by_blocks, -by_blocks), dim=1)
+    out = torch.empty(d)
+    sketch._gather_by_positions(signed, out, tables, chunk=10_000)
+    assert torch.equal(out, sketch.estimate(by_blocks))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 300_000),
+    k_frac=st.floats(0.0, 0.3),
+    seed=st.integers(0, 2**31),
+    ties=st.booleans(),
+)
+def test_top_k_indices_equals_torch_topk(n: int, k_frac: float, seed: int, ties: bool) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(n, generator=gen).abs()
+    if ties:
+        values = values.mul(4).round()  # few distinct values: many ties at the threshold
+    k = max(1, int(k_frac * n))
+    got = top_k_indices(values, k)
+    want = torch.topk(values, k, sorted=True)
+    assert got.shape == (k,)
+    assert got.unique().numel() == k
+    # the same values in the same order; with ties, any of the tied entries is a top-k entry
+    assert torch.equal(values[got], want.values)
 
 
 def test_linearity_is_exact() -> None:
@@ -166,7 +255,7 @@ def test_planted_heavy_hitters_recovered() -> None:
         # g_i² = margin·(N + m·g_i²)/k  ⇔  g_i² = margin·N/(k − margin·m)
         g[heavy] = sign * (margin * d / (k - margin * m)) ** 0.5
         assert bool((g[heavy].square() >= g.square().sum() / k).all())
-        sketch = CountSketch.from_seed(d, rows=5, cols=5 * k, seed=trial, chunk=1 << 17)
+        sketch = CountSketch.from_seed(d, rows=5, cols=5 * k, seed=trial)
         indices, values = sketch.top_k(sketch.sketch(g), k)
         found = dict(zip(indices.tolist(), values.tolist(), strict=True))
         if all(i in found and found[i] * g[i].item() > 0 for i in heavy.tolist()):
@@ -245,6 +334,10 @@ def test_wrong_shapes_are_rejected() -> None:
         sketch.estimate(torch.zeros(3, 5))
     with pytest.raises(ConfigError, match="k <= d"):
         sketch.top_k(sketch.zeros(), 11)
+    with pytest.raises(ValueError, match="coordinates must be in"):
+        sketch.buckets_of(torch.tensor([10]))
+    with pytest.raises(ConfigError, match="cols must be < 2\\^30"):
+        CountSketch.from_seed(10, rows=3, cols=2**30, seed=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
