@@ -96,6 +96,16 @@ class SketchedStrategy(Strategy):
         )
         return RecordDict({keys.ARRAYS: record, keys.CONFIG: site_config}), sync_from
 
+    def message_not_sent(self, message: Message) -> None:
+        """The engine did not send this drafted message: its site holds what it held.
+
+        Only a message that carried a download changed what the server assumes the site
+        holds (Sketched-SGD's values requests carry none).
+        """
+        config = message.content.config_records.get(keys.CONFIG)
+        if config is not None and keys.SYNC_FROM in config:
+            self.model.withdraw(message.metadata.dst_node_id)
+
     # --------------------------------- the update rule: the engine's streaming hooks
     @abstractmethod
     def begin_aggregation(self, server_round: int, arrays: ArrayRecord) -> None:

@@ -73,7 +73,8 @@ class SparseModel:
         self.version = 0
         self.changes = ChangeLog()
         self.synced: dict[int, int] = {}  # node → version it holds (confirmed by a reply)
-        self._sent: dict[int, int] = {}  # node → version its outstanding message carries
+        # node → (version its outstanding message carries, version it held before, if known)
+        self._sent: dict[int, tuple[int, int | None]] = {}
 
     @property
     def size(self) -> int:
@@ -93,14 +94,15 @@ class SparseModel:
     def download(self, node_id: int) -> tuple[ArrayRecord, int]:
         """What ``node_id`` needs to hold x: (record, version it must hold first or DENSE).
 
-        Call once per message sent; ``confirm`` when the site answers it.
+        Call once per message drafted; ``confirm`` when the site answers it, ``withdraw``
+        if the message is not sent after all.
         """
         if self.layout is None or self.record is None:
             raise RuntimeError("SparseModel.adopt runs before the first download")
         # Taken, not read: until the site replies to this message, what it holds is not
         # known (a failed or lost message is followed by the whole model).
         held = self.synced.pop(node_id, None)
-        self._sent[node_id] = self.version
+        self._sent[node_id] = (self.version, held)
         changed = None if held is None else self.changes.changed_since(held, self.version)
         if held is None or changed is None or len(changed) > DENSE_ABOVE * self.layout.size:
             return self.record, DENSE
@@ -111,7 +113,13 @@ class SparseModel:
     def confirm(self, node_id: int) -> None:
         """``node_id`` answered its message: it holds the version that message carried."""
         if node_id in self._sent:
-            self.synced[node_id] = self._sent.pop(node_id)
+            self.synced[node_id] = self._sent.pop(node_id)[0]
+
+    def withdraw(self, node_id: int) -> None:
+        """``node_id``'s drafted message was never sent: it still holds what it held."""
+        version_and_held = self._sent.pop(node_id, None)
+        if version_and_held is not None and version_and_held[1] is not None:
+            self.synced[node_id] = version_and_held[1]
 
     def apply(self, indices: torch.Tensor, values: torch.Tensor) -> ArrayRecord:
         """x[indices] += values as the next version; return the new x as a record."""

@@ -90,7 +90,13 @@ class Contribution:
 
 
 class EngineStrategy(Protocol):
-    """The hooks the engine calls; Flower's own plus streaming aggregation."""
+    """The hooks the engine calls; Flower's own plus streaming aggregation.
+
+    Optionally, ``message_not_sent(message)``: the engine calls it for a message from
+    ``configure_train`` that it did not send (the site sits the work out, simulated
+    availability), so a strategy that drafted it as sent can undo that (sparse downloads
+    keep the site's synced version).
+    """
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -460,6 +466,9 @@ class RoundEngine:
             away = self.clock.away_seconds(self._name(node_id), steps=self._steps(msg))
             if away is not None:  # not counted as dispatched: nothing was sent to wait for
                 self._away[node_id] = self.clock.now() + away
+                not_sent = getattr(self.strategy, "message_not_sent", None)
+                if not_sent is not None:  # optional hook (see EngineStrategy)
+                    not_sent(msg)
                 # (A pipelined site's timeline must not book the work it skipped.)
                 skipped = self._planned(msg, state, bytes_down=0, plan=not self.policy.pipelined)
                 state.outcomes.append(self._row(skipped, DROPPED, UNAVAILABLE))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 import torch
@@ -24,7 +26,7 @@ from strategies.codecs import Layout
 from strategies.count_sketch import CountSketch
 from strategies.fetchsgd import FetchSGD
 from strategies.sketch_feedback import SketchFeedback
-from strategies.sparse_sync import ChangeLog, synced_model
+from strategies.sparse_sync import DENSE, ChangeLog, SparseModel, synced_model
 from tests.flplatform.engine.scripted_grid import ScriptedGrid
 
 from .delayed_sites import context, digits_site
@@ -170,6 +172,53 @@ def test_a_site_out_of_sync_fails_once_then_gets_the_whole_model() -> None:
     # No reply came: the next message is the whole model again.
     (again,) = strategy.configure_train(1, base, ConfigRecord(), Grid())  # type: ignore[arg-type]
     assert again.content[keys.CONFIG][keys.SYNC_FROM] == -1
+
+
+def test_a_withdrawn_download_leaves_the_sites_version_known() -> None:
+    model = SparseModel()
+    model.adopt(arrays_to_record({"w": np.zeros(10, np.float32)}))
+    _, first = model.download(7)
+    assert first == DENSE
+    model.withdraw(7)  # never sent: still nothing known about the site
+    _, again = model.download(7)
+    assert again == DENSE
+    model.confirm(7)
+    model.apply(torch.tensor([2]), torch.tensor([1.0]))
+    _, sync_from = model.download(7)
+    assert sync_from == 0
+    model.withdraw(7)  # the site sat this one out: it still holds version 0
+    record, sync_from = model.download(7)
+    assert sync_from == 0
+    assert record_to_arrays(record)["sync.indices"].tolist() == [2]
+
+
+def test_sites_drawn_as_away_keep_their_sparse_downloads() -> None:
+    """Simulated availability: a site's drafted message is not sent, and it is not re-sent
+    the whole model next time (one dense download per site, at first contact)."""
+    from flplatform.engine.clock import VirtualClock
+    from flplatform.network import ComputeModel
+    from tests.flplatform.engine.idle_sites import network
+
+    clock = VirtualClock(network(4, ComputeModel("fixed", mean_seconds=1.0), availability=0.6))
+    grid = ScriptedGrid({n: digits_site(n - 1, 4, context(n)) for n in range(1, 5)})
+    strategy = FetchSGD(k=200, fraction_train=1.0, seed=1)
+    summaries: list[RoundSummary] = []
+    engine = RoundEngine(
+        grid, strategy, clock=clock, poll_interval=0.0, required_sites=4, on_round=summaries.append
+    )
+    engine.run(
+        _digits_model(),
+        num_rounds=8,
+        train_config=ConfigRecord({keys.LOCAL_STEPS: 1, keys.LR: 0.1}),
+    )
+    away = [u for s in summaries for u in s.updates if u.status != APPLIED]
+    assert away, "availability 0.6 draws some sites as away"
+    train = [m for m in grid.pushed if m.metadata.message_type == MessageType.TRAIN]
+    dense_per_site = Counter(
+        m.metadata.dst_node_id for m in train if m.content[keys.CONFIG][keys.SYNC_FROM] == DENSE
+    )
+    assert dense_per_site == Counter({n: 1 for n in dense_per_site})
+    assert sum(m.content[keys.CONFIG][keys.SYNC_FROM] >= 0 for m in train) > 0
 
 
 def sketch_reply(arrays: dict, examples: object = 4) -> Message:
