@@ -27,20 +27,19 @@ the seed: with ``--seed 1`` the default sketch needs 35 rounds (15.4Ã— up, 10.2Ã
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench_support import SITES, emit, fresh_home
 
 from flplatform.comparison import ModePlan, run_comparison
 from flplatform.config import RunConfig
 from flplatform.simulation import run_simulation
 from storage import LedgerRepository
 
-SITES = ("london", "ohio", "california", "tokyo", "london-2", "ohio-2", "california-2", "tokyo-2")
 TARGET_MARGIN = 0.01
 GOAL_UPLOAD, GOAL_TOTAL = 20.0, 10.0
 
@@ -93,9 +92,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
 
-    home = Path(tempfile.mkdtemp(prefix="flplatform-bench-"))
-    os.environ["FLPLATFORM_HOME"] = str(home)
-    os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
+    home = fresh_home()
     base = RunConfig.from_mapping(
         {
             "sites": SITES,
@@ -165,10 +162,7 @@ def main() -> None:
         "wall_seconds": round(wall, 1),
         "ledger": base.db,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -21,20 +21,19 @@ Goals (issue: delayed compensated updates): delayed updates reach that accuracy 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench_support import SITES, emit, fresh_home
 
 from flplatform.comparison import ModePlan, read_results, run_comparison
 from flplatform.config import RunConfig
 from flplatform.simulation import run_simulation
 from storage import LedgerRepository
 
-SITES = ("london", "ohio", "california", "tokyo", "london-2", "ohio-2", "california-2", "tokyo-2")
 GOAL_SPEEDUP = 2.5
 TARGET_MARGIN = 0.005  # local-SGD's final accuracy less half a point
 PERIOD_SECONDS = 0.2  # mean compute of one period at speed 1 (0.38 s at the slowest site)
@@ -67,9 +66,7 @@ def main() -> None:
     args = parser.parse_args()
     delays = [int(d) for d in args.delays.split(",") if d.strip()]
 
-    home = Path(tempfile.mkdtemp(prefix="flplatform-bench-"))
-    os.environ["FLPLATFORM_HOME"] = str(home)
-    os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
+    home = fresh_home()
     base = RunConfig.from_mapping(
         {
             "sites": SITES,
@@ -164,10 +161,7 @@ def main() -> None:
         "wall_seconds": round(wall, 1),
         "ledger": base.db,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -16,20 +16,19 @@ accuracy in at most half of fully-sync's simulated time.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench_support import SITES, emit, fresh_home
 
 from flplatform.comparison import DEMO_MODES, plan_modes, read_results, run_comparison
 from flplatform.config import RunConfig
 from flplatform.simulation import run_simulation
 from storage import LedgerRepository
 
-SITES = ("london", "ohio", "california", "tokyo", "london-2", "ohio-2", "california-2", "tokyo-2")
 GOAL_RATIO = 0.5
 
 
@@ -42,9 +41,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
 
-    home = Path(tempfile.mkdtemp(prefix="flplatform-bench-"))
-    os.environ["FLPLATFORM_HOME"] = str(home)
-    os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
+    home = fresh_home()
     base = RunConfig.from_mapping(
         {
             "sites": SITES,
@@ -120,10 +117,7 @@ def main() -> None:
         "wall_seconds": round(wall, 1),
         "ledger": base.db,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":
