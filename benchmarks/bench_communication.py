@@ -43,10 +43,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_support import SITES, emit, fresh_home
+from bench_support import SITES, emit, federation
 
 from flplatform.comparison import ModePlan, run_comparison
-from flplatform.config import RunConfig
 from flplatform.simulation import run_simulation
 from storage import LedgerRepository
 
@@ -106,20 +105,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
 
-    home = fresh_home()
-    base = RunConfig.from_mapping(
+    base = federation(
         {
-            "sites": SITES,
-            "dataset": "mnist5k",
-            "partition": "dirichlet",
-            "alpha": 1.0,
             "model": "wide-mlp",
             "local-steps": 10,
-            "batch-size": 32,
-            "lr": 0.05,
-            "momentum": 0.9,
             "seed": args.seed,
-            "db": f"sqlite:///{home / 'ledger.db'}",
         }
     )
     planned = plans(

@@ -53,10 +53,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_support import SITES, emit, fresh_home
+from bench_support import SITES, emit, federation
 
 from flplatform.comparison import ModePlan, read_results, run_comparison
-from flplatform.config import RunConfig
 from flplatform.simulation import run_simulation
 from storage import LedgerRepository
 
@@ -96,13 +95,9 @@ def main() -> None:
     args = parser.parse_args()
     delays = [int(d) for d in args.delays.split(",") if d.strip()]
 
-    home = fresh_home()
-    base = RunConfig.from_mapping(
+    base = federation(
         {
-            "sites": SITES,
-            "dataset": "mnist5k",
             "partition": args.partition,
-            "alpha": 1.0,
             "model": "cnn",
             "local-steps": args.period,
             "batch-size": args.batch_size,
@@ -112,7 +107,6 @@ def main() -> None:
             "network": "world",
             "compute-model": "exponential",
             "step-seconds": PERIOD_SECONDS / args.period,
-            "db": f"sqlite:///{home / 'ledger.db'}",
         }
     )
     planned = plans(args.rounds, delays)

