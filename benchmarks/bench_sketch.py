@@ -12,13 +12,13 @@ within 2× of sketching. Within a round the calls take turns, and each ratio is 
 over rounds of that round's ratio, so a slow spell of a shared machine hits a call and its
 reference alike (timed one after the other, whole runs at d = 50M ranged from 0.85× to
 1.46×); in its turn a call repeats for at least 0.2 s, so short calls are measured warm.
-On this project's 2-core machine, three runs gave a sketch ratio of 0.88–1.02 at 1M,
-1.14–1.25 at 10M and 1.14–1.16 at 50M: the goal holds on most runs, not on every one.
-Estimation at 1M is bimodal, 10 ms or 35 ms from one process to the next: in the slow mode
-each call takes about 13 000 page faults for its fresh r × 2^20 votes and the median's
-temporaries, depending on the allocator's state. Those runs gave 2.9× and 3.7× at 1M; the
-runs without it gave 1.5–2.0× at every d. Raise ``--repeats`` (default 5) when a ratio is
-near its goal.
+On this project's 2-core machine, four runs gave sketch / index_add_ ratios of 0.94–1.03 at
+1M, 1.04–1.09 at 10M and 1.07–1.16 at 50M, and (estimate + top-k) / sketch ratios of
+0.95–1.24, 1.09–1.23 and 1.51–1.76: every goal held on every run. (Before estimation reused
+one votes buffer per call and computed the median in it, estimation at 1M was bimodal,
+10 ms or 35 ms from one process to the next: its fresh temporaries cost about 13 000 page
+faults per call whenever the allocator had handed them back to the OS.) Raise
+``--repeats`` (default 5) when a ratio is near its goal.
 
     python benchmarks/bench_sketch.py [--dims 1000000 10000000 50000000] [--threads N]
 """

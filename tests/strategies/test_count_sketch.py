@@ -236,6 +236,18 @@ def test_median_matches_sort(rows: int) -> None:
     assert torch.equal(_median_over_rows(v), v.sort(dim=0).values[rows // 2])
 
 
+@pytest.mark.parametrize("rows", [1, 3, 5, 7, 9])
+def test_in_place_median_matches_sort(rows: int) -> None:
+    from strategies.count_sketch import _median_over_rows_into
+
+    gen = torch.Generator().manual_seed(rows)
+    v = torch.randint(-3, 4, (rows, 5000), generator=gen).float()  # many ties
+    scratch = torch.cat((v, torch.full((1, 5000), float("nan"))))  # row r: scratch only
+    out = torch.empty(5000)
+    _median_over_rows_into(scratch, out)
+    assert torch.equal(out, v.sort(dim=0).values[rows // 2])
+
+
 # ---------------------------------------------------------------- statistics
 def test_planted_heavy_hitters_recovered() -> None:
     """Heavy hitters (g_i² ≥ ‖g‖²/k) are in top_k for c = 5k, r = 5 in ≥ 99% of 200 trials.
