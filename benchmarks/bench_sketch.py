@@ -12,15 +12,24 @@ within 2× of sketching. Within a round the calls take turns, and each ratio is 
 over rounds of that round's ratio, so a slow spell of a shared machine hits a call and its
 reference alike (timed one after the other, whole runs at d = 50M ranged from 0.85× to
 1.46×); in its turn a call repeats for at least 0.2 s, so short calls are measured warm.
-On this project's 2-core machine, four runs gave sketch / index_add_ ratios of 0.94–1.03 at
-1M, 1.04–1.09 at 10M and 1.07–1.16 at 50M, and (estimate + top-k) / sketch ratios of
-0.95–1.24, 1.09–1.23 and 1.51–1.76: every goal held on every run. (Before estimation reused
-one votes buffer per call and computed the median in it, estimation at 1M was bimodal,
-10 ms or 35 ms from one process to the next: its fresh temporaries cost about 13 000 page
-faults per call whenever the allocator had handed them back to the OS.) Raise
-``--repeats`` (default 5) when a ratio is near its goal.
+On this project's 2-core machine, five runs gave sketch / index_add_ ratios of 0.94–1.04 at
+1M, 1.02–1.09 at 10M and 1.07–1.17 at 50M, and (estimate + top-k) / sketch ratios of
+0.95–1.24, 1.09–1.32 and 1.51–1.95: every goal held on every run. At 50M the estimate's
+gathers miss the 1 MB L2 (650 ms, where the same index_select calls take 240 ms from a
+cached window). Before estimation reused one votes buffer per call and computed the median
+in it, estimation at 1M was bimodal, 10 ms or 35 ms from one process to the next: its
+fresh temporaries cost about 13 000 page faults per call whenever the allocator had handed
+them back to the OS. Raise ``--repeats`` (default 5) when a ratio is near its goal.
+
+Server state against the number of sites (goal: independent of it): the real round engine
+drives FetchSGD at the first d over a replay grid whose sites answer with sketches, for 2,
+8, 32 and 128 sites; the bytes of every tensor, array and byte string the strategy holds
+are measured at the end of each round's aggregation and after the rounds. At d = 1M:
+12.2 MB during aggregation and 8.2 MB after, the same bytes for every number of sites
+(one running table, the momentum and error sketches, x, and a version number per site).
 
     python benchmarks/bench_sketch.py [--dims 1000000 10000000 50000000] [--threads N]
+        [--sites 2 8 32 128]
 """
 
 from __future__ import annotations
@@ -35,9 +44,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
+from bench_round import ReplayGrid
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
 
+from flplatform import keys
+from flplatform.engine import RoundEngine, RoundSummary, Synchrony
+from flplatform.engine.wire import arrays_to_record
 from strategies.count_sketch import CountSketch, top_k_indices
+from strategies.fetchsgd import FetchSGD
+from strategies.sketched_common import SKETCH
 
 ROWS = 5
 SKETCH_GOAL = 1.2
@@ -159,6 +177,135 @@ def bench_one(d: int, device: torch.device, repeats: int, seed: int) -> dict[str
     return result
 
 
+# ------------------------------------------------------------ server state against sites
+class SketchReplayGrid(ReplayGrid):
+    """Answers FetchSGD's training messages with the count sketch of a seeded random delta.
+
+    The sketch is built with the seed and shape the message's config names, as a site's
+    FetchSGD part builds it; no training and no network.
+    """
+
+    def __init__(self, num_nodes: int, d: int) -> None:
+        super().__init__(num_nodes, {"w": (1,)})
+        self.d = d
+        self.tables: dict[tuple[int, int, int], list[np.ndarray]] = {}
+
+    def _reply(self, msg: Message, message_id: str) -> Message:
+        if msg.metadata.message_type == "query":
+            return super()._reply(msg, message_id)
+        msg.metadata.__dict__["_message_id"] = message_id
+        config = msg.content.config_records[keys.CONFIG]
+        shape = (
+            int(config[keys.SKETCH_SEED]),
+            int(config[keys.SKETCH_ROWS]),
+            int(config[keys.SKETCH_COLS]),
+        )
+        if shape not in self.tables:
+            sketch = CountSketch.from_seed(self.d, rows=shape[1], cols=shape[2], seed=shape[0])
+            gen = torch.Generator().manual_seed(0)
+            self.tables[shape] = [
+                sketch.sketch(torch.randn(self.d, generator=gen)).numpy() for _ in range(8)
+            ]
+        node = msg.metadata.dst_node_id
+        table = self.tables[shape][node % 8].copy()  # each reply owns its table
+        metrics = MetricRecord({keys.NUM_EXAMPLES: 100 + node, keys.TRAIN_LOSS: 0.5})
+        content = RecordDict(
+            {keys.ARRAYS: arrays_to_record({SKETCH: table}), keys.METRICS: metrics}
+        )
+        return Message(content, reply_to=msg)
+
+
+def held_bytes(obj: object, seen: set[int] | None = None, storages: set[int] | None = None) -> int:
+    """Bytes of every tensor, array and byte string reachable from ``obj``'s attributes.
+
+    Storages shared by several tensors count once. Counts buffers only (not Python object
+    headers): what grows if a strategy keeps a table, a model or a reply per site.
+    """
+    seen = set() if seen is None else seen
+    storages = set() if storages is None else storages
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        if storage.data_ptr() in storages:
+            return 0
+        storages.add(storage.data_ptr())
+        return storage.nbytes()
+    if isinstance(obj, np.ndarray):
+        return obj.nbytes if obj.base is None else held_bytes(obj.base, seen, storages)
+    if isinstance(obj, bytes | bytearray | memoryview):
+        return len(obj)
+    if isinstance(obj, dict):
+        return sum(
+            held_bytes(k, seen, storages) + held_bytes(v, seen, storages) for k, v in obj.items()
+        )
+    if isinstance(obj, list | tuple | set | frozenset):
+        return sum(held_bytes(v, seen, storages) for v in obj)
+    if hasattr(obj, "__dict__"):
+        return held_bytes(vars(obj), seen, storages)
+    slots = getattr(type(obj), "__slots__", ())
+    return sum(held_bytes(getattr(obj, name, None), seen, storages) for name in slots)
+
+
+class MeasuredFetchSGD(FetchSGD):
+    """FetchSGD noting the most bytes it held at the end of a round's aggregation."""
+
+    peak_held_bytes = 0
+
+    def finish_aggregation(self) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        self.peak_held_bytes = max(self.peak_held_bytes, held_bytes(self))
+        return super().finish_aggregation()
+
+
+def server_state_by_sites(d: int, site_counts: list[int], rounds: int) -> dict[str, Any]:
+    """FetchSGD's server state, in bytes, after ``rounds`` rounds with each number of sites.
+
+    The real ``RoundEngine`` drives ``FetchSGD`` over a replay grid; the strategy's held
+    bytes are measured at the end of every round's aggregation (the running sum of the
+    tables included) and after the round. The server keeps one running table, momentum
+    and error sketches, x and its change log: nothing per site but a version number.
+    """
+    k = max(1, d // 1000)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
+    rows = []
+    for sites in site_counts:
+        strategy = MeasuredFetchSGD(k=k, sketch_rows=ROWS, sketch_cols=5 * k, seed=0)
+        summaries: list[RoundSummary] = []
+        engine = RoundEngine(
+            SketchReplayGrid(sites, d),
+            strategy,
+            policy=Synchrony("sync"),
+            required_sites=sites,
+            poll_interval=0.0,
+            on_round=summaries.append,
+        )
+        initial = ArrayRecord({"w": Array(np.zeros(d, dtype=np.float32))})
+        engine.run(initial, num_rounds=rounds)
+        applied = sum(u.status == "applied" for s in summaries for u in s.updates)
+        if applied != sites * rounds:
+            raise RuntimeError(f"{sites} sites: {applied} of {sites * rounds} updates applied")
+        rows.append(
+            {
+                "sites": sites,
+                "peak_during_aggregation_bytes": strategy.peak_held_bytes,
+                "after_rounds_bytes": held_bytes(strategy),
+                "bytes_up_per_site_per_round": summaries[-1].bytes_up // sites,
+            }
+        )
+    peaks = [r["peak_during_aggregation_bytes"] for r in rows]
+    return {
+        "d": d,
+        "k": k,
+        "rows": ROWS,
+        "cols": 5 * k,
+        "rounds": rounds,
+        "by_sites": rows,
+        "peak_ratio_max_over_min": round(max(peaks) / min(peaks), 4),
+        "goals_met": {"server_state_independent_of_sites": max(peaks) / min(peaks) < 1.01},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dims", type=int, nargs="+", default=[1_000_000, 10_000_000, 50_000_000])
@@ -166,6 +313,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-cuda", action="store_true", help="skip the CUDA section")
+    parser.add_argument(
+        "--sites",
+        type=int,
+        nargs="+",
+        default=[2, 8, 32, 128],
+        help="numbers of sites for the server-state section (FetchSGD at the first d)",
+    )
     args = parser.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -181,6 +335,7 @@ def main() -> None:
     }
     # ru_maxrss is KiB on Linux; covers the whole run, reference index tables included
     report["cpu_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report["server_state"] = server_state_by_sites(args.dims[0], args.sites, rounds=3)
     if torch.cuda.is_available() and not args.no_cuda:
         report["cuda_device"] = torch.cuda.get_device_name()
         report["cuda"] = [
