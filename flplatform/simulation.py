@@ -257,10 +257,11 @@ def check_ledger(config: RunConfig) -> str:
 
     Fails fast, before any start-up cost, with a ``StorageError`` saying what is wrong.
     """
-    db_url = ledger_url(config)
-    with LedgerRepository.open(db_url):
+    # No --db: the default ledger, whose directory (the home) is created; a user-given URL's
+    # directory is not (a typo should not start an empty ledger somewhere else).
+    with LedgerRepository.open(ledger_url(config) if config.db else None):
         pass
-    return db_url
+    return ledger_url(config)
 
 
 def run_simulation(
