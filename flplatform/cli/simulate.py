@@ -26,7 +26,7 @@ from flplatform.comparison import (
     read_results,
     run_comparison,
 )
-from flplatform.config import BUILTIN_DATASETS, DEFAULT_SITES, RunConfig
+from flplatform.config import BUILTIN_DATASETS, DEFAULT_SITES, SKETCHED, RunConfig
 from flplatform.errors import ConfigError
 from flplatform.simulation import check_ledger, ledger_url, run_simulation, work_home
 from storage import LedgerRepository, RoundRecord, RunRecord
@@ -306,12 +306,32 @@ def _check_dataset(config: RunConfig) -> None:
                 f"no file for site(s) {', '.join(missing)} in {config.dataset}; "
                 f"it holds: {', '.join(sorted(names))}"
             )
-        return
-    dataset = load_dataset(config.dataset, seed=config.seed)
-    if len(dataset.y_train) < config.num_sites:
+    else:
+        dataset = load_dataset(config.dataset, seed=config.seed)
+        if len(dataset.y_train) < config.num_sites:
+            raise ConfigError(
+                f"{config.dataset} has {len(dataset.y_train)} training examples, fewer than "
+                f"the {config.num_sites} sites"
+            )
+    if config.strategy in SKETCHED:
+        _check_top_k(config)
+
+
+def _check_top_k(config: RunConfig) -> None:
+    """A sketched strategy's k against the model's size, now rather than in the ServerApp."""
+    from clients.models import MODELS, build_model, count_parameters
+    from clients.site import load_test_set
+
+    test = load_test_set(dataset=config.dataset, partition=config.partition, seed=config.seed)
+    model = build_model(
+        config.model, input_shape=test.input_shape, num_classes=test.num_classes, seed=0
+    )
+    size = count_parameters(model)
+    if config.k > size:
+        others = ", ".join(m for m in MODELS if m != config.model)
         raise ConfigError(
-            f"{config.dataset} has {len(dataset.y_train)} training examples, fewer than "
-            f"the {config.num_sites} sites"
+            f"--k {config.k} exceeds the {size} parameters of model '{config.model}' on "
+            f"{config.dataset}; choose k <= {size} or a larger model ({others})"
         )
 
 

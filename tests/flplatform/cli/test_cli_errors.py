@@ -71,6 +71,12 @@ def one_error_line(output: str) -> str:
         (["--delay", "3"], "use them with strategy 'delayed'"),
         (["--strategy", "delayed", "--delay", "-1"], "delay must be an integer >= 0"),
         (["--strategy", "delayed", "--sync", "k-async"], "runs with sync mode 'sync' only"),
+        (
+            ["--strategy", "fetchsgd", "--k", "5000"],
+            "--k 5000 exceeds the 4810 parameters of model 'mlp' on digits; choose k <= 4810 "
+            "or a larger model (cnn, wide-mlp)",
+        ),
+        (["--strategy", "sketched-sgd", "--k", "4811"], "--k 4811 exceeds the 4810"),
     ],
 )
 def test_simulate_rejects_bad_input(args: list[str], expected: str) -> None:
