@@ -205,8 +205,9 @@ def _median_over_rows(v: torch.Tensor) -> torch.Tensor:
 def _median_over_rows_into(v: torch.Tensor, out: torch.Tensor) -> None:
     """Write the median of rows 0..r−1 of an (r + 1, n) scratch tensor into ``out`` (n,).
 
-    Same element as ``_median_over_rows(v[:-1])``, with no temporaries: the network's
-    intermediate results overwrite the votes, and row r is its one extra scratch row.
+    Same element as ``_median_over_rows(v[:-1])``. For r = 3 and 5 there are no
+    temporaries: the network's intermediate results overwrite the votes, and row r is its
+    one extra scratch row; other r fall back to ``_median_over_rows``.
     """
     r = v.shape[0] - 1
     if r == 3:
@@ -442,8 +443,9 @@ class CountSketch:
         table : torch.Tensor
             (r, c) float32 table.
         chunk : int, optional
-            Coordinates per pass (default: the sketch's ``chunk``); bounds the temporary
-            (r, chunk) tensors. Results do not depend on it.
+            Coordinates per pass (default: the sketch's ``chunk``); bounds the votes
+            buffer, (r + 1) × chunk floats on CPU, (r, chunk) tensors per pass elsewhere.
+            Results do not depend on it.
 
         Returns
         -------

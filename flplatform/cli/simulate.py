@@ -299,13 +299,15 @@ def _check_dataset(config: RunConfig) -> None:
     from clients.site_files import read_manifest
 
     if config.partition == "files":
-        names = {s.name for s in read_manifest(config.dataset).sites}
+        manifest = read_manifest(config.dataset)
+        names = {s.name for s in manifest.sites}
         missing = [s for s in config.sites if s not in names]
         if missing:
             raise ConfigError(
                 f"no file for site(s) {', '.join(missing)} in {config.dataset}; "
                 f"it holds: {', '.join(sorted(names))}"
             )
+        input_shape, num_classes = tuple(manifest.input_shape), manifest.num_classes
     else:
         dataset = load_dataset(config.dataset, seed=config.seed)
         if len(dataset.y_train) < config.num_sites:
@@ -313,26 +315,29 @@ def _check_dataset(config: RunConfig) -> None:
                 f"{config.dataset} has {len(dataset.y_train)} training examples, fewer than "
                 f"the {config.num_sites} sites"
             )
+        input_shape, num_classes = tuple(dataset.input_shape), dataset.num_classes
     if config.strategy in SKETCHED:
-        _check_top_k(config)
+        check_top_k(config, input_shape=input_shape, num_classes=num_classes)
 
 
-def _check_top_k(config: RunConfig) -> None:
+def check_top_k(config: RunConfig, *, input_shape: tuple[int, ...], num_classes: int) -> None:
     """A sketched strategy's k against the model's size, now rather than in the ServerApp."""
     from clients.models import MODELS, build_model, count_parameters
-    from clients.site import load_test_set
 
-    test = load_test_set(dataset=config.dataset, partition=config.partition, seed=config.seed)
-    model = build_model(
-        config.model, input_shape=test.input_shape, num_classes=test.num_classes, seed=0
-    )
-    size = count_parameters(model)
-    if config.k > size:
-        others = ", ".join(m for m in MODELS if m != config.model)
-        raise ConfigError(
-            f"--k {config.k} exceeds the {size} parameters of model '{config.model}' on "
-            f"{config.dataset}; choose k <= {size} or a larger model ({others})"
+    def size_of(name: str) -> int:
+        return count_parameters(
+            build_model(name, input_shape=input_shape, num_classes=num_classes, seed=0)
         )
+
+    size = size_of(config.model)
+    if config.k <= size:
+        return
+    larger = [name for name in MODELS if name != config.model and size_of(name) >= config.k]
+    hint = f" or a model with at least k parameters ({', '.join(larger)})" if larger else ""
+    raise ConfigError(
+        f"--k {config.k} exceeds the {size} parameters of model '{config.model}' on "
+        f"{config.dataset}; choose k <= {size}{hint}"
+    )
 
 
 demo_app = typer.Typer(help="Ready-made demonstrations.")

@@ -74,7 +74,7 @@ def one_error_line(output: str) -> str:
         (
             ["--strategy", "fetchsgd", "--k", "5000"],
             "--k 5000 exceeds the 4810 parameters of model 'mlp' on digits; choose k <= 4810 "
-            "or a larger model (cnn, wide-mlp)",
+            "or a model with at least k parameters (cnn, wide-mlp)",
         ),
         (["--strategy", "sketched-sgd", "--k", "4811"], "--k 4811 exceeds the 4810"),
     ],
@@ -83,6 +83,24 @@ def test_simulate_rejects_bad_input(args: list[str], expected: str) -> None:
     result = invoke(["simulate", *args])
     assert result.exit_code not in (0, 70), result.output  # 70 would be an unexpected bug
     assert expected in one_error_line(result.output)
+
+
+@pytest.mark.usefixtures("flplatform_home")
+def test_top_k_check_names_only_models_large_enough() -> None:
+    from flplatform.cli.simulate import check_top_k
+    from flplatform.config import RunConfig
+    from flplatform.errors import ConfigError
+
+    digits = {"input_shape": (1, 8, 8), "num_classes": 10}  # mlp 4810, cnn 13706, wide-mlp 48010
+
+    def config(model: str, k: int) -> RunConfig:
+        return RunConfig.from_mapping({"strategy": "fetchsgd", "model": model, "k": k})
+
+    check_top_k(config("mlp", 4810), **digits)  # k = d is allowed
+    with pytest.raises(ConfigError, match=r"13706 parameters .*\(wide-mlp\)$"):
+        check_top_k(config("cnn", 20000), **digits)
+    with pytest.raises(ConfigError, match=r"choose k <= 48010$"):
+        check_top_k(config("wide-mlp", 60000), **digits)
 
 
 @pytest.mark.usefixtures("flplatform_home")
