@@ -181,7 +181,7 @@ def _fold_quarters(scratch: torch.Tensor, cols: int) -> torch.Tensor:
 
 
 def _median_over_rows(v: torch.Tensor) -> torch.Tensor:
-    """Median along dim 0 of an (r, n) tensor with odd r; returns (n,).
+    """Median along dim 0 of an (r, n) tensor with odd r; returns (n,); ``v`` is kept.
 
     ``torch.median(dim=0)`` runs at about 1% of memory bandwidth on CPU and is not
     deterministic on CUDA; min/max networks for r <= 5 and a sort otherwise give the same
@@ -190,24 +190,21 @@ def _median_over_rows(v: torch.Tensor) -> torch.Tensor:
     r = v.shape[0]
     if r == 1:
         return v[0]
-    if r == 3:
-        return _median3(v[0], v[1], v[2])
-    if r == 5:
-        a, b, c, d, e = v.unbind(0)
-        lo_ab, hi_ab = torch.minimum(a, b), torch.maximum(a, b)
-        lo_cd, hi_cd = torch.minimum(c, d), torch.maximum(c, d)
-        # min(lo_ab, lo_cd) has three elements >= it, max(hi_ab, hi_cd) three <= it: one lies
-        # below the median and one above, so dropping both leaves the median of the other three
-        return _median3(torch.maximum(lo_ab, lo_cd), torch.minimum(hi_ab, hi_cd), e)
+    if r in (3, 5):
+        scratch = v.new_empty(r + 1, v.shape[1])  # the network overwrites its input
+        scratch[:r] = v
+        out = v.new_empty(v.shape[1])
+        _median_over_rows_into(scratch, out)
+        return out
     return torch.sort(v, dim=0).values[r // 2]
 
 
 def _median_over_rows_into(v: torch.Tensor, out: torch.Tensor) -> None:
     """Write the median of rows 0..r−1 of an (r + 1, n) scratch tensor into ``out`` (n,).
 
-    Same element as ``_median_over_rows(v[:-1])``. For r = 3 and 5 there are no
-    temporaries: the network's intermediate results overwrite the votes, and row r is its
-    one extra scratch row; other r fall back to ``_median_over_rows``.
+    Same element as ``_median_over_rows(v[:-1])``. For r = 3 and 5 the min/max network
+    allocates nothing: its intermediate results overwrite the votes, and row r is its one
+    extra scratch row; other r fall back to ``_median_over_rows``.
     """
     r = v.shape[0] - 1
     if r == 3:
@@ -215,9 +212,11 @@ def _median_over_rows_into(v: torch.Tensor, out: torch.Tensor) -> None:
         torch.minimum(a, b, out=t)
         torch.maximum(a, b, out=a)  # t = lo_ab, a = hi_ab
         torch.minimum(a, c, out=a)
-        torch.maximum(t, a, out=out)
+        torch.maximum(t, a, out=out)  # median3 = max(lo_ab, min(hi_ab, c))
         return
     if r == 5:
+        # min(lo_ab, lo_cd) has three elements >= it, max(hi_ab, hi_cd) three <= it: one lies
+        # below the median and one above, so dropping both leaves the median of the other three
         a, b, c, d, e, t = v.unbind(0)
         torch.minimum(a, b, out=t)
         torch.maximum(a, b, out=a)  # t = lo_ab, a = hi_ab
@@ -225,16 +224,12 @@ def _median_over_rows_into(v: torch.Tensor, out: torch.Tensor) -> None:
         torch.maximum(c, d, out=c)  # b = lo_cd, c = hi_cd
         torch.maximum(t, b, out=t)  # max(lo_ab, lo_cd)
         torch.minimum(a, c, out=a)  # min(hi_ab, hi_cd)
-        torch.minimum(t, a, out=b)
+        torch.minimum(t, a, out=b)  # then the median of t, a and e, as for r = 3
         torch.maximum(t, a, out=c)
         torch.minimum(c, e, out=c)
         torch.maximum(b, c, out=out)
         return
     out.copy_(_median_over_rows(v[:-1]))
-
-
-def _median3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
 
 
 SAMPLE_SIZE = 1 << 16  # elements of the strided sample that sets top_k_indices' threshold
