@@ -18,7 +18,7 @@ Goals (issue: delayed compensated updates): delayed updates reach that accuracy 
 2.5× sooner than local-SGD averaging, and compensation on is never worse than off.
 
 Measured (speedup at D = 1 / 2 / 4; local-SGD 1.203 s per round, delayed 0.608 / 0.414 /
-0.412 s, so 2.91× is the most D ≥ 2 can give):
+0.412 s: a delayed run at D ≥ 2 that needs as many rounds as local-SGD gets 2.9×):
 
     seed 0 (target 0.944): 1.92× / 2.78× / 2.35×   (rounds to target 25 / 25 / 30; local 25)
     seed 1 (target 0.945): 1.80× / 2.25× / 1.72×   (26 / 30 / 40; local 24)
@@ -38,8 +38,9 @@ computer, at 0.53, is the slowest; Tokyo's are fast) leave no site whose transfe
 its own period, and cap the steady-state gain at 2.5-2.6×; with them, lr 0.05 and 30
 rounds for every run, seed 0 gave 1.41× / 1.40× / 1.00× (local-SGD reaches its plateau in
 9 rounds, so the target sat in the plateau's noise). Lowering lr to 0.005 (seed 1, equal
-speeds) made the lag worse: D = 2 1.79×, D = 4 1.59×. Other variants tried at lr 0.05:
-momentum 0.5, server-lr 0.5, IID data, batch 128, p = 5; none came near.
+speeds) made the lag worse: D = 2 1.79×, D = 4 1.59×. Other variants, tried in the old
+setting (random speeds, exponential compute, lr 0.05): momentum 0.5, server-lr 0.5, IID
+data, batch 128, p = 5; none came near.
 
     python benchmarks/bench_delayed.py [--rounds 30] [--delayed-rounds 60] [--delays 1,2,4]
         [--seed 0] [--period 20] [--compute-model fixed] [--partition dirichlet]
@@ -116,8 +117,8 @@ def main() -> None:
         "--delayed-rounds",
         type=int,
         default=0,
-        help="rounds of each delayed run (0: twice --rounds; a delayed round costs less "
-        "than half a local-SGD round, so they fit in about the same simulated time)",
+        help="rounds of each delayed run (0: twice --rounds; at D >= 2 a delayed round "
+        "costs about a third of a local-SGD round, at D = 1 about half)",
     )
     parser.add_argument(
         "--period",
@@ -127,7 +128,13 @@ def main() -> None:
         "transfer over the slowest link (step seconds = that transfer / p)",
     )
     parser.add_argument("--delays", default="1,2,4")
-    parser.add_argument("--compute-model", choices=COMPUTE_MODELS, default="fixed")
+    parser.add_argument(
+        "--compute-model",
+        # "measured" ignores the step time, so the premise (period = transfer) would not hold
+        choices=[m for m in COMPUTE_MODELS if m != "measured"],
+        default="fixed",
+        help="every site's compute model (one draw per period)",
+    )
     parser.add_argument("--partition", choices=("dirichlet", "iid"), default="dirichlet")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.01, help="site learning rate")
@@ -205,8 +212,13 @@ def main() -> None:
         off = by_label[f"delayed D={delay} no-comp"]["final_accuracy"] or 0.0
         compensation[str(delay)] = {"on": on, "off": off, "on_not_worse": on >= off}
     speedups = {str(d): by_label[f"delayed D={d}"]["speedup_over_local_sgd"] for d in delays}
-    reached = [d for d, s in speedups.items() if s is not None]
-    best = max(reached, key=lambda d: speedups[d] or 0.0) if reached else None
+    # the goal is judged on the unrounded ratio (a printed 2.50 may be 2.496)
+    exact = {
+        str(r.label.removeprefix("delayed D=")): local_time / r.time_to_target
+        for r in results[1:]
+        if "no-comp" not in r.label and r.time_to_target and local_time
+    }
+    best = max(exact, key=lambda d: exact[d]) if exact else None
     report = {
         "benchmark": "delayed compensated updates on the world network",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
@@ -235,11 +247,9 @@ def main() -> None:
         "compensation_by_delay": compensation,
         "goal": f"delayed reaches the target >= {GOAL_SPEEDUP}x sooner than local-SGD; "
         "compensation on never worse than off",
-        "meets_speedup_goal_by_delay": {
-            d: bool(s is not None and s >= GOAL_SPEEDUP) for d, s in speedups.items()
-        },
+        "meets_speedup_goal_by_delay": {d: exact.get(d, 0.0) >= GOAL_SPEEDUP for d in speedups},
         "best_delay": best,
-        "meets_speedup_goal": bool(best is not None and (speedups[best] or 0) >= GOAL_SPEEDUP),
+        "meets_speedup_goal": any(s >= GOAL_SPEEDUP for s in exact.values()),
         "compensation_never_worse": all(c["on_not_worse"] for c in compensation.values()),
         "wall_seconds": round(wall, 1),
         "ledger": base.db,
