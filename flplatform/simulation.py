@@ -259,9 +259,10 @@ def check_ledger(config: RunConfig) -> str:
     """
     # No --db: the default ledger, whose directory (the home) is created; a user-given URL's
     # directory is not (a typo should not start an empty ledger somewhere else).
-    with LedgerRepository.open(ledger_url(config) if config.db else None):
+    db_url = ledger_url(config)
+    with LedgerRepository.open(db_url if config.db else None):
         pass
-    return ledger_url(config)
+    return db_url
 
 
 def run_simulation(
