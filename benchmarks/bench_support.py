@@ -11,6 +11,7 @@ from typing import Any
 from flplatform.config import RunConfig
 
 DATASET = "mnist5k"
+ALPHA = 1.0  # Dirichlet concentration of the sites' label mix
 # The world network's four cities, twice: 8 sites.
 SITES = ("london", "ohio", "california", "tokyo", "london-2", "ohio-2", "california-2", "tokyo-2")
 
@@ -35,7 +36,7 @@ def federation(settings: dict[str, Any], home: Path | None = None) -> RunConfig:
             "sites": SITES,
             "dataset": DATASET,
             "partition": "dirichlet",
-            "alpha": 1.0,
+            "alpha": ALPHA,
             "batch-size": 32,
             "lr": 0.05,
             "momentum": 0.9,
