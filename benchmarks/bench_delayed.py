@@ -114,12 +114,17 @@ def equal_speed_world(home: Path) -> Path:
     return path
 
 
-def slowest_transfer_seconds(dataset: str, seed: int) -> float:
+def slowest_transfer_seconds(dataset: str) -> float:
     """Seconds one float32 model takes over the world network's slowest link (Tokyo)."""
-    data = load_dataset(dataset, seed=seed)
+    data = load_dataset(dataset)  # for its shapes: the model's size does not depend on a seed
     model = build_model(MODEL, input_shape=data.input_shape, num_classes=data.num_classes)
     nbytes = 4 * count_parameters(model)
     return max(profile.upload_seconds(nbytes) for profile in PRESETS["world"].profiles)
+
+
+def run_label(delay: int, *, compensation: bool = True) -> str:
+    """The name of a delayed run in the report, e.g. ``delayed D=2`` or ``delayed D=2 no-comp``."""
+    return f"delayed D={delay}" + ("" if compensation else " no-comp")
 
 
 def plans(rounds: int, delayed_rounds: int, delays: list[int]) -> list[ModePlan]:
@@ -127,9 +132,10 @@ def plans(rounds: int, delayed_rounds: int, delays: list[int]) -> list[ModePlan]
     out = [ModePlan("local-sgd", {"strategy": "local-sgd"}, rounds)]
     for delay in delays:
         for compensation in (True, False):
-            label = f"delayed D={delay}" + ("" if compensation else " no-comp")
             settings = {"strategy": "delayed", "delay": delay, "compensation": compensation}
-            out.append(ModePlan(label, settings, delayed_rounds))
+            out.append(
+                ModePlan(run_label(delay, compensation=compensation), settings, delayed_rounds)
+            )
     return out
 
 
@@ -181,8 +187,8 @@ def measure_seed(base: RunConfig, planned: list[ModePlan], delays: list[int]) ->
     by_label = {row["run"]: row for row in rows}
     compensation = {}
     for delay in delays:
-        on = by_label[f"delayed D={delay}"]["final_accuracy"] or 0.0
-        off = by_label[f"delayed D={delay} no-comp"]["final_accuracy"] or 0.0
+        on = by_label[run_label(delay)]["final_accuracy"] or 0.0
+        off = by_label[run_label(delay, compensation=False)]["final_accuracy"] or 0.0
         compensation[str(delay)] = {"on": on, "off": off, "on_not_worse": on >= off}
     return {
         "seed": base.seed,
@@ -190,7 +196,7 @@ def measure_seed(base: RunConfig, planned: list[ModePlan], delays: list[int]) ->
         "local_sgd_time_to_target_s": local_time,
         "runs": rows,
         # a delay that never reaches the target counts as no speedup
-        "speedup_by_delay": {str(d): speedup.get(f"delayed D={d}", 0.0) for d in delays},
+        "speedup_by_delay": {str(d): speedup.get(run_label(d), 0.0) for d in delays},
         "compensation_by_delay": compensation,
         "wall_seconds": round(wall, 1),
         "ledger": base.db,
@@ -282,7 +288,7 @@ def main() -> None:
     if not delays:
         parser.error("--delays needs at least one delay, e.g. 1,2,4")
 
-    transfer = slowest_transfer_seconds(DATASET, args.seeds[0])
+    transfer = slowest_transfer_seconds(DATASET)
     settings: dict[str, Any] = {
         "partition": args.partition,
         "model": MODEL,
