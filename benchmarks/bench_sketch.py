@@ -56,8 +56,8 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from flplatform import keys
+from flplatform.arrays import arrays_to_record
 from flplatform.engine import RoundEngine, RoundSummary, Synchrony
-from flplatform.engine.wire import arrays_to_record
 from strategies.count_sketch import CountSketch, top_k_indices
 from strategies.fetchsgd import FetchSGD
 from strategies.sketched_common import SKETCH

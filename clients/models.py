@@ -9,13 +9,22 @@ Without it, a model's whole state is its parameters and FedAvg is exactly a weig
 Initialisation is drawn under ``torch.random.fork_rng`` from the given seed, so the same seed
 gives the same weights on every site and building a model never disturbs the caller's global
 torch RNG stream.
+
+A user's own model joins through a ``MODULE:FACTORY`` spec (``own_app.task:Net``): a
+zero-argument callable returning an ``nn.Module``, imported from the Python path or, failing
+that, the current directory. It is called under the same seeded ``fork_rng``.
 """
 
 from __future__ import annotations
 
+import importlib
 import numbers
+import os
+import re
+import sys
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -23,10 +32,24 @@ from torch import nn
 from clients._checks import check_int, check_seed
 from flplatform.errors import ConfigError
 
-__all__ = ["MODELS", "build_model", "count_parameters"]
+__all__ = [
+    "MODELS",
+    "build_model",
+    "count_parameters",
+    "instantiate_model_spec",
+    "is_model_spec",
+    "load_model_factory",
+    "model_import_dir",
+]
 
 MODELS: tuple[str, ...] = ("mlp", "cnn", "wide-mlp")
 WIDE_HIDDEN = 640  # wide-mlp's hidden width: 509k parameters on 28×28 inputs
+_DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
+_SPEC = re.compile(rf"^({_DOTTED}):({_DOTTED})$")
+SPEC_HELP = "MODULE:FACTORY (a zero-argument callable returning a torch.nn.Module)"
+# Directories this process appended to sys.path to import a spec's module, by top-level name:
+# a fresh process (a Flower app) needs them on its Python path too.
+_ADDED_DIRS: dict[str, Path] = {}
 
 
 def build_model(
@@ -37,12 +60,17 @@ def build_model(
     seed: int = 0,
     hidden: int = 64,
 ) -> nn.Module:
-    """Build model ``name`` with initial weights drawn from ``seed``.
+    """Build model ``name`` (or a ``MODULE:FACTORY`` spec) with weights drawn from ``seed``.
 
     ``"mlp"``: flatten → Linear(F, hidden) → ReLU → Linear(hidden, num_classes).
 
     ``"wide-mlp"``: the MLP with ``max(hidden, 640)`` hidden units, 508 810 parameters on
     28×28 inputs and 10 classes: big enough that compressing its updates matters.
+
+    ``"module:factory"``: ``factory()`` from an importable module (see
+    :func:`load_model_factory`), called under the seeded RNG; it must return an
+    ``nn.Module`` that maps ``(B, *input_shape)`` to ``(B, num_classes)``, which is checked
+    with one forward pass in evaluation mode (BatchNorm statistics are not touched).
 
     ``"cnn"``: two blocks of 3×3 convolution (padding 1; 16 then 32 channels), ReLU and 2×2
     max-pooling, then Linear(·, hidden) → ReLU → Linear(hidden, num_classes). A spatial axis
@@ -52,7 +80,7 @@ def build_model(
     Parameters
     ----------
     name : str
-        One of :data:`MODELS`.
+        One of :data:`MODELS`, or a ``MODULE:FACTORY`` spec.
     input_shape : sequence of int
         Shape of one example without the batch axis: ``(C, H, W)`` for the CNN; the MLP
         accepts any shape and flattens it.
@@ -72,10 +100,13 @@ def build_model(
     Raises
     ------
     ConfigError
-        If the name is unknown or a parameter is out of range.
+        If the name is unknown, a parameter is out of range, or a spec's factory cannot be
+        imported, fails, or builds a model that does not fit the data.
     """
+    if is_model_spec(name):
+        return _build_from_spec(name, input_shape=input_shape, num_classes=num_classes, seed=seed)
     if name not in MODELS:
-        raise ConfigError(f"unknown model {name!r}; allowed: {', '.join(MODELS)}")
+        raise ConfigError(f"unknown model {name!r}; allowed: {', '.join(MODELS)} or {SPEC_HELP}")
     shape = _check_shape(input_shape, needs_image=name == "cnn")
     num_classes = check_int(num_classes, name="num_classes", minimum=1)
     hidden = check_int(hidden, name="hidden", minimum=1)
@@ -104,6 +135,162 @@ def count_parameters(model: nn.Module) -> int:
         Sum of ``numel()`` over ``model.parameters()``.
     """
     return sum(parameter.numel() for parameter in model.parameters())
+
+
+def is_model_spec(name: str) -> bool:
+    """Whether ``name`` is a ``MODULE:FACTORY`` spec rather than a built-in model's name."""
+    return ":" in name
+
+
+def load_model_factory(spec: str) -> Callable[[], object]:
+    """Import the factory a ``MODULE:FACTORY`` spec names; raise ``ConfigError`` if it can't.
+
+    The module is imported from the Python path; when it is not there, the current
+    directory is tried (``flplatform simulate --model mymodel:Net`` next to ``mymodel.py``)
+    and, if that finds it, stays on ``sys.path`` (see :func:`model_import_dir`).
+
+    Parameters
+    ----------
+    spec : str
+        ``module.path:attribute`` (the attribute may be dotted: ``mod:Class.factory``).
+
+    Returns
+    -------
+    callable
+        The attribute; it is checked to be callable, not called.
+    """
+    match = _SPEC.match(spec.strip())
+    if match is None:
+        raise ConfigError(
+            f"model spec {spec!r} is not {SPEC_HELP}, e.g. own_app.task:Net; "
+            f"built-in models: {', '.join(MODELS)}"
+        )
+    module_name, attribute = match.groups()
+    obj: object = _import_module(module_name, spec)
+    for part in attribute.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"model spec {spec!r}: module {module_name!r} has no {attribute!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(
+            f"model spec {spec!r}: {attribute!r} is a {type(obj).__name__}, not a callable "
+            "returning a torch.nn.Module"
+        )
+    return obj
+
+
+def model_import_dir(spec: str) -> Path | None:
+    """The directory this process had to add to ``sys.path`` to import ``spec``'s module.
+
+    None when the module came from the Python path as is (or was not imported yet): other
+    processes find it the same way. Flower's processes need the directory otherwise.
+    """
+    top = spec.split(":", 1)[0].split(".", 1)[0]
+    return _ADDED_DIRS.get(top)
+
+
+def _import_module(module_name: str, spec: str) -> object:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if not _is_the_module(exc, module_name):
+            raise ConfigError(
+                f"model spec {spec!r}: importing {module_name!r} failed: {exc}"
+            ) from None
+    except Exception as exc:
+        raise ConfigError(
+            f"model spec {spec!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}"
+        ) from None
+    # Not on the Python path: try the current directory (appended, so that it shadows
+    # nothing that is installed).
+    cwd = Path(os.getcwd()).resolve()
+    added = str(cwd) not in sys.path
+    if added:
+        sys.path.append(str(cwd))
+    importlib.invalidate_caches()
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if added:
+            sys.path.remove(str(cwd))
+        if _is_the_module(exc, module_name):
+            raise ConfigError(
+                f"model spec {spec!r}: no module named {module_name!r} on the Python path or "
+                f"in the current directory ({cwd})"
+            ) from None
+        raise ConfigError(f"model spec {spec!r}: importing {module_name!r} failed: {exc}") from None
+    except Exception as exc:
+        raise ConfigError(
+            f"model spec {spec!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}"
+        ) from None
+    if added:
+        _ADDED_DIRS[module_name.split(".", 1)[0]] = cwd
+    return module
+
+
+def _is_the_module(exc: ModuleNotFoundError, module_name: str) -> bool:
+    """Whether the missing module is ``module_name`` (or a parent), not one it imports."""
+    missing = exc.name or ""
+    return module_name == missing or module_name.startswith(missing + ".")
+
+
+def instantiate_model_spec(spec: str, *, seed: int = 0) -> nn.Module:
+    """Import and call a ``MODULE:FACTORY`` spec under a seeded, forked RNG.
+
+    Raises
+    ------
+    ConfigError
+        If the factory cannot be imported, fails when called with no arguments, or returns
+        something that is not an ``nn.Module``.
+    """
+    factory = load_model_factory(spec)
+    seed = check_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            model = factory()
+        except Exception as exc:
+            raise ConfigError(
+                f"model spec {spec!r}: calling it with no arguments failed: "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"model spec {spec!r} returned a {type(model).__name__}, not a torch.nn.Module"
+        )
+    return model
+
+
+def _build_from_spec(
+    spec: str, *, input_shape: Sequence[int], num_classes: int, seed: int
+) -> nn.Module:
+    shape = _check_shape(input_shape, needs_image=False)
+    num_classes = check_int(num_classes, name="num_classes", minimum=1)
+    model = instantiate_model_spec(spec, seed=seed)
+    _check_fits(model, spec, shape, num_classes)
+    return model
+
+
+def _check_fits(model: nn.Module, spec: str, shape: tuple[int, ...], num_classes: int) -> None:
+    """One forward pass on zeros: the model takes the data's examples and gives its logits."""
+    was_training = model.training
+    model.eval()  # BatchNorm uses (and keeps) its running statistics; dropout is off
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            out = model(torch.zeros(2, *shape))
+    except Exception as exc:
+        raise ConfigError(
+            f"model spec {spec!r} cannot take this dataset's examples of shape {shape}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
+    finally:
+        model.train(was_training)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, num_classes):
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ConfigError(
+            f"model spec {spec!r} maps a batch of 2 examples to {got}; this dataset needs "
+            f"logits of shape (2, {num_classes})"
+        )
 
 
 def _mlp(shape: tuple[int, ...], num_classes: int, hidden: int) -> nn.Module:

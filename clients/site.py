@@ -22,7 +22,6 @@ from clients.partitioning import partition_indices
 from clients.site_files import read_manifest
 from clients.training import pick_device
 from flplatform import keys
-from flplatform.config import RunConfig
 from flplatform.errors import ConfigError
 from flplatform.seeding import rng_for
 
@@ -55,11 +54,42 @@ class Site:
         )
 
 
+@dataclass(frozen=True)
+class SiteDataConfig:
+    """The run-config keys a site reads: which data, split how, and which model.
+
+    Parsed here rather than by the server's ``RunConfig``, so loading a site imports no
+    server code; the server validated the same keys before the run started.
+    """
+
+    dataset: str = "digits"
+    partition: str = "dirichlet"
+    alpha: float = 0.5
+    model: str = "mlp"
+    seed: int = 0
+    sites: tuple[str, ...] = ("london", "ohio", "california", "tokyo")
+
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, Any]) -> SiteDataConfig:
+        """Read the keys from a Flower run config (other keys, the app's own, are ignored)."""
+        defaults = cls()
+        values: dict[str, Any] = {}
+        for name in ("dataset", "partition", "model"):
+            values[name] = str(run_config.get(name, getattr(defaults, name))).strip()
+        try:
+            values["alpha"] = float(run_config.get("alpha", defaults.alpha))
+            values["seed"] = int(run_config.get("seed", defaults.seed))
+        except (TypeError, ValueError):
+            raise ConfigError("run config 'alpha' and 'seed' must be numbers") from None
+        sites = run_config.get("sites", defaults.sites)
+        items = sites if isinstance(sites, list | tuple) else str(sites).split(",")
+        values["sites"] = tuple(str(n).strip() for n in items if str(n).strip())
+        return cls(**values)
+
+
 def load_site(node_config: Mapping[str, Any], run_config: Mapping[str, Any]) -> Site:
     """Load (once per process) the site described by a node config and run config."""
-    config = RunConfig.from_mapping(
-        {k: v for k, v in run_config.items() if k.replace("_", "-") in _RUN_KEYS}
-    )
+    config = SiteDataConfig.from_run_config(run_config)
     data_path = node_config.get(keys.DATA_PATH)
     partition = node_config.get(keys.PARTITION_ID)
     num_partitions = node_config.get(keys.NUM_PARTITIONS)
@@ -73,16 +103,6 @@ def load_site(node_config: Mapping[str, Any], run_config: Mapping[str, Any]) -> 
     )
 
 
-_RUN_KEYS = {
-    "dataset",
-    "partition",
-    "alpha",
-    "model",
-    "seed",
-    "sites",
-}
-
-
 @lru_cache(maxsize=8)
 def _load_site(
     *,
@@ -90,7 +110,7 @@ def _load_site(
     partition_id: int | None,
     num_partitions: int | None,
     name: str | None,
-    config: RunConfig,
+    config: SiteDataConfig,
 ) -> Site:
     if data_path:
         x, y = load_site_file(data_path)
@@ -141,7 +161,7 @@ def _load_site(
     )
 
 
-def _name_for(partition_id: int | None, config: RunConfig) -> str:
+def _name_for(partition_id: int | None, config: SiteDataConfig) -> str:
     if partition_id is not None and partition_id < len(config.sites):
         return config.sites[partition_id]
     return f"site-{partition_id}"

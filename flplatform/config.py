@@ -68,6 +68,9 @@ class RunConfig:
     db: str = ""  # "" means the default SQLite file
     run_tag: str = ""
     round_timeout: float = 600.0
+    # stop the run after this many rounds in a row applied nothing, every reply failing
+    # for the same reason (RoundEngine's stop rule); 0: never stop
+    max_failed_rounds: int = 3
     # ---- synchrony (flplatform.engine.synchrony)
     k: int = 2  # K of the K modes
     staleness_bound: int = -1  # s of stale-synchronous parallel; -1: no bound
@@ -94,17 +97,29 @@ class RunConfig:
 
     # ------------------------------------------------------------------ parsing
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
-        """Parse a Flower run config (kebab-case keys) or CLI values; raise ``ConfigError``."""
+    def from_mapping(cls, values: Mapping[str, Any], *, allow_unknown: bool = False) -> RunConfig:
+        """Parse a Flower run config (kebab-case keys) or CLI values; raise ``ConfigError``.
+
+        ``allow_unknown``: skip keys that are not ours (a Flower app's own keys, read by
+        its own ClientApp) instead of refusing them; :meth:`unknown_keys` names them.
+        """
         known = {f.name for f in fields(cls)}
         kwargs: dict[str, Any] = {}
         for raw_key, value in values.items():
             key = raw_key.replace("-", "_")
             if key not in known:
+                if allow_unknown:
+                    continue
                 allowed = ", ".join(sorted(k.replace("_", "-") for k in known))
                 raise ConfigError(f"unknown config key '{raw_key}'; allowed keys: {allowed}")
             kwargs[key] = value
         return cls._coerce(kwargs)
+
+    @classmethod
+    def unknown_keys(cls, values: Mapping[str, Any]) -> list[str]:
+        """The keys of ``values`` that are not RunConfig keys, sorted."""
+        known = {f.name for f in fields(cls)}
+        return sorted(key for key in values if key.replace("-", "_") not in known)
 
     @classmethod
     def _coerce(cls, kwargs: dict[str, Any]) -> RunConfig:
@@ -181,7 +196,7 @@ class RunConfig:
                 "compute-model and step-seconds shape a simulated network's compute times: "
                 "also set network (a preset such as world, or a profile .toml)"
             )
-        _one_of("model", self.model, MODELS)
+        _check_model(self.model)
         _one_of("partition", self.partition, PARTITIONS)
         if self.partition == "files":
             if self.dataset in BUILTIN_DATASETS or self.dataset.endswith(".npz"):
@@ -219,6 +234,11 @@ class RunConfig:
             raise ConfigError(
                 f"round-timeout must be at most {MAX_ROUND_TIMEOUT:.0f} s (7 days), "
                 f"got {self.round_timeout}"
+            )
+        if self.max_failed_rounds < 0:
+            raise ConfigError(
+                "max-failed-rounds must be >= 0 (rounds in a row that fail alike before the "
+                f"run stops; 0 never stops), got {self.max_failed_rounds}"
             )
 
     def _validate_sketch(self) -> None:
@@ -312,6 +332,24 @@ class RunConfig:
     def required_sites(self) -> int:
         """Nodes that must be connected before the first round starts."""
         return self.min_sites or self.num_sites
+
+
+def _check_model(model: str) -> None:
+    """A built-in model's name, or a ``MODULE:FACTORY`` spec that imports and builds one.
+
+    The spec is imported and called here, at the edge: an unimportable module or a factory
+    that returns no ``nn.Module`` is one clear line before any process starts.
+    """
+    if model in MODELS:
+        return
+    if ":" not in model:
+        raise ConfigError(
+            f"unknown model '{model}'; allowed: {', '.join(MODELS)}, or MODULE:FACTORY "
+            "(a zero-argument callable returning a torch.nn.Module, e.g. own_app.task:Net)"
+        )
+    from clients.models import instantiate_model_spec  # imports torch: only for a spec
+
+    instantiate_model_spec(model)
 
 
 def _one_of(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -60,3 +60,11 @@ class RunFailed(FLPlatformError):
     """A federated run could not start or stopped before its last round."""
 
     exit_code = 7
+
+
+class NoProgress(RunFailed):
+    """Several rounds in a row applied no update, every reply failing for the same reason.
+
+    The engine stops the run rather than spend its remaining rounds the same way (for
+    example, every site sending a model whose keys do not match the server's).
+    """

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable
+from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
@@ -15,24 +14,12 @@ from clients.site import TestSet, load_test_set
 from clients.training import evaluate, pick_device
 from flplatform import keys
 from flplatform.config import DELAYED, FETCHSGD, SKETCHED_SGD, RunConfig
-from flplatform.engine import (
-    Clock,
-    PeriodSync,
-    RoundEngine,
-    RoundSummary,
-    Synchrony,
-    VirtualClock,
-    WallClock,
-)
-from flplatform.errors import FLPlatformError
-from flplatform.ledger import SqlLedger
-from storage import LedgerRepository
+from flplatform.engine import AggregationPolicy
+from flplatform.start import PlatformOptions, choose_policy, record_failed_start, start
 from strategies.delayed import DelayedCompensated
 from strategies.fetchsgd import FetchSGD
 from strategies.local_sgd import LocalSGDAveraging
 from strategies.sketched_sgd import SketchedSGD
-
-log = logging.getLogger("flplatform")
 
 
 def build_strategy(
@@ -82,29 +69,38 @@ def build_strategy(
     )
 
 
-def build_policy(config: RunConfig) -> Synchrony | PeriodSync:
-    """The synchrony mode named in ``config``, with its options.
-
-    Delayed updates run ``sync`` pipelined: sites work ahead of the last average.
-    """
-    if config.strategy == DELAYED:
-        return PeriodSync()
-    return Synchrony(
-        config.sync,
+def platform_options(config: RunConfig) -> dict[str, Any]:
+    """``flplatform.start``'s keyword arguments for ``config``: mode, network, ledger, ..."""
+    return dict(
+        num_rounds=config.num_server_rounds,
+        timeout=config.round_timeout,
+        sync=config.sync,
         k=config.k,
         staleness_bound=None if config.staleness_bound < 0 else config.staleness_bound,
-        weighting=config.staleness_weighting or None,
-        step_c=config.staleness_step_c,
+        staleness_weighting=config.staleness_weighting or None,
+        staleness_step_c=config.staleness_step_c,
         adasync=config.adasync,
         concurrency=config.concurrency,
+        network=config.network or None,
+        compute_model=config.compute_model,
+        step_seconds=config.step_seconds,
         seed=config.seed,
+        ledger=config.db or "default",
+        name=f"{config.strategy}-{config.dataset}",
+        run_config=config.to_run_config(),
+        tag=config.run_tag or None,
+        required_sites=config.required_sites,
+        max_failed_rounds=config.max_failed_rounds,
     )
 
 
-def build_clock(config: RunConfig) -> Clock:
-    """A virtual clock over the configured network, or the wall clock without one."""
-    network = config.load_network()
-    return WallClock() if network is None else VirtualClock(network, seed=config.seed)
+def build_policy(config: RunConfig) -> AggregationPolicy:
+    """The policy ``flplatform.start`` runs ``config``'s strategy under.
+
+    Delayed updates run ``sync`` pipelined (``PeriodSync``): sites work ahead of the last
+    average.
+    """
+    return choose_policy(build_strategy(config), PlatformOptions(**platform_options(config)))
 
 
 def train_config_for(config: RunConfig) -> ConfigRecord:
@@ -142,22 +138,14 @@ def central_evaluator(
 def run_federation(grid: Grid, config: RunConfig) -> Result:
     """Train ``config.num_server_rounds`` rounds over ``grid``, recording every round.
 
-    The run row is written first and each round is committed as it finishes; if this
-    process dies the run stays "running" with every finished round readable.
+    ``flplatform.start`` writes the run row first and commits each round as it finishes;
+    if this process dies the run stays "running" with every finished round readable. A
+    failure before the run starts (the test set, the model) is recorded as a failed run
+    too.
     """
-    repository = LedgerRepository.open(config.db or None)
-    run_id = repository.create_run(
-        name=f"{config.strategy}-{config.dataset}",
-        strategy=config.strategy,
-        seed=config.seed,
-        config=dict(config.to_run_config()),
-        num_rounds_planned=config.num_server_rounds,
-        tag=config.run_tag or None,
-        network=config.network or None,
-    )
-    log.info("ledger: run %s in %s", run_id, repository.url)
-    engine: RoundEngine | None = None
+    options = platform_options(config)
     try:
+        strategy = build_strategy(config)
         test = load_test_set(dataset=config.dataset, partition=config.partition, seed=config.seed)
         model = build_model(
             config.model,
@@ -165,62 +153,15 @@ def run_federation(grid: Grid, config: RunConfig) -> Result:
             num_classes=test.num_classes,
             seed=config.seed,
         )
-        engine = RoundEngine(
-            grid,
-            build_strategy(config),
-            policy=build_policy(config),
-            clock=build_clock(config),
-            ledger=SqlLedger(repository, run_id),
-            round_timeout=config.round_timeout,
-            required_sites=config.required_sites,
-            on_round=_log_round,
-        )
-        result = engine.run(
-            ArrayRecord(model.state_dict()),
-            num_rounds=config.num_server_rounds,
-            train_config=train_config_for(config),
-            evaluate_fn=central_evaluator(test, model_name=config.model, seed=config.seed),
-            federated_evaluation=config.fraction_evaluate > 0,
-        )
+        evaluate_fn = central_evaluator(test, model_name=config.model, seed=config.seed)
     except BaseException as exc:
-        reason = exc.reason if isinstance(exc, FLPlatformError) else f"{type(exc).__name__}: {exc}"
-        repository.finish_run(
-            run_id,
-            status="failed",
-            error=reason,
-            finished_at=time.time(),
-            simulated_seconds=engine.simulated_seconds if engine else None,
-        )
-        repository.close()
+        record_failed_start(exc, strategy=config.strategy, **options)
         raise
-    final = result.evaluate_metrics_serverapp.get(config.num_server_rounds)
-    repository.finish_run(
-        run_id,
-        status="finished",
-        final_metrics={k: float(v) for k, v in final.items() if isinstance(v, int | float)}
-        if final
-        else None,
-        finished_at=time.time(),
-        simulated_seconds=engine.simulated_seconds,
-    )
-    repository.close()
-    return result
-
-
-def _log_round(summary: RoundSummary) -> None:
-    metrics = " ".join(f"{k}={v:.4f}" for k, v in summary.metrics.items())
-    simulated = (
-        f", simulated t={summary.virtual_finished_at:.2f} s"
-        if summary.virtual_finished_at is not None
-        else ""
-    )
-    log.info(
-        "round %d: version %d, %d updates, %d B up, %d B down%s, %s",
-        summary.server_round,
-        summary.model_version,
-        len(summary.updates),
-        summary.bytes_up,
-        summary.bytes_down,
-        simulated,
-        metrics,
+    return start(
+        strategy,
+        grid,
+        ArrayRecord(model.state_dict()),
+        train_config=train_config_for(config),
+        evaluate_fn=evaluate_fn,
+        **options,
     )

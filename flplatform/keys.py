@@ -16,7 +16,12 @@ SITE_INFO = "site-info"
 # ---- ConfigRecord keys sent to sites
 SERVER_ROUND = "server-round"  # Flower's FedAvg adds this too
 MODEL_VERSION = "model-version"
-SITE_ALGORITHM = "site-algorithm"  # which site part of a strategy the ClientApp runs
+SITE_ALGORITHM = "site-algorithm"  # which algorithm's mod handles the message at the site
+# ... its values: the algorithms whose site half is a ClientApp mod (strategies/mods)
+LOCAL_SGD = "local-sgd"
+DELAYED = "delayed"
+FETCHSGD = "fetchsgd"
+SKETCHED_SGD = "sketched-sgd"
 LR = "lr"
 MOMENTUM = "momentum"
 LOCAL_STEPS = "local-steps"
@@ -43,6 +48,9 @@ SKETCH_PHASE = "sketch-phase"
 SKETCHED_ROUND = "sketched-round"
 STEP_MOMENTUM = "step-momentum"
 ZERO_STEP = "zero-step"
+# a site's persistent state (strategies/mods): whether the server relies on the site holding
+# state from earlier messages (a site that lost it, a restarted SuperNode, says so)
+STATE_EXPECTED = "state-expected"
 
 # ---- MetricRecord keys sent back by sites
 NUM_EXAMPLES = "num-examples"  # Flower's weighting key
@@ -50,6 +58,11 @@ TRAIN_LOSS = "train_loss"  # spelled as in Flower's quickstarts
 TRAIN_LOSS_ALIASES = ("train_loss", "train-loss", "loss")
 COMPUTE_SECONDS = "compute-seconds"
 PERIOD = "period"  # delayed updates: the period an accumulated step was computed for
+STATE_LOST = "state-lost"  # 1: the site's mod found its kept state gone (a restart)
+# ---- a mod's reply config: what its arrays are, and why a state-lost reply has none
+UPDATE_KIND = "update"  # "delta": arrays are x_n − x (or a step), not a model
+DELTA = "delta"
+STATE_LOST_DETAIL = "state-lost"
 EVAL_LOSS = "eval_loss"
 EVAL_ACCURACY = "eval_acc"
 
@@ -60,17 +73,13 @@ NUM_PARTITIONS = "num-partitions"
 DEVICE = "device"
 DATA_PATH = "data-path"  # node config of a deployed site: its own data file
 
-# ---- the site's persistent state (Flower's context.state), kept between messages
-SITE_STATE = "flplatform-site"  # ConfigRecord of counters
-TRAININGS = "trainings"  # training messages this site has run
-DELAYED_STATE = "flplatform-delayed"  # delayed updates: periods kept, plus one record each
+# ---- the site's persistent state (Flower's context.state), one record per mod
+SITE_STATE = "flplatform-site"  # the built-in app's counters (ConfigRecord)
+TRAININGS = "trainings"  # training messages the built-in app has run
+DELAYED_STATE = "flplatform-delayed"  # delayed updates: kept periods and carry
 CODEC_STATE = "flplatform-codec"  # upload compression: the error-feedback residual
-FETCHSGD_STATE = "flplatform-fetchsgd"  # the version of the model a FetchSGD site holds
-FETCHSGD_MODEL = "flplatform-fetchsgd.model"  # ... and that model
-SKETCHED_STATE = "flplatform-sketched-sgd"  # the version of the model a site holds
-SKETCHED_MODEL = "flplatform-sketched-sgd.model"  # ... and that model
-SKETCHED_ACCUMULATORS = "flplatform-sketched-sgd.uv"  # its momentum u and error v
-SKETCHED_PROGRESS = "flplatform-sketched-sgd.progress"  # zeroed step, last sketch's round
+FETCHSGD_STATE = "flplatform-fetchsgd"  # the model a FetchSGD site holds, and its version
+SKETCHED_STATE = "flplatform-sketched-sgd"  # model, version, u, v and progress
 
 # ---- global metrics written to the ledger
 ACCURACY = "accuracy"

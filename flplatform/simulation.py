@@ -9,6 +9,7 @@ ServerApp writes the ledger; the caller follows progress by reading the ledger.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -17,16 +18,29 @@ import sys
 import time
 import tomllib
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from flplatform.config import RunConfig
 from flplatform.errors import ConfigError, RunFailed
-from storage import LedgerRepository, RoundRecord, RunRecord
+from flplatform.flower_app import OPTIONS_ENV, AppRun, ConfigValue
+from storage import (
+    UPDATE_DROPPED,
+    UPDATE_REJECTED,
+    LedgerRepository,
+    RoundRecord,
+    RunRecord,
+    UpdateRecord,
+)
 from storage.session import default_db_url, flplatform_home, normalize_db_url
 
-ProgressCallback = Callable[[RunRecord | None, list[RoundRecord]], None]
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b:")
+
+# Called at every poll with the run (None until the ServerApp records it), its rounds so
+# far, and the dropped and rejected updates of the latest round (so a display can say why).
+ProgressCallback = Callable[[RunRecord | None, list[RoundRecord], list[UpdateRecord]], None]
 
 
 def project_dir() -> Path:
@@ -52,9 +66,19 @@ def work_home() -> Path:
     return home
 
 
-def flower_environment(home: Path) -> dict[str, str]:
-    """Environment for Flower processes: state under ``home``, no installs, no telemetry."""
+def flower_environment(home: Path, *, python_path: Sequence[Path] = ()) -> dict[str, str]:
+    """Environment for Flower processes: state under ``home``, no installs, no telemetry.
+
+    ``python_path``: directories appended to ``PYTHONPATH`` (a user's model module found in
+    the current directory). A Flower app's own directory needs none: Flower puts the
+    installed app on ``sys.path`` in every process it starts.
+    """
     env = dict(os.environ)
+    # Options for flplatform.start() are the run's own (set by start_app), never inherited.
+    env.pop(OPTIONS_ENV, None)
+    if python_path:
+        parts = [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []
+        env["PYTHONPATH"] = os.pathsep.join([*parts, *(str(p) for p in python_path)])
     env.update(
         {
             "FLWR_HOME": str(home / "flwr"),
@@ -115,12 +139,20 @@ class SimulationProcess:
                 _terminate_group(proc)
 
     def last_error(self) -> str:
-        """The most telling line of the run's output: its last error line, else its last."""
-        tail = self.log_tail(40).splitlines()
+        """The most telling line of the run's output.
+
+        Its last ``SomeError: message`` line (a traceback's own), else its last line that
+        mentions an error, else its last line; terminal colours removed.
+        """
+        tail = [_ANSI.sub("", line).strip() for line in self.log_tail(60).splitlines()]
+        tail = [line for line in tail if line]
+        for line in reversed(tail):
+            if _EXCEPTION_LINE.match(line) and line.split(":", 1)[-1].strip():
+                return line
         for line in reversed(tail):
             if "error" in line.lower():
-                return line.strip()
-        return tail[-1].strip() if tail else "no output"
+                return line
+        return tail[-1] if tail else "no output"
 
     def log_tail(self, lines: int = 20) -> str:
         """Last lines of the run's output, for error messages."""
@@ -157,8 +189,43 @@ def start_simulation(
     config: RunConfig, *, home: Path, log_name: str, app_dir: Path | None = None
 ) -> SimulationProcess:
     """Start a SuperLink and ``flwr run`` a Flower app (this project's by default)."""
-    app_dir = app_dir or project_dir()
-    env = flower_environment(home)
+    return start_app(
+        app_dir or project_dir(),
+        home=home,
+        log_name=log_name,
+        run_config=config.to_run_config(),
+        num_sites=config.num_sites,
+        python_path=_model_dirs(config.model),
+    )
+
+
+def _model_dirs(model: str) -> tuple[Path, ...]:
+    """The directory a ``MODULE:FACTORY`` model's module was found in, when not installed."""
+    if ":" not in model:
+        return ()
+    from clients.models import model_import_dir
+
+    directory = model_import_dir(model)
+    return (directory,) if directory is not None else ()
+
+
+def start_app(
+    app_dir: Path,
+    *,
+    home: Path,
+    log_name: str,
+    run_config: Mapping[str, ConfigValue],
+    num_sites: int,
+    extra_env: Mapping[str, str] | None = None,
+    python_path: Sequence[Path] = (),
+) -> SimulationProcess:
+    """Start a SuperLink and ``flwr run app_dir`` on it with ``run_config`` overrides.
+
+    ``extra_env`` reaches the ServerApp and ClientApp processes: the SuperLink starts
+    them (through SuperExec) with its own environment.
+    """
+    env = flower_environment(home, python_path=python_path)
+    env.update(extra_env or {})
     http_port, control_port = free_port(), free_port()
     # `flwr run APP local` uses a SuperLink on these ports; we start it ourselves so that
     # it runs with our flags and stops with the run.
@@ -192,7 +259,7 @@ def start_simulation(
     wait_for_port(http_port, superlink, superlink_log)
 
     overrides = home / "logs" / f"{log_name}.run-config.toml"
-    overrides.write_text(_toml(config.to_run_config()))
+    overrides.write_text(_toml(dict(run_config)))
     log_path = logs / f"{log_name}.log"
     run = subprocess.Popen(
         [
@@ -203,7 +270,7 @@ def start_simulation(
             "--run-config",
             str(overrides),
             "--federation-config",
-            federation_options(config.num_sites),
+            federation_options(num_sites),
             "--stream",
         ],
         env=env,
@@ -231,7 +298,7 @@ def wait_for_port(port: int, proc: subprocess.Popen[bytes], log: Path, timeout: 
     raise RunFailed(f"the SuperLink did not start within {timeout:.0f} s; see {log}")
 
 
-def _toml(values: dict[str, str | int | float | bool]) -> str:
+def _toml(values: Mapping[str, ConfigValue]) -> str:
     lines = []
     for key, value in values.items():
         if isinstance(value, bool):
@@ -282,6 +349,58 @@ def run_simulation(
     tag = uuid.uuid4().hex
     config = RunConfig.from_mapping({**config.to_run_config(), "run-tag": tag, "db": db_url})
     process = start_simulation(config, home=home, log_name=tag[:12], app_dir=app_dir)
+    return _follow_to_end(process, config, on_progress, poll_interval)
+
+
+def run_app(
+    run: AppRun,
+    *,
+    on_progress: ProgressCallback | None = None,
+    poll_interval: float = 0.5,
+) -> RunRecord:
+    """Run a user's Flower app directory (``flplatform run``) and follow it in the ledger.
+
+    The run is found by ``run.tag``: flplatform's ServerApp reads it from the ``run-tag``
+    key, ``flplatform.start`` from ``FLPLATFORM_OPTIONS``. Returns the finished run;
+    raises ``RunFailed`` like :func:`run_simulation`.
+    """
+    home = work_home()
+    process = start_app(
+        run.app.path,
+        home=home,
+        log_name=run.tag[:12],
+        run_config=run.run_config,
+        num_sites=run.num_sites,
+        extra_env=run.environment(),
+        python_path=run.python_path,
+    )
+    # What _follow reads: where the run is recorded and its tag.
+    follow = replace(RunConfig(), db=run.db_url, run_tag=run.tag)
+    try:
+        return _follow_to_end(process, follow, on_progress, poll_interval)
+    except RunFailed:
+        if process.poll() != 0 or _has_run(follow):
+            raise
+        raise RunFailed(
+            f"app '{run.app.name}' recorded no run in the ledger ({process.last_error()}); "
+            f"`flplatform run` follows ServerApps that call flplatform.start(...) or are "
+            f"flplatform's own; log: {process.log_path}"
+        ) from None
+
+
+def _has_run(config: RunConfig) -> bool:
+    with LedgerRepository.open(config.db) as repository:
+        return repository.find_run_by_tag(config.run_tag) is not None
+
+
+def _follow_to_end(
+    process: SimulationProcess,
+    config: RunConfig,
+    on_progress: ProgressCallback | None,
+    poll_interval: float,
+) -> RunRecord:
+    """Follow a started run to its end, stop every process, and return its record."""
+    db_url = config.db
     try:
         run_id = _follow(process, config, on_progress, poll_interval)
     except KeyboardInterrupt:
@@ -320,7 +439,8 @@ def _follow(
             if record is not None:
                 run_id = record.id
             if on_progress is not None:
-                on_progress(record, repository.list_rounds(record.id) if record else [])
+                done = repository.list_rounds(record.id) if record else []
+                on_progress(record, done, _latest_failures(repository, done))
             if exited or (record is not None and record.status != "running"):
                 break
             time.sleep(poll_interval)
@@ -330,6 +450,16 @@ def _follow(
             f"{process.poll()}): {process.last_error()}; log: {process.log_path}"
         )
     return run_id
+
+
+def _latest_failures(repository: LedgerRepository, done: list[RoundRecord]) -> list[UpdateRecord]:
+    """The dropped and rejected updates of the latest round; no query when it had none."""
+    if not done or not (done[-1].num_dropped or done[-1].num_rejected):
+        return []
+    latest = done[-1]
+    return repository.list_updates(
+        latest.run_id, round=latest.round, status=(UPDATE_DROPPED, UPDATE_REJECTED)
+    )
 
 
 def _close_unfinished(config: RunConfig, reason: str) -> None:

@@ -41,6 +41,7 @@ from .records import (
     UPDATE_CANCELLED,
     UPDATE_DROPPED,
     UPDATE_REJECTED,
+    UPDATE_STATUSES,
     VIRTUAL_UPDATE_FIELDS,
     EvaluationInput,
     EvaluationRecord,
@@ -181,6 +182,18 @@ def _metrics(what: str, value: object) -> dict[str, float | None]:
             raise StorageError(f"{what} has a metric name {key!r} that is not a string")
         result[key] = _optional_float(f"{what}[{key!r}]", number)
     return result
+
+
+def _update_statuses(status: str | Iterable[str]) -> list[str]:
+    """The statuses an update filter names, each checked against ``UPDATE_STATUSES``."""
+    wanted = [status] if isinstance(status, str) else list(status)
+    unknown = [s for s in wanted if s not in UPDATE_STATUSES]
+    if unknown:
+        raise StorageError(
+            f"unknown update status {', '.join(repr(s) for s in unknown)}; "
+            f"allowed: {', '.join(UPDATE_STATUSES)}"
+        )
+    return wanted
 
 
 # ---------------------------------------------------------------------------- summary maths
@@ -1052,7 +1065,12 @@ class LedgerRepository:
 
     # ------------------------------------------------------------------ updates
     def list_updates(
-        self, run_id: int, *, round: int | None = None, site: str | None = None
+        self,
+        run_id: int,
+        *,
+        round: int | None = None,
+        site: str | None = None,
+        status: str | Iterable[str] | None = None,
     ) -> list[UpdateRecord]:
         """Return a run's updates ordered by round, then in the order they were recorded.
 
@@ -1064,6 +1082,8 @@ class LedgerRepository:
             Only the updates handled at this server step.
         site : str or None
             Only this site's updates.
+        status : str, iterable of str, or None
+            Only updates with this status, or with any of these (``UPDATE_STATUSES``).
 
         Returns
         -------
@@ -1074,6 +1094,8 @@ class LedgerRepository:
         ------
         NotFoundError
             If the run does not exist, or ``site`` is not one of its sites.
+        StorageError
+            If a status is not one of ``UPDATE_STATUSES``.
         """
         run_id = self._run_id(run_id)
         query = (
@@ -1086,6 +1108,8 @@ class LedgerRepository:
             query = query.where(Update.round == check_count("round", round, maximum=INT32_MAX))
         if site is not None:
             query = query.where(Site.name == site)
+        if status is not None:
+            query = query.where(Update.status.in_(_update_statuses(status)))
         with self._session(f"list the updates of run {run_id}") as session:
             self._require_run(session, run_id)
             if site is not None:

@@ -187,3 +187,12 @@ class ServerLedger:
         kept = {p for p in self.unsettled.get(site, set()) if p > version}
         self.unsettled[site] = kept
         self.included[site] = {p for p in self.included.get(site, set()) if p > version}
+
+    def forget(self, site: int, *, keep: int) -> None:
+        """``site`` lost its kept steps (a restart): forget its periods before ``keep``.
+
+        Their steps are gone at the site, so there is nothing left to swap for them; an
+        average that includes one still stands.
+        """
+        self.unsettled[site] = {p for p in self.unsettled.get(site, set()) if p >= keep}
+        self.included[site] = {p for p in self.included.get(site, set()) if p >= keep}

@@ -23,8 +23,14 @@ Choices: site momentum restarts every period (A_{n,r} is the period's net change
 swap leaves no residue); the server applies Ā_r with learning rate η and no momentum
 (server momentum would make x_r differ from x_0 + Σ η Ā_j, which the swap relies on);
 every site takes part in every period (no sampling). The reply's ``arrays`` hold A_{n,r},
-not a model, so a plain Flower ClientApp cannot take part: its reply has no ``period``
-and is rejected with a reason saying so.
+not a model: the site half is ``strategies.mods.delayed_mod`` around the site's own train
+function; a ClientApp without it replies with no ``period`` and is rejected, the reason
+saying so.
+
+With a codec (``codec="topk:0.01"``, DTS's recipe) sites upload A_{n,r} compressed with
+error feedback and the server decodes it before averaging; the ledger counts the bytes
+that crossed. A site that lost its kept periods (a restarted SuperNode) says so: its
+unsettled periods are dropped and its update, trained from the global model, counts.
 """
 
 from __future__ import annotations
@@ -38,7 +44,6 @@ import numpy as np
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
-    Context,
     Message,
     MessageType,
     MetricRecord,
@@ -47,27 +52,26 @@ from flwr.app import (
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from clients.site import Site
 from flplatform import keys
-from flplatform.engine import Contribution, PeriodSync, start_with_engine
-from flplatform.engine.wire import arrays_to_record, record_to_arrays
+from flplatform.arrays import arrays_to_record, record_to_arrays
+from flplatform.engine import AggregationPolicy, Contribution, PeriodSync, Synchrony
 from flplatform.errors import ConfigError, UpdateRejected
+from flplatform.start import start as platform_start
 from strategies.aggregation import ServerOptimizerState, WeightedDeltaSum, apply_server_update
-from strategies.compensation import ServerLedger, SiteLedger
+from strategies.codecs import Codec, Identity, Layout, make_codec
+from strategies.compensation import ServerLedger
 from strategies.local_sgd import (
     LocalSGDAveraging,
-    SiteTrainConfig,
     aggregate_batch,
     first_number,
-    train_from,
-    training_report,
+    reject_state_lost,
+    state_lost_note,
 )
-from strategies.site_parts import register
 from strategies.validation import check_arrays, check_num_examples
 
 log = logging.getLogger("flplatform.strategies.delayed")
 
-SITE_ALGORITHM = "delayed"
+SITE_ALGORITHM = keys.DELAYED
 
 
 @dataclass
@@ -104,6 +108,9 @@ class DelayedCompensated(Strategy):
         Fraction of idle sites asked to evaluate the global model after each round.
     seed : int
         Evaluation sampling depends only on (seed, round).
+    codec : str
+        Upload compression of A_{n,r} with error feedback at the site (``none``,
+        ``int8``, ``topk:<k>``, ``topk:<fraction>``).
     """
 
     def __init__(
@@ -115,6 +122,7 @@ class DelayedCompensated(Strategy):
         eta: float = 1.0,
         fraction_evaluate: float = 0.0,
         seed: int = 0,
+        codec: str = "none",
     ) -> None:
         if not (math.isfinite(eta) and eta > 0):
             raise ConfigError(f"server learning rate must be > 0, got {eta}")
@@ -125,6 +133,7 @@ class DelayedCompensated(Strategy):
         self.compensate = bool(compensate)
         self.eta = eta
         self.seed = seed
+        self.codec: Codec = make_codec(codec)
         self.state = DelayedState(ledger=ServerLedger(delay))  # validates the delay
         self._round = 0
         self._current: dict[str, np.ndarray] = {}
@@ -165,8 +174,12 @@ class DelayedCompensated(Strategy):
                     keys.DELAY: self.delay,
                     keys.COMPENSATE: self.compensate,
                     keys.INCLUDED_PERIODS: ledger.news_for(node_id, version),
+                    # Compensating, a site with unsettled periods holds their steps.
+                    keys.STATE_EXPECTED: self.compensate and bool(ledger.unsettled.get(node_id)),
                 }
             )
+            if not isinstance(self.codec, Identity):
+                site_config[keys.CODEC] = self.codec.name
             content = RecordDict(
                 {keys.ARRAYS: self.state.models[version], keys.CONFIG: site_config}
             )
@@ -213,6 +226,7 @@ class DelayedCompensated(Strategy):
         # Whatever the reply holds, the site answered: it is not re-offered the period.
         asked = ledger.answered(node_id)
         content = reply.content
+        reject_state_lost(content, "it trains from the global model next period")
         if keys.ARRAYS not in content or keys.METRICS not in content:
             raise UpdateRejected(
                 f"reply must hold '{keys.ARRAYS}' and '{keys.METRICS}' records, "
@@ -225,7 +239,8 @@ class DelayedCompensated(Strategy):
         if isinstance(period, bool) or not isinstance(period, int):
             raise UpdateRejected(
                 f"delayed updates carry the '{keys.PERIOD}' they were computed for, got "
-                f"{period!r}: is the site running flplatform's delayed site part?"
+                f"{period!r}: does the site's ClientApp train with strategies.mods' delayed_mod() "
+                "(or flplatform_mod())?"
             )
         if asked is None:
             raise UpdateRejected("no update was awaited from this site (a duplicate reply?)")
@@ -235,6 +250,11 @@ class DelayedCompensated(Strategy):
             )
         if period in ledger.included.get(node_id, set()):
             raise UpdateRejected(f"period {period} of this site was counted already")
+        note = state_lost_note(
+            metrics, "its unsettled periods were dropped; this update is from the global model"
+        )
+        if note is not None:
+            ledger.forget(node_id, keep=period)
         # The site has now settled everything up to the model it was sent, whatever
         # becomes of this update.
         ledger.acknowledged(node_id, ledger.version_for(period))
@@ -248,7 +268,7 @@ class DelayedCompensated(Strategy):
             update = record_to_arrays(record)
         except Exception as exc:  # not .npy bytes, pickled objects, truncated data
             raise UpdateRejected(f"arrays cannot be decoded: {exc}") from None
-        check_arrays(update, self._current)
+        update = self._decode(content, update)
         self.state.open.setdefault(period, WeightedDeltaSum()).add(
             update, float(num_examples), scale=weight_scale
         )
@@ -258,7 +278,22 @@ class DelayedCompensated(Strategy):
             total, weight = self.state.losses.get(period, (0.0, 0.0))
             self.state.losses[period] = (total + num_examples * loss, weight + num_examples)
         seconds = first_number(metrics, (keys.COMPUTE_SECONDS,))
-        return Contribution(num_examples=num_examples, train_loss=loss, compute_seconds=seconds)
+        return Contribution(num_examples, train_loss=loss, compute_seconds=seconds, note=note)
+
+    def _decode(self, content: RecordDict, received: dict[str, np.ndarray]) -> dict:
+        """A_{n,q} from the reply's arrays: as sent, or decoded with the run's codec."""
+        config = content.config_records.get(keys.CONFIG)
+        named = None if config is None else config.get(keys.CODEC)
+        if isinstance(self.codec, Identity) and named in (None, "none"):
+            check_arrays(received, self._current)
+            return received
+        if named != self.codec.name:
+            raise UpdateRejected(
+                f"reply compressed with codec {named!r}, but this run asked for "
+                f"'{self.codec.name}'"
+            )
+        decoded = self.codec.decode(received, Layout.of(self._current))  # UpdateRejected
+        return {k: decoded[k] for k in self._current}
 
     def finish_aggregation(self) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """x_r = x_{r−1} + η·Ā_r; a round without included updates leaves x unchanged.
@@ -293,124 +328,49 @@ class DelayedCompensated(Strategy):
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
     ) -> Result:
-        """Flower's ``start``, run by flplatform's round engine with ``PeriodSync``."""
-        self.num_rounds = num_rounds
-        return start_with_engine(
+        """Flower's ``start``, run by ``flplatform.start`` with ``PeriodSync``, no ledger."""
+        return platform_start(
             self,
             grid,
             initial_arrays,
-            policy=PeriodSync(),
             num_rounds=num_rounds,
             timeout=timeout,
             train_config=train_config,
             evaluate_config=evaluate_config,
             evaluate_fn=evaluate_fn,
-            federated_evaluation=self._evaluation.fraction_evaluate > 0,
         )
 
+    def engine_policy(self, requested: Synchrony, *, num_rounds: int) -> AggregationPolicy:
+        """``PeriodSync`` for a run of ``num_rounds`` rounds; only sync mode ``sync`` is allowed.
 
-# =============================================================== site part
-@dataclass(frozen=True)
-class DelayedSiteConfig:
-    """The delayed-update part of a round's config, checked."""
+        Parameters
+        ----------
+        requested : Synchrony
+            The synchrony mode the run asked for.
+        num_rounds : int
+            Rounds the run takes: no site is given a period beyond the last.
 
-    period: int
-    version: int
-    compensate: bool
-    included: tuple[int, ...]
+        Returns
+        -------
+        AggregationPolicy
+            ``PeriodSync()``: synchronous per round, with sites working ahead.
 
-    @classmethod
-    def from_record(cls, config: ConfigRecord) -> DelayedSiteConfig:
-        """Parse; a missing or mistyped value is a ``ConfigError`` naming it."""
-        period = config.get(keys.SERVER_ROUND)
-        version = config.get(keys.MODEL_VERSION)
-        for name, value in ((keys.SERVER_ROUND, period), (keys.MODEL_VERSION, version)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"round config '{name}' must be an integer >= 0, got {value!r}")
-        compensate = config.get(keys.COMPENSATE, True)
-        if not isinstance(compensate, bool):
-            raise ConfigError(f"round config '{keys.COMPENSATE}' must be true or false")
-        included = config.get(keys.INCLUDED_PERIODS, [])
-        if not isinstance(included, list) or not all(
-            isinstance(p, int) and not isinstance(p, bool) for p in included
-        ):
-            raise ConfigError(f"round config '{keys.INCLUDED_PERIODS}' must be a list of rounds")
-        return cls(int(period), int(version), compensate, tuple(included))  # type: ignore[arg-type]
+        Raises
+        ------
+        ConfigError
+            For any mode but ``sync``.
+        """
+        if requested.name != "sync":
+            raise ConfigError(
+                f"strategy 'delayed' runs with sync mode 'sync' only, got {requested.name!r}: "
+                "every site's period-r update forms the round-r average and fast sites run "
+                "up to delay rounds ahead instead of waiting; dropping or cancelling "
+                "stragglers (k-sync, async modes) would take updates out of the swap"
+            )
+        self.num_rounds = num_rounds
+        return PeriodSync()
 
-
-def load_site_ledger(context: Context) -> SiteLedger:
-    """The site's kept periods and carry from its persistent state (empty at first)."""
-    state = context.state
-    index = state.config_records.get(keys.DELAYED_STATE, ConfigRecord())
-    periods = index.get("pending", [])
-    ledger = SiteLedger()
-    for period in periods if isinstance(periods, list) else []:
-        if isinstance(period, bool) or not isinstance(period, int):
-            continue
-        record = state.array_records.get(f"{keys.DELAYED_STATE}.{period}")
-        if record is not None:
-            ledger.pending[int(period)] = {
-                k: v.astype(np.float64) for k, v in record_to_arrays(record).items()
-            }
-    carry = state.array_records.get(f"{keys.DELAYED_STATE}.carry")
-    if carry is not None:
-        ledger.carry = {k: v.astype(np.float64) for k, v in record_to_arrays(carry).items()}
-    return ledger
-
-
-def save_site_ledger(context: Context, ledger: SiteLedger) -> None:
-    """Write the ledger back, dropping records of periods it no longer keeps."""
-    state = context.state
-    prefix = f"{keys.DELAYED_STATE}."
-    for key in [k for k in state.array_records if k.startswith(prefix)]:
-        del state[key]
-    for period, update in ledger.pending.items():
-        state[f"{prefix}{period}"] = arrays_to_record(update)
-    if ledger.carry is not None:
-        state[f"{prefix}carry"] = arrays_to_record(ledger.carry)
-    state[keys.DELAYED_STATE] = ConfigRecord({"pending": sorted(ledger.pending)})
-
-
-# A period's training step: from the start model's arrays and the round's config, the
-# trained arrays and what to report (num-examples, train loss, compute seconds).
-TrainStep = Callable[[dict[str, np.ndarray], SiteTrainConfig], tuple[dict[str, np.ndarray], dict]]
-
-
-def run_period(msg: Message, context: Context, train: TrainStep) -> Message:
-    """One period at a site: settle, rebuild the local model, ``train``, reply A_{n,q}.
-
-    The site's kept periods are written back only once the update exists, so a site
-    that fails mid-period keeps its state as it was and simply misses the period.
-    """
-    raw = msg.content.config_records.get(keys.CONFIG, ConfigRecord())
-    config = SiteTrainConfig.from_record(raw)
-    delayed = DelayedSiteConfig.from_record(raw)
-    if keys.ARRAYS not in msg.content.array_records:
-        raise ConfigError(f"the server's message has no '{keys.ARRAYS}' record")
-    global_model = record_to_arrays(msg.content.array_records[keys.ARRAYS])
-
-    ledger = load_site_ledger(context)
-    ledger.settle(delayed.version, delayed.included)
-    # Asked again for a period it already computed: its reply never counted (lost or
-    # late), so that work is carried into this update instead of overwritten.
-    ledger.retry(delayed.period)
-    local = ledger.local_model(global_model, compensate=delayed.compensate)
-    start = {k: local[k].astype(global_model[k].dtype) for k in global_model}
-    trained, reported = train(start, config)
-    update = ledger.record(delayed.period, start, trained, compensate=delayed.compensate)
-    save_site_ledger(context, ledger)
-    metrics = MetricRecord({**reported, keys.PERIOD: delayed.period})
-    content = RecordDict({keys.ARRAYS: arrays_to_record(update), keys.METRICS: metrics})
-    return Message(content, reply_to=msg)
-
-
-@register(SITE_ALGORITHM)
-def train_site(msg: Message, context: Context, site: Site) -> Message:
-    """One period of p local SGD steps on the site's data (see ``run_period``)."""
-
-    def train(start: dict[str, np.ndarray], config: SiteTrainConfig) -> tuple[dict, dict]:
-        # The same data order local-SGD averaging would use, so D = 0 reproduces it.
-        trained, stats = train_from(start, site, config, context)
-        return trained, training_report(site, stats)
-
-    return run_period(msg, context, train)
+    @property
+    def ledger_name(self) -> str:
+        """The strategy's name in the ledger."""
+        return SITE_ALGORITHM

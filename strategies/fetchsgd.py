@@ -13,9 +13,11 @@ with Sketching", 2020); the server's maths is ``strategies.sketch_feedback``. On
   error's estimates, x ← x + Δ, and Δ's buckets removed from the error (``zero``: the
   authors' code; ``subtract``: the paper).
 
-Bytes are what crossed: the sketch up; the changed coordinates (or the model) down. A
-plain Flower ClientApp cannot take part (it sends a model, not a sketch) and is rejected
-with a reason saying so.
+Bytes are what crossed: the sketch up; the changed coordinates (or the model) down. The
+site half is ``strategies.mods.fetchsgd_mod`` around the site's own train function; a
+ClientApp without it sends a model, not a sketch, and is rejected with a reason saying so.
+A site that lost the model it was synced to (a restarted SuperNode) says so instead of
+training, and is sent the whole model next time.
 """
 
 from __future__ import annotations
@@ -25,40 +27,25 @@ from collections.abc import Iterable
 
 import numpy as np
 import torch
-from flwr.app import (
-    ArrayRecord,
-    ConfigRecord,
-    Context,
-    Message,
-    MessageType,
-    MetricRecord,
-    RecordDict,
-)
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
 from flwr.serverapp import Grid
 
-from clients.site import Site
 from flplatform import keys
 from flplatform.engine import Contribution
-from flplatform.engine.wire import arrays_to_record
 from flplatform.errors import ConfigError
-from strategies.codecs import Layout
 from strategies.count_sketch import CountSketch
-from strategies.local_sgd import SiteTrainConfig, first_number, training_report
-from strategies.site_parts import register
+from strategies.local_sgd import first_number, reject_state_lost
 from strategies.sketch_feedback import SketchFeedback
 from strategies.sketched_common import (
-    SKETCH,
     SketchedStrategy,
-    local_delta,
     reply_parts,
     sketch_table,
 )
-from strategies.sparse_sync import int_config, remember_model, synced_model
 from strategies.validation import check_num_examples
 
 log = logging.getLogger("flplatform.strategies.fetchsgd")
 
-SITE_ALGORITHM = "fetchsgd"
+SITE_ALGORITHM = keys.FETCHSGD
 
 
 class FetchSGD(SketchedStrategy):
@@ -166,6 +153,8 @@ class FetchSGD(SketchedStrategy):
     ) -> Contribution:
         """Add w_n·S(g_n); the site now holds the version its message carried."""
         assert self.feedback is not None
+        # Unconfirmed, a site that lost its model is sent the whole model next time.
+        reject_state_lost(reply.content, "it is sent the whole model next time")
         record, metrics = reply_parts(reply)
         # It applied the download, whatever becomes of its sketch.
         self.model.confirm(reply.metadata.src_node_id)
@@ -201,31 +190,3 @@ class FetchSGD(SketchedStrategy):
             metrics[keys.TRAIN_LOSS] = self._loss[0] / self._loss[1]
         self._table = None
         return record, metrics
-
-
-# =============================================================== site part
-@register(SITE_ALGORITHM)
-def train_site(msg: Message, context: Context, site: Site) -> Message:
-    """Sync the model, train p local steps, reply with the count sketch of the delta."""
-    raw = msg.content.config_records.get(keys.CONFIG, ConfigRecord())
-    config = SiteTrainConfig.from_record(raw)
-    version = int_config(raw, keys.MODEL_VERSION, 0)
-    seed = int_config(raw, keys.SKETCH_SEED, 0)
-    rows = int_config(raw, keys.SKETCH_ROWS, 1)
-    cols = int_config(raw, keys.SKETCH_COLS, 1)
-    model_arrays = synced_model(
-        msg, context, state_key=keys.FETCHSGD_STATE, model_key=keys.FETCHSGD_MODEL
-    )
-    delta, stats = local_delta(model_arrays, site, config, context)
-    layout = Layout.of(model_arrays)
-    sketch = CountSketch.from_seed(layout.size, rows=rows, cols=cols, seed=seed)
-    table = sketch.sketch(torch.from_numpy(delta.astype(np.float32)).to(site.device)).cpu()
-    # Only now, with the work done, does the site hold the synced model.
-    remember_model(
-        context, model_arrays, version, state_key=keys.FETCHSGD_STATE, model_key=keys.FETCHSGD_MODEL
-    )
-    metrics = MetricRecord(training_report(site, stats))
-    content = RecordDict(
-        {keys.ARRAYS: arrays_to_record({SKETCH: table.numpy()}), keys.METRICS: metrics}
-    )
-    return Message(content, reply_to=msg)

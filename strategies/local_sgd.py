@@ -26,15 +26,12 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
-    Context,
     Message,
     MessageType,
     MetricRecord,
@@ -43,21 +40,19 @@ from flwr.app import (
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from clients.site import Site
-from clients.training import TrainStats, evaluate, train_local
 from flplatform import keys
-from flplatform.engine import Contribution, EngineStrategy, Synchrony, start_with_engine
-from flplatform.engine.wire import arrays_to_record, record_to_arrays
+from flplatform.arrays import arrays_to_record, record_to_arrays
+from flplatform.engine import Contribution, EngineStrategy
 from flplatform.errors import ConfigError, UpdateRejected
 from flplatform.seeding import rng_for
+from flplatform.start import start as platform_start
 from strategies.aggregation import ServerOptimizerState, WeightedDeltaSum, apply_server_update
-from strategies.codecs import Codec, ErrorFeedback, Identity, Layout, make_codec
-from strategies.site_parts import register
+from strategies.codecs import Codec, Identity, Layout, make_codec
 from strategies.validation import check_arrays, check_num_examples
 
 log = logging.getLogger("flplatform.strategies.local_sgd")
 
-SITE_ALGORITHM = "local-sgd"
+SITE_ALGORITHM = keys.LOCAL_SGD
 # Flower's quickstarts report eval_acc / eval_loss; the ledger speaks accuracy / loss.
 _EVAL_NAMES = {keys.EVAL_ACCURACY: keys.ACCURACY, keys.EVAL_LOSS: keys.LOSS}
 
@@ -135,6 +130,7 @@ class LocalSGDAveraging(Strategy):
         self._current_record: ArrayRecord | None = None
         self._loss_sum = 0.0
         self._loss_weight = 0.0
+        self._compressing: set[int] = set()  # sites whose compressed uploads were taken
 
     def summary(self) -> None:
         """Log the configuration."""
@@ -168,13 +164,23 @@ class LocalSGDAveraging(Strategy):
         config = ConfigRecord(dict(config))  # never write into the caller's record
         config[keys.SERVER_ROUND] = server_round
         config[keys.SITE_ALGORITHM] = SITE_ALGORITHM
-        if not isinstance(self.codec, Identity):
-            config[keys.CODEC] = self.codec.name
-        content = RecordDict({keys.ARRAYS: arrays, keys.CONFIG: config})
-        return [
-            Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN)
-            for node_id in self.sample(server_round, grid.get_node_ids(), self.fraction_train)
-        ]
+        if isinstance(self.codec, Identity):
+            content = RecordDict({keys.ARRAYS: arrays, keys.CONFIG: config})
+            return [
+                Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN)
+                for node_id in self.sample(server_round, grid.get_node_ids(), self.fraction_train)
+            ]
+        config[keys.CODEC] = self.codec.name
+        messages = []
+        for node_id in self.sample(server_round, grid.get_node_ids(), self.fraction_train):
+            site_config = ConfigRecord(dict(config))
+            # A site that uploaded compressed before holds an error-feedback residual.
+            site_config[keys.STATE_EXPECTED] = node_id in self._compressing
+            content = RecordDict({keys.ARRAYS: arrays, keys.CONFIG: site_config})
+            messages.append(
+                Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN)
+            )
+        return messages
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -268,13 +274,15 @@ class LocalSGDAveraging(Strategy):
             delta = {k: received[k].astype(np.float64) - base_arrays[k] for k in base_arrays}
         else:
             delta = self._decode(codec, received)
+            self._compressing.add(reply.metadata.src_node_id)
         self._acc.add(delta, float(num_examples), scale=weight_scale)
         loss = first_number(metrics, keys.TRAIN_LOSS_ALIASES)
         if loss is not None:
             self._loss_sum += num_examples * loss
             self._loss_weight += num_examples
         seconds = first_number(metrics, (keys.COMPUTE_SECONDS,))
-        return Contribution(num_examples=num_examples, train_loss=loss, compute_seconds=seconds)
+        note = state_lost_note(metrics, "its error-feedback residual restarted at zero")
+        return Contribution(num_examples, train_loss=loss, compute_seconds=seconds, note=note)
 
     def _decode(self, name: str, wire: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Δ_n from a compressed reply, in float64; only the codec the server asked for."""
@@ -315,19 +323,26 @@ class LocalSGDAveraging(Strategy):
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
     ) -> Result:
-        """Flower's ``start``, run by flplatform's round engine (no ledger)."""
-        return start_with_engine(
+        """Flower's ``start``, run by ``flplatform.start``: fully synchronous, no ledger.
+
+        ``FLPLATFORM_OPTIONS`` (``flplatform run``) may still add a mode, a network or a
+        ledger; call ``flplatform.start`` to choose them in code.
+        """
+        return platform_start(
             self,
             grid,
             initial_arrays,
-            policy=Synchrony("sync"),
             num_rounds=num_rounds,
             timeout=timeout,
             train_config=train_config,
             evaluate_config=evaluate_config,
             evaluate_fn=evaluate_fn,
-            federated_evaluation=self.fraction_evaluate > 0,
         )
+
+    @property
+    def ledger_name(self) -> str:
+        """The strategy's name in the ledger."""
+        return SITE_ALGORITHM
 
 
 def aggregate_batch(
@@ -359,6 +374,25 @@ def _reply_codec(content: RecordDict) -> str | None:
     return name
 
 
+def state_lost_note(metrics: MetricRecord, consequence: str) -> str | None:
+    """The ledger's note for an accepted update whose site says it lost its kept state."""
+    if metrics.get(keys.STATE_LOST) != 1:
+        return None
+    return f"site lost its state (a restarted SuperNode?): {consequence}"
+
+
+def reject_state_lost(content: RecordDict, resync: str) -> None:
+    """Reject a reply that says the site lost its state and so carries no update."""
+    metrics = content.metric_records.get(keys.METRICS)
+    if metrics is not None and metrics.get(keys.STATE_LOST) == 1 and keys.ARRAYS not in content:
+        config = content.config_records.get(keys.CONFIG)
+        what = config.get(keys.STATE_LOST_DETAIL) if config is not None else None
+        lacking = f" ({what})" if isinstance(what, str) else ""
+        raise UpdateRejected(
+            f"site lost its state{lacking[:120]}, a restarted SuperNode?: {resync}"
+        )
+
+
 def first_number(metrics: MetricRecord, names: Iterable[str]) -> float | None:
     """The first of ``names`` that ``metrics`` holds as a finite number, else None."""
     for name in names:
@@ -366,165 +400,3 @@ def first_number(metrics: MetricRecord, names: Iterable[str]) -> float | None:
         if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
             return float(value)
     return None
-
-
-# =============================================================== site part
-@dataclass(frozen=True)
-class SiteTrainConfig:
-    """What a site is told each round, read from the ``config`` record with defaults."""
-
-    server_round: int = 0
-    seed: int = 0
-    lr: float = 0.1
-    momentum: float = 0.0
-    batch_size: int = 32
-    local_steps: int = 0
-    local_epochs: int = 1
-
-    @classmethod
-    def from_record(cls, config: ConfigRecord) -> SiteTrainConfig:
-        """Parse the round's config; a value of the wrong type is a ``ConfigError``."""
-        values: dict[str, int | float] = {}
-        for f in fields(cls):
-            key = f.name.replace("_", "-")
-            raw = config.get(key)
-            if raw is None:
-                continue
-            want = float if f.type in ("float", float) else int
-            if isinstance(raw, bool) or not isinstance(raw, int | float):
-                raise ConfigError(f"round config '{key}' must be a number, got {raw!r}")
-            values[f.name] = want(raw)
-        return cls(**values)  # type: ignore[arg-type]
-
-
-def _received_model(msg: Message, site: Site, seed: int = 0) -> torch.nn.Module:
-    records = msg.content.array_records
-    if keys.ARRAYS not in records:
-        raise ConfigError(f"the server's message has no '{keys.ARRAYS}' record")
-    state_dict = records[keys.ARRAYS].to_torch_state_dict()
-    model = site.build_model(num_classes=num_classes_of(state_dict), seed=seed)
-    model.load_state_dict(state_dict)
-    return model
-
-
-@register(SITE_ALGORITHM)
-def train_site(msg: Message, context: Context, site: Site) -> Message:
-    """Train the received model for H steps or E epochs on the site's data; reply with it."""
-    config = SiteTrainConfig.from_record(
-        msg.content.config_records.get(keys.CONFIG, ConfigRecord())
-    )
-    model = _received_model(msg, site, config.seed)
-    stats, trainings = train_on_site(model, site, config, context)
-    metrics = MetricRecord(training_report(site, stats))
-    spec = msg.content.config_records.get(keys.CONFIG, ConfigRecord()).get(keys.CODEC)
-    if spec is None or spec == "none":
-        content = RecordDict({keys.ARRAYS: ArrayRecord(model.state_dict()), keys.METRICS: metrics})
-        return Message(content, reply_to=msg)
-    codec = make_codec(str(spec))
-    sent = record_to_arrays(msg.content.array_records[keys.ARRAYS])
-    trained = {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
-    delta = {k: (trained[k].astype(np.float64) - sent[k]).astype(sent[k].dtype) for k in sent}
-    wire = compress_with_feedback(
-        context,
-        delta,
-        codec,
-        rng=rng_for(config.seed, config.server_round, site.name, trainings, "codec"),
-    )
-    content = RecordDict(
-        {
-            keys.ARRAYS: arrays_to_record(wire),
-            keys.METRICS: metrics,
-            keys.CONFIG: ConfigRecord({keys.CODEC: codec.name}),
-        }
-    )
-    return Message(content, reply_to=msg)
-
-
-def compress_with_feedback(
-    context: Context, update: dict[str, np.ndarray], codec: Codec, *, rng: np.random.Generator
-) -> dict[str, np.ndarray]:
-    """Encode update + residual; keep the new residual in the site's persistent state.
-
-    A residual that no longer fits the model (the run's model changed) is dropped.
-    """
-    feedback = ErrorFeedback()
-    saved = context.state.array_records.get(keys.CODEC_STATE)
-    if saved is not None:
-        feedback.load_state_dict(record_to_arrays(saved))
-        residual_shapes = {k: v.shape for k, v in feedback.residual.items()}
-        if residual_shapes != {k: v.shape for k, v in update.items()}:
-            feedback.reset()
-    wire, _ = feedback.compress(update, codec, rng=rng)
-    context.state[keys.CODEC_STATE] = arrays_to_record(feedback.state_dict())
-    return wire
-
-
-def train_on_site(
-    model: torch.nn.Module, site: Site, config: SiteTrainConfig, context: Context
-) -> tuple[TrainStats, int]:
-    """Train ``model`` in place as the round's config says; return stats and the count of
-    trainings before this one.
-
-    A site may train twice on one round's model (the K-batch modes give a finished site
-    work again at once), so its data order follows (seed, round, site, trainings).
-    """
-    trainings = count_training(context)
-    stats = train_local(
-        model,
-        site.x_train,
-        site.y_train,
-        lr=config.lr,
-        momentum=config.momentum,
-        batch_size=config.batch_size,
-        local_steps=config.local_steps,
-        local_epochs=config.local_epochs,
-        rng=rng_for(config.seed, config.server_round, site.name, trainings, "data-order"),
-        device=site.device,
-    )
-    return stats, trainings
-
-
-def train_from(
-    arrays: dict[str, np.ndarray], site: Site, config: SiteTrainConfig, context: Context
-) -> tuple[dict[str, np.ndarray], TrainStats]:
-    """Build the site's model from ``arrays``, train it (``train_on_site``), return its arrays."""
-    state_dict = {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()}
-    model = site.build_model(num_classes=num_classes_of(state_dict), seed=config.seed)
-    model.load_state_dict(state_dict)
-    stats, _ = train_on_site(model, site, config, context)
-    return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}, stats
-
-
-def training_report(site: Site, stats: TrainStats) -> dict[str, Any]:
-    """What a site reports of its training: Flower's ``num-examples``, loss and seconds."""
-    return {
-        keys.NUM_EXAMPLES: len(site.x_train),
-        keys.TRAIN_LOSS: stats.loss,
-        keys.COMPUTE_SECONDS: stats.seconds,
-    }
-
-
-def count_training(context: Context) -> int:
-    """How many training messages this site ran before this one (kept in the site's state)."""
-    state = context.state.config_records.get(keys.SITE_STATE, ConfigRecord())
-    done = state.get(keys.TRAININGS, 0)
-    done = done if isinstance(done, int) and not isinstance(done, bool) and done >= 0 else 0
-    context.state[keys.SITE_STATE] = ConfigRecord({**state, keys.TRAININGS: done + 1})
-    return done
-
-
-def evaluate_site(msg: Message, context: Context, site: Site) -> Message:
-    """Evaluate the received model on the site's local validation slice."""
-    model = _received_model(msg, site)
-    x, y = (site.x_val, site.y_val) if len(site.x_val) else (site.x_train, site.y_train)
-    loss, accuracy = evaluate(model, x, y, device=site.device)
-    metrics = MetricRecord(
-        {keys.NUM_EXAMPLES: len(x), keys.EVAL_LOSS: loss, keys.EVAL_ACCURACY: accuracy}
-    )
-    return Message(RecordDict({keys.METRICS: metrics}), reply_to=msg)
-
-
-def num_classes_of(state_dict: dict[str, torch.Tensor]) -> int:
-    """The output width of the model the server sent (its last bias)."""
-    last = list(state_dict.values())[-1]
-    return int(last.shape[0])

@@ -4,8 +4,7 @@ Server side, ``SketchedStrategy``: the sketch's settings (k, r, c and a seed der
 run's), seeded sampling and evaluation as local-SGD averaging, the model with sparse
 downloads, the training message that syncs a site and names the sketch, and Flower's batch
 and ``start`` hooks run by the round engine (fully synchronous). Checks on a sketch reply
-(``reply_parts``, ``sketch_table``). Site side: ``local_delta``, the flat delta x_n − x of
-the site's local training.
+(``reply_parts``, ``sketch_table``). The site halves are ``strategies.mods``.
 """
 
 from __future__ import annotations
@@ -15,22 +14,19 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from clients.site import Site
-from clients.training import TrainStats
 from flplatform import keys
-from flplatform.engine import Contribution, Synchrony, start_with_engine
-from flplatform.engine.wire import record_to_arrays
+from flplatform.arrays import record_to_arrays
+from flplatform.engine import AggregationPolicy, Contribution, Synchrony
 from flplatform.errors import ConfigError, UpdateRejected
 from flplatform.seeding import derive_seed
-from strategies.codecs import Layout
-from strategies.local_sgd import LocalSGDAveraging, SiteTrainConfig, aggregate_batch, train_from
+from flplatform.start import start as platform_start
+from strategies.local_sgd import LocalSGDAveraging, aggregate_batch
+from strategies.mods.fetchsgd import SKETCH
 from strategies.sparse_sync import SparseModel
-
-SKETCH = "sketch"  # a sketch reply's table
 
 
 class SketchedStrategy(Strategy):
@@ -151,19 +147,51 @@ class SketchedStrategy(Strategy):
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
     ) -> Result:
-        """Flower's ``start``, run by flplatform's round engine (fully synchronous)."""
-        return start_with_engine(
+        """Flower's ``start``, run by ``flplatform.start``: fully synchronous, no ledger."""
+        return platform_start(
             self,
             grid,
             initial_arrays,
-            policy=Synchrony("sync"),
             num_rounds=num_rounds,
             timeout=timeout,
             train_config=train_config,
             evaluate_config=evaluate_config,
             evaluate_fn=evaluate_fn,
-            federated_evaluation=self._sampling.fraction_evaluate > 0,
         )
+
+    def engine_policy(self, requested: Synchrony, *, num_rounds: int) -> AggregationPolicy:
+        """The requested policy if it is sync mode ``sync``; sketched rounds allow no other.
+
+        Parameters
+        ----------
+        requested : Synchrony
+            The synchrony mode the run asked for.
+        num_rounds : int
+            Rounds the run takes (unused).
+
+        Returns
+        -------
+        AggregationPolicy
+            ``requested``.
+
+        Raises
+        ------
+        ConfigError
+            For any mode but ``sync``.
+        """
+        if requested.name != "sync":
+            raise ConfigError(
+                f"strategy '{self.site_algorithm}' runs with sync mode 'sync' only, got "
+                f"{requested.name!r}: each step merges the sketches of the sites it synced, "
+                "and a stale sketch would be of another model; sample sites with "
+                "fraction-train instead"
+            )
+        return requested
+
+    @property
+    def ledger_name(self) -> str:
+        """The strategy's name in the ledger."""
+        return self.site_algorithm
 
 
 # ================================================================ replies
@@ -186,7 +214,8 @@ def sketch_table(record: ArrayRecord, shape: tuple[int, int], algorithm: str) ->
     if list(record.keys()) != [SKETCH]:
         raise UpdateRejected(
             f"sketch replies carry one '{SKETCH}' array, got {sorted(record.keys())}: "
-            f"is the site running flplatform's {algorithm} site part?"
+            f"does the site's ClientApp train with strategies.mods' "
+            f"{algorithm.replace('-', '_')}_mod() (or flplatform_mod())?"
         )
     try:
         table = record_to_arrays(record)[SKETCH]
@@ -199,13 +228,3 @@ def sketch_table(record: ArrayRecord, shape: tuple[int, int], algorithm: str) ->
     if not np.isfinite(table).all():
         raise UpdateRejected("sketch contains NaN or Inf")
     return table
-
-
-# ================================================================ site side
-def local_delta(
-    model_arrays: dict[str, np.ndarray], site: Site, config: SiteTrainConfig, context: Context
-) -> tuple[np.ndarray, TrainStats]:
-    """Train from ``model_arrays`` as ``config`` says; the flat delta x_n − x (float64)."""
-    trained, stats = train_from(model_arrays, site, config, context)
-    layout = Layout.of(model_arrays)
-    return layout.flatten(trained) - layout.flatten(model_arrays), stats

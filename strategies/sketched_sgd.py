@@ -26,7 +26,6 @@ through the sketch, whatever its tensor.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterable
 
@@ -35,7 +34,6 @@ import torch
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
-    Context,
     Message,
     MessageType,
     MetricRecord,
@@ -43,41 +41,28 @@ from flwr.app import (
 )
 from flwr.serverapp import Grid
 
-from clients.site import Site
 from flplatform import keys
+from flplatform.arrays import arrays_to_record, record_to_arrays
 from flplatform.engine import Contribution
-from flplatform.engine.wire import arrays_to_record, record_to_arrays
 from flplatform.errors import ConfigError, UpdateRejected
-from strategies.codecs import Layout
 from strategies.count_sketch import CountSketch
-from strategies.local_sgd import SiteTrainConfig, first_number, training_report
-from strategies.site_parts import register
-from strategies.sketch_feedback import SiteAccumulators, candidate_coordinates, exact_top_k
-from strategies.sketched_common import (
-    SKETCH,
-    SketchedStrategy,
-    local_delta,
-    reply_parts,
-    sketch_table,
+from strategies.local_sgd import first_number, reject_state_lost, state_lost_note
+from strategies.mods.sketched_sgd import (
+    CANDIDATES,
+    SKETCH_PHASE,
+    VALUES,
+    VALUES_PHASE,
+    ZERO,
+    ZERO_INDICES,
 )
-from strategies.sparse_sync import (
-    SYNC_INDICES,
-    index_dtype,
-    int_config,
-    remember_model,
-    synced_model,
-    valid_indices,
-)
+from strategies.sketch_feedback import candidate_coordinates, exact_top_k
+from strategies.sketched_common import SketchedStrategy, reply_parts, sketch_table
+from strategies.sparse_sync import index_dtype
 from strategies.validation import check_num_examples
 
 log = logging.getLogger("flplatform.strategies.sketched_sgd")
 
-SITE_ALGORITHM = "sketched-sgd"
-SKETCH_PHASE, VALUES_PHASE = "sketch", "values"
-CANDIDATES = "candidates"  # a values request's indices
-VALUES = "values"  # a values reply's array
-ZERO = "zero"  # a sketch message's record of coordinates to zero, when not its sync's
-ZERO_INDICES = "zero.indices"
+SITE_ALGORITHM = keys.SKETCHED_SGD
 
 
 class SketchedSGD(SketchedStrategy):
@@ -140,6 +125,7 @@ class SketchedSGD(SketchedStrategy):
         self.pending_zero: dict[int, int] = {}
         self.applied: dict[int, torch.Tensor] = {}
         self._zero_sent: dict[int, int] = {}  # node → zero step its outstanding message carries
+        self._sketched: set[int] = set()  # sites that hold accumulators (a sketch was taken)
         # ---- this round
         self._round_phase, self._round = SKETCH_PHASE, 0
         self._asked: set[int] = set()
@@ -196,6 +182,7 @@ class SketchedSGD(SketchedStrategy):
             keys.SKETCH_PHASE: SKETCH_PHASE,
             keys.STEP_MOMENTUM: self.momentum,
             keys.ZERO_STEP: zero_step,
+            keys.STATE_EXPECTED: node_id in self._sketched,
         }
         content, sync_from = self._sketch_content(node_id, server_round, config, **extra)
         # The step's coordinates are exactly this sync's when the site holds the version
@@ -242,8 +229,14 @@ class SketchedSGD(SketchedStrategy):
         self, reply: Message, *, base: ArrayRecord, weight_scale: float = 1.0
     ) -> Contribution:
         """Add a site's sketch (sketch round) or its values at the candidates."""
-        record, metrics = reply_parts(reply)
         node_id = reply.metadata.src_node_id
+        said = reply.content.metric_records.get(keys.METRICS)
+        if said is not None and said.get(keys.STATE_LOST) == 1 and keys.ARRAYS not in reply.content:
+            # Its accumulators are gone: nothing it owes is pending any more.
+            self._forget_zero(node_id)
+            self._sketched.discard(node_id)
+        reject_state_lost(reply.content, "it is sent the whole model and restarts u = v = 0")
+        record, metrics = reply_parts(reply)
         num_examples = check_num_examples(metrics.get(keys.NUM_EXAMPLES))
         if self._round_phase == SKETCH_PHASE:
             # It synced and zeroed, whatever becomes of its sketch.
@@ -255,11 +248,13 @@ class SketchedSGD(SketchedStrategy):
             table_tensor = torch.from_numpy(table.astype(np.float32))
             self._add(table_tensor, num_examples * weight_scale, num_examples)
             self.contributors[node_id] = num_examples
+            self._sketched.add(node_id)
             loss = first_number(metrics, keys.TRAIN_LOSS_ALIASES)
             if loss is not None:
                 self._loss = (self._loss[0] + num_examples * loss, self._loss[1] + num_examples)
             seconds = first_number(metrics, (keys.COMPUTE_SECONDS,))
-            return Contribution(num_examples, train_loss=loss, compute_seconds=seconds)
+            note = state_lost_note(metrics, "its momentum u and error v restarted at zero")
+            return Contribution(num_examples, train_loss=loss, compute_seconds=seconds, note=note)
         # ---- values round
         if node_id not in self._asked or node_id in self._answered:
             raise UpdateRejected(f"node {node_id} was not asked for values this round")
@@ -337,121 +332,3 @@ class SketchedSGD(SketchedStrategy):
             {"num-updates": len(self._answered), "applied-coordinates": int(indices.numel())}
         )
         return record, metrics
-
-
-# =============================================================== site part
-def _progress(context: Context) -> tuple[int, int]:
-    """(last step whose coordinates this site zeroed, round of the sketch it last sent)."""
-    state = context.state.config_records.get(keys.SKETCHED_PROGRESS, ConfigRecord())
-    zeroed, sketched = state.get("zeroed-step", 0), state.get("sketched-round", 0)
-    return (zeroed if isinstance(zeroed, int) else 0, sketched if isinstance(sketched, int) else 0)
-
-
-def _accumulators(context: Context, d: int, momentum: float) -> SiteAccumulators:
-    stored = context.state.array_records.get(keys.SKETCHED_ACCUMULATORS)
-    if stored is None:
-        return SiteAccumulators.zeros(d, momentum)
-    arrays = record_to_arrays(stored)
-    u, v = arrays.get("u"), arrays.get("v")
-    if u is None or v is None or u.shape != (d,) or v.shape != (d,):
-        raise ConfigError(
-            f"this site's Sketched-SGD accumulators do not fit a model of {d} parameters"
-        )
-    return SiteAccumulators(momentum, torch.from_numpy(u.copy()), torch.from_numpy(v.copy()))
-
-
-def _zero_indices(msg: Message, d: int) -> np.ndarray:
-    """The coordinates the message says to zero: its own record, else its sync's."""
-    if ZERO in msg.content.array_records:
-        indices = record_to_arrays(msg.content.array_records[ZERO]).get(ZERO_INDICES)
-    else:
-        sent = msg.content.array_records.get(keys.ARRAYS)
-        indices = None if sent is None else record_to_arrays(sent).get(SYNC_INDICES)
-    if indices is None or not valid_indices(indices, d):
-        raise ConfigError("the server's coordinates to zero are missing or malformed")
-    return indices.astype(np.int64)
-
-
-@register(SITE_ALGORITHM)
-def train_site(msg: Message, context: Context, site: Site) -> Message:
-    """Sketch round: sync, zero, train, reply S(v). Values round: reply v at the candidates."""
-    raw = msg.content.config_records.get(keys.CONFIG, ConfigRecord())
-    phase = raw.get(keys.SKETCH_PHASE)
-    if phase == VALUES_PHASE:
-        return _values_reply(msg, context, site, raw)
-    if phase != SKETCH_PHASE:
-        raise ConfigError(
-            f"round config '{keys.SKETCH_PHASE}' must be {SKETCH_PHASE!r} or "
-            f"{VALUES_PHASE!r}, got {phase!r}"
-        )
-    config = SiteTrainConfig.from_record(raw)
-    version = int_config(raw, keys.MODEL_VERSION, 0)
-    seed = int_config(raw, keys.SKETCH_SEED, 0)
-    rows = int_config(raw, keys.SKETCH_ROWS, 1)
-    cols = int_config(raw, keys.SKETCH_COLS, 1)
-    zero_step = int_config(raw, keys.ZERO_STEP, 0)
-    momentum = raw.get(keys.STEP_MOMENTUM)
-    if isinstance(momentum, bool) or not isinstance(momentum, float) or not 0 <= momentum < 1:
-        raise ConfigError(f"round config '{keys.STEP_MOMENTUM}' must be in [0, 1)")
-    model_arrays = synced_model(
-        msg, context, state_key=keys.SKETCHED_STATE, model_key=keys.SKETCHED_MODEL
-    )
-    layout = Layout.of(model_arrays)
-    accumulators = _accumulators(context, layout.size, momentum)
-    zeroed, _ = _progress(context)
-    if zero_step > zeroed:  # once per step, however often the message is sent
-        accumulators.zero(torch.from_numpy(_zero_indices(msg, layout.size)))
-        zeroed = zero_step
-    # The data order follows the step (version + 1), not the round, as local-SGD
-    # averaging's does: a step takes two rounds.
-    step_config = dataclasses.replace(config, server_round=version + 1)
-    update, stats = local_delta(model_arrays, site, step_config, context)
-    accumulators.add(torch.from_numpy(update.astype(np.float32)))
-    if not (torch.isfinite(accumulators.u).all() and torch.isfinite(accumulators.v).all()):
-        # Kept out of u and v: the site's stored accumulators stay as they were, so one
-        # diverging local training costs this round, not the rest of the run.
-        raise ConfigError(
-            "local training diverged (its update is not finite): lower lr or local-steps"
-        )
-    sketch = CountSketch.from_seed(layout.size, rows=rows, cols=cols, seed=seed)
-    table = sketch.sketch(accumulators.v.to(site.device)).cpu()
-    # Only now, with the work done, does the site hold the synced model and its new v.
-    remember_model(
-        context, model_arrays, version, state_key=keys.SKETCHED_STATE, model_key=keys.SKETCHED_MODEL
-    )
-    context.state[keys.SKETCHED_ACCUMULATORS] = arrays_to_record(
-        {"u": accumulators.u.numpy(), "v": accumulators.v.numpy()}
-    )
-    context.state[keys.SKETCHED_PROGRESS] = ConfigRecord(
-        {"zeroed-step": zeroed, "sketched-round": config.server_round}
-    )
-    metrics = MetricRecord(training_report(site, stats))
-    content = RecordDict(
-        {keys.ARRAYS: arrays_to_record({SKETCH: table.numpy()}), keys.METRICS: metrics}
-    )
-    return Message(content, reply_to=msg)
-
-
-def _values_reply(msg: Message, context: Context, site: Site, raw: ConfigRecord) -> Message:
-    """v at the candidates, from the accumulators of the sketch the server asks about."""
-    asked_round = int_config(raw, keys.SKETCHED_ROUND, 1)
-    _, sketched = _progress(context)
-    stored = context.state.array_records.get(keys.SKETCHED_ACCUMULATORS)
-    if stored is None or sketched != asked_round:
-        raise ConfigError(
-            f"the server asks for the values of the sketch of round {asked_round}; this site's "
-            f"last sketch is of round {sketched or 'none'}"
-        )
-    v = record_to_arrays(stored)["v"]
-    sent = msg.content.array_records.get(keys.ARRAYS)
-    candidates = None if sent is None else record_to_arrays(sent).get(CANDIDATES)
-    if candidates is None or not valid_indices(candidates, len(v)):
-        raise ConfigError("the server's candidate coordinates are missing or malformed")
-    metrics = MetricRecord({keys.NUM_EXAMPLES: len(site.x_train)})
-    content = RecordDict(
-        {
-            keys.ARRAYS: arrays_to_record({VALUES: v[candidates].astype(np.float32)}),
-            keys.METRICS: metrics,
-        }
-    )
-    return Message(content, reply_to=msg)

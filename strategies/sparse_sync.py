@@ -7,8 +7,9 @@ carries the current values at every coordinate changed since then. Measured, not
 a site that missed rounds is sent the union of their changes, and a site whose holding is
 unknown (first contact, a lost or failed message) is sent the whole model.
 
-The site keeps the model it was synced to in its persistent state (``synced_model`` and
-``remember_model``); both sides flatten arrays in ``Layout`` order.
+The site keeps the model it was synced to in its persistent state (the site halves in
+``strategies.mods``); both sides flatten arrays in ``Layout`` order, and the model keeps
+its own key order on the wire.
 """
 
 from __future__ import annotations
@@ -17,11 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message
+from flwr.app import ArrayRecord
 
-from flplatform import keys
-from flplatform.engine.wire import arrays_to_record, record_to_arrays
-from flplatform.errors import ConfigError
+from flplatform.arrays import arrays_to_record, record_to_arrays
 from strategies.codecs import Layout
 
 SYNC_INDICES, SYNC_VALUES = "sync.indices", "sync.values"  # a sparse download
@@ -68,6 +67,7 @@ class SparseModel:
 
     def __init__(self) -> None:
         self.layout: Layout | None = None
+        self.order: list[str] = []  # the model's key order
         self.flat = torch.empty(0)  # x, flattened in the layout's order (float32)
         self.record: ArrayRecord | None = None  # x as sent to sites
         self.version = 0
@@ -87,6 +87,7 @@ class SparseModel:
             return False
         model = record_to_arrays(arrays)
         self.layout = Layout.of(model)
+        self.order = list(model)
         self.flat = torch.from_numpy(self.layout.flatten(model).astype(np.float32))
         self.record = arrays
         return True
@@ -128,19 +129,13 @@ class SparseModel:
         self.flat[indices] += values.to(self.flat.dtype)
         self.version += 1
         self.changes.record(self.version, indices)
-        self.record = arrays_to_record(self.layout.unflatten(self.flat.numpy()))
+        arrays = self.layout.unflatten(self.flat.numpy())
+        # The model's own key order, not the layout's sorted one: users load by position.
+        self.record = arrays_to_record({name: arrays[name] for name in self.order})
         return self.record
 
 
-# =============================================================== site side
-def int_config(config: ConfigRecord, key: str, low: int) -> int:
-    """An integer the server put in the round config, checked (``ConfigError`` if not)."""
-    value = config.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"round config '{key}' must be an integer >= {low}, got {value!r}")
-    return value
-
-
+# =============================================================== both sides
 def valid_indices(indices: np.ndarray | None, d: int) -> bool:
     """Whether ``indices`` is a 1-D integer array of coordinates in [0, d)."""
     return (
@@ -149,55 +144,3 @@ def valid_indices(indices: np.ndarray | None, d: int) -> bool:
         and bool(np.issubdtype(indices.dtype, np.integer))
         and (len(indices) == 0 or (indices.min() >= 0 and indices.max() < d))
     )
-
-
-def synced_model(
-    msg: Message, context: Context, *, state_key: str, model_key: str
-) -> dict[str, np.ndarray]:
-    """The model the server holds, from the message and the site's stored copy.
-
-    ``state_key``/``model_key`` name where ``remember_model`` stored the site's copy.
-    """
-    config = msg.content.config_records.get(keys.CONFIG, ConfigRecord())
-    sync_from = int_config(config, keys.SYNC_FROM, DENSE)
-    if keys.ARRAYS not in msg.content.array_records:
-        raise ConfigError(f"the server's message has no '{keys.ARRAYS}' record")
-    sent = record_to_arrays(msg.content.array_records[keys.ARRAYS])
-    if sync_from == DENSE:
-        return sent
-    state = context.state.config_records.get(state_key, ConfigRecord())
-    stored = context.state.array_records.get(model_key)
-    held = state.get("version")
-    # Changes since an older version than the site holds still bring it to the server's
-    # model: they cover every coordinate changed since, with its current value.
-    if stored is None or not isinstance(held, int) or held < sync_from:
-        raise ConfigError(
-            f"this site holds model version {held!r}, but the server sent the changes since "
-            f"version {sync_from}; it will send the whole model next time"
-        )
-    model = record_to_arrays(stored)
-    layout = Layout.of(model)
-    indices, values = sent.get(SYNC_INDICES), sent.get(SYNC_VALUES)
-    if (
-        indices is None
-        or values is None
-        or not valid_indices(indices, layout.size)
-        or indices.shape != values.shape
-    ):
-        raise ConfigError("the server's sparse model update is malformed")
-    flat = layout.flatten(model)
-    flat[indices] = values
-    return layout.unflatten(flat)
-
-
-def remember_model(
-    context: Context,
-    model: dict[str, np.ndarray],
-    version: int,
-    *,
-    state_key: str,
-    model_key: str,
-) -> None:
-    """Store the synced ``model`` (server version ``version``) in the site's state."""
-    context.state[model_key] = arrays_to_record(model)
-    context.state[state_key] = ConfigRecord({"version": version})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from flplatform.cli import data, history, simulate
+from flplatform.cli import data, history, run, simulate
 
 app = typer.Typer(
     name="flplatform",
@@ -14,6 +14,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command("simulate")(simulate.simulate)
+app.command("run")(run.run)
 app.add_typer(simulate.demo_app, name="demo")
 app.add_typer(data.app, name="data")
 app.add_typer(history.app, name="history")

@@ -1,21 +1,31 @@
-"""``flplatform history runs|rounds|sites``: what every run, round and site cost.
+"""``flplatform history runs|rounds|sites|updates``: what every run, round and site cost.
 
 A run that simulated a network also has times on its simulated clock (seconds since the
 simulated start of the run); the tables show them next to the wall-clock ones, and JSON/CSV
-carry every field of the records.
+carry every field of the records. Why an update was not applied (its ``reason``) is shown
+per update by ``updates`` and, most common first, per round by ``rounds``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated
 
 import typer
 
 from flplatform.cli.errors import handles_errors
-from flplatform.cli.render import OutputFormat, emit, human_bytes, make_console
+from flplatform.cli.render import OutputFormat, emit, human_bytes, make_console, shorten
 from flplatform.errors import ConfigError
-from storage import CLOCK_WALL, LedgerRepository
+from storage import (
+    CLOCK_WALL,
+    UPDATE_DROPPED,
+    UPDATE_REJECTED,
+    UPDATE_STATUSES,
+    LedgerRepository,
+    RoundRecord,
+    UpdateRecord,
+)
 
 app = typer.Typer(help="Show what every run, round and site cost (read from the ledger).")
 console = make_console()
@@ -33,6 +43,11 @@ RunArgument = Annotated[str, typer.Argument(help="Run id, or 'latest'.")]
 
 # Distinct staleness values shown in the site table's histogram cell before it is cut short.
 MAX_STALENESS_SHOWN = 8
+# Characters of a failure reason shown in a table cell (JSON and CSV carry it whole).
+REASON_CELL = 80
+# The statuses of updates that came to nothing for a reason worth showing: a site's error,
+# a timeout or absence (dropped), or a reply the strategy refused (rejected).
+FAILED_STATUSES = (UPDATE_DROPPED, UPDATE_REJECTED)
 
 
 def resolve_run(repository: LedgerRepository, run: str) -> int:
@@ -100,7 +115,9 @@ def runs(
 def rounds(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputFormat.table) -> None:
     """One row per round: model version, global metrics, outcomes and bytes.
 
-    A run with simulated time also shows when each round ended on the simulated clock.
+    A run with simulated time also shows when each round ended on the simulated clock; a run
+    with dropped or rejected updates shows each round's most common reason for them
+    (``history updates RUN --round N`` lists them all).
     """
     with LedgerRepository.open(db) as repository:
         run_id = resolve_run(repository, run)
@@ -109,6 +126,9 @@ def rounds(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForm
         # Only simulated runs get the column: on a wall-clock run it would be all dashes.
         simulated = any(r.virtual_finished_at is not None for r in records)
         sim = ["sim s"] if simulated else []
+        failures = failures_by_round(repository.list_updates(run_id, status=FAILED_STATUSES))
+        # Only runs with failed updates get the column, for the same reason.
+        why = ["why not applied"] if failures else []
         emit(
             console,
             fmt,
@@ -128,6 +148,7 @@ def rounds(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForm
                 "eval up/down",
                 *sim,
                 "wall s",
+                *why,
             ],
             rows=[
                 (
@@ -144,6 +165,7 @@ def rounds(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForm
                     _pair(r.eval_bytes_up, r.eval_bytes_down),
                     *([_fixed(r.virtual_finished_at)] if simulated else []),
                     r.wall_seconds,
+                    *([common_reason(failures.get(r.round, []))] if failures else []),
                 )
                 for r in records
             ],
@@ -216,6 +238,163 @@ def sites(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForma
                 for s in records
             ],
         )
+
+
+@app.command("updates")
+@handles_errors
+def updates(
+    run: RunArgument,
+    round_: Annotated[
+        int | None, typer.Option("--round", min=1, help="Only the updates of this round.")
+    ] = None,
+    site: Annotated[str | None, typer.Option(help="Only this site's updates.")] = None,
+    status: Annotated[
+        str | None,
+        typer.Option(
+            help=f"Only updates with this status: {', '.join(UPDATE_STATUSES)} "
+            "(several: comma-separated, e.g. rejected,dropped)."
+        ),
+    ] = None,
+    db: DbOption = None,
+    fmt: FormatOption = OutputFormat.table,
+) -> None:
+    """One row per site update: its round, site, status and why, staleness, size and times.
+
+    The table cuts long reasons short; JSON and CSV carry every field of every update whole.
+    Times in the table are seconds: compute as the site reported it, reply from dispatch to
+    arrival on the wall clock; a simulated run also shows dispatch and arrival on its
+    simulated clock, a delayed run each update's delay.
+    """
+    statuses = parse_statuses(status)
+    with LedgerRepository.open(db) as repository:
+        run_id = resolve_run(repository, run)
+        record = repository.get_run(run_id)
+        records = repository.list_updates(run_id, round=round_, site=site, status=statuses)
+        simulated = any(u.virtual_dispatched_at is not None for u in records)
+        delayed = any(u.delay is not None for u in records)
+        filters = [
+            *([f"round {round_}"] if round_ is not None else []),
+            *([f"site {site}"] if site is not None else []),
+            *([f"status {', '.join(statuses)}"] if statuses else []),
+        ]
+        emit(
+            console,
+            fmt,
+            title=f"Run {run_id} ({record.name}, {record.status}): updates"
+            + (f" ({'; '.join(filters)})" if filters else ""),
+            records=[u.to_dict() for u in records],
+            columns=[
+                "round",
+                "site",
+                "status",
+                "sent in",
+                "version",
+                "staleness",
+                *(["delay"] if delayed else []),
+                "examples",
+                "train loss",
+                "bytes up",
+                "bytes down",
+                "compute s",
+                "reply s",
+                *(["sim sent", "sim arrived"] if simulated else []),
+                "reason",
+            ],
+            rows=[
+                (
+                    u.round,
+                    u.site,
+                    u.status,
+                    u.dispatched_round,
+                    u.version_trained_on,
+                    u.staleness,
+                    *([u.delay] if delayed else []),
+                    u.num_examples,
+                    u.train_loss,
+                    human_bytes(u.bytes_up),
+                    human_bytes(u.bytes_down),
+                    u.compute_seconds,
+                    _reply_seconds(u),
+                    *(
+                        [_fixed(u.virtual_dispatched_at), _fixed(u.virtual_arrived_at)]
+                        if simulated
+                        else []
+                    ),
+                    shorten(u.reason, REASON_CELL) if u.reason else None,
+                )
+                for u in records
+            ],
+        )
+
+
+def parse_statuses(text: str | None) -> tuple[str, ...] | None:
+    """The statuses ``--status`` names (comma-separated), each one the ledger uses.
+
+    Raises
+    ------
+    ConfigError
+        If the option is empty or names a status the ledger does not use.
+    """
+    if text is None:
+        return None
+    names = tuple(name.strip().lower() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in UPDATE_STATUSES]
+    if unknown or not names:
+        raise ConfigError(
+            f"--status must be one of {', '.join(UPDATE_STATUSES)} (several: comma-separated), "
+            f"got '{text}'"
+        )
+    return names
+
+
+def failures_by_round(records: Iterable[UpdateRecord]) -> dict[int, list[UpdateRecord]]:
+    """Updates grouped by the round that handled them, in recording order."""
+    grouped: dict[int, list[UpdateRecord]] = {}
+    for record in records:
+        grouped.setdefault(record.round, []).append(record)
+    return grouped
+
+
+def common_reason(failures: Sequence[UpdateRecord], *, limit: int = REASON_CELL) -> str:
+    """The most common reason among ``failures``, shortened; '-' when there is none.
+
+    ``"missing arrays: w (+1 other)"`` says one more distinct reason was recorded; ties go
+    to the reason recorded first.
+    """
+    counts = Counter(" ".join(f.reason.split()) for f in failures if f.reason)
+    if not counts:
+        return "-"
+    (reason, _), others = counts.most_common(1)[0], len(counts) - 1
+    more = f" (+{others} other{'s' if others > 1 else ''})" if others else ""
+    return shorten(reason, max(1, limit - len(more))) + more
+
+
+def failure_note(latest: RoundRecord, failures: Sequence[UpdateRecord], *, limit: int = 60) -> str:
+    """What went wrong in a round, for a progress line; '' when nothing was dropped or rejected.
+
+    ``"round 3: 4 rejected — missing arrays: conv1.weight…"``: the counts come from the round
+    record, the reason is the most common one among ``failures`` (its dropped and rejected
+    updates), cut to ``limit`` characters.
+    """
+    counts = [
+        f"{n} {status}"
+        for n, status in (
+            (latest.num_rejected, UPDATE_REJECTED),
+            (latest.num_dropped, UPDATE_DROPPED),
+        )
+        if n
+    ]
+    if not counts:
+        return ""
+    reason = common_reason(failures, limit=limit)
+    return f"round {latest.round}: {', '.join(counts)}" + ("" if reason == "-" else f" — {reason}")
+
+
+def _reply_seconds(update: UpdateRecord) -> str:
+    """Wall seconds from dispatch to arrival with one decimal, or '-' when nothing arrived."""
+    if update.arrived_at is None:
+        return "-"
+    return _fixed((update.arrived_at - update.dispatched_at).total_seconds())
 
 
 def _pair(up: int, down: int) -> str:

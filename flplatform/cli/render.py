@@ -12,6 +12,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 
 def make_console(*, stderr: bool = False) -> Console:
@@ -44,6 +45,16 @@ def human_bytes(n: float | None) -> str:
     return f"{value:.1f} GiB"  # pragma: no cover
 
 
+def shorten(text: str | None, limit: int) -> str:
+    """One line of at most ``limit`` characters: whitespace collapsed, cut with '…'.
+
+    Failure reasons quote remote errors that run to hundreds of characters; a table cell or
+    a progress line shows their start, and JSON/CSV carry them whole.
+    """
+    line = " ".join((text or "").split())
+    return line if len(line) <= limit else line[: max(0, limit - 1)] + "…"
+
+
 def cell(value: Any) -> str:
     """A short human form of one value for tables."""
     if value is None:
@@ -56,12 +67,16 @@ def cell(value: Any) -> str:
 
 
 def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
-    """A rich table with right-aligned numbers."""
+    """A rich table with right-aligned numbers.
+
+    Cells are plain text, never markup: a failure reason quoting ``[conv1.weight]`` must show
+    its brackets, not vanish as an unknown style.
+    """
     out = Table(title=title, title_justify="left", header_style="bold")
     for column in columns:
         out.add_column(column)
     for row in rows:
-        out.add_row(*(cell(v) for v in row))
+        out.add_row(*(Text(cell(v)) for v in row))
     return out
 
 

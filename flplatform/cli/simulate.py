@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from flplatform.cli.errors import handles_errors
+from flplatform.cli.history import failure_note
 from flplatform.cli.history import rounds as show_rounds
 from flplatform.cli.history import sites as show_sites
 from flplatform.cli.render import OutputFormat, human_bytes, make_console
@@ -29,7 +31,7 @@ from flplatform.comparison import (
 from flplatform.config import BUILTIN_DATASETS, DEFAULT_SITES, SKETCHED, RunConfig
 from flplatform.errors import ConfigError
 from flplatform.simulation import check_ledger, ledger_url, run_simulation, work_home
-from storage import LedgerRepository, RoundRecord, RunRecord
+from storage import LedgerRepository, RoundRecord, RunRecord, UpdateRecord
 
 console = make_console()
 
@@ -71,7 +73,9 @@ def run_and_follow(config: RunConfig) -> RunRecord:
     )
     task = progress.add_task("rounds", total=config.num_server_rounds, status="starting Flower…")
 
-    def show(record: RunRecord | None, done: list[RoundRecord]) -> None:
+    def show(
+        record: RunRecord | None, done: list[RoundRecord], failures: list[UpdateRecord]
+    ) -> None:
         if record is None:
             return
         if not done:
@@ -84,7 +88,7 @@ def run_and_follow(config: RunConfig) -> RunRecord:
         status = (
             f"accuracy {accuracy:.4f}  " if accuracy is not None else ""
         ) + f"up {up}  down {down}"
-        progress.update(task, completed=len(done), status=status)
+        progress.update(task, completed=len(done), status=status + _failures(done, failures))
 
     with progress:
         record = run_simulation(config, on_progress=show)
@@ -104,6 +108,15 @@ def run_and_follow(config: RunConfig) -> RunRecord:
         f"See it again with: flplatform history rounds {record.id}" + (f" --db {db}" if db else ""),
     )
     return record
+
+
+def _failures(done: list[RoundRecord], failures: list[UpdateRecord]) -> str:
+    """The latest round's drops and rejections with their reason, for a progress line.
+
+    Escaped: reasons quote remote errors, whose brackets rich would read as markup.
+    """
+    note = failure_note(done[-1], failures)
+    return f"  [yellow]{escape(note)}[/]" if note else ""
 
 
 def _display_url(url: str) -> str:
@@ -157,6 +170,13 @@ def simulate(
     round_timeout: Annotated[
         float, typer.Option(help="Seconds a site may take per message.")
     ] = 600.0,
+    max_failed_rounds: Annotated[
+        int,
+        typer.Option(
+            help="Stop the run after this many rounds in a row applied no update, every "
+            "reply failing for the same reason (0: never stop)."
+        ),
+    ] = 3,
     sync: Annotated[
         str,
         typer.Option(help="sync, k-sync, k-batch-sync, async, k-async, k-batch-async or buffered."),
@@ -251,6 +271,7 @@ def simulate(
             "fraction-train": fraction_train,
             "fraction-evaluate": fraction_evaluate,
             "round-timeout": round_timeout,
+            "max-failed-rounds": max_failed_rounds,
             "sync": sync,
             "k": k,
             "staleness-bound": staleness_bound,
@@ -412,7 +433,9 @@ def _follow_mode(config: RunConfig, plan: ModePlan) -> RunRecord:
     )
     task = progress.add_task(plan.label, total=config.num_server_rounds, status="starting…")
 
-    def show(record: RunRecord | None, done: list[RoundRecord]) -> None:
+    def show(
+        record: RunRecord | None, done: list[RoundRecord], failures: list[UpdateRecord]
+    ) -> None:
         if record is None or not done:
             return
         accuracy = done[-1].metrics.get("accuracy")
@@ -420,7 +443,7 @@ def _follow_mode(config: RunConfig, plan: ModePlan) -> RunRecord:
         status = f"accuracy {accuracy:.4f}" if isinstance(accuracy, float) else ""
         if simulated is not None:
             status += f"  simulated {simulated:.1f} s"
-        progress.update(task, completed=len(done), status=status)
+        progress.update(task, completed=len(done), status=status + _failures(done, failures))
 
     with progress:
         return run_simulation(config, on_progress=show)

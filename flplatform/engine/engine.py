@@ -28,6 +28,7 @@ import heapq
 import itertools
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -39,9 +40,11 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from flplatform import keys
+from flplatform.arrays import record_to_arrays
 from flplatform.engine.clock import Clock, Landing, Schedule, WallClock, planned_steps
 from flplatform.engine.events import (
     APPLIED,
+    BUFFERED,
     CANCELLED,
     DROPPED,
     EVALUATED,
@@ -63,8 +66,8 @@ from flplatform.engine.replies import (
     site_info,
 )
 from flplatform.engine.synchrony import Synchrony
-from flplatform.engine.wire import content_size, message_size, record_to_arrays
-from flplatform.errors import RunFailed, UpdateRejected
+from flplatform.engine.wire import content_size, message_size
+from flplatform.errors import ConfigError, NoProgress, RunFailed, UpdateRejected
 
 log = logging.getLogger("flplatform.engine")
 
@@ -78,6 +81,12 @@ REFUSED = "refused by the SuperLink (node not connected, or the message too larg
 UNAVAILABLE = "unavailable: sat this work out (simulated availability)"
 # A refused site is not offered work again for this long (it may be reconnecting).
 REFUSED_BACKOFF = 5.0
+# Rounds in a row that may fail the same way before the run stops (0: never stop).
+DEFAULT_MAX_FAILED_ROUNDS = 3
+# Numbers (hex addresses first) in a failure reason: replaced when reasons are compared.
+_NUMBER = re.compile(r"0x[0-9a-fA-F]+|\d+")
+# A failure reason is cut to this many characters in the error that stops the run.
+REASON_SHOWN = 300
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,9 @@ class Contribution:
     num_examples: int
     train_loss: float | None = None
     compute_seconds: float | None = None
+    # What the ledger should know about an accepted update (its row's reason), e.g. that
+    # the site lost its kept state and was resynced.
+    note: str | None = None
 
 
 class EngineStrategy(Protocol):
@@ -96,6 +108,16 @@ class EngineStrategy(Protocol):
     ``configure_train`` that it did not send (the site sits the work out, simulated
     availability), so a strategy that drafted it as sent can undo that (sparse downloads
     keep the site's synced version).
+
+    Optionally, for ``flplatform.start`` (which builds the engine):
+
+    * ``engine_policy(requested: Synchrony, *, num_rounds: int) -> AggregationPolicy``,
+      called once before the run: the policy to run ``num_rounds`` rounds under, given the
+      synchrony mode the run asked for; it raises ``ConfigError`` saying why for a mode the
+      strategy cannot run. Without it, the requested mode runs as it is. (Delayed updates
+      return ``PeriodSync``; the sketched strategies and Flower's wrapped ones allow
+      ``sync`` only.)
+    * ``ledger_name``: the strategy's name in the ledger (default: its class name).
     """
 
     def configure_train(
@@ -179,6 +201,106 @@ class _RoundState:
     applied_nodes: set[int] = field(default_factory=set)
     failed_nodes: set[int] = field(default_factory=set)
     outcomes: list[UpdateOutcome] = field(default_factory=list)
+    # replies that came back and failed: a site's error, or rejected by the strategy
+    failed_replies: list[UpdateOutcome] = field(default_factory=list)
+
+
+class FailureStreak:
+    """The stop rule: rounds in a row that applied nothing because every reply failed alike.
+
+    A round *counts* when it applied no update, at least one reply came back and failed (a
+    site's error, or an update the strategy rejected), and every reply that failed did so
+    for the same reason. It extends the streak when its reason is the streak's; any other
+    round ends the streak (a counting round with a new reason starts a new one). When
+    ``limit`` rounds count in a row, ``observe`` raises ``NoProgress``.
+
+    Reasons are compared with whitespace collapsed and every number (and hex address)
+    replaced, so sites whose error differs only in a size, an index or an address (``shape
+    (10, 64)`` here, ``(10, 32)`` there) fail alike; different words never do.
+
+    Rounds that legitimately apply nothing do not count: a sketch round applies no model
+    change but accepts its updates (they are APPLIED); a round in which no reply landed (a
+    pipelined round whose period was done early), or only timeouts, refusals, cancelled
+    stragglers, absent sites and updates the synchrony policy dropped as stale, ends the
+    streak. Messages that brought no reply say nothing about the replies and are ignored
+    in a round that counts.
+
+    Parameters
+    ----------
+    limit : int
+        Rounds in a row that trip the rule; 0 never trips.
+
+    Raises
+    ------
+    ConfigError
+        If ``limit`` is not an integer >= 0.
+    """
+
+    def __init__(self, limit: int) -> None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ConfigError(
+                f"max-failed-rounds must be an integer >= 0 (0: never stop), got {limit!r}"
+            )
+        self.limit = limit
+        self.rounds: list[int] = []  # the rounds of the current streak
+        self._key: str | None = None  # their reason, as compared
+        self._statuses: set[str] = set()
+
+    def observe(
+        self, server_round: int, *, applied: int, failed_replies: Sequence[UpdateOutcome]
+    ) -> None:
+        """Take one finished round into account; raise ``NoProgress`` when the rule trips.
+
+        Parameters
+        ----------
+        server_round : int
+            The round that just finished (and is already recorded).
+        applied : int
+            Updates the round accepted.
+        failed_replies : Sequence[UpdateOutcome]
+            The round's replies that came back and failed (each with its reason).
+
+        Raises
+        ------
+        NoProgress
+            When ``limit`` counting rounds in a row failed for the same reason.
+        """
+        keys_seen = {reason_key(u.reason) for u in failed_replies}
+        if applied or len(keys_seen) != 1:
+            self._reset()
+            return
+        (key,) = keys_seen
+        if key != self._key:
+            self._reset()
+            self._key = key
+        self.rounds.append(server_round)
+        self._statuses.update(u.status for u in failed_replies)
+        if self.limit and len(self.rounds) >= self.limit:
+            raise NoProgress(self._describe(failed_replies[-1].reason))
+
+    def _reset(self) -> None:
+        self.rounds, self._key, self._statuses = [], None, set()
+
+    def _describe(self, reason: str | None) -> str:
+        first, last = self.rounds[0], self.rounds[-1]
+        span = f"round {first}" if first == last else f"rounds {first}-{last}"
+        how = " or ".join(sorted(self._statuses))
+        text = " ".join((reason or "no reason given").split())
+        if len(text) > REASON_SHOWN:
+            text = text[: REASON_SHOWN - 1] + "…"
+        return (
+            f"{span} applied no update: every reply was {how}: {text} "
+            f"(stopped after {self.limit} such rounds in a row; max-failed-rounds 0 never stops)"
+        )
+
+
+def reason_key(reason: str | None) -> str:
+    """A failure reason as the stop rule compares it: whitespace collapsed, numbers as '#'.
+
+    ``"array 'w' has shape (10, 64), expected (10, 32)"`` and the same with ``(10, 16)``
+    compare equal; ``"missing arrays: w"`` and ``"unexpected arrays: v"`` do not.
+    """
+    return _NUMBER.sub("#", " ".join((reason or "").split()))
 
 
 class RoundEngine:
@@ -208,6 +330,10 @@ class RoundEngine:
         Seconds between pulls when nothing arrived.
     on_round : callable, optional
         Called with each ``RoundSummary`` (progress displays, logs).
+    max_failed_rounds : int
+        Stop the run (``NoProgress``) after this many rounds in a row that applied no
+        update while every reply that failed did so for the same reason; 0 never stops.
+        See ``FailureStreak`` for which rounds count.
     """
 
     def __init__(
@@ -223,6 +349,7 @@ class RoundEngine:
         startup_timeout: float = 300.0,
         poll_interval: float = 0.05,
         on_round: Callable[[RoundSummary], None] | None = None,
+        max_failed_rounds: int = DEFAULT_MAX_FAILED_ROUNDS,
     ) -> None:
         self.grid = grid
         self.strategy = strategy
@@ -234,6 +361,7 @@ class RoundEngine:
         self.startup_timeout = startup_timeout
         self.poll_interval = poll_interval
         self.on_round = on_round
+        self.failure_streak = FailureStreak(max_failed_rounds)
         self.sites: dict[int, SiteInfo] = {}  # every site that ever joined the run
         self.connected: set[int] = set()  # nodes the SuperLink lists now
         self.version = 0
@@ -282,7 +410,7 @@ class RoundEngine:
 
         for server_round in range(1, num_rounds + 1):
             self.refresh_sites()
-            summary, train_metrics = self._train_round(server_round, train_config)
+            summary, train_metrics, failed_replies = self._train_round(server_round, train_config)
             metrics: dict[str, float] = {}
             # ---- central evaluation on the server's held-out set
             if evaluate_fn is not None:
@@ -306,6 +434,10 @@ class RoundEngine:
             self.ledger.record_round(summary)
             if self.on_round is not None:
                 self.on_round(summary)
+            # Only now: the round that trips the rule is in the ledger when the run stops.
+            self.failure_streak.observe(
+                server_round, applied=_applied(summary.updates), failed_replies=failed_replies
+            )
         result.arrays = self.arrays
         return result
 
@@ -378,7 +510,8 @@ class RoundEngine:
     # ============================================================ training round
     def _train_round(
         self, server_round: int, train_config: ConfigRecord | None
-    ) -> tuple[RoundSummary, MetricRecord | None]:
+    ) -> tuple[RoundSummary, MetricRecord | None, list[UpdateOutcome]]:
+        """One server step; returns its summary, the strategy's metrics, its failed replies."""
         state = _RoundState(server_round, time.time(), self.clock.now(), train_config)
         self.strategy.begin_aggregation(server_round, self.arrays)
         waiting_since = time.monotonic()
@@ -433,7 +566,7 @@ class RoundEngine:
             virtual_started_at=state.clock_started_at if self.clock.virtual else None,
             virtual_finished_at=self.clock.now() if self.clock.virtual else None,
         )
-        return summary, train_metrics
+        return summary, train_metrics, state.failed_replies
 
     def _dispatch_wanted(self, state: _RoundState) -> None:
         targets = self.policy.dispatch_targets(self._view(state))
@@ -705,7 +838,7 @@ class RoundEngine:
             )
         if reply.has_error():
             reason = f"site error {reply.error.code}: {condense_error(reply.error.reason or '')}"
-            return UpdateOutcome(status=DROPPED, reason=reason, **row)
+            return self._failed_reply(state, UpdateOutcome(status=DROPPED, reason=reason, **row))
         row.update(reported_metrics(reply))
         verdict = self.policy.judge(dispatch, self._view(state))
         if verdict.status != APPLIED:
@@ -719,10 +852,13 @@ class RoundEngine:
             )
         except UpdateRejected as exc:
             log.warning("rejected update from %s: %s", row["site"], exc.reason)
-            return UpdateOutcome(status=REJECTED, reason=exc.reason, **row)
+            return self._failed_reply(
+                state, UpdateOutcome(status=REJECTED, reason=exc.reason, **row)
+            )
         except Exception as exc:  # a hostile reply must never take the server down
             log.exception("rejected malformed update from %s", row["site"])
-            return UpdateOutcome(status=REJECTED, reason=f"malformed reply: {exc!r}"[:300], **row)
+            reason = f"malformed reply: {exc!r}"[:300]
+            return self._failed_reply(state, UpdateOutcome(status=REJECTED, reason=reason, **row))
         state.applied += 1
         state.applied_nodes.add(dispatch.node_id)
         row.update(
@@ -730,7 +866,13 @@ class RoundEngine:
             train_loss=finite(contribution.train_loss),
             compute_seconds=finite(contribution.compute_seconds, minimum=0.0),
         )
-        return UpdateOutcome(status=APPLIED, **row)
+        return UpdateOutcome(status=APPLIED, reason=contribution.note, **row)
+
+    @staticmethod
+    def _failed_reply(state: _RoundState, outcome: UpdateOutcome) -> UpdateOutcome:
+        """Note a reply that came back and failed (for the stop rule); return it."""
+        state.failed_replies.append(outcome)
+        return outcome
 
     def _expire_overdue(self, state: _RoundState) -> None:
         now = time.monotonic()
@@ -1037,6 +1179,11 @@ def start_with_engine(
         evaluate_fn=evaluate_fn,
         federated_evaluation=federated_evaluation,
     )
+
+
+def _applied(outcomes: Sequence[UpdateOutcome]) -> int:
+    """How many updates a round accepted (applied, or buffered for a later aggregate)."""
+    return sum(1 for u in outcomes if u.status in (APPLIED, BUFFERED))
 
 
 def _example_weighted_loss(outcomes: Sequence[UpdateOutcome]) -> float | None:

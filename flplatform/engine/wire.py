@@ -1,9 +1,9 @@
-"""What a message costs on the wire, and conversions between Flower records and arrays."""
+"""What a message costs on the wire (array <-> record conversions: ``flplatform.arrays``)."""
 
 from __future__ import annotations
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Message, RecordDict
+from flwr.app import Message, RecordDict
 from flwr.supercore.inflatable.inflatable_object import (
     get_all_nested_objects,
     no_object_id_recompute,
@@ -34,13 +34,3 @@ def message_size(msg: Message, content_bytes: int | None = None) -> int:
         if not msg.has_content():
             return own
         return own + (content_size(msg.content) if content_bytes is None else content_bytes)
-
-
-def record_to_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
-    """ArrayRecord → {name: ndarray} (order kept)."""
-    return {key: array.numpy() for key, array in record.items()}
-
-
-def arrays_to_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
-    """{name: ndarray} → ArrayRecord (order kept)."""
-    return ArrayRecord({key: Array(np.ascontiguousarray(value)) for key, value in arrays.items()})

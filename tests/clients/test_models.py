@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch import nn
 
 from clients.datasets import load_dataset
-from clients.models import MODELS, build_model, count_parameters
+from clients.models import (
+    MODELS,
+    build_model,
+    count_parameters,
+    instantiate_model_spec,
+    is_model_spec,
+    load_model_factory,
+    model_import_dir,
+)
 from flplatform.errors import ConfigError
 
 SHAPES = [(1, 8, 8), (1, 28, 28)]
@@ -117,3 +127,132 @@ def test_bad_arguments(name: str, kwargs: dict, message: str) -> None:
     arguments: dict = {"input_shape": (1, 8, 8), "num_classes": 10, **kwargs}
     with pytest.raises(ConfigError, match=message):
         build_model(name, **arguments)
+
+
+# ---------------------------------------------------------------- MODULE:FACTORY specs
+USER_MODELS = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    """A user's CNN with BatchNorm (running statistics and an integer counter) and dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.drop = nn.Dropout(0.5)
+        self.fc = nn.Linear(4 * 8 * 8, 10)
+
+    def forward(self, x):
+        return self.fc(self.drop(torch.relu(self.bn(self.conv(x))).flatten(1)))
+
+
+def five_classes():
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 5))
+
+
+def flat_only():
+    return nn.Linear(64, 10)  # takes (B, 64), not (B, 1, 8, 8)
+
+
+def not_a_module():
+    return "a string"
+
+
+def needs_an_argument(width):
+    return nn.Linear(64, width)
+
+
+def broken():
+    raise RuntimeError("out of coffee")
+
+
+NOT_CALLABLE = 42
+'''
+
+
+@pytest.fixture
+def user_models(tmp_path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A package ``usermodels_<n>.zoo`` on sys.path (a fresh name per test: no import cache)."""
+    package = f"usermodels_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / package / "zoo.py").write_text(USER_MODELS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return f"{package}.zoo"
+
+
+def test_a_factory_spec_builds_the_users_model(user_models: str) -> None:
+    spec = f"{user_models}:Net"
+    assert is_model_spec(spec) and not is_model_spec("cnn")
+    model = build_model(spec, input_shape=(1, 8, 8), num_classes=10, seed=3)
+    assert type(model).__name__ == "Net" and model.training
+    assert "bn.num_batches_tracked" in model.state_dict()
+    # The fit check ran in eval mode: the BatchNorm statistics are the fresh ones.
+    assert int(model.state_dict()["bn.num_batches_tracked"]) == 0
+    assert torch.equal(model.bn.running_mean, torch.zeros(4))
+    again = build_model(spec, input_shape=(1, 8, 8), num_classes=10, seed=3).state_dict()
+    other = build_model(spec, input_shape=(1, 8, 8), num_classes=10, seed=4).state_dict()
+    assert torch.equal(model.state_dict()["conv.weight"], again["conv.weight"])
+    assert not torch.equal(model.state_dict()["conv.weight"], other["conv.weight"])
+
+
+def test_a_factory_spec_leaves_the_global_rng_alone(user_models: str) -> None:
+    torch.manual_seed(9)
+    state = torch.get_rng_state()
+    build_model(f"{user_models}:Net", input_shape=(1, 8, 8), num_classes=10, seed=1)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize(
+    ("attribute", "message"),
+    [
+        ("Missing", "has no 'Missing'"),
+        ("NOT_CALLABLE", "'NOT_CALLABLE' is a int, not a callable"),
+        ("not_a_module", "returned a str, not a torch.nn.Module"),
+        ("needs_an_argument", "calling it with no arguments failed: TypeError"),
+        ("broken", "calling it with no arguments failed: RuntimeError: out of coffee"),
+        ("five_classes", r"maps a batch of 2 examples to \(2, 5\); .* \(2, 10\)"),
+        ("flat_only", r"cannot take this dataset's examples of shape \(1, 8, 8\)"),
+    ],
+)
+def test_a_bad_factory_is_one_clear_error(user_models: str, attribute: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build_model(f"{user_models}:{attribute}", input_shape=(1, 8, 8), num_classes=10)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("no_such_module_xyz:Net", "no module named 'no_such_module_xyz'"),
+        ("mod:", "is not MODULE:FACTORY"),
+        ("a:b:c", "is not MODULE:FACTORY"),
+        ("1mod:Net", "is not MODULE:FACTORY"),
+    ],
+)
+def test_an_unimportable_spec_is_one_clear_error(spec: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_model_factory(spec)
+
+
+def test_a_spec_whose_module_fails_to_import_says_why(tmp_path, monkeypatch) -> None:
+    (tmp_path / "needs_missing_dep.py").write_text("import no_such_dependency_abc\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="importing 'needs_missing_dep' failed: .*no_such_dep"):
+        load_model_factory("needs_missing_dep:Net")
+
+
+def test_a_spec_is_found_in_the_current_directory(tmp_path, monkeypatch) -> None:
+    """`flplatform simulate --model mymodel:Net` next to mymodel.py: the cwd is tried last,
+    and reported so that Flower's processes get it on their Python path."""
+    name = f"cwd_model_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(USER_MODELS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    assert model_import_dir(f"{name}:Net") is None
+    model = instantiate_model_spec(f"{name}:Net")
+    assert isinstance(model, nn.Module)
+    assert model_import_dir(f"{name}:Net") == tmp_path.resolve()
+    assert sys.path[-1] == str(tmp_path.resolve())  # appended: it shadows nothing installed

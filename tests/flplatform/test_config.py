@@ -80,6 +80,8 @@ def test_the_period_sets_the_local_steps_of_delayed_updates() -> None:
         ({"no-such-key": 1}, "unknown config key 'no-such-key'"),
         ({"strategy": "fedavgm"}, "fedavgm needs server-momentum > 0"),
         ({"round-timeout": 1e12}, "round-timeout must be at most"),
+        ({"max-failed-rounds": -1}, r"max-failed-rounds must be >= 0 \(.*0 never stops\), got -1"),
+        ({"max-failed-rounds": 2.5}, "max-failed-rounds must be an integer"),
         ({"delay": 3}, "delay shape delayed compensated updates: use them with strategy"),
         ({"period": 20, "compensation": False}, "period, compensation shape delayed"),
         ({"strategy": "delayed", "delay": -1}, "delay must be an integer >= 0"),
@@ -107,3 +109,56 @@ def test_batch_modes_refuse_a_sampling_fraction() -> None:
     with pytest.raises(ConfigError, match="concurrency instead"):
         RunConfig.from_mapping({"sync": "k-batch-async", "fraction-train": 0.5})
     assert RunConfig.from_mapping({"sync": "k-async", "fraction-train": 0.5}).sync == "k-async"
+
+
+def test_max_failed_rounds_reaches_the_run_config() -> None:
+    """The stop rule's knob: 3 by default, 0 (never stop) allowed, passed on to Flower."""
+    assert RunConfig().max_failed_rounds == 3
+    config = RunConfig.from_mapping({"max-failed-rounds": 0})
+    assert config.max_failed_rounds == 0
+    assert config.to_run_config()["max-failed-rounds"] == 0
+    assert RunConfig.from_mapping(config.to_run_config()) == config
+
+
+# ------------------------------------------------ a user's model and an app's own keys
+def test_model_accepts_an_importable_factory_spec(tmp_path: Path, monkeypatch) -> None:
+    name = f"cfg_model_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(
+        "from torch import nn\n\n"
+        "def Net():\n    return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))\n\n"
+        "def text():\n    return 'no model'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = RunConfig.from_mapping({"model": f"{name}:Net"})
+    assert config.model == f"{name}:Net"
+    assert RunConfig.from_mapping(config.to_run_config()) == config
+    with pytest.raises(ConfigError, match="returned a str, not a torch.nn.Module"):
+        RunConfig.from_mapping({"model": f"{name}:text"})
+    with pytest.raises(ConfigError, match=f"module '{name}' has no 'Missing'"):
+        RunConfig.from_mapping({"model": f"{name}:Missing"})
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("resnet", r"unknown model 'resnet'; allowed: mlp, cnn, wide-mlp, or MODULE:FACTORY"),
+        ("no_such_pkg_q.models:Net", "no module named 'no_such_pkg_q.models'"),
+        ("mod:", "is not MODULE:FACTORY"),
+    ],
+)
+def test_a_bad_model_is_refused_at_the_edge(model: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        RunConfig.from_mapping({"model": model})
+
+
+def test_allow_unknown_skips_an_apps_own_keys() -> None:
+    values = {"lr": 0.2, "learning-rate": 0.05, "my.nested-key": "x"}
+    with pytest.raises(ConfigError, match="unknown config key 'learning-rate'"):
+        RunConfig.from_mapping(values)
+    config = RunConfig.from_mapping(values, allow_unknown=True)
+    assert config.lr == 0.2 and config == RunConfig.from_mapping({"lr": 0.2})
+    assert RunConfig.unknown_keys(values) == ["learning-rate", "my.nested-key"]
+    assert RunConfig.unknown_keys(RunConfig().to_run_config()) == []
+    # Our own keys are still checked.
+    with pytest.raises(ConfigError, match="lr must be > 0"):
+        RunConfig.from_mapping({"lr": 0, "learning-rate": 1}, allow_unknown=True)

@@ -19,7 +19,7 @@ def hostile_app(tmp_path: Path) -> Path:
     text = text.replace('name = "flplatform"', 'name = "flplatform-hostile-test"', 1)
     text = text.replace('readme = "README.md"\n', "", 1)
     text = text.replace(
-        'clientapp = "flplatform.client_app:app"', 'clientapp = "hostile_client:app"', 1
+        'clientapp = "clients.client_app:app"', 'clientapp = "hostile_client:app"', 1
     )
     (app_dir / "pyproject.toml").write_text(text)
     shutil.copy(Path(__file__).parent / "apps" / "hostile_client.py", app_dir)

@@ -1,7 +1,8 @@
-"""Sites that speak the delayed-update protocol for engine-level tests, without Ray.
+"""Sites for engine-level tests, without Ray: real Flower contexts, mods and train functions.
 
 Each site keeps a real Flower ``Context`` between messages and answers through the real
-site part (``strategies.delayed``); only the transport is the in-process ScriptedGrid.
+site half (``strategies.mods``) around a train function; only the transport is the
+in-process ScriptedGrid.
 ``quadratic_site`` replaces the training step by p exact gradient steps on
 f_n(x) = ½‖x − c_n‖², so the invariant of ALGORITHMS.md §2 can be checked to float
 precision; ``digits_site`` trains the real model on a real digits partition.
@@ -10,15 +11,24 @@ precision; ``digits_site`` trains the real model on a real digits partition.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
-from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
 
+from clients import client_app
 from clients.site import load_site
 from flplatform import keys
-from strategies.delayed import run_period
-from strategies.local_sgd import SiteTrainConfig
-from strategies.site_parts import site_part
+from strategies.mods import delayed_mod, flplatform_mod
 from tests.flplatform.engine.scripted_grid import Behaviour
 
 
@@ -27,8 +37,23 @@ def _introduce(msg: Message, name: str, examples: int) -> Message:
     return Message(RecordDict({keys.SITE_INFO: record}), reply_to=msg)
 
 
-def context(node_id: int) -> Context:
-    return Context(run_id=1, node_id=node_id, node_config={}, state=RecordDict(), run_config={})
+def context(
+    node_id: int,
+    node_config: dict[str, Any] | None = None,
+    run_config: dict[str, Any] | None = None,
+) -> Context:
+    return Context(
+        run_id=1,
+        node_id=node_id,
+        node_config=dict(node_config or {}),
+        state=RecordDict(),
+        run_config=dict(run_config or {}),
+    )
+
+
+def builtin_train(msg: Message, state: Context) -> Message:
+    """The built-in ClientApp's training, as Flower runs it: its train function in its mod."""
+    return flplatform_mod()(msg, state, client_app.train)
 
 
 @dataclass
@@ -49,28 +74,36 @@ class QuadraticSite:
         if msg.metadata.message_type == MessageType.QUERY:
             return _introduce(msg, self.name, self.examples)
         period = int(msg.content[keys.CONFIG][keys.SERVER_ROUND])
-
-        def train(start: dict[str, np.ndarray], config: SiteTrainConfig) -> tuple[dict, dict]:
-            self.starts[period] = start["w"].astype(np.float64)
-            w = start["w"].astype(np.float64)
-            for _ in range(max(1, config.local_steps)):
-                w = w - self.lr * (w - self.target)
-            examples = 0 if period in self.rejected_in else self.examples
-            # The loss it reports is its period, so a round's loss says which periods it mixed.
-            reported = {keys.NUM_EXAMPLES: examples, keys.TRAIN_LOSS: float(period)}
-            return {"w": w.astype(start["w"].dtype)}, reported
-
-        reply = run_period(msg, self.state, train)
+        reply = delayed_mod()(msg, self.state, self.train)
+        if period in self.rejected_in:
+            # The mod itself refuses a reply without examples: claim none after it, so
+            # that the server is the one to reject the step.
+            reply.content.metric_records[keys.METRICS][keys.NUM_EXAMPLES] = 0
         self.sent[period] = reply.content[keys.ARRAYS]["w"].numpy().astype(np.float64)
         return reply
+
+    def train(self, msg: Message, state: Context) -> Message:
+        """A plain Flower train function: p exact gradient steps on f from the given model."""
+        config = msg.content[keys.CONFIG]
+        period = int(config[keys.SERVER_ROUND])
+        start = msg.content[keys.ARRAYS]["w"].numpy()
+        self.starts[period] = start.astype(np.float64)
+        w = start.astype(np.float64)
+        for _ in range(max(1, int(config.get(keys.LOCAL_STEPS, 0)))):
+            w = w - self.lr * (w - self.target)
+        # The loss it reports is its period, so a round's loss says which periods it mixed.
+        metrics = MetricRecord({keys.NUM_EXAMPLES: self.examples, keys.TRAIN_LOSS: float(period)})
+        arrays = ArrayRecord({"w": Array(w.astype(start.dtype))})
+        return Message(RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics}), reply_to=msg)
 
 
 def digits_site(
     index: int, num_partitions: int, state: Context | None = None, **run_config: object
 ) -> Behaviour:
-    """A site on a digits partition running whichever site part the server names.
+    """A site on a digits partition: the built-in ClientApp, following the server's algorithm.
 
-    ``state``: its persistent Flower context (a fresh one by default).
+    ``state``: its persistent Flower context (a fresh one by default); it is given the
+    site's node and run config.
     """
     settings = {
         "dataset": "digits",
@@ -83,11 +116,12 @@ def digits_site(
     node_config = {keys.PARTITION_ID: index, keys.NUM_PARTITIONS: num_partitions}
     site = load_site(node_config, settings)
     state = state if state is not None else context(index + 1)
+    state.node_config = node_config
+    state.run_config = settings
 
     def behave(msg: Message) -> Message:
         if msg.metadata.message_type == MessageType.QUERY:
             return _introduce(msg, site.name, len(site.x_train))
-        name = str(msg.content[keys.CONFIG].get(keys.SITE_ALGORITHM, "local-sgd"))
-        return site_part(name)(msg, state, site)
+        return builtin_train(msg, state)
 
     return behave

@@ -15,6 +15,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 
 from clients.site import load_site
 from flplatform import keys
+from flplatform.arrays import arrays_to_record, record_to_arrays
 from flplatform.engine import (
     APPLIED,
     REJECTED,
@@ -24,13 +25,13 @@ from flplatform.engine import (
     Synchrony,
     VirtualClock,
 )
-from flplatform.engine.wire import arrays_to_record, record_to_arrays
 from flplatform.errors import ConfigError, UpdateRejected
 from flplatform.network import ComputeModel
 from flplatform.seeding import rng_for
 from strategies.compensation import ServerLedger, SiteLedger
-from strategies.delayed import DelayedCompensated, DelayedSiteConfig
+from strategies.delayed import DelayedCompensated
 from strategies.local_sgd import LocalSGDAveraging
+from strategies.mods.delayed import DelayedSiteConfig, load_site_ledger
 from tests.flplatform.engine.idle_sites import network
 from tests.flplatform.engine.scripted_grid import ScriptedGrid
 
@@ -143,10 +144,12 @@ def test_a_site_keeps_at_most_d_plus_one_periods() -> None:
     sites, _, _ = quadratic_run(3, rounds=8)
     for site in sites.values():
         # After its last period it holds the periods whose averages never reached it.
-        index = site.state.state.config_records[keys.DELAYED_STATE]
-        assert list(index["pending"]) == [5, 6, 7, 8]
-        kept = [k for k in site.state.state.array_records if k.startswith(keys.DELAYED_STATE)]
-        assert len(kept) == 4
+        ledger = load_site_ledger(site.state)
+        assert ledger is not None and sorted(ledger.pending) == [5, 6, 7, 8]
+        # ... all in the mod's one state record
+        assert [k for k in site.state.state if k.startswith("flplatform")] == [
+            keys.DELAYED_STATE
+        ]
 
 
 def test_without_compensation_sites_train_from_the_stale_global_model() -> None:
@@ -155,7 +158,8 @@ def test_without_compensation_sites_train_from_the_stale_global_model() -> None:
     for site in sites.values():
         for r in range(0, 10):
             np.testing.assert_allclose(site.starts[r + 1], recorder.models[max(0, r - delay)])
-        assert keys.DELAYED_STATE + ".1" not in site.state.state.array_records
+        ledger = load_site_ledger(site.state)
+        assert ledger is not None and not ledger.pending
 
 
 def test_compensation_beats_plain_delay_on_the_quadratic() -> None:
@@ -311,7 +315,7 @@ def started_strategy() -> DelayedCompensated:
 @pytest.mark.parametrize(
     ("metrics", "arrays", "reason"),
     [
-        ({keys.NUM_EXAMPLES: 5}, None, "is the site running flplatform's delayed site part"),
+        ({keys.NUM_EXAMPLES: 5}, None, r"delayed_mod\(\)"),
         ({keys.NUM_EXAMPLES: 5, keys.PERIOD: 2}, None, "asked for period 1"),
         ({keys.NUM_EXAMPLES: 0, keys.PERIOD: 1}, None, "num-examples"),
         (

@@ -18,21 +18,22 @@ from flwr.app import (
 )
 
 from flplatform import keys
+from flplatform.arrays import arrays_to_record, record_to_arrays
 from flplatform.config import RunConfig
 from flplatform.engine import APPLIED, RoundEngine, RoundSummary
-from flplatform.engine.wire import arrays_to_record, record_to_arrays
 from flplatform.errors import ConfigError, UpdateRejected
 from strategies.codecs import Layout
 from strategies.count_sketch import CountSketch
 from strategies.fetchsgd import FetchSGD
+from strategies.mods.contract import ModState
+from strategies.mods.fetchsgd import synced_model
 from strategies.sketch_feedback import SketchFeedback
-from strategies.sparse_sync import DENSE, ChangeLog, SparseModel, synced_model
+from strategies.sparse_sync import DENSE, ChangeLog, SparseModel
 from tests.flplatform.engine.scripted_grid import ScriptedGrid
 
 from .delayed_sites import context, digits_site
 
 pytestmark = pytest.mark.usefixtures("task_identity")
-FETCHSGD_KEYS = {"state_key": keys.FETCHSGD_STATE, "model_key": keys.FETCHSGD_MODEL}
 
 
 def collision_free_sketch(d: int, rows: int = 3) -> CountSketch:
@@ -148,7 +149,11 @@ def test_every_site_rebuilds_exactly_the_servers_model() -> None:
     assert any(m.content[keys.CONFIG][keys.SYNC_FROM] >= 0 for m in messages)
     server = record_to_arrays(strategy.model.record)
     for msg in messages:
-        rebuilt = synced_model(msg, contexts[msg.metadata.dst_node_id], **FETCHSGD_KEYS)
+        held = ModState.load(contexts[msg.metadata.dst_node_id], keys.FETCHSGD_STATE)
+        rebuilt = synced_model(msg, held)
+        assert rebuilt is not None
+        # the server's model, bit for bit and in its own key order
+        assert list(rebuilt) == list(server)
         for name in server:
             np.testing.assert_array_equal(rebuilt[name], server[name])
 
@@ -167,8 +172,8 @@ def test_a_site_out_of_sync_fails_once_then_gets_the_whole_model() -> None:
     strategy.model.synced[3] = 0  # as if the site had replied, but it lost its state
     (sparse,) = strategy.configure_train(1, base, ConfigRecord(), Grid())  # type: ignore[arg-type]
     assert sparse.content[keys.CONFIG][keys.SYNC_FROM] == 0
-    with pytest.raises(ConfigError, match="send the whole model next time"):
-        synced_model(sparse, context(3), **FETCHSGD_KEYS)
+    # A site holding nothing cannot apply changes: it lost its state.
+    assert synced_model(sparse, ModState.load(context(3), keys.FETCHSGD_STATE)) is None
     # No reply came: the next message is the whole model again.
     (again,) = strategy.configure_train(1, base, ConfigRecord(), Grid())  # type: ignore[arg-type]
     assert again.content[keys.CONFIG][keys.SYNC_FROM] == -1
@@ -237,7 +242,7 @@ def sketch_reply(arrays: dict, examples: object = 4) -> Message:
 @pytest.mark.parametrize(
     ("arrays", "reason"),
     [
-        ({"w": np.zeros(10, np.float32)}, "fetchsgd site part"),
+        ({"w": np.zeros(10, np.float32)}, r"fetchsgd_mod\(\)"),
         ({"sketch": np.zeros((5, 49), np.float32)}, "shape"),
         ({"sketch": np.zeros((5, 50), np.float64)}, "float32"),
         ({"sketch": np.full((5, 50), np.nan, np.float32)}, "NaN"),

@@ -14,7 +14,7 @@ from flwr.app import (
     RecordDict,
 )
 
-from flplatform.engine.wire import record_to_arrays
+from flplatform.arrays import record_to_arrays
 from flplatform.errors import ConfigError, UpdateRejected
 from strategies.local_sgd import LocalSGDAveraging, LocalSGDState
 
@@ -163,7 +163,7 @@ class _OneNodeGrid:
 
 
 def test_site_config_reads_defaults_and_refuses_wrong_types() -> None:
-    from strategies.local_sgd import SiteTrainConfig
+    from clients.client_app import SiteTrainConfig
 
     parsed = SiteTrainConfig.from_record(ConfigRecord({"lr": 0.05, "local-steps": 7, "seed": 3}))
     assert (parsed.lr, parsed.local_steps, parsed.seed, parsed.batch_size) == (0.05, 7, 3, 32)

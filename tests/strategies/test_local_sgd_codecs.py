@@ -7,9 +7,9 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
 from flplatform import keys
+from flplatform.arrays import arrays_to_record, record_to_arrays
 from flplatform.config import RunConfig
 from flplatform.engine import APPLIED, REJECTED, RoundEngine, RoundSummary
-from flplatform.engine.wire import arrays_to_record, record_to_arrays
 from flplatform.errors import ConfigError, UpdateRejected
 from strategies.codecs import Layout, TopK
 from strategies.local_sgd import LocalSGDAveraging

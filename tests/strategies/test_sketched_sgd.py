@@ -19,23 +19,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flplatform import keys
+from flplatform.arrays import arrays_to_record, record_to_arrays
 from flplatform.config import RunConfig
 from flplatform.engine import APPLIED, RoundEngine, RoundSummary
-from flplatform.engine.wire import arrays_to_record, record_to_arrays
 from flplatform.errors import ConfigError, UpdateRejected
 from strategies.local_sgd import LocalSGDAveraging
+from strategies.mods.contract import ModState
+from strategies.mods.fetchsgd import MODEL
+from strategies.mods.sketched_sgd import ACCUMULATORS, CANDIDATES, VALUES, VALUES_PHASE, ZERO
 from strategies.sketch_feedback import SiteAccumulators, candidate_coordinates, exact_top_k
-from strategies.sketched_sgd import (
-    CANDIDATES,
-    VALUES,
-    VALUES_PHASE,
-    ZERO,
-    SketchedSGD,
-    train_site,
-)
+from strategies.sketched_sgd import SketchedSGD
 from tests.flplatform.engine.scripted_grid import Behaviour, ScriptedGrid
 
-from .delayed_sites import context, digits_site
+from .delayed_sites import builtin_train, context, digits_site
 from .test_fetchsgd import _digits_model, collision_free_sketch
 
 pytestmark = pytest.mark.usefixtures("task_identity")
@@ -192,10 +188,12 @@ def test_two_rounds_per_step_with_sparse_bytes_and_zeroing() -> None:
     assert all(ZERO not in m.content.array_records for m in round3)
     step2 = strategy.model.changes.changes[2].numpy()
     for node, ctx in contexts.items():
-        stored = record_to_arrays(ctx.state.array_records[keys.SKETCHED_MODEL])
+        kept = ModState.load(ctx, keys.SKETCHED_STATE)
+        assert kept is not None
+        stored = kept.groups[MODEL]
         flat = np.concatenate([stored[name].ravel() for name in strategy.model.layout.names])
         np.testing.assert_array_equal(flat, models[2], err_msg=f"site {node}")
-        uv = record_to_arrays(ctx.state.array_records[keys.SKETCHED_ACCUMULATORS])
+        uv = kept.groups[ACCUMULATORS]
         # Zeroed at step 2's coordinates in round 5, then one update added: v = u = g.
         np.testing.assert_array_equal(uv["u"][step2], uv["v"][step2])
         assert np.any(uv["u"][step2] != 0)
@@ -215,8 +213,9 @@ def test_a_site_whose_values_are_lost_keeps_them_for_a_later_step() -> None:
     seen: dict[int, dict[str, np.ndarray]] = {}
 
     def keep(summary: RoundSummary) -> None:
-        stored = contexts[4].state.array_records[keys.SKETCHED_ACCUMULATORS]
-        seen[summary.server_round] = record_to_arrays(stored)
+        kept = ModState.load(contexts[4], keys.SKETCHED_STATE)
+        assert kept is not None
+        seen[summary.server_round] = kept.groups[ACCUMULATORS]
 
     grid, summaries, _ = run_engine(
         strategy, 3, contexts=contexts, behaviours={4: loses_values_in_round_2}, on_round=keep
@@ -274,9 +273,7 @@ def test_malformed_values_are_rejected(node: int, arrays: dict, reason: str) -> 
 
 
 def test_a_site_refuses_values_for_a_sketch_it_did_not_send() -> None:
-    from clients.site import load_site
-
-    site = load_site({keys.PARTITION_ID: 0, keys.NUM_PARTITIONS: 4}, {"dataset": "digits"})
+    site = context(1, {keys.PARTITION_ID: 0, keys.NUM_PARTITIONS: 4}, {"dataset": "digits"})
     config = ConfigRecord(
         {
             keys.SITE_ALGORITHM: "sketched-sgd",
@@ -295,11 +292,20 @@ def test_a_site_refuses_values_for_a_sketch_it_did_not_send() -> None:
         dst_node_id=1,
         message_type=MessageType.TRAIN,
     )
+    # A site with no accumulators at all lost them (a restart): it says so, with no values.
+    reply = builtin_train(msg, site)
+    assert keys.ARRAYS not in reply.content
+    assert reply.content[keys.METRICS][keys.STATE_LOST] == 1
+    # One whose last sketch is another round's refuses.
+    zeros = np.zeros(4, dtype=np.float32)
+    ModState({"sketched-round": 1}, {ACCUMULATORS: {"u": zeros, "v": zeros}}).save(
+        site, keys.SKETCHED_STATE
+    )
     with pytest.raises(ConfigError, match="sketch of round 3; this site's last sketch is of"):
-        train_site(msg, context(1), site)
+        builtin_train(msg, site)
     config[keys.SKETCH_PHASE] = "guess"
     with pytest.raises(ConfigError, match="'sketch-phase' must be 'sketch' or 'values'"):
-        train_site(msg, context(1), site)
+        builtin_train(msg, site)
 
 
 def test_sketched_sgd_settings_are_checked() -> None:
@@ -367,15 +373,12 @@ def test_a_diverging_local_training_leaves_the_sites_accumulators_as_they_were()
     contexts = {n: context(n) for n in range(1, 5)}
     strategy = SketchedSGD(k=50, seed=1)
     run_engine(strategy, 2, contexts=contexts)
-    before = record_to_arrays(contexts[1].state.array_records[keys.SKETCHED_ACCUMULATORS])
+    before = ModState.load(contexts[1], keys.SKETCHED_STATE).groups[ACCUMULATORS]
     strategy.begin_aggregation(3, strategy.model.record)
     (msg,) = [m for m in strategy.configure_train(3, strategy.model.record, _lr(1e30), _Nodes())]
-    from clients.site import load_site
-
-    site = load_site({keys.PARTITION_ID: 0, keys.NUM_PARTITIONS: 4}, {"dataset": "digits"})
-    with pytest.raises(ConfigError, match="local training diverged"):
-        train_site(msg, contexts[1], site)
-    after = record_to_arrays(contexts[1].state.array_records[keys.SKETCHED_ACCUMULATORS])
+    with pytest.raises((ConfigError, UpdateRejected), match="diverge"):
+        builtin_train(msg, contexts[1])
+    after = ModState.load(contexts[1], keys.SKETCHED_STATE).groups[ACCUMULATORS]
     for name in ("u", "v"):
         np.testing.assert_array_equal(after[name], before[name])
 

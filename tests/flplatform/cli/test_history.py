@@ -13,8 +13,15 @@ from typer.testing import CliRunner
 
 from flplatform.cli import history as history_command
 from flplatform.cli.app import app
-from flplatform.cli.history import human_seconds, staleness_counts
-from storage import LedgerRepository, UpdateInput, UpdateStatus
+from flplatform.cli.history import (
+    FAILED_STATUSES,
+    common_reason,
+    failure_note,
+    human_seconds,
+    staleness_counts,
+)
+from flplatform.errors import StorageError
+from storage import LedgerRepository, UpdateInput, UpdateRecord, UpdateStatus
 
 runner = CliRunner()
 
@@ -371,3 +378,181 @@ def test_data_split_writes_one_file_per_site(tmp_path: Path) -> None:
     ]
     again = runner.invoke(app, ["data", "split", "--out", str(out), "--sites", "london,tokyo"])
     assert again.exit_code != 0 and "overwrite" in again.output
+
+
+# ------------------------------------------------------------------ history updates
+@pytest.fixture
+def failing_ledger(tmp_path: Path) -> str:
+    """Three rounds of two sites: round 1 applies both; in round 2 london's update is
+    rejected (a reason quoting brackets) and tokyo's dropped; in round 3 both are rejected."""
+    url = f"sqlite:///{tmp_path / 'failing.db'}"
+    t0 = time.time()
+    missing = "missing arrays: [conv1.weight] " + "x" * 200
+    # (site, status, reason) per round
+    plan: dict[int, list[tuple[str, UpdateStatus, str | None]]] = {
+        1: [("london", "applied", None), ("tokyo", "applied", None)],
+        2: [("london", "rejected", missing), ("tokyo", "dropped", "no reply within 600 s")],
+        3: [("london", "rejected", missing), ("tokyo", "rejected", missing)],
+    }
+    with LedgerRepository.open(url) as repo:
+        run_id = repo.create_run(
+            name="broken-client", strategy="local-sgd", seed=0, config={}, num_rounds_planned=3
+        )
+        for name in ("london", "tokyo"):
+            repo.add_site(run_id, name=name, node_id=len(name), num_examples=100)
+        for rnd, rows in plan.items():
+            repo.record_round(
+                run_id,
+                round=rnd,
+                model_version=1,
+                started_at=t0 + rnd,
+                finished_at=t0 + rnd + 0.5,
+                metrics={"accuracy": 0.1},
+                train_loss=None,
+                updates=[
+                    UpdateInput(
+                        site=site,
+                        dispatched_round=rnd,
+                        version_trained_on=rnd - 1,
+                        staleness=0,
+                        bytes_up=0 if status == "dropped" else 1000,
+                        bytes_down=1100,
+                        status=status,
+                        reason=reason,
+                        dispatched_at=t0 + rnd,
+                        arrived_at=None if status == "dropped" else t0 + rnd + 0.25,
+                        num_examples=100 if status == "applied" else None,
+                    )
+                    for site, status, reason in rows
+                ],
+            )
+        repo.finish_run(run_id, status="failed", error="rounds 2-3 applied no update")
+    return url
+
+
+def updates_json(*args: str) -> list[dict]:
+    return json.loads(history("updates", *args, "--format", "json"))
+
+
+def test_updates_list_every_update_with_its_reason(failing_ledger: str) -> None:
+    rows = updates_json("latest", "--db", failing_ledger)
+    assert [(r["round"], r["site"], r["status"]) for r in rows] == [
+        (1, "london", "applied"),
+        (1, "tokyo", "applied"),
+        (2, "london", "rejected"),
+        (2, "tokyo", "dropped"),
+        (3, "london", "rejected"),
+        (3, "tokyo", "rejected"),
+    ]
+    # JSON carries every field of the record, the whole reason included.
+    assert set(rows[0]) == set(UpdateRecord.__dataclass_fields__)
+    assert rows[2]["reason"].startswith("missing arrays: [conv1.weight] xxx")
+    assert len(rows[2]["reason"]) == len("missing arrays: [conv1.weight] ") + 200
+    assert (rows[3]["reason"], rows[3]["bytes_up"], rows[3]["arrived_at"]) == (
+        "no reply within 600 s",
+        0,
+        None,
+    )
+    out = history("updates", "1", "--db", failing_ledger, "--format", "csv")
+    records = list(csv.DictReader(io.StringIO(out)))
+    assert len(records) == 6 and set(records[0]) == set(UpdateRecord.__dataclass_fields__)
+    assert records[3]["reason"] == "no reply within 600 s"
+
+
+def test_updates_filter_by_round_site_and_status(failing_ledger: str) -> None:
+    def picked(*args: str) -> list[tuple[int, str, str]]:
+        return [(r["round"], r["site"], r["status"]) for r in updates_json("1", *args)]
+
+    db = ("--db", failing_ledger)
+    assert picked(*db, "--round", "2") == [(2, "london", "rejected"), (2, "tokyo", "dropped")]
+    assert picked(*db, "--site", "tokyo", "--status", "dropped") == [(2, "tokyo", "dropped")]
+    assert picked(*db, "--status", "rejected") == [
+        (2, "london", "rejected"),
+        (3, "london", "rejected"),
+        (3, "tokyo", "rejected"),
+    ]
+    assert picked(*db, "--status", "Rejected, dropped", "--round", "2") == [
+        (2, "london", "rejected"),
+        (2, "tokyo", "dropped"),
+    ]
+    assert picked(*db, "--round", "3", "--site", "london") == [(3, "london", "rejected")]
+    assert picked(*db, "--status", "cancelled") == []
+
+
+def test_updates_table_shows_reasons_cut_short_with_their_brackets(
+    failing_ledger: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(history_command.console, "width", 400)
+    output = history("updates", "1", "--db", failing_ledger, "--status", "rejected,dropped")
+    assert "updates (status rejected, dropped)" in output
+    header, _ = _table(output)
+    assert header[:3] == ["round", "site", "status"] and header[-1] == "reason"
+    reasons = [line.split("│")[-2].strip() for line in output.splitlines() if "│" in line]
+    # The table keeps the brackets (not read as markup) and cuts the reason to 80 characters.
+    assert reasons[0].startswith("missing arrays: [conv1.weight] xxx") and reasons[0].endswith("…")
+    assert len(reasons[0]) == history_command.REASON_CELL
+    assert "no reply within 600 s" in reasons
+
+
+def test_updates_refuse_bad_filters_in_one_line(failing_ledger: str) -> None:
+    bad = runner.invoke(app, ["history", "updates", "1", "--db", failing_ledger, "--status", "ok"])
+    assert bad.exit_code == 2
+    assert (
+        "--status must be one of applied, buffered, cancelled, dropped, rejected "
+        "(several: comma-separated), got 'ok'"
+    ) in bad.output
+    assert "Traceback" not in bad.output
+    empty = runner.invoke(app, ["history", "updates", "1", "--db", failing_ledger, "--status", ","])
+    assert empty.exit_code == 2 and "--status must be one of" in empty.output
+    site = runner.invoke(app, ["history", "updates", "1", "--db", failing_ledger, "--site", "oslo"])
+    assert site.exit_code == 5 and "run 1 has no site 'oslo'; its sites: london, tokyo" in (
+        site.output
+    )
+    zero = runner.invoke(app, ["history", "updates", "1", "--db", failing_ledger, "--round", "0"])
+    assert zero.exit_code == 2
+
+
+def test_repository_filters_updates_by_status(failing_ledger: str) -> None:
+    with LedgerRepository.open(failing_ledger) as repo:
+        assert [u.site for u in repo.list_updates(1, status="dropped")] == ["tokyo"]
+        assert len(repo.list_updates(1, status=("rejected", "applied"))) == 5
+        with pytest.raises(StorageError, match="unknown update status 'lost'; allowed: applied"):
+            repo.list_updates(1, status=["rejected", "lost"])
+
+
+def test_rounds_name_why_updates_were_not_applied(
+    failing_ledger: str, simulated_ledger: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(history_command.console, "width", 400)
+    header, rows = _table(history("rounds", "1", "--db", failing_ledger))
+    counts = [header.index(c) for c in ("applied", "dropped", "rejected")]
+    assert [[rows[r][i] for i in counts] for r in ("1", "2", "3")] == [
+        ["2", "0", "0"],
+        ["0", "1", "1"],
+        ["0", "0", "2"],
+    ]
+    at = header.index("why not applied")
+    assert rows["1"][at] == "-"
+    # Round 2 failed two ways: the first recorded reason, and that there was one more.
+    assert rows["2"][at].startswith("missing arrays: [conv1.weight] xx")
+    assert rows["2"][at].endswith("… (+1 other)")
+    assert len(rows["2"][at]) == history_command.REASON_CELL
+    assert rows["3"][at].startswith("missing arrays:") and "other" not in rows["3"][at]
+    # A run whose every update was applied has no such column.
+    clean_header, _ = _table(history("rounds", "1", "--db", simulated_ledger))
+    assert "why not applied" not in clean_header
+
+
+def test_failure_note_names_counts_and_the_common_reason(failing_ledger: str) -> None:
+    with LedgerRepository.open(failing_ledger) as repo:
+        rounds = repo.list_rounds(1)
+        failed = {
+            r.round: repo.list_updates(1, round=r.round, status=FAILED_STATUSES) for r in rounds
+        }
+    assert failure_note(rounds[0], failed[1]) == ""
+    note = failure_note(rounds[2], failed[3], limit=40)
+    assert note == "round 3: 2 rejected — missing arrays: [conv1.weight] xxxxxxxx…"
+    assert failure_note(rounds[1], failed[2], limit=200).startswith(
+        "round 2: 1 rejected, 1 dropped — missing arrays: [conv1.weight] xxx"
+    )
+    assert common_reason([]) == "-"

@@ -21,9 +21,9 @@ from flwr.app import (
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from flplatform import keys
+from flplatform.arrays import record_to_arrays
 from flplatform.engine import APPLIED, DROPPED, REJECTED, RoundEngine, Synchrony
 from flplatform.engine.engine import REFUSED
-from flplatform.engine.wire import record_to_arrays
 from flplatform.ledger import SqlLedger
 from storage import LedgerRepository
 from strategies.local_sgd import LocalSGDAveraging

@@ -16,7 +16,8 @@ from flwr.app import (
 from flwr.common.serde import message_to_proto
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
-from flplatform.engine.wire import arrays_to_record, content_size, message_size, record_to_arrays
+from flplatform.arrays import arrays_to_record, record_to_arrays
+from flplatform.engine.wire import content_size, message_size
 
 
 def flower_size(msg: Message) -> int:

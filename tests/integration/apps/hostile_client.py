@@ -16,7 +16,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from flplatform import client_app as honest
+from clients import client_app as honest
 
 SLOW_SITE_SECONDS = 40.0
 

@@ -1,0 +1,1 @@
+"""own-app: a Flower app with its own model, data and training loop."""

@@ -1,0 +1,181 @@
+"""``flplatform run APP_DIR``: run a user's own Flower app in a local simulation.
+
+As ``flwr run APP_DIR`` would, with the platform's options on top (see
+flplatform/flower_app.py for how each reaches the app). Everything is checked before any
+process starts; the run is followed through the ledger and its tables printed at the end.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from flplatform.cli.errors import handles_errors
+from flplatform.cli.history import failure_note
+from flplatform.cli.history import rounds as show_rounds
+from flplatform.cli.history import sites as show_sites
+from flplatform.cli.render import OutputFormat, human_bytes, make_console
+from flplatform.cli.simulate import site_names
+from flplatform.flower_app import AppRun, PlatformOptions, plan_run, read_app
+from flplatform.simulation import run_app
+from storage import RoundRecord, RunRecord, UpdateRecord
+
+console = make_console()
+
+
+@handles_errors
+def run(
+    app_dir: Annotated[
+        Path,
+        typer.Argument(
+            help="A Flower app directory: pyproject.toml with [tool.flwr.app].",
+            show_default=False,
+        ),
+    ],
+    sites: Annotated[
+        str | None,
+        typer.Option(
+            help="Number of simulated sites (SuperNodes), or comma-separated names "
+            "(default: the app's `sites` key, else 2)."
+        ),
+    ] = None,
+    rounds: Annotated[
+        int | None,
+        typer.Option(help="Server rounds (the app's num-server-rounds and start's num_rounds)."),
+    ] = None,
+    network: Annotated[
+        str | None,
+        typer.Option(
+            help="Simulate a network: world, datacenter, mobile-4g, mobile-5g, or a .toml "
+            "profile file."
+        ),
+    ] = None,
+    sync: Annotated[
+        str | None,
+        typer.Option(help="sync, k-sync, k-batch-sync, async, k-async, k-batch-async or buffered."),
+    ] = None,
+    k: Annotated[int | None, typer.Option("--k", help="K of the K synchrony modes.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed of the platform's random choices.")] = None,
+    db: Annotated[
+        str | None,
+        typer.Option(help="SQLAlchemy URL of the ledger (default: the SQLite ledger)."),
+    ] = None,
+    max_failed_rounds: Annotated[
+        int | None,
+        typer.Option(help="Stop after this many rounds in a row failing alike (0: never)."),
+    ] = None,
+    strategy: Annotated[
+        str | None,
+        typer.Option(help="Sets the app's `strategy` key (flplatform's ServerApp: the algorithm)."),
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="Sets the app's `model` key: mlp, cnn, wide-mlp, or MODULE:FACTORY (a "
+            "zero-argument callable returning an nn.Module, importable from the app "
+            "directory or the Python path)."
+        ),
+    ] = None,
+    run_config: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--run-config",
+            "-c",
+            help="key=value of the app's own run config (repeatable); the key must be "
+            "declared in the app's pyproject.toml.",
+        ),
+    ] = None,
+) -> None:
+    """Run your own Flower app directory in a local simulation, with the platform's options."""
+    app = read_app(app_dir)
+    given = PlatformOptions(
+        sites=site_names(sites) if sites is not None else None,
+        rounds=rounds,
+        network=network,
+        sync=sync,
+        k=k,
+        seed=seed,
+        db=db,
+        max_failed_rounds=max_failed_rounds,
+        strategy=strategy,
+        model=model,
+        run_config=tuple(run_config or ()),
+    )
+    plan = plan_run(app, given, tag=uuid.uuid4().hex)
+    record = follow(plan)
+    show_rounds(str(record.id), db=plan.db_url, fmt=OutputFormat.table)
+    show_sites(str(record.id), db=plan.db_url, fmt=OutputFormat.table)
+    simulated = (
+        f" ({record.simulated_seconds:.1f} s simulated)"
+        if record.simulated_seconds is not None
+        else ""
+    )
+    again = f"flplatform history rounds {record.id}" + (f" --db {db}" if db else "")
+    console.print(
+        f"\nRun {record.id} {record.status} in {record.wall_seconds or 0:.1f} s{simulated}; "
+        f"ledger: [bold]{escape(_display_url(plan.db_url))}[/]\nSee it again with: {again}"
+    )
+
+
+def follow(plan: AppRun) -> RunRecord:
+    """Start the app and show its rounds as they finish; return the finished run."""
+    shown = {
+        key: plan.options[key]
+        for key in ("num_rounds", "sync", "k", "network", "seed")
+        if key in plan.options
+    }
+    extras = "".join(f", {key}={value}" for key, value in shown.items())
+    own = " ".join(
+        f"{key}={value}" for key, value in plan.run_config.items() if key not in ("db", "run-tag")
+    )
+    console.print(
+        f"Running app [bold]{escape(plan.app.name)}[/] ({escape(str(plan.app.path))}) on "
+        f"{plan.num_sites} simulated sites{escape(extras)}"
+        + (f"; run config: {escape(own)}" if own else "")
+    )
+    progress = Progress(
+        TextColumn("[bold]rounds"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[status]}"),
+        console=console,
+    )
+    task = progress.add_task("rounds", total=plan.num_rounds, status="starting Flower…")
+
+    def show(
+        record: RunRecord | None, done: list[RoundRecord], failures: list[UpdateRecord]
+    ) -> None:
+        if record is None:
+            return
+        if record.num_rounds_planned:
+            progress.update(task, total=record.num_rounds_planned)
+        if not done:
+            progress.update(task, status="sites joining…")
+            return
+        accuracy = done[-1].metrics.get("accuracy")
+        up = human_bytes(sum(r.bytes_up + r.eval_bytes_up for r in done))
+        down = human_bytes(sum(r.bytes_down + r.eval_bytes_down for r in done))
+        status = (f"accuracy {accuracy:.4f}  " if accuracy is not None else "") + (
+            f"up {up}  down {down}"
+        )
+        note = failure_note(done[-1], failures)
+        progress.update(
+            task,
+            completed=len(done),
+            status=status + (f"  [yellow]{escape(note)}[/]" if note else ""),
+        )
+
+    with progress:
+        record = run_app(plan, on_progress=show)
+    console.print()
+    return record
+
+
+def _display_url(url: str) -> str:
+    return url.removeprefix("sqlite:///") if url.startswith("sqlite:///") else url

@@ -1,0 +1,419 @@
+"""A user's own Flower app directory, run by ``flplatform run`` with the platform's options.
+
+A Flower app directory holds a ``pyproject.toml`` with ``[tool.flwr.app]``: its components
+(``serverapp``, ``clientapp``) and its own run-config keys. ``flplatform run APP_DIR``
+runs it as ``flwr run APP_DIR`` would, in a local simulation, and adds the platform's
+options. They reach the app two ways:
+
+* ``FLPLATFORM_OPTIONS``, a JSON object of :func:`flplatform.start` keyword names to values
+  in the environment of the Flower processes: a ServerApp that calls ``flplatform.start``
+  takes them over its own arguments (``--rounds`` → ``num_rounds``, ``--sync``, ``--k``,
+  ``--network``, ``--seed``, ``--db`` → ``ledger``, ``--max-failed-rounds``; and always
+  ``tag`` and ``ledger``, by which the run is followed);
+* the app's run-config keys of the same name, where the app declares them
+  (``--rounds`` → ``num-server-rounds``, ``--sites`` → ``sites``, ``--strategy`` →
+  ``strategy``, ``--model`` → ``model``, ...): this is how the generic ServerApp
+  (``flplatform.server_app:app``) and the app's own code see them.
+
+Options the user did not give are not sent: the app's own code decides. ``-c key=value``
+sets the app's own keys, passed through untouched except for the type its declared
+default has.
+"""
+
+from __future__ import annotations
+
+import sys
+import tomllib
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flplatform.errors import ConfigError
+
+ConfigValue = str | int | float | bool
+
+# flplatform.start's environment variable; kept equal to flplatform.start.OPTIONS_ENV.
+OPTIONS_ENV = "FLPLATFORM_OPTIONS"
+GENERIC_SERVERAPP = "flplatform.server_app:app"
+# Sites when neither --sites nor the app's `sites` key says (Flower's default is 2).
+DEFAULT_NUM_SITES = 2
+
+# Platform option → the run-config key it also sets when the app declares that key.
+RUN_CONFIG_KEYS = {
+    "rounds": "num-server-rounds",
+    "sites": "sites",
+    "network": "network",
+    "sync": "sync",
+    "k": "k",
+    "seed": "seed",
+    "max_failed_rounds": "max-failed-rounds",
+    "strategy": "strategy",
+    "model": "model",
+}
+# Platform option → flplatform.start() keyword (FLPLATFORM_OPTIONS).
+START_KEYWORDS = {
+    "rounds": "num_rounds",
+    "network": "network",
+    "sync": "sync",
+    "k": "k",
+    "seed": "seed",
+    "max_failed_rounds": "max_failed_rounds",
+}
+
+
+@dataclass(frozen=True)
+class FlowerApp:
+    """A Flower app directory: its components and the run-config keys it declares."""
+
+    path: Path
+    name: str
+    serverapp: str
+    clientapp: str
+    config: dict[str, ConfigValue]  # declared keys (flattened, dotted) → default values
+
+    @property
+    def uses_generic_serverapp(self) -> bool:
+        """Whether its ServerApp is flplatform's, which reads a RunConfig from the run config."""
+        return self.serverapp == GENERIC_SERVERAPP
+
+    def declared(self) -> str:
+        """The declared keys, for error messages."""
+        return ", ".join(sorted(self.config)) or "none"
+
+
+@dataclass(frozen=True)
+class PlatformOptions:
+    """What ``flplatform run`` was given; None: not given, so not sent."""
+
+    sites: tuple[str, ...] | None = None  # site names (the CLI parses a count into names)
+    rounds: int | None = None
+    network: str | None = None
+    sync: str | None = None
+    k: int | None = None
+    seed: int | None = None
+    db: str | None = None
+    max_failed_rounds: int | None = None
+    strategy: str | None = None
+    model: str | None = None
+    run_config: Sequence[str] = ()  # -c key=value, the app's own keys
+
+
+@dataclass(frozen=True)
+class AppRun:
+    """Everything needed to start and follow one run of a Flower app."""
+
+    app: FlowerApp
+    run_config: dict[str, ConfigValue]  # overrides sent with `flwr run --run-config`
+    options: dict[str, Any]  # FLPLATFORM_OPTIONS
+    site_names: tuple[str, ...]
+    db_url: str
+    tag: str
+    num_rounds: int | None  # known ahead (option or declared key); None: the app decides
+    python_path: tuple[Path, ...] = field(default=())  # extra dirs for Flower processes
+
+    @property
+    def num_sites(self) -> int:
+        """Simulated SuperNodes."""
+        return len(self.site_names)
+
+    def environment(self) -> dict[str, str]:
+        """The environment variables that carry :attr:`options` to the ServerApp."""
+        return options_environment(self.options)
+
+
+def options_environment(options: Mapping[str, Any]) -> dict[str, str]:
+    """``{FLPLATFORM_OPTIONS: json}`` for ``options``, checked by flplatform.start's helper."""
+    from flplatform.start import options_environment as start_environment  # engine, Flower
+
+    return start_environment(**options)
+
+
+# ====================================================================== reading the app
+def read_app(path: str | Path) -> FlowerApp:
+    """Read and check a Flower app directory; raise ``ConfigError`` saying what is wrong."""
+    app_dir = Path(path).expanduser()
+    if not app_dir.exists():
+        raise ConfigError(f"app directory {path} does not exist")
+    if not app_dir.is_dir():
+        raise ConfigError(f"{path} is not a directory: give a Flower app directory")
+    app_dir = app_dir.resolve()
+    pyproject = app_dir / "pyproject.toml"
+    if not pyproject.is_file():
+        raise ConfigError(
+            f"{path} has no pyproject.toml: a Flower app directory holds one with a "
+            "tool.flwr.app table"
+        )
+    try:
+        data = tomllib.loads(pyproject.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read {pyproject}: {exc}") from None
+    if not isinstance(data.get("tool", {}).get("flwr", {}).get("app"), dict):
+        raise ConfigError(f"{pyproject} has no tool.flwr.app table: not a Flower app directory")
+    from flwr.common.config import flatten_dict, validate_config
+
+    try:
+        valid, errors, _warnings = validate_config(data, check_module=True, project_dir=app_dir)
+    except Exception as exc:  # Flower's checks raise on some malformed values
+        valid, errors = False, [str(exc)]
+    if not valid:
+        raise ConfigError(f"{pyproject}: {'; '.join(str(e).strip() for e in errors)}")
+    app_table = data["tool"]["flwr"]["app"]
+    try:
+        config = flatten_dict(app_table.get("config", {}))
+    except ValueError as exc:
+        raise ConfigError(f"{pyproject}: [tool.flwr.app.config]: {exc}") from None
+    components = app_table["components"]
+    return FlowerApp(
+        path=app_dir,
+        name=str(data["project"]["name"]),
+        serverapp=str(components["serverapp"]),
+        clientapp=str(components["clientapp"]),
+        config=dict(config),
+    )
+
+
+def parse_run_config(app: FlowerApp, items: Sequence[str]) -> dict[str, ConfigValue]:
+    """``-c key=value`` items → the app's keys, each value of its declared default's type."""
+    out: dict[str, ConfigValue] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"-c {item!r}: expected key=value, e.g. -c learning-rate=0.05")
+        if key not in app.config:
+            raise ConfigError(
+                f"-c {key}: app '{app.name}' declares no run-config key '{key}'; "
+                f"its keys: {app.declared()}"
+            )
+        out[key] = _typed(key, text.strip(), app.config[key])
+    return out
+
+
+def _typed(key: str, text: str, default: ConfigValue) -> ConfigValue:
+    """``text`` as the type of ``default`` (Flower keeps the type a key is declared with)."""
+    unquoted = text[1:-1] if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"" else text
+    if isinstance(default, bool):
+        lowered = unquoted.lower()
+        if lowered in ("true", "1", "yes", "on"):
+            return True
+        if lowered in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"-c {key} must be true or false (declared {default!r}), got {text!r}")
+    if isinstance(default, int):
+        try:
+            return int(unquoted)
+        except ValueError:
+            raise ConfigError(
+                f"-c {key} must be an integer (declared {default!r}), got {text!r}"
+            ) from None
+    if isinstance(default, float):
+        try:
+            return float(unquoted)
+        except ValueError:
+            raise ConfigError(
+                f"-c {key} must be a number (declared {default!r}), got {text!r}"
+            ) from None
+    return unquoted
+
+
+# ====================================================================== planning a run
+def plan_run(app: FlowerApp, given: PlatformOptions, *, tag: str) -> AppRun:
+    """Check every option and build the run: overrides, FLPLATFORM_OPTIONS, sites, ledger.
+
+    Raises ``ConfigError`` (or ``StorageError`` for a ledger that cannot be opened) before
+    anything starts.
+    """
+    overrides = parse_run_config(app, given.run_config)
+    values = _checked_values(app, given)
+    options: dict[str, Any] = {}
+    for name, value in values.items():
+        key = RUN_CONFIG_KEYS[name]
+        if key in overrides:
+            raise ConfigError(
+                f"--{name.replace('_', '-')} and -c {key} both set '{key}': give one of them"
+            )
+        if name in START_KEYWORDS:
+            options[START_KEYWORDS[name]] = value
+        if key in app.config:
+            overrides[key] = ",".join(value) if isinstance(value, tuple) else value
+        elif name in ("strategy", "model"):
+            raise ConfigError(
+                f"--{name} sets the app's '{key}' run-config key, which app '{app.name}' does "
+                f"not declare (its ServerApp {app.serverapp} picks its own); "
+                f"its keys: {app.declared()}"
+            )
+    sites = values.get("sites")
+    if not isinstance(sites, tuple):
+        sites = _declared_sites(app, overrides)
+    if given.sites is not None:
+        options["required_sites"] = len(sites)
+    db_url = _ledger_url(given.db)
+    options["ledger"] = db_url
+    options["tag"] = tag
+    for key, value in (("db", db_url), ("run-tag", tag)):
+        if key in app.config:
+            overrides[key] = value
+    if app.uses_generic_serverapp:
+        _check_generic(app, overrides)
+    rounds = overrides.get("num-server-rounds", app.config.get("num-server-rounds"))
+    num_rounds = values.get("rounds")
+    if num_rounds is None and isinstance(rounds, int) and not isinstance(rounds, bool):
+        num_rounds = rounds
+    return AppRun(
+        app=app,
+        run_config=overrides,
+        options=options,
+        site_names=sites,
+        db_url=db_url,
+        tag=tag,
+        num_rounds=num_rounds if isinstance(num_rounds, int) else None,
+        python_path=_python_path(given.model),
+    )
+
+
+def _checked_values(app: FlowerApp, given: PlatformOptions) -> dict[str, Any]:
+    """The options given, each checked; sites as names, network as a preset or full path."""
+    from flplatform.config import SYNC_MODES
+    from flplatform.engine.synchrony import synchrony_problems
+
+    out: dict[str, Any] = {}
+    if given.sites is not None:
+        if not given.sites:
+            raise ConfigError("--sites must be a positive count or a list of names")
+        out["sites"] = _checked_sites(given.sites)
+    if given.rounds is not None:
+        out["rounds"] = _at_least("--rounds", given.rounds, 1)
+    if given.seed is not None:
+        out["seed"] = _at_least("--seed", given.seed, 0)
+    if given.max_failed_rounds is not None:
+        out["max_failed_rounds"] = _at_least("--max-failed-rounds", given.max_failed_rounds, 0)
+    if given.k is not None:
+        out["k"] = _at_least("--k", given.k, 1)
+    if given.sync is not None:
+        sync = given.sync.strip()
+        if sync not in SYNC_MODES:
+            raise ConfigError(f"unknown --sync '{sync}'; allowed: {', '.join(SYNC_MODES)}")
+        problems = synchrony_problems(
+            sync,
+            k=given.k if given.k is not None else 2,
+            staleness_bound=-1,
+            weighting="",
+            adasync=False,
+            concurrency=0,
+        )
+        if problems:
+            raise ConfigError("; ".join(problems))
+        out["sync"] = sync
+    if given.network is not None:
+        out["network"] = _checked_network(given.network, seed=given.seed or 0)
+    if given.strategy is not None:
+        strategy = given.strategy.strip()
+        if not strategy:
+            raise ConfigError("--strategy must not be empty")
+        out["strategy"] = strategy
+    if given.model is not None:
+        out["model"] = _checked_model(app, given.model.strip())
+    return out
+
+
+def _at_least(name: str, value: int, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _checked_network(spec: str, *, seed: int) -> str:
+    """A preset name as is, a profile file as an absolute path; loaded once to check it."""
+    from flplatform.network import load_network
+
+    text = spec.strip()
+    if not text:
+        return ""
+    if text.endswith(".toml") or "/" in text or Path(text).is_file():
+        text = str(Path(text).expanduser().resolve())
+    load_network(text, seed=seed)  # a bad preset or profile fails here, in one line
+    return text
+
+
+@contextmanager
+def _importable_from(directory: Path) -> Iterator[None]:
+    """Modules of the app directory importable (as Flower's processes will find them)."""
+    entry = str(directory)
+    added = entry not in sys.path
+    if added:
+        sys.path.insert(0, entry)
+    try:
+        yield
+    finally:
+        if added and entry in sys.path:
+            sys.path.remove(entry)
+
+
+def _checked_model(app: FlowerApp, model: str) -> str:
+    """A built-in name, or a MODULE:FACTORY spec importable from the app dir or Python path."""
+    from flplatform.config import MODELS
+
+    if model in MODELS:
+        return model
+    if ":" not in model:
+        raise ConfigError(
+            f"unknown --model '{model}'; allowed: {', '.join(MODELS)}, or MODULE:FACTORY "
+            "(a zero-argument callable returning a torch.nn.Module)"
+        )
+    from clients.models import instantiate_model_spec
+
+    with _importable_from(app.path):
+        instantiate_model_spec(model)
+    return model
+
+
+def _python_path(model: str | None) -> tuple[Path, ...]:
+    """Where Flower's processes must look for a model spec's module found in the cwd."""
+    if model is None or ":" not in model:
+        return ()
+    from clients.models import model_import_dir
+
+    directory = model_import_dir(model.strip())
+    return (directory,) if directory is not None else ()
+
+
+def _checked_sites(names: Sequence[str]) -> tuple[str, ...]:
+    from flplatform.config import _as_names
+
+    return _as_names("--sites", list(names))
+
+
+def _declared_sites(app: FlowerApp, overrides: Mapping[str, ConfigValue]) -> tuple[str, ...]:
+    """Sites from the app's `sites` key (as overridden), else the default count."""
+    declared = overrides.get("sites", app.config.get("sites"))
+    if isinstance(declared, str) and declared.strip():
+        names = _checked_sites(declared.split(","))
+        if names:
+            return names
+    if app.uses_generic_serverapp:  # it waits for one node per name in RunConfig.sites
+        from flplatform.config import DEFAULT_SITES
+
+        return DEFAULT_SITES
+    return tuple(f"site-{i + 1}" for i in range(DEFAULT_NUM_SITES))
+
+
+def _ledger_url(db: str | None) -> str:
+    """The ledger's absolute URL, opened (created if needed) now so a bad one fails early."""
+    from storage import LedgerRepository
+    from storage.session import default_db_url, normalize_db_url
+
+    url = normalize_db_url(db) if db else default_db_url()
+    with LedgerRepository.open(url if db else None):
+        pass
+    return url
+
+
+def _check_generic(app: FlowerApp, overrides: Mapping[str, ConfigValue]) -> None:
+    """flplatform's ServerApp parses the fused run config: do it now, in one line."""
+    from flplatform.config import RunConfig
+
+    fused = {**app.config, **overrides}
+    with _importable_from(app.path):
+        RunConfig.from_mapping(fused, allow_unknown=True)

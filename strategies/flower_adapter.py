@@ -1,0 +1,296 @@
+"""Flower's own strategies (FedAvg, FedProx, FedAdam, FedAvgM, ...) under the round engine.
+
+``FlowerStrategyAdapter`` wraps any ``flwr.serverapp.strategy.Strategy`` that lacks the
+engine's streaming hooks, so ``flplatform.start`` can run it with the ledger, byte
+accounting and a simulated network. Sampling, messages and aggregation stay the wrapped
+strategy's own (Flower's strategies sample with ``random``); the adapter only
+
+* keeps each accepted reply of a round and hands the round's replies to the wrapped
+  strategy's ``aggregate_train`` at the end, as Flower's ``start`` does;
+* checks every reply as it arrives, with the rules the wrapped strategy's aggregation
+  applies (Flower's ``validate_message_reply_consistency``: one ArrayRecord and one
+  MetricRecord, the same keys as the round's first accepted reply, a single-valued weight)
+  plus the platform's own (a positive ``num-examples``, the global model's array names,
+  shapes and dtypes, finite values). A reply that Flower would refuse is REJECTED with the
+  reason, instead of making ``aggregate_train`` refuse the whole round;
+* never lets a strategy's node sampling wait for more nodes than the engine offers: Flower's
+  ``sample_nodes`` sleeps until ``min_available_nodes`` are connected, so with fewer idle
+  sites the adapter sends nothing and the engine offers work again as sites join.
+
+The wrapped strategy aggregates a round's replies at once and knows no stale updates, so
+it runs fully synchronously only (``engine_policy``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.exception import InconsistentMessageReplies
+from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy.strategy_utils import validate_message_reply_consistency
+
+from flplatform import keys
+from flplatform.arrays import record_to_arrays
+from flplatform.engine import AggregationPolicy, Contribution, Synchrony
+from flplatform.errors import ConfigError, RunFailed, UpdateRejected
+from strategies.local_sgd import first_number
+from strategies.validation import check_arrays, check_num_examples
+
+log = logging.getLogger("flplatform.strategies.flower_adapter")
+
+
+class FlowerStrategyAdapter:
+    """Run a Flower Message-API strategy through the engine's streaming hooks.
+
+    Parameters
+    ----------
+    strategy : flwr.serverapp.strategy.Strategy
+        The strategy to run, e.g. ``FedAvg(fraction_evaluate=0.0)``. Its
+        ``weighted_by_key`` (Flower's FedAvg family; ``num-examples`` otherwise) is the
+        weight every training reply must carry.
+
+    Raises
+    ------
+    ConfigError
+        If ``strategy`` is not a Flower ``Strategy``.
+    """
+
+    def __init__(self, strategy: Strategy) -> None:
+        if not isinstance(strategy, Strategy):
+            raise ConfigError(
+                f"FlowerStrategyAdapter wraps a flwr.serverapp.strategy.Strategy, got "
+                f"{type(strategy).__name__}"
+            )
+        self.strategy = strategy
+        weighted_by = getattr(strategy, "weighted_by_key", keys.NUM_EXAMPLES)
+        self.weighted_by_key = weighted_by if isinstance(weighted_by, str) else keys.NUM_EXAMPLES
+        self._round = 0
+        self._replies: list[Message] = []
+        self._base: dict[str, np.ndarray] = {}
+        self._base_record: ArrayRecord | None = None
+
+    @property
+    def name(self) -> str:
+        """The wrapped strategy's class name (``FedAvg``)."""
+        return type(self.strategy).__name__
+
+    @property
+    def ledger_name(self) -> str:
+        """The strategy's name in the ledger: ``flwr-`` and the class name in lower case."""
+        return f"flwr-{self.name.lower()}"
+
+    def summary(self) -> None:
+        """Log the wrapped strategy's configuration."""
+        self.strategy.summary()
+
+    def engine_policy(self, requested: Synchrony, *, num_rounds: int) -> AggregationPolicy:
+        """The requested policy if it is fully synchronous; otherwise ``ConfigError``.
+
+        Parameters
+        ----------
+        requested : Synchrony
+            The synchrony mode the run asked for.
+        num_rounds : int
+            Rounds the run will take (unused: Flower's strategies count rounds themselves).
+
+        Returns
+        -------
+        AggregationPolicy
+            ``requested``.
+
+        Raises
+        ------
+        ConfigError
+            For any mode but ``sync``.
+        """
+        if requested.name != "sync":
+            raise ConfigError(
+                f"Flower's {self.name} aggregates each round's replies at once "
+                f"(aggregate_train) and knows no stale updates: it runs with sync mode "
+                f"'sync' only, got {requested.name!r}; for the other modes use flplatform's "
+                "strategies.local_sgd.LocalSGDAveraging (FedAvg/FedAvgM)"
+            )
+        return requested
+
+    # ------------------------------------------------------------ Flower hooks
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """The wrapped strategy's training messages; none while it would wait for nodes."""
+        if not self._enough_nodes(grid, "min_train_nodes", "train"):
+            return []
+        return self.strategy.configure_train(server_round, arrays, config, grid)
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """The wrapped strategy's evaluation messages; none while it would wait for nodes."""
+        if not self._enough_nodes(grid, "min_evaluate_nodes", "evaluate"):
+            return []
+        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """The wrapped strategy's aggregate of the replies it would accept (None if none).
+
+        An evaluation reply that Flower's checks would refuse (or whose weight is not a
+        positive number) is left out with a warning rather than failing the round's
+        evaluation; an evaluation that fails anyway is logged and yields None.
+        """
+        kept: list[Message] = []
+        first: list[RecordDict] = []
+        for reply in replies:
+            if reply.has_error():
+                kept.append(reply)  # Flower's strategies count and log these themselves
+                continue
+            try:
+                self._check_consistent([reply.content], check_arrays=False)
+                self._check_consistent([*first, reply.content], check_arrays=False)
+                self._weight(reply.content)
+            except UpdateRejected as exc:
+                log.warning(
+                    "leaving out the evaluation reply of node %s: %s",
+                    reply.metadata.src_node_id,
+                    exc.reason,
+                )
+                continue
+            first = first or [reply.content]
+            kept.append(reply)
+        try:
+            return self.strategy.aggregate_evaluate(server_round, kept)
+        except Exception:  # evaluation is a measurement: it must not end the run
+            log.exception("%s.aggregate_evaluate failed in round %d", self.name, server_round)
+            return None
+
+    # ------------------------------------------------- streaming aggregation
+    def begin_aggregation(self, server_round: int, arrays: ArrayRecord) -> None:
+        """Start collecting the replies of ``server_round``, formed on top of ``arrays``."""
+        self._round = server_round
+        self._replies = []
+        if arrays is not self._base_record:  # decode each version once
+            self._base, self._base_record = record_to_arrays(arrays), arrays
+
+    def accumulate(
+        self, reply: Message, *, base: ArrayRecord, weight_scale: float = 1.0
+    ) -> Contribution:
+        """Check one reply and keep it for the round's ``aggregate_train``.
+
+        Parameters
+        ----------
+        reply : Message
+            A site's training reply.
+        base : ArrayRecord
+            The model version the site was sent (the current one: the mode is ``sync``).
+        weight_scale : float
+            Ignored: fully synchronous runs apply no staleness weighting.
+
+        Returns
+        -------
+        Contribution
+            The reply's example count, training loss and compute seconds.
+
+        Raises
+        ------
+        UpdateRejected
+            If the reply is malformed or the wrapped strategy would refuse it.
+        """
+        content = reply.content
+        if len(content.array_records) != 1 or len(content.metric_records) != 1:
+            raise UpdateRejected(
+                f"a reply to Flower's {self.name} holds exactly one ArrayRecord and one "
+                f"MetricRecord, got {len(content.array_records)} and "
+                f"{len(content.metric_records)}"
+            )
+        self._check_consistent([content])  # on its own first: the more telling reason
+        if self._replies:
+            self._check_consistent([self._replies[0].content, content])
+        self._weight(content)
+        (metrics,) = content.metric_records.values()
+        num_examples = check_num_examples(metrics.get(keys.NUM_EXAMPLES))
+        (record,) = content.array_records.values()
+        try:
+            received = record_to_arrays(record)
+        except Exception as exc:  # not .npy bytes, pickled objects, truncated data
+            raise UpdateRejected(f"arrays cannot be decoded: {exc}") from None
+        expected = self._base if base is self._base_record else record_to_arrays(base)
+        check_arrays(received, expected)
+        self._replies.append(reply)
+        return Contribution(
+            num_examples=num_examples,
+            train_loss=first_number(metrics, keys.TRAIN_LOSS_ALIASES),
+            compute_seconds=first_number(metrics, (keys.COMPUTE_SECONDS,)),
+        )
+
+    def finish_aggregation(self) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The wrapped strategy's ``aggregate_train`` over the round's accepted replies.
+
+        Returns
+        -------
+        tuple of (ArrayRecord or None, MetricRecord or None)
+            The new global model and the training metrics; (None, None) when no reply was
+            accepted or the strategy refused the replies after all (the model stays).
+
+        Raises
+        ------
+        RunFailed
+            If the wrapped strategy's aggregation raises anything else (a fault in the
+            strategy, not in a reply).
+        """
+        replies, self._replies = self._replies, []
+        if not replies:
+            return None, None
+        try:
+            return self.strategy.aggregate_train(self._round, replies)
+        except InconsistentMessageReplies as exc:
+            log.warning("%s refused the replies of round %d: %s", self.name, self._round, exc)
+            return None, None
+        except Exception as exc:
+            raise RunFailed(
+                f"Flower's {self.name}.aggregate_train failed in round {self._round}: {exc!r}"
+            ) from exc
+
+    # ------------------------------------------------------------ helpers
+    def _check_consistent(self, contents: list[RecordDict], *, check_arrays: bool = True) -> None:
+        """Flower's own consistency rule over ``contents`` (the last one is being judged)."""
+        try:
+            validate_message_reply_consistency(
+                contents, weighted_by_key=self.weighted_by_key, check_arrayrecord=check_arrays
+            )
+        except InconsistentMessageReplies as exc:
+            reason = str(exc).replace(" Skipping aggregation.", "").strip()
+            raise UpdateRejected(f"Flower's {self.name} would refuse it: {reason}") from None
+
+    def _weight(self, content: RecordDict) -> float:
+        """The reply's aggregation weight: a finite number > 0, or ``UpdateRejected``."""
+        (metrics,) = content.metric_records.values()
+        value = metrics.get(self.weighted_by_key)
+        weight = first_number(metrics, (self.weighted_by_key,))
+        if weight is None or weight <= 0:
+            raise UpdateRejected(
+                f"'{self.weighted_by_key}' (the weight of Flower's {self.name}) must be a "
+                f"number > 0, got {value!r}"
+            )
+        return weight
+
+    def _enough_nodes(self, grid: Grid, minimum: str, what: str) -> bool:
+        """Whether the wrapped strategy's sampling would find its nodes without waiting."""
+        nodes = len(list(grid.get_node_ids()))
+        need = max(_count(self.strategy, "min_available_nodes"), _count(self.strategy, minimum))
+        if nodes >= need:
+            return True
+        log.info(
+            "%s needs %d nodes to %s, %d are free: waiting for more", self.name, need, what, nodes
+        )
+        return False
+
+
+def _count(strategy: Any, name: str) -> int:
+    """An integer attribute of ``strategy`` (0 if it has none)."""
+    value = getattr(strategy, name, 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0

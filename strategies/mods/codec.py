@@ -1,0 +1,141 @@
+"""``codec_mod``: a delta upload compressed with error feedback (strategies/codecs.py).
+
+Applies to every strategy whose upload is a delta: local-SGD averaging (the user's
+model becomes Δ_n = x_n − x, then the codec's wire) and delayed updates (their
+accumulated step A_{n,r}). The server must have asked for a codec (its round config
+names one: ``LocalSGDAveraging(codec=...)``, ``DelayedCompensated(codec=...)``); a
+message that names none passes through untouched, so a site with this mod still joins a
+server that does not decode.
+
+Error feedback: e ← (Δ + e) − decode(encode(Δ + e)), e kept in the site's state. A site
+whose state was lost (the server says it expects a residual, the site has none) starts
+again from e = 0 and says so in its reply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+from flwr.app import ConfigRecord, Context, Message, MetricRecord
+
+from flplatform import keys
+from flplatform.seeding import rng_for
+from strategies.codecs import Codec, ErrorFeedback, Identity, make_codec
+from strategies.mods.contract import (
+    Mod,
+    ModState,
+    TrainFunction,
+    UserResult,
+    call_user,
+    is_training,
+    new_state,
+    next_call,
+    reply_with,
+    round_config,
+    sent_model,
+    site_algorithm,
+    site_identity,
+)
+
+RESIDUAL = "residual"
+
+
+def codec_mod(spec: str | None = None) -> Mod:
+    """A mod that uploads deltas compressed with error feedback.
+
+    Parameters
+    ----------
+    spec : str, optional
+        ``'int8'``, ``'topk:<k>'`` or ``'topk:<fraction>'``; None follows the codec the
+        server's round config names. A spec other than the server's is sent as it is and
+        the server rejects it, saying which codec it asked for.
+    """
+    fixed = None if spec is None else make_codec(spec)  # a bad spec fails at import
+
+    def mod(msg: Message, context: Context, call_next: TrainFunction) -> Message:
+        asked = requested_codec(msg)
+        if not is_training(msg) or asked is None:
+            return call_next(msg, context)
+        codec = fixed or asked
+        algorithm = site_algorithm(msg)
+        if algorithm == keys.DELAYED:
+            # The delayed mod outside this one forms the step; it compresses with ours.
+            reply = call_next(msg, context)
+            if not reply.has_error():
+                config = reply.content.config_records.get(keys.CONFIG, ConfigRecord())
+                reply.content[keys.CONFIG] = ConfigRecord({keys.CODEC: codec.name, **config})
+            return reply
+        if algorithm not in (keys.LOCAL_SGD, None):
+            return call_next(msg, context)  # sketches are compressed already
+        start = sent_model(msg)
+        result = call_user(msg, context, call_next, start)
+        if not isinstance(result, UserResult):
+            return result
+        delta = {
+            k: (result.trained[k].astype(np.float64) - start[k]).astype(start[k].dtype)
+            for k in start
+        }
+        wire, _, lost = compress_upload(msg, context, delta, codec)
+        return compressed_reply(msg, wire, result.metrics, codec, lost)
+
+    return mod
+
+
+def requested_codec(msg: Message) -> Codec | None:
+    """The codec the server's round config names; None for none (or an unknown one)."""
+    spec = round_config(msg).get(keys.CODEC)
+    if not isinstance(spec, str) or spec.strip().lower() == "none":
+        return None
+    codec = make_codec(spec)
+    return None if isinstance(codec, Identity) else codec
+
+
+def compress_upload(
+    msg: Message, context: Context, update: Mapping[str, np.ndarray], codec: Codec
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], bool]:
+    """Encode update + residual and keep the new residual.
+
+    Returns the wire, what the server will decode from it (in the update's order), and
+    whether the site had lost the residual the server expected it to hold.
+    """
+    config = round_config(msg)
+    state = ModState.load(context, keys.CODEC_STATE)
+    lost = state is None and config.get(keys.STATE_EXPECTED) is True
+    state = state or new_state()
+    feedback = ErrorFeedback()
+    residual = state.groups.get(RESIDUAL)
+    if residual is not None and {k: v.shape for k, v in residual.items()} == {
+        k: np.shape(v) for k, v in update.items()
+    }:
+        feedback.residual = {k: v.astype(np.float64) for k, v in residual.items()}
+    # else: none yet, or a model of another shape (the run changed): e = 0
+    calls = next_call(state)
+    seed = config.get(keys.SEED, 0)
+    server_round = config.get(keys.SERVER_ROUND, 0)
+    rng = rng_for(
+        seed if isinstance(seed, int) else 0,
+        server_round if isinstance(server_round, int) else 0,
+        site_identity(context),
+        calls,
+        "codec",
+    )
+    wire, sent = feedback.compress(update, codec, rng=rng)
+    state.groups[RESIDUAL] = dict(feedback.residual)
+    state.save(context, keys.CODEC_STATE)
+    return wire, {k: sent[k] for k in update}, lost
+
+
+def compressed_reply(
+    msg: Message,
+    wire: Mapping[str, np.ndarray],
+    metrics: MetricRecord,
+    codec: Codec,
+    lost: bool,
+) -> Message:
+    """The reply carrying a compressed delta, naming its codec."""
+    if lost:
+        metrics = MetricRecord({**metrics, keys.STATE_LOST: 1})
+    return reply_with(
+        msg, wire, metrics, config={keys.CODEC: codec.name, keys.UPDATE_KIND: keys.DELTA}
+    )

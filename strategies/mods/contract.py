@@ -1,0 +1,265 @@
+"""The parts every mod shares: calling the user's function, checking what it returns, state.
+
+See ``strategies.mods`` for the contract these implement. Imports no server code: a site
+loads Flower's ClientApp side, our records and the pure maths, nothing else.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+
+from flplatform import keys
+from flplatform.arrays import arrays_to_record, record_to_arrays
+from flplatform.errors import ConfigError, UpdateRejected
+from strategies.validation import check_num_examples
+
+# A ClientApp function and a mod, as Flower's ``make_ffn`` chains them.
+TrainFunction = Callable[[Message, Context], Message]
+Mod = Callable[[Message, Context, TrainFunction], Message]
+
+# Names inside a mod's one state record: "<part>/<array name>"; numbers under "meta/".
+_SEP = "/"
+_META = "meta"
+
+
+def is_training(msg: Message) -> bool:
+    """Whether ``msg`` asks for training (other message types pass through every mod)."""
+    return msg.metadata.message_type == MessageType.TRAIN
+
+
+def round_config(msg: Message) -> ConfigRecord:
+    """The server's ``config`` record of a message (empty if it sent none)."""
+    return msg.content.config_records.get(keys.CONFIG, ConfigRecord())
+
+
+def site_algorithm(msg: Message) -> str | None:
+    """The algorithm the server's round config names; None for plain Flower messages."""
+    name = round_config(msg).get(keys.SITE_ALGORITHM)
+    return name if isinstance(name, str) else None
+
+
+def sent_model(msg: Message) -> dict[str, np.ndarray]:
+    """The ``arrays`` the server sent, decoded (``ConfigError`` if there are none)."""
+    if keys.ARRAYS not in msg.content.array_records:
+        raise ConfigError(f"the server's message has no '{keys.ARRAYS}' record")
+    return record_to_arrays(msg.content.array_records[keys.ARRAYS])
+
+
+def int_config(config: ConfigRecord, key: str, low: int) -> int:
+    """An integer the server put in the round config, checked (``ConfigError`` if not)."""
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"round config '{key}' must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def site_identity(context: Context) -> str:
+    """What names this site in its random streams: its name, partition or node id.
+
+    Stable across runs where the deployment is (a named site, a simulated partition), so
+    the same seed gives the same codec choices.
+    """
+    config = context.node_config
+    for key in (keys.SITE_NAME, keys.PARTITION_ID):
+        if key in config:
+            return f"{key}={config[key]}"
+    return f"node={context.node_id}"
+
+
+@dataclass(frozen=True)
+class UserResult:
+    """What the user's train function returned, checked against the model it was given."""
+
+    trained: dict[str, np.ndarray]  # same names, order, shapes and dtypes as the start
+    metrics: MetricRecord  # the user's own, with compute-seconds added if it had none
+    num_examples: int
+    config: dict[str, Any]  # the reply's config record, if any (an inner mod's notes)
+
+
+def call_user(
+    msg: Message,
+    context: Context,
+    call_next: TrainFunction,
+    start: Mapping[str, np.ndarray],
+    *,
+    config_updates: Mapping[str, Any] | None = None,
+) -> UserResult | Message:
+    """Hand the user's function ``start`` as its ``arrays``; return its checked result.
+
+    The message keeps its metadata and config (``config_updates`` replace entries); only
+    ``arrays`` becomes the dense model to train from, in the model's own key order. The
+    call is timed: user code may ignore ``local-steps``, so the virtual clock's
+    ``measured`` compute model needs the seconds it really took. A reply that carries an
+    error is returned as it is, for the mod to pass on.
+    """
+    content = RecordDict({keys.ARRAYS: arrays_to_record(dict(start))})
+    config = ConfigRecord(dict(round_config(msg)))
+    config.update(dict(config_updates or {}))
+    content[keys.CONFIG] = config
+    for name, record in msg.content.items():
+        if name not in (keys.ARRAYS, keys.CONFIG):
+            content[name] = record
+    # A copy: the message the site received stays as it came (in-process transports share it).
+    inner = copy.copy(msg)
+    inner.content = content
+    began = time.perf_counter()
+    reply = call_next(inner, context)
+    seconds = time.perf_counter() - began
+    if reply.has_error():
+        return reply
+    trained = read_trained(reply, start)
+    metrics = reply.content.metric_records.get(keys.METRICS)
+    if metrics is None:
+        raise UpdateRejected(
+            f"your train function's reply has no '{keys.METRICS}' record; Flower's convention "
+            f"is arrays + metrics with '{keys.NUM_EXAMPLES}'"
+        )
+    try:
+        num_examples = check_num_examples(metrics.get(keys.NUM_EXAMPLES))
+    except UpdateRejected as exc:
+        raise UpdateRejected(f"your train function's metrics: {exc.reason}") from None
+    metrics = MetricRecord(dict(metrics))
+    if keys.COMPUTE_SECONDS not in metrics:
+        metrics[keys.COMPUTE_SECONDS] = seconds
+    config = reply.content.config_records.get(keys.CONFIG, ConfigRecord())
+    return UserResult(trained, metrics, num_examples, dict(config))
+
+
+def read_trained(reply: Message, start: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The user's trained arrays, in ``start``'s order; ``UpdateRejected`` saying what differs.
+
+    Names, shapes and dtypes must be those of the model it was given (an order of its
+    own is put back into the model's); floats must be finite.
+    """
+    record = reply.content.array_records.get(keys.ARRAYS)
+    if record is None:
+        raise UpdateRejected(
+            f"your train function's reply has no '{keys.ARRAYS}' record (it must return the "
+            f"trained model, e.g. ArrayRecord(model.state_dict()))"
+        )
+    trained = record_to_arrays(record)
+    missing = [k for k in start if k not in trained]
+    extra = [k for k in trained if k not in start]
+    if missing or extra:
+        raise UpdateRejected(
+            "your train function returned other arrays than it was given: "
+            + "; ".join(
+                part
+                for part in (
+                    f"missing {', '.join(missing[:5])}" if missing else "",
+                    f"unexpected {', '.join(extra[:5])}" if extra else "",
+                )
+                if part
+            )
+        )
+    for name, given in start.items():
+        got = trained[name]
+        if got.shape != given.shape:
+            raise UpdateRejected(
+                f"your train function returned '{name}' of shape {tuple(got.shape)}; the model "
+                f"it was given has {tuple(given.shape)}"
+            )
+        if got.dtype != given.dtype:
+            raise UpdateRejected(
+                f"your train function returned '{name}' as {got.dtype}; the model it was "
+                f"given has {given.dtype}"
+            )
+        if np.issubdtype(got.dtype, np.inexact) and not np.isfinite(got).all():
+            raise UpdateRejected(
+                f"your train function returned '{name}' with NaN or Inf (did training "
+                "diverge? lower the learning rate)"
+            )
+    return {name: trained[name] for name in start}
+
+
+def reply_with(
+    msg: Message,
+    arrays: Mapping[str, np.ndarray] | None,
+    metrics: MetricRecord,
+    *,
+    config: Mapping[str, Any] | None = None,
+) -> Message:
+    """The mod's reply: its upload, the metrics and, if any, what the server must know."""
+    content = RecordDict({keys.METRICS: metrics})
+    if arrays is not None:
+        content[keys.ARRAYS] = arrays_to_record(dict(arrays))
+    if config:
+        content[keys.CONFIG] = ConfigRecord(dict(config))
+    return Message(content, reply_to=msg)
+
+
+def state_lost_reply(msg: Message, what: str) -> Message:
+    """Tell the server this site lost the state it relied on; it carries no update."""
+    metrics = MetricRecord({keys.STATE_LOST: 1})
+    return reply_with(msg, None, metrics, config={keys.STATE_LOST_DETAIL: what})
+
+
+# ================================================================= state
+@dataclass
+class ModState:
+    """A mod's state in one ``context.state`` record: named groups of arrays and numbers.
+
+    Flower's ``context.state`` is empty after a SuperNode restarts; ``load`` then returns
+    None, which is how a mod tells a restart from a site it has kept state for.
+    """
+
+    meta: dict[str, int]
+    groups: dict[str, dict[str, np.ndarray]]
+
+    @classmethod
+    def load(cls, context: Context, key: str) -> ModState | None:
+        """The state under ``key``, or None if the site holds none."""
+        record = context.state.array_records.get(key)
+        if record is None:
+            return None
+        meta: dict[str, int] = {}
+        groups: dict[str, dict[str, np.ndarray]] = {}
+        for full, array in record_to_arrays(record).items():
+            group, _, name = full.partition(_SEP)
+            if group == _META:
+                meta[name] = int(array.reshape(-1)[0])
+            else:
+                groups.setdefault(group, {})[name] = array
+        return cls(meta, groups)
+
+    def save(self, context: Context, key: str) -> None:
+        """Write the state under ``key``, replacing what was there."""
+        arrays: dict[str, np.ndarray] = {
+            f"{_META}{_SEP}{name}": np.asarray([value], dtype=np.int64)
+            for name, value in self.meta.items()
+        }
+        for group, members in self.groups.items():
+            for name, array in members.items():
+                arrays[f"{group}{_SEP}{name}"] = array
+        context.state[key] = ArrayRecord() if not arrays else arrays_to_record(arrays)
+
+
+def new_state() -> ModState:
+    """An empty state (a site's first message)."""
+    return ModState({}, {})
+
+
+def next_call(state: ModState) -> int:
+    """Count this training call in ``state``; return how many came before it.
+
+    A site may train twice on one round's model (the K-batch modes), so random streams
+    use (seed, round, site, calls) rather than the round alone.
+    """
+    done = state.meta.get("calls", 0)
+    state.meta["calls"] = done + 1
+    return done

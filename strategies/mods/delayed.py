@@ -1,0 +1,152 @@
+"""``delayed_mod``: the site half of delayed compensated updates (strategies/delayed.py).
+
+Per period q (ALGORITHMS.md §2; the bookkeeping is ``strategies.compensation.SiteLedger``):
+settle the periods the server's message says were averaged, rebuild the local model
+x_{q−1−D} + (the site's own later periods), hand it to the user's function, and reply
+with the accumulated step A_{n,q} = trained − start (+ the carry of left-out periods),
+tagged with its period. The kept periods are written back only once the update exists,
+so a site whose training fails keeps its state as it was and simply misses the period.
+
+With a codec (the server's ``DelayedCompensated(codec=...)``, or an inner ``codec_mod``
+naming one: DTS's recipe ``mods=[delayed_mod(), codec_mod("topk:0.01")]``), A_{n,q} is
+sent compressed with error feedback, and the site keeps what the server decodes, so its
+model stays the sum of what the server knows; the residual follows in later uploads.
+
+A site whose kept periods are gone while the server says it holds some (a restarted
+SuperNode) trains from the global model it was sent, as plain delayed SGD would, and
+says so; the server drops that site's unsettled periods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from flwr.app import ConfigRecord, Context, Message, MetricRecord
+
+from flplatform import keys
+from flplatform.errors import ConfigError
+from strategies.codecs import Codec, make_codec
+from strategies.compensation import SiteLedger
+from strategies.mods.codec import compress_upload, requested_codec
+from strategies.mods.contract import (
+    Mod,
+    ModState,
+    TrainFunction,
+    UserResult,
+    call_user,
+    is_training,
+    reply_with,
+    round_config,
+    sent_model,
+    site_algorithm,
+)
+
+CARRY = "carry"
+PENDING = "pending."  # + the period: one group per kept step
+
+
+@dataclass(frozen=True)
+class DelayedSiteConfig:
+    """The delayed-update part of a round's config, checked."""
+
+    period: int
+    version: int
+    compensate: bool
+    included: tuple[int, ...]
+
+    @classmethod
+    def from_record(cls, config: ConfigRecord) -> DelayedSiteConfig:
+        """Parse; a missing or mistyped value is a ``ConfigError`` naming it."""
+        period = config.get(keys.SERVER_ROUND)
+        version = config.get(keys.MODEL_VERSION)
+        for name, value in ((keys.SERVER_ROUND, period), (keys.MODEL_VERSION, version)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"round config '{name}' must be an integer >= 0, got {value!r}")
+        compensate = config.get(keys.COMPENSATE, True)
+        if not isinstance(compensate, bool):
+            raise ConfigError(f"round config '{keys.COMPENSATE}' must be true or false")
+        included = config.get(keys.INCLUDED_PERIODS, [])
+        if not isinstance(included, list) or not all(
+            isinstance(p, int) and not isinstance(p, bool) for p in included
+        ):
+            raise ConfigError(f"round config '{keys.INCLUDED_PERIODS}' must be a list of rounds")
+        return cls(int(period), int(version), compensate, tuple(included))  # type: ignore[arg-type]
+
+
+def load_site_ledger(context: Context) -> SiteLedger | None:
+    """The site's kept periods and carry from its persistent state; None if it has none."""
+    state = ModState.load(context, keys.DELAYED_STATE)
+    if state is None:
+        return None
+    ledger = SiteLedger()
+    for group, arrays in state.groups.items():
+        as_float = {k: v.astype(np.float64) for k, v in arrays.items()}
+        if group == CARRY:
+            ledger.carry = as_float
+        elif group.startswith(PENDING) and group[len(PENDING) :].isdigit():
+            ledger.pending[int(group[len(PENDING) :])] = as_float
+    return ledger
+
+
+def save_site_ledger(context: Context, ledger: SiteLedger) -> None:
+    """Write the ledger back as the site's one delayed-update record."""
+    groups = {f"{PENDING}{period}": update for period, update in ledger.pending.items()}
+    if ledger.carry is not None:
+        groups[CARRY] = ledger.carry
+    ModState({}, groups).save(context, keys.DELAYED_STATE)
+
+
+def delayed_mod() -> Mod:
+    """The site half of ``DelayedCompensated``: one period per training message."""
+
+    def mod(msg: Message, context: Context, call_next: TrainFunction) -> Message:
+        if not is_training(msg) or site_algorithm(msg) != keys.DELAYED:
+            return call_next(msg, context)
+        raw = round_config(msg)
+        delayed = DelayedSiteConfig.from_record(raw)
+        global_model = sent_model(msg)
+
+        kept = load_site_ledger(context)
+        lost = kept is None and raw.get(keys.STATE_EXPECTED) is True
+        ledger = kept or SiteLedger()
+        ledger.settle(delayed.version, delayed.included)
+        # Asked again for a period it already computed: its reply never counted (lost or
+        # late), so that work is carried into this update instead of overwritten.
+        ledger.retry(delayed.period)
+        local = ledger.local_model(global_model, compensate=delayed.compensate)
+        start = {k: local[k].astype(global_model[k].dtype) for k in global_model}
+
+        result = call_user(msg, context, call_next, start)
+        if not isinstance(result, UserResult):
+            return result
+        update = ledger.record(
+            delayed.period, start, result.trained, compensate=delayed.compensate
+        )
+        metrics = MetricRecord({**result.metrics, keys.PERIOD: delayed.period})
+        config: dict[str, str] = {keys.UPDATE_KIND: keys.DELTA}
+        codec = _codec_for(msg, result)
+        if codec is not None:
+            wire, sent, lost_residual = compress_upload(msg, context, update, codec)
+            lost = lost or lost_residual
+            if delayed.compensate:
+                # Kept as the server will decode it: the model stays the sum of what the
+                # server knows, the residual travels in a later upload.
+                ledger.pending[delayed.period] = {
+                    k: v.astype(np.float64) for k, v in sent.items()
+                }
+            update, config[keys.CODEC] = wire, codec.name
+        save_site_ledger(context, ledger)
+        if lost:
+            metrics[keys.STATE_LOST] = 1
+        return reply_with(msg, update, metrics, config=config)
+
+    return mod
+
+
+def _codec_for(msg: Message, result: UserResult) -> Codec | None:
+    """The codec an inner ``codec_mod`` named, else the one the server asked for."""
+    named = result.config.get(keys.CODEC)
+    if isinstance(named, str):
+        return make_codec(named)
+    return requested_codec(msg)

@@ -1,0 +1,129 @@
+"""``fetchsgd_mod``: the site half of FetchSGD (strategies/fetchsgd.py).
+
+Bring the stored model up to the server's (the message carries the coordinates changed
+since the version this site holds, or the whole model), hand it to the user's function,
+and reply with the count sketch S(x_n − x) (r × c float32, whatever d is). The site keeps
+no optimiser state between rounds, only the model it was synced to.
+
+Every coordinate goes through the sketch, whatever its array: integer counters (a
+BatchNorm's ``num_batches_tracked``) and running statistics are deltas like weights,
+and the server rounds integer coordinates when it applies a step. float16 arrays are
+sketched in float32 and stored back in float16.
+
+A site told to apply changes to a model it no longer holds (a restarted SuperNode)
+replies that it lost its state, without training; the server sends it the whole model
+next time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from flwr.app import Context, Message
+
+from flplatform import keys
+from flplatform.errors import ConfigError
+from strategies.codecs import Layout
+from strategies.count_sketch import CountSketch
+from strategies.mods.contract import (
+    Mod,
+    ModState,
+    TrainFunction,
+    UserResult,
+    call_user,
+    int_config,
+    is_training,
+    new_state,
+    reply_with,
+    round_config,
+    sent_model,
+    site_algorithm,
+    state_lost_reply,
+)
+from strategies.sparse_sync import DENSE, SYNC_INDICES, SYNC_VALUES, valid_indices
+
+SKETCH = "sketch"  # a sketch reply's one array
+MODEL = "model"  # the state group holding the model the site was synced to
+VERSION = "version"
+
+
+def synced_model(msg: Message, state: ModState | None) -> dict[str, np.ndarray] | None:
+    """The model the server holds, from the message and the site's stored copy.
+
+    None when the message holds only changes and the site lacks the version they apply
+    to (its state was lost). Arrays come in the server's model's key order.
+    """
+    config = round_config(msg)
+    sync_from = int_config(config, keys.SYNC_FROM, DENSE)
+    sent = sent_model(msg)
+    if sync_from == DENSE:
+        return sent
+    held = None if state is None else state.meta.get(VERSION)
+    stored = None if state is None else state.groups.get(MODEL)
+    # Changes since an older version than the site holds still bring it to the server's
+    # model: they cover every coordinate changed since, with its current value.
+    if stored is None or held is None or held < sync_from:
+        return None
+    layout = Layout.of(stored)
+    indices, values = sent.get(SYNC_INDICES), sent.get(SYNC_VALUES)
+    if (
+        indices is None
+        or values is None
+        or not valid_indices(indices, layout.size)
+        or indices.shape != values.shape
+    ):
+        raise ConfigError("the server's sparse model update is malformed")
+    flat = layout.flatten(stored)
+    flat[indices] = values
+    model = layout.unflatten(flat)
+    return {name: model[name] for name in stored}  # the stored (server's) order
+
+
+def remember_model(state: ModState, model: dict[str, np.ndarray], version: int) -> None:
+    """Keep ``model`` (server version ``version``) as what this site holds."""
+    state.groups[MODEL] = model
+    state.meta[VERSION] = version
+
+
+def sketch_of(
+    delta: np.ndarray, config_rows: int, config_cols: int, seed: int, device: torch.device
+) -> np.ndarray:
+    """S(delta): the r × c count sketch of a flat float vector, computed on ``device``."""
+    sketch = CountSketch.from_seed(len(delta), rows=config_rows, cols=config_cols, seed=seed)
+    tensor = torch.from_numpy(delta.astype(np.float32)).to(device)
+    return sketch.sketch(tensor).cpu().numpy()
+
+
+def sketch_device() -> torch.device:
+    """CUDA when present: sketching d coordinates is the site's own heavy step."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def fetchsgd_mod() -> Mod:
+    """The site half of ``FetchSGD``: sync, call the user's training, reply S(x_n − x)."""
+
+    def mod(msg: Message, context: Context, call_next: TrainFunction) -> Message:
+        if not is_training(msg) or site_algorithm(msg) != keys.FETCHSGD:
+            return call_next(msg, context)
+        raw = round_config(msg)
+        version = int_config(raw, keys.MODEL_VERSION, 0)
+        seed = int_config(raw, keys.SKETCH_SEED, 0)
+        rows = int_config(raw, keys.SKETCH_ROWS, 1)
+        cols = int_config(raw, keys.SKETCH_COLS, 1)
+        state = ModState.load(context, keys.FETCHSGD_STATE)
+        model = synced_model(msg, state)
+        if model is None:
+            return state_lost_reply(msg, "the model this site was synced to")
+        result = call_user(msg, context, call_next, model)
+        if not isinstance(result, UserResult):
+            return result
+        layout = Layout.of(model)
+        delta = layout.flatten(result.trained) - layout.flatten(model)  # (d,) float64
+        table = sketch_of(delta, rows, cols, seed, sketch_device())
+        # Only now, with the work done, does the site hold the synced model.
+        state = state or new_state()
+        remember_model(state, model, version)
+        state.save(context, keys.FETCHSGD_STATE)
+        return reply_with(msg, {SKETCH: table}, result.metrics)
+
+    return mod

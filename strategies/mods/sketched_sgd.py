@@ -1,0 +1,180 @@
+"""``sketched_sgd_mod``: the site half of Sketched-SGD (strategies/sketched_sgd.py).
+
+Sketch round: sync the model (as ``fetchsgd_mod``), zero u and v at the coordinates of
+the step the server says this site's values went into, hand the model to the user's
+function, fold its delta g = x_n − x into the site's momentum and error
+(u ← m·u + g, v ← v + u) and reply with S(v). The user's function sees ``server-round``
+set to the step (model version + 1), not the round: a step takes two rounds, and a
+training loop that draws its data order from the round then draws one per step.
+
+Values round: reply v at the server's candidate coordinates, from the accumulators of
+the sketch it asks about. The user's function is not called: nothing is trained.
+
+Every coordinate goes through the sketch, whatever its array (see ``fetchsgd_mod``).
+A site whose accumulators are gone while the server relies on them (a restarted
+SuperNode) starts again from u = v = 0 and says so; one told to apply changes to a model
+it no longer holds, or asked for values it no longer has, replies that it lost its state.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from flwr.app import Context, Message, MetricRecord
+
+from flplatform import keys
+from flplatform.arrays import record_to_arrays
+from flplatform.errors import ConfigError
+from strategies.codecs import Layout
+from strategies.mods.contract import (
+    Mod,
+    ModState,
+    TrainFunction,
+    UserResult,
+    call_user,
+    int_config,
+    is_training,
+    new_state,
+    reply_with,
+    round_config,
+    site_algorithm,
+    state_lost_reply,
+)
+from strategies.mods.fetchsgd import (
+    SKETCH,
+    remember_model,
+    sketch_device,
+    sketch_of,
+    synced_model,
+)
+from strategies.sketch_feedback import SiteAccumulators
+from strategies.sparse_sync import SYNC_INDICES, valid_indices
+
+SKETCH_PHASE, VALUES_PHASE = "sketch", "values"
+CANDIDATES = "candidates"  # a values request's indices
+VALUES = "values"  # a values reply's array
+ZERO = "zero"  # a sketch message's record of coordinates to zero, when not its sync's
+ZERO_INDICES = "zero.indices"
+ACCUMULATORS = "accumulators"  # the state group holding u and v
+ZEROED_STEP, SKETCHED_ROUND, EXAMPLES = "zeroed-step", "sketched-round", "examples"
+
+
+def _accumulators(state: ModState, d: int, momentum: float) -> SiteAccumulators:
+    stored = state.groups.get(ACCUMULATORS)
+    if stored is None:
+        return SiteAccumulators.zeros(d, momentum)
+    u, v = stored.get("u"), stored.get("v")
+    if u is None or v is None or u.shape != (d,) or v.shape != (d,):
+        raise ConfigError(
+            f"this site's Sketched-SGD accumulators do not fit a model of {d} parameters"
+        )
+    return SiteAccumulators(momentum, torch.from_numpy(u.copy()), torch.from_numpy(v.copy()))
+
+
+def _zero_indices(msg: Message, d: int) -> np.ndarray:
+    """The coordinates the message says to zero: its own record, else its sync's."""
+    if ZERO in msg.content.array_records:
+        indices = record_to_arrays(msg.content.array_records[ZERO]).get(ZERO_INDICES)
+    else:
+        sent = msg.content.array_records.get(keys.ARRAYS)
+        indices = None if sent is None else record_to_arrays(sent).get(SYNC_INDICES)
+    if indices is None or not valid_indices(indices, d):
+        raise ConfigError("the server's coordinates to zero are missing or malformed")
+    return indices.astype(np.int64)
+
+
+def sketched_sgd_mod() -> Mod:
+    """The site half of ``SketchedSGD``: sketch rounds train, values rounds do not."""
+
+    def mod(msg: Message, context: Context, call_next: TrainFunction) -> Message:
+        if not is_training(msg) or site_algorithm(msg) != keys.SKETCHED_SGD:
+            return call_next(msg, context)
+        raw = round_config(msg)
+        phase = raw.get(keys.SKETCH_PHASE)
+        if phase == VALUES_PHASE:
+            return _values_reply(msg, context)
+        if phase != SKETCH_PHASE:
+            raise ConfigError(
+                f"round config '{keys.SKETCH_PHASE}' must be {SKETCH_PHASE!r} or "
+                f"{VALUES_PHASE!r}, got {phase!r}"
+            )
+        return _sketch_reply(msg, context, call_next)
+
+    return mod
+
+
+def _sketch_reply(msg: Message, context: Context, call_next: TrainFunction) -> Message:
+    raw = round_config(msg)
+    version = int_config(raw, keys.MODEL_VERSION, 0)
+    seed = int_config(raw, keys.SKETCH_SEED, 0)
+    rows = int_config(raw, keys.SKETCH_ROWS, 1)
+    cols = int_config(raw, keys.SKETCH_COLS, 1)
+    zero_step = int_config(raw, keys.ZERO_STEP, 0)
+    momentum = raw.get(keys.STEP_MOMENTUM)
+    if isinstance(momentum, bool) or not isinstance(momentum, float) or not 0 <= momentum < 1:
+        raise ConfigError(f"round config '{keys.STEP_MOMENTUM}' must be in [0, 1)")
+    kept = ModState.load(context, keys.SKETCHED_STATE)
+    model = synced_model(msg, kept)
+    if model is None:
+        return state_lost_reply(msg, "the model this site was synced to")
+    lost = kept is None and raw.get(keys.STATE_EXPECTED) is True
+    state = kept or new_state()
+    layout = Layout.of(model)
+    accumulators = _accumulators(state, layout.size, momentum)
+    zeroed = state.meta.get(ZEROED_STEP, 0)
+    if zero_step > zeroed:  # once per step, however often the message is sent
+        if not lost:  # restarted accumulators are zero everywhere already
+            accumulators.zero(torch.from_numpy(_zero_indices(msg, layout.size)))
+        zeroed = zero_step
+    # The data order follows the step (version + 1), not the round, as local-SGD
+    # averaging's does: a step takes two rounds.
+    result = call_user(
+        msg, context, call_next, model, config_updates={keys.SERVER_ROUND: version + 1}
+    )
+    if not isinstance(result, UserResult):
+        return result
+    update = layout.flatten(result.trained) - layout.flatten(model)  # (d,) float64
+    accumulators.add(torch.from_numpy(update.astype(np.float32)))
+    if not (torch.isfinite(accumulators.u).all() and torch.isfinite(accumulators.v).all()):
+        # Kept out of u and v: the site's stored accumulators stay as they were, so one
+        # diverging local training costs this round, not the rest of the run.
+        raise ConfigError(
+            "local training diverged (its update is not finite): lower lr or local-steps"
+        )
+    table = sketch_of(accumulators.v.numpy(), rows, cols, seed, sketch_device())
+    # Only now, with the work done, does the site hold the synced model and its new v.
+    remember_model(state, model, version)
+    state.groups[ACCUMULATORS] = {"u": accumulators.u.numpy(), "v": accumulators.v.numpy()}
+    server_round = int_config(raw, keys.SERVER_ROUND, 0)
+    state.meta.update(
+        {ZEROED_STEP: zeroed, SKETCHED_ROUND: server_round, EXAMPLES: result.num_examples}
+    )
+    state.save(context, keys.SKETCHED_STATE)
+    metrics = result.metrics
+    if lost:
+        metrics = MetricRecord({**metrics, keys.STATE_LOST: 1})
+    return reply_with(msg, {SKETCH: table}, metrics)
+
+
+def _values_reply(msg: Message, context: Context) -> Message:
+    """v at the candidates, from the accumulators of the sketch the server asks about."""
+    raw = round_config(msg)
+    asked_round = int_config(raw, keys.SKETCHED_ROUND, 1)
+    state = ModState.load(context, keys.SKETCHED_STATE)
+    if state is None or ACCUMULATORS not in state.groups:
+        return state_lost_reply(msg, f"the accumulators of its sketch of round {asked_round}")
+    sketched = state.meta.get(SKETCHED_ROUND, 0)
+    if sketched != asked_round:
+        raise ConfigError(
+            f"the server asks for the values of the sketch of round {asked_round}; this site's "
+            f"last sketch is of round {sketched or 'none'}"
+        )
+    v = state.groups[ACCUMULATORS]["v"]
+    sent = msg.content.array_records.get(keys.ARRAYS)
+    candidates = None if sent is None else record_to_arrays(sent).get(CANDIDATES)
+    if candidates is None or not valid_indices(candidates, len(v)):
+        raise ConfigError("the server's candidate coordinates are missing or malformed")
+    # The values count as much as the sketch they belong to.
+    metrics = MetricRecord({keys.NUM_EXAMPLES: state.meta.get(EXAMPLES, 1)})
+    return reply_with(msg, {VALUES: v[candidates].astype(np.float32)}, metrics)
+

@@ -1,0 +1,302 @@
+"""``flplatform run APP_DIR``: a user's own Flower app with the platform's options.
+
+Bad input is one line before Flower starts (fast); one slow test runs the example app.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from flplatform.cli.app import app
+from flplatform.flower_app import (
+    OPTIONS_ENV,
+    PlatformOptions,
+    options_environment,
+    plan_run,
+    read_app,
+)
+from flplatform.start import OPTIONS_ENV as START_OPTIONS_ENV
+from flplatform.start import options_from_environment
+from storage import LedgerRepository
+
+ROOT = Path(__file__).resolve().parents[3]
+OWN_APP = ROOT / "examples" / "own_app"
+PLAIN_APP = ROOT / "examples" / "plain_flower_client"
+
+runner = CliRunner()
+
+
+def invoke(args: list[str]):
+    result = runner.invoke(app, ["run", *args])
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    return result
+
+
+def one_error_line(output: str) -> str:
+    lines = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, output
+    return lines[0]
+
+
+def write_app(directory: Path, pyproject: str, modules: dict[str, str] | None = None) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "pyproject.toml").write_text(pyproject)
+    for name, text in (modules or {}).items():
+        (directory / name).write_text(text)
+    return directory
+
+
+TINY_APP = """
+[project]
+name = "tiny-app"
+version = "0.1.0"
+
+[tool.flwr.app]
+publisher = "test"
+
+[tool.flwr.app.components]
+serverapp = "tiny_server:app"
+clientapp = "tiny_client:app"
+
+[tool.flwr.app.config]
+num-server-rounds = 3
+learning-rate = 0.1
+use-bn = true
+label = "x"
+"""
+TINY_MODULES = {"tiny_server.py": "app = None\n", "tiny_client.py": "app = None\n"}
+
+
+# ============================================================ errors, before any start-up
+@pytest.mark.usefixtures("flplatform_home")
+def test_a_missing_app_directory_is_one_line(tmp_path: Path) -> None:
+    result = invoke([str(tmp_path / "nowhere")])
+    assert result.exit_code == 2
+    assert (
+        one_error_line(result.output)
+        == f"error: app directory {tmp_path / 'nowhere'} does not exist"
+    )
+
+
+@pytest.mark.usefixtures("flplatform_home")
+def test_a_file_is_not_an_app_directory(tmp_path: Path) -> None:
+    (tmp_path / "app.py").write_text("")
+    result = invoke([str(tmp_path / "app.py")])
+    assert result.exit_code == 2
+    assert "is not a directory" in one_error_line(result.output)
+
+
+@pytest.mark.usefixtures("flplatform_home")
+def test_a_directory_without_pyproject_is_one_line(tmp_path: Path) -> None:
+    result = invoke([str(tmp_path)])
+    assert result.exit_code == 2
+    assert "has no pyproject.toml" in one_error_line(result.output)
+
+
+@pytest.mark.usefixtures("flplatform_home")
+def test_a_pyproject_without_flower_app_is_one_line(tmp_path: Path) -> None:
+    write_app(tmp_path, '[project]\nname = "lib"\nversion = "1"\n')
+    result = invoke([str(tmp_path)])
+    assert result.exit_code == 2
+    assert "has no tool.flwr.app table: not a Flower app" in one_error_line(result.output)
+
+
+@pytest.mark.usefixtures("flplatform_home")
+def test_a_component_that_is_not_there_is_flowers_reason(tmp_path: Path) -> None:
+    write_app(tmp_path, TINY_APP, {"tiny_server.py": "app = None\n"})  # no tiny_client.py
+    result = invoke([str(tmp_path)])
+    assert result.exit_code == 2
+    assert "Unable to load module tiny_client" in one_error_line(result.output)
+
+
+@pytest.mark.usefixtures("flplatform_home")
+def test_invalid_toml_is_one_line(tmp_path: Path) -> None:
+    write_app(tmp_path, "[project\nname=")
+    result = invoke([str(tmp_path)])
+    assert result.exit_code == 2
+    assert "cannot read" in one_error_line(result.output)
+
+
+@pytest.mark.usefixtures("flplatform_home")
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ["-c", "lr=0.1"],
+            "-c lr: app 'tiny-app' declares no run-config key 'lr'; its keys: label, "
+            "learning-rate, num-server-rounds, use-bn",
+        ),
+        (["-c", "learning-rate"], "expected key=value"),
+        (["-c", "learning-rate=fast"], "-c learning-rate must be a number (declared 0.1)"),
+        (["-c", "num-server-rounds=2.5"], "-c num-server-rounds must be an integer"),
+        (["-c", "use-bn=maybe"], "-c use-bn must be true or false"),
+        (["--rounds", "0"], "--rounds must be an integer >= 1"),
+        (["--rounds", "2", "-c", "num-server-rounds=3"], "--rounds and -c num-server-rounds"),
+        (["--sites", "0"], "--sites must be a positive count"),
+        (["--sites", "a,a"], "duplicate names"),
+        (["--k", "0"], "--k must be an integer >= 1"),
+        (["--seed", "-1"], "--seed must be an integer >= 0"),
+        (["--max-failed-rounds", "-1"], "--max-failed-rounds must be an integer >= 0"),
+        (["--sync", "eventually"], "unknown --sync 'eventually'; allowed: sync, k-sync"),
+        (["--network", "mars"], "mars"),
+        (["--network", "/nonexistent/net.toml"], "/nonexistent/net.toml"),
+        (["--db", "nosuchdriver://x/y"], "cannot open database"),
+        (
+            ["--strategy", "fetchsgd"],
+            "--strategy sets the app's 'strategy' run-config key, which app 'tiny-app' does "
+            "not declare",
+        ),
+        (["--model", "mlp"], "--model sets the app's 'model' run-config key"),
+    ],
+)
+def test_bad_options_are_one_line(tmp_path: Path, args: list[str], expected: str) -> None:
+    write_app(tmp_path / "tiny", TINY_APP, TINY_MODULES)
+    result = invoke([str(tmp_path / "tiny"), *args])
+    assert result.exit_code in (2, 4), result.output
+    assert expected in one_error_line(result.output)
+
+
+@pytest.mark.usefixtures("flplatform_home")
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        ("resnet", "unknown --model 'resnet'; allowed: mlp, cnn, wide-mlp, or MODULE:FACTORY"),
+        ("nosuchmodule_r:Net", "no module named 'nosuchmodule_r'"),
+        ("plain_client:load_partition", "calling it with no arguments failed: TypeError"),
+        ("plain_client:app", "returned a Message|not a torch.nn.Module|calling it"),
+        ("plain_client:Missing", "module 'plain_client' has no 'Missing'"),
+    ],
+)
+def test_a_bad_model_spec_is_one_line(model: str, expected: str) -> None:
+    """flplatform's generic ServerApp (plain_flower_client's) builds --model; the app
+    directory is importable, as it is in Flower's processes."""
+    import re
+
+    result = invoke([str(PLAIN_APP), "--model", model])
+    assert result.exit_code == 2
+    assert re.search(expected, one_error_line(result.output))
+
+
+@pytest.mark.usefixtures("flplatform_home")
+def test_the_generic_serverapp_checks_its_run_config_up_front() -> None:
+    result = invoke([str(PLAIN_APP), "--strategy", "magic"])
+    assert result.exit_code == 2
+    assert "unknown strategy 'magic'" in one_error_line(result.output)
+    result = invoke([str(PLAIN_APP), "-c", "strategy=delayed", "--sync", "k-async"])
+    assert "runs with sync mode 'sync' only" in one_error_line(result.output)
+
+
+# ============================================================== what reaches the app
+@pytest.mark.usefixtures("flplatform_home")
+def test_only_given_options_are_sent(tmp_path: Path) -> None:
+    tiny = read_app(write_app(tmp_path / "tiny", TINY_APP, TINY_MODULES))
+    plan = plan_run(tiny, PlatformOptions(), tag="t1")
+    # Nothing given: the app's own config as declared; start() told only where to record.
+    assert plan.run_config == {}
+    assert set(plan.options) == {"ledger", "tag"} and plan.options["tag"] == "t1"
+    assert plan.num_sites == 2 and plan.num_rounds == 3
+
+    given = PlatformOptions(
+        sites=("a", "b", "c"),
+        rounds=4,
+        sync="k-async",
+        k=2,
+        network="world",
+        seed=7,
+        max_failed_rounds=0,
+        run_config=("learning-rate=0.01", "label='y z'", "use-bn=false"),
+    )
+    plan = plan_run(tiny, given, tag="t2")
+    assert plan.run_config == {
+        "learning-rate": 0.01,
+        "label": "y z",
+        "use-bn": False,
+        "num-server-rounds": 4,
+    }
+    assert plan.num_sites == 3 and plan.num_rounds == 4
+    env = plan.environment()
+    assert OPTIONS_ENV == START_OPTIONS_ENV and set(env) == {OPTIONS_ENV}
+    sent = json.loads(env[OPTIONS_ENV])
+    assert sent == {
+        "num_rounds": 4,
+        "sync": "k-async",
+        "k": 2,
+        "network": "world",
+        "seed": 7,
+        "max_failed_rounds": 0,
+        "required_sites": 3,
+        "ledger": plan.db_url,
+        "tag": "t2",
+    }
+    # ... and start() in the ServerApp reads back exactly that.
+    assert options_from_environment(env) == sent
+    assert options_environment({"k": 3}) == {OPTIONS_ENV: '{"k": 3}'}
+
+
+@pytest.mark.usefixtures("flplatform_home")
+def test_the_generic_serverapp_gets_its_own_keys(tmp_path: Path) -> None:
+    plain = read_app(PLAIN_APP)
+    assert plain.uses_generic_serverapp
+    db = f"sqlite:///{tmp_path / 'l.db'}"
+    plan = plan_run(
+        plain,
+        PlatformOptions(sites=("x", "y"), rounds=2, strategy="fedavg", db=db, k=3),
+        tag="t3",
+    )
+    assert plan.run_config == {
+        "sites": "x,y",
+        "num-server-rounds": 2,
+        "strategy": "fedavg",
+        "k": 3,
+        "db": db,
+        "run-tag": "t3",
+    }
+    # Its declared sites decide the number of SuperNodes when --sites is not given.
+    assert plan_run(plain, PlatformOptions(), tag="t4").site_names == (
+        "london",
+        "ohio",
+        "california",
+        "tokyo",
+    )
+
+
+def test_the_own_app_example_is_a_valid_flower_app() -> None:
+    own = read_app(OWN_APP)
+    assert own.serverapp == "own_app.server_app:app" and not own.uses_generic_serverapp
+    assert {"num-server-rounds", "strategy", "learning-rate", "seed"} <= set(own.config)
+    # Its own keys only: none of the platform's (start() gets those from FLPLATFORM_OPTIONS).
+    assert not {"sync", "network", "db", "run-tag", "k"} & set(own.config)
+
+
+# ===================================================================== end to end
+@pytest.mark.slow
+@pytest.mark.usefixtures("flplatform_home")
+def test_run_the_own_app_example(tmp_path: Path) -> None:
+    """`flplatform run examples/own_app --sites 2 --rounds 2`: local-SGD through the mod."""
+    app_dir = tmp_path / "own_app"
+    shutil.copytree(OWN_APP, app_dir, ignore=shutil.ignore_patterns("__pycache__"))
+    db = f"sqlite:///{tmp_path / 'ledger.db'}"
+    result = invoke(
+        [str(app_dir), "--sites", "2", "--rounds", "2", "--db", db, "-c", "learning-rate=0.1"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "Run 1 finished" in result.output
+    with LedgerRepository.open(db) as repo:
+        (run,) = repo.list_runs()
+        assert run.status == "finished" and run.name == "own-app-local-sgd"
+        # The tag reached start() only through FLPLATFORM_OPTIONS: the run was found by it.
+        assert run.tag and run.num_rounds_planned == 2
+        assert run.config["learning-rate"] == 0.1 and run.config["num-server-rounds"] == 2
+        rounds = repo.list_rounds(run.id)
+        assert [r.round for r in rounds] == [1, 2]
+        assert [r.num_applied for r in rounds] == [2, 2]
+        assert all(r.bytes_up > 0 and r.bytes_down > 0 for r in rounds)
+        assert rounds[-1].metrics["accuracy"] > 0.3
+        sites = repo.list_sites(run.id)
+        assert sorted(s.name for s in sites) == ["site-0", "site-1"]  # its query handler

@@ -1,0 +1,246 @@
+"""The engine's stop rule: rounds in a row whose every reply failed alike end the run.
+
+The real ``RoundEngine`` and local-SGD strategy over a scripted grid, writing a real SQLite
+ledger, so the tests also see that the round that trips the rule is recorded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Error,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+
+from flplatform import keys
+from flplatform.engine import DROPPED, REJECTED, RoundEngine
+from flplatform.engine.engine import FailureStreak, reason_key
+from flplatform.engine.events import UpdateOutcome
+from flplatform.errors import ConfigError, NoProgress, RunFailed
+from flplatform.ledger import SqlLedger
+from storage import LedgerRepository
+from strategies.local_sgd import LocalSGDAveraging
+
+from .idle_sites import CountingStrategy, idle_site
+from .scripted_grid import Behaviour, ScriptedGrid
+
+pytestmark = pytest.mark.usefixtures("task_identity")
+
+MODEL = ArrayRecord({"w": Array(np.zeros(4, np.float32))})
+# What local-SGD says of a reply whose model has other keys than the server's.
+WRONG_KEYS = "missing arrays: w"
+
+Reply = Callable[[Message], Message]
+
+
+def good(msg: Message) -> Message:
+    """A well-formed update: the model with every weight set to 1."""
+    arrays = ArrayRecord({"w": Array(np.ones(4, np.float32))})
+    metrics = MetricRecord({keys.NUM_EXAMPLES: 10})
+    return Message(RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics}), reply_to=msg)
+
+
+def wrong_keys(msg: Message) -> Message:
+    """A user's ClientApp sending a model of another architecture: the strategy rejects it."""
+    arrays = ArrayRecord({"conv1.weight": Array(np.ones(4, np.float32))})
+    metrics = MetricRecord({keys.NUM_EXAMPLES: 10})
+    return Message(RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics}), reply_to=msg)
+
+
+def crashes(reason: str) -> Reply:
+    """A ClientApp that raises: its error reply is dropped with ``reason``."""
+    return lambda msg: Message(Error(code=0, reason=reason), reply_to=msg)
+
+
+def scripted(name: str, *replies: Reply) -> Behaviour:
+    """A site that introduces itself, then answers its n-th training message with the n-th
+    of ``replies`` (the last one from then on)."""
+    sent = 0
+
+    def behave(msg: Message) -> Message:
+        nonlocal sent
+        if msg.metadata.message_type == MessageType.QUERY:
+            info = ConfigRecord({keys.SITE_NAME: name})
+            return Message(RecordDict({keys.SITE_INFO: info}), reply_to=msg)
+        reply = replies[min(sent, len(replies) - 1)]
+        sent += 1
+        return reply(msg)
+
+    return behave
+
+
+@pytest.fixture
+def repository(tmp_path: Path) -> Iterator[LedgerRepository]:
+    with LedgerRepository.open(f"sqlite:///{tmp_path / 'ledger.db'}") as repo:
+        yield repo
+
+
+def run(
+    repository: LedgerRepository, sites: dict[int, Behaviour], *, rounds: int, **kwargs: object
+) -> int:
+    """Run the engine for ``rounds`` rounds into a new run of ``repository``; its id."""
+    run_id = repository.create_run(
+        name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=rounds
+    )
+    engine = RoundEngine(
+        ScriptedGrid(sites),
+        LocalSGDAveraging(),
+        ledger=SqlLedger(repository, run_id),
+        required_sites=len(sites),
+        poll_interval=0.0,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    engine.run(MODEL, num_rounds=rounds)
+    return run_id
+
+
+def latest_run(repository: LedgerRepository) -> int:
+    return repository.list_runs(limit=1)[0].id
+
+
+def test_three_rounds_rejected_alike_stop_the_run_after_recording_the_third(
+    repository: LedgerRepository,
+) -> None:
+    sites = {1: scripted("a", wrong_keys), 2: scripted("b", wrong_keys)}
+    with pytest.raises(NoProgress) as stopped:
+        run(repository, sites, rounds=10)
+    assert stopped.value.reason.startswith(
+        f"rounds 1-3 applied no update: every reply was rejected: {WRONG_KEYS} "
+    )
+    assert "max-failed-rounds" in stopped.value.reason
+    # A RunFailed, so run_federation marks the run failed with this reason.
+    assert isinstance(stopped.value, RunFailed) and stopped.value.exit_code == RunFailed.exit_code
+    rounds = repository.list_rounds(latest_run(repository))
+    assert [(r.round, r.num_applied, r.num_rejected) for r in rounds] == [
+        (1, 0, 2),
+        (2, 0, 2),
+        (3, 0, 2),
+    ]
+    updates = repository.list_updates(latest_run(repository), round=3)
+    assert {(u.status, u.reason) for u in updates} == {(REJECTED, WRONG_KEYS)}
+
+
+def test_reasons_differing_only_in_numbers_are_the_same_failure(
+    repository: LedgerRepository,
+) -> None:
+    sites = {
+        1: scripted("a", crashes("RuntimeError: size mismatch for fc.weight: shape (10, 64)")),
+        2: scripted("b", crashes("RuntimeError: size mismatch for fc.weight: shape (10, 32)")),
+    }
+    with pytest.raises(NoProgress, match=r"^rounds 1-2 applied no update: every reply was "):
+        run(repository, sites, rounds=5, max_failed_rounds=2)
+    reason = repository.list_updates(latest_run(repository), site="b")[-1].reason
+    assert reason == "site error 0: RuntimeError: size mismatch for fc.weight: shape (10, 32)"
+    assert [r.num_dropped for r in repository.list_rounds(latest_run(repository))] == [2, 2]
+
+
+def test_mixed_reasons_in_a_round_never_stop_the_run(repository: LedgerRepository) -> None:
+    sites = {1: scripted("a", wrong_keys), 2: scripted("b", crashes("ValueError: out of memory"))}
+    run_id = run(repository, sites, rounds=5)
+    rounds = repository.list_rounds(run_id)
+    assert [(r.num_applied, r.num_rejected, r.num_dropped) for r in rounds] == [(0, 1, 1)] * 5
+
+
+def test_one_applied_update_ends_the_streak(repository: LedgerRepository) -> None:
+    # b fails like a, except in round 2, where its update is applied.
+    sites = {1: scripted("a", wrong_keys), 2: scripted("b", wrong_keys, good, wrong_keys)}
+    run_id = run(repository, sites, rounds=4)
+    assert [r.num_applied for r in repository.list_rounds(run_id)] == [0, 1, 0, 0]
+    # The streak restarts after round 2: rounds 3-5 are the next three.
+    sites = {1: scripted("a", wrong_keys), 2: scripted("b", wrong_keys, good, wrong_keys)}
+    with pytest.raises(NoProgress, match="^rounds 3-5 applied no update"):
+        run(repository, sites, rounds=8)
+    assert len(repository.list_rounds(latest_run(repository))) == 5
+
+
+def test_a_new_reason_starts_a_new_streak(repository: LedgerRepository) -> None:
+    crash = crashes("ValueError: out of memory")
+    # Two rounds rejected, then every site crashes the same way.
+    sites = {n: scripted(name, wrong_keys, wrong_keys, crash) for n, name in ((1, "a"), (2, "b"))}
+    run_id = run(repository, sites, rounds=4)
+    assert [r.num_rejected for r in repository.list_rounds(run_id)] == [2, 2, 0, 0]
+    sites = {n: scripted(name, wrong_keys, wrong_keys, crash) for n, name in ((1, "a"), (2, "b"))}
+    with pytest.raises(NoProgress) as stopped:
+        run(repository, sites, rounds=9)
+    assert stopped.value.reason.startswith(
+        "rounds 3-5 applied no update: every reply was dropped: site error 0: ValueError: "
+        "out of memory "
+    )
+
+
+def test_zero_never_stops(repository: LedgerRepository) -> None:
+    sites = {1: scripted("a", wrong_keys), 2: scripted("b", wrong_keys)}
+    run_id = run(repository, sites, rounds=6, max_failed_rounds=0)
+    assert [r.num_rejected for r in repository.list_rounds(run_id)] == [2] * 6
+
+
+def test_rounds_that_accept_updates_without_a_new_model_never_stop() -> None:
+    """Like Sketched-SGD's sketch round: every update is accepted, the model does not move."""
+
+    class NoStep(CountingStrategy):
+        def finish_aggregation(self) -> tuple[ArrayRecord | None, MetricRecord | None]:
+            return None, None
+
+    strategy = NoStep()
+    grid = ScriptedGrid({1: idle_site("a"), 2: idle_site("b")})
+    engine = RoundEngine(grid, strategy, required_sites=2, poll_interval=0.0, max_failed_rounds=1)
+    engine.run(ArrayRecord(), num_rounds=4)
+    assert engine.version == 0 and len(strategy.applied) == 8
+
+
+@pytest.mark.parametrize("limit", [-1, 1.5, True])
+def test_a_bad_limit_is_a_config_error(limit: object) -> None:
+    with pytest.raises(ConfigError, match="max-failed-rounds must be an integer >= 0"):
+        RoundEngine(ScriptedGrid({}), LocalSGDAveraging(), max_failed_rounds=limit)  # type: ignore[arg-type]
+
+
+def outcome(status: str, reason: str | None) -> UpdateOutcome:
+    return UpdateOutcome(
+        site="a",
+        dispatched_round=1,
+        version_trained_on=0,
+        staleness=0,
+        bytes_up=0,
+        bytes_down=0,
+        status=status,
+        dispatched_at=0.0,
+        reason=reason,
+    )
+
+
+def test_rounds_without_failed_replies_end_the_streak() -> None:
+    """Rounds where no reply came back (only timeouts, or a pipelined round in which nothing
+    landed) neither count nor keep a streak going."""
+    streak = FailureStreak(2)
+    rejected = [outcome(REJECTED, WRONG_KEYS)]
+    streak.observe(1, applied=0, failed_replies=rejected)
+    streak.observe(2, applied=0, failed_replies=[])
+    assert streak.rounds == []
+    streak.observe(3, applied=0, failed_replies=rejected)
+    with pytest.raises(NoProgress, match="^rounds 3-4 applied no update: every reply was rejected"):
+        streak.observe(4, applied=0, failed_replies=rejected)
+
+
+def test_one_round_limit_and_mixed_statuses_are_named() -> None:
+    streak = FailureStreak(1)
+    same = [outcome(DROPPED, "late by 3 s"), outcome(REJECTED, "late by 12 s")]
+    with pytest.raises(NoProgress) as stopped:
+        streak.observe(7, applied=0, failed_replies=same)
+    assert stopped.value.reason.startswith(
+        "round 7 applied no update: every reply was dropped or rejected: late by 12 s "
+    )
+
+
+def test_reason_key_ignores_numbers_and_spacing_only() -> None:
+    assert reason_key("shape (10,  64) at 0x7f3a9c") == reason_key("shape (10, 32) at 0xdeadbeef")
+    assert reason_key("missing arrays: w") != reason_key("unexpected arrays: w")

@@ -1,0 +1,451 @@
+"""``flplatform.start``: the platform's parts around any strategy, and its CLI overrides.
+
+The real round engine, the real SQL ledger and Flower's real strategies run here; only
+the transport is the in-process ``ScriptedGrid``, whose sites reply as ClientApps do.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.serverapp.exception import InconsistentMessageReplies
+from flwr.serverapp.strategy import FedAvg
+
+from flplatform import keys
+from flplatform.arrays import record_to_arrays
+from flplatform.engine import APPLIED, REJECTED, RoundSummary
+from flplatform.errors import ConfigError, DataError, NoProgress, UpdateRejected
+from flplatform.start import (
+    OPTION_NAMES,
+    OPTIONS_ENV,
+    PlatformOptions,
+    options_environment,
+    options_from_environment,
+    record_failed_start,
+    start,
+)
+from storage import LedgerRepository
+from strategies.delayed import DelayedCompensated
+from strategies.fetchsgd import FetchSGD
+from strategies.flower_adapter import FlowerStrategyAdapter
+from strategies.local_sgd import LocalSGDAveraging
+from tests.flplatform.engine.scripted_grid import Behaviour, ScriptedGrid
+
+pytestmark = pytest.mark.usefixtures("task_identity")
+
+MODEL = ArrayRecord({"w": Array(np.zeros(4, np.float32))})
+Reply = Callable[[Message, np.ndarray], RecordDict]
+
+
+def trained(value: float, examples: int, loss: float) -> Reply:
+    """A well-formed training reply: the model set to ``value``, Flower's metrics."""
+
+    def content(msg: Message, sent: np.ndarray) -> RecordDict:
+        arrays = ArrayRecord({"w": Array(np.full_like(sent, value))})
+        metrics = MetricRecord({keys.NUM_EXAMPLES: examples, keys.TRAIN_LOSS: loss})
+        return RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics})
+
+    return content
+
+
+def site(name: str, reply: Reply, *, accuracy: float = 0.5, extra: bool = False) -> Behaviour:
+    """Introduces itself, evaluates (5 examples, ``accuracy``; ``extra``: a second metrics
+    record) and trains as ``reply`` says."""
+
+    def behave(msg: Message) -> Message:
+        if msg.metadata.message_type == MessageType.QUERY:
+            info = ConfigRecord({keys.SITE_NAME: name})
+            return Message(RecordDict({keys.SITE_INFO: info}), reply_to=msg)
+        if msg.metadata.message_type == MessageType.EVALUATE:
+            evaluated = MetricRecord({keys.NUM_EXAMPLES: 5, keys.EVAL_ACCURACY: accuracy})
+            content = RecordDict({keys.METRICS: evaluated})
+            if extra:
+                content["more-metrics"] = MetricRecord({"x": 1.0})
+            return Message(content, reply_to=msg)
+        sent = record_to_arrays(msg.content.array_records[keys.ARRAYS])["w"]
+        return Message(reply(msg, sent), reply_to=msg)
+
+    return behave
+
+
+def two_sites() -> dict[int, Behaviour]:
+    return {
+        1: site("a", trained(1.0, examples=10, loss=1.0)),
+        2: site("b", trained(4.0, examples=30, loss=0.0)),
+    }
+
+
+# (10·1 + 30·4) / 40: the example-weighted mean of the two sites' models, by hand.
+WEIGHTED_MEAN = (10 * 1.0 + 30 * 4.0) / 40
+
+
+class FlowerGrid(ScriptedGrid):
+    """The scripted sites behind Flower's own blocking ``send_and_receive``."""
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        ids = [i for i in self.push_messages(list(messages)) if i]
+        return list(self.pull_messages(ids))
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'ledger.db'}"
+
+
+@pytest.fixture(autouse=True)
+def no_cli_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(OPTIONS_ENV, raising=False)
+
+
+def model_of(result_arrays: ArrayRecord) -> np.ndarray:
+    return record_to_arrays(result_arrays)["w"]
+
+
+# ====================================================================== the ledger
+def test_start_records_the_run_its_rounds_and_updates(db: str) -> None:
+    seen: list[RoundSummary] = []
+    result = start(
+        LocalSGDAveraging(),
+        ScriptedGrid(two_sites()),
+        MODEL,
+        num_rounds=2,
+        ledger=db,
+        tag="t-1",
+        seed=7,
+        on_round=seen.append,
+    )
+    np.testing.assert_allclose(model_of(result.arrays), WEIGHTED_MEAN)
+    assert [s.server_round for s in seen] == [1, 2]
+    with LedgerRepository.open(db) as repo:
+        (run,) = repo.list_runs()
+        assert (run.status, run.strategy, run.name, run.tag) == (
+            "finished",
+            "local-sgd",
+            "local-sgd",
+            "t-1",
+        )
+        assert (run.seed, run.num_rounds_planned, run.network) == (7, 2, None)
+        # Without a run_config, the options that shaped the run are recorded.
+        assert run.config["sync"] == "sync" and run.config["num-server-rounds"] == 2
+        rounds = repo.list_rounds(run.id)
+        assert [(r.round, r.model_version, r.num_applied) for r in rounds] == [(1, 1, 2), (2, 2, 2)]
+        assert rounds[0].train_loss == pytest.approx(0.25)  # (10·1 + 30·0) / 40
+        updates = repo.list_updates(run.id)
+        assert sorted((u.site, u.round, u.status) for u in updates) == [
+            ("a", 1, APPLIED),
+            ("a", 2, APPLIED),
+            ("b", 1, APPLIED),
+            ("b", 2, APPLIED),
+        ]
+
+
+def test_the_package_call_runs_without_a_ledger(flplatform_home: Path) -> None:
+    import flplatform
+
+    # mypy sees the module flplatform.start here; at run time it is callable (it calls start).
+    result = flplatform.start(  # type: ignore[operator]
+        LocalSGDAveraging(), ScriptedGrid(two_sites()), MODEL, num_rounds=1
+    )
+    np.testing.assert_allclose(model_of(result.arrays), WEIGHTED_MEAN)
+    assert not (flplatform_home / "ledger.db").exists()
+
+
+def test_a_run_that_stops_early_is_recorded_failed_with_the_reason(db: str) -> None:
+    def no_weight(msg: Message, sent: np.ndarray) -> RecordDict:
+        arrays = ArrayRecord({"w": Array(np.ones_like(sent))})
+        return RecordDict({keys.ARRAYS: arrays, keys.METRICS: MetricRecord({"loss": 1.0})})
+
+    grid = ScriptedGrid({1: site("a", no_weight), 2: site("b", no_weight)})
+    with pytest.raises(NoProgress) as raised:
+        start(LocalSGDAveraging(), grid, MODEL, num_rounds=5, ledger=db, max_failed_rounds=2)
+    with LedgerRepository.open(db) as repo:
+        (run,) = repo.list_runs()
+        assert run.status == "failed"
+        assert run.error == raised.value.reason
+        assert "num-examples" in (run.error or "")
+        assert len(repo.list_rounds(run.id)) == 2  # stopped after two such rounds
+
+
+def test_a_run_that_fails_before_it_starts_is_recorded(db: str) -> None:
+    record_failed_start(
+        DataError("no test set in data/"), strategy="local-sgd", ledger=db, name="n", tag="x"
+    )
+    with LedgerRepository.open(db) as repo:
+        run = repo.find_run_by_tag("x")
+        assert run is not None
+        assert (run.status, run.error, run.name) == ("failed", "no test set in data/", "n")
+
+
+# ============================================================== CLI overrides
+def test_options_from_the_environment_override_the_code(
+    db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(
+        OPTIONS_ENV,
+        options_environment(name="from-cli", num_rounds=1, sync="k-async", k=1)[OPTIONS_ENV],
+    )
+    start(
+        LocalSGDAveraging(),
+        ScriptedGrid(two_sites()),
+        MODEL,
+        num_rounds=3,
+        name="from-code",
+        ledger=db,
+        run_config={"strategy": "local-sgd", "num-server-rounds": 3, "sync": "sync"},
+    )
+    with LedgerRepository.open(db) as repo:
+        (run,) = repo.list_runs()
+        assert (run.name, run.num_rounds_planned) == ("from-cli", 1)
+        # The recorded config says what ran: the overrides are written into it.
+        assert run.config == {
+            "strategy": "local-sgd",
+            "num-server-rounds": 1,
+            "sync": "k-async",
+            "k": 1,
+        }
+        (only,) = repo.list_rounds(run.id)
+        assert only.num_applied == 1  # k-async with K = 1: one update makes the step
+
+
+def test_a_network_from_the_environment_runs_on_its_virtual_clock(
+    db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(OPTIONS_ENV, json.dumps({"network": "datacenter"}))
+    start(LocalSGDAveraging(), ScriptedGrid(two_sites()), MODEL, num_rounds=1, ledger=db)
+    with LedgerRepository.open(db) as repo:
+        (run,) = repo.list_runs()
+        assert run.network == "datacenter" and run.config["network"] == "datacenter"
+        assert run.simulated_seconds is not None and run.simulated_seconds > 0
+        (only,) = repo.list_rounds(run.id)
+        assert only.virtual_finished_at == pytest.approx(run.simulated_seconds)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ('{"speed": 2}', "unknown option 'speed'; allowed: num_rounds"),
+        ('{"k": "two"}', "option 'k' must be an integer >= 1, got 'two'"),
+        ('{"num_rounds": 0}', "option 'num_rounds' must be an integer >= 1, got 0"),
+        ('{"sync": "eventually"}', "option 'sync' must be one of sync, k-sync"),
+        ('{"network": 3}', "option 'network' must be a preset name"),
+        ("sync=k-async", "must be a JSON object of start() options; it is not JSON"),
+        ('["sync"]', "must be a JSON object of start() options, got list"),
+    ],
+)
+def test_a_bad_environment_is_a_config_error_before_anything_is_recorded(
+    db: str, monkeypatch: pytest.MonkeyPatch, value: str, message: str
+) -> None:
+    monkeypatch.setenv(OPTIONS_ENV, value)
+    grid = ScriptedGrid(two_sites())
+    with pytest.raises(ConfigError, match=r"FLPLATFORM_OPTIONS") as raised:
+        start(LocalSGDAveraging(), grid, MODEL, num_rounds=1, ledger=db)
+    assert message in raised.value.reason
+    assert grid.pushed == []
+    with LedgerRepository.open(db) as repo:
+        assert repo.list_runs() == []
+
+
+def test_options_environment_round_trips_and_refuses_what_start_would() -> None:
+    environment = options_environment(sync="buffered", k=4, network="world", ledger=None)
+    assert options_from_environment(environment) == {
+        "sync": "buffered",
+        "k": 4,
+        "network": "world",
+        "ledger": None,
+    }
+    with pytest.raises(ConfigError, match="unknown option 'rounds'"):
+        options_environment(rounds=3)
+    with pytest.raises(ConfigError, match="option 'timeout' must be a number of seconds > 0"):
+        options_environment(timeout=-1)
+    # Every start() keyword that is plain data may come from the command line.
+    assert set(OPTION_NAMES) == {f for f in PlatformOptions.__dataclass_fields__}
+
+
+def test_bad_keyword_arguments_are_config_errors() -> None:
+    grid = ScriptedGrid(two_sites())
+    with pytest.raises(ConfigError, match=r"start\(\): option 'k' must be an integer >= 1"):
+        start(LocalSGDAveraging(), grid, MODEL, sync="k-sync", k=0)
+    with pytest.raises(ConfigError, match="also give network"):
+        start(LocalSGDAveraging(), grid, MODEL, step_seconds=0.5)
+    with pytest.raises(ConfigError, match="runs a Flower strategy"):
+        start(object(), grid, MODEL)  # type: ignore[arg-type]
+
+
+# ============================================================ Flower's strategies
+def test_flowers_fedavg_under_the_engine_matches_flowers_own_start(db: str) -> None:
+    result = start(FedAvg(), ScriptedGrid(two_sites()), MODEL, num_rounds=2, ledger=db)
+    flower = FedAvg().start(FlowerGrid(two_sites()), MODEL, num_rounds=2)
+    np.testing.assert_allclose(model_of(result.arrays), WEIGHTED_MEAN)
+    np.testing.assert_array_equal(model_of(result.arrays), model_of(flower.arrays))
+    assert result.train_metrics_clientapp[2][keys.TRAIN_LOSS] == pytest.approx(0.25)
+    assert result.evaluate_metrics_clientapp[2][keys.EVAL_ACCURACY] == pytest.approx(0.5)
+    with LedgerRepository.open(db) as repo:
+        (run,) = repo.list_runs()
+        assert (run.status, run.strategy) == ("finished", "flwr-fedavg")
+        rounds = repo.list_rounds(run.id)
+        assert [(r.model_version, r.num_applied) for r in rounds] == [(1, 2), (2, 2)]
+        # Flower's own metric names, as its aggregate_evaluate returns them.
+        assert rounds[1].metrics["site_" + keys.EVAL_ACCURACY] == pytest.approx(0.5)
+        evaluations = repo.list_evaluations(run.id)
+        assert [e.accuracy for e in evaluations] == [0.5] * 4  # both sites, both rounds
+
+
+def two_metric_records(msg: Message, sent: np.ndarray) -> RecordDict:
+    content = trained(9.0, examples=10, loss=0.0)(msg, sent)
+    content["more-metrics"] = MetricRecord({"x": 1.0})
+    return content
+
+
+def no_num_examples(msg: Message, sent: np.ndarray) -> RecordDict:
+    arrays = ArrayRecord({"w": Array(np.full_like(sent, 9.0))})
+    return RecordDict({keys.ARRAYS: arrays, keys.METRICS: MetricRecord({keys.TRAIN_LOSS: 0.0})})
+
+
+def wrong_shape(msg: Message, sent: np.ndarray) -> RecordDict:
+    arrays = ArrayRecord({"w": Array(np.full(7, 9.0, np.float32))})
+    metrics = MetricRecord({keys.NUM_EXAMPLES: 10, keys.TRAIN_LOSS: 0.0})
+    return RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics})
+
+
+@pytest.mark.parametrize(
+    ("odd", "reason"),
+    [
+        (two_metric_records, "exactly one ArrayRecord and one MetricRecord, got 1 and 2"),
+        (no_num_examples, "would refuse it: Missing required key `num-examples`"),
+        (wrong_shape, "array 'w' has shape (7,), expected (4,)"),
+    ],
+)
+def test_a_reply_flower_would_refuse_is_rejected_and_the_round_goes_on(
+    db: str, odd: Reply, reason: str
+) -> None:
+    grid = ScriptedGrid({**two_sites(), 3: site("odd", odd)})
+    result = start(FedAvg(), grid, MODEL, num_rounds=1, ledger=db)
+    np.testing.assert_allclose(model_of(result.arrays), WEIGHTED_MEAN)  # without the odd one
+    with LedgerRepository.open(db) as repo:
+        (run,) = repo.list_runs()
+        assert run.status == "finished"
+        (rejected,) = repo.list_updates(run.id, site="odd")
+        assert rejected.status == REJECTED
+        assert reason in (rejected.reason or "")
+
+
+def test_fedavg_itself_refuses_the_round_the_adapter_saves() -> None:
+    # What the adapter prevents: Flower's aggregate_train refuses all the replies at once.
+    sent = Message(RecordDict({keys.ARRAYS: MODEL}), dst_node_id=1, message_type="train")
+    zeros = np.zeros(4, np.float32)
+    replies = [
+        Message(content, reply_to=sent)
+        for content in (trained(1.0, 10, 0.0)(sent, zeros), two_metric_records(sent, zeros))
+    ]
+    with pytest.raises(InconsistentMessageReplies):
+        FedAvg().aggregate_train(1, replies)
+    adapter = FlowerStrategyAdapter(FedAvg())
+    adapter.begin_aggregation(1, MODEL)
+    adapter.accumulate(replies[0], base=MODEL)
+    with pytest.raises(UpdateRejected, match="one MetricRecord, got 1 and 2"):
+        adapter.accumulate(replies[1], base=MODEL)
+    arrays, _ = adapter.finish_aggregation()
+    assert arrays is not None
+    np.testing.assert_allclose(model_of(arrays), 1.0)
+
+
+def test_an_evaluation_reply_flower_would_refuse_is_left_out(db: str) -> None:
+    odd = site("odd", trained(4.0, examples=30, loss=0.0), accuracy=0.9, extra=True)
+    grid = ScriptedGrid({1: site("a", trained(1.0, examples=10, loss=1.0)), 2: odd})
+    result = start(FedAvg(), grid, MODEL, num_rounds=1, ledger=db)
+    # Flower's FedAvg alone would refuse the round's evaluation (two MetricRecords) and
+    # end the run; here the odd reply is left out and the other one counts.
+    assert result.evaluate_metrics_clientapp[1][keys.EVAL_ACCURACY] == pytest.approx(0.5)
+    np.testing.assert_allclose(model_of(result.arrays), WEIGHTED_MEAN)
+    with LedgerRepository.open(db) as repo:
+        assert [r.status for r in repo.list_runs()] == ["finished"]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "message"),
+    [
+        (lambda: FedAvg(), "Flower's FedAvg aggregates each round's replies at once"),
+        (
+            lambda: DelayedCompensated(delay=1, num_rounds=2),
+            "strategy 'delayed' runs with sync mode 'sync' only, got 'k-sync'",
+        ),
+        (lambda: FetchSGD(k=2), "strategy 'fetchsgd' runs with sync mode 'sync' only"),
+    ],
+)
+def test_modes_a_strategy_cannot_run_are_refused(
+    db: str, strategy: Callable[[], object], message: str
+) -> None:
+    grid = ScriptedGrid(two_sites())
+    with pytest.raises(ConfigError, match=message):
+        start(strategy(), grid, MODEL, sync="k-sync", ledger=db)  # type: ignore[arg-type]
+    assert grid.pushed == []
+    with LedgerRepository.open(db) as repo:
+        assert repo.list_runs() == []
+
+
+# ============================================================ our strategies
+def test_fetchsgd_runs_through_flowers_own_start_signature() -> None:
+    from tests.strategies.delayed_sites import context, digits_site
+
+    grid = ScriptedGrid({n: digits_site(n - 1, 2, context(n)) for n in (1, 2)})
+    initial = _digits_model()
+    calls: list[int] = []
+
+    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        calls.append(server_round)
+        return MetricRecord({"changed": float(not np.array_equal(_flat(arrays), _flat(initial)))})
+
+    result = FetchSGD(k=50, seed=1).start(
+        grid,
+        initial,
+        num_rounds=2,
+        train_config=ConfigRecord({keys.LOCAL_STEPS: 2, keys.LR: 0.1}),
+        evaluate_fn=evaluate_fn,
+    )
+    assert calls == [0, 1, 2]  # before the first round and after each, as Flower's start
+    assert result.evaluate_metrics_serverapp[2]["changed"] == 1.0
+    assert sorted(result.train_metrics_clientapp) == [1, 2]
+
+
+def _digits_model() -> ArrayRecord:
+    from clients.site import load_site
+
+    site = load_site(
+        {keys.PARTITION_ID: 0, keys.NUM_PARTITIONS: 2},
+        {"dataset": "digits", "partition": "dirichlet", "alpha": 1.0, "model": "mlp"},
+    )
+    return ArrayRecord(site.build_model(num_classes=10, seed=0).state_dict())
+
+
+def _flat(arrays: ArrayRecord) -> np.ndarray:
+    return np.concatenate([a.ravel() for a in record_to_arrays(arrays).values()])
+
+
+# ============================================================ the package
+def test_importing_the_package_stays_light_and_start_is_callable() -> None:
+    code = (
+        "import sys, flplatform, flplatform.keys, flplatform.errors\n"
+        "assert 'flplatform.engine' not in sys.modules, 'the engine was imported'\n"
+        "assert 'flwr.serverapp' not in sys.modules, 'the ServerApp was imported'\n"
+        "from flplatform.start import start\n"  # binds the module to flplatform.start
+        "assert callable(flplatform.start) and flplatform.start.start is start\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
