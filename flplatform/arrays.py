@@ -18,4 +18,5 @@ def record_to_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
 
 def arrays_to_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
     """{name: ndarray} → ArrayRecord (order kept)."""
-    return ArrayRecord({key: Array(np.ascontiguousarray(value)) for key, value in arrays.items()})
+    # asarray, not ascontiguousarray: that makes a 0-d array (a BatchNorm counter) 1-d.
+    return ArrayRecord({key: Array(np.asarray(value, order="C")) for key, value in arrays.items()})

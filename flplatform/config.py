@@ -86,7 +86,7 @@ class RunConfig:
     delay: int = 2  # D: rounds until a period's average reaches the site
     period: int = 0  # p: local steps per message; 0: local-steps / local-epochs decide
     compensation: bool = True  # swap the site's stale steps for the averages
-    # ---- upload compression with error feedback (strategies/codecs.py), local-sgd
+    # ---- upload compression with error feedback (strategies/codecs.py): local-sgd, delayed
     codec: str = "none"  # none, int8, topk:<k> or topk:<fraction>
     # ---- sketched aggregation (strategies/fetchsgd.py, strategies/sketched_sgd.py); k is
     # the top-k, server-momentum FetchSGD's sketch momentum ρ or Sketched-SGD's step momentum
@@ -165,10 +165,10 @@ class RunConfig:
         self._validate_delayed()
         self._validate_sketch()
         make_codec(self.codec)  # a bad spec fails here, saying what is allowed
-        if self.codec.strip().lower() != "none" and self.strategy != "local-sgd":
+        if self.codec.strip().lower() != "none" and self.strategy not in ("local-sgd", DELAYED):
             raise ConfigError(
-                f"codec compresses local-SGD averaging's uploads; strategy "
-                f"'{self.strategy}' sends its own updates: leave codec 'none'"
+                f"codec compresses delta uploads (strategies local-sgd and delayed); strategy "
+                f"'{self.strategy}' uploads sketches: leave codec 'none'"
             )
         problems = synchrony_problems(
             self.sync,

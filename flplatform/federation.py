@@ -58,6 +58,7 @@ def build_strategy(
             eta=config.server_lr,
             fraction_evaluate=config.fraction_evaluate,
             seed=config.seed,
+            codec=config.codec,
         )
     return LocalSGDAveraging(
         eta=config.server_lr,

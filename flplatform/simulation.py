@@ -226,6 +226,44 @@ def start_app(
     """
     env = flower_environment(home, python_path=python_path)
     env.update(extra_env or {})
+    superlink, superlink_log = start_superlink(env, home=home, log_name=log_name)
+    logs = home / "logs"
+    overrides: list[str] = []
+    if run_config:
+        path = logs / f"{log_name}.run-config.toml"
+        path.write_text(_toml(dict(run_config)))
+        overrides = ["--run-config", str(path)]
+    log_path = logs / f"{log_name}.log"
+    run = subprocess.Popen(
+        [
+            _bin("flwr"),
+            "run",
+            str(app_dir),
+            "local",
+            *overrides,
+            "--federation-config",
+            federation_options(num_sites),
+            "--stream",
+        ],
+        env=env,
+        cwd=str(home),
+        stdout=log_path.open("wb"),
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    return SimulationProcess(superlink, run, log_path, superlink_log)
+
+
+def start_superlink(
+    env: dict[str, str], *, home: Path, log_name: str
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """Start a simulation SuperLink on free loopback ports; return it and its log.
+
+    ``env`` (from :func:`flower_environment`) is the SuperLink's, and so that of the app
+    processes it starts; the ports are written into it, so that ``flwr run APP local``
+    run with ``env`` uses this SuperLink.
+    """
     http_port, control_port = free_port(), free_port()
     # `flwr run APP local` uses a SuperLink on these ports; we start it ourselves so that
     # it runs with our flags and stops with the run.
@@ -257,30 +295,13 @@ def start_app(
         start_new_session=True,
     )
     wait_for_port(http_port, superlink, superlink_log)
+    return superlink, superlink_log
 
-    overrides = home / "logs" / f"{log_name}.run-config.toml"
-    overrides.write_text(_toml(dict(run_config)))
-    log_path = logs / f"{log_name}.log"
-    run = subprocess.Popen(
-        [
-            _bin("flwr"),
-            "run",
-            str(app_dir),
-            "local",
-            "--run-config",
-            str(overrides),
-            "--federation-config",
-            federation_options(num_sites),
-            "--stream",
-        ],
-        env=env,
-        cwd=str(home),
-        stdout=log_path.open("wb"),
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    return SimulationProcess(superlink, run, log_path, superlink_log)
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a process started here, with its process group (SIGTERM, then SIGKILL)."""
+    if proc.poll() is None:
+        _terminate_group(proc)
 
 
 def wait_for_port(port: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 30) -> None:

@@ -596,7 +596,7 @@ def _log_start(
         "flplatform: %s, %d rounds, %s, %s",
         label,
         num_rounds,
-        policy,
+        repr(policy) if isinstance(policy, Synchrony) else type(policy).__name__,
         f"network {network} (virtual clock)" if network else "wall clock",
     )
     summary = getattr(strategy, "summary", None)

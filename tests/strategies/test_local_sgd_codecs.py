@@ -136,7 +136,9 @@ def test_a_bad_codec_is_refused_where_it_is_configured() -> None:
     with pytest.raises(ConfigError, match="unknown codec 'zip'"):
         RunConfig.from_mapping({"codec": "zip"})
     with pytest.raises(ConfigError, match="leave codec 'none'"):
-        RunConfig.from_mapping({"strategy": "delayed", "codec": "int8"})
+        RunConfig.from_mapping({"strategy": "fetchsgd", "codec": "int8", "k": 10})
+    # delayed updates upload a delta too (DTS's recipe: delayed + top-k)
+    assert RunConfig.from_mapping({"strategy": "delayed", "codec": "int8"}).codec == "int8"
     with pytest.raises(ConfigError, match="unknown codec"):
         LocalSGDAveraging(codec="gzip")
     assert RunConfig.from_mapping({"codec": "topk:0.01"}).codec == "topk:0.01"
