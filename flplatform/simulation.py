@@ -8,6 +8,7 @@ ServerApp writes the ledger; the caller follows progress by reading the ledger.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -133,10 +134,19 @@ class SimulationProcess:
         return self.run.poll()
 
     def stop(self) -> None:
-        """Stop ``flwr run`` (if still going) and the SuperLink, with its app processes."""
+        """Stop ``flwr run`` (if still going) and the SuperLink, with its app processes.
+
+        The SuperLink starts SuperExec in a session of its own, and SuperExec the
+        simulation (ServerApp, Ray and its actors) in that one: their process groups are
+        found (before anything is stopped) and stopped too. They would exit by themselves
+        once their parent is gone, by raising SIGINT, which does nothing where SIGINT is
+        ignored (a process started in the background by a shell).
+        """
+        groups = _descendant_groups(self.superlink.pid, self.run.pid)
         for proc in (self.run, self.superlink):
             if proc.poll() is None:
                 _terminate_group(proc)
+        _terminate_groups(groups - {self.run.pid, self.superlink.pid, os.getpgrp()})
 
     def last_error(self) -> str:
         """The most telling line of the run's output.
@@ -161,6 +171,65 @@ class SimulationProcess:
         except OSError:
             return ""
         return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _descendant_groups(*roots: int) -> set[int]:
+    """Process groups of every descendant of ``roots`` (Linux ``/proc``; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    groups: dict[int, int] = {}
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return set()
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) < 3:
+            continue
+        pid, ppid, pgrp = int(entry.name), int(fields[1]), int(fields[2])
+        children.setdefault(ppid, []).append(pid)
+        groups[pid] = pgrp
+    found: set[int] = set()
+    todo = list(roots)
+    seen = set(roots)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+                found.add(groups[child])
+    return found
+
+
+def _terminate_groups(groups: set[int], timeout: float = 10) -> None:
+    """SIGTERM each process group, then SIGKILL what is left after ``timeout`` seconds."""
+    live = set()
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGTERM)
+            live.add(group)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + timeout
+    while live and time.monotonic() < deadline:
+        time.sleep(0.2)
+        live = {g for g in live if _group_alive(g)}
+    for group in live:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, signal.SIGKILL)
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def _terminate_group(proc: subprocess.Popen[bytes]) -> None:
@@ -234,24 +303,28 @@ def start_app(
         path.write_text(_toml(dict(run_config)))
         overrides = ["--run-config", str(path)]
     log_path = logs / f"{log_name}.log"
-    run = subprocess.Popen(
-        [
-            _bin("flwr"),
-            "run",
-            str(app_dir),
-            "local",
-            *overrides,
-            "--federation-config",
-            federation_options(num_sites),
-            "--stream",
-        ],
-        env=env,
-        cwd=str(home),
-        stdout=log_path.open("wb"),
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    try:
+        run = subprocess.Popen(
+            [
+                _bin("flwr"),
+                "run",
+                str(app_dir),
+                "local",
+                *overrides,
+                "--federation-config",
+                federation_options(num_sites),
+                "--stream",
+            ],
+            env=env,
+            cwd=str(home),
+            stdout=log_path.open("wb"),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    except BaseException:
+        stop_process(superlink)
+        raise
     return SimulationProcess(superlink, run, log_path, superlink_log)
 
 
@@ -294,7 +367,11 @@ def start_superlink(
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    wait_for_port(http_port, superlink, superlink_log)
+    try:
+        wait_for_port(http_port, superlink, superlink_log)
+    except BaseException:  # Ctrl-C while it starts, too: nothing is left behind
+        stop_process(superlink)
+        raise
     return superlink, superlink_log
 
 

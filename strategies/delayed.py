@@ -289,8 +289,7 @@ class DelayedCompensated(Strategy):
             return received
         if named != self.codec.name:
             raise UpdateRejected(
-                f"reply compressed with codec {named!r}, but this run asked for "
-                f"'{self.codec.name}'"
+                f"reply compressed with codec {named!r}, but this run asked for '{self.codec.name}'"
             )
         decoded = self.codec.decode(received, Layout.of(self._current))  # UpdateRejected
         return {k: decoded[k] for k in self._current}

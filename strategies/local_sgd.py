@@ -177,9 +177,7 @@ class LocalSGDAveraging(Strategy):
             # A site that uploaded compressed before holds an error-feedback residual.
             site_config[keys.STATE_EXPECTED] = node_id in self._compressing
             content = RecordDict({keys.ARRAYS: arrays, keys.CONFIG: site_config})
-            messages.append(
-                Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN)
-            )
+            messages.append(Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN))
         return messages
 
     def aggregate_train(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 from flwr.app import Message, RecordDict
 from flwr.supercore.inflatable.inflatable_object import (
     get_all_nested_objects,

@@ -120,9 +120,7 @@ def delayed_mod() -> Mod:
         result = call_user(msg, context, call_next, start)
         if not isinstance(result, UserResult):
             return result
-        update = ledger.record(
-            delayed.period, start, result.trained, compensate=delayed.compensate
-        )
+        update = ledger.record(delayed.period, start, result.trained, compensate=delayed.compensate)
         metrics = MetricRecord({**result.metrics, keys.PERIOD: delayed.period})
         config: dict[str, str] = {keys.UPDATE_KIND: keys.DELTA}
         codec = _codec_for(msg, result)
@@ -132,9 +130,7 @@ def delayed_mod() -> Mod:
             if delayed.compensate:
                 # Kept as the server will decode it: the model stays the sum of what the
                 # server knows, the residual travels in a later upload.
-                ledger.pending[delayed.period] = {
-                    k: v.astype(np.float64) for k, v in sent.items()
-                }
+                ledger.pending[delayed.period] = {k: v.astype(np.float64) for k, v in sent.items()}
             update, config[keys.CODEC] = wire, codec.name
         save_site_ledger(context, ledger)
         if lost:

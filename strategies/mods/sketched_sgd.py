@@ -177,4 +177,3 @@ def _values_reply(msg: Message, context: Context) -> Message:
     # The values count as much as the sketch they belong to.
     metrics = MetricRecord({keys.NUM_EXAMPLES: state.meta.get(EXAMPLES, 1)})
     return reply_with(msg, {VALUES: v[candidates].astype(np.float32)}, metrics)
-

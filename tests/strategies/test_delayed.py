@@ -147,9 +147,7 @@ def test_a_site_keeps_at_most_d_plus_one_periods() -> None:
         ledger = load_site_ledger(site.state)
         assert ledger is not None and sorted(ledger.pending) == [5, 6, 7, 8]
         # ... all in the mod's one state record
-        assert [k for k in site.state.state if k.startswith("flplatform")] == [
-            keys.DELAYED_STATE
-        ]
+        assert [k for k in site.state.state if k.startswith("flplatform")] == [keys.DELAYED_STATE]
 
 
 def test_without_compensation_sites_train_from_the_stale_global_model() -> None:

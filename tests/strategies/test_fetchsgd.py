@@ -148,6 +148,8 @@ def test_every_site_rebuilds_exactly_the_servers_model() -> None:
     messages = list(strategy.configure_train(5, strategy.model.record, ConfigRecord(), Grid()))  # type: ignore[arg-type]
     assert any(m.content[keys.CONFIG][keys.SYNC_FROM] >= 0 for m in messages)
     server = record_to_arrays(strategy.model.record)
+    # The model keeps its own key order through sparse steps (fc1.weight before fc1.bias).
+    assert list(server) == list(_digits_model().keys()) != sorted(server)
     for msg in messages:
         held = ModState.load(contexts[msg.metadata.dst_node_id], keys.FETCHSGD_STATE)
         rebuilt = synced_model(msg, held)
