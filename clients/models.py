@@ -23,7 +23,8 @@ import os
 import re
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -189,7 +190,36 @@ def model_import_dir(spec: str) -> Path | None:
     return _ADDED_DIRS.get(top)
 
 
+@contextmanager
+def _flower_import_lock(timeout: float = 120.0) -> Iterator[None]:
+    """Hold Flower's app-import lock while importing a spec's module.
+
+    Flower's ``load_app`` takes a module already in ``sys.modules`` as it is: a ClientApp
+    module that the ServerApp's thread is still importing (``--model client_module:Net``
+    in a simulation) would be loaded half-initialized. Flower's lock is not reentrant, so
+    it is waited for at most ``timeout`` seconds (an import nested inside Flower's own
+    then goes ahead without it).
+    """
+    try:
+        from flwr.supercore import object_ref
+    except ImportError:  # pragma: no cover - Flower is a dependency
+        yield
+        return
+    lock = getattr(object_ref, "_import_lock", None)
+    acquired = lock is not None and lock.acquire(timeout=timeout)
+    try:
+        yield
+    finally:
+        if acquired and lock is not None:
+            lock.release()
+
+
 def _import_module(module_name: str, spec: str) -> object:
+    with _flower_import_lock():
+        return _import_module_unlocked(module_name, spec)
+
+
+def _import_module_unlocked(module_name: str, spec: str) -> object:
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

@@ -191,8 +191,12 @@ def parse_run_config(app: FlowerApp, items: Sequence[str]) -> dict[str, ConfigVa
     return out
 
 
-def _typed(key: str, text: str, default: ConfigValue) -> ConfigValue:
-    """``text`` as the type of ``default`` (Flower keeps the type a key is declared with)."""
+def _typed(key: str, text: str, default: ConfigValue, label: str = "") -> ConfigValue:
+    """``text`` as the type of ``default`` (Flower keeps the type a key is declared with).
+
+    ``label`` names what set it in error messages (default ``-c <key>``).
+    """
+    label = label or f"-c {key}"
     unquoted = text[1:-1] if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"" else text
     if isinstance(default, bool):
         lowered = unquoted.lower()
@@ -200,20 +204,20 @@ def _typed(key: str, text: str, default: ConfigValue) -> ConfigValue:
             return True
         if lowered in ("false", "0", "no", "off"):
             return False
-        raise ConfigError(f"-c {key} must be true or false (declared {default!r}), got {text!r}")
+        raise ConfigError(f"{label} must be true or false (declared {default!r}), got {text!r}")
     if isinstance(default, int):
         try:
             return int(unquoted)
         except ValueError:
             raise ConfigError(
-                f"-c {key} must be an integer (declared {default!r}), got {text!r}"
+                f"{label} must be an integer (declared {default!r}), got {text!r}"
             ) from None
     if isinstance(default, float):
         try:
             return float(unquoted)
         except ValueError:
             raise ConfigError(
-                f"-c {key} must be a number (declared {default!r}), got {text!r}"
+                f"{label} must be a number (declared {default!r}), got {text!r}"
             ) from None
     return unquoted
 
@@ -226,6 +230,10 @@ def plan_run(app: FlowerApp, given: PlatformOptions, *, tag: str) -> AppRun:
     anything starts.
     """
     overrides = parse_run_config(app, given.run_config)
+    for key, option in (("db", "--db"), ("run-tag", None)):
+        if key in overrides:
+            instead = f"use {option}" if option else "flplatform run sets it to follow the run"
+            raise ConfigError(f"-c {key}: {instead}")
     values = _checked_values(app, given)
     options: dict[str, Any] = {}
     for name, value in values.items():
@@ -237,7 +245,13 @@ def plan_run(app: FlowerApp, given: PlatformOptions, *, tag: str) -> AppRun:
         if name in START_KEYWORDS:
             options[START_KEYWORDS[name]] = value
         if key in app.config:
-            overrides[key] = ",".join(value) if isinstance(value, tuple) else value
+            text = ",".join(value) if isinstance(value, tuple) else value
+            # As the app declares it (an app may spell a number as text).
+            overrides[key] = (
+                text
+                if type(text) is type(app.config[key])
+                else _typed(key, str(text), app.config[key], f"--{name.replace('_', '-')}")
+            )
         elif name in ("strategy", "model"):
             raise ConfigError(
                 f"--{name} sets the app's '{key}' run-config key, which app '{app.name}' does "

@@ -134,6 +134,7 @@ class DelayedCompensated(Strategy):
         self.eta = eta
         self.seed = seed
         self.codec: Codec = make_codec(codec)
+        self._replied: dict[int, set[int]] = {}  # node → periods it sent a reply for
         self.state = DelayedState(ledger=ServerLedger(delay))  # validates the delay
         self._round = 0
         self._current: dict[str, np.ndarray] = {}
@@ -174,8 +175,12 @@ class DelayedCompensated(Strategy):
                     keys.DELAY: self.delay,
                     keys.COMPENSATE: self.compensate,
                     keys.INCLUDED_PERIODS: ledger.news_for(node_id, version),
-                    # Compensating, a site with unsettled periods holds their steps.
-                    keys.STATE_EXPECTED: self.compensate and bool(ledger.unsettled.get(node_id)),
+                    # Compensating, a site holds the steps of the unsettled periods it
+                    # answered (a period drafted but never answered left nothing there).
+                    keys.STATE_EXPECTED: self.compensate
+                    and bool(
+                        ledger.unsettled.get(node_id, set()) & self._replied.get(node_id, set())
+                    ),
                 }
             )
             if not isinstance(self.codec, Identity):
@@ -225,6 +230,8 @@ class DelayedCompensated(Strategy):
         ledger = self.state.ledger
         # Whatever the reply holds, the site answered: it is not re-offered the period.
         asked = ledger.answered(node_id)
+        if asked is not None and not reply.has_error():
+            self._replied.setdefault(node_id, set()).add(asked)
         content = reply.content
         reject_state_lost(content, "it trains from the global model next period")
         if keys.ARRAYS not in content or keys.METRICS not in content:

@@ -232,8 +232,10 @@ class SketchedSGD(SketchedStrategy):
         node_id = reply.metadata.src_node_id
         said = reply.content.metric_records.get(keys.METRICS)
         if said is not None and said.get(keys.STATE_LOST) == 1 and keys.ARRAYS not in reply.content:
-            # Its accumulators are gone: nothing it owes is pending any more.
+            # Its accumulators and model are gone: nothing it owes is pending any more,
+            # and its next message carries the whole model.
             self._forget_zero(node_id)
+            self.model.synced.pop(node_id, None)
             self._sketched.discard(node_id)
         reject_state_lost(reply.content, "it is sent the whole model and restarts u = v = 0")
         record, metrics = reply_parts(reply)

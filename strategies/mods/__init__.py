@@ -43,7 +43,10 @@ Every mod here, for a training message of its algorithm:
 Arrays no codec compresses: ``int8`` sends integer and bool arrays raw beside the
 quantized floats; ``topk`` and the sketches treat every coordinate alike (an integer
 counter's delta is a coordinate like any other; the server rounds integer arrays when it
-applies a step). Flower's ``ArrayRecord`` cannot hold bfloat16 (NumPy has no such
+applies a step). Deltas travel in the model's dtypes, so a bool or unsigned array can
+only grow through a delta upload (a mask bit turned off, an unsigned counter that
+decreases, does not reach the server): keep such arrays constant during training, or use
+local-SGD without a codec, which sends the model whole. Flower's ``ArrayRecord`` cannot hold bfloat16 (NumPy has no such
 dtype): keep bfloat16 models' weights in float32 between rounds (autocast for speed).
 """
 
@@ -85,12 +88,16 @@ def model_mod() -> Mod:
     """
 
     def mod(msg: Message, context: Context, call_next: TrainFunction) -> Message:
-        if not is_training(msg) or site_algorithm(msg) not in (keys.LOCAL_SGD, None):
+        if (
+            not is_training(msg)
+            or site_algorithm(msg) not in (keys.LOCAL_SGD, None)
+            or keys.ARRAYS not in msg.content.array_records  # not Flower's convention
+        ):
             return call_next(msg, context)
         result = call_user(msg, context, call_next, sent_model(msg))
         if not isinstance(result, UserResult):
             return result
-        return reply_with(msg, result.trained, result.metrics)
+        return reply_with(msg, result.trained, result.metrics, extra=result.extra)
 
     return mod
 

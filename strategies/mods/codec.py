@@ -29,6 +29,7 @@ from strategies.mods.contract import (
     UserResult,
     call_user,
     is_training,
+    mark_lost,
     new_state,
     next_call,
     reply_with,
@@ -36,6 +37,7 @@ from strategies.mods.contract import (
     sent_model,
     site_algorithm,
     site_identity,
+    with_config,
 )
 
 RESIDUAL = "residual"
@@ -60,13 +62,15 @@ def codec_mod(spec: str | None = None) -> Mod:
         codec = fixed or asked
         algorithm = site_algorithm(msg)
         if algorithm == keys.DELAYED:
-            # The delayed mod outside this one forms the step; it compresses with ours.
-            reply = call_next(msg, context)
+            # The delayed mod forms the step and compresses it with our codec: told through
+            # the round config when it is inside this mod, through the reply when outside.
+            reply = call_next(with_config(msg, {keys.CODEC: codec.name}), context)
             if not reply.has_error():
                 config = reply.content.config_records.get(keys.CONFIG, ConfigRecord())
-                reply.content[keys.CONFIG] = ConfigRecord({keys.CODEC: codec.name, **config})
+                if keys.CODEC not in config:
+                    reply.content[keys.CONFIG] = ConfigRecord({**config, keys.CODEC: codec.name})
             return reply
-        if algorithm not in (keys.LOCAL_SGD, None):
+        if algorithm != keys.LOCAL_SGD:
             return call_next(msg, context)  # sketches are compressed already
         start = sent_model(msg)
         result = call_user(msg, context, call_next, start)
@@ -77,13 +81,15 @@ def codec_mod(spec: str | None = None) -> Mod:
             for k in start
         }
         wire, _, lost = compress_upload(msg, context, delta, codec)
-        return compressed_reply(msg, wire, result.metrics, codec, lost)
+        return compressed_reply(msg, wire, mark_lost(result.metrics, lost), codec, result.extra)
 
     return mod
 
 
 def requested_codec(msg: Message) -> Codec | None:
-    """The codec the server's round config names; None for none (or an unknown one)."""
+    """The codec a local-SGD or delayed round config names; None for none."""
+    if site_algorithm(msg) not in (keys.LOCAL_SGD, keys.DELAYED):
+        return None  # plain Flower messages (whatever 'codec' means there) and sketches
     spec = round_config(msg).get(keys.CODEC)
     if not isinstance(spec, str) or spec.strip().lower() == "none":
         return None
@@ -131,11 +137,8 @@ def compressed_reply(
     wire: Mapping[str, np.ndarray],
     metrics: MetricRecord,
     codec: Codec,
-    lost: bool,
+    extra: Mapping[str, object],
 ) -> Message:
     """The reply carrying a compressed delta, naming its codec."""
-    if lost:
-        metrics = MetricRecord({**metrics, keys.STATE_LOST: 1})
-    return reply_with(
-        msg, wire, metrics, config={keys.CODEC: codec.name, keys.UPDATE_KIND: keys.DELTA}
-    )
+    config = {keys.CODEC: codec.name, keys.UPDATE_KIND: keys.DELTA}
+    return reply_with(msg, wire, metrics, config=config, extra=extra)

@@ -89,6 +89,7 @@ class UserResult:
     metrics: MetricRecord  # the user's own, with compute-seconds added if it had none
     num_examples: int
     config: dict[str, Any]  # the reply's config record, if any (an inner mod's notes)
+    extra: dict[str, Any]  # the reply's other records, carried into the mod's reply
 
 
 def call_user(
@@ -137,7 +138,12 @@ def call_user(
     if keys.COMPUTE_SECONDS not in metrics:
         metrics[keys.COMPUTE_SECONDS] = seconds
     config = reply.content.config_records.get(keys.CONFIG, ConfigRecord())
-    return UserResult(trained, metrics, num_examples, dict(config))
+    extra = {
+        name: record
+        for name, record in reply.content.items()
+        if name not in (keys.ARRAYS, keys.METRICS, keys.CONFIG)
+    }
+    return UserResult(trained, metrics, num_examples, dict(config), extra)
 
 
 def read_trained(reply: Message, start: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -193,14 +199,32 @@ def reply_with(
     metrics: MetricRecord,
     *,
     config: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> Message:
-    """The mod's reply: its upload, the metrics and, if any, what the server must know."""
+    """The mod's reply: its upload, the metrics, what the server must know, and the user's
+    other records (``extra``), untouched."""
     content = RecordDict({keys.METRICS: metrics})
+    for name, record in (extra or {}).items():
+        content[name] = record
     if arrays is not None:
         content[keys.ARRAYS] = arrays_to_record(dict(arrays))
     if config:
         content[keys.CONFIG] = ConfigRecord(dict(config))
     return Message(content, reply_to=msg)
+
+
+def with_config(msg: Message, updates: Mapping[str, Any]) -> Message:
+    """A copy of ``msg`` whose round config has ``updates``; the original stays as it came."""
+    content = RecordDict(dict(msg.content.items()))
+    content[keys.CONFIG] = ConfigRecord({**round_config(msg), **updates})
+    inner = copy.copy(msg)
+    inner.content = content
+    return inner
+
+
+def mark_lost(metrics: MetricRecord, lost: bool) -> MetricRecord:
+    """``metrics`` with ``state-lost`` set when the site found its kept state gone."""
+    return MetricRecord({**metrics, keys.STATE_LOST: 1}) if lost else metrics
 
 
 def state_lost_reply(msg: Message, what: str) -> Message:

@@ -26,7 +26,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord
 
 from flplatform import keys
 from flplatform.errors import ConfigError
-from strategies.codecs import Codec, make_codec
+from strategies.codecs import make_codec
 from strategies.compensation import SiteLedger
 from strategies.mods.codec import compress_upload, requested_codec
 from strategies.mods.contract import (
@@ -36,6 +36,7 @@ from strategies.mods.contract import (
     UserResult,
     call_user,
     is_training,
+    mark_lost,
     reply_with,
     round_config,
     sent_model,
@@ -116,6 +117,7 @@ def delayed_mod() -> Mod:
         ledger.retry(delayed.period)
         local = ledger.local_model(global_model, compensate=delayed.compensate)
         start = {k: local[k].astype(global_model[k].dtype) for k in global_model}
+        asked = requested_codec(msg)  # a bad spec fails before the user's training
 
         result = call_user(msg, context, call_next, start)
         if not isinstance(result, UserResult):
@@ -123,7 +125,8 @@ def delayed_mod() -> Mod:
         update = ledger.record(delayed.period, start, result.trained, compensate=delayed.compensate)
         metrics = MetricRecord({**result.metrics, keys.PERIOD: delayed.period})
         config: dict[str, str] = {keys.UPDATE_KIND: keys.DELTA}
-        codec = _codec_for(msg, result)
+        named = result.config.get(keys.CODEC)  # an inner codec_mod's
+        codec = make_codec(named) if isinstance(named, str) and asked is not None else asked
         if codec is not None:
             wire, sent, lost_residual = compress_upload(msg, context, update, codec)
             lost = lost or lost_residual
@@ -133,16 +136,6 @@ def delayed_mod() -> Mod:
                 ledger.pending[delayed.period] = {k: v.astype(np.float64) for k, v in sent.items()}
             update, config[keys.CODEC] = wire, codec.name
         save_site_ledger(context, ledger)
-        if lost:
-            metrics[keys.STATE_LOST] = 1
-        return reply_with(msg, update, metrics, config=config)
+        return reply_with(msg, update, mark_lost(metrics, lost), config=config, extra=result.extra)
 
     return mod
-
-
-def _codec_for(msg: Message, result: UserResult) -> Codec | None:
-    """The codec an inner ``codec_mod`` named, else the one the server asked for."""
-    named = result.config.get(keys.CODEC)
-    if isinstance(named, str):
-        return make_codec(named)
-    return requested_codec(msg)

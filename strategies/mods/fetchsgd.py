@@ -124,6 +124,6 @@ def fetchsgd_mod() -> Mod:
         state = state or new_state()
         remember_model(state, model, version)
         state.save(context, keys.FETCHSGD_STATE)
-        return reply_with(msg, {SKETCH: table}, result.metrics)
+        return reply_with(msg, {SKETCH: table}, result.metrics, extra=result.extra)
 
     return mod

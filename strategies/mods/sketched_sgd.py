@@ -34,6 +34,7 @@ from strategies.mods.contract import (
     call_user,
     int_config,
     is_training,
+    mark_lost,
     new_state,
     reply_with,
     round_config,
@@ -110,6 +111,7 @@ def _sketch_reply(msg: Message, context: Context, call_next: TrainFunction) -> M
     rows = int_config(raw, keys.SKETCH_ROWS, 1)
     cols = int_config(raw, keys.SKETCH_COLS, 1)
     zero_step = int_config(raw, keys.ZERO_STEP, 0)
+    server_round = int_config(raw, keys.SERVER_ROUND, 0)
     momentum = raw.get(keys.STEP_MOMENTUM)
     if isinstance(momentum, bool) or not isinstance(momentum, float) or not 0 <= momentum < 1:
         raise ConfigError(f"round config '{keys.STEP_MOMENTUM}' must be in [0, 1)")
@@ -145,15 +147,12 @@ def _sketch_reply(msg: Message, context: Context, call_next: TrainFunction) -> M
     # Only now, with the work done, does the site hold the synced model and its new v.
     remember_model(state, model, version)
     state.groups[ACCUMULATORS] = {"u": accumulators.u.numpy(), "v": accumulators.v.numpy()}
-    server_round = int_config(raw, keys.SERVER_ROUND, 0)
     state.meta.update(
         {ZEROED_STEP: zeroed, SKETCHED_ROUND: server_round, EXAMPLES: result.num_examples}
     )
     state.save(context, keys.SKETCHED_STATE)
-    metrics = result.metrics
-    if lost:
-        metrics = MetricRecord({**metrics, keys.STATE_LOST: 1})
-    return reply_with(msg, {SKETCH: table}, metrics)
+    metrics = mark_lost(result.metrics, lost)
+    return reply_with(msg, {SKETCH: table}, metrics, extra=result.extra)
 
 
 def _values_reply(msg: Message, context: Context) -> Message:

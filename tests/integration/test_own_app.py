@@ -189,18 +189,33 @@ def test_simulate_with_a_model_from_the_current_directory(
 @pytest.mark.usefixtures("flplatform_home")
 def test_run_the_generic_serverapp_with_a_model_from_the_app(tmp_path: Path) -> None:
     """`flplatform run examples/plain_flower_client --model plain_client:Net`: flplatform's
-    ServerApp builds the app's own model class from the installed app directory."""
+    ServerApp builds the app's own model class from the installed app directory, and skips
+    the app's own run-config keys (here one more, for its ClientApp)."""
     plain = tmp_path / "plain"
     shutil.copytree(
         ROOT / "examples" / "plain_flower_client",
         plain,
         ignore=shutil.ignore_patterns("__pycache__"),
     )
+    with (plain / "pyproject.toml").open("a") as pyproject:  # [tool.flwr.app.config] is last
+        pyproject.write("client-only-knob = 1\n")
     db = f"sqlite:///{tmp_path / 'ledger.db'}"
     args = ["run", str(plain), "--sites", "2", "--rounds", "2", "--db", db]
-    result = runner.invoke(app, [*args, "--model", "plain_client:Net", "-c", "fraction-evaluate=0"])
+    result = runner.invoke(
+        app,
+        [
+            *args,
+            "--model",
+            "plain_client:Net",
+            "-c",
+            "fraction-evaluate=0",
+            "-c",
+            "client-only-knob=2",
+        ],
+    )
     assert result.exit_code == 0, result.output
     with LedgerRepository.open(db) as repo:
         (run,) = repo.list_runs()
         assert run.status == "finished" and run.config["model"] == "plain_client:Net"
+        assert "client-only-knob" not in run.config  # not ours: left to the app
         assert [r.num_applied for r in repo.list_rounds(run.id)] == [2, 2]

@@ -160,16 +160,16 @@ def test_the_user_gets_the_dense_model_in_its_own_order_and_dtypes(case: str) ->
 
 def test_uploads_of_non_float_arrays_are_exact_where_the_update_is_a_delta() -> None:
     model = odd_model()
-    for mod, config in (CASES["local-sgd"], CASES["delayed"], CASES["int8"]):
+    # the trained counter (a whole model) or its change (a delta): 7 + 3
+    for case, counter in (("local-sgd", 10), ("delayed", 3), ("int8", 3)):
+        mod, config = CASES[case]
         reply = mod(train_message(model, **config), context(1), UserTrain())
         sent = record_to_arrays(reply.content[keys.ARRAYS])
-        if keys.CODEC in reply.content.config_records.get(keys.CONFIG, ConfigRecord()):
+        if case == "int8":
             sent = make_codec("int8").decode(sent, Layout.of(model))  # as the server does
-        counter = sent["bn.num_batches_tracked"]
-        # A whole model carries the trained counter, a delta its change.
-        assert int(counter) in (10, 3)
-        assert counter.dtype == np.int64
-        assert sent["mask"].dtype == np.bool_
+        assert sent["bn.num_batches_tracked"].dtype == np.int64, case
+        assert int(sent["bn.num_batches_tracked"]) == counter, case
+        assert sent["mask"].dtype == np.bool_, case
 
 
 def test_a_user_function_returning_the_wrong_shape_is_refused_with_a_reason() -> None:
@@ -537,3 +537,90 @@ def test_a_codec_site_that_lost_its_residual_says_so_and_is_recorded() -> None:
         "site lost its state (a restarted SuperNode?): "
         "its error-feedback residual restarted at zero"
     ]
+
+
+# ============================================================ review cases
+def test_compute_seconds_are_measured_around_the_users_call() -> None:
+    import time
+
+    def slow(msg: Message) -> Message:
+        time.sleep(0.05)
+        metrics = MetricRecord({keys.NUM_EXAMPLES: 5})
+        content = RecordDict({keys.ARRAYS: msg.content[keys.ARRAYS], keys.METRICS: metrics})
+        return Message(content, reply_to=msg)
+
+    mod, config = CASES["delayed"]
+    reply = mod(train_message(odd_model(), **config), context(1), UserTrain(reply=slow))
+    assert reply.content[keys.METRICS][keys.COMPUTE_SECONDS] >= 0.05
+
+
+def test_the_users_other_records_reach_the_server() -> None:
+    def chatty(msg: Message) -> Message:
+        content = RecordDict(
+            {
+                keys.ARRAYS: msg.content[keys.ARRAYS],
+                keys.METRICS: MetricRecord({keys.NUM_EXAMPLES: 5}),
+                "diagnostics": MetricRecord({"grad-norm": 2.5}),
+            }
+        )
+        return Message(content, reply_to=msg)
+
+    for case in ("local-sgd", "int8", "delayed", "fetchsgd"):
+        mod, config = CASES[case]
+        reply = mod(train_message(odd_model(), **config), context(1), UserTrain(reply=chatty))
+        assert reply.content["diagnostics"]["grad-norm"] == 2.5, case
+
+
+def test_a_plain_flower_message_without_arrays_passes_through() -> None:
+    seen: list[Message] = []
+
+    def user(msg: Message, ctx: Context) -> Message:
+        seen.append(msg)
+        return Message(RecordDict({keys.METRICS: MetricRecord({"x": 1})}), reply_to=msg)
+
+    msg = Message(
+        RecordDict({keys.CONFIG: ConfigRecord({"codec": "gzip, whatever it means here"})}),
+        dst_node_id=1,
+        message_type=MessageType.TRAIN,
+    )
+    flplatform_mod()(msg, context(1), user)
+    assert seen == [msg]
+
+
+def test_a_site_codec_differing_from_the_servers_is_sent_in_either_mod_order() -> None:
+    """The server asks int8, the site's codec_mod says top-k: top-k goes up in both orders."""
+    config = {**CASES["delayed"][1], keys.CODEC: "int8"}
+    for outer, inner in (
+        (delayed_mod(), codec_mod("topk:3")),
+        (codec_mod("topk:3"), delayed_mod()),
+    ):
+        reply = outer(
+            train_message(odd_model(), **config),
+            context(1),
+            lambda m, c, inner=inner: inner(m, c, UserTrain()),
+        )
+        assert reply.content[keys.CONFIG][keys.CODEC] == "topk:3"
+
+
+def test_a_reoffered_period_that_never_reached_the_site_expects_no_state() -> None:
+    """A drafted message that was never answered leaves nothing at the site to lose."""
+    strategy = DelayedCompensated(delay=1, num_rounds=3)
+    base = arrays_to_record({"w": np.zeros(3)})
+    strategy.begin_aggregation(1, base)
+
+    class Grid:
+        def get_node_ids(self) -> list[int]:
+            return [5]
+
+    (first,) = strategy.configure_train(1, base, ConfigRecord(), Grid())  # type: ignore[arg-type]
+    assert first.content[keys.CONFIG][keys.STATE_EXPECTED] is False
+    # No reply came; the period is offered again: still nothing expected, nothing lost.
+    (again,) = strategy.configure_train(1, base, ConfigRecord(), Grid())  # type: ignore[arg-type]
+    assert again.content[keys.CONFIG][keys.STATE_EXPECTED] is False
+    site = QuadraticSite("q", np.ones(3))
+    site.state = context(5)
+    reply = site(again)
+    assert keys.STATE_LOST not in reply.content[keys.METRICS]
+    strategy.accumulate(reply, base=base)
+    (next_period,) = strategy.configure_train(1, base, ConfigRecord(), Grid())  # type: ignore[arg-type]
+    assert next_period.content[keys.CONFIG][keys.STATE_EXPECTED] is True

@@ -190,6 +190,11 @@ def test_the_generic_serverapp_checks_its_run_config_up_front() -> None:
     assert "unknown strategy 'magic'" in one_error_line(result.output)
     result = invoke([str(PLAIN_APP), "-c", "strategy=delayed", "--sync", "k-async"])
     assert "runs with sync mode 'sync' only" in one_error_line(result.output)
+    # Where the run is recorded and its tag are flplatform run's, to follow it.
+    result = invoke([str(PLAIN_APP), "-c", "db=sqlite:///x.db"])
+    assert one_error_line(result.output) == "error: -c db: use --db"
+    result = invoke([str(PLAIN_APP), "-c", "run-tag=mine"])
+    assert "-c run-tag: flplatform run sets it" in one_error_line(result.output)
 
 
 # ============================================================== what reaches the app
