@@ -14,11 +14,11 @@ The server forms Δ_n = x_n − x against the version the site was sent and appl
 Site momentum restarts at every sync (a fresh optimiser per round); model buffers such as
 BatchNorm statistics, if a user's model has them, are averaged like weights.
 
-With a codec (``codec = "topk:0.01"`` or ``"int8"``, strategies/codecs.py) our site part
-uploads Δ_n compressed with error feedback, e_n ← (Δ_n + e_n) − decode(encode(Δ_n + e_n)),
-and names the codec in its reply's ``config`` record; the server decodes it to Δ_n. A
-plain Flower ClientApp ignores the codec and replies with its model, which is averaged
-as usual, so it still takes part.
+With a codec (``codec = "topk:0.01"`` or ``"int8"``, strategies/codecs.py) the site's
+``codec_mod`` uploads Δ_n compressed with error feedback,
+e_n ← (Δ_n + e_n) − decode(encode(Δ_n + e_n)), and names the codec in its reply's
+``config`` record; the server decodes it to Δ_n. A ClientApp without the mod ignores the
+codec and replies with its model, which is averaged as usual, so it still takes part.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class LocalSGDAveraging(Strategy):
     seed : int
         Sampling depends only on (seed, round).
     codec : str
-        Upload compression our site part applies (``none``, ``int8``, ``topk:<k>``,
+        Upload compression the sites' ``codec_mod`` applies (``none``, ``int8``, ``topk:<k>``,
         ``topk:<fraction>``), with error feedback at the site.
     """
 

@@ -35,7 +35,7 @@ class SketchedStrategy(Strategy):
     Parameters
     ----------
     site_algorithm : str
-        The site part the sites run (its name in the round config).
+        The algorithm the sites' mod runs (its name in the round config).
     k : int
         Coordinates applied per step.
     sketch_rows, sketch_cols : int

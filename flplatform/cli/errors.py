@@ -9,6 +9,7 @@ from typing import ParamSpec, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from flplatform.errors import FLPlatformError
 
@@ -20,7 +21,8 @@ stderr = Console(stderr=True, highlight=False, soft_wrap=True, width=1000)
 
 def fail(message: str, code: int) -> typer.Exit:
     """Print ``error: message`` on stderr and return the Exit to raise."""
-    stderr.print(f"[bold red]error:[/] {message}", markup=True)
+    # Escaped: messages name things like [tool.flwr.app], which rich would take as markup.
+    stderr.print(f"[bold red]error:[/] {escape(message)}", markup=True)
     return typer.Exit(code)
 
 

@@ -161,7 +161,13 @@ def simulate(
         str, typer.Option(help="iid, dirichlet, or files (dataset = a `data split` directory).")
     ] = "dirichlet",
     alpha: Annotated[float, typer.Option(help="Dirichlet α (> 0; smaller is more skewed).")] = 0.5,
-    model: Annotated[str, typer.Option(help="mlp, cnn or wide-mlp (509k parameters).")] = "mlp",
+    model: Annotated[
+        str,
+        typer.Option(
+            help="mlp, cnn, wide-mlp (509k parameters), or MODULE:FACTORY: a zero-argument "
+            "callable returning your nn.Module, importable from here or the Python path."
+        ),
+    ] = "mlp",
     seed: Annotated[int, typer.Option(help="Seed of every random choice.")] = 0,
     fraction_train: Annotated[float, typer.Option(help="Fraction of sites per round.")] = 1.0,
     fraction_evaluate: Annotated[

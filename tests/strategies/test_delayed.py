@@ -1,6 +1,6 @@
 """Delayed compensated updates: oracles, the invariant, pipelining, and bad input.
 
-Everything runs through the real engine, strategy and site part over an in-process grid
+Everything runs through the real engine, strategy and site mod over an in-process grid
 (``delayed_sites``); the Flower simulation path is in tests/integration.
 """
 
