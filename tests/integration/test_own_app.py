@@ -60,9 +60,17 @@ def assert_trained(run: RunRecord, rounds: list[RoundRecord], num_rounds: int) -
 def test_local_sgd_k_async_on_the_world_network(own_app: Path, tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path / 'ledger.db'}"
     run, rounds, updates = run_own_app(
-        own_app, db, "--rounds", "3", "--network", "world", "--sync", "k-async", "--k", "2"
+        own_app,
+        db,
+        *("--rounds", "3", "--network", "world", "--sync", "k-async", "--k", "2"),
+        *("-c", "learning-rate=0.1"),
     )
     assert_trained(run, rounds, 3)
+    # The app's own key passed through untouched; the tag reached start() only through
+    # FLPLATFORM_OPTIONS (the run was found by it); its query handler named the sites.
+    assert run.config["learning-rate"] == 0.1 and run.tag
+    with LedgerRepository.open(db) as repo:
+        assert sorted(s.name for s in repo.list_sites(run.id)) == ["site-0", "site-1"]
     assert run.name == "own-app-local-sgd" and run.network == "world"
     # FLPLATFORM_OPTIONS reached start(): it ran k-async on the simulated clock.
     assert run.config["sync"] == "k-async" and run.config["k"] == 2

@@ -1,12 +1,11 @@
 """``flplatform run APP_DIR``: a user's own Flower app with the platform's options.
 
-Bad input is one line before Flower starts (fast); one slow test runs the example app.
+Bad input is one line before Flower starts; tests/integration/test_own_app.py runs the app.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,6 @@ from flplatform.flower_app import (
 )
 from flplatform.start import OPTIONS_ENV as START_OPTIONS_ENV
 from flplatform.start import options_from_environment
-from storage import LedgerRepository
 
 ROOT = Path(__file__).resolve().parents[3]
 OWN_APP = ROOT / "examples" / "own_app"
@@ -277,31 +275,3 @@ def test_the_own_app_example_is_a_valid_flower_app() -> None:
     assert {"num-server-rounds", "strategy", "learning-rate", "seed"} <= set(own.config)
     # Its own keys only: none of the platform's (start() gets those from FLPLATFORM_OPTIONS).
     assert not {"sync", "network", "db", "run-tag", "k"} & set(own.config)
-
-
-# ===================================================================== end to end
-@pytest.mark.slow
-@pytest.mark.usefixtures("flplatform_home")
-def test_run_the_own_app_example(tmp_path: Path) -> None:
-    """`flplatform run examples/own_app --sites 2 --rounds 2`: local-SGD through the mod."""
-    app_dir = tmp_path / "own_app"
-    shutil.copytree(OWN_APP, app_dir, ignore=shutil.ignore_patterns("__pycache__"))
-    db = f"sqlite:///{tmp_path / 'ledger.db'}"
-    result = invoke(
-        [str(app_dir), "--sites", "2", "--rounds", "2", "--db", db, "-c", "learning-rate=0.1"]
-    )
-    assert result.exit_code == 0, result.output
-    assert "Run 1 finished" in result.output
-    with LedgerRepository.open(db) as repo:
-        (run,) = repo.list_runs()
-        assert run.status == "finished" and run.name == "own-app-local-sgd"
-        # The tag reached start() only through FLPLATFORM_OPTIONS: the run was found by it.
-        assert run.tag and run.num_rounds_planned == 2
-        assert run.config["learning-rate"] == 0.1 and run.config["num-server-rounds"] == 2
-        rounds = repo.list_rounds(run.id)
-        assert [r.round for r in rounds] == [1, 2]
-        assert [r.num_applied for r in rounds] == [2, 2]
-        assert all(r.bytes_up > 0 and r.bytes_down > 0 for r in rounds)
-        assert rounds[-1].metrics["accuracy"] > 0.3
-        sites = repo.list_sites(run.id)
-        assert sorted(s.name for s in sites) == ["site-0", "site-1"]  # its query handler
