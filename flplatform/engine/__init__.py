@@ -6,7 +6,6 @@ from flplatform.engine.engine import (
     EngineStrategy,
     RoundEngine,
     SubsetGrid,
-    start_with_engine,
 )
 from flplatform.engine.events import (
     APPLIED,
@@ -55,5 +54,4 @@ __all__ = [
     "UpdateOutcome",
     "Verdict",
     "WallClock",
-    "start_with_engine",
 ]

@@ -1156,31 +1156,6 @@ class RoundEngine:
         return info.name if info else f"node-{node_id}"
 
 
-def start_with_engine(
-    strategy: EngineStrategy,
-    grid: Grid,
-    initial_arrays: ArrayRecord,
-    *,
-    policy: AggregationPolicy,
-    num_rounds: int,
-    timeout: float,
-    train_config: ConfigRecord | None,
-    evaluate_config: ConfigRecord | None,
-    evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None,
-    federated_evaluation: bool,
-) -> Result:
-    """The body of a strategy's Flower ``start``: the round engine, without a ledger."""
-    engine = RoundEngine(grid, strategy, policy=policy, round_timeout=timeout)
-    return engine.run(
-        initial_arrays,
-        num_rounds=num_rounds,
-        train_config=train_config,
-        evaluate_config=evaluate_config,
-        evaluate_fn=evaluate_fn,
-        federated_evaluation=federated_evaluation,
-    )
-
-
 def _applied(outcomes: Sequence[UpdateOutcome]) -> int:
     """How many updates a round accepted (applied, or buffered for a later aggregate)."""
     return sum(1 for u in outcomes if u.status in (APPLIED, BUFFERED))
