@@ -13,10 +13,17 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from flplatform.engine.synchrony import BATCH_MODES, SYNC_MODES, synchrony_problems
+from flplatform.engine.synchrony import (
+    BATCH_MODES,
+    SYNC_MODES,
+    require_sync,
+    synchrony_problems,
+)
 from flplatform.errors import ConfigError
 from flplatform.network import Network, load_network
 from strategies.codecs import make_codec
+from strategies.delayed import SYNC_ONLY as DELAYED_SYNC_ONLY
+from strategies.sketched_common import SYNC_ONLY as SKETCHED_SYNC_ONLY
 
 # Names users know from Flower and the literature, all the same algorithm here.
 STRATEGY_ALIASES = {
@@ -257,11 +264,7 @@ class RunConfig:
                 )
         if self.strategy not in SKETCHED:
             return
-        if self.sync != "sync":
-            raise ConfigError(
-                f"strategy '{self.strategy}' runs with sync mode 'sync' only, got "
-                f"{self.sync!r}; sample sites with fraction-train instead"
-            )
+        require_sync(self.sync, f"strategy '{self.strategy}'", SKETCHED_SYNC_ONLY)
         if self.k < 1:
             raise ConfigError(f"k (coordinates applied per step) must be >= 1, got {self.k}")
         if self.sketch_rows < 1 or self.sketch_rows % 2 == 0:
@@ -294,13 +297,7 @@ class RunConfig:
             raise ConfigError(
                 f"period must be >= 0 local steps (0: use local-steps), got {self.period}"
             )
-        if self.sync != "sync":
-            raise ConfigError(
-                f"strategy 'delayed' runs with sync mode 'sync' only, got {self.sync!r}: every "
-                "site's period-r update forms the round-r average and fast sites run up to "
-                "delay rounds ahead instead of waiting; dropping or cancelling stragglers "
-                "(k-sync, async modes) would take updates out of the swap"
-            )
+        require_sync(self.sync, "strategy 'delayed'", DELAYED_SYNC_ONLY)
         if self.server_momentum != 0.0:
             raise ConfigError(
                 "strategy 'delayed' applies each average with server-lr and no server "

@@ -55,6 +55,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from flplatform import keys
 from flplatform.arrays import arrays_to_record, record_to_arrays
 from flplatform.engine import AggregationPolicy, Contribution, PeriodSync, Synchrony
+from flplatform.engine.synchrony import require_sync
 from flplatform.errors import ConfigError, UpdateRejected
 from flplatform.start import start as platform_start
 from strategies.aggregation import ServerOptimizerState, WeightedDeltaSum, apply_server_update
@@ -72,6 +73,12 @@ from strategies.validation import check_arrays, check_num_examples
 log = logging.getLogger("flplatform.strategies.delayed")
 
 SITE_ALGORITHM = keys.DELAYED
+# Why other synchrony modes are refused (here and by the run configuration).
+SYNC_ONLY = (
+    "every site's period-r update forms the round-r average and fast sites run up to delay "
+    "rounds ahead instead of waiting; dropping or cancelling stragglers (k-sync, async "
+    "modes) would take updates out of the swap"
+)
 
 
 @dataclass
@@ -166,6 +173,9 @@ class DelayedCompensated(Strategy):
             if period is None:
                 continue
             version = ledger.version_for(period)
+            # Only answered, unsettled periods matter (at most D + 1 of them are kept).
+            held = ledger.unsettled.get(node_id, set()) & self._replied.get(node_id, set())
+            self._replied[node_id] = held
             site_config = ConfigRecord(dict(config))  # never write into the caller's record
             site_config.update(
                 {
@@ -177,10 +187,7 @@ class DelayedCompensated(Strategy):
                     keys.INCLUDED_PERIODS: ledger.news_for(node_id, version),
                     # Compensating, a site holds the steps of the unsettled periods it
                     # answered (a period drafted but never answered left nothing there).
-                    keys.STATE_EXPECTED: self.compensate
-                    and bool(
-                        ledger.unsettled.get(node_id, set()) & self._replied.get(node_id, set())
-                    ),
+                    keys.STATE_EXPECTED: self.compensate and bool(held),
                 }
             )
             if not isinstance(self.codec, Identity):
@@ -347,33 +354,9 @@ class DelayedCompensated(Strategy):
         )
 
     def engine_policy(self, requested: Synchrony, *, num_rounds: int) -> AggregationPolicy:
-        """``PeriodSync`` for a run of ``num_rounds`` rounds; only sync mode ``sync`` is allowed.
-
-        Parameters
-        ----------
-        requested : Synchrony
-            The synchrony mode the run asked for.
-        num_rounds : int
-            Rounds the run takes: no site is given a period beyond the last.
-
-        Returns
-        -------
-        AggregationPolicy
-            ``PeriodSync()``: synchronous per round, with sites working ahead.
-
-        Raises
-        ------
-        ConfigError
-            For any mode but ``sync``.
-        """
-        if requested.name != "sync":
-            raise ConfigError(
-                f"strategy 'delayed' runs with sync mode 'sync' only, got {requested.name!r}: "
-                "every site's period-r update forms the round-r average and fast sites run "
-                "up to delay rounds ahead instead of waiting; dropping or cancelling "
-                "stragglers (k-sync, async modes) would take updates out of the swap"
-            )
-        self.num_rounds = num_rounds
+        """``PeriodSync`` (sites working ahead) for ``num_rounds`` rounds; sync mode only."""
+        require_sync(requested.name, "strategy 'delayed'", SYNC_ONLY)
+        self.num_rounds = num_rounds  # no site is given a period beyond the last
         return PeriodSync()
 
     @property

@@ -89,25 +89,7 @@ class FlowerStrategyAdapter:
         self.strategy.summary()
 
     def engine_policy(self, requested: Synchrony, *, num_rounds: int) -> AggregationPolicy:
-        """The requested policy if it is fully synchronous; otherwise ``ConfigError``.
-
-        Parameters
-        ----------
-        requested : Synchrony
-            The synchrony mode the run asked for.
-        num_rounds : int
-            Rounds the run will take (unused: Flower's strategies count rounds themselves).
-
-        Returns
-        -------
-        AggregationPolicy
-            ``requested``.
-
-        Raises
-        ------
-        ConfigError
-            For any mode but ``sync``.
-        """
+        """The requested policy, which must be sync mode ``sync`` (Flower counts rounds)."""
         if requested.name != "sync":
             raise ConfigError(
                 f"Flower's {self.name} aggregates each round's replies at once "

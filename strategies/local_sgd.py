@@ -164,21 +164,26 @@ class LocalSGDAveraging(Strategy):
         config = ConfigRecord(dict(config))  # never write into the caller's record
         config[keys.SERVER_ROUND] = server_round
         config[keys.SITE_ALGORITHM] = SITE_ALGORITHM
+        nodes = self.sample(server_round, grid.get_node_ids(), self.fraction_train)
         if isinstance(self.codec, Identity):
             content = RecordDict({keys.ARRAYS: arrays, keys.CONFIG: config})
-            return [
-                Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN)
-                for node_id in self.sample(server_round, grid.get_node_ids(), self.fraction_train)
-            ]
+            return [Message(content, dst_node_id=n, message_type=MessageType.TRAIN) for n in nodes]
         config[keys.CODEC] = self.codec.name
-        messages = []
-        for node_id in self.sample(server_round, grid.get_node_ids(), self.fraction_train):
-            site_config = ConfigRecord(dict(config))
-            # A site that uploaded compressed before holds an error-feedback residual.
-            site_config[keys.STATE_EXPECTED] = node_id in self._compressing
-            content = RecordDict({keys.ARRAYS: arrays, keys.CONFIG: site_config})
-            messages.append(Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN))
-        return messages
+        # A site that uploaded compressed before holds an error-feedback residual. Two
+        # shared contents, not one per site: the engine measures each content once.
+        contents = {
+            expected: RecordDict(
+                {
+                    keys.ARRAYS: arrays,
+                    keys.CONFIG: ConfigRecord({**config, keys.STATE_EXPECTED: expected}),
+                }
+            )
+            for expected in (False, True)
+        }
+        return [
+            Message(contents[n in self._compressing], dst_node_id=n, message_type=MessageType.TRAIN)
+            for n in nodes
+        ]
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

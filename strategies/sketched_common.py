@@ -21,12 +21,19 @@ from flwr.serverapp.strategy import Result, Strategy
 from flplatform import keys
 from flplatform.arrays import record_to_arrays
 from flplatform.engine import AggregationPolicy, Contribution, Synchrony
+from flplatform.engine.synchrony import require_sync
 from flplatform.errors import ConfigError, UpdateRejected
 from flplatform.seeding import derive_seed
 from flplatform.start import start as platform_start
 from strategies.local_sgd import LocalSGDAveraging, aggregate_batch
 from strategies.mods.fetchsgd import SKETCH
 from strategies.sparse_sync import SparseModel
+
+# Why other synchrony modes are refused (here and by the run configuration).
+SYNC_ONLY = (
+    "each step merges the sketches of the sites it synced, and a stale sketch would be of "
+    "another model; sample sites with fraction-train instead"
+)
 
 
 class SketchedStrategy(Strategy):
@@ -160,32 +167,8 @@ class SketchedStrategy(Strategy):
         )
 
     def engine_policy(self, requested: Synchrony, *, num_rounds: int) -> AggregationPolicy:
-        """The requested policy if it is sync mode ``sync``; sketched rounds allow no other.
-
-        Parameters
-        ----------
-        requested : Synchrony
-            The synchrony mode the run asked for.
-        num_rounds : int
-            Rounds the run takes (unused).
-
-        Returns
-        -------
-        AggregationPolicy
-            ``requested``.
-
-        Raises
-        ------
-        ConfigError
-            For any mode but ``sync``.
-        """
-        if requested.name != "sync":
-            raise ConfigError(
-                f"strategy '{self.site_algorithm}' runs with sync mode 'sync' only, got "
-                f"{requested.name!r}: each step merges the sketches of the sites it synced, "
-                "and a stale sketch would be of another model; sample sites with "
-                "fraction-train instead"
-            )
+        """The requested policy, which must be sync mode ``sync``."""
+        require_sync(requested.name, f"strategy '{self.site_algorithm}'", SYNC_ONLY)
         return requested
 
     @property

@@ -13,17 +13,16 @@ from typing import Annotated
 
 import typer
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from flplatform.cli.errors import handles_errors
-from flplatform.cli.history import failure_note
 from flplatform.cli.history import rounds as show_rounds
 from flplatform.cli.history import sites as show_sites
-from flplatform.cli.render import OutputFormat, human_bytes, make_console
+from flplatform.cli.progress import display_url, round_progress
+from flplatform.cli.render import OutputFormat, make_console
 from flplatform.cli.simulate import site_names
 from flplatform.flower_app import AppRun, PlatformOptions, plan_run, read_app
 from flplatform.simulation import run_app
-from storage import RoundRecord, RunRecord, UpdateRecord
+from storage import RunRecord
 
 console = make_console()
 
@@ -118,7 +117,7 @@ def run(
     again = f"flplatform history rounds {record.id}" + (f" --db {db}" if db else "")
     console.print(
         f"\nRun {record.id} {record.status} in {record.wall_seconds or 0:.1f} s{simulated}; "
-        f"ledger: [bold]{escape(_display_url(plan.db_url))}[/]\nSee it again with: {again}"
+        f"ledger: [bold]{escape(display_url(plan.db_url))}[/]\nSee it again with: {again}"
     )
 
 
@@ -138,44 +137,7 @@ def follow(plan: AppRun) -> RunRecord:
         f"{plan.num_sites} simulated sites{escape(extras)}"
         + (f"; run config: {escape(own)}" if own else "")
     )
-    progress = Progress(
-        TextColumn("[bold]rounds"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[status]}"),
-        console=console,
-    )
-    task = progress.add_task("rounds", total=plan.num_rounds, status="starting Flower…")
-
-    def show(
-        record: RunRecord | None, done: list[RoundRecord], failures: list[UpdateRecord]
-    ) -> None:
-        if record is None:
-            return
-        if record.num_rounds_planned:
-            progress.update(task, total=record.num_rounds_planned)
-        if not done:
-            progress.update(task, status="sites joining…")
-            return
-        accuracy = done[-1].metrics.get("accuracy")
-        up = human_bytes(sum(r.bytes_up + r.eval_bytes_up for r in done))
-        down = human_bytes(sum(r.bytes_down + r.eval_bytes_down for r in done))
-        status = (f"accuracy {accuracy:.4f}  " if accuracy is not None else "") + (
-            f"up {up}  down {down}"
-        )
-        note = failure_note(done[-1], failures)
-        progress.update(
-            task,
-            completed=len(done),
-            status=status + (f"  [yellow]{escape(note)}[/]" if note else ""),
-        )
-
-    with progress:
+    with round_progress(console, plan.num_rounds) as show:
         record = run_app(plan, on_progress=show)
     console.print()
     return record
-
-
-def _display_url(url: str) -> str:
-    return url.removeprefix("sqlite:///") if url.startswith("sqlite:///") else url

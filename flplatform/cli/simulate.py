@@ -10,14 +10,13 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from flplatform.cli.errors import handles_errors
-from flplatform.cli.history import failure_note
 from flplatform.cli.history import rounds as show_rounds
 from flplatform.cli.history import sites as show_sites
+from flplatform.cli.progress import display_url, failure_suffix, round_progress
 from flplatform.cli.render import OutputFormat, human_bytes, make_console
 from flplatform.comparison import (
     DEMO_MODES,
@@ -63,34 +62,7 @@ def run_and_follow(config: RunConfig) -> RunRecord:
         f"({config.partition}{f' α={config.alpha}' if config.partition == 'dirichlet' else ''}, "
         f"{config.model})"
     )
-    progress = Progress(
-        TextColumn("[bold]rounds"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.fields[status]}"),
-        console=console,
-    )
-    task = progress.add_task("rounds", total=config.num_server_rounds, status="starting Flower…")
-
-    def show(
-        record: RunRecord | None, done: list[RoundRecord], failures: list[UpdateRecord]
-    ) -> None:
-        if record is None:
-            return
-        if not done:
-            progress.update(task, status="sites joining…")
-            return
-        accuracy = done[-1].metrics.get("accuracy")
-        # All traffic: training and federated evaluation.
-        up = human_bytes(sum(r.bytes_up + r.eval_bytes_up for r in done))
-        down = human_bytes(sum(r.bytes_down + r.eval_bytes_down for r in done))
-        status = (
-            f"accuracy {accuracy:.4f}  " if accuracy is not None else ""
-        ) + f"up {up}  down {down}"
-        progress.update(task, completed=len(done), status=status + _failures(done, failures))
-
-    with progress:
+    with round_progress(console, config.num_server_rounds) as show:
         record = run_simulation(config, on_progress=show)
     db = config.db or None
     console.print()
@@ -104,23 +76,10 @@ def run_and_follow(config: RunConfig) -> RunRecord:
     )
     console.print(
         f"\nRun {record.id} {record.status} in {record.wall_seconds or 0:.1f} s{simulated}; "
-        f"ledger: [bold]{_display_url(url)}[/]\n"
+        f"ledger: [bold]{display_url(url)}[/]\n"
         f"See it again with: flplatform history rounds {record.id}" + (f" --db {db}" if db else ""),
     )
     return record
-
-
-def _failures(done: list[RoundRecord], failures: list[UpdateRecord]) -> str:
-    """The latest round's drops and rejections with their reason, for a progress line.
-
-    Escaped: reasons quote remote errors, whose brackets rich would read as markup.
-    """
-    note = failure_note(done[-1], failures)
-    return f"  [yellow]{escape(note)}[/]" if note else ""
-
-
-def _display_url(url: str) -> str:
-    return url.removeprefix("sqlite:///") if url.startswith("sqlite:///") else url
 
 
 # ================================================================ commands
@@ -422,7 +381,7 @@ def cross_silo(
     )
     console.print("Plots: " + ", ".join(f"[bold]{p}[/]" for p in paths))
     console.print(
-        f"Ledger: [bold]{_display_url(url)}[/]; per site: flplatform history sites RUN"
+        f"Ledger: [bold]{display_url(url)}[/]; per site: flplatform history sites RUN"
         + (f" --db {db}" if db else "")
     )
 
@@ -449,7 +408,7 @@ def _follow_mode(config: RunConfig, plan: ModePlan) -> RunRecord:
         status = f"accuracy {accuracy:.4f}" if isinstance(accuracy, float) else ""
         if simulated is not None:
             status += f"  simulated {simulated:.1f} s"
-        progress.update(task, completed=len(done), status=status + _failures(done, failures))
+        progress.update(task, completed=len(done), status=status + failure_suffix(done, failures))
 
     with progress:
         return run_simulation(config, on_progress=show)

@@ -333,3 +333,9 @@ class PeriodSync:
     def state_dict(self) -> dict[str, Any]:
         """No state of its own: periods live in the strategy."""
         return {"mode": self.name, "pipelined": True}
+
+
+def require_sync(mode: str, who: str, why: str) -> None:
+    """Refuse any synchrony mode but ``sync`` for ``who`` (a strategy), saying ``why``."""
+    if mode != "sync":
+        raise ConfigError(f"{who} runs with sync mode 'sync' only, got {mode!r}: {why}")
