@@ -134,13 +134,13 @@ from strategies.mods.sketched_sgd import (
     ACCUMULATORS,
     CANDIDATES,
     EXAMPLES,
-    SKETCH_PHASE,
     SKETCHED_ROUND,
-    VALUES_PHASE,
     ZEROED_STEP,
+    StepPhase,
 )
 from strategies.sketch_feedback import SiteAccumulators
-from strategies.sparse_sync import DENSE, SYNC_INDICES, SYNC_VALUES, index_dtype
+from strategies.sparse_sync import DENSE, SYNC_INDICES, SYNC_VALUES
+from strategies.top_k import index_dtype
 
 INPUTS, CLASSES, BATCH = 784, 10, 32
 COUNTER = "norm.num_batches_tracked"  # the BatchNorm-like int64 array
@@ -564,7 +564,7 @@ def sketched_case(model: Arrays, rng: np.random.Generator) -> Case:
     sketch = sketch_config(d)
     config = {
         keys.SITE_ALGORITHM: keys.SKETCHED_SGD,
-        keys.SKETCH_PHASE: SKETCH_PHASE,
+        keys.STEP_PHASE: StepPhase.SKETCH,
         keys.MODEL_VERSION: 1,
         keys.SERVER_ROUND: 3,
         keys.SYNC_FROM: 0,
@@ -634,7 +634,7 @@ def values_case(model: Arrays, rng: np.random.Generator) -> Case:
     candidates = np.sort(rng.choice(d, count, replace=False)).astype(index_dtype(d))
     config = {
         keys.SITE_ALGORITHM: keys.SKETCHED_SGD,
-        keys.SKETCH_PHASE: VALUES_PHASE,
+        keys.STEP_PHASE: StepPhase.VALUES,
         keys.SKETCHED_ROUND: 1,
         keys.SERVER_ROUND: 2,
     }

@@ -58,9 +58,10 @@ from flwr.supercore.task_identity import TaskIdentity
 from flplatform import keys
 from flplatform.arrays import arrays_to_record
 from flplatform.engine import RoundEngine, RoundSummary, Synchrony
-from strategies.count_sketch import CountSketch, top_k_indices
+from strategies.count_sketch import CountSketch
 from strategies.fetchsgd import FetchSGD
 from strategies.sketched_common import SKETCH
+from strategies.top_k import top_k_largest
 
 ROWS = 5
 SKETCH_GOAL = 1.2
@@ -139,7 +140,7 @@ def bench_one(d: int, device: torch.device, repeats: int, seed: int) -> dict[str
             "sketch": lambda: sketch.sketch(g),
             "ref_five_index_add": five_index_add,
             "estimate_all": lambda: sketch.estimate(table),
-            "topk_of_estimates": lambda: top_k_indices(est_abs, k),
+            "topk_of_estimates": lambda: top_k_largest(est_abs, k),
             "top_k_method": lambda: sketch.top_k(table, k),
             "ref_dense_copy": lambda: out.copy_(g),
         },

@@ -15,7 +15,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients.site import Site, load_site
+from clients.site import LocalSite, load_site
 from clients.training import evaluate as evaluate_model
 from clients.training import train_local
 from flplatform import keys
@@ -54,7 +54,7 @@ class SiteTrainConfig:
         return cls(**values)  # type: ignore[arg-type]
 
 
-def site_of(context: Context) -> Site:
+def site_of(context: Context) -> LocalSite:
     """This process's site (loaded once), from the node config and the run config."""
     if keys.NUM_PARTITIONS in context.node_config:
         # Simulated sites share the machine: one thread each runs faster in total than
@@ -63,7 +63,7 @@ def site_of(context: Context) -> Site:
     return load_site(context.node_config, context.run_config)
 
 
-def received_model(msg: Message, site: Site, seed: int = 0) -> torch.nn.Module:
+def received_model(msg: Message, site: LocalSite, seed: int = 0) -> torch.nn.Module:
     """The run's model for this site's inputs, holding the arrays the message carries."""
     if keys.ARRAYS not in msg.content.array_records:
         raise ConfigError(f"the server's message has no '{keys.ARRAYS}' record")

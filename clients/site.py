@@ -30,7 +30,7 @@ LOCAL_VALIDATION_FRACTION = 0.1
 
 
 @dataclass(frozen=True)
-class Site:
+class LocalSite:
     """Everything a ClientApp knows about the site it runs on."""
 
     name: str
@@ -87,7 +87,7 @@ class SiteDataConfig:
         return cls(**values)
 
 
-def load_site(node_config: Mapping[str, Any], run_config: Mapping[str, Any]) -> Site:
+def load_site(node_config: Mapping[str, Any], run_config: Mapping[str, Any]) -> LocalSite:
     """Load (once per process) the site described by a node config and run config."""
     config = SiteDataConfig.from_run_config(run_config)
     data_path = node_config.get(keys.DATA_PATH)
@@ -111,7 +111,7 @@ def _load_site(
     num_partitions: int | None,
     name: str | None,
     config: SiteDataConfig,
-) -> Site:
+) -> LocalSite:
     if data_path:
         x, y = load_site_file(data_path)
         site_name = name or _name_for(partition_id, config)
@@ -149,7 +149,7 @@ def _load_site(
     order = rng_for(config.seed, "validation", site_name).permutation(len(x))
     n_val = int(len(x) * LOCAL_VALIDATION_FRACTION) if len(x) >= 10 else 0
     val, train = order[:n_val], order[n_val:]
-    return Site(
+    return LocalSite(
         name=site_name,
         partition_id=partition_id,
         x_train=x[train],

@@ -44,7 +44,7 @@ SKETCH_COLS = "sketch-cols"
 SYNC_FROM = "sync-from"
 # Sketched-SGD (strategies/sketched_sgd.py): which of a step's two rounds, the round whose
 # sketches chose the candidates, the step momentum, the step whose coordinates to zero
-SKETCH_PHASE = "sketch-phase"
+STEP_PHASE = "sketch-phase"  # values: strategies.mods.sketched_sgd.StepPhase
 SKETCHED_ROUND = "sketched-round"
 STEP_MOMENTUM = "step-momentum"
 ZERO_STEP = "zero-step"

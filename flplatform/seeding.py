@@ -1,7 +1,7 @@
 """Randomness as a function of (seed, round, site).
 
-Every random choice (site sampling, data order, partitions, later simulated delays and
-sketch hashes) draws from a generator derived from the run's seed and the coordinates of
+Every random choice (site sampling, data order, partitions, simulated delays, sketch
+hashes, stochastic rounding) draws from a generator derived from the run's seed and the coordinates of
 the choice, never from global state. The same seed gives the same run, and a resumed run
 continues the same sequence.
 """

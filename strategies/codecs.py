@@ -38,6 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from flplatform.errors import ConfigError, UpdateRejected
+from strategies.top_k import index_dtype, top_k_by_magnitude
 
 Arrays = dict[str, np.ndarray]
 Wire = dict[str, np.ndarray]
@@ -48,10 +49,8 @@ INT8_PREFIX = "int8."
 SCALE_SUFFIX = ".scale"
 RAW_PREFIX = "raw."
 RESIDUAL_PREFIX = "residual."
-INT32_LIMIT = 2**31  # indices into d >= 2^31 coordinates need int64
 INT8_LEVELS = 127  # q ∈ [−127, 127]: symmetric, so −x encodes as −q (−128 is never sent)
 QUANT_CHUNK = 1 << 14  # elements quantized at a time; results do not depend on it
-TOPK_SAMPLE = 1 << 16  # entries in top-k's threshold sample; results do not depend on it
 CODEC_SPECS = "'none', 'int8', 'topk:<k>' (an integer >= 1) or 'topk:<fraction>' in (0, 1]"
 
 # dtype kinds a layout accepts: float, signed/unsigned integer, bool (model buffers)
@@ -251,57 +250,6 @@ class Identity:
 
 
 # ---------------------------------------------------------------------------- top-k
-def top_k_indices(x: np.ndarray, k: int, *, sample: int = TOPK_SAMPLE) -> np.ndarray:
-    """Indices of the k entries of a 1-D ``x`` largest in magnitude, sorted ascending.
-
-    Ties are broken by the lower index. O(d): with t the k-th largest |x_i| (one
-    ``np.partition``), every i with |x_i| > t is selected (fewer than k of them) and the
-    remaining places go to the lowest indices with |x_i| = t. This is deterministic, unlike
-    ``np.argpartition``, whose choice among equal magnitudes depends on the algorithm.
-
-    When k is small, a strided sample of ``sample`` entries first guesses a threshold g a
-    little below t, and only the candidates |x_i| >= g are partitioned. If at least k
-    candidates survive, t is among them, so the result is the same as without the sample;
-    otherwise (an unlucky sample) the whole vector is partitioned.
-
-    Returns
-    -------
-    np.ndarray
-        (min(k, d),) int64.
-    """
-    d = x.size
-    if k >= d:
-        return np.arange(d, dtype=np.int64)
-    if k <= 0:
-        return np.empty(0, dtype=np.int64)
-    a = np.abs(x)  # (d,)
-    cand = _topk_candidates(a, k, sample)  # (c,) ascending, or None: all of [0, d)
-    if cand is not None:
-        a = a[cand]  # (c,)
-    n = a.size
-    t = np.partition(a, n - k)[n - k]  # k-th largest magnitude
-    above = np.flatnonzero(a > t)  # (< k,)
-    at = np.flatnonzero(a == t)[: k - above.size]  # ties at t, lowest indices first
-    idx = np.concatenate([above, at]).astype(np.int64, copy=False)  # (k,)
-    idx.sort(kind="stable")  # two ascending runs: timsort merges them in O(k)
-    return idx if cand is None else cand[idx]
-
-
-def _topk_candidates(a: np.ndarray, k: int, sample: int) -> np.ndarray | None:
-    """Ascending indices of every |x_i| >= g, g guessed from a strided sample; None if unsure."""
-    d = a.size
-    stride = d // sample
-    if stride < 2 or k > d // 8:
-        return None  # the sample would not save much
-    s = a[::stride]  # (m,)
-    m = s.size
-    # about k·m/d sample entries lie above t; aim 25% (+16) higher so the guess falls below t
-    r = min(m, math.ceil(k * m / d * 1.25) + 16)
-    guess = np.partition(s, m - r)[m - r]
-    cand = np.flatnonzero(a >= guess)
-    return cand if k <= cand.size <= d // 2 else None
-
-
 @dataclass(frozen=True)
 class TopK:
     """Global top-k sparsification of the flattened update.
@@ -320,7 +268,8 @@ class TopK:
     Wire: ``topk.indices`` (k,) int32 (int64 when d >= 2^31), strictly increasing, and
     ``topk.values`` (k,) float32, the update at those indices. Coordinates run over the
     arrays in ``Layout`` order (sorted names), integer buffers included. Selection is
-    deterministic (``top_k_indices``); ``rng`` is unused. Biased: use with ``ErrorFeedback``.
+    deterministic (``strategies.top_k.top_k_by_magnitude``); ``rng`` is unused. Biased: use
+    with ``ErrorFeedback``.
     """
 
     k: int | None = None
@@ -360,9 +309,9 @@ class TopK:
         x = layout.flatten(update, dtype=np.float32 if single else np.float64)  # (d,)
         if not np.isfinite(x).all():
             raise ValueError("cannot encode an update with NaN or Inf")
-        idx = top_k_indices(x, self.k_for(layout.size))  # (k,)
+        idx = top_k_by_magnitude(x, self.k_for(layout.size))  # (k,)
         return {
-            TOPK_INDICES: idx.astype(_index_dtype(layout.size)),
+            TOPK_INDICES: idx.astype(index_dtype(layout.size)),
             TOPK_VALUES: x[idx].astype(np.float32),
         }
 
@@ -370,7 +319,7 @@ class TopK:
         """Scatter the k values into a dense update of ``layout``; reject malformed input."""
         _check_keys(wire, {TOPK_INDICES, TOPK_VALUES}, self.name)
         d, k = layout.size, self.k_for(layout.size)
-        idx = _wire_array(wire, TOPK_INDICES, _index_dtype(d), (k,))
+        idx = _wire_array(wire, TOPK_INDICES, index_dtype(d), (k,))
         values = _wire_array(wire, TOPK_VALUES, np.dtype(np.float32), (k,))
         if k:
             low, high = int(idx.min()), int(idx.max())
@@ -389,10 +338,6 @@ class TopK:
             return layout.scatter(idx, values)
         except ValueError as exc:  # a value that does not fit an integer buffer
             raise UpdateRejected(str(exc)) from None
-
-
-def _index_dtype(d: int) -> np.dtype[Any]:
-    return np.dtype(np.int32 if d < INT32_LIMIT else np.int64)
 
 
 # ---------------------------------------------------------------------------- int8

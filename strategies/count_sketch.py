@@ -28,7 +28,8 @@ so q_j is the fixed index vector L_j shifted by H_j. Sketching a block into row 
 back into the row as T = Q0 − Q1 + Q2 − Q3 (quarters 1 and 3 hold the negative signs). No
 per-coordinate hash arithmetic remains, and no r × d index table is stored: the index memory
 is r·(B + d/B) integers. Estimation gathers from the same windows of [T, −T, T, −T], and
-``top_k_indices`` finds the k largest estimates without sorting or heap-selecting all d.
+``strategies.top_k.top_k_largest`` finds the k largest estimates without sorting or
+heap-selecting all d.
 
 Determinism: on CPU every operation is sequential and exact given the inputs. On CUDA
 ``index_add_`` uses atomic float additions, so the sum order inside a bucket (and hence the last
@@ -46,6 +47,7 @@ import torch
 
 from flplatform.errors import ConfigError
 from flplatform.seeding import derive_seed
+from strategies.top_k import top_k_largest
 
 P = 2**31 - 1  # Mersenne prime; every table entry comes from a value < p
 MAX_DIM = 2**31  # coordinates below 2^31: H has fewer than 2^14 entries per row
@@ -230,32 +232,6 @@ def _median_over_rows_into(v: torch.Tensor, out: torch.Tensor) -> None:
         torch.maximum(b, c, out=out)
         return
     out.copy_(_median_over_rows(v[:-1]))
-
-
-SAMPLE_SIZE = 1 << 16  # elements of the strided sample that sets top_k_indices' threshold
-
-
-def top_k_indices(values: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest entries of a 1-D tensor, largest first (as ``torch.topk``).
-
-    ``torch.topk`` over millions of entries on CPU takes as long as sketching them. Here a
-    strided sample sets a threshold with about 2k entries above it; one comparison pass keeps
-    those, and ``torch.topk`` runs on them only. Exact: when at least k entries reach the
-    threshold, every entry of the true top k is among them; otherwise (an unlucky sample)
-    it falls back to ``torch.topk`` over everything. NaN entries never pass the threshold,
-    so callers keep tables finite (the strategies reject non-finite uploads).
-    """
-    n = values.numel()
-    if n <= SAMPLE_SIZE or 4 * k > n:
-        return torch.topk(values, k, sorted=True).indices
-    sample = values[:: n // SAMPLE_SIZE]  # strided view, deterministic
-    m = sample.numel()
-    expected_above = min(m - 1, 2 * k * m // n + 8)  # sample entries above the threshold
-    threshold = torch.kthvalue(sample, m - expected_above).values
-    candidates = torch.nonzero(values >= threshold).view(-1)  # (≈2k,) ascending
-    if candidates.numel() < k:
-        return torch.topk(values, k, sorted=True).indices
-    return candidates[torch.topk(values[candidates], k, sorted=True).indices]
 
 
 @dataclass(frozen=True)
@@ -523,7 +499,7 @@ class CountSketch:
         if k > self.d:
             raise ConfigError(f"top-k needs k <= d = {self.d}, got k = {k}")
         est = self.estimate(table, chunk=chunk)  # (d,)
-        indices = top_k_indices(est.abs(), k)  # (k,)
+        indices = top_k_largest(est.abs(), k)  # (k,)
         return indices, est[indices]
 
     # ------------------------------------------------------------------ validation

@@ -49,15 +49,14 @@ from strategies.count_sketch import CountSketch
 from strategies.local_sgd import first_number, reject_state_lost, state_lost_note
 from strategies.mods.sketched_sgd import (
     CANDIDATES,
-    SKETCH_PHASE,
     VALUES,
-    VALUES_PHASE,
     ZERO,
     ZERO_INDICES,
+    StepPhase,
 )
 from strategies.sketch_feedback import candidate_coordinates, exact_top_k
 from strategies.sketched_common import SketchedStrategy, reply_parts, sketch_table
-from strategies.sparse_sync import index_dtype
+from strategies.top_k import index_dtype
 from strategies.validation import check_num_examples
 
 log = logging.getLogger("flplatform.strategies.sketched_sgd")
@@ -117,7 +116,7 @@ class SketchedSGD(SketchedStrategy):
         self.candidate_factor, self.momentum, self.eta = candidate_factor, momentum, eta
         self.sketch: CountSketch | None = None  # fixed once the model is known
         # ---- the step in progress
-        self.phase = SKETCH_PHASE  # what the next round asks of the sites
+        self.phase = StepPhase.SKETCH  # what the next round asks of the sites
         self.candidates = torch.empty(0, dtype=torch.int64)
         self.sketch_round = 0  # the round whose sketches chose the candidates
         self.contributors: dict[int, int] = {}  # node → weight of the sketch it sent
@@ -127,7 +126,7 @@ class SketchedSGD(SketchedStrategy):
         self._zero_sent: dict[int, int] = {}  # node → zero step its outstanding message carries
         self._sketched: set[int] = set()  # sites that hold accumulators (a sketch was taken)
         # ---- this round
-        self._round_phase, self._round = SKETCH_PHASE, 0
+        self._round_phase, self._round = StepPhase.SKETCH, 0
         self._asked: set[int] = set()
         self._answered: set[int] = set()
         self._sum: torch.Tensor | None = None  # Σ w·S(v) or Σ w·v[candidates]
@@ -161,7 +160,7 @@ class SketchedSGD(SketchedStrategy):
         """Sketch round: sync and train; values round: ask the sketches' sites for values."""
         self._use(arrays)
         nodes = sorted(grid.get_node_ids())
-        if self._round_phase == VALUES_PHASE:
+        if self._round_phase == StepPhase.VALUES:
             # Asked again while unanswered: a site drawn as away (simulated availability)
             # got nothing; one whose reply failed is not offered work again this round.
             wanted = [n for n in nodes if n in self.contributors and n not in self._answered]
@@ -171,7 +170,7 @@ class SketchedSGD(SketchedStrategy):
             log.warning(
                 "round %s: no site that sent a sketch is here; sketching again", server_round
             )
-            self._round_phase = self.phase = SKETCH_PHASE
+            self._round_phase = self.phase = StepPhase.SKETCH
             self.contributors = {}
         sampled = self._sampling.sample(server_round, nodes, self._sampling.fraction_train)
         return [self._sketch_request(n, server_round, config) for n in sampled]
@@ -179,7 +178,7 @@ class SketchedSGD(SketchedStrategy):
     def _sketch_request(self, node_id: int, server_round: int, config: ConfigRecord) -> Message:
         zero_step = self.pending_zero.get(node_id, 0)
         extra = {
-            keys.SKETCH_PHASE: SKETCH_PHASE,
+            keys.STEP_PHASE: StepPhase.SKETCH.value,
             keys.STEP_MOMENTUM: self.momentum,
             keys.ZERO_STEP: zero_step,
             keys.STATE_EXPECTED: node_id in self._sketched,
@@ -201,7 +200,7 @@ class SketchedSGD(SketchedStrategy):
             {
                 keys.SERVER_ROUND: server_round,
                 keys.SITE_ALGORITHM: SITE_ALGORITHM,
-                keys.SKETCH_PHASE: VALUES_PHASE,
+                keys.STEP_PHASE: StepPhase.VALUES.value,
                 keys.SKETCHED_ROUND: self.sketch_round,
                 # No training: the virtual clock books no compute for it.
                 keys.LOCAL_STEPS: 0,
@@ -222,7 +221,7 @@ class SketchedSGD(SketchedStrategy):
         self._round = server_round
         self._asked, self._answered = set(), set()
         self._sum, self._weight, self._loss = None, 0.0, (0.0, 0.0)
-        if self.phase == SKETCH_PHASE:
+        if self.phase == StepPhase.SKETCH:
             self.contributors = {}
 
     def accumulate(
@@ -240,7 +239,7 @@ class SketchedSGD(SketchedStrategy):
         reject_state_lost(reply.content, "it is sent the whole model and restarts u = v = 0")
         record, metrics = reply_parts(reply)
         num_examples = check_num_examples(metrics.get(keys.NUM_EXAMPLES))
-        if self._round_phase == SKETCH_PHASE:
+        if self._round_phase == StepPhase.SKETCH:
             # It synced and zeroed, whatever becomes of its sketch.
             self.model.confirm(node_id)
             if self._zero_sent.get(node_id) == self.pending_zero.get(node_id, 0):
@@ -296,7 +295,7 @@ class SketchedSGD(SketchedStrategy):
     def finish_aggregation(self) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Sketch round: choose the candidates (x unchanged); values round: the step."""
         assert self.sketch is not None
-        if self._round_phase == SKETCH_PHASE:
+        if self._round_phase == StepPhase.SKETCH:
             if self._sum is None:
                 return None, None
             count = min(self.candidate_factor * self.k, self.model.size)
@@ -305,7 +304,7 @@ class SketchedSGD(SketchedStrategy):
                 log.warning("round %s: the sketches' mean overflows float32; no step", self._round)
                 return None, None
             self.candidates = candidate_coordinates(self.sketch, mean, count).cpu()
-            self.phase, self.sketch_round = VALUES_PHASE, self._round
+            self.phase, self.sketch_round = StepPhase.VALUES, self._round
             metrics = MetricRecord(
                 {"num-updates": len(self.contributors), "candidates": len(self.candidates)}
             )
@@ -313,7 +312,7 @@ class SketchedSGD(SketchedStrategy):
                 metrics[keys.TRAIN_LOSS] = self._loss[0] / self._loss[1]
             return None, metrics
         # ---- values round: whatever arrived, the next round sketches again
-        self.phase = SKETCH_PHASE
+        self.phase = StepPhase.SKETCH
         if self._sum is None:
             return None, None
         mean = (self._sum / self._weight).to(torch.float32)

@@ -22,6 +22,7 @@ from flwr.app import ArrayRecord
 
 from flplatform.arrays import arrays_to_record, record_to_arrays
 from strategies.codecs import Layout
+from strategies.top_k import index_dtype
 
 SYNC_INDICES, SYNC_VALUES = "sync.indices", "sync.values"  # a sparse download
 DENSE = -1  # sync-from of a message carrying the whole model
@@ -55,11 +56,6 @@ class ChangeLog:
         if not needed:
             return torch.empty(0, dtype=torch.int64)
         return torch.unique(torch.cat([self.changes[v] for v in needed]))
-
-
-def index_dtype(d: int) -> type[np.integer]:
-    """The integer type of coordinate indices into a model of d coordinates on the wire."""
-    return np.int32 if d < 2**31 else np.int64
 
 
 class SparseModel:

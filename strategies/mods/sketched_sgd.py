@@ -18,6 +18,8 @@ it no longer holds, or asked for values it no longer has, replies that it lost i
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 import numpy as np
 import torch
 from flwr.app import Context, Message, MetricRecord
@@ -51,7 +53,14 @@ from strategies.mods.fetchsgd import (
 from strategies.sketch_feedback import SiteAccumulators
 from strategies.sparse_sync import SYNC_INDICES, valid_indices
 
-SKETCH_PHASE, VALUES_PHASE = "sketch", "values"
+
+class StepPhase(StrEnum):
+    """Which of a Sketched-SGD step's two rounds a message belongs to (``keys.STEP_PHASE``)."""
+
+    SKETCH = "sketch"  # sites train and upload a sketch of their accumulated update
+    VALUES = "values"  # sites send the exact values at the server's candidate coordinates
+
+
 CANDIDATES = "candidates"  # a values request's indices
 VALUES = "values"  # a values reply's array
 ZERO = "zero"  # a sketch message's record of coordinates to zero, when not its sync's
@@ -91,13 +100,13 @@ def sketched_sgd_mod() -> Mod:
         if not is_training(msg) or site_algorithm(msg) != keys.SKETCHED_SGD:
             return call_next(msg, context)
         raw = round_config(msg)
-        phase = raw.get(keys.SKETCH_PHASE)
-        if phase == VALUES_PHASE:
+        phase = raw.get(keys.STEP_PHASE)
+        if phase == StepPhase.VALUES:
             return _values_reply(msg, context)
-        if phase != SKETCH_PHASE:
+        if phase != StepPhase.SKETCH:
             raise ConfigError(
-                f"round config '{keys.SKETCH_PHASE}' must be {SKETCH_PHASE!r} or "
-                f"{VALUES_PHASE!r}, got {phase!r}"
+                f"round config '{keys.STEP_PHASE}' must be {StepPhase.SKETCH.value!r} or "
+                f"{StepPhase.VALUES.value!r}, got {phase!r}"
             )
         return _sketch_reply(msg, context, call_next)
 

@@ -18,12 +18,11 @@ from strategies.codecs import (
     Layout,
     StochasticInt8,
     TopK,
-    _topk_candidates,
     make_codec,
     quantize_int8,
-    top_k_indices,
     wire_nbytes,
 )
+from strategies.top_k import _magnitude_candidates, top_k_by_magnitude
 
 Arrays = dict[str, np.ndarray]
 
@@ -179,11 +178,11 @@ def test_topk_matches_naive_oracle(update: Arrays, codec: TopK) -> None:
     k=st.integers(1, 40),
     sample=st.integers(1, 64),
 )
-def test_top_k_indices_with_any_sample_size_matches_naive(
+def test_top_k_by_magnitude_with_any_sample_size_matches_naive(
     x: np.ndarray, k: int, sample: int
 ) -> None:
     # small samples take the sampled-threshold path, including its fallback
-    got = top_k_indices(x, k, sample=sample)
+    got = top_k_by_magnitude(x, k, sample=sample)
     assert got.dtype == np.int64
     assert got.tolist() == naive_top_k(x.tolist(), k)
 
@@ -191,10 +190,10 @@ def test_top_k_indices_with_any_sample_size_matches_naive(
 def test_sampled_threshold_path_is_taken_and_exact() -> None:
     x = rng(3).standard_normal(50_000)
     x[[10, 20, 30]] = 9.0  # a three-way tie inside the top-k
-    cand = _topk_candidates(np.abs(x), 100, 1024)
+    cand = _magnitude_candidates(np.abs(x), 100, 1024)
     assert cand is not None and 100 <= cand.size < 1_000
-    got = top_k_indices(x, 100, sample=1024)
-    np.testing.assert_array_equal(got, top_k_indices(x, 100, sample=x.size))  # no sample
+    got = top_k_by_magnitude(x, 100, sample=1024)
+    np.testing.assert_array_equal(got, top_k_by_magnitude(x, 100, sample=x.size))  # no sample
     assert got.tolist() == naive_top_k(x.tolist(), 100)
 
 
@@ -202,8 +201,8 @@ def test_unlucky_sample_falls_back_to_the_full_partition() -> None:
     # the stride-16 sample sees only the 64 tens, so its guess keeps fewer than k candidates
     x = rng(4).uniform(-1, 1, 1024)
     x[::16] = 10.0
-    assert _topk_candidates(np.abs(x), 100, 64) is None
-    assert top_k_indices(x, 100, sample=64).tolist() == naive_top_k(x.tolist(), 100)
+    assert _magnitude_candidates(np.abs(x), 100, 64) is None
+    assert top_k_by_magnitude(x, 100, sample=64).tolist() == naive_top_k(x.tolist(), 100)
 
 
 def test_topk_with_k_at_least_d_sends_the_exact_update() -> None:

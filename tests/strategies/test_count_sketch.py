@@ -20,8 +20,8 @@ from strategies.count_sketch import (
     P,
     SketchHashes,
     _fold_quarters,
-    top_k_indices,
 )
+from strategies.top_k import top_k_largest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -186,13 +186,13 @@ def test_position_path_equals_block_path() -> None:
     seed=st.integers(0, 2**31),
     ties=st.booleans(),
 )
-def test_top_k_indices_equals_torch_topk(n: int, k_frac: float, seed: int, ties: bool) -> None:
+def test_top_k_largest_equals_torch_topk(n: int, k_frac: float, seed: int, ties: bool) -> None:
     gen = torch.Generator().manual_seed(seed)
     values = torch.randn(n, generator=gen).abs()
     if ties:
         values = values.mul(4).round()  # few distinct values: many ties at the threshold
     k = max(1, int(k_frac * n))
-    got = top_k_indices(values, k)
+    got = top_k_largest(values, k)
     want = torch.topk(values, k, sorted=True)
     assert got.shape == (k,)
     assert got.unique().numel() == k

@@ -45,7 +45,7 @@ from strategies.mods import (
     sketched_sgd_mod,
 )
 from strategies.mods.contract import Mod
-from strategies.mods.sketched_sgd import CANDIDATES, VALUES, VALUES_PHASE
+from strategies.mods.sketched_sgd import CANDIDATES, VALUES, StepPhase
 from strategies.sketched_sgd import SketchedSGD
 from strategies.sparse_sync import DENSE
 from tests.flplatform.engine.scripted_grid import ScriptedGrid
@@ -128,7 +128,7 @@ CASES: dict[str, tuple[Mod, dict[str, Any]]] = {
         sketched_sgd_mod(),
         {
             keys.SITE_ALGORITHM: keys.SKETCHED_SGD,
-            keys.SKETCH_PHASE: "sketch",
+            keys.STEP_PHASE: "sketch",
             keys.MODEL_VERSION: 0,
             keys.SYNC_FROM: DENSE,
             keys.SERVER_ROUND: 1,
@@ -276,7 +276,7 @@ def test_the_values_round_never_calls_the_users_function() -> None:
         {CANDIDATES: np.array([0, 5, 12], np.int32)},
         **{
             keys.SITE_ALGORITHM: keys.SKETCHED_SGD,
-            keys.SKETCH_PHASE: VALUES_PHASE,
+            keys.STEP_PHASE: StepPhase.VALUES,
             keys.SKETCHED_ROUND: 1,
             keys.SERVER_ROUND: 2,
         },

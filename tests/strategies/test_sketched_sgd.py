@@ -26,7 +26,7 @@ from flplatform.errors import ConfigError, UpdateRejected
 from strategies.local_sgd import LocalSGDAveraging
 from strategies.mods.contract import ModState
 from strategies.mods.fetchsgd import MODEL
-from strategies.mods.sketched_sgd import ACCUMULATORS, CANDIDATES, VALUES, VALUES_PHASE, ZERO
+from strategies.mods.sketched_sgd import ACCUMULATORS, CANDIDATES, VALUES, ZERO, StepPhase
 from strategies.sketch_feedback import SiteAccumulators, candidate_coordinates, exact_top_k
 from strategies.sketched_sgd import SketchedSGD
 from tests.flplatform.engine.scripted_grid import Behaviour, ScriptedGrid
@@ -205,7 +205,7 @@ def test_a_site_whose_values_are_lost_keeps_them_for_a_later_step() -> None:
 
     def loses_values_in_round_2(msg: Message) -> Message:
         config = msg.content.config_records.get(keys.CONFIG, ConfigRecord())
-        if config.get(keys.SKETCH_PHASE) == VALUES_PHASE and config[keys.SERVER_ROUND] == 2:
+        if config.get(keys.STEP_PHASE) == StepPhase.VALUES and config[keys.SERVER_ROUND] == 2:
             return Message(Error(code=2, reason="connection reset"), reply_to=msg)
         return real(msg)
 
@@ -264,7 +264,7 @@ def test_malformed_values_are_rejected(node: int, arrays: dict, reason: str) -> 
     strategy = SketchedSGD(k=3, sketch_cols=50)
     base = arrays_to_record({"w": np.zeros(10, np.float32)})
     strategy._use(base)
-    strategy.phase, strategy.candidates = VALUES_PHASE, torch.arange(6)
+    strategy.phase, strategy.candidates = StepPhase.VALUES, torch.arange(6)
     strategy.contributors = {1: 10}
     strategy.begin_aggregation(2, base)
     strategy._asked = {1}
@@ -277,7 +277,7 @@ def test_a_site_refuses_values_for_a_sketch_it_did_not_send() -> None:
     config = ConfigRecord(
         {
             keys.SITE_ALGORITHM: "sketched-sgd",
-            keys.SKETCH_PHASE: VALUES_PHASE,
+            keys.STEP_PHASE: StepPhase.VALUES,
             keys.SKETCHED_ROUND: 3,
             keys.SERVER_ROUND: 4,
         }
@@ -303,7 +303,7 @@ def test_a_site_refuses_values_for_a_sketch_it_did_not_send() -> None:
     )
     with pytest.raises(ConfigError, match="sketch of round 3; this site's last sketch is of"):
         builtin_train(msg, site)
-    config[keys.SKETCH_PHASE] = "guess"
+    config[keys.STEP_PHASE] = "guess"
     with pytest.raises(ConfigError, match="'sketch-phase' must be 'sketch' or 'values'"):
         builtin_train(msg, site)
 
@@ -349,10 +349,10 @@ def test_huge_finite_values_do_not_overflow_the_model() -> None:
     strategy = SketchedSGD(k=3, sketch_cols=50)
     base = arrays_to_record({"w": np.zeros(10, np.float32)})
     strategy._use(base)
-    strategy.phase, strategy.candidates = VALUES_PHASE, torch.arange(6)
+    strategy.phase, strategy.candidates = StepPhase.VALUES, torch.arange(6)
     strategy.contributors = {1: 1000, 2: 1000}
     for step in (1, 2):
-        strategy.phase = VALUES_PHASE
+        strategy.phase = StepPhase.VALUES
         strategy.begin_aggregation(2 * step, base)
         strategy._asked = {1, 2}
         for node in (1, 2):  # w·v overflows float32: the sums are float64
