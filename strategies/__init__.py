@@ -9,7 +9,7 @@ changed since the version they hold.
 
 Their maths, importing no Flower: ``aggregation`` (streamed weighted averaging),
 ``compensation`` (the delayed strategy's period bookkeeping), ``codecs`` (upload codecs and
-error feedback), ``count_sketch``, ``sketch_feedback``, ``top_k`` (selection and wire index types) and ``validation`` (checks on what a
-site sends back).
+error feedback), ``count_sketch``, ``sketch_feedback``, ``top_k`` (selection and wire index
+types) and ``validation`` (checks on what a site sends back).
 """
 
