@@ -9,7 +9,7 @@ export FLWR_HOME ?= $(FLPLATFORM_HOME)/flwr
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
 export FLWR_TELEMETRY_ENABLED := 0
 
-.PHONY: setup setup-dev demo test test-all lint bench clean
+.PHONY: setup setup-dev demo test test-all lint bench app-config clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ test: setup-dev
 lint: setup-dev
 	$(BIN)/ruff check flplatform clients strategies storage tests benchmarks examples
 	$(BIN)/mypy flplatform clients strategies storage
+
+# [tool.flwr.app.config] of the Flower apps, written from the options table (RunConfig).
+app-config: setup
+	$(BIN)/python -m flplatform.app_config pyproject.toml examples/plain_flower_client/pyproject.toml
 
 bench: setup
 	$(BIN)/python benchmarks/bench_round.py

@@ -69,7 +69,7 @@ def plans(
         ModePlan("local-sgd int8", {"codec": "int8"}, long),
         ModePlan(
             f"{FETCHSGD} k={k} {rows}x{cols} rho=0.9",
-            {"strategy": FETCHSGD, "server-momentum": 0.9, **sketch},
+            {"strategy": FETCHSGD, "sketch-momentum": 0.9, **sketch},
             long,
         ),
         # Step momentum 0: with m = 0.9 on top of the sites' local momentum the error

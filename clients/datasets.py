@@ -39,7 +39,8 @@ from typing import IO
 import numpy as np
 from numpy.lib.npyio import NpzFile
 
-from clients._checks import check_fraction, check_seed
+from clients.catalog import BUILTIN_DATASETS
+from flplatform.checks import check_fraction, check_seed
 from flplatform.errors import ConfigError, DataError
 
 __all__ = [
@@ -54,7 +55,6 @@ __all__ = [
     "load_site_file",
 ]
 
-BUILTIN_DATASETS: tuple[str, ...] = ("digits", "mnist5k", "fashion-mnist")
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 FASHION_MNIST_ENV = "FLPLATFORM_FASHION_MNIST_DIR"

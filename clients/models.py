@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from clients._checks import check_int, check_seed
+from clients.catalog import MODELS
+from flplatform.checks import check_int, check_seed
 from flplatform.errors import ConfigError
 
 __all__ = [
@@ -43,7 +44,6 @@ __all__ = [
     "model_import_dir",
 ]
 
-MODELS: tuple[str, ...] = ("mlp", "cnn", "wide-mlp")
 WIDE_HIDDEN = 640  # wide-mlp's hidden width: 509k parameters on 28×28 inputs
 _DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
 _SPEC = re.compile(rf"^({_DOTTED}):({_DOTTED})$")

@@ -11,11 +11,10 @@ proportions ``p_c ~ Dir(alpha)`` and split that class's shuffled examples accord
 
 from __future__ import annotations
 
-import numbers
-
 import numpy as np
 
-from clients._checks import check_int, check_positive, check_seed
+from clients.catalog import PARTITION_SCHEMES
+from flplatform.checks import check_int, check_positive, check_seed, integer, require
 from flplatform.errors import ConfigError, DataError
 
 __all__ = [
@@ -26,7 +25,6 @@ __all__ = [
     "partition_indices",
 ]
 
-PARTITION_SCHEMES: tuple[str, ...] = ("iid", "dirichlet")
 
 # Each attempt costs one pass over the labels; a hundred failures in a row mean the requested
 # skew and minimum size are practically incompatible, and retrying longer would only hang.
@@ -207,13 +205,13 @@ def _check_labels(labels: np.ndarray) -> np.ndarray:
 
 
 def _check_num_partitions(num_partitions: object, num_examples: int) -> int:
-    if (
-        isinstance(num_partitions, bool)
-        or not isinstance(num_partitions, numbers.Integral)
-        or not 1 <= int(num_partitions) <= num_examples
-    ):
-        raise ConfigError(
-            f"num_partitions must be an integer in 1..{num_examples} (the number of examples),"
-            f" got {num_partitions!r}"
+    require(
+        integer(
+            num_partitions,
+            "num_partitions",
+            minimum=1,
+            maximum=num_examples,
+            says=f"an integer in 1..{num_examples} (the number of examples)",
         )
-    return int(num_partitions)
+    )
+    return int(num_partitions)  # type: ignore[call-overload]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,9 +25,9 @@ from typing import IO, Any
 
 import numpy as np
 
-from clients._checks import check_positive, check_seed
 from clients.datasets import load_dataset
 from clients.partitioning import PARTITION_SCHEMES, partition_indices
+from flplatform.checks import SITE_NAME, check_positive, check_seed
 from flplatform.errors import ConfigError, DataError
 
 __all__ = [
@@ -45,9 +44,8 @@ TEST_FILE = "test.npz"
 _FORMAT = "flplatform-site-split"
 _VERSION = 1
 
-# Letters, digits, '_', '.', '-', starting with a letter or digit: safe as a file name on every
-# platform and never a hidden file, an option (leading '-') or a path ('/', '..').
-_SITE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+# Site names (flplatform.checks.SITE_NAME) are safe as a file name on every platform and
+# never a hidden file, an option (leading '-') or a path ('/', '..').
 # Compared case-insensitively: on macOS and Windows "Test.npz" is the same file as "test.npz".
 _RESERVED_NAMES = ("test", "manifest")
 
@@ -337,7 +335,7 @@ def _check_site_names(sites: Sequence[str]) -> list[str]:
         raise ConfigError("sites must name at least one site")
     seen: set[str] = set()
     for name in names:
-        if not isinstance(name, str) or not _SITE_NAME.fullmatch(name):
+        if not isinstance(name, str) or not SITE_NAME.fullmatch(name):
             raise ConfigError(
                 f"site name {name!r} is not allowed; use 1-64 letters, digits, '_', '.' or '-',"
                 " starting with a letter or digit"

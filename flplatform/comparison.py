@@ -43,7 +43,7 @@ COMPRESSION_MODES: dict[str, tuple[str, dict[str, Any]]] = {
     "int8": ("local-sgd int8", {"codec": "int8"}),
     "fetchsgd": (
         "fetchsgd k=250",
-        {"strategy": "fetchsgd", "k": 250, "server-momentum": 0.9},
+        {"strategy": "fetchsgd", "k": 250, "sketch-momentum": 0.9},
     ),
     "sketched-sgd": (
         "sketched-sgd k=250",

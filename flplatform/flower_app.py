@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from clients.catalog import MODELS
+from flplatform.checks import integer, one_of, require
 from flplatform.errors import ConfigError
 
 ConfigValue = str | int | float | bool
@@ -289,26 +291,23 @@ def plan_run(app: FlowerApp, given: PlatformOptions, *, tag: str) -> AppRun:
 
 def _checked_values(app: FlowerApp, given: PlatformOptions) -> dict[str, Any]:
     """The options given, each checked; sites as names, network as a preset or full path."""
-    from flplatform.config import SYNC_MODES
-    from flplatform.engine.synchrony import synchrony_problems
+    from flplatform.engine.synchrony import SYNC_MODES, synchrony_problems
 
     out: dict[str, Any] = {}
     if given.sites is not None:
         if not given.sites:
             raise ConfigError("--sites must be a positive count or a list of names")
         out["sites"] = _checked_sites(given.sites)
-    if given.rounds is not None:
-        out["rounds"] = _at_least("--rounds", given.rounds, 1)
-    if given.seed is not None:
-        out["seed"] = _at_least("--seed", given.seed, 0)
-    if given.max_failed_rounds is not None:
-        out["max_failed_rounds"] = _at_least("--max-failed-rounds", given.max_failed_rounds, 0)
-    if given.k is not None:
-        out["k"] = _at_least("--k", given.k, 1)
+    counts = {"rounds": 1, "seed": 0, "max_failed_rounds": 0, "k": 1}  # option → minimum
+    require(
+        integer(getattr(given, name), f"--{name.replace('_', '-')}", minimum=minimum)
+        for name, minimum in counts.items()
+        if getattr(given, name) is not None
+    )
+    out.update((name, getattr(given, name)) for name in counts if getattr(given, name) is not None)
     if given.sync is not None:
         sync = given.sync.strip()
-        if sync not in SYNC_MODES:
-            raise ConfigError(f"unknown --sync '{sync}'; allowed: {', '.join(SYNC_MODES)}")
+        require(one_of(sync, "--sync", SYNC_MODES))
         problems = synchrony_problems(
             sync,
             k=given.k if given.k is not None else 2,
@@ -317,8 +316,7 @@ def _checked_values(app: FlowerApp, given: PlatformOptions) -> dict[str, Any]:
             adasync=False,
             concurrency=0,
         )
-        if problems:
-            raise ConfigError("; ".join(problems))
+        require(problems)
         out["sync"] = sync
     if given.network is not None:
         out["network"] = _checked_network(given.network, seed=given.seed or 0)
@@ -330,12 +328,6 @@ def _checked_values(app: FlowerApp, given: PlatformOptions) -> dict[str, Any]:
     if given.model is not None:
         out["model"] = _checked_model(app, given.model.strip())
     return out
-
-
-def _at_least(name: str, value: int, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 def _checked_network(spec: str, *, seed: int) -> str:
@@ -367,8 +359,6 @@ def _importable_from(directory: Path) -> Iterator[None]:
 
 def _checked_model(app: FlowerApp, model: str) -> str:
     """A built-in name, or a MODULE:FACTORY spec importable from the app dir or Python path."""
-    from flplatform.config import MODELS
-
     if model in MODELS:
         return model
     if ":" not in model:
@@ -394,9 +384,9 @@ def _python_path(model: str | None) -> tuple[Path, ...]:
 
 
 def _checked_sites(names: Sequence[str]) -> tuple[str, ...]:
-    from flplatform.config import _as_names
+    from flplatform.config import as_site_names
 
-    return _as_names("--sites", list(names))
+    return as_site_names("--sites", list(names))
 
 
 def _declared_sites(app: FlowerApp, overrides: Mapping[str, ConfigValue]) -> tuple[str, ...]:

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from flplatform.checks import Problem, integer, require
 from flplatform.errors import ConfigError
 
 Arrays = dict[str, np.ndarray]
@@ -49,6 +50,11 @@ def _add(total: Arrays | None, update: Mapping[str, np.ndarray]) -> Arrays:
     if total is None:
         return {k: np.array(v, dtype=np.float64) for k, v in update.items()}
     return {k: total[k] + update[k] for k in total}
+
+
+def delay_problem(delay: object) -> Problem:
+    """What is wrong with a delay D (``delay``): rounds until a period's average arrives."""
+    return integer(delay, "delay", minimum=0, says="an integer >= 0 rounds")
 
 
 @dataclass
@@ -138,8 +144,7 @@ class ServerLedger:
     awaited: dict[int, int] = field(default_factory=dict)  # site → period sent, no reply seen
 
     def __post_init__(self) -> None:
-        if isinstance(self.delay, bool) or not isinstance(self.delay, int) or self.delay < 0:
-            raise ConfigError(f"delay must be an integer >= 0 rounds, got {self.delay!r}")
+        require(delay_problem(self.delay))
 
     def period_for(self, site: int, *, open_round: int, last_round: int) -> int | None:
         """The period ``site`` (idle now) may start while ``open_round`` is open, or None.

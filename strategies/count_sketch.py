@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flplatform.checks import Problem, integer, require
 from flplatform.errors import ConfigError
 from flplatform.seeding import derive_seed
 from strategies.top_k import top_k_largest
@@ -58,9 +59,8 @@ DEFAULT_CHUNK = 1 << 20  # coordinates per pass: estimation's votes are r × chu
 HASH_TAG = "count-sketch"
 
 
-def _check_positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"count sketch {name} must be a positive integer, got {value!r}")
+def _positive_int(name: str, value: int) -> Problem:
+    return integer(value, f"count sketch {name}", minimum=1, says="a positive integer")
 
 
 @dataclass(frozen=True)
@@ -90,11 +90,10 @@ class SketchHashes:
     high_b: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        _check_positive("cols", self.cols)
+        rows = len(self.low_a)
+        require(_positive_int("cols", self.cols), _positive_int("rows", rows))
         if self.cols >= MAX_COLS:
             raise ConfigError(f"count sketch cols must be < 2^30, got {self.cols}")
-        rows = len(self.low_a)
-        _check_positive("rows", rows)
         if rows % 2 == 0:
             raise ConfigError(f"count sketch rows must be odd (median of one element), got {rows}")
         for name in ("low_b", "high_a", "high_b"):
@@ -110,7 +109,7 @@ class SketchHashes:
     @classmethod
     def from_seed(cls, seed: int, rows: int, cols: int) -> SketchHashes:
         """Derive the parameters of row j from ``derive_seed(seed, "count-sketch", j, part)``."""
-        _check_positive("rows", rows)
+        require(_positive_int("rows", rows))
 
         def draw(j: int, part: str, low: int) -> int:
             # low = 1 for multipliers (a = 0 would make a table constant)
@@ -287,8 +286,7 @@ class CountSketch:
     chunk: int = DEFAULT_CHUNK
 
     def __post_init__(self) -> None:
-        _check_positive("d", self.d)
-        _check_positive("chunk", self.chunk)
+        require(_positive_int("d", self.d), _positive_int("chunk", self.chunk))
         if self.d >= MAX_DIM:
             raise ConfigError(
                 f"count sketch d must be < 2^31 (int32 coordinates), got d = {self.d}"
@@ -425,7 +423,7 @@ class CountSketch:
         """
         self._check_table(table)
         step = self.chunk if chunk is None else chunk
-        _check_positive("chunk", step)
+        require(_positive_int("chunk", step))
         tables = self._tables(table.device)
         # s·T[h] at every position p of [0, 4c): quarters 1 and 3 carry the negative sign
         signed = torch.cat((table, -table, table, -table), dim=1)  # (r, 4c)
@@ -495,7 +493,7 @@ class CountSketch:
         values : torch.Tensor
             (k,) float32, the signed estimates at ``indices``.
         """
-        _check_positive("k", k)
+        require(_positive_int("k", k))
         if k > self.d:
             raise ConfigError(f"top-k needs k <= d = {self.d}, got k = {k}")
         est = self.estimate(table, chunk=chunk)  # (d,)

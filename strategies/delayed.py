@@ -36,7 +36,6 @@ unsettled periods are dropped and its update, trained from the global model, cou
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -54,13 +53,19 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from flplatform import keys
 from flplatform.arrays import arrays_to_record, record_to_arrays
+from flplatform.checks import Problem, integer, require
 from flplatform.engine import AggregationPolicy, Contribution, PeriodSync, Synchrony
 from flplatform.engine.synchrony import require_sync
-from flplatform.errors import ConfigError, UpdateRejected
+from flplatform.errors import UpdateRejected
 from flplatform.start import start as platform_start
-from strategies.aggregation import ServerOptimizerState, WeightedDeltaSum, apply_server_update
+from strategies.aggregation import (
+    ServerOptimizerState,
+    WeightedDeltaSum,
+    apply_server_update,
+    eta_problem,
+)
 from strategies.codecs import Codec, Identity, Layout, make_codec
-from strategies.compensation import ServerLedger
+from strategies.compensation import ServerLedger, delay_problem
 from strategies.local_sgd import (
     LocalSGDAveraging,
     aggregate_batch,
@@ -131,10 +136,11 @@ class DelayedCompensated(Strategy):
         seed: int = 0,
         codec: str = "none",
     ) -> None:
-        if not (math.isfinite(eta) and eta > 0):
-            raise ConfigError(f"server learning rate must be > 0, got {eta}")
-        if isinstance(num_rounds, bool) or not isinstance(num_rounds, int) or num_rounds < 1:
-            raise ConfigError(f"num-rounds must be an integer >= 1, got {num_rounds!r}")
+        require(
+            self.knob_problems(
+                delay=delay, num_rounds=num_rounds, eta=eta, fraction_evaluate=fraction_evaluate
+            )
+        )
         self.delay = delay
         self.num_rounds = num_rounds
         self.compensate = bool(compensate)
@@ -142,12 +148,24 @@ class DelayedCompensated(Strategy):
         self.seed = seed
         self.codec: Codec = make_codec(codec)
         self._replied: dict[int, set[int]] = {}  # node → periods it sent a reply for
-        self.state = DelayedState(ledger=ServerLedger(delay))  # validates the delay
+        self.state = DelayedState(ledger=ServerLedger(delay))
         self._round = 0
         self._current: dict[str, np.ndarray] = {}
         self._current_record: ArrayRecord | None = None
         # Evaluation and sampling are local-SGD averaging's; only training differs.
         self._evaluation = LocalSGDAveraging(fraction_evaluate=fraction_evaluate, seed=seed)
+
+    @staticmethod
+    def knob_problems(
+        *, delay: int, num_rounds: int, eta: float = 1.0, fraction_evaluate: float = 0.0
+    ) -> list[Problem]:
+        """Every problem with these knobs; the run configuration asks too, at the edge."""
+        return [
+            delay_problem(delay),
+            integer(num_rounds, "num-rounds", minimum=1),
+            eta_problem(eta),
+            *LocalSGDAveraging.knob_problems(fraction_evaluate=fraction_evaluate),
+        ]
 
     def summary(self) -> None:
         """Log the configuration."""

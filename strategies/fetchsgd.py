@@ -31,11 +31,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 
 from flplatform import keys
+from flplatform.checks import Problem, require
 from flplatform.engine import Contribution
-from flplatform.errors import ConfigError
 from strategies.count_sketch import CountSketch
 from strategies.local_sgd import first_number, reject_state_lost
-from strategies.sketch_feedback import SketchFeedback
+from strategies.sketch_feedback import SketchFeedback, feedback_problems
 from strategies.sketched_common import (
     SketchedStrategy,
     reply_parts,
@@ -82,7 +82,19 @@ class FetchSGD(SketchedStrategy):
         fraction_evaluate: float = 0.0,
         seed: int = 0,
     ) -> None:
-        super().__init__(
+        require(
+            self.knob_problems(
+                k=k,
+                sketch_rows=sketch_rows,
+                sketch_cols=sketch_cols,
+                rho=rho,
+                eta=eta,
+                removal=removal,
+                fraction_train=fraction_train,
+                fraction_evaluate=fraction_evaluate,
+            )
+        )
+        super().__init__(  # its own checks pass: asked above, all at once
             site_algorithm=SITE_ALGORITHM,
             k=k,
             sketch_rows=sketch_rows,
@@ -98,8 +110,31 @@ class FetchSGD(SketchedStrategy):
         self._weight = 0.0
         self._count = 0
         self._loss = (0.0, 0.0)
-        if removal not in ("zero", "subtract"):  # checked again, fully, by SketchFeedback
-            raise ConfigError(f"unknown sketch removal {removal!r}; allowed: zero, subtract")
+
+    @classmethod
+    def knob_problems(
+        cls,
+        *,
+        k: int,
+        sketch_rows: int,
+        sketch_cols: int,
+        rho: float,
+        eta: float,
+        removal: str,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 0.0,
+    ) -> list[Problem]:
+        """Every problem with FetchSGD's knobs; the run configuration asks too, at the edge."""
+        return [
+            *cls.sketch_problems(
+                k=k,
+                sketch_rows=sketch_rows,
+                sketch_cols=sketch_cols,
+                fraction_train=fraction_train,
+                fraction_evaluate=fraction_evaluate,
+            ),
+            *feedback_problems(rho=rho, eta=eta, removal=removal),
+        ]
 
     def summary(self) -> None:
         """Log the configuration."""

@@ -42,11 +42,17 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from flplatform import keys
 from flplatform.arrays import arrays_to_record, record_to_arrays
+from flplatform.checks import Problem, number, require, unit_interval
 from flplatform.engine import Contribution, EngineStrategy
 from flplatform.errors import ConfigError, UpdateRejected
 from flplatform.seeding import rng_for
 from flplatform.start import start as platform_start
-from strategies.aggregation import ServerOptimizerState, WeightedDeltaSum, apply_server_update
+from strategies.aggregation import (
+    ServerOptimizerState,
+    WeightedDeltaSum,
+    apply_server_update,
+    eta_problem,
+)
 from strategies.codecs import Codec, Identity, Layout, make_codec
 from strategies.validation import check_arrays, check_num_examples
 
@@ -109,14 +115,14 @@ class LocalSGDAveraging(Strategy):
         seed: int = 0,
         codec: str = "none",
     ) -> None:
-        if not (math.isfinite(eta) and eta > 0):
-            raise ConfigError(f"server learning rate must be > 0, got {eta}")
-        if not (0.0 <= beta < 1.0):
-            raise ConfigError(f"server momentum must be in [0, 1), got {beta}")
-        if not (0.0 < fraction_train <= 1.0):
-            raise ConfigError(f"fraction-train must be in (0, 1], got {fraction_train}")
-        if not (0.0 <= fraction_evaluate <= 1.0):
-            raise ConfigError(f"fraction-evaluate must be in [0, 1], got {fraction_evaluate}")
+        require(
+            self.knob_problems(
+                eta=eta,
+                beta=beta,
+                fraction_train=fraction_train,
+                fraction_evaluate=fraction_evaluate,
+            )
+        )
         self.eta = eta
         self.beta = beta
         self.fraction_train = fraction_train
@@ -131,6 +137,22 @@ class LocalSGDAveraging(Strategy):
         self._loss_sum = 0.0
         self._loss_weight = 0.0
         self._compressing: set[int] = set()  # sites whose compressed uploads were taken
+
+    @staticmethod
+    def knob_problems(
+        *,
+        eta: float = 1.0,
+        beta: float = 0.0,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 0.0,
+    ) -> list[Problem]:
+        """Every problem with these knobs; the run configuration asks too, at the edge."""
+        return [
+            eta_problem(eta),
+            unit_interval(beta, "server-momentum", says="in [0, 1) (the server momentum β)"),
+            number(fraction_train, "fraction-train", above=0.0, at_most=1.0),
+            number(fraction_evaluate, "fraction-evaluate", at_least=0.0, at_most=1.0),
+        ]
 
     def summary(self) -> None:
         """Log the configuration."""

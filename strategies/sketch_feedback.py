@@ -27,15 +27,30 @@ Memory: two r × c tables, whatever the number of sites.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
+from flplatform.checks import Problem, integer, one_of, require, unit_interval
 from flplatform.errors import ConfigError
+from strategies.aggregation import eta_problem
 from strategies.count_sketch import CountSketch
 
 REMOVALS = ("zero", "subtract")
+
+
+def k_problem(k: object) -> Problem:
+    """What is wrong with k, the coordinates a sketched strategy applies per step."""
+    return integer(k, "k", minimum=1, says="an integer >= 1 coordinates")
+
+
+def feedback_problems(*, rho: object, eta: object, removal: object) -> list[Problem]:
+    """Every problem with FetchSGD's knobs ρ (``sketch-momentum``), η and the removal."""
+    return [
+        unit_interval(rho, "sketch-momentum", says="in [0, 1) (FetchSGD's sketch momentum ρ)"),
+        eta_problem(eta),
+        one_of(removal, "sketch-removal", REMOVALS),
+    ]
 
 
 @dataclass
@@ -65,18 +80,11 @@ class SketchFeedback:
     error: torch.Tensor | None = field(default=None, repr=False)  # S_e
 
     def __post_init__(self) -> None:
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or not self.k >= 1:
-            raise ConfigError(f"k must be an integer >= 1 coordinates, got {self.k!r}")
+        require(
+            k_problem(self.k), feedback_problems(rho=self.rho, eta=self.eta, removal=self.removal)
+        )
         if self.k > self.sketch.d:
             raise ConfigError(f"k must be at most the model's {self.sketch.d} parameters")
-        if not (0.0 <= self.rho < 1.0):
-            raise ConfigError(f"sketch momentum must be in [0, 1), got {self.rho}")
-        if not (math.isfinite(self.eta) and self.eta > 0):
-            raise ConfigError(f"server learning rate must be > 0, got {self.eta}")
-        if self.removal not in REMOVALS:
-            raise ConfigError(
-                f"unknown sketch removal {self.removal!r}; allowed: {', '.join(REMOVALS)}"
-            )
 
     def step(self, mean_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One round: fold the sites' mean table in and return Δ as (indices, values).

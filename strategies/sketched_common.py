@@ -20,13 +20,15 @@ from flwr.serverapp.strategy import Result, Strategy
 
 from flplatform import keys
 from flplatform.arrays import record_to_arrays
+from flplatform.checks import Problem, integer, odd, require
 from flplatform.engine import AggregationPolicy, Contribution, Synchrony
 from flplatform.engine.synchrony import require_sync
-from flplatform.errors import ConfigError, UpdateRejected
+from flplatform.errors import UpdateRejected
 from flplatform.seeding import derive_seed
 from flplatform.start import start as platform_start
 from strategies.local_sgd import LocalSGDAveraging, aggregate_batch
 from strategies.mods.fetchsgd import SKETCH
+from strategies.sketch_feedback import k_problem
 from strategies.sparse_sync import SparseModel
 
 # Why other synchrony modes are refused (here and by the run configuration).
@@ -64,12 +66,15 @@ class SketchedStrategy(Strategy):
         fraction_evaluate: float,
         seed: int,
     ) -> None:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ConfigError(f"k must be an integer >= 1 coordinates, got {k!r}")
-        if sketch_rows < 1 or sketch_rows % 2 == 0:
-            raise ConfigError(f"sketch-rows must be odd and >= 1, got {sketch_rows}")
-        if sketch_cols < 0:
-            raise ConfigError(f"sketch-cols must be >= 0 (0: 5·k), got {sketch_cols}")
+        require(
+            self.sketch_problems(
+                k=k,
+                sketch_rows=sketch_rows,
+                sketch_cols=sketch_cols,
+                fraction_train=fraction_train,
+                fraction_evaluate=fraction_evaluate,
+            )
+        )
         self.site_algorithm = site_algorithm
         self.k, self.rows, self.cols = k, sketch_rows, sketch_cols or 5 * k
         self.sketch_seed = derive_seed(seed, f"{site_algorithm}-sketch")
@@ -77,6 +82,25 @@ class SketchedStrategy(Strategy):
             fraction_train=fraction_train, fraction_evaluate=fraction_evaluate, seed=seed
         )
         self.model = SparseModel()  # x, its versions, and what each site holds
+
+    @staticmethod
+    def sketch_problems(
+        *,
+        k: int,
+        sketch_rows: int,
+        sketch_cols: int,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 0.0,
+    ) -> list[Problem]:
+        """Every problem with the knobs both sketched strategies share (and sample by)."""
+        return [
+            k_problem(k),
+            odd(sketch_rows, "sketch-rows"),
+            integer(sketch_cols, "sketch-cols", minimum=0, says=">= 0 (0: 5·k)"),
+            *LocalSGDAveraging.knob_problems(
+                fraction_train=fraction_train, fraction_evaluate=fraction_evaluate
+            ),
+        ]
 
     def _sketch_content(
         self, node_id: int, server_round: int, config: ConfigRecord, **extra: Any

@@ -18,7 +18,7 @@ site whose values did not arrive keeps them, so its work reaches a later step. W
 every coordinate is a candidate and applied, u and v are zeroed whole each step, and the
 method is local-SGD averaging with server learning rate η.
 
-Learning rate and momentum: the site's lr is inside g; m (``server-momentum`` in the run
+Learning rate and momentum: the site's lr is inside g; m (``step-momentum`` in the run
 config: the step's momentum, kept at the sites because only they hold dense vectors) and
 η (``server-lr``) act on the steps. Tiny tensors are not sent dense: every coordinate goes
 through the sketch, whatever its tensor.
@@ -43,8 +43,10 @@ from flwr.serverapp import Grid
 
 from flplatform import keys
 from flplatform.arrays import arrays_to_record, record_to_arrays
+from flplatform.checks import Problem, integer, require, unit_interval
 from flplatform.engine import Contribution
 from flplatform.errors import ConfigError, UpdateRejected
+from strategies.aggregation import eta_problem
 from strategies.count_sketch import CountSketch
 from strategies.local_sgd import first_number, reject_state_lost, state_lost_note
 from strategies.mods.sketched_sgd import (
@@ -98,7 +100,19 @@ class SketchedSGD(SketchedStrategy):
         fraction_evaluate: float = 0.0,
         seed: int = 0,
     ) -> None:
-        super().__init__(
+        require(
+            self.knob_problems(
+                k=k,
+                sketch_rows=sketch_rows,
+                sketch_cols=sketch_cols,
+                candidate_factor=candidate_factor,
+                momentum=momentum,
+                eta=eta,
+                fraction_train=fraction_train,
+                fraction_evaluate=fraction_evaluate,
+            )
+        )
+        super().__init__(  # its own checks pass: asked above, all at once
             site_algorithm=SITE_ALGORITHM,
             k=k,
             sketch_rows=sketch_rows,
@@ -107,12 +121,6 @@ class SketchedSGD(SketchedStrategy):
             fraction_evaluate=fraction_evaluate,
             seed=seed,
         )
-        if isinstance(candidate_factor, bool) or candidate_factor < 1:
-            raise ConfigError(f"candidate-factor P must be an integer >= 1, got {candidate_factor}")
-        if not 0.0 <= momentum < 1.0:
-            raise ConfigError(f"Sketched-SGD's momentum must be in [0, 1), got {momentum}")
-        if not eta > 0:
-            raise ConfigError(f"server learning rate must be > 0, got {eta}")
         self.candidate_factor, self.momentum, self.eta = candidate_factor, momentum, eta
         self.sketch: CountSketch | None = None  # fixed once the model is known
         # ---- the step in progress
@@ -132,6 +140,38 @@ class SketchedSGD(SketchedStrategy):
         self._sum: torch.Tensor | None = None  # Σ w·S(v) or Σ w·v[candidates]
         self._weight = 0.0
         self._loss = (0.0, 0.0)
+
+    @classmethod
+    def knob_problems(
+        cls,
+        *,
+        k: int,
+        sketch_rows: int,
+        sketch_cols: int,
+        candidate_factor: int,
+        momentum: float,
+        eta: float,
+        fraction_train: float = 1.0,
+        fraction_evaluate: float = 0.0,
+    ) -> list[Problem]:
+        """Every problem with Sketched-SGD's knobs; the run configuration asks too."""
+        return [
+            *cls.sketch_problems(
+                k=k,
+                sketch_rows=sketch_rows,
+                sketch_cols=sketch_cols,
+                fraction_train=fraction_train,
+                fraction_evaluate=fraction_evaluate,
+            ),
+            integer(
+                candidate_factor,
+                "candidate-factor P",
+                minimum=1,
+                says=">= 1 (the values round asks for P·k coordinates)",
+            ),
+            unit_interval(momentum, "step-momentum", says="in [0, 1) (Sketched-SGD's momentum m)"),
+            eta_problem(eta),
+        ]
 
     def summary(self) -> None:
         """Log the configuration."""

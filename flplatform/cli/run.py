@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -17,6 +17,7 @@ from rich.markup import escape
 from flplatform.cli.errors import handles_errors
 from flplatform.cli.history import rounds as show_rounds
 from flplatform.cli.history import sites as show_sites
+from flplatform.cli.options import table_options
 from flplatform.cli.progress import display_url, round_progress
 from flplatform.cli.render import OutputFormat, make_console
 from flplatform.cli.simulate import site_names
@@ -28,6 +29,19 @@ console = make_console()
 
 
 @handles_errors
+@table_options(
+    only=("rounds", "network", "sync", "k", "seed", "max_failed_rounds", "strategy", "model"),
+    optional=True,
+    helps={
+        "rounds": "Server rounds (the app's num-server-rounds and start's num_rounds).",
+        "k": "K of the K synchrony modes.",
+        "seed": "Seed of the platform's random choices.",
+        "strategy": "Sets the app's `strategy` key (flplatform's ServerApp: the algorithm).",
+        "model": "Sets the app's `model` key: mlp, cnn, wide-mlp, or MODULE:FACTORY (a "
+        "zero-argument callable returning an nn.Module, importable from the app "
+        "directory or the Python path).",
+    },
+)
 def run(
     app_dir: Annotated[
         Path,
@@ -43,42 +57,9 @@ def run(
             "(default: the app's `sites` key, else 2)."
         ),
     ] = None,
-    rounds: Annotated[
-        int | None,
-        typer.Option(help="Server rounds (the app's num-server-rounds and start's num_rounds)."),
-    ] = None,
-    network: Annotated[
-        str | None,
-        typer.Option(
-            help="Simulate a network: world, datacenter, mobile-4g, mobile-5g, or a .toml "
-            "profile file."
-        ),
-    ] = None,
-    sync: Annotated[
-        str | None,
-        typer.Option(help="sync, k-sync, k-batch-sync, async, k-async, k-batch-async or buffered."),
-    ] = None,
-    k: Annotated[int | None, typer.Option("--k", help="K of the K synchrony modes.")] = None,
-    seed: Annotated[int | None, typer.Option(help="Seed of the platform's random choices.")] = None,
     db: Annotated[
         str | None,
         typer.Option(help="SQLAlchemy URL of the ledger (default: the SQLite ledger)."),
-    ] = None,
-    max_failed_rounds: Annotated[
-        int | None,
-        typer.Option(help="Stop after this many rounds in a row failing alike (0: never)."),
-    ] = None,
-    strategy: Annotated[
-        str | None,
-        typer.Option(help="Sets the app's `strategy` key (flplatform's ServerApp: the algorithm)."),
-    ] = None,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            help="Sets the app's `model` key: mlp, cnn, wide-mlp, or MODULE:FACTORY (a "
-            "zero-argument callable returning an nn.Module, importable from the app "
-            "directory or the Python path)."
-        ),
     ] = None,
     run_config: Annotated[
         list[str] | None,
@@ -89,20 +70,14 @@ def run(
             "declared in the app's pyproject.toml.",
         ),
     ] = None,
+    **options: Any,
 ) -> None:
     """Run your own Flower app directory in a local simulation, with the platform's options."""
     app = read_app(app_dir)
     given = PlatformOptions(
         sites=site_names(sites) if sites is not None else None,
-        rounds=rounds,
-        network=network,
-        sync=sync,
-        k=k,
-        seed=seed,
         db=db,
-        max_failed_rounds=max_failed_rounds,
-        strategy=strategy,
-        model=model,
+        **options,
         run_config=tuple(run_config or ()),
     )
     plan = plan_run(app, given, tag=uuid.uuid4().hex)

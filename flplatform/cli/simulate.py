@@ -13,9 +13,11 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from clients.catalog import BUILTIN_DATASETS, MODELS
 from flplatform.cli.errors import handles_errors
 from flplatform.cli.history import rounds as show_rounds
 from flplatform.cli.history import sites as show_sites
+from flplatform.cli.options import config_values, table_options
 from flplatform.cli.progress import display_url, failure_suffix, round_progress
 from flplatform.cli.render import OutputFormat, human_bytes, make_console
 from flplatform.comparison import (
@@ -27,7 +29,7 @@ from flplatform.comparison import (
     read_results,
     run_comparison,
 )
-from flplatform.config import BUILTIN_DATASETS, DEFAULT_SITES, SKETCHED, RunConfig
+from flplatform.config import DEFAULT_SITES, SKETCHED, RunConfig
 from flplatform.errors import ConfigError
 from flplatform.simulation import check_ledger, ledger_url, run_simulation, work_home
 from storage import LedgerRepository, RoundRecord, RunRecord, UpdateRecord
@@ -83,10 +85,6 @@ def run_and_follow(config: RunConfig) -> RunRecord:
 
 
 # ================================================================ commands
-Strategy = Annotated[
-    str,
-    typer.Option(help="local-sgd (fedavg, fedavgm), delayed (dts, dga), fetchsgd or sketched-sgd."),
-]
 Sites = Annotated[
     str | None,
     typer.Option(help="Number of sites, or comma-separated names (default 4, or the split's)."),
@@ -94,170 +92,25 @@ Sites = Annotated[
 
 
 @handles_errors
+@table_options()
 def simulate(
-    strategy: Strategy = "local-sgd",
     sites: Sites = None,
-    rounds: Annotated[int, typer.Option(help="Server rounds.")] = 20,
-    local_steps: Annotated[
-        int, typer.Option(help="H local SGD steps per round (0: use epochs).")
-    ] = 0,
-    local_epochs: Annotated[int, typer.Option(help="E local epochs per round.")] = 2,
-    batch_size: Annotated[int, typer.Option(help="Site mini-batch size.")] = 32,
-    lr: Annotated[float, typer.Option(help="Site learning rate.")] = 0.1,
-    momentum: Annotated[float, typer.Option(help="Site SGD momentum, reset each round.")] = 0.9,
-    server_lr: Annotated[float, typer.Option(help="Server learning rate η.")] = 1.0,
-    server_momentum: Annotated[
-        float,
-        typer.Option(
-            help="Server momentum β (FedAvgM); FetchSGD's sketch momentum ρ; Sketched-SGD's "
-            "step momentum m (kept at the sites)."
-        ),
-    ] = 0.0,
-    dataset: Annotated[
-        str, typer.Option(help="digits, mnist5k, fashion-mnist, or a .npz path.")
-    ] = "digits",
-    partition: Annotated[
-        str, typer.Option(help="iid, dirichlet, or files (dataset = a `data split` directory).")
-    ] = "dirichlet",
-    alpha: Annotated[float, typer.Option(help="Dirichlet α (> 0; smaller is more skewed).")] = 0.5,
-    model: Annotated[
-        str,
-        typer.Option(
-            help="mlp, cnn, wide-mlp (509k parameters), or MODULE:FACTORY: a zero-argument "
-            "callable returning your nn.Module, importable from here or the Python path."
-        ),
-    ] = "mlp",
-    seed: Annotated[int, typer.Option(help="Seed of every random choice.")] = 0,
-    fraction_train: Annotated[float, typer.Option(help="Fraction of sites per round.")] = 1.0,
-    fraction_evaluate: Annotated[
-        float, typer.Option(help="Fraction of sites evaluating each round.")
-    ] = 0.0,
-    round_timeout: Annotated[
-        float, typer.Option(help="Seconds a site may take per message.")
-    ] = 600.0,
-    max_failed_rounds: Annotated[
-        int,
-        typer.Option(
-            help="Stop the run after this many rounds in a row applied no update, every "
-            "reply failing for the same reason (0: never stop)."
-        ),
-    ] = 3,
-    sync: Annotated[
-        str,
-        typer.Option(help="sync, k-sync, k-batch-sync, async, k-async, k-batch-async or buffered."),
-    ] = "sync",
-    k: Annotated[
-        int,
-        typer.Option(
-            "--k", help="K of the K modes; for fetchsgd/sketched-sgd, coordinates per step."
-        ),
-    ] = 2,
-    staleness_bound: Annotated[
-        int, typer.Option(help="Async modes: most versions an update may lag (-1: none).")
-    ] = -1,
-    staleness_weighting: Annotated[
-        str, typer.Option(help="Async modes: none, sqrt (1/√(1+s)) or step (Dutta et al.).")
-    ] = "",
-    staleness_step_c: Annotated[
-        float, typer.Option(help="C of the staleness-dependent step size.")
-    ] = 1.0,
-    adasync: Annotated[bool, typer.Option(help="Grow K as the training loss falls.")] = False,
-    concurrency: Annotated[
-        int, typer.Option(help="Async modes: most sites training at once (0: all).")
-    ] = 0,
-    network: Annotated[
-        str,
-        typer.Option(
-            help="Simulate a network: world, datacenter, mobile-4g, mobile-5g, or a .toml "
-            "profile file (empty: real time)."
-        ),
-    ] = "",
-    compute_model: Annotated[
-        str,
-        typer.Option(
-            help="Override the sites' compute model: fixed, exponential, "
-            "shifted-exponential, pareto, measured."
-        ),
-    ] = "",
-    step_seconds: Annotated[
-        float, typer.Option(help="Override the mean compute seconds per local step.")
-    ] = 0.0,
-    delay: Annotated[
-        int, typer.Option(help="Delayed: D, rounds until a period's average reaches a site.")
-    ] = 2,
-    period: Annotated[
-        int, typer.Option(help="Delayed: p local steps per message (0: use --local-steps).")
-    ] = 0,
-    compensation: Annotated[
-        bool,
-        typer.Option(
-            help="Delayed: swap each site's stale steps for the averages (ablation: off)."
-        ),
-    ] = True,
-    codec: Annotated[
-        str,
-        typer.Option(
-            help="Local-SGD: compress uploads with error feedback: none, int8, "
-            "topk:<k> or topk:<fraction>."
-        ),
-    ] = "none",
-    sketch_rows: Annotated[int, typer.Option(help="Sketches: rows r (odd).")] = 5,
-    sketch_cols: Annotated[int, typer.Option(help="Sketches: columns c (0: 5·k).")] = 0,
-    sketch_removal: Annotated[
-        str, typer.Option(help="FetchSGD: remove applied steps by 'zero' or 'subtract'.")
-    ] = "zero",
-    candidate_factor: Annotated[
-        int,
-        typer.Option(help="Sketched-SGD: P; the second round asks the sites for P·k values."),
-    ] = 2,
     db: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the ledger.")] = None,
+    **options: Any,
 ) -> None:
     """Run a simulated federation and record every round in the ledger."""
+    values = config_values(options)
+    dataset, partition = values["dataset"], values["partition"]
     if dataset.endswith(".npz") or (partition == "files" and dataset not in BUILTIN_DATASETS):
-        dataset = str(Path(dataset).expanduser().resolve())  # the ServerApp runs elsewhere
-    network = _network_spec(network)
-    config = RunConfig.from_mapping(
-        {
-            "strategy": strategy,
-            "sites": site_names(sites) if sites else _default_sites(partition, dataset),
-            "num-server-rounds": rounds,
-            "local-steps": local_steps,
-            "local-epochs": 0 if local_steps > 0 else local_epochs,
-            "batch-size": batch_size,
-            "lr": lr,
-            "momentum": momentum,
-            "server-lr": server_lr,
-            "server-momentum": server_momentum,
-            "dataset": dataset,
-            "partition": partition,
-            "alpha": alpha,
-            "model": model,
-            "seed": seed,
-            "fraction-train": fraction_train,
-            "fraction-evaluate": fraction_evaluate,
-            "round-timeout": round_timeout,
-            "max-failed-rounds": max_failed_rounds,
-            "sync": sync,
-            "k": k,
-            "staleness-bound": staleness_bound,
-            "staleness-weighting": staleness_weighting,
-            "staleness-step-c": staleness_step_c,
-            "adasync": adasync,
-            "concurrency": concurrency,
-            "network": network,
-            "compute-model": compute_model,
-            "step-seconds": step_seconds,
-            "delay": delay,
-            "period": period,
-            "compensation": compensation,
-            "codec": codec,
-            "sketch-rows": sketch_rows,
-            "sketch-cols": sketch_cols,
-            "sketch-removal": sketch_removal,
-            "candidate-factor": candidate_factor,
-            "db": db or "",
-        }
-    )
+        values["dataset"] = str(
+            Path(dataset).expanduser().resolve()
+        )  # the ServerApp runs elsewhere
+    values["network"] = _network_spec(values["network"])
+    if values["local-steps"] > 0:
+        values["local-epochs"] = 0
+    values["sites"] = site_names(sites) if sites else _default_sites(partition, dataset)
+    values["db"] = db or ""
+    config = RunConfig.from_mapping(values)
     _check_dataset(config)
     check_ledger(config)
     run_and_follow(config)
@@ -308,7 +161,7 @@ def _check_dataset(config: RunConfig) -> None:
 
 def check_top_k(config: RunConfig, *, input_shape: tuple[int, ...], num_classes: int) -> None:
     """A sketched strategy's k against the model's size, now rather than in the ServerApp."""
-    from clients.models import MODELS, build_model, count_parameters
+    from clients.models import build_model, count_parameters
 
     def size_of(name: str) -> int:
         return count_parameters(

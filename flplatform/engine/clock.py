@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from flplatform import keys
+from flplatform.checks import positive_count
 from flplatform.network import Network, SiteProfile, compute_seconds
 from flplatform.seeding import rng_for
 
@@ -322,17 +323,12 @@ def planned_steps(config: Mapping[str, Any], num_examples: int | None) -> int:
     """
     if config.get(keys.LOCAL_STEPS) == 0 and config.get(keys.LOCAL_EPOCHS) == 0:
         return 0
-    steps = _positive(config.get(keys.LOCAL_STEPS))
+    steps = positive_count(config.get(keys.LOCAL_STEPS))
     if steps:
         return steps
-    epochs = _positive(config.get(keys.LOCAL_EPOCHS))
-    batch = _positive(config.get(keys.BATCH_SIZE))
+    epochs = positive_count(config.get(keys.LOCAL_EPOCHS))
+    batch = positive_count(config.get(keys.BATCH_SIZE))
     if epochs and batch and num_examples:
         return epochs * max(1, math.ceil(num_examples / batch))
     return 1
 
-
-def _positive(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        return 0
-    return int(value) if math.isfinite(value) else 0

@@ -31,6 +31,38 @@ def test_every_flower_app_declares_every_config_key(app: str) -> None:
     assert sorted(app_config) == sorted(RunConfig().to_run_config())
 
 
+@pytest.mark.parametrize("app", [".", "examples/plain_flower_client"])
+def test_pyproject_app_config_is_written_from_the_options_table(app: str) -> None:
+    """Flower reads the static file: it must say what RunConfig's fields say (regenerate
+    with `python -m flplatform.app_config pyproject.toml examples/plain_flower_client/...`)."""
+    from flplatform.app_config import rewrite_app_config
+
+    path = ROOT / app / "pyproject.toml"
+    assert rewrite_app_config(path) == path.read_text()
+
+
+def test_every_problem_is_named_at_once() -> None:
+    with pytest.raises(ConfigError, match="^3 problems: ") as caught:
+        RunConfig.from_mapping({"lr": 0, "batch-size": 0, "alpha": -1})
+    for problem in ("lr must be > 0", "batch-size must be > 0", "alpha must be a finite number"):
+        assert problem in caught.value.reason
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"strategy": "fetchsgd", "server-momentum": 0.9}, "sketch-momentum"),
+        ({"strategy": "sketched-sgd", "server-momentum": 0.9}, "step-momentum"),
+        ({"sketch-momentum": 0.9}, "sketch-momentum shapes .* 'fetchsgd', not 'local-sgd'"),
+        ({"strategy": "fetchsgd", "step-momentum": 0.9}, "step-momentum shapes"),
+        ({"strategy": "fetchsgd", "sketch-momentum": 1.0}, r"sketch-momentum must be in \[0, 1\)"),
+    ],
+)
+def test_each_strategy_names_its_own_momentum(values: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        RunConfig.from_mapping(values)
+
+
 def test_round_trip_through_run_config() -> None:
     config = RunConfig.from_mapping({"sites": "a,b,c", "alpha": 0.1, "local-steps": 5})
     assert config.sites == ("a", "b", "c")

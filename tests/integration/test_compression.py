@@ -16,7 +16,7 @@ runner = CliRunner()
 
 def test_fetchsgd_uploads_sketches_and_downloads_changes(tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path / 'ledger.db'}"
-    args = ["simulate", "--strategy", "fetchsgd", "--k", "500", "--server-momentum", "0.9"]
+    args = ["simulate", "--strategy", "fetchsgd", "--k", "500", "--sketch-momentum", "0.9"]
     args += ["--rounds", "5", "--local-steps", "10", "--fraction-train", "0.5", "--db", db]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
@@ -53,7 +53,7 @@ def test_local_sgd_with_top_k_uploads(tmp_path: Path) -> None:
 
 def test_sketched_sgd_takes_two_rounds_per_step_on_a_simulated_network(tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path / 'ledger.db'}"
-    args = ["simulate", "--strategy", "sketched-sgd", "--k", "500", "--server-momentum", "0.9"]
+    args = ["simulate", "--strategy", "sketched-sgd", "--k", "500", "--step-momentum", "0.9"]
     args += ["--rounds", "8", "--local-steps", "10", "--network", "world", "--db", db]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output

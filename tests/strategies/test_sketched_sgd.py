@@ -310,9 +310,9 @@ def test_a_site_refuses_values_for_a_sketch_it_did_not_send() -> None:
 
 def test_sketched_sgd_settings_are_checked() -> None:
     config = RunConfig.from_mapping(
-        {"strategy": "sketched-sgd", "k": 500, "candidate-factor": 3, "server-momentum": 0.9}
+        {"strategy": "sketched-sgd", "k": 500, "candidate-factor": 3, "step-momentum": 0.9}
     )
-    assert (config.k, config.candidate_factor, config.server_momentum) == (500, 3, 0.9)
+    assert (config.k, config.candidate_factor, config.step_momentum) == (500, 3, 0.9)
     with pytest.raises(ConfigError, match="candidate-factor P must be >= 1"):
         RunConfig.from_mapping({"strategy": "sketched-sgd", "candidate-factor": 0})
     with pytest.raises(ConfigError, match="'sketched-sgd' runs with sync mode 'sync' only"):
