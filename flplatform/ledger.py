@@ -1,7 +1,7 @@
 """The engine's ``LedgerSink`` backed by the SQL repository of ``storage``.
 
-The only module where the engine's events meet storage's rows, so that neither package
-imports the other.
+The only module that imports both the engine and ``storage``. The engine's outcomes are the
+ledger's rows (``flplatform.ledger_rows``); here they become storage's validated inputs.
 """
 
 from __future__ import annotations

@@ -1,14 +1,17 @@
 """The ledger: every run, round, site update and evaluation, in any SQLAlchemy database.
 
-``LedgerRepository`` is the only way the platform touches the database; it returns the frozen
-records defined in ``storage.records``. This package imports neither Flower nor torch:
-strategies and the engine receive a repository (or something shaped like it) and never import
-``storage`` themselves.
+``LedgerRepository`` is the only way the platform touches the database; it takes the rows
+declared in ``flplatform.ledger_rows`` and returns the frozen records of ``storage.records``.
+This package imports neither Flower nor torch, and the engine never imports it: it writes
+through a ``LedgerSink`` (``flplatform.ledger.SqlLedger`` adapts this repository).
+
+Modules: ``repository`` (the repository), ``records`` (what it takes and returns),
+``validators`` (every check on what it takes), ``mapping`` (rows in, records out),
+``summaries`` (per-site totals), ``models`` (the SQL tables), ``migrations`` (their history),
+``session`` (URLs, engines and transactions).
 """
 
-from .records import (
-    CLOCK_VIRTUAL,
-    CLOCK_WALL,
+from flplatform.ledger_rows import (
     EVALUATION_DROPPED,
     EVALUATION_EVALUATED,
     EVALUATION_STATUSES,
@@ -22,18 +25,23 @@ from .records import (
     UPDATE_DROPPED,
     UPDATE_REJECTED,
     UPDATE_STATUSES,
-    EvaluationInput,
-    EvaluationRecord,
     EvaluationStatus,
     FinalRunStatus,
+    RunStatus,
+    UpdateStatus,
+)
+
+from .records import (
+    CLOCK_VIRTUAL,
+    CLOCK_WALL,
+    EvaluationInput,
+    EvaluationRecord,
     RoundRecord,
     RunRecord,
-    RunStatus,
     SiteRecord,
     SiteSummary,
     UpdateInput,
     UpdateRecord,
-    UpdateStatus,
     WaitingClock,
 )
 from .repository import LedgerRepository

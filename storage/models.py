@@ -11,6 +11,10 @@ something to ``create_all`` from.
 
 Every constraint and index is named through ``NAMING_CONVENTION`` so later migrations can
 drop or alter them by name on every backend (SQLite's batch mode needs the names).
+
+The ``updates`` and ``evaluations`` tables are made from the rows declared in
+``flplatform.ledger_rows``: each column's SQL type follows from its ``Kind`` and its
+nullability from its default, and a status column gets its check constraint.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from sqlalchemy import (
     JSON,
     BigInteger,
     CheckConstraint,
+    Column,
     DateTime,
     Dialect,
     Double,
@@ -30,13 +35,22 @@ from sqlalchemy import (
     Integer,
     MetaData,
     String,
+    Table,
     Text,
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
-from sqlalchemy.types import TypeDecorator
+from sqlalchemy.sql.schema import SchemaItem
+from sqlalchemy.types import TypeDecorator, TypeEngine
 
-from .records import EVALUATION_STATUSES, RUN_STATUSES, UPDATE_STATUSES
+from flplatform.ledger_rows import (
+    RUN_STATUSES,
+    EvaluationColumns,
+    Kind,
+    UpdateColumns,
+    columns,
+    nullable,
+)
 
 NAMING_CONVENTION: dict[str, str] = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -189,71 +203,75 @@ class Round(Base):
     virtual_finished_at: Mapped[float | None] = mapped_column(Double)
 
 
-class Update(Base):
-    """One site update, recorded at the server step (``round``) that handled it."""
+def _row_table(name: str, row: type, *constraints: SchemaItem) -> Table:
+    """The table of a ledger row: an id, its run, its site, the server step, then its columns.
 
-    __tablename__ = "updates"
-    __table_args__ = (
-        CheckConstraint(_in_clause("status", UPDATE_STATUSES), name="status"),
+    The row's ``site`` (a name) is stored as ``site_id``; every other column is declared in
+    ``row`` and typed by its kind.
+    """
+    declared = columns(row)
+    return Table(
+        name,
+        metadata,
+        Column("id", Integer, primary_key=True, autoincrement=True),
+        Column("run_id", ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+        Column("site_id", ForeignKey("sites.id", ondelete="CASCADE"), nullable=False),
+        Column("round", Integer, nullable=False),
+        *(
+            Column(spec.name, _SQL_TYPES[facts.kind], nullable=nullable(spec))
+            for spec, facts in declared
+            if facts.kind is not Kind.SITE
+        ),
+        *(
+            CheckConstraint(_in_clause(spec.name, facts.allowed), name=spec.name)
+            for spec, facts in declared
+            if facts.kind is Kind.STATUS
+        ),
+        *constraints,
+    )
+
+
+# The SQL type of each kind of row column (see ``flplatform.ledger_rows.Kind``).
+_SQL_TYPES: dict[Kind, TypeEngine[Any]] = {
+    Kind.STATUS: String(STATUS_LENGTH),
+    Kind.COUNT32: Integer(),
+    Kind.COUNT64: BigInteger(),
+    Kind.WALL_TIME: UTCDateTime(),
+    Kind.SECONDS: Double(),
+    Kind.DURATION: Double(),
+    Kind.MEASURE: Double(),
+    Kind.TEXT: Text(),
+}
+
+
+class Update(Base):
+    """One site update (``ledger_rows.UpdateColumns``), recorded at the server step
+    (``round``) that handled it.
+
+    Migration 0003 added the simulated-clock columns, 0004 those of delayed updates.
+    """
+
+    __table__ = _row_table(
+        "updates",
+        UpdateColumns,
         # (run_id, round) serves list_updates by round; site_id serves the per-site summary
         # and the cascade from sites.
         Index(None, "run_id", "round"),
         Index(None, "site_id"),
     )
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    site_id: Mapped[int] = mapped_column(ForeignKey("sites.id", ondelete="CASCADE"))
-    round: Mapped[int] = mapped_column(Integer)
-    dispatched_round: Mapped[int] = mapped_column(Integer)
-    version_trained_on: Mapped[int] = mapped_column(Integer)
-    staleness: Mapped[int] = mapped_column(Integer)
-    bytes_up: Mapped[int] = mapped_column(BigInteger)
-    bytes_down: Mapped[int] = mapped_column(BigInteger)
-    compute_seconds: Mapped[float | None] = mapped_column(Double)
-    status: Mapped[str] = mapped_column(String(STATUS_LENGTH))
-    reason: Mapped[str | None] = mapped_column(Text)
-    num_examples: Mapped[int | None] = mapped_column(BigInteger)
-    train_loss: Mapped[float | None] = mapped_column(Double)
-    dispatched_at: Mapped[datetime] = mapped_column(UTCDateTime)
-    arrived_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
-    # Migration 0003: the update on the simulated clock; transfer is download plus upload.
-    virtual_dispatched_at: Mapped[float | None] = mapped_column(Double)
-    virtual_arrived_at: Mapped[float | None] = mapped_column(Double)
-    virtual_compute_seconds: Mapped[float | None] = mapped_column(Double)
-    transfer_seconds: Mapped[float | None] = mapped_column(Double)
-    # Migration 0004: delayed compensated updates (NULL for every other strategy): the period
-    # the update was sent for, the global average the site had applied, and how old that was.
-    period: Mapped[int | None] = mapped_column(Integer)
-    average_applied: Mapped[int | None] = mapped_column(Integer)
-    delay: Mapped[int | None] = mapped_column(Integer)
-
 
 class Evaluation(Base):
-    """One site's federated evaluation, recorded at the server step (``round``) that handled
-    it; a site is evaluated at most once per step (added by migration 0002)."""
+    """One site's federated evaluation (``ledger_rows.EvaluationColumns``), recorded at the
+    server step (``round``) that handled it; a site is evaluated at most once per step
+    (added by migration 0002)."""
 
-    __tablename__ = "evaluations"
-    __table_args__ = (
-        CheckConstraint(_in_clause("status", EVALUATION_STATUSES), name="status"),
+    __table__ = _row_table(
+        "evaluations",
+        EvaluationColumns,
         UniqueConstraint("run_id", "round", "site_id"),
         # (run_id, round) serves list_evaluations and the per-round sums; site_id serves the
         # per-site summary and the cascade from sites.
         Index(None, "run_id", "round"),
         Index(None, "site_id"),
     )
-
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
-    site_id: Mapped[int] = mapped_column(ForeignKey("sites.id", ondelete="CASCADE"))
-    round: Mapped[int] = mapped_column(Integer)
-    model_version: Mapped[int] = mapped_column(Integer)
-    bytes_up: Mapped[int] = mapped_column(BigInteger)
-    bytes_down: Mapped[int] = mapped_column(BigInteger)
-    status: Mapped[str] = mapped_column(String(STATUS_LENGTH))
-    reason: Mapped[str | None] = mapped_column(Text)
-    num_examples: Mapped[int | None] = mapped_column(BigInteger)
-    loss: Mapped[float | None] = mapped_column(Double)
-    accuracy: Mapped[float | None] = mapped_column(Double)
-    dispatched_at: Mapped[datetime] = mapped_column(UTCDateTime)
-    arrived_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

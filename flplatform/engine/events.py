@@ -1,7 +1,10 @@
-"""What the engine records about each message, and the ledger interface it writes to.
+"""What the engine reports about sites, messages and rounds, and the ledger it writes to.
 
-The engine writes through ``LedgerSink``, an interface it is given; it never imports
-``storage``. The composition root (``flplatform.server_app``) adapts the SQL repository.
+A training message's fate is an ``UpdateOutcome`` and an evaluation's an
+``EvaluationOutcome``: the ledger's own rows (``flplatform.ledger_rows``), so their columns
+are declared once for the engine and the ledger alike. The engine writes through
+``LedgerSink``, an interface it is given, and never imports ``storage``;
+``flplatform.ledger.SqlLedger`` is the sink backed by the SQL repository.
 """
 
 from __future__ import annotations
@@ -11,13 +14,29 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from flplatform.engine.clock import Schedule
+from flplatform.ledger_rows import (
+    EVALUATION_EVALUATED,
+    UPDATE_APPLIED,
+    UPDATE_BUFFERED,
+    UPDATE_CANCELLED,
+    UPDATE_DROPPED,
+    UPDATE_REJECTED,
+    EvaluationRow,
+    UpdateRow,
+)
 
-APPLIED = "applied"
-BUFFERED = "buffered"
-CANCELLED = "cancelled"
-DROPPED = "dropped"
-REJECTED = "rejected"
-EVALUATED = "evaluated"  # an evaluation message answered with metrics
+# The statuses of ledger rows; DROPPED is also an evaluation's when no usable reply came.
+APPLIED = UPDATE_APPLIED
+BUFFERED = UPDATE_BUFFERED
+CANCELLED = UPDATE_CANCELLED
+DROPPED = UPDATE_DROPPED
+REJECTED = UPDATE_REJECTED
+EVALUATED = EVALUATION_EVALUATED  # an evaluation message answered with metrics
+
+# What became of one dispatched training message: one ledger row (see ``UpdateColumns``).
+UpdateOutcome = UpdateRow
+# One federated-evaluation message and its reply: one ledger row (see ``EvaluationColumns``).
+EvaluationOutcome = EvaluationRow
 
 
 @dataclass(frozen=True)
@@ -48,52 +67,6 @@ class Dispatch:
     period: int = 0
     # the clock's plan for this message: clock time of dispatch, earliest arrival, ...
     schedule: Schedule = field(default_factory=lambda: Schedule(dispatched_at=math.nan))
-
-
-@dataclass(frozen=True)
-class UpdateOutcome:
-    """What became of one dispatched training message: one ledger row."""
-
-    site: str
-    dispatched_round: int
-    version_trained_on: int
-    staleness: int
-    bytes_up: int
-    bytes_down: int
-    status: str
-    dispatched_at: float
-    arrived_at: float | None = None
-    compute_seconds: float | None = None
-    reason: str | None = None
-    num_examples: int | None = None
-    train_loss: float | None = None
-    # Simulated times (seconds since the run's simulated start); None on the wall clock.
-    virtual_dispatched_at: float | None = None
-    virtual_arrived_at: float | None = None
-    virtual_compute_seconds: float | None = None
-    transfer_seconds: float | None = None  # simulated download + upload
-    # Delayed updates only (None otherwise): the round whose average this update is for,
-    # the latest average the site had swapped into its model, and how old that was.
-    period: int | None = None
-    average_applied: int | None = None
-    delay: int | None = None
-
-
-@dataclass(frozen=True)
-class EvaluationOutcome:
-    """One federated-evaluation message and its reply: one ledger row."""
-
-    site: str
-    model_version: int
-    bytes_up: int
-    bytes_down: int
-    status: str  # EVALUATED or DROPPED
-    dispatched_at: float
-    arrived_at: float | None = None
-    reason: str | None = None
-    num_examples: int | None = None
-    loss: float | None = None
-    accuracy: float | None = None
 
 
 @dataclass(frozen=True)

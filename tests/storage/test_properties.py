@@ -16,7 +16,7 @@ from storage import (
     LedgerRepository,
     UpdateInput,
 )
-from storage.repository import nearest_rank_p90, waiting_and_busy
+from storage.summaries import nearest_rank_p90, waiting_and_busy
 from tests.storage.helpers import (
     T0,
     assert_summary_matches,
