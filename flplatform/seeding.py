@@ -1,9 +1,9 @@
 """Randomness as a function of (seed, round, site).
 
 Every random choice (site sampling, data order, partitions, simulated delays, sketch
-hashes, stochastic rounding) draws from a generator derived from the run's seed and the coordinates of
-the choice, never from global state. The same seed gives the same run, and a resumed run
-continues the same sequence.
+hashes, stochastic rounding) draws from a generator derived from the run's seed and the
+coordinates of the choice, never from global state. The same seed gives the same run, and
+a resumed run continues the same sequence.
 """
 
 from __future__ import annotations
