@@ -16,14 +16,13 @@ from typing import Any
 from flplatform.engine.synchrony import (
     BATCH_MODES,
     SYNC_MODES,
-    require_sync,
     synchrony_problems,
 )
 from flplatform.errors import ConfigError
 from flplatform.network import Network, load_network
 from strategies.codecs import make_codec
 from strategies.delayed import SYNC_ONLY as DELAYED_SYNC_ONLY
-from strategies.sketched_common import SYNC_ONLY as SKETCHED_SYNC_ONLY
+from strategies.sketched_common import sync_only as sketched_sync_only
 
 # Names users know from Flower and the literature, all the same algorithm here.
 STRATEGY_ALIASES = {
@@ -264,7 +263,7 @@ class RunConfig:
                 )
         if self.strategy not in SKETCHED:
             return
-        require_sync(self.sync, f"strategy '{self.strategy}'", SKETCHED_SYNC_ONLY)
+        sketched_sync_only(self.strategy).check(self.sync)
         if self.k < 1:
             raise ConfigError(f"k (coordinates applied per step) must be >= 1, got {self.k}")
         if self.sketch_rows < 1 or self.sketch_rows % 2 == 0:
@@ -297,7 +296,7 @@ class RunConfig:
             raise ConfigError(
                 f"period must be >= 0 local steps (0: use local-steps), got {self.period}"
             )
-        require_sync(self.sync, "strategy 'delayed'", DELAYED_SYNC_ONLY)
+        DELAYED_SYNC_ONLY.check(self.sync)
         if self.server_momentum != 0.0:
             raise ConfigError(
                 "strategy 'delayed' applies each average with server-lr and no server "
