@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 from clients.catalog import BUILTIN_DATASETS, MODELS
 from flplatform.checks import Problem, integer, number, one_of, positive, unit_interval
-from flplatform.engine.synchrony import BATCH_MODES, SYNC_MODES, require_sync, synchrony_problems
+from flplatform.engine.synchrony import BATCH_MODES, SYNC_MODES, synchrony_problems
 from flplatform.errors import ConfigError
 from strategies.codecs import make_codec
 from strategies.delayed import SYNC_ONLY as DELAYED_SYNC_ONLY
 from strategies.delayed import DelayedCompensated
 from strategies.fetchsgd import FetchSGD
 from strategies.local_sgd import LocalSGDAveraging
-from strategies.sketched_common import SYNC_ONLY as SKETCHED_SYNC_ONLY
+from strategies.sketched_common import sync_only as sketched_sync_only
 from strategies.sketched_sgd import SketchedSGD
 
 if TYPE_CHECKING:
@@ -166,13 +166,10 @@ def _misused(config: RunConfig) -> list[Problem]:
 def _strategy_problems(config: RunConfig) -> list[Problem]:
     """The strategy's own knobs, asked of the strategy, and what the edge adds to them."""
     problems: list[Problem] = []
-    try:
-        if config.strategy in SKETCHED:
-            require_sync(config.sync, f"strategy '{config.strategy}'", SKETCHED_SYNC_ONLY)
-        elif config.strategy == DELAYED:
-            require_sync(config.sync, "strategy 'delayed'", DELAYED_SYNC_ONLY)
-    except ConfigError as exc:
-        problems.append(exc.reason)
+    if config.strategy in SKETCHED:
+        problems.append(sketched_sync_only(config.strategy).problem(config.sync))
+    elif config.strategy == DELAYED:
+        problems.append(DELAYED_SYNC_ONLY.problem(config.sync))
     if config.strategy == DELAYED:
         problems += DelayedCompensated.knob_problems(
             delay=config.delay,

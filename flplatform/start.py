@@ -9,10 +9,10 @@ ledger="default")`` instead and gets, on top of Flower's ``Result``:
 * the ledger: the run's row is written first, each round is committed as it finishes, and
   the run is marked finished, or failed with the reason, at the end.
 
-Any strategy runs: flplatform's own (they have the engine's streaming hooks) as they are,
+Any strategy runs: flplatform's own (each an ``EngineStrategy``) as they are,
 Flower's own (FedAvg, FedProx, FedAdam, ...) wrapped in
-``strategies.flower_adapter.FlowerStrategyAdapter``, fully synchronously. A strategy may
-choose its policy itself (``engine_policy``, see ``EngineStrategy``).
+``strategies.flower_adapter.FlowerStrategyAdapter``, fully synchronously. A strategy
+chooses the policy it runs the requested mode with (``EngineStrategy.engine_policy``).
 
 Command-line overrides: ``flplatform run APP_DIR --network world --sync k-async`` hands its
 options to the ServerApp process in the environment variable ``FLPLATFORM_OPTIONS``, a JSON
@@ -66,7 +66,7 @@ log = logging.getLogger("flplatform")
 OPTIONS_ENV = "FLPLATFORM_OPTIONS"
 # ``ledger`` values that name the default SQLite ledger ($FLPLATFORM_HOME/ledger.db).
 DEFAULT_LEDGER = ("", "default")
-# The engine's hooks that make a strategy run under it as it is (others are wrapped).
+# The engine's hooks a strategy of its own has (Flower's strategies lack them, and are wrapped).
 STREAMING_HOOKS = ("begin_aggregation", "accumulate", "finish_aggregation")
 
 
@@ -279,7 +279,7 @@ def start(
 
 # ============================================================ strategies
 def as_engine_strategy(strategy: object) -> EngineStrategy:
-    """``strategy`` itself if it has the engine's streaming hooks, else Flower's wrapped.
+    """``strategy`` itself if it is an ``EngineStrategy``, else Flower's wrapped.
 
     Parameters
     ----------
@@ -294,10 +294,16 @@ def as_engine_strategy(strategy: object) -> EngineStrategy:
     Raises
     ------
     ConfigError
-        If ``strategy`` is neither.
+        If ``strategy`` is neither, or has the streaming hooks but not the rest of
+        ``EngineStrategy`` (subclass it to inherit the defaults).
     """
+    if isinstance(strategy, EngineStrategy):
+        return strategy
     if all(callable(getattr(strategy, hook, None)) for hook in STREAMING_HOOKS):
-        return strategy  # type: ignore[return-value]
+        raise ConfigError(
+            f"{type(strategy).__name__} has the engine's streaming hooks but not the rest of "
+            "flplatform.engine.EngineStrategy: subclass it to inherit the defaults"
+        )
     if isinstance(strategy, Strategy):
         # Imported here: the adapter imports strategies.local_sgd, which imports this module.
         from strategies.flower_adapter import FlowerStrategyAdapter
@@ -309,9 +315,9 @@ def as_engine_strategy(strategy: object) -> EngineStrategy:
     )
 
 
-def strategy_name(strategy: object) -> str:
-    """The strategy's name in the ledger: its ``ledger_name`` if it has one, else its class."""
-    named = getattr(strategy, "ledger_name", None)
+def strategy_name(strategy: EngineStrategy) -> str:
+    """The strategy's name in the ledger: its ``ledger_name``, else its class name."""
+    named = strategy.ledger_name
     return named if isinstance(named, str) and named else type(strategy).__name__
 
 
@@ -342,13 +348,13 @@ def record_failed_start(exc: BaseException, *, strategy: str, **options: Any) ->
         run.fail(exc)
 
 
-def choose_policy(strategy: object, options: PlatformOptions) -> AggregationPolicy:
+def choose_policy(strategy: EngineStrategy, options: PlatformOptions) -> AggregationPolicy:
     """The requested synchrony mode, or the policy the strategy picks for it.
 
     Parameters
     ----------
-    strategy : object
-        The strategy the engine drives; its optional ``engine_policy`` hook decides.
+    strategy : EngineStrategy
+        The strategy the engine drives; its ``engine_policy`` decides.
     options : PlatformOptions
         The mode and its options, the seed and the number of rounds.
 
@@ -372,11 +378,7 @@ def choose_policy(strategy: object, options: PlatformOptions) -> AggregationPoli
         concurrency=options.concurrency,
         seed=options.seed,
     )
-    choose = getattr(strategy, "engine_policy", None)  # optional hook (see EngineStrategy)
-    if choose is None:
-        return requested
-    policy: AggregationPolicy = choose(requested, num_rounds=options.num_rounds)
-    return policy
+    return strategy.engine_policy(requested, num_rounds=options.num_rounds)
 
 
 def _clock(options: PlatformOptions) -> Clock:
@@ -599,9 +601,7 @@ def _log_start(
         repr(policy) if isinstance(policy, Synchrony) else type(policy).__name__,
         f"network {network} (virtual clock)" if network else "wall clock",
     )
-    summary = getattr(strategy, "summary", None)
-    if callable(summary):
-        summary()
+    strategy.summary()
 
 
 def _round_reporter(

@@ -54,8 +54,15 @@ from flwr.serverapp.strategy import Result, Strategy
 from flplatform import keys
 from flplatform.arrays import arrays_to_record, record_to_arrays
 from flplatform.checks import Problem, integer, require
-from flplatform.engine import AggregationPolicy, Contribution, PeriodSync, Synchrony
-from flplatform.engine.synchrony import require_sync
+from flplatform.engine import (
+    AggregationPolicy,
+    Contribution,
+    EngineStrategy,
+    PeriodSync,
+    Synchrony,
+    SyncOnly,
+    Work,
+)
 from flplatform.errors import UpdateRejected
 from flplatform.start import start as platform_start
 from strategies.aggregation import (
@@ -78,11 +85,12 @@ from strategies.validation import check_arrays, check_num_examples
 log = logging.getLogger("flplatform.strategies.delayed")
 
 SITE_ALGORITHM = keys.DELAYED
-# Why other synchrony modes are refused (here and by the run configuration).
-SYNC_ONLY = (
+# The synchrony modes delayed updates run with (asked here and by the run configuration).
+SYNC_ONLY = SyncOnly(
+    "strategy 'delayed'",
     "every site's period-r update forms the round-r average and fast sites run up to delay "
     "rounds ahead instead of waiting; dropping or cancelling stragglers (k-sync, async "
-    "modes) would take updates out of the swap"
+    "modes) would take updates out of the swap",
 )
 
 
@@ -102,7 +110,7 @@ class DelayedState:
     losses: dict[int, tuple[float, float]] = field(default_factory=dict)  # Σ n·loss, Σ n
 
 
-class DelayedCompensated(Strategy):
+class DelayedCompensated(Strategy, EngineStrategy):
     """Delayed compensated updates as a Flower Message-API strategy, run by the engine.
 
     Parameters
@@ -148,6 +156,7 @@ class DelayedCompensated(Strategy):
         self.seed = seed
         self.codec: Codec = make_codec(codec)
         self._replied: dict[int, set[int]] = {}  # node → periods it sent a reply for
+        self._drafted: dict[int, Work] = {}  # node → the work of its last drafted message
         self.state = DelayedState(ledger=ServerLedger(delay))
         self._round = 0
         self._current: dict[str, np.ndarray] = {}
@@ -215,7 +224,14 @@ class DelayedCompensated(Strategy):
             )
             messages.append(Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN))
             ledger.sent(node_id, period)
+            # The model lacks the averages of rounds version + 1 … period − 1: D of them
+            # once the pipeline is full.
+            self._drafted[node_id] = Work(period, version, delay=max(0, period - 1 - version))
         return messages
+
+    def work_for(self, message: Message, *, server_round: int, model_version: int) -> Work:
+        """Period q and the model x_{q−1−D} of the message drafted for its site."""
+        return self._drafted.pop(message.metadata.dst_node_id)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -373,7 +389,7 @@ class DelayedCompensated(Strategy):
 
     def engine_policy(self, requested: Synchrony, *, num_rounds: int) -> AggregationPolicy:
         """``PeriodSync`` (sites working ahead) for ``num_rounds`` rounds; sync mode only."""
-        require_sync(requested.name, "strategy 'delayed'", SYNC_ONLY)
+        SYNC_ONLY.check(requested.name)
         self.num_rounds = num_rounds  # no site is given a period beyond the last
         return PeriodSync()
 

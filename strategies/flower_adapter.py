@@ -36,7 +36,7 @@ from flwr.serverapp.strategy.strategy_utils import validate_message_reply_consis
 
 from flplatform import keys
 from flplatform.arrays import record_to_arrays
-from flplatform.engine import AggregationPolicy, Contribution, Synchrony
+from flplatform.engine import AggregationPolicy, Contribution, EngineStrategy, Synchrony
 from flplatform.errors import ConfigError, RunFailed, UpdateRejected
 from strategies.local_sgd import first_number
 from strategies.validation import check_arrays, check_num_examples
@@ -44,7 +44,7 @@ from strategies.validation import check_arrays, check_num_examples
 log = logging.getLogger("flplatform.strategies.flower_adapter")
 
 
-class FlowerStrategyAdapter:
+class FlowerStrategyAdapter(EngineStrategy):
     """Run a Flower Message-API strategy through the engine's streaming hooks.
 
     Parameters

@@ -85,7 +85,7 @@ class LocalSGDState:
         self.optimizer.load_state_dict(state)
 
 
-class LocalSGDAveraging(Strategy):
+class LocalSGDAveraging(Strategy, EngineStrategy):
     """Local-SGD averaging as a Flower Message-API strategy, driven by the round engine.
 
     Parameters

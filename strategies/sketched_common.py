@@ -21,8 +21,7 @@ from flwr.serverapp.strategy import Result, Strategy
 from flplatform import keys
 from flplatform.arrays import record_to_arrays
 from flplatform.checks import Problem, integer, odd, require
-from flplatform.engine import AggregationPolicy, Contribution, Synchrony
-from flplatform.engine.synchrony import require_sync
+from flplatform.engine import AggregationPolicy, Contribution, EngineStrategy, Synchrony, SyncOnly
 from flplatform.errors import UpdateRejected
 from flplatform.seeding import derive_seed
 from flplatform.start import start as platform_start
@@ -31,14 +30,17 @@ from strategies.mods.fetchsgd import SKETCH
 from strategies.sketch_feedback import k_problem
 from strategies.sparse_sync import SparseModel
 
-# Why other synchrony modes are refused (here and by the run configuration).
-SYNC_ONLY = (
-    "each step merges the sketches of the sites it synced, and a stale sketch would be of "
-    "another model; sample sites with fraction-train instead"
-)
+
+def sync_only(site_algorithm: str) -> SyncOnly:
+    """The synchrony modes a sketched strategy runs with (asked here and by the run config)."""
+    return SyncOnly(
+        f"strategy '{site_algorithm}'",
+        "each step merges the sketches of the sites it synced, and a stale sketch would be of "
+        "another model; sample sites with fraction-train instead",
+    )
 
 
-class SketchedStrategy(Strategy):
+class SketchedStrategy(Strategy, EngineStrategy):
     """The parts of a sketched strategy that do not depend on its update rule.
 
     Parameters
@@ -192,7 +194,7 @@ class SketchedStrategy(Strategy):
 
     def engine_policy(self, requested: Synchrony, *, num_rounds: int) -> AggregationPolicy:
         """The requested policy, which must be sync mode ``sync``."""
-        require_sync(requested.name, f"strategy '{self.site_algorithm}'", SYNC_ONLY)
+        sync_only(self.site_algorithm).check(requested.name)
         return requested
 
     @property

@@ -1,12 +1,14 @@
-"""The round engine: dispatch, pull, order by clock, account for every byte."""
+"""The round engine: dispatch, pull, order by clock, account for every byte.
+
+``engine`` holds the round loop; ``strategy`` what it asks of a strategy, ``policy`` what it
+asks of a synchrony policy (``synchrony``: the modes); ``sites`` one state per site;
+``mailbox`` the messages in flight; ``discovery`` new sites; ``rows`` and ``events`` the
+ledger rows; ``evaluation`` federated evaluation; ``versions`` the model versions in use;
+``stop_rule`` when a run that keeps failing stops; ``clock`` wall or simulated time.
+"""
 
 from flplatform.engine.clock import Clock, Landing, Schedule, VirtualClock, WallClock
-from flplatform.engine.engine import (
-    Contribution,
-    EngineStrategy,
-    RoundEngine,
-    SubsetGrid,
-)
+from flplatform.engine.engine import RoundEngine
 from flplatform.engine.events import (
     APPLIED,
     BUFFERED,
@@ -23,7 +25,8 @@ from flplatform.engine.events import (
     UpdateOutcome,
 )
 from flplatform.engine.policy import AggregationPolicy, EngineView, Verdict
-from flplatform.engine.synchrony import SYNC_MODES, PeriodSync, Synchrony
+from flplatform.engine.strategy import Contribution, EngineStrategy, SubsetGrid, Work
+from flplatform.engine.synchrony import SYNC_MODES, PeriodSync, Synchrony, SyncOnly
 
 __all__ = [
     "APPLIED",
@@ -48,10 +51,12 @@ __all__ = [
     "PeriodSync",
     "Synchrony",
     "SYNC_MODES",
+    "SyncOnly",
     "Schedule",
     "Landing",
     "VirtualClock",
     "UpdateOutcome",
     "Verdict",
     "WallClock",
+    "Work",
 ]

@@ -65,6 +65,8 @@ class Dispatch:
     # the round whose aggregate this update is for: the round open at dispatch, except
     # under a pipelined policy (delayed updates), where a site may work ahead
     period: int = 0
+    # declared by the strategy with the period (``Work.delay``): the ledger's delay columns
+    delay: int | None = None
     # the clock's plan for this message: clock time of dispatch, earliest arrival, ...
     schedule: Schedule = field(default_factory=lambda: Schedule(dispatched_at=math.nan))
 

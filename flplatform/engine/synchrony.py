@@ -31,6 +31,7 @@ training loss falls, for any K mode.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from flplatform.engine.events import APPLIED, DROPPED, Dispatch
@@ -335,7 +336,31 @@ class PeriodSync:
         return {"mode": self.name, "pipelined": True}
 
 
-def require_sync(mode: str, who: str, why: str) -> None:
-    """Refuse any synchrony mode but ``sync`` for ``who`` (a strategy), saying ``why``."""
-    if mode != "sync":
-        raise ConfigError(f"{who} runs with sync mode 'sync' only, got {mode!r}: {why}")
+@dataclass(frozen=True)
+class SyncOnly:
+    """A strategy that runs with sync mode ``sync`` only, and why: its pairing, said once.
+
+    The strategy's ``engine_policy`` and the run configuration both ask it.
+
+    Parameters
+    ----------
+    who : str
+        The strategy as the error names it (``"strategy 'delayed'"``).
+    why : str
+        Why the other modes are refused.
+    """
+
+    who: str
+    why: str
+
+    def problem(self, mode: str) -> str | None:
+        """What is wrong with running under ``mode`` (None: nothing)."""
+        if mode == "sync":
+            return None
+        return f"{self.who} runs with sync mode 'sync' only, got {mode!r}: {self.why}"
+
+    def check(self, mode: str) -> None:
+        """Refuse any mode but ``sync`` with ``ConfigError``."""
+        problem = self.problem(mode)
+        if problem is not None:
+            raise ConfigError(problem)

@@ -15,7 +15,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 
 from flplatform import keys
-from flplatform.engine import Contribution
+from flplatform.engine import Contribution, EngineStrategy
 from flplatform.network import ComputeModel, Network, SiteProfile
 
 from .scripted_grid import Behaviour
@@ -36,7 +36,7 @@ def idle_site(name: str) -> Behaviour:
     return behave
 
 
-class CountingStrategy:
+class CountingStrategy(EngineStrategy):
     """An ``EngineStrategy`` whose model is a step counter; it records what it applied."""
 
     def __init__(self) -> None:

@@ -24,8 +24,8 @@ from flwr.app import (
 
 from flplatform import keys
 from flplatform.engine import DROPPED, REJECTED, RoundEngine
-from flplatform.engine.engine import FailureStreak, reason_key
 from flplatform.engine.events import UpdateOutcome
+from flplatform.engine.stop_rule import FailureStreak, reason_key
 from flplatform.errors import ConfigError, NoProgress, RunFailed
 from flplatform.ledger import SqlLedger
 from storage import LedgerRepository

@@ -1,0 +1,199 @@
+"""The sites of a run as the engine sees them: one ``SiteState`` record per site.
+
+A site is in exactly one ``Phase``. The engine offers work only to IDLE sites, and moves a
+site through the phases as its messages go out and come back::
+
+    IDLE ──dispatch──▶ TRAINING ──reply pulled──▶ ARRIVED ──judged──▶ IDLE
+      │                   │  └──cancelled──▶ IDLE (its message still out: see Mailbox)
+      │                   └──overdue──▶ GIVEN_UP ──Flower hands it back──▶ IDLE
+      ├──sits the work out──▶ AWAY ──back, in clock order──▶ IDLE
+      └──push refused──▶ REFUSED ──after a back-off──▶ IDLE
+
+A cancelled site is IDLE at once (in clock order) although Flower still holds its
+cancelled message; the mailbox keeps that message and pushes the site's next one when it
+comes back, so a site never holds two messages.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from enum import Enum
+
+from flplatform.engine.events import Dispatch, SiteInfo
+
+
+class Phase(Enum):
+    """What a site is doing, as far as the engine's scheduling is concerned."""
+
+    IDLE = "idle"  # may be given work
+    TRAINING = "training"  # a training message is out (or queued behind a cancelled one)
+    ARRIVED = "arrived"  # its reply was pulled and waits for its turn on the clock
+    GIVEN_UP = "given up"  # a message given up on: busy until Flower hands it back
+    AWAY = "away"  # sitting work out (simulated availability) until clock time ``until``
+    REFUSED = "refused"  # its message was refused: no work before ``time.monotonic()`` ``until``
+
+
+@dataclass
+class SiteState:
+    """One site: who it is, whether the SuperLink lists it, and its phase."""
+
+    info: SiteInfo
+    connected: bool = True
+    phase: Phase = Phase.IDLE
+    # TRAINING, ARRIVED: the training message it works on.
+    work: Dispatch | None = None
+    # AWAY: clock time it is back; REFUSED: time.monotonic() after which it is tried again.
+    until: float = 0.0
+    # TRAINING: when its work was planned (the policy sees outstanding work in that order).
+    planned: int = 0
+
+
+@dataclass(frozen=True)
+class Census:
+    """The sites by phase at one moment, as the policy's view needs them."""
+
+    idle: tuple[int, ...]  # connected, nothing outstanding, in join order
+    training: tuple[Dispatch, ...]  # training messages out, in the order they were planned
+    away: frozenset[int]
+    connected: int
+
+
+class Sites:
+    """Every site that ever joined the run, in join order, with its state."""
+
+    def __init__(self) -> None:
+        self._states: dict[int, SiteState] = {}
+        self._planned = itertools.count()
+        # The last census, while no site changed since (the policy asks again and again).
+        self._census: Census | None = None
+
+    # ------------------------------------------------------------ membership
+    def add(self, info: SiteInfo) -> None:
+        """A site that introduced itself (connected, idle)."""
+        self._states[info.node_id] = SiteState(info)
+        self._census = None
+
+    def __contains__(self, node_id: object) -> bool:
+        return node_id in self._states
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def infos(self) -> dict[int, SiteInfo]:
+        """Node id → site, in join order."""
+        return {n: s.info for n, s in self._states.items()}
+
+    def info(self, node_id: int) -> SiteInfo | None:
+        state = self._states.get(node_id)
+        return state.info if state else None
+
+    def name(self, node_id: int) -> str:
+        """The site's name (``node-<id>`` for a node that has not introduced itself)."""
+        state = self._states.get(node_id)
+        return state.info.name if state else f"node-{node_id}"
+
+    def names(self) -> set[str]:
+        return {s.info.name for s in self._states.values()}
+
+    def set_connected(self, node_ids: set[int]) -> None:
+        """The nodes the SuperLink lists now; the others get no work."""
+        for node_id, state in self._states.items():
+            state.connected = node_id in node_ids
+        self._census = None
+
+    # ---------------------------------------------------------------- phases
+    def idle(self) -> tuple[int, ...]:
+        """Connected sites with nothing outstanding, in join order."""
+        return self.census().idle
+
+    def phase(self, node_id: int) -> Phase | None:
+        state = self._states.get(node_id)
+        return state.phase if state else None
+
+    def work(self, node_id: int) -> Dispatch | None:
+        """The training message the site works on (TRAINING, ARRIVED)."""
+        state = self._states.get(node_id)
+        return state.work if state else None
+
+    def training(self) -> tuple[Dispatch, ...]:
+        """The training messages out (pushed or queued), in the order they were planned."""
+        return self.census().training
+
+    def census(self) -> Census:
+        """The idle sites, the training messages out, the AWAY sites, the connected count."""
+        if self._census is not None:
+            return self._census
+        now = time.monotonic()
+        idle, working, away, connected = [], [], [], 0
+        backing_off = False
+        for node_id, state in self._states.items():
+            phase = state.phase
+            if state.connected:
+                connected += 1
+                if phase is Phase.IDLE or (phase is Phase.REFUSED and state.until <= now):
+                    idle.append(node_id)
+            if phase is Phase.REFUSED and state.until > now:
+                backing_off = True  # idle later without any change: not cached
+            if phase is Phase.TRAINING:
+                working.append(state)
+            elif phase is Phase.AWAY:
+                away.append(node_id)
+        working.sort(key=lambda s: s.planned)
+        training = tuple(s.work for s in working if s.work is not None)
+        census = Census(tuple(idle), training, frozenset(away), connected)
+        if not backing_off:
+            self._census = census
+        return census
+
+    def next_back(self) -> tuple[float, int] | None:
+        """(clock time, node) of the first connected AWAY site to come back, if any."""
+        return min(
+            (
+                (s.until, n)
+                for n, s in self._states.items()
+                if s.phase is Phase.AWAY and s.connected
+            ),
+            default=None,
+        )
+
+    def train(self, dispatch: Dispatch) -> None:
+        """The site was given ``dispatch`` (pushed now, or queued behind a cancelled one)."""
+        self._move(dispatch.node_id, Phase.TRAINING, work=dispatch, planned=next(self._planned))
+
+    def arrive(self, node_id: int) -> None:
+        """The site's reply was pulled; it waits for its turn."""
+        self._move(node_id, Phase.ARRIVED, work=self._states[node_id].work)
+
+    def give_up(self, node_id: int) -> None:
+        """The engine stopped waiting for the site's message; Flower still holds it."""
+        self._move(node_id, Phase.GIVEN_UP)
+
+    def send_away(self, node_id: int, until: float) -> None:
+        """The site sits the work out until clock time ``until``."""
+        self._move(node_id, Phase.AWAY, until=until)
+
+    def refuse(self, node_id: int, until: float) -> None:
+        """The SuperLink refused the site's message; try it again after ``until``."""
+        self._move(node_id, Phase.REFUSED, until=until)
+
+    def free(self, node_id: int) -> None:
+        """The site may be given work again."""
+        self._move(node_id, Phase.IDLE)
+
+    def release(self, node_id: int) -> None:
+        """Flower handed back (or expired) the message given up on: a GIVEN_UP site is free."""
+        if self.phase(node_id) is Phase.GIVEN_UP:
+            self._move(node_id, Phase.IDLE)
+
+    def _move(
+        self, node_id: int, phase: Phase, *, work: Dispatch | None = None, **fields: float
+    ) -> None:
+        state = self._states.get(node_id)
+        if state is None:  # a node that never introduced itself: nothing to track
+            return
+        state.phase, state.work = phase, work
+        self._census = None
+        state.until = fields.get("until", 0.0)
+        state.planned = int(fields.get("planned", 0))

@@ -1,0 +1,171 @@
+"""What the round engine asks of a strategy: ``EngineStrategy``, and what it hands back.
+
+A strategy keeps Flower's hooks (``configure_train``, ``configure_evaluate``,
+``aggregate_evaluate``) and adds three streaming ones (``begin_aggregation``, ``accumulate``,
+``finish_aggregation``). Everything else the engine or ``flplatform.start`` needs to know
+about a strategy is declared here too, each with a default, so a strategy states only what
+differs: the work a message asks for (``work_for``), what to undo for a message that was
+not sent (``message_not_sent``), the policy it runs under (``engine_policy``: the
+strategy–policy pairing, said once, beside the strategy) and its name in the ledger.
+Subclass ``EngineStrategy`` to inherit the defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+
+from flplatform.engine.policy import AggregationPolicy
+from flplatform.engine.synchrony import Synchrony
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """What the strategy read from an accepted reply."""
+
+    num_examples: int
+    train_loss: float | None = None
+    compute_seconds: float | None = None
+    # What the ledger should know about an accepted update (its row's reason), e.g. that
+    # the site lost its kept state and was resynced.
+    note: str | None = None
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one training message asks of its site, as the strategy that drafted it says.
+
+    Parameters
+    ----------
+    period : int
+        The round whose aggregate the update is for: the round open at dispatch, unless
+        the strategy lets sites work ahead (delayed updates, under a pipelined policy).
+    model_version : int
+        The global model version the message carries (at most the current one); the
+        staleness of the update is counted from it.
+    delay : int, optional
+        Delayed updates: how many averages the model lacks at the period's start (the
+        ledger's ``delay``; its ``period`` and ``average_applied`` are then written too).
+        None: the update has no period columns.
+    """
+
+    period: int
+    model_version: int
+    delay: int | None = None
+
+
+@runtime_checkable
+class EngineStrategy(Protocol):
+    """The hooks the engine calls; Flower's own, streaming aggregation, and declarations.
+
+    The first six are required. The rest have defaults, inherited by subclassing this
+    protocol (``class MyStrategy(Strategy, EngineStrategy)``); override one to state what
+    differs.
+    """
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Training messages for some of ``grid``'s nodes (the ones the engine offers)."""
+        ...
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Evaluation messages for some of ``grid``'s nodes (idle ones)."""
+        ...
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """The round's evaluation metrics from the replies that came back."""
+        ...
+
+    def begin_aggregation(self, server_round: int, arrays: ArrayRecord) -> None:
+        """Start forming the next model version on top of ``arrays``."""
+        ...
+
+    def accumulate(
+        self, reply: Message, *, base: ArrayRecord, weight_scale: float = 1.0
+    ) -> Contribution:
+        """Take one reply in (trained on ``base``), or raise ``UpdateRejected``."""
+        ...
+
+    def finish_aggregation(self) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The new model version (None: unchanged) and the round's training metrics."""
+        ...
+
+    # ------------------------------------------------ declarations, with defaults
+    def work_for(self, message: Message, *, server_round: int, model_version: int) -> Work:
+        """The work ``message`` (drafted by ``configure_train``) asks of its site.
+
+        Called for every training message the engine is about to send (or that its site
+        sits out). Default: the open round's period on the current model version.
+        """
+        return Work(period=server_round, model_version=model_version)
+
+    def message_not_sent(self, message: Message) -> None:
+        """Undo what drafting ``message`` assumed: the engine did not send it.
+
+        Called for a message from ``configure_train`` whose site sits the work out
+        (simulated availability), e.g. so that sparse downloads keep the site's synced
+        version. Default: nothing to undo.
+        """
+        return None
+
+    def engine_policy(self, requested: Synchrony, *, num_rounds: int) -> AggregationPolicy:
+        """The policy to run ``num_rounds`` rounds under, given the mode the run asked for.
+
+        Called once before the run by ``flplatform.start``; raises ``ConfigError`` saying
+        why for a mode the strategy cannot run. Default: the requested mode, as it is.
+        """
+        return requested
+
+    @property
+    def ledger_name(self) -> str:
+        """The strategy's name in the ledger (default: its class name)."""
+        return type(self).__name__
+
+    def summary(self) -> None:
+        """Log the strategy's configuration (default: nothing)."""
+        return None
+
+
+class SubsetGrid(Grid):
+    """A view of a Grid whose ``get_node_ids`` lists only some nodes.
+
+    The engine hands it to ``configure_train`` so that a strategy's own sampling picks
+    among the sites the policy allows (idle ones), without the strategy knowing why.
+    """
+
+    def __init__(self, grid: Grid, node_ids: Sequence[int]) -> None:
+        self._grid = grid
+        self._node_ids = list(node_ids)
+
+    def set_run(self, run: Any) -> None:  # pragma: no cover - never called on a view
+        self._grid.set_run(run)
+
+    @property
+    def run(self) -> Any:
+        return self._grid.run
+
+    def create_message(self, *args: Any, **kwargs: Any) -> Message:
+        return self._grid.create_message(*args, **kwargs)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self._node_ids)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self._grid.pull_messages(message_ids)
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        return self._grid.send_and_receive(messages, timeout=timeout)
