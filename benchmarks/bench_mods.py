@@ -32,8 +32,8 @@ tests/strategies/test_mods.py. Steady state per mod:
 
 The breakdown times the functions the mod calls, on the same inputs, one at a time in
 the same rounds (median): ``read_message`` (``sent_model``), ``state_load`` /
-``state_save`` (``ModState``, the delayed ledger), ``rebuild`` (``synced_model``,
-``SiteLedger.local_model``), ``hand_to_user`` (``arrays_to_record`` of the start),
+``state_save`` (``ModState``, the delayed kept periods), ``rebuild`` (``synced_model``,
+``SitePeriods.local_model``), ``hand_to_user`` (``arrays_to_record`` of the start),
 ``read_reply`` (``read_trained``: deserialize and check), ``delta`` (float64:
 ``Layout.flatten`` ×2, or per array), ``error_feedback`` (``ErrorFeedback.compress``: u + e,
 encode, local decode, new residual), ``codec_state_load`` / ``codec_state_save``,
@@ -80,7 +80,7 @@ maths. Flower's ``Array`` serializes with ``np.save`` into a ``BytesIO`` (about 
 four times (the server's message, the hand-over, the user's reply, a whole-model upload):
 that is all of ``model_mod``'s cost. The stateful mods also serialize their
 state every call, in float64: the codec residual (8d bytes: ``codec_state_save`` 52–75 ms
-at 10M) and the delayed ledger's two kept periods (16d bytes: ``state_save`` 102 ms,
+at 10M) and the delayed mod's two kept periods (16d bytes: ``state_save`` 102 ms,
 ``state_load`` 52 ms); ``ErrorFeedback.compress`` (110–130 ms) is mostly float64 flattens.
 FetchSGD's count sketch (88 ms) is its largest part, and a sparse sync costs the site as
 much as a dense one (the rebuild, 21 ms, against reading the dense message, 10 ms; a dense
@@ -124,11 +124,11 @@ from flwr.supercore.task_identity import TaskIdentity
 from flplatform import keys
 from flplatform.arrays import arrays_to_record, record_to_arrays
 from strategies.codecs import Codec, ErrorFeedback, Layout, make_codec
-from strategies.compensation import SiteLedger
+from strategies.compensation import SitePeriods
 from strategies.mods import codec_mod, delayed_mod, fetchsgd_mod, model_mod, sketched_sgd_mod
 from strategies.mods.codec import RESIDUAL
 from strategies.mods.contract import Mod, ModState, TrainFunction, read_trained, sent_model
-from strategies.mods.delayed import load_site_ledger, save_site_ledger
+from strategies.mods.delayed import load_site_periods, save_site_periods
 from strategies.mods.fetchsgd import SKETCH, remember_model, sketch_of, synced_model
 from strategies.mods.sketched_sgd import (
     ACCUMULATORS,
@@ -421,8 +421,8 @@ def codec_case(model: Arrays, rng: np.random.Generator, spec: str) -> Case:
 def delayed_case(model: Arrays, rng: np.random.Generator, spec: str | None) -> Case:
     """Period 3 of D = 1: version 1 settles period 1 (included); period 2 stays kept."""
     context = site_context()
-    kept = SiteLedger(pending={1: small_like(model, rng), 2: small_like(model, rng)})
-    save_site_ledger(context, kept)
+    kept = SitePeriods(pending={1: small_like(model, rng), 2: small_like(model, rng)})
+    save_site_periods(context, kept)
     config: dict[str, Any] = {
         keys.SITE_ALGORITHM: keys.DELAYED,
         keys.SERVER_ROUND: 3,
@@ -440,26 +440,26 @@ def delayed_case(model: Arrays, rng: np.random.Generator, spec: str | None) -> C
 
     def parts(seen: Seen | None) -> dict[str, Callable[[], object]]:
         assert seen is not None
-        ledger = load_site_ledger(context)
-        assert ledger is not None
-        ledger.settle(1, (1,))
+        periods = load_site_periods(context)
+        assert periods is not None
+        periods.settle(1, (1,))
         global_model = sent_model(msg)
 
         def rebuild() -> Arrays:
-            local = ledger.local_model(global_model, compensate=True)
+            local = periods.local_model(global_model, compensate=True)
             return {k: local[k].astype(global_model[k].dtype) for k in global_model}
 
         def delta() -> Arrays:
-            return ledger.record(3, seen.start, seen.trained, compensate=True)
+            return periods.record(3, seen.start, seen.trained, compensate=True)
 
         update = delta()
-        saved = SiteLedger(pending=dict(ledger.pending))
+        saved = SitePeriods(pending=dict(periods.pending))
         result = {
             **contract_parts(msg, seen),
-            "state_load": lambda: load_site_ledger(context),
+            "state_load": lambda: load_site_periods(context),
             "rebuild": rebuild,
             "delta": delta,
-            "state_save": lambda: save_site_ledger(context, saved),
+            "state_save": lambda: save_site_periods(context, saved),
         }
         upload = update
         if codec is not None:

@@ -278,6 +278,39 @@ def start(
 
 
 # ============================================================ strategies
+class PlatformStart:
+    """Flower's ``start`` for the platform's strategies: it runs ``flplatform.start``.
+
+    A ServerApp written for Flower (``strategy.start(grid, arrays, num_rounds=...)``) runs
+    under the round engine, with each strategy's own synchrony (its ``engine_policy``) and no
+    ledger; ``FLPLATFORM_OPTIONS`` (``flplatform run``) may still add a mode, a network or a
+    ledger. Call ``flplatform.start`` to choose them in code. Listed before Flower's
+    ``Strategy`` among a strategy's bases, so that this ``start`` is the one called.
+    """
+
+    def start(
+        self,
+        grid: Grid,
+        initial_arrays: ArrayRecord,
+        num_rounds: int = 3,
+        timeout: float = 3600,
+        train_config: ConfigRecord | None = None,
+        evaluate_config: ConfigRecord | None = None,
+        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+    ) -> Result:
+        """Flower's ``start`` signature; see the class."""
+        return start(
+            as_engine_strategy(self),
+            grid,
+            initial_arrays,
+            num_rounds=num_rounds,
+            timeout=timeout,
+            train_config=train_config,
+            evaluate_config=evaluate_config,
+            evaluate_fn=evaluate_fn,
+        )
+
+
 def as_engine_strategy(strategy: object) -> EngineStrategy:
     """``strategy`` itself if it is an ``EngineStrategy``, else Flower's wrapped.
 

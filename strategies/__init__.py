@@ -12,4 +12,3 @@ Their maths, importing no Flower: ``aggregation`` (streamed weighted averaging),
 error feedback), ``count_sketch``, ``sketch_feedback``, ``top_k`` (selection and wire index
 types) and ``validation`` (checks on what a site sends back).
 """
-

@@ -58,7 +58,7 @@ def delay_problem(delay: object) -> Problem:
 
 
 @dataclass
-class SiteLedger:
+class SitePeriods:
     """What a site keeps between messages: its unsettled accumulated steps and its carry.
 
     ``pending`` maps a period r to A_{n,r} for every period whose average the site has
@@ -128,7 +128,7 @@ class SiteLedger:
 
 
 @dataclass
-class ServerLedger:
+class ServerPeriods:
     """The server's side: which period each site is on, and which of its updates counted.
 
     A site may start period q once the global model of version q − 1 − D exists; it is

@@ -36,7 +36,7 @@ unsettled periods are dropped and its update, trained from the global model, cou
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,7 +49,7 @@ from flwr.app import (
     RecordDict,
 )
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy import Strategy
 
 from flplatform import keys
 from flplatform.arrays import arrays_to_record, record_to_arrays
@@ -64,7 +64,7 @@ from flplatform.engine import (
     Work,
 )
 from flplatform.errors import UpdateRejected
-from flplatform.start import start as platform_start
+from flplatform.start import PlatformStart
 from strategies.aggregation import (
     ServerOptimizerState,
     WeightedDeltaSum,
@@ -72,7 +72,7 @@ from strategies.aggregation import (
     eta_problem,
 )
 from strategies.codecs import Codec, Identity, Layout, make_codec
-from strategies.compensation import ServerLedger, delay_problem
+from strategies.compensation import ServerPeriods, delay_problem
 from strategies.local_sgd import (
     LocalSGDAveraging,
     aggregate_batch,
@@ -80,7 +80,7 @@ from strategies.local_sgd import (
     reject_state_lost,
     state_lost_note,
 )
-from strategies.validation import check_arrays, check_num_examples
+from strategies.validation import check_arrays, check_num_examples, reply_parts
 
 log = logging.getLogger("flplatform.strategies.delayed")
 
@@ -103,14 +103,14 @@ class DelayedState:
     has updates but no average yet (at most D + 1, however many sites there are).
     """
 
-    ledger: ServerLedger
+    periods: ServerPeriods
     version: int = 0
     models: dict[int, ArrayRecord] = field(default_factory=dict)
     open: dict[int, WeightedDeltaSum] = field(default_factory=dict)
     losses: dict[int, tuple[float, float]] = field(default_factory=dict)  # Σ n·loss, Σ n
 
 
-class DelayedCompensated(Strategy, EngineStrategy):
+class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
     """Delayed compensated updates as a Flower Message-API strategy, run by the engine.
 
     Parameters
@@ -157,7 +157,7 @@ class DelayedCompensated(Strategy, EngineStrategy):
         self.codec: Codec = make_codec(codec)
         self._replied: dict[int, set[int]] = {}  # node → periods it sent a reply for
         self._drafted: dict[int, Work] = {}  # node → the work of its last drafted message
-        self.state = DelayedState(ledger=ServerLedger(delay))
+        self.state = DelayedState(periods=ServerPeriods(delay))
         self._round = 0
         self._current: dict[str, np.ndarray] = {}
         self._current_record: ArrayRecord | None = None
@@ -191,17 +191,19 @@ class DelayedCompensated(Strategy, EngineStrategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Start every idle site on its next period, if its D-round-old model exists."""
-        ledger = self.state.ledger
+        periods = self.state.periods
         # Driven without begin_aggregation (Flower's own loop): the model given is current.
         self.state.models.setdefault(self.state.version, arrays)
         messages = []
         for node_id in sorted(grid.get_node_ids()):
-            period = ledger.period_for(node_id, open_round=server_round, last_round=self.num_rounds)
+            period = periods.period_for(
+                node_id, open_round=server_round, last_round=self.num_rounds
+            )
             if period is None:
                 continue
-            version = ledger.version_for(period)
+            version = periods.version_for(period)
             # Only answered, unsettled periods matter (at most D + 1 of them are kept).
-            held = ledger.unsettled.get(node_id, set()) & self._replied.get(node_id, set())
+            held = periods.unsettled.get(node_id, set()) & self._replied.get(node_id, set())
             self._replied[node_id] = held
             site_config = ConfigRecord(dict(config))  # never write into the caller's record
             site_config.update(
@@ -211,7 +213,7 @@ class DelayedCompensated(Strategy, EngineStrategy):
                     keys.SITE_ALGORITHM: SITE_ALGORITHM,
                     keys.DELAY: self.delay,
                     keys.COMPENSATE: self.compensate,
-                    keys.INCLUDED_PERIODS: ledger.news_for(node_id, version),
+                    keys.INCLUDED_PERIODS: periods.news_for(node_id, version),
                     # Compensating, a site holds the steps of the unsettled periods it
                     # answered (a period drafted but never answered left nothing there).
                     keys.STATE_EXPECTED: self.compensate and bool(held),
@@ -223,7 +225,7 @@ class DelayedCompensated(Strategy, EngineStrategy):
                 {keys.ARRAYS: self.state.models[version], keys.CONFIG: site_config}
             )
             messages.append(Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN))
-            ledger.sent(node_id, period)
+            periods.sent(node_id, period)
             # The model lacks the averages of rounds version + 1 … period − 1: D of them
             # once the pipeline is full.
             self._drafted[node_id] = Work(period, version, delay=max(0, period - 1 - version))
@@ -268,21 +270,14 @@ class DelayedCompensated(Strategy, EngineStrategy):
     ) -> Contribution:
         """Add n_n·A_{n,q} to the accumulator of the period q the site computed."""
         node_id = reply.metadata.src_node_id
-        ledger = self.state.ledger
+        periods = self.state.periods
         # Whatever the reply holds, the site answered: it is not re-offered the period.
-        asked = ledger.answered(node_id)
+        asked = periods.answered(node_id)
         if asked is not None and not reply.has_error():
             self._replied.setdefault(node_id, set()).add(asked)
         content = reply.content
         reject_state_lost(content, "it trains from the global model next period")
-        if keys.ARRAYS not in content or keys.METRICS not in content:
-            raise UpdateRejected(
-                f"reply must hold '{keys.ARRAYS}' and '{keys.METRICS}' records, "
-                f"got {sorted(content.keys())}"
-            )
-        metrics = content[keys.METRICS]
-        if not isinstance(metrics, MetricRecord):
-            raise UpdateRejected(f"'{keys.METRICS}' must be a MetricRecord")
+        record, metrics = reply_parts(reply)
         period = metrics.get(keys.PERIOD)
         if isinstance(period, bool) or not isinstance(period, int):
             raise UpdateRejected(
@@ -292,26 +287,23 @@ class DelayedCompensated(Strategy, EngineStrategy):
             )
         if asked is None:
             raise UpdateRejected("no update was awaited from this site (a duplicate reply?)")
-        if period != asked or period not in ledger.unsettled.get(node_id, set()):
+        if period != asked or period not in periods.unsettled.get(node_id, set()):
             raise UpdateRejected(
                 f"reply for period {period}, but this site was asked for period {asked}"
             )
-        if period in ledger.included.get(node_id, set()):
+        if period in periods.included.get(node_id, set()):
             raise UpdateRejected(f"period {period} of this site was counted already")
         note = state_lost_note(
             metrics, "its unsettled periods were dropped; this update is from the global model"
         )
         if note is not None:
-            ledger.forget(node_id, keep=period)
+            periods.forget(node_id, keep=period)
         # The site has now settled everything up to the model it was sent, whatever
         # becomes of this update.
-        ledger.acknowledged(node_id, ledger.version_for(period))
+        periods.acknowledged(node_id, periods.version_for(period))
         if period < self._round:
             raise UpdateRejected(f"period {period} was averaged already (round {self._round})")
         num_examples = check_num_examples(metrics.get(keys.NUM_EXAMPLES))
-        record = content[keys.ARRAYS]
-        if not isinstance(record, ArrayRecord):
-            raise UpdateRejected(f"'{keys.ARRAYS}' must be an ArrayRecord")
         try:
             update = record_to_arrays(record)
         except Exception as exc:  # not .npy bytes, pickled objects, truncated data
@@ -320,7 +312,7 @@ class DelayedCompensated(Strategy, EngineStrategy):
         self.state.open.setdefault(period, WeightedDeltaSum()).add(
             update, float(num_examples), scale=weight_scale
         )
-        ledger.counted(node_id, period)
+        periods.counted(node_id, period)
         loss = first_number(metrics, keys.TRAIN_LOSS_ALIASES)
         if loss is not None:
             total, weight = self.state.losses.get(period, (0.0, 0.0))
@@ -365,27 +357,6 @@ class DelayedCompensated(Strategy, EngineStrategy):
         return record, metrics
 
     # -------------------------------------------------------------- driving
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        """Flower's ``start``, run by ``flplatform.start`` with ``PeriodSync``, no ledger."""
-        return platform_start(
-            self,
-            grid,
-            initial_arrays,
-            num_rounds=num_rounds,
-            timeout=timeout,
-            train_config=train_config,
-            evaluate_config=evaluate_config,
-            evaluate_fn=evaluate_fn,
-        )
 
     def engine_policy(self, requested: Synchrony, *, num_rounds: int) -> AggregationPolicy:
         """``PeriodSync`` (sites working ahead) for ``num_rounds`` rounds; sync mode only."""

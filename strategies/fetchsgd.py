@@ -38,10 +38,9 @@ from strategies.local_sgd import first_number, reject_state_lost
 from strategies.sketch_feedback import SketchFeedback, feedback_problems
 from strategies.sketched_common import (
     SketchedStrategy,
-    reply_parts,
     sketch_table,
 )
-from strategies.validation import check_num_examples
+from strategies.validation import check_num_examples, reply_parts
 
 log = logging.getLogger("flplatform.strategies.fetchsgd")
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,7 +38,7 @@ from flwr.app import (
     RecordDict,
 )
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy import Strategy
 
 from flplatform import keys
 from flplatform.arrays import arrays_to_record, record_to_arrays
@@ -46,7 +46,7 @@ from flplatform.checks import Problem, number, require, unit_interval
 from flplatform.engine import Contribution, EngineStrategy
 from flplatform.errors import ConfigError, UpdateRejected
 from flplatform.seeding import rng_for
-from flplatform.start import start as platform_start
+from flplatform.start import PlatformStart
 from strategies.aggregation import (
     ServerOptimizerState,
     WeightedDeltaSum,
@@ -54,7 +54,7 @@ from strategies.aggregation import (
     eta_problem,
 )
 from strategies.codecs import Codec, Identity, Layout, make_codec
-from strategies.validation import check_arrays, check_num_examples
+from strategies.validation import check_arrays, check_num_examples, reply_parts
 
 log = logging.getLogger("flplatform.strategies.local_sgd")
 
@@ -85,7 +85,7 @@ class LocalSGDState:
         self.optimizer.load_state_dict(state)
 
 
-class LocalSGDAveraging(Strategy, EngineStrategy):
+class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
     """Local-SGD averaging as a Flower Message-API strategy, driven by the round engine.
 
     Parameters
@@ -274,18 +274,8 @@ class LocalSGDAveraging(Strategy, EngineStrategy):
     ) -> Contribution:
         """Validate one reply and add n_n·Δ_n, Δ_n measured against the version sent."""
         content = reply.content
-        if keys.ARRAYS not in content or keys.METRICS not in content:
-            raise UpdateRejected(
-                f"reply must hold '{keys.ARRAYS}' and '{keys.METRICS}' records, "
-                f"got {sorted(content.keys())}"
-            )
-        metrics = content[keys.METRICS]
-        if not isinstance(metrics, MetricRecord):
-            raise UpdateRejected(f"'{keys.METRICS}' must be a MetricRecord")
+        record, metrics = reply_parts(reply)
         num_examples = check_num_examples(metrics.get(keys.NUM_EXAMPLES))
-        record = content[keys.ARRAYS]
-        if not isinstance(record, ArrayRecord):
-            raise UpdateRejected(f"'{keys.ARRAYS}' must be an ArrayRecord")
         # Decoding the base once per round, not once per reply, keeps the server's cost
         # per reply at one decode and one multiply-add.
         base_arrays = self._current if base is self._current_record else record_to_arrays(base)
@@ -338,31 +328,6 @@ class LocalSGDAveraging(Strategy, EngineStrategy):
         return arrays_to_record(new), metrics
 
     # -------------------------------------------------------------- driving
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        """Flower's ``start``, run by ``flplatform.start``: fully synchronous, no ledger.
-
-        ``FLPLATFORM_OPTIONS`` (``flplatform run``) may still add a mode, a network or a
-        ledger; call ``flplatform.start`` to choose them in code.
-        """
-        return platform_start(
-            self,
-            grid,
-            initial_arrays,
-            num_rounds=num_rounds,
-            timeout=timeout,
-            train_config=train_config,
-            evaluate_config=evaluate_config,
-            evaluate_fn=evaluate_fn,
-        )
 
     @property
     def ledger_name(self) -> str:

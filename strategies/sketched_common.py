@@ -4,19 +4,19 @@ Server side, ``SketchedStrategy``: the sketch's settings (k, r, c and a seed der
 run's), seeded sampling and evaluation as local-SGD averaging, the model with sparse
 downloads, the training message that syncs a site and names the sketch, and Flower's batch
 and ``start`` hooks run by the round engine (fully synchronous). Checks on a sketch reply
-(``reply_parts``, ``sketch_table``). The site halves are ``strategies.mods``.
+(``sketch_table``). The site halves are ``strategies.mods``.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result, Strategy
+from flwr.serverapp.strategy import Strategy
 
 from flplatform import keys
 from flplatform.arrays import record_to_arrays
@@ -24,7 +24,7 @@ from flplatform.checks import Problem, integer, odd, require
 from flplatform.engine import AggregationPolicy, Contribution, EngineStrategy, Synchrony, SyncOnly
 from flplatform.errors import UpdateRejected
 from flplatform.seeding import derive_seed
-from flplatform.start import start as platform_start
+from flplatform.start import PlatformStart
 from strategies.local_sgd import LocalSGDAveraging, aggregate_batch
 from strategies.mods.fetchsgd import SKETCH
 from strategies.sketch_feedback import k_problem
@@ -40,7 +40,7 @@ def sync_only(site_algorithm: str) -> SyncOnly:
     )
 
 
-class SketchedStrategy(Strategy, EngineStrategy):
+class SketchedStrategy(PlatformStart, Strategy, EngineStrategy):
     """The parts of a sketched strategy that do not depend on its update rule.
 
     Parameters
@@ -170,28 +170,6 @@ class SketchedStrategy(Strategy, EngineStrategy):
         """Example-weighted mean of the sites' evaluation metrics."""
         return self._sampling.aggregate_evaluate(server_round, replies)
 
-    def start(
-        self,
-        grid: Grid,
-        initial_arrays: ArrayRecord,
-        num_rounds: int = 3,
-        timeout: float = 3600,
-        train_config: ConfigRecord | None = None,
-        evaluate_config: ConfigRecord | None = None,
-        evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
-    ) -> Result:
-        """Flower's ``start``, run by ``flplatform.start``: fully synchronous, no ledger."""
-        return platform_start(
-            self,
-            grid,
-            initial_arrays,
-            num_rounds=num_rounds,
-            timeout=timeout,
-            train_config=train_config,
-            evaluate_config=evaluate_config,
-            evaluate_fn=evaluate_fn,
-        )
-
     def engine_policy(self, requested: Synchrony, *, num_rounds: int) -> AggregationPolicy:
         """The requested policy, which must be sync mode ``sync``."""
         sync_only(self.site_algorithm).check(requested.name)
@@ -204,20 +182,6 @@ class SketchedStrategy(Strategy, EngineStrategy):
 
 
 # ================================================================ replies
-def reply_parts(reply: Message) -> tuple[ArrayRecord, MetricRecord]:
-    """A site's reply as its arrays and metrics records; ``UpdateRejected`` if it is not."""
-    content = reply.content
-    if keys.ARRAYS not in content or keys.METRICS not in content:
-        raise UpdateRejected(
-            f"reply must hold '{keys.ARRAYS}' and '{keys.METRICS}' records, "
-            f"got {sorted(content.keys())}"
-        )
-    record, metrics = content[keys.ARRAYS], content[keys.METRICS]
-    if not isinstance(metrics, MetricRecord) or not isinstance(record, ArrayRecord):
-        raise UpdateRejected("reply records have the wrong types")
-    return record, metrics
-
-
 def sketch_table(record: ArrayRecord, shape: tuple[int, int], algorithm: str) -> np.ndarray:
     """The one finite float32 r × c table a sketch reply carries; ``UpdateRejected`` if not."""
     if list(record.keys()) != [SKETCH]:

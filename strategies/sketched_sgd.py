@@ -57,9 +57,9 @@ from strategies.mods.sketched_sgd import (
     StepPhase,
 )
 from strategies.sketch_feedback import candidate_coordinates, exact_top_k
-from strategies.sketched_common import SketchedStrategy, reply_parts, sketch_table
+from strategies.sketched_common import SketchedStrategy, sketch_table
 from strategies.top_k import index_dtype
-from strategies.validation import check_num_examples
+from strategies.validation import check_num_examples, reply_parts
 
 log = logging.getLogger("flplatform.strategies.sketched_sgd")
 

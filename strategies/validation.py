@@ -1,7 +1,8 @@
 """Checks on what a site sends back, before any of it touches the global model.
 
-Pure NumPy. A malformed or hostile reply raises ``UpdateRejected`` with a reason that
-goes into the ledger; the round goes on with the other sites.
+NumPy checks, and ``reply_parts`` for Flower's reply records. A malformed or hostile
+reply raises ``UpdateRejected`` with a reason that goes into the ledger; the round goes on
+with the other sites.
 """
 
 from __future__ import annotations
@@ -11,12 +12,31 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from flwr.app import ArrayRecord, Message, MetricRecord
 
+from flplatform import keys
 from flplatform.errors import UpdateRejected
 
 # A site claiming more examples than this is treated as hostile: its weight would swamp
 # every other site's. Far above any real cross-silo dataset.
 MAX_EXAMPLES = 10**12
+
+
+def reply_parts(reply: Message) -> tuple[ArrayRecord, MetricRecord]:
+    """A site's reply as its arrays and metrics records; ``UpdateRejected`` if it is not."""
+    content = reply.content
+    if keys.ARRAYS not in content or keys.METRICS not in content:
+        raise UpdateRejected(
+            f"reply must hold '{keys.ARRAYS}' and '{keys.METRICS}' records, "
+            f"got {sorted(content.keys())}"
+        )
+    record, metrics = content[keys.ARRAYS], content[keys.METRICS]
+    if not isinstance(metrics, MetricRecord) or not isinstance(record, ArrayRecord):
+        raise UpdateRejected(
+            f"reply's '{keys.ARRAYS}' must be an ArrayRecord and '{keys.METRICS}' a "
+            f"MetricRecord, got {type(record).__name__} and {type(metrics).__name__}"
+        )
+    return record, metrics
 
 
 def check_arrays(received: Mapping[str, np.ndarray], expected: Mapping[str, np.ndarray]) -> None:

@@ -1,6 +1,6 @@
 """``delayed_mod``: the site half of delayed compensated updates (strategies/delayed.py).
 
-Per period q (ALGORITHMS.md §2; the bookkeeping is ``strategies.compensation.SiteLedger``):
+Per period q (ALGORITHMS.md §2; the bookkeeping is ``strategies.compensation.SitePeriods``):
 settle the periods the server's message says were averaged, rebuild the local model
 x_{q−1−D} + (the site's own later periods), hand it to the user's function, and reply
 with the accumulated step A_{n,q} = trained − start (+ the carry of left-out periods),
@@ -27,7 +27,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord
 from flplatform import keys
 from flplatform.errors import ConfigError
 from strategies.codecs import make_codec
-from strategies.compensation import SiteLedger
+from strategies.compensation import SitePeriods
 from strategies.mods.codec import compress_upload, requested_codec
 from strategies.mods.contract import (
     Mod,
@@ -75,26 +75,26 @@ class DelayedSiteConfig:
         return cls(int(period), int(version), compensate, tuple(included))  # type: ignore[arg-type]
 
 
-def load_site_ledger(context: Context) -> SiteLedger | None:
+def load_site_periods(context: Context) -> SitePeriods | None:
     """The site's kept periods and carry from its persistent state; None if it has none."""
     state = ModState.load(context, keys.DELAYED_STATE)
     if state is None:
         return None
-    ledger = SiteLedger()
+    periods = SitePeriods()
     for group, arrays in state.groups.items():
         as_float = {k: v.astype(np.float64) for k, v in arrays.items()}
         if group == CARRY:
-            ledger.carry = as_float
+            periods.carry = as_float
         elif group.startswith(PENDING) and group[len(PENDING) :].isdigit():
-            ledger.pending[int(group[len(PENDING) :])] = as_float
-    return ledger
+            periods.pending[int(group[len(PENDING) :])] = as_float
+    return periods
 
 
-def save_site_ledger(context: Context, ledger: SiteLedger) -> None:
-    """Write the ledger back as the site's one delayed-update record."""
-    groups = {f"{PENDING}{period}": update for period, update in ledger.pending.items()}
-    if ledger.carry is not None:
-        groups[CARRY] = ledger.carry
+def save_site_periods(context: Context, periods: SitePeriods) -> None:
+    """Write the kept periods back as the site's one delayed-update record."""
+    groups = {f"{PENDING}{period}": update for period, update in periods.pending.items()}
+    if periods.carry is not None:
+        groups[CARRY] = periods.carry
     ModState({}, groups).save(context, keys.DELAYED_STATE)
 
 
@@ -108,21 +108,23 @@ def delayed_mod() -> Mod:
         delayed = DelayedSiteConfig.from_record(raw)
         global_model = sent_model(msg)
 
-        kept = load_site_ledger(context)
+        kept = load_site_periods(context)
         lost = kept is None and raw.get(keys.STATE_EXPECTED) is True
-        ledger = kept or SiteLedger()
-        ledger.settle(delayed.version, delayed.included)
+        periods = kept or SitePeriods()
+        periods.settle(delayed.version, delayed.included)
         # Asked again for a period it already computed: its reply never counted (lost or
         # late), so that work is carried into this update instead of overwritten.
-        ledger.retry(delayed.period)
-        local = ledger.local_model(global_model, compensate=delayed.compensate)
+        periods.retry(delayed.period)
+        local = periods.local_model(global_model, compensate=delayed.compensate)
         start = {k: local[k].astype(global_model[k].dtype) for k in global_model}
         asked = requested_codec(msg)  # a bad spec fails before the user's training
 
         result = call_user(msg, context, call_next, start)
         if not isinstance(result, UserResult):
             return result
-        update = ledger.record(delayed.period, start, result.trained, compensate=delayed.compensate)
+        update = periods.record(
+            delayed.period, start, result.trained, compensate=delayed.compensate
+        )
         metrics = MetricRecord({**result.metrics, keys.PERIOD: delayed.period})
         config: dict[str, str] = {keys.UPDATE_KIND: keys.DELTA}
         named = result.config.get(keys.CODEC)  # an inner codec_mod's
@@ -133,9 +135,9 @@ def delayed_mod() -> Mod:
             if delayed.compensate:
                 # Kept as the server will decode it: the model stays the sum of what the
                 # server knows, the residual travels in a later upload.
-                ledger.pending[delayed.period] = {k: v.astype(np.float64) for k, v in sent.items()}
+                periods.pending[delayed.period] = {k: v.astype(np.float64) for k, v in sent.items()}
             update, config[keys.CODEC] = wire, codec.name
-        save_site_ledger(context, ledger)
+        save_site_periods(context, periods)
         return reply_with(msg, update, mark_lost(metrics, lost), config=config, extra=result.extra)
 
     return mod

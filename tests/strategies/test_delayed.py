@@ -28,10 +28,10 @@ from flplatform.engine import (
 from flplatform.errors import ConfigError, UpdateRejected
 from flplatform.network import ComputeModel
 from flplatform.seeding import rng_for
-from strategies.compensation import ServerLedger, SiteLedger
+from strategies.compensation import ServerPeriods, SitePeriods
 from strategies.delayed import DelayedCompensated
 from strategies.local_sgd import LocalSGDAveraging
-from strategies.mods.delayed import DelayedSiteConfig, load_site_ledger
+from strategies.mods.delayed import DelayedSiteConfig, load_site_periods
 from tests.flplatform.engine.idle_sites import network
 from tests.flplatform.engine.scripted_grid import ScriptedGrid
 
@@ -144,8 +144,8 @@ def test_a_site_keeps_at_most_d_plus_one_periods() -> None:
     sites, _, _ = quadratic_run(3, rounds=8)
     for site in sites.values():
         # After its last period it holds the periods whose averages never reached it.
-        ledger = load_site_ledger(site.state)
-        assert ledger is not None and sorted(ledger.pending) == [5, 6, 7, 8]
+        periods = load_site_periods(site.state)
+        assert periods is not None and sorted(periods.pending) == [5, 6, 7, 8]
         # ... all in the mod's one state record
         assert [k for k in site.state.state if k.startswith("flplatform")] == [keys.DELAYED_STATE]
 
@@ -156,8 +156,8 @@ def test_without_compensation_sites_train_from_the_stale_global_model() -> None:
     for site in sites.values():
         for r in range(0, 10):
             np.testing.assert_allclose(site.starts[r + 1], recorder.models[max(0, r - delay)])
-        ledger = load_site_ledger(site.state)
-        assert ledger is not None and not ledger.pending
+        periods = load_site_periods(site.state)
+        assert periods is not None and not periods.pending
 
 
 def test_compensation_beats_plain_delay_on_the_quadratic() -> None:
@@ -361,32 +361,32 @@ def test_bad_settings_are_refused() -> None:
 
 
 def test_kept_updates_that_do_not_fit_the_model_are_a_clear_error() -> None:
-    ledger = SiteLedger(pending={3: {"w": np.zeros(4)}})
+    periods = SitePeriods(pending={3: {"w": np.zeros(4)}})
     with pytest.raises(ConfigError, match="restart the site"):
-        ledger.local_model({"w": np.zeros(5)}, compensate=True)
+        periods.local_model({"w": np.zeros(5)}, compensate=True)
 
 
 def test_server_ledger_lets_sites_run_at_most_d_rounds_ahead() -> None:
-    ledger = ServerLedger(delay=2)
+    periods = ServerPeriods(delay=2)
     for period in (1, 2, 3):
-        assert ledger.period_for(1, open_round=1, last_round=10) == period
-        ledger.sent(1, period)
-        assert ledger.answered(1) == period
-    assert ledger.period_for(1, open_round=1, last_round=10) is None  # needs x_1
-    assert ledger.period_for(1, open_round=2, last_round=10) == 4
-    assert ledger.version_for(4) == 1
+        assert periods.period_for(1, open_round=1, last_round=10) == period
+        periods.sent(1, period)
+        assert periods.answered(1) == period
+    assert periods.period_for(1, open_round=1, last_round=10) is None  # needs x_1
+    assert periods.period_for(1, open_round=2, last_round=10) == 4
+    assert periods.version_for(4) == 1
     # A site that joins late starts at the open round; none beyond the last round.
-    assert ledger.period_for(2, open_round=5, last_round=10) == 5
-    assert ledger.period_for(2, open_round=5, last_round=4) is None
+    assert periods.period_for(2, open_round=5, last_round=10) == 5
+    assert periods.period_for(2, open_round=5, last_round=4) is None
 
 
 def test_a_period_the_site_never_answered_is_offered_again_while_open() -> None:
-    ledger = ServerLedger(delay=1)
-    ledger.sent(1, 1)  # the site sat it out, failed, or the message was lost
-    assert ledger.period_for(1, open_round=1, last_round=10) == 1
-    ledger.sent(1, 1)
+    periods = ServerPeriods(delay=1)
+    periods.sent(1, 1)  # the site sat it out, failed, or the message was lost
+    assert periods.period_for(1, open_round=1, last_round=10) == 1
+    periods.sent(1, 1)
     # Once its round is averaged, the site moves on to the open one.
-    assert ledger.period_for(1, open_round=3, last_round=10) == 3
+    assert periods.period_for(1, open_round=3, last_round=10) == 3
 
 
 def test_flowers_batch_hooks_give_the_example_weighted_average() -> None:
@@ -471,13 +471,13 @@ def test_a_site_that_always_fails_cannot_hold_the_run_up(how: str) -> None:
 
 
 def test_a_period_asked_again_carries_the_work_its_lost_reply_held() -> None:
-    ledger = SiteLedger()
+    periods = SitePeriods()
     start = {"w": np.zeros(2)}
-    first = ledger.record(3, start, {"w": np.array([1.0, 2.0])}, compensate=True)
-    ledger.retry(3)  # the reply for period 3 was lost; the server asks for it again
-    again = ledger.record(3, start, {"w": np.array([0.5, 0.0])}, compensate=True)
+    first = periods.record(3, start, {"w": np.array([1.0, 2.0])}, compensate=True)
+    periods.retry(3)  # the reply for period 3 was lost; the server asks for it again
+    again = periods.record(3, start, {"w": np.array([0.5, 0.0])}, compensate=True)
     np.testing.assert_allclose(again["w"], first["w"] + [0.5, 0.0])
-    np.testing.assert_allclose(ledger.pending[3]["w"], [1.5, 2.0])
+    np.testing.assert_allclose(periods.pending[3]["w"], [1.5, 2.0])
 
 
 def test_a_site_given_up_on_restarts_its_pipeline_from_now() -> None:
