@@ -11,7 +11,7 @@ import math
 import re
 from typing import Any
 
-from flwr.app import Message
+from flwr.app import Message, MetricRecord
 
 from flplatform import keys
 from flplatform.engine.events import SiteInfo
@@ -74,16 +74,21 @@ def site_info(node_id: int, reply: Message | None) -> SiteInfo:
     )
 
 
-def reported_metrics(reply: Message) -> dict[str, Any]:
-    """Example count, train loss and compute seconds a reply reports, where valid."""
+def _metrics_and_examples(reply: Message) -> tuple[MetricRecord | None, dict[str, Any]]:
+    """The reply's metrics record (None without one) and its example count where valid."""
     records = reply.content.metric_records if reply.has_content() else {}
     if keys.METRICS not in records:
-        return {}
+        return None, {}
     metrics = records[keys.METRICS]
-    out: dict[str, Any] = {}
     examples = count(metrics.get(keys.NUM_EXAMPLES))
-    if examples is not None:
-        out["num_examples"] = examples
+    return metrics, ({} if examples is None else {"num_examples": examples})
+
+
+def reported_metrics(reply: Message) -> dict[str, Any]:
+    """Example count, train loss and compute seconds a reply reports, where valid."""
+    metrics, out = _metrics_and_examples(reply)
+    if metrics is None:
+        return out
     for key in keys.TRAIN_LOSS_ALIASES:
         loss = finite(metrics.get(key))
         if loss is not None:
@@ -101,14 +106,9 @@ def evaluation_metrics(reply: Message) -> dict[str, Any]:
     Flower's quickstarts report ``eval_loss`` / ``eval_acc``; ``loss`` / ``accuracy`` are
     read too.
     """
-    records = reply.content.metric_records if reply.has_content() else {}
-    if keys.METRICS not in records:
-        return {}
-    metrics = records[keys.METRICS]
-    out: dict[str, Any] = {}
-    examples = count(metrics.get(keys.NUM_EXAMPLES))
-    if examples is not None:
-        out["num_examples"] = examples
+    metrics, out = _metrics_and_examples(reply)
+    if metrics is None:
+        return out
     for field, names in (
         ("loss", (keys.EVAL_LOSS, keys.LOSS)),
         ("accuracy", (keys.EVAL_ACCURACY, keys.ACCURACY)),
