@@ -86,8 +86,7 @@ from clients.datasets import load_dataset
 from clients.models import build_model, count_parameters
 from flplatform.comparison import ModePlan, read_results, run_comparison
 from flplatform.config import RunConfig
-from flplatform.network import COMPUTE_MODELS
-from flplatform.network.profiles import PRESETS
+from flplatform.network import COMPUTE_MODELS, PRESETS
 from flplatform.simulation import run_simulation
 from storage import LedgerRepository
 

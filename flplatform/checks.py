@@ -115,6 +115,11 @@ def unit_interval(value: object, name: str, *, says: str = "") -> Problem:
     return number(value, name, at_least=0.0, below=1.0, says=says)
 
 
+def holds(ok: bool, value: object, name: str, *, says: str) -> Problem:
+    """``value`` must pass a test of the caller's (``ok``); ``says`` words what is allowed."""
+    return None if ok else f"{name} must be {says}, got {_shown(value)}"
+
+
 def one_of(value: object, name: str, allowed: Sequence[str], *, also: str = "") -> Problem:
     """``value`` must be one of ``allowed`` (``also`` words further forms that are allowed)."""
     if value in allowed:

@@ -15,7 +15,10 @@ from clients.training import evaluate, pick_device
 from flplatform import keys
 from flplatform.config import DELAYED, FETCHSGD, SKETCHED_SGD, RunConfig
 from flplatform.engine import AggregationPolicy
-from flplatform.start import PlatformOptions, choose_policy, record_failed_start, start
+from flplatform.run_ledger import record_failed_start
+from flplatform.start import start
+from flplatform.start_options import PlatformOptions
+from flplatform.start_parts import choose_policy
 from strategies.delayed import DelayedCompensated
 from strategies.fetchsgd import FetchSGD
 from strategies.local_sgd import LocalSGDAveraging

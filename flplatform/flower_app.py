@@ -36,7 +36,7 @@ from flplatform.errors import ConfigError
 
 ConfigValue = str | int | float | bool
 
-# flplatform.start's environment variable; kept equal to flplatform.start.OPTIONS_ENV.
+# start()'s environment variable; kept equal to flplatform.start_options.OPTIONS_ENV.
 OPTIONS_ENV = "FLPLATFORM_OPTIONS"
 GENERIC_SERVERAPP = "flplatform.server_app:app"
 # Sites when neither --sites nor the app's `sites` key says (Flower's default is 2).
@@ -126,8 +126,8 @@ class AppRun:
 
 
 def options_environment(options: Mapping[str, Any]) -> dict[str, str]:
-    """``{FLPLATFORM_OPTIONS: json}`` for ``options``, checked by flplatform.start's helper."""
-    from flplatform.start import options_environment as start_environment  # engine, Flower
+    """``{FLPLATFORM_OPTIONS: json}`` for ``options``, checked as ``start()`` checks them."""
+    from flplatform.start_options import options_environment as start_environment  # the engine
 
     return start_environment(**options)
 

@@ -1,19 +1,19 @@
 """Simulated networks: site profiles, compute-time models, presets and TOML profiles.
 
 Pure configuration and arithmetic for the virtual clock: no Flower, no torch (numpy and the
-standard library only). See :mod:`flplatform.network.profiles` for the TOML format.
+standard library only). See :mod:`flplatform.network.load` for the TOML format.
 """
 
 from __future__ import annotations
 
 from flplatform.network.compute import COMPUTE_MODELS, ComputeModel, compute_seconds
+from flplatform.network.load import load_network
+from flplatform.network.presets import PRESETS
 from flplatform.network.profiles import (
-    PRESETS,
     SITE_NAME,
     SPEED_RANGE,
     Network,
     SiteProfile,
-    load_network,
     random_speed,
     transfer_seconds,
 )

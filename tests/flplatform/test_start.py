@@ -30,14 +30,13 @@ from flplatform import keys
 from flplatform.arrays import record_to_arrays
 from flplatform.engine import APPLIED, REJECTED, RoundSummary
 from flplatform.errors import ConfigError, DataError, NoProgress, UpdateRejected
-from flplatform.start import (
+from flplatform.run_ledger import record_failed_start
+from flplatform.start import options_environment, start
+from flplatform.start_options import (
     OPTION_NAMES,
     OPTIONS_ENV,
     PlatformOptions,
-    options_environment,
     options_from_environment,
-    record_failed_start,
-    start,
 )
 from storage import LedgerRepository
 from strategies.delayed import DelayedCompensated

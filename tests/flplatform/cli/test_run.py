@@ -19,8 +19,8 @@ from flplatform.flower_app import (
     plan_run,
     read_app,
 )
-from flplatform.start import OPTIONS_ENV as START_OPTIONS_ENV
-from flplatform.start import options_from_environment
+from flplatform.start_options import OPTIONS_ENV as START_OPTIONS_ENV
+from flplatform.start_options import options_from_environment
 
 ROOT = Path(__file__).resolve().parents[3]
 OWN_APP = ROOT / "examples" / "own_app"
