@@ -163,32 +163,18 @@ def _misused(config: RunConfig) -> list[Problem]:
     ]
 
 
-def _strategy_problems(config: RunConfig) -> list[Problem]:
-    """The strategy's own knobs, asked of the strategy, and what the edge adds to them."""
-    problems: list[Problem] = []
-    if config.strategy in SKETCHED:
-        problems.append(sketched_sync_only(config.strategy).problem(config.sync))
-    elif config.strategy == DELAYED:
-        problems.append(DELAYED_SYNC_ONLY.problem(config.sync))
+def strategy_knobs(config: RunConfig) -> tuple[Any, dict[str, Any]]:
+    """The strategy class ``config`` names and its knobs, keyed as its ``knob_problems`` takes
+    them; its constructor takes the same (``flplatform.federation.build_strategy``)."""
     if config.strategy == DELAYED:
-        problems += DelayedCompensated.knob_problems(
+        return DelayedCompensated, dict(
             delay=config.delay,
             num_rounds=config.num_server_rounds,
             eta=config.server_lr,
             fraction_evaluate=config.fraction_evaluate,
         )
-        problems.append(
-            integer(
-                config.period, "period", minimum=0, says=">= 0 local steps (0: use local-steps)"
-            )
-        )
-        if config.fraction_train != 1.0:
-            problems.append(
-                "strategy 'delayed' trains every site every period; fraction-train must be 1"
-            )
-        return problems
     if config.strategy == FETCHSGD:
-        return problems + FetchSGD.knob_problems(
+        return FetchSGD, dict(
             k=config.k,
             sketch_rows=config.sketch_rows,
             sketch_cols=config.sketch_cols,
@@ -199,7 +185,7 @@ def _strategy_problems(config: RunConfig) -> list[Problem]:
             fraction_evaluate=config.fraction_evaluate,
         )
     if config.strategy == SKETCHED_SGD:
-        return problems + SketchedSGD.knob_problems(
+        return SketchedSGD, dict(
             k=config.k,
             sketch_rows=config.sketch_rows,
             sketch_cols=config.sketch_cols,
@@ -209,12 +195,34 @@ def _strategy_problems(config: RunConfig) -> list[Problem]:
             fraction_train=config.fraction_train,
             fraction_evaluate=config.fraction_evaluate,
         )
-    return problems + LocalSGDAveraging.knob_problems(
+    return LocalSGDAveraging, dict(
         eta=config.server_lr,
         beta=config.server_momentum,
         fraction_train=config.fraction_train,
         fraction_evaluate=config.fraction_evaluate,
     )
+
+
+def _strategy_problems(config: RunConfig) -> list[Problem]:
+    """The strategy's own knobs, asked of the strategy, and what the edge adds to them."""
+    problems: list[Problem] = []
+    if config.strategy in SKETCHED:
+        problems.append(sketched_sync_only(config.strategy).problem(config.sync))
+    elif config.strategy == DELAYED:
+        problems.append(DELAYED_SYNC_ONLY.problem(config.sync))
+    strategy_class, knobs = strategy_knobs(config)
+    problems += strategy_class.knob_problems(**knobs)
+    if config.strategy == DELAYED:
+        problems.append(
+            integer(
+                config.period, "period", minimum=0, says=">= 0 local steps (0: use local-steps)"
+            )
+        )
+        if config.fraction_train != 1.0:
+            problems.append(
+                "strategy 'delayed' trains every site every period; fraction-train must be 1"
+            )
+    return problems
 
 
 def _edge_problems(config: RunConfig) -> list[Problem]:

@@ -13,7 +13,8 @@ from clients.models import build_model
 from clients.site import TestSet, load_test_set
 from clients.training import evaluate, pick_device
 from flplatform import keys
-from flplatform.config import DELAYED, FETCHSGD, SKETCHED_SGD, RunConfig
+from flplatform.config import RunConfig
+from flplatform.config_rules import strategy_knobs
 from flplatform.engine import AggregationPolicy
 from flplatform.run_ledger import record_failed_start
 from flplatform.start import start
@@ -29,48 +30,14 @@ def build_strategy(
     config: RunConfig,
 ) -> LocalSGDAveraging | DelayedCompensated | FetchSGD | SketchedSGD:
     """The strategy named in ``config``, with its knobs (RunConfig validated them)."""
-    if config.strategy == SKETCHED_SGD:
-        return SketchedSGD(
-            k=config.k,
-            sketch_rows=config.sketch_rows,
-            sketch_cols=config.sketch_cols,
-            candidate_factor=config.candidate_factor,
-            momentum=config.step_momentum,
-            eta=config.server_lr,
-            fraction_train=config.fraction_train,
-            fraction_evaluate=config.fraction_evaluate,
-            seed=config.seed,
-        )
-    if config.strategy == FETCHSGD:
-        return FetchSGD(
-            k=config.k,
-            sketch_rows=config.sketch_rows,
-            sketch_cols=config.sketch_cols,
-            rho=config.sketch_momentum,
-            eta=config.server_lr,
-            removal=config.sketch_removal,
-            fraction_train=config.fraction_train,
-            fraction_evaluate=config.fraction_evaluate,
-            seed=config.seed,
-        )
-    if config.strategy == DELAYED:
-        return DelayedCompensated(
-            delay=config.delay,
-            num_rounds=config.num_server_rounds,
-            compensate=config.compensation,
-            eta=config.server_lr,
-            fraction_evaluate=config.fraction_evaluate,
-            seed=config.seed,
-            codec=config.codec,
-        )
-    return LocalSGDAveraging(
-        eta=config.server_lr,
-        beta=config.server_momentum,
-        fraction_train=config.fraction_train,
-        fraction_evaluate=config.fraction_evaluate,
-        seed=config.seed,
-        codec=config.codec,
-    )
+    strategy_class, knobs = strategy_knobs(config)
+    if strategy_class in (LocalSGDAveraging, DelayedCompensated):
+        knobs["codec"] = config.codec
+    if strategy_class is DelayedCompensated:
+        knobs["compensate"] = config.compensation
+    strategy: LocalSGDAveraging | DelayedCompensated | FetchSGD | SketchedSGD
+    strategy = strategy_class(**knobs, seed=config.seed)
+    return strategy
 
 
 def platform_options(config: RunConfig) -> dict[str, Any]:
