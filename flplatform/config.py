@@ -88,8 +88,8 @@ class RunConfig:
     model: str = field(
         default="mlp",
         metadata=about(
-            f"{', '.join(MODELS)} (509k parameters), or MODULE:FACTORY: a zero-argument "
-            "callable returning your nn.Module, importable from here or the Python path."
+            f"{', '.join(MODELS)} (509k parameters), or MODULE:FACTORY (a zero-argument "
+            "callable returning your nn.Module, importable from here or the Python path)."
         ),
     )
     # ---- the sites' training
