@@ -25,7 +25,7 @@ from __future__ import annotations
 import sys
 import types
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
@@ -243,7 +243,7 @@ class PlatformStart:
     ) -> Result:
         """Flower's ``start`` signature; see the class."""
         return start(
-            as_engine_strategy(self),
+            cast(EngineStrategy, self),  # every subclass is one; start() checks it
             grid,
             initial_arrays,
             num_rounds=num_rounds,
