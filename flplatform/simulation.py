@@ -149,20 +149,8 @@ class SimulationProcess:
         _terminate_groups(groups - {self.run.pid, self.superlink.pid, os.getpgrp()})
 
     def last_error(self) -> str:
-        """The most telling line of the run's output.
-
-        Its last ``SomeError: message`` line (a traceback's own), else its last line that
-        mentions an error, else its last line; terminal colours removed.
-        """
-        tail = [_ANSI.sub("", line).strip() for line in self.log_tail(60).splitlines()]
-        tail = [line for line in tail if line]
-        for line in reversed(tail):
-            if _EXCEPTION_LINE.match(line) and line.split(":", 1)[-1].strip():
-                return line
-        for line in reversed(tail):
-            if "error" in line.lower():
-                return line
-        return tail[-1] if tail else "no output"
+        """The most telling line of the run's output (see ``telling_line``)."""
+        return telling_line(self.log_tail(60))
 
     def log_tail(self, lines: int = 20) -> str:
         """Last lines of the run's output, for error messages."""
@@ -171,6 +159,33 @@ class SimulationProcess:
         except OSError:
             return ""
         return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def telling_line(output: str) -> str:
+    """The line of a process's output that says what went wrong, terminal colours removed.
+
+    Flower's CLI prints its errors in a box (``╭─ Error ─╮``, ``│ text │`` lines, ``╰─╯``):
+    the last such box's text, joined into one line. Else the last ``SomeError: message``
+    line (a traceback's own), else the last line that mentions an error, else the last line.
+    """
+    tail = [_ANSI.sub("", line).strip() for line in output.splitlines()]
+    tail = [line for line in tail if line]
+    opened = [i for i, line in enumerate(tail) if line.startswith("╭") and "Error" in line]
+    if opened:
+        text = []
+        for line in tail[opened[-1] + 1 :]:
+            if not line.startswith("│"):
+                break
+            text.append(line.strip("│ "))
+        if any(text):
+            return " ".join(part for part in text if part)
+    for line in reversed(tail):
+        if _EXCEPTION_LINE.match(line) and line.split(":", 1)[-1].strip():
+            return line
+    for line in reversed(tail):
+        if "error" in line.lower():
+            return line
+    return tail[-1] if tail else "no output"
 
 
 def _descendant_groups(*roots: int) -> set[int]:
