@@ -36,9 +36,11 @@ from flplatform.config_rules import (
     about,
     problems,
 )
+from flplatform.engine.guard import NORM_ACTIONS
 from flplatform.engine.synchrony import SYNC_MODES
 from flplatform.errors import ConfigError
 from flplatform.network import Network, load_network
+from strategies.local_sgd import AGGREGATORS
 
 __all__ = [
     "DEFAULT_SITES",
@@ -208,6 +210,53 @@ class RunConfig:
             "topk:<fraction>.",
             strategies=(LOCAL_SGD, DELAYED),
             misuse=CODEC_MISUSE,
+        ),
+    )
+    # ---- robust aggregation: the update guard (flplatform/engine/guard.py), every strategy
+    update_norm_ratio: float = field(
+        default=10.0,
+        metadata=about(
+            "Clip or reject an update whose norm exceeds this many times the recent median "
+            "(0: no norm check)."
+        ),
+    )
+    update_norm_action: str = field(
+        default="clip",
+        metadata=about(
+            "What an update beyond the norm ratio gets: clip (scaled to the median) or reject.",
+            allowed=NORM_ACTIONS,
+        ),
+    )
+    max_site_share: float = field(
+        default=1.0,
+        metadata=about(
+            "Largest share of the federation's examples one site's weight may claim (1: no cap)."
+        ),
+    )
+    reject_replays: bool = field(
+        default=True,
+        metadata=about("Reject a reply identical to one the site sent before."),
+    )
+    update_min_cosine: float = field(
+        default=-1.0,
+        metadata=about(
+            "Reject an update whose cosine with the recent mean updates is below this "
+            "(-1: no direction check)."
+        ),
+    )
+    aggregator: str = field(
+        default="mean",
+        metadata=about(
+            "Local-SGD: combine updates by their weighted mean, median or trimmed-mean.",
+            allowed=AGGREGATORS,
+            strategies=(LOCAL_SGD,),
+        ),
+    )
+    trim_fraction: float = field(
+        default=0.2,
+        metadata=about(
+            "Local-SGD trimmed-mean: fraction cut at each end, in [0, 0.5).",
+            strategies=(LOCAL_SGD,),
         ),
     )
     # ---- sketched aggregation (strategies/fetchsgd.py, strategies/sketched_sgd.py)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from clients.catalog import BUILTIN_DATASETS, MODELS
 from flplatform.checks import Problem, integer, number, one_of, positive, unit_interval
+from flplatform.engine.guard import guard_problems
 from flplatform.engine.synchrony import BATCH_MODES, SYNC_MODES, synchrony_problems
 from flplatform.errors import ConfigError
 from strategies.codecs import make_codec
@@ -200,6 +201,8 @@ def strategy_knobs(config: RunConfig) -> tuple[Any, dict[str, Any]]:
         beta=config.server_momentum,
         fraction_train=config.fraction_train,
         fraction_evaluate=config.fraction_evaluate,
+        aggregator=config.aggregator,
+        trim_fraction=config.trim_fraction,
     )
 
 
@@ -259,6 +262,13 @@ def _edge_problems(config: RunConfig) -> list[Problem]:
             "max-failed-rounds",
             minimum=0,
             says=">= 0 (rounds in a row that fail alike before the run stops; 0 never stops)",
+        ),
+        *guard_problems(
+            update_norm_ratio=config.update_norm_ratio,
+            update_norm_action=config.update_norm_action,
+            max_site_share=config.max_site_share,
+            reject_replays=config.reject_replays,
+            update_min_cosine=config.update_min_cosine,
         ),
     ]
     return problems

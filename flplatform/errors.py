@@ -56,6 +56,22 @@ class UpdateRejected(FLPlatformError):
     exit_code = 6
 
 
+class StepRefused(FLPlatformError):
+    """A round's step would make the global model unusable (non-finite); it is not taken.
+
+    Raised by a strategy's ``finish_aggregation`` with its state as before the step. The
+    engine keeps the model, and the round's updates are recorded as not applied with the
+    reason. ``arrays``: the model to go on with as a new version, for a strategy that makes
+    one every round (delayed updates); None keeps the current version.
+    """
+
+    exit_code = 6
+
+    def __init__(self, reason: str, arrays: object | None = None) -> None:
+        super().__init__(reason)
+        self.arrays = arrays
+
+
 class RunFailed(FLPlatformError):
     """A federated run could not start or stopped before its last round."""
 

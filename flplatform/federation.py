@@ -62,6 +62,11 @@ def platform_options(config: RunConfig) -> dict[str, Any]:
         tag=config.run_tag or None,
         required_sites=config.required_sites,
         max_failed_rounds=config.max_failed_rounds,
+        update_norm_ratio=config.update_norm_ratio,
+        update_norm_action=config.update_norm_action,
+        max_site_share=config.max_site_share,
+        reject_replays=config.reject_replays,
+        update_min_cosine=config.update_min_cosine,
     )
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 from clients.catalog import MODELS
 from flplatform.checks import integer, one_of, require
+from flplatform.engine.guard import GUARD_OPTIONS
 from flplatform.errors import ConfigError
 
 ConfigValue = str | int | float | bool
@@ -53,6 +54,7 @@ RUN_CONFIG_KEYS = {
     "max_failed_rounds": "max-failed-rounds",
     "strategy": "strategy",
     "model": "model",
+    **{name: name.replace("_", "-") for name in GUARD_OPTIONS},
 }
 # Platform option → flplatform.start() keyword (FLPLATFORM_OPTIONS).
 START_KEYWORDS = {
@@ -62,6 +64,7 @@ START_KEYWORDS = {
     "k": "k",
     "seed": "seed",
     "max_failed_rounds": "max_failed_rounds",
+    **{name: name for name in GUARD_OPTIONS},
 }
 
 
@@ -99,6 +102,11 @@ class PlatformOptions:
     max_failed_rounds: int | None = None
     strategy: str | None = None
     model: str | None = None
+    update_norm_ratio: float | None = None
+    update_norm_action: str | None = None
+    max_site_share: float | None = None
+    reject_replays: bool | None = None
+    update_min_cosine: float | None = None
     run_config: Sequence[str] = ()  # -c key=value, the app's own keys
 
 
@@ -327,6 +335,12 @@ def _checked_values(app: FlowerApp, given: PlatformOptions) -> dict[str, Any]:
         out["strategy"] = strategy
     if given.model is not None:
         out["model"] = _checked_model(app, given.model.strip())
+    from flplatform.engine.guard import guard_problems
+
+    guard = {name: getattr(given, name) for name in GUARD_OPTIONS}
+    guard = {name: value for name, value in guard.items() if value is not None}
+    require(guard_problems(**guard))
+    out.update(guard)
     return out
 
 

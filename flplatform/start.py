@@ -31,7 +31,13 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from flplatform.engine import EngineStrategy, RoundEngine, RoundSummary
+from flplatform.engine import (
+    EngineStrategy,
+    GuardOptions,
+    RoundEngine,
+    RoundSummary,
+    UpdateGuard,
+)
 from flplatform.network import Network
 from flplatform.run_ledger import open_run
 from flplatform.run_log import log_start, round_reporter
@@ -77,6 +83,11 @@ def start(
     tag: str | None = None,
     required_sites: int = 0,
     max_failed_rounds: int = 3,
+    update_norm_ratio: float = 10.0,
+    update_norm_action: str = "clip",
+    max_site_share: float = 1.0,
+    reject_replays: bool = True,
+    update_min_cosine: float = -1.0,
     on_round: Callable[[RoundSummary], None] | None = None,
 ) -> Result:
     """Run ``strategy`` over ``grid`` for ``num_rounds`` rounds with the platform's parts.
@@ -141,6 +152,21 @@ def start(
     max_failed_rounds : int
         Stop after this many rounds in a row in which every reply failed the same way
         (``NoProgress``); 0 never stops.
+    update_norm_ratio : float
+        The update guard (``flplatform.engine.guard``), for every strategy: an update
+        whose norm exceeds this many times the recent median is clipped or rejected;
+        0 turns the check off.
+    update_norm_action : {"clip", "reject"}
+        What such an update gets: scaled down to the median norm, or rejected.
+    max_site_share : float
+        Largest share of the federation's examples one site's weight may claim, in
+        (0, 1]; 1 caps nothing. (A weight is always capped at the examples the site
+        declared when it joined.)
+    reject_replays : bool
+        Reject a reply identical to one the same site sent before.
+    update_min_cosine : float
+        Reject an update whose cosine with the federation's recent mean updates is below
+        this; −1 turns the direction check off.
     on_round : callable, optional
         Called with every finished round's ``RoundSummary`` (each is also logged).
 
@@ -179,6 +205,11 @@ def start(
         tag=tag,
         required_sites=required_sites,
         max_failed_rounds=max_failed_rounds,
+        update_norm_ratio=update_norm_ratio,
+        update_norm_action=update_norm_action,
+        max_site_share=max_site_share,
+        reject_replays=reject_replays,
+        update_min_cosine=update_min_cosine,
     )
     options, overrides = resolve_options(given)
     engine_strategy = as_engine_strategy(strategy)
@@ -199,6 +230,15 @@ def start(
             required_sites=options.required_sites,
             on_round=round_reporter(on_round),
             max_failed_rounds=options.max_failed_rounds,
+            guard=UpdateGuard(
+                GuardOptions(
+                    norm_ratio=options.update_norm_ratio,
+                    norm_action=options.update_norm_action,
+                    max_share=options.max_site_share,
+                    reject_replays=options.reject_replays,
+                    min_cosine=options.update_min_cosine,
+                )
+            ),
         )
         result = engine.run(
             initial_arrays,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from flplatform.checks import Problem, holds, integer, number, require
+from flplatform.engine.guard import GUARD_OPTIONS, guard_problems
 from flplatform.engine.synchrony import SYNC_MODES
 from flplatform.errors import ConfigError
 from flplatform.network import Network
@@ -51,6 +52,11 @@ class PlatformOptions:
     tag: str | None = None
     required_sites: int = 0
     max_failed_rounds: int = 3
+    update_norm_ratio: float = 10.0
+    update_norm_action: str = "clip"
+    max_site_share: float = 1.0
+    reject_replays: bool = True
+    update_min_cosine: float = -1.0
 
 
 OPTION_NAMES = tuple(f.name for f in fields(PlatformOptions))
@@ -168,6 +174,16 @@ def _text_keys(value: Any, name: str) -> Problem:
     return holds(ok, value, name, says="an object with text keys or null")
 
 
+def _guard_rule(option: str) -> Callable[[Any, str], Problem]:
+    """The guard's own rule for one of its options, reported under ``name``."""
+
+    def rule(value: Any, name: str) -> Problem:
+        said = [problem for problem in guard_problems(**{option: value}) if problem]
+        return f"{name}: {said[0]}" if said else None
+
+    return rule
+
+
 # Each option's rule: ``rule(value, name)`` is what is wrong with ``value``, or None.
 _RULES: dict[str, Callable[[Any, str], Problem]] = {
     "num_rounds": lambda v, n: integer(v, n, minimum=1),
@@ -195,6 +211,8 @@ _RULES: dict[str, Callable[[Any, str], Problem]] = {
     "max_failed_rounds": lambda v, n: integer(
         v, n, minimum=0, says="an integer >= 0 (0: never stop)"
     ),
+    # The guard's options: its own rules, under the name the caller used.
+    **{option: _guard_rule(option) for option in GUARD_OPTIONS},
 }
 # Options that may be None (JSON null): "not set" (no bound, no network, no ledger, ...).
 _NULLABLE = frozenset(

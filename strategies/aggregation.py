@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from flplatform.checks import Problem, positive
+from flplatform.errors import StepRefused
 
 Arrays = dict[str, np.ndarray]
 
@@ -98,19 +99,29 @@ def apply_server_update(
 
     The result keeps each array's dtype; integer arrays (e.g. a user model's BatchNorm
     counters) are rounded, since averaging them is all a model-agnostic server can do.
+
+    Raises ``StepRefused`` if any array of the result would not be finite in its dtype
+    (a float32 model overflows at 3.4e38); the velocity is then left as it was.
     """
     out: Arrays = {}
+    velocity: Arrays = {}
     for key, base in x.items():
         step = mean_delta[key]
         if beta > 0.0:
             v = state.velocity.get(key)
-            v = step.copy() if v is None else beta * v + step
-            state.velocity[key] = v
-            step = v
+            step = step.copy() if v is None else beta * v + step
+            velocity[key] = step
         new = np.asarray(base, dtype=np.float64) + eta * step
         if np.issubdtype(base.dtype, np.integer):
+            if not np.isfinite(new).all():
+                raise StepRefused(f"array '{key}' would become non-finite")
             new = np.rint(new)
-        out[key] = new.astype(base.dtype, copy=False)
+        with np.errstate(over="ignore"):  # overflow is what the check below looks for
+            cast = new.astype(base.dtype, copy=False)
+        if np.issubdtype(cast.dtype, np.inexact) and not np.isfinite(cast).all():
+            raise StepRefused(f"array '{key}' would become non-finite in {base.dtype}")
+        out[key] = cast
+    state.velocity.update(velocity)
     return out
 
 

@@ -61,9 +61,10 @@ from flplatform.engine import (
     PeriodSync,
     Synchrony,
     SyncOnly,
+    Update,
     Work,
 )
-from flplatform.errors import UpdateRejected
+from flplatform.errors import StepRefused, UpdateRejected
 from flplatform.start import PlatformStart
 from strategies.aggregation import (
     ServerOptimizerState,
@@ -265,10 +266,8 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         oldest = state.version - self.delay  # what a site starting period r + D is sent
         state.models = {v: a for v, a in state.models.items() if v >= oldest}
 
-    def accumulate(
-        self, reply: Message, *, base: ArrayRecord, weight_scale: float = 1.0
-    ) -> Contribution:
-        """Add n_n·A_{n,q} to the accumulator of the period q the site computed."""
+    def read_update(self, reply: Message, *, base: ArrayRecord) -> Update:
+        """Read A_{n,q}, the update of the period q the site computed, and check it."""
         node_id = reply.metadata.src_node_id
         periods = self.state.periods
         # Whatever the reply holds, the site answered: it is not re-offered the period.
@@ -309,16 +308,25 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         except Exception as exc:  # not .npy bytes, pickled objects, truncated data
             raise UpdateRejected(f"arrays cannot be decoded: {exc}") from None
         update = self._decode(content, update)
-        self.state.open.setdefault(period, WeightedDeltaSum()).add(
-            update, float(num_examples), scale=weight_scale
-        )
-        periods.counted(node_id, period)
         loss = first_number(metrics, keys.TRAIN_LOSS_ALIASES)
-        if loss is not None:
-            total, weight = self.state.losses.get(period, (0.0, 0.0))
-            self.state.losses[period] = (total + num_examples * loss, weight + num_examples)
         seconds = first_number(metrics, (keys.COMPUTE_SECONDS,))
-        return Contribution(num_examples, train_loss=loss, compute_seconds=seconds, note=note)
+        contribution = Contribution(
+            num_examples, train_loss=loss, compute_seconds=seconds, note=note
+        )
+        payload = (node_id, period, update)
+        return Update(contribution, vector=list(update.values()), payload=payload)
+
+    def add_update(self, update: Update, *, weight: float, scale: float = 1.0) -> None:
+        """Add w·s·A_{n,q} to the accumulator of period q; the site's period is counted."""
+        node_id, period, arrays = update.payload
+        if period < self._round:  # held by the guard past its own round's average
+            raise UpdateRejected(f"period {period} was averaged already (round {self._round})")
+        self.state.open.setdefault(period, WeightedDeltaSum()).add(arrays, weight, scale=scale)
+        self.state.periods.counted(node_id, period)
+        loss = update.contribution.train_loss
+        if loss is not None:
+            total, loss_weight = self.state.losses.get(period, (0.0, 0.0))
+            self.state.losses[period] = (total + weight * loss, loss_weight + weight)
 
     def _decode(self, content: RecordDict, received: dict[str, np.ndarray]) -> dict:
         """A_{n,q} from the reply's arrays: as sent, or decoded with the run's codec."""
@@ -343,10 +351,17 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         state = self.state
         acc = state.open.pop(self._round, None)
         metrics = MetricRecord({"num-updates": acc.count if acc else 0})
+        refused: StepRefused | None = None
         if acc is not None and acc.count:
-            self._current = apply_server_update(
-                self._current, acc.mean(), eta=self.eta, beta=0.0, state=ServerOptimizerState()
-            )
+            try:
+                self._current = apply_server_update(
+                    self._current, acc.mean(), eta=self.eta, beta=0.0, state=ServerOptimizerState()
+                )
+            except StepRefused as exc:  # an empty average: x unchanged, still a version
+                refused = exc
+                # No site's update of this period is in the model: none may swap it out.
+                for included in state.periods.included.values():
+                    included.discard(self._round)
         total, weight = state.losses.pop(self._round, (0.0, 0.0))
         if weight > 0:
             metrics[keys.TRAIN_LOSS] = total / weight
@@ -354,6 +369,8 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         record = arrays_to_record(self._current)
         self._current_record = record
         state.models[state.version] = record
+        if refused is not None:
+            raise StepRefused(f"the average Ā_{self._round}: {refused.reason}", arrays=record)
         return record, metrics
 
     # -------------------------------------------------------------- driving

@@ -32,7 +32,8 @@ from flwr.serverapp import Grid
 
 from flplatform import keys
 from flplatform.checks import Problem, require
-from flplatform.engine import Contribution
+from flplatform.engine import Contribution, Update
+from flplatform.errors import StepRefused
 from strategies.count_sketch import CountSketch
 from strategies.local_sgd import first_number, reject_state_lost
 from strategies.sketch_feedback import SketchFeedback, feedback_problems
@@ -182,10 +183,8 @@ class FetchSGD(SketchedStrategy):
         self._use(arrays)
         self._table, self._weight, self._count, self._loss = None, 0.0, 0, (0.0, 0.0)
 
-    def accumulate(
-        self, reply: Message, *, base: ArrayRecord, weight_scale: float = 1.0
-    ) -> Contribution:
-        """Add w_n·S(g_n); the site now holds the version its message carried."""
+    def read_update(self, reply: Message, *, base: ArrayRecord) -> Update:
+        """Read S(g_n); the site now holds the version its message carried."""
         assert self.feedback is not None
         # Unconfirmed, a site that lost its model is sent the whole model next time.
         reject_state_lost(reply.content, "it is sent the whole model next time")
@@ -194,16 +193,24 @@ class FetchSGD(SketchedStrategy):
         self.model.confirm(reply.metadata.src_node_id)
         num_examples = check_num_examples(metrics.get(keys.NUM_EXAMPLES))
         table = sketch_table(record, (self.rows, self.cols), SITE_ALGORITHM)
+        contribution = Contribution(
+            num_examples=num_examples,
+            train_loss=first_number(metrics, keys.TRAIN_LOSS_ALIASES),
+            compute_seconds=first_number(metrics, (keys.COMPUTE_SECONDS,)),
+        )
+        # Sketches are linear: a table's norm and direction stand for its update's.
+        return Update(contribution, vector=[table], kind="sketch", payload=table)
+
+    def add_update(self, update: Update, *, weight: float, scale: float = 1.0) -> None:
+        """Add w·s·S(g_n) to the round's table."""
         # float64: finite float32 tables times large weights cannot overflow the sum
-        weighted = torch.from_numpy(table.astype(np.float64)) * float(num_examples * weight_scale)
+        weighted = torch.from_numpy(update.payload.astype(np.float64)) * float(weight * scale)
         self._table = weighted if self._table is None else self._table.add_(weighted)
-        self._weight += num_examples
+        self._weight += weight
         self._count += 1
-        loss = first_number(metrics, keys.TRAIN_LOSS_ALIASES)
+        loss = update.contribution.train_loss
         if loss is not None:
-            self._loss = (self._loss[0] + num_examples * loss, self._loss[1] + num_examples)
-        seconds = first_number(metrics, (keys.COMPUTE_SECONDS,))
-        return Contribution(num_examples=num_examples, train_loss=loss, compute_seconds=seconds)
+            self._loss = (self._loss[0] + weight * loss, self._loss[1] + weight)
 
     def finish_aggregation(self) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Δ from the sketches; x ← x + Δ; None when no sketch was accepted."""
@@ -211,11 +218,21 @@ class FetchSGD(SketchedStrategy):
         if self._table is None or self._count == 0:
             return None, None
         mean = (self._table / self._weight).to(torch.float32)
+        self._table = None
         if not torch.isfinite(mean).all():
-            log.warning("the sketches' mean overflows float32; no step this round")
-            self._table = None
-            return None, None
+            raise StepRefused("the sketches' mean overflows float32")
+        before = self.feedback.state_dict()
         indices, values = self.feedback.step(mean)
+        if not (
+            torch.isfinite(values).all()
+            and torch.isfinite(self.model.flat[indices] + values.to(self.model.flat.dtype)).all()
+        ):
+            # Momentum and error as they were: the refused step leaves no trace.
+            if before:
+                self.feedback.load_state_dict(before)
+            else:
+                self.feedback.momentum = self.feedback.error = None
+            raise StepRefused("the step would make the model non-finite in float32")
         record = self.model.apply(indices, values)
         metrics = MetricRecord(
             {"num-updates": self._count, "applied-coordinates": int(indices.numel())}

@@ -35,9 +35,9 @@ from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.strategy_utils import validate_message_reply_consistency
 
 from flplatform import keys
-from flplatform.arrays import record_to_arrays
-from flplatform.engine import AggregationPolicy, Contribution, EngineStrategy, Synchrony
-from flplatform.errors import ConfigError, RunFailed, UpdateRejected
+from flplatform.arrays import arrays_to_record, record_to_arrays
+from flplatform.engine import AggregationPolicy, Contribution, EngineStrategy, Synchrony, Update
+from flplatform.errors import ConfigError, RunFailed, StepRefused, UpdateRejected
 from strategies.local_sgd import first_number
 from strategies.validation import check_arrays, check_num_examples
 
@@ -158,29 +158,11 @@ class FlowerStrategyAdapter(EngineStrategy):
         if arrays is not self._base_record:  # decode each version once
             self._base, self._base_record = record_to_arrays(arrays), arrays
 
-    def accumulate(
-        self, reply: Message, *, base: ArrayRecord, weight_scale: float = 1.0
-    ) -> Contribution:
-        """Check one reply and keep it for the round's ``aggregate_train``.
+    def read_update(self, reply: Message, *, base: ArrayRecord) -> Update:
+        """Check one reply; its update is its model minus ``base``.
 
-        Parameters
-        ----------
-        reply : Message
-            A site's training reply.
-        base : ArrayRecord
-            The model version the site was sent (the current one: the mode is ``sync``).
-        weight_scale : float
-            Ignored: fully synchronous runs apply no staleness weighting.
-
-        Returns
-        -------
-        Contribution
-            The reply's example count, training loss and compute seconds.
-
-        Raises
-        ------
-        UpdateRejected
-            If the reply is malformed or the wrapped strategy would refuse it.
+        Raises ``UpdateRejected`` if the reply is malformed or the wrapped strategy would
+        refuse it.
         """
         content = reply.content
         if len(content.array_records) != 1 or len(content.metric_records) != 1:
@@ -202,12 +184,44 @@ class FlowerStrategyAdapter(EngineStrategy):
             raise UpdateRejected(f"arrays cannot be decoded: {exc}") from None
         expected = self._base if base is self._base_record else record_to_arrays(base)
         check_arrays(received, expected)
-        self._replies.append(reply)
-        return Contribution(
+        delta = [
+            received[k].astype(np.float64) - expected[k]
+            for k in expected
+            if np.issubdtype(expected[k].dtype, np.inexact)
+        ]
+        contribution = Contribution(
             num_examples=num_examples,
             train_loss=first_number(metrics, keys.TRAIN_LOSS_ALIASES),
             compute_seconds=first_number(metrics, (keys.COMPUTE_SECONDS,)),
         )
+        return Update(contribution, vector=delta, payload=(reply, received, expected))
+
+    def add_update(self, update: Update, *, weight: float, scale: float = 1.0) -> None:
+        """Keep the reply for the round's ``aggregate_train``, as the guard allows it.
+
+        Flower's strategy reads the reply itself: a clipped update is written back into it
+        as base + s·(x − base), and a capped weight scales the reply's weight key.
+        """
+        reply, received, expected = update.payload
+        content = reply.content
+        if scale != 1.0:
+            (name,) = content.array_records.keys()
+            content[name] = arrays_to_record(
+                {
+                    k: (expected[k] + scale * (v.astype(np.float64) - expected[k])).astype(v.dtype)
+                    if np.issubdtype(v.dtype, np.inexact)
+                    else v
+                    for k, v in received.items()
+                }
+            )
+        claimed = update.contribution.num_examples
+        if weight < claimed:
+            (name,) = content.metric_records.keys()
+            metrics = content.metric_records[name]
+            metrics[self.weighted_by_key] = self._weight(content) * weight / claimed
+            if self.weighted_by_key != keys.NUM_EXAMPLES:
+                metrics[keys.NUM_EXAMPLES] = int(weight)
+        self._replies.append(reply)
 
     def finish_aggregation(self) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """The wrapped strategy's ``aggregate_train`` over the round's accepted replies.
@@ -228,7 +242,7 @@ class FlowerStrategyAdapter(EngineStrategy):
         if not replies:
             return None, None
         try:
-            return self.strategy.aggregate_train(self._round, replies)
+            arrays, metrics = self.strategy.aggregate_train(self._round, replies)
         except InconsistentMessageReplies as exc:
             log.warning("%s refused the replies of round %d: %s", self.name, self._round, exc)
             return None, None
@@ -236,6 +250,11 @@ class FlowerStrategyAdapter(EngineStrategy):
             raise RunFailed(
                 f"Flower's {self.name}.aggregate_train failed in round {self._round}: {exc!r}"
             ) from exc
+        if arrays is not None:
+            for key, value in record_to_arrays(arrays).items():
+                if np.issubdtype(value.dtype, np.inexact) and not np.isfinite(value).all():
+                    raise StepRefused(f"Flower's {self.name} made array '{key}' non-finite")
+        return arrays, metrics
 
     # ------------------------------------------------------------ helpers
     def _check_consistent(self, contents: list[RecordDict], *, check_arrays: bool = True) -> None:

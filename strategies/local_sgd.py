@@ -14,6 +14,12 @@ The server forms Δ_n = x_n − x against the version the site was sent and appl
 Site momentum restarts at every sync (a fresh optimiser per round); model buffers such as
 BatchNorm statistics, if a user's model has them, are averaged like weights.
 
+Robust aggregation (``aggregator = "median"`` or ``"trimmed-mean"``): the round's Δ̄ is
+the coordinate-wise median, or the mean after cutting ``trim_fraction`` of the values at
+each end, of the updates (Flower's ``aggregate_median`` / ``aggregate_trimmed_avg``). Like
+Flower's FedMedian and FedTrimmedAvg they weigh sites equally, and they hold the round's
+updates (one model-sized array per site) instead of one running sum.
+
 With a codec (``codec = "topk:0.01"`` or ``"int8"``, strategies/codecs.py) the site's
 ``codec_mod`` uploads Δ_n compressed with error feedback,
 e_n ← (Δ_n + e_n) − decode(encode(Δ_n + e_n)), and names the codec in its reply's
@@ -37,14 +43,15 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
+from flwr.server.strategy.aggregate import aggregate_median, aggregate_trimmed_avg
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from flplatform import keys
 from flplatform.arrays import arrays_to_record, record_to_arrays
-from flplatform.checks import Problem, number, require, unit_interval
-from flplatform.engine import Contribution, EngineStrategy
-from flplatform.errors import ConfigError, UpdateRejected
+from flplatform.checks import Problem, number, one_of, require, unit_interval
+from flplatform.engine import Contribution, EngineStrategy, Update
+from flplatform.errors import ConfigError, StepRefused, UpdateRejected
 from flplatform.seeding import rng_for
 from flplatform.start import PlatformStart
 from strategies.aggregation import (
@@ -59,6 +66,9 @@ from strategies.validation import check_arrays, check_num_examples, reply_parts
 log = logging.getLogger("flplatform.strategies.local_sgd")
 
 SITE_ALGORITHM = keys.LOCAL_SGD
+# How the round's updates are combined: the weighted mean (FedAvg), or a robust one.
+MEAN, MEDIAN, TRIMMED_MEAN = "mean", "median", "trimmed-mean"
+AGGREGATORS = (MEAN, MEDIAN, TRIMMED_MEAN)
 # Flower's quickstarts report eval_acc / eval_loss; the ledger speaks accuracy / loss.
 _EVAL_NAMES = {keys.EVAL_ACCURACY: keys.ACCURACY, keys.EVAL_LOSS: keys.LOSS}
 
@@ -103,6 +113,10 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
     codec : str
         Upload compression the sites' ``codec_mod`` applies (``none``, ``int8``, ``topk:<k>``,
         ``topk:<fraction>``), with error feedback at the site.
+    aggregator : {"mean", "median", "trimmed-mean"}
+        How the round's updates are combined (see the module).
+    trim_fraction : float
+        ``trimmed-mean``: the fraction of values cut at each end, in [0, 0.5).
     """
 
     def __init__(
@@ -114,6 +128,8 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         fraction_evaluate: float = 0.0,
         seed: int = 0,
         codec: str = "none",
+        aggregator: str = MEAN,
+        trim_fraction: float = 0.2,
     ) -> None:
         require(
             self.knob_problems(
@@ -121,8 +137,13 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
                 beta=beta,
                 fraction_train=fraction_train,
                 fraction_evaluate=fraction_evaluate,
+                aggregator=aggregator,
+                trim_fraction=trim_fraction,
             )
         )
+        self.aggregator = aggregator
+        self.trim_fraction = trim_fraction
+        self._held: list[dict[str, np.ndarray]] = []  # robust aggregators: the round's updates
         self.eta = eta
         self.beta = beta
         self.fraction_train = fraction_train
@@ -145,6 +166,8 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         beta: float = 0.0,
         fraction_train: float = 1.0,
         fraction_evaluate: float = 0.0,
+        aggregator: str = MEAN,
+        trim_fraction: float = 0.2,
     ) -> list[Problem]:
         """Every problem with these knobs; the run configuration asks too, at the edge."""
         return [
@@ -152,17 +175,21 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
             unit_interval(beta, "server-momentum", says="in [0, 1) (the server momentum β)"),
             number(fraction_train, "fraction-train", above=0.0, at_most=1.0),
             number(fraction_evaluate, "fraction-evaluate", at_least=0.0, at_most=1.0),
+            one_of(aggregator, "aggregator", AGGREGATORS),
+            number(trim_fraction, "trim-fraction", at_least=0.0, below=0.5),
         ]
 
     def summary(self) -> None:
         """Log the configuration."""
         log.info(
-            "LocalSGDAveraging: eta=%s beta=%s fraction_train=%s fraction_evaluate=%s seed=%s",
+            "LocalSGDAveraging: eta=%s beta=%s fraction_train=%s fraction_evaluate=%s seed=%s "
+            "aggregator=%s",
             self.eta,
             self.beta,
             self.fraction_train,
             self.fraction_evaluate,
             self.seed,
+            self.aggregator,
         )
 
     # ---------------------------------------------------------------- sampling
@@ -267,12 +294,11 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         """Start a new accumulator for the round producing the next version."""
         self._use_current(arrays)
         self._acc = WeightedDeltaSum()
+        self._held = []
         self._loss_sum, self._loss_weight = 0.0, 0.0
 
-    def accumulate(
-        self, reply: Message, *, base: ArrayRecord, weight_scale: float = 1.0
-    ) -> Contribution:
-        """Validate one reply and add n_n·Δ_n, Δ_n measured against the version sent."""
+    def read_update(self, reply: Message, *, base: ArrayRecord) -> Update:
+        """Validate one reply and read Δ_n, measured against the version sent."""
         content = reply.content
         record, metrics = reply_parts(reply)
         num_examples = check_num_examples(metrics.get(keys.NUM_EXAMPLES))
@@ -290,14 +316,25 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         else:
             delta = self._decode(codec, received)
             self._compressing.add(reply.metadata.src_node_id)
-        self._acc.add(delta, float(num_examples), scale=weight_scale)
         loss = first_number(metrics, keys.TRAIN_LOSS_ALIASES)
-        if loss is not None:
-            self._loss_sum += num_examples * loss
-            self._loss_weight += num_examples
         seconds = first_number(metrics, (keys.COMPUTE_SECONDS,))
         note = state_lost_note(metrics, "its error-feedback residual restarted at zero")
-        return Contribution(num_examples, train_loss=loss, compute_seconds=seconds, note=note)
+        contribution = Contribution(
+            num_examples, train_loss=loss, compute_seconds=seconds, note=note
+        )
+        return Update(contribution, vector=list(delta.values()), payload=delta)
+
+    def add_update(self, update: Update, *, weight: float, scale: float = 1.0) -> None:
+        """Add w·s·Δ_n to the round's sum (or hold s·Δ_n for a robust aggregator)."""
+        delta: dict[str, np.ndarray] = update.payload
+        if self.aggregator == MEAN:
+            self._acc.add(delta, weight, scale=scale)
+        else:
+            self._held.append({k: v * scale for k, v in delta.items()} if scale != 1 else delta)
+        loss = update.contribution.train_loss
+        if loss is not None:
+            self._loss_sum += weight * loss
+            self._loss_weight += weight
 
     def _decode(self, name: str, wire: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Δ_n from a compressed reply, in float64; only the codec the server asked for."""
@@ -312,20 +349,32 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
 
     def finish_aggregation(self) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Apply the server update; None when no update was accepted this round."""
-        if self._acc.count == 0:
+        count = self._acc.count if self.aggregator == MEAN else len(self._held)
+        if count == 0:
             return None, None
-        new = apply_server_update(
-            self._current,
-            self._acc.mean(),
-            eta=self.eta,
-            beta=self.beta,
-            state=self.state.optimizer,
-        )
-        metrics = MetricRecord({"num-updates": self._acc.count})
+        mean = self._acc.mean() if self.aggregator == MEAN else self._robust_mean()
+        # Free the round's sum before the next round, whether or not the step is taken.
+        self._acc, self._held = WeightedDeltaSum(), []
+        try:
+            new = apply_server_update(
+                self._current, mean, eta=self.eta, beta=self.beta, state=self.state.optimizer
+            )
+        except StepRefused as exc:
+            raise StepRefused(f"the server step: {exc.reason}") from None
+        metrics = MetricRecord({"num-updates": count})
         if self._loss_weight > 0:
             metrics[keys.TRAIN_LOSS] = self._loss_sum / self._loss_weight
-        self._acc = WeightedDeltaSum()  # free the accumulator before the next round
         return arrays_to_record(new), metrics
+
+    def _robust_mean(self) -> dict[str, np.ndarray]:
+        """The coordinate-wise median or trimmed mean of the held updates (Flower's maths)."""
+        names = list(self._current)
+        results = [([held[k] for k in names], 1) for held in self._held]
+        if self.aggregator == MEDIAN:
+            combined = aggregate_median(results)
+        else:
+            combined = aggregate_trimmed_avg(results, self.trim_fraction)
+        return {k: np.asarray(v, np.float64) for k, v in zip(names, combined, strict=True)}
 
     # -------------------------------------------------------------- driving
 
@@ -350,7 +399,11 @@ def aggregate_batch(
             strategy.accumulate(reply, base=base)
         except UpdateRejected as exc:
             log.warning("skipping reply from node %s: %s", reply.metadata.src_node_id, exc)
-    return strategy.finish_aggregation()
+    try:
+        return strategy.finish_aggregation()
+    except StepRefused as exc:
+        log.warning("round %s: step not applied: %s", server_round, exc.reason)
+        return None, None
 
 
 def _reply_codec(content: RecordDict) -> str | None:

@@ -21,7 +21,7 @@ from flwr.serverapp.strategy import Strategy
 from flplatform import keys
 from flplatform.arrays import record_to_arrays
 from flplatform.checks import Problem, integer, odd, require
-from flplatform.engine import AggregationPolicy, Contribution, EngineStrategy, Synchrony, SyncOnly
+from flplatform.engine import AggregationPolicy, EngineStrategy, Synchrony, SyncOnly, Update
 from flplatform.errors import UpdateRejected
 from flplatform.seeding import derive_seed
 from flplatform.start import PlatformStart
@@ -141,10 +141,12 @@ class SketchedStrategy(PlatformStart, Strategy, EngineStrategy):
         """Start a round's aggregation."""
 
     @abstractmethod
-    def accumulate(
-        self, reply: Message, *, base: ArrayRecord, weight_scale: float = 1.0
-    ) -> Contribution:
-        """Take one reply in, or raise ``UpdateRejected``."""
+    def read_update(self, reply: Message, *, base: ArrayRecord) -> Update:
+        """Read and check one reply, or raise ``UpdateRejected``."""
+
+    @abstractmethod
+    def add_update(self, update: Update, *, weight: float, scale: float = 1.0) -> None:
+        """Add a read update with the weight and scale the engine allows."""
 
     @abstractmethod
     def finish_aggregation(self) -> tuple[ArrayRecord | None, MetricRecord | None]:

@@ -44,8 +44,8 @@ from flwr.serverapp import Grid
 from flplatform import keys
 from flplatform.arrays import arrays_to_record, record_to_arrays
 from flplatform.checks import Problem, integer, require, unit_interval
-from flplatform.engine import Contribution
-from flplatform.errors import ConfigError, UpdateRejected
+from flplatform.engine import Contribution, Update
+from flplatform.errors import ConfigError, StepRefused, UpdateRejected
 from strategies.aggregation import eta_problem
 from strategies.count_sketch import CountSketch
 from strategies.local_sgd import first_number, reject_state_lost, state_lost_note
@@ -127,7 +127,7 @@ class SketchedSGD(SketchedStrategy):
         self.phase = StepPhase.SKETCH  # what the next round asks of the sites
         self.candidates = torch.empty(0, dtype=torch.int64)
         self.sketch_round = 0  # the round whose sketches chose the candidates
-        self.contributors: dict[int, int] = {}  # node → weight of the sketch it sent
+        self.contributors: dict[int, float] = {}  # node → weight of the sketch it sent
         # ---- zeroing owed to sites: node → step its values went into; step → coordinates
         self.pending_zero: dict[int, int] = {}
         self.applied: dict[int, torch.Tensor] = {}
@@ -264,10 +264,8 @@ class SketchedSGD(SketchedStrategy):
         if self.phase == StepPhase.SKETCH:
             self.contributors = {}
 
-    def accumulate(
-        self, reply: Message, *, base: ArrayRecord, weight_scale: float = 1.0
-    ) -> Contribution:
-        """Add a site's sketch (sketch round) or its values at the candidates."""
+    def read_update(self, reply: Message, *, base: ArrayRecord) -> Update:
+        """Read a site's sketch (sketch round) or its values at the candidates."""
         node_id = reply.metadata.src_node_id
         said = reply.content.metric_records.get(keys.METRICS)
         if said is not None and said.get(keys.STATE_LOST) == 1 and keys.ARRAYS not in reply.content:
@@ -285,17 +283,14 @@ class SketchedSGD(SketchedStrategy):
             if self._zero_sent.get(node_id) == self.pending_zero.get(node_id, 0):
                 self._forget_zero(node_id)
             table = sketch_table(record, (self.rows, self.cols), SITE_ALGORITHM)
-            # (Sync only: weight_scale is 1; a discount would shrink the numerator only.)
-            table_tensor = torch.from_numpy(table.astype(np.float32))
-            self._add(table_tensor, num_examples * weight_scale, num_examples)
-            self.contributors[node_id] = num_examples
             self._sketched.add(node_id)
             loss = first_number(metrics, keys.TRAIN_LOSS_ALIASES)
-            if loss is not None:
-                self._loss = (self._loss[0] + num_examples * loss, self._loss[1] + num_examples)
             seconds = first_number(metrics, (keys.COMPUTE_SECONDS,))
             note = state_lost_note(metrics, "its momentum u and error v restarted at zero")
-            return Contribution(num_examples, train_loss=loss, compute_seconds=seconds, note=note)
+            contribution = Contribution(
+                num_examples, train_loss=loss, compute_seconds=seconds, note=note
+            )
+            return Update(contribution, vector=[table], kind="sketch", payload=(node_id, table))
         # ---- values round
         if node_id not in self._asked or node_id in self._answered:
             raise UpdateRejected(f"node {node_id} was not asked for values this round")
@@ -314,11 +309,27 @@ class SketchedSGD(SketchedStrategy):
             )
         if not np.isfinite(values).all():
             raise UpdateRejected("values contain NaN or Inf")
-        # Weighted as the sketch that made this site a contributor.
-        weight = self.contributors[node_id]
-        self._add(torch.from_numpy(values.astype(np.float32)), weight, weight)
+        if node_id not in self.contributors:
+            raise UpdateRejected(f"node {node_id}'s sketch was not counted this step")
+        payload = (node_id, values)
+        return Update(Contribution(num_examples), vector=[values], kind="values", payload=payload)
+
+    def add_update(self, update: Update, *, weight: float, scale: float = 1.0) -> None:
+        """Sketch round: add w·s·S(g_n). Values round: add the values, weighted as the
+        site's sketch was (``weight`` is then not used: the step's weights were fixed when
+        its sketches were counted)."""
+        node_id, array = update.payload
+        if update.kind == "sketch":
+            # (Sync only: the policy's scale is 1; the guard's clips the table.)
+            self._add(torch.from_numpy(array.astype(np.float32)), weight * scale, weight)
+            self.contributors[node_id] = weight
+            loss = update.contribution.train_loss
+            if loss is not None:
+                self._loss = (self._loss[0] + weight * loss, self._loss[1] + weight)
+            return
+        sketch_weight = self.contributors[node_id]
+        self._add(torch.from_numpy(array.astype(np.float32)), sketch_weight * scale, sketch_weight)
         self._answered.add(node_id)
-        return Contribution(num_examples)
 
     def _add(self, values: torch.Tensor, scaled: float, weight: float) -> None:
         # float64: finite float32 values times large weights cannot overflow the sum
@@ -341,8 +352,8 @@ class SketchedSGD(SketchedStrategy):
             count = min(self.candidate_factor * self.k, self.model.size)
             mean = (self._sum / self._weight).to(torch.float32)
             if not torch.isfinite(mean).all():
-                log.warning("round %s: the sketches' mean overflows float32; no step", self._round)
-                return None, None
+                self.phase = StepPhase.SKETCH  # (it was) the next round sketches again
+                raise StepRefused("the sketches' mean overflows float32")
             self.candidates = candidate_coordinates(self.sketch, mean, count).cpu()
             self.phase, self.sketch_round = StepPhase.VALUES, self._round
             metrics = MetricRecord(
@@ -363,8 +374,7 @@ class SketchedSGD(SketchedStrategy):
             or not torch.isfinite(self.model.flat[indices] + step).all()
         ):
             # The sites keep their values (none is told to zero) for a later step.
-            log.warning("round %s: the step overflows float32; not applied", self._round)
-            return None, None
+            raise StepRefused("the step would make the model non-finite in float32")
         record = self.model.apply(indices, step)
         self.applied[self.model.version] = indices
         for node_id in self._answered:

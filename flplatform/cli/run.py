@@ -21,6 +21,7 @@ from flplatform.cli.options import table_options
 from flplatform.cli.progress import display_url, round_progress
 from flplatform.cli.render import OutputFormat, make_console
 from flplatform.cli.simulate import site_names
+from flplatform.engine.guard import GUARD_OPTIONS
 from flplatform.flower_app import AppRun, PlatformOptions, plan_run, read_app
 from flplatform.simulation import run_app
 from storage import RunRecord
@@ -30,7 +31,17 @@ console = make_console()
 
 @handles_errors
 @table_options(
-    only=("rounds", "network", "sync", "k", "seed", "max_failed_rounds", "strategy", "model"),
+    only=(
+        "rounds",
+        "network",
+        "sync",
+        "k",
+        "seed",
+        "max_failed_rounds",
+        "strategy",
+        "model",
+        *GUARD_OPTIONS,
+    ),
     optional=True,
     helps={
         "rounds": "Server rounds (the app's num-server-rounds and start's num_rounds).",

@@ -24,8 +24,9 @@ from flplatform.engine.events import (
     SiteInfo,
     UpdateOutcome,
 )
+from flplatform.engine.guard import GuardOptions, UpdateGuard
 from flplatform.engine.policy import AggregationPolicy, EngineView, Verdict
-from flplatform.engine.strategy import Contribution, EngineStrategy, SubsetGrid, Work
+from flplatform.engine.strategy import Contribution, EngineStrategy, SubsetGrid, Update, Work
 from flplatform.engine.synchrony import SYNC_MODES, PeriodSync, Synchrony, SyncOnly
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "EngineStrategy",
     "EngineView",
     "EvaluationOutcome",
+    "GuardOptions",
     "LedgerSink",
     "NullLedger",
     "RoundEngine",
@@ -55,8 +57,10 @@ __all__ = [
     "Schedule",
     "Landing",
     "VirtualClock",
+    "UpdateGuard",
     "UpdateOutcome",
     "Verdict",
     "WallClock",
+    "Update",
     "Work",
 ]

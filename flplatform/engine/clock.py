@@ -331,4 +331,3 @@ def planned_steps(config: Mapping[str, Any], num_examples: int | None) -> int:
     if epochs and batch and num_examples:
         return epochs * max(1, math.ceil(num_examples / batch))
     return 1
-

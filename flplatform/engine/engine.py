@@ -8,8 +8,10 @@ no staleness, no partial rounds, no per-site accounting. This engine instead
 * tags every dispatch with the model version sent (also as the message's ``group_id``),
   and computes the staleness of every arrival against the current version;
 * measures the serialized size of every message in both directions;
-* hands each well-formed arrival to the strategy as it comes (streaming aggregation), and
-  asks an ``AggregationPolicy`` when the arrivals so far become a new model version.
+* hands each well-formed arrival to the strategy as it comes (streaming aggregation), after
+  the ``UpdateGuard`` has said how much of it counts (replays, weight caps, norm clipping),
+  and asks an ``AggregationPolicy`` when the arrivals so far become a new model version;
+* never takes a step that would make the model non-finite (``StepRefused``).
 
 On a ``VirtualClock`` (simulation) arrivals are judged in simulated order: an arrival is
 judged only when no outstanding message could land before it, the clock jumps to it, and
@@ -55,17 +57,18 @@ from flplatform.engine.events import (
     SiteInfo,
     UpdateOutcome,
 )
+from flplatform.engine.guard import Decision, GuardOptions, Ruling, UpdateGuard
 from flplatform.engine.mailbox import PULL_CHUNK, TTL_GRACE_SECONDS, Arrival, Mailbox, address
 from flplatform.engine.policy import AggregationPolicy, EngineView
 from flplatform.engine.replies import finite, reported_metrics
 from flplatform.engine.rows import REFUSED, UNAVAILABLE, no_reply_within, site_error
 from flplatform.engine.sites import Phase, Sites
 from flplatform.engine.stop_rule import DEFAULT_MAX_FAILED_ROUNDS, FailureStreak
-from flplatform.engine.strategy import EngineStrategy, SubsetGrid, Work
+from flplatform.engine.strategy import EngineStrategy, SubsetGrid, Update, Work
 from flplatform.engine.synchrony import Synchrony
 from flplatform.engine.versions import ModelVersions
 from flplatform.engine.wire import content_size, message_size
-from flplatform.errors import RunFailed, UpdateRejected
+from flplatform.errors import RunFailed, StepRefused, UpdateRejected
 
 log = logging.getLogger("flplatform.engine")
 
@@ -87,6 +90,8 @@ class _RoundState:
     outcomes: list[UpdateOutcome] = field(default_factory=list)
     # replies that came back and failed: a site's error, or rejected by the strategy
     failed_replies: list[UpdateOutcome] = field(default_factory=list)
+    # updates the guard holds until the round closes: ticket → (its row, the update, scale)
+    waiting: dict[int, tuple[UpdateOutcome, Update, float]] = field(default_factory=dict)
 
 
 class RoundEngine:
@@ -120,6 +125,9 @@ class RoundEngine:
         Stop the run (``NoProgress``) after this many rounds in a row that applied no
         update while every reply that failed did so for the same reason; 0 never stops.
         See ``FailureStreak`` for which rounds count.
+    guard : UpdateGuard, optional
+        Checks every update before it counts. None: a guard that checks nothing (every
+        update counts as its site claims); ``flplatform.start`` gives one that does.
     """
 
     def __init__(
@@ -136,6 +144,7 @@ class RoundEngine:
         poll_interval: float = 0.05,
         on_round: Callable[[RoundSummary], None] | None = None,
         max_failed_rounds: int = DEFAULT_MAX_FAILED_ROUNDS,
+        guard: UpdateGuard | None = None,
     ) -> None:
         self.grid = grid
         self.strategy = strategy
@@ -148,6 +157,8 @@ class RoundEngine:
         self.poll_interval = poll_interval
         self.on_round = on_round
         self.failure_streak = FailureStreak(max_failed_rounds)
+        self.guard = guard or UpdateGuard(GuardOptions.off())
+        self._tickets = 0
         self.sites = Sites()  # every site that ever joined the run, and its state
         self.mailbox = Mailbox(grid, self.clock, self.sites.name, poll_interval)
         self.versions = ModelVersions()
@@ -263,6 +274,11 @@ class RoundEngine:
             model_version=self.version,
             timeout=timeout,
         )
+        # The examples a site declares when it joins cap what its updates may claim.
+        for node_id in node_ids:
+            info = self.sites.info(node_id)
+            if info is not None:
+                self.guard.declare(node_id, info.num_examples)
 
     # ============================================================ training round
     def _train_round(
@@ -271,6 +287,7 @@ class RoundEngine:
         """One server step; returns its summary, the strategy's metrics, its failed replies."""
         state = _RoundState(server_round, time.time(), self.clock.now(), train_config)
         self.strategy.begin_aggregation(server_round, self.arrays)
+        self.guard.begin_round(server_round)
         waiting_since = time.monotonic()
         while True:
             # ---- dispatch: the policy says who may get work; the strategy samples
@@ -299,7 +316,12 @@ class RoundEngine:
             time.sleep(self.poll_interval)
 
         # ---- aggregate into the next model version
-        arrays, train_metrics = self.strategy.finish_aggregation()
+        self._settle(state)
+        try:
+            arrays, train_metrics = self.strategy.finish_aggregation()
+        except StepRefused as exc:
+            arrays, train_metrics = self._step_refused(state, exc)
+        self.guard.round_finished()
         if arrays is not None:
             self.arrays = arrays
             self.version += 1
@@ -555,11 +577,22 @@ class RoundEngine:
         if verdict.status != APPLIED:
             return UpdateOutcome(status=verdict.status, reason=verdict.reason, **row)
         try:
-            contribution = self.strategy.accumulate(
-                reply,
-                base=self.versions.base(dispatch.model_version, self.arrays),
-                weight_scale=verdict.weight_scale,
+            update = self.strategy.read_update(
+                reply, base=self.versions.base(dispatch.model_version, self.arrays)
             )
+            ticket = self._tickets = self._tickets + 1
+            decision = self.guard.consider(
+                ticket,
+                site=dispatch.node_id,
+                kind=update.kind,
+                claimed=update.contribution.num_examples,
+                vector=update.vector,
+                fingerprint=fingerprint(reply),
+            )
+            if decision.ruling is Ruling.REJECT:
+                raise UpdateRejected(decision.reason or "rejected by the update guard")
+            if decision.ruling is Ruling.ADMIT:
+                self._add(update, decision, verdict.weight_scale)
         except UpdateRejected as exc:
             log.warning("rejected update from %s: %s", site, exc.reason)
             return self._failed_reply(
@@ -571,12 +604,60 @@ class RoundEngine:
             return self._failed_reply(state, UpdateOutcome(status=REJECTED, reason=reason, **row))
         state.applied += 1
         state.applied_nodes.add(dispatch.node_id)
+        contribution = update.contribution
         row.update(
             num_examples=contribution.num_examples,
             train_loss=finite(contribution.train_loss),
             compute_seconds=finite(contribution.compute_seconds, minimum=0.0),
         )
-        return UpdateOutcome(status=APPLIED, reason=contribution.note, **row)
+        outcome = UpdateOutcome(
+            status=APPLIED, reason=_joined(contribution.note, decision.reason), **row
+        )
+        if decision.ruling is Ruling.WAIT:  # its row is final when the round closes
+            state.waiting[ticket] = (outcome, update, verdict.weight_scale)
+        return outcome
+
+    def _add(self, update: Update, decision: Decision, weight_scale: float) -> None:
+        """Add an admitted update with the guard's weight and scale (and the policy's)."""
+        scale = decision.scale * weight_scale
+        self.strategy.add_update(update, weight=decision.weight, scale=scale)
+
+    def _settle(self, state: _RoundState) -> None:
+        """Judge the updates the guard held, add those admitted, and make their rows final."""
+        decisions = self.guard.settle()
+        for ticket, (outcome, update, weight_scale) in state.waiting.items():
+            decision = decisions[ticket]
+            final = outcome
+            if decision.ruling is Ruling.ADMIT:
+                try:
+                    self._add(update, decision, weight_scale)
+                    final = replace(outcome, reason=_joined(outcome.reason, decision.reason))
+                except UpdateRejected as exc:
+                    decision = Decision(Ruling.REJECT, reason=exc.reason)
+            if decision.ruling is Ruling.REJECT:
+                final = replace(outcome, status=REJECTED, reason=decision.reason)
+                state.applied -= 1
+                state.failed_replies.append(final)
+                log.warning("rejected update from %s: %s", outcome.site, decision.reason)
+            state.outcomes = [final if o is outcome else o for o in state.outcomes]
+        state.waiting.clear()
+
+    def _step_refused(
+        self, state: _RoundState, exc: StepRefused
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The strategy refused its step: keep the model; the round's updates did not count."""
+        log.warning("round %s: step not applied: %s", state.server_round, exc.reason)
+        reason = (
+            f"the round's step was not applied: {exc.reason}; the global model stays "
+            f"version {self.version}"
+        )
+        state.outcomes = [
+            replace(o, status=REJECTED, reason=reason) if o.status == APPLIED else o
+            for o in state.outcomes
+        ]
+        state.failed_replies.extend(o for o in state.outcomes if o.reason == reason)
+        arrays = exc.arrays if isinstance(exc.arrays, ArrayRecord) else None
+        return arrays, MetricRecord({"step-refused": 1})
 
     @staticmethod
     def _failed_reply(state: _RoundState, outcome: UpdateOutcome) -> UpdateOutcome:
@@ -667,6 +748,21 @@ def _example_weighted_loss(outcomes: Sequence[UpdateOutcome]) -> float | None:
     ]
     total = sum(n for n, _ in pairs)
     return sum(n * loss for n, loss in pairs) / total if total else None
+
+
+def _joined(*notes: str | None) -> str | None:
+    """Notes for one ledger reason, in order (None when there are none)."""
+    said = [note for note in notes if note]
+    return "; ".join(said) if said else None
+
+
+def fingerprint(reply: Message) -> tuple[str, ...]:
+    """The content ids of a reply's arrays: equal for identical arrays (a replay).
+
+    Flower's objects are content-addressed; the ids were computed when the reply's size was
+    measured, so this costs nothing more.
+    """
+    return tuple(record.object_id for record in reply.content.array_records.values())
 
 
 def _floats(record: MetricRecord) -> dict[str, float]:

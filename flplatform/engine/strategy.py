@@ -1,9 +1,13 @@
 """What the round engine asks of a strategy: ``EngineStrategy``, and what it hands back.
 
 A strategy keeps Flower's hooks (``configure_train``, ``configure_evaluate``,
-``aggregate_evaluate``) and adds three streaming ones (``begin_aggregation``, ``accumulate``,
-``finish_aggregation``). Everything else the engine or ``flplatform.start`` needs to know
-about a strategy is declared here too, each with a default, so a strategy states only what
+``aggregate_evaluate``) and adds four streaming ones (``begin_aggregation``, ``read_update``,
+``add_update``, ``finish_aggregation``). Reading and adding are two steps so that the
+engine's ``UpdateGuard`` sits between them, the same for every strategy: the strategy says
+what an update is (``Update``: its vector and claimed examples), the guard how much of it
+counts (the weight and scale ``add_update`` gets); ``accumulate`` is both, unguarded.
+Everything else the engine or ``flplatform.start`` needs to know about a strategy is
+declared here too, each with a default, so a strategy states only what
 differs: the work a message asks for (``work_for``), what to undo for a message that was
 not sent (``message_not_sent``), the policy it runs under (``engine_policy``: the
 strategy–policy pairing, said once, beside the strategy) and its name in the ledger.
@@ -16,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 
@@ -33,6 +38,29 @@ class Contribution:
     # What the ledger should know about an accepted update (its row's reason), e.g. that
     # the site lost its kept state and was resynced.
     note: str | None = None
+
+
+@dataclass(frozen=True)
+class Update:
+    """One reply, read and checked by the strategy, not yet added to the round.
+
+    Parameters
+    ----------
+    contribution : Contribution
+        What the ledger records of it (the examples the site claims, its loss, ...).
+    vector : sequence of arrays
+        What the update adds to the round, before weighting: the guard judges its norm
+        and direction. (Model deltas, a sketch table, values at coordinates.)
+    kind : str
+        Updates are compared only with those of the same kind ("delta", "sketch", ...).
+    payload : object
+        The strategy's own, handed back to ``add_update`` (a period, decoded arrays, ...).
+    """
+
+    contribution: Contribution
+    vector: Sequence[np.ndarray]
+    kind: str = "delta"
+    payload: Any = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +90,7 @@ class Work:
 class EngineStrategy(Protocol):
     """The hooks the engine calls; Flower's own, streaming aggregation, and declarations.
 
-    The first six are required. The rest have defaults, inherited by subclassing this
+    The first seven are required. The rest have defaults, inherited by subclassing this
     protocol (``class MyStrategy(Strategy, EngineStrategy)``); override one to state what
     differs.
     """
@@ -89,17 +117,39 @@ class EngineStrategy(Protocol):
         """Start forming the next model version on top of ``arrays``."""
         ...
 
-    def accumulate(
-        self, reply: Message, *, base: ArrayRecord, weight_scale: float = 1.0
-    ) -> Contribution:
-        """Take one reply in (trained on ``base``), or raise ``UpdateRejected``."""
+    def read_update(self, reply: Message, *, base: ArrayRecord) -> Update:
+        """Read and check one reply (trained on ``base``), or raise ``UpdateRejected``.
+
+        Adds nothing yet: the update counts once ``add_update`` is called with it.
+        """
+        ...
+
+    def add_update(self, update: Update, *, weight: float, scale: float = 1.0) -> None:
+        """Add ``update`` to the round: Σ += weight·scale·u, Σw += weight.
+
+        ``weight`` is the examples it counts for (the claim, or the guard's cap);
+        ``scale`` discounts the update itself (staleness, or the guard's clipping) without
+        being renormalised away.
+        """
         ...
 
     def finish_aggregation(self) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The new model version (None: unchanged) and the round's training metrics."""
+        """The new model version (None: unchanged) and the round's training metrics.
+
+        Raises ``StepRefused`` when the step would make the model unusable (non-finite);
+        the strategy's state is then as it was before the step.
+        """
         ...
 
     # ------------------------------------------------ declarations, with defaults
+    def accumulate(
+        self, reply: Message, *, base: ArrayRecord, weight_scale: float = 1.0
+    ) -> Contribution:
+        """Read one reply and add it with the examples it claims (no guard)."""
+        update = self.read_update(reply, base=base)
+        self.add_update(update, weight=update.contribution.num_examples, scale=weight_scale)
+        return update.contribution
+
     def work_for(self, message: Message, *, server_round: int, model_version: int) -> Work:
         """The work ``message`` (drafted by ``configure_train``) asks of its site.
 

@@ -170,3 +170,50 @@ def test_site_config_reads_defaults_and_refuses_wrong_types() -> None:
     assert isinstance(parsed.local_steps, int) and isinstance(parsed.lr, float)
     with pytest.raises(ConfigError, match="'lr' must be a number"):
         SiteTrainConfig.from_record(ConfigRecord({"lr": "fast"}))
+
+
+# ------------------------------------------------------------- robust aggregators
+@pytest.mark.parametrize("aggregator", ["median", "trimmed-mean"])
+def test_robust_aggregators_match_numpy_and_ignore_one_outlier(aggregator: str) -> None:
+    values = [1.0, 2.0, 3.0, 4.0, 1e6]  # one site far out
+    strategy = LocalSGDAveraging(aggregator=aggregator, trim_fraction=0.2)
+    strategy.begin_aggregation(1, BASE)
+    for v, examples in zip(values, (1, 1, 1, 1, 10**6), strict=True):
+        strategy.accumulate(
+            reply(record(w=np.full((2, 2), v, np.float32), b=np.full(2, v, np.float32)), examples),
+            base=BASE,
+        )
+    arrays, metrics = strategy.finish_aggregation()
+    assert arrays is not None and metrics is not None and metrics["num-updates"] == 5
+    # Unweighted, as Flower's FedMedian / FedTrimmedAvg: median 3; trimmed (20% of 5 = 1
+    # cut at each end) mean of 2, 3, 4 = 3. The weighted mean would be ≈ 1e6.
+    expected = np.median(values) if aggregator == "median" else np.mean(sorted(values)[1:-1])
+    np.testing.assert_allclose(record_to_arrays(arrays)["w"], np.full((2, 2), expected))
+
+
+def test_a_step_that_overflows_is_refused_and_the_velocity_kept() -> None:
+    from flplatform.errors import StepRefused
+
+    strategy = LocalSGDAveraging(beta=0.9)
+    top = np.finfo(np.float32).max
+    strategy.begin_aggregation(1, BASE)
+    strategy.accumulate(
+        reply(record(w=np.full((2, 2), top, np.float32), b=np.zeros(2, np.float32)), 1),
+        base=BASE,
+    )
+    arrays, _ = strategy.finish_aggregation()  # x = max: still finite
+    assert arrays is not None
+    velocity = {k: v.copy() for k, v in strategy.state.optimizer.velocity.items()}
+    strategy.begin_aggregation(2, arrays)
+    strategy.accumulate(reply(arrays, 1), base=arrays)  # Δ = 0, but x + 0.9·v overflows
+    with pytest.raises(StepRefused, match="'w' would become non-finite in float32"):
+        strategy.finish_aggregation()
+    for key, kept in velocity.items():
+        np.testing.assert_array_equal(strategy.state.optimizer.velocity[key], kept)
+
+
+def test_aggregator_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="aggregator"):
+        LocalSGDAveraging(aggregator="mode")
+    with pytest.raises(ConfigError, match="trim-fraction"):
+        LocalSGDAveraging(aggregator="trimmed-mean", trim_fraction=0.5)

@@ -22,7 +22,7 @@ from flplatform import keys
 from flplatform.arrays import arrays_to_record, record_to_arrays
 from flplatform.config import RunConfig
 from flplatform.engine import APPLIED, RoundEngine, RoundSummary
-from flplatform.errors import ConfigError, UpdateRejected
+from flplatform.errors import ConfigError, StepRefused, UpdateRejected
 from strategies.local_sgd import LocalSGDAveraging
 from strategies.mods.contract import ModState
 from strategies.mods.fetchsgd import MODEL
@@ -358,13 +358,15 @@ def test_huge_finite_values_do_not_overflow_the_model() -> None:
         for node in (1, 2):  # w·v overflows float32: the sums are float64
             huge = np.full(6, 3e38, np.float32)
             strategy.accumulate(_values_reply(node, {VALUES: huge}), base=base)
-        applied, _ = strategy.finish_aggregation()
         if step == 1:  # a finite mean and a finite x + Δ: applied
+            applied, _ = strategy.finish_aggregation()
             assert applied is not None and strategy.model.version == 1
             assert torch.isfinite(strategy.model.flat).all()
             strategy.pending_zero.clear()
-        else:  # x + Δ = 6e38 overflows: not applied, and no site is told to zero
-            assert applied is None and strategy.model.version == 1
+        else:  # x + Δ = 6e38 overflows: refused, and no site is told to zero
+            with pytest.raises(StepRefused, match="non-finite"):
+                strategy.finish_aggregation()
+            assert strategy.model.version == 1
             assert torch.isfinite(strategy.model.flat).all()
             assert strategy.pending_zero == {}
 

@@ -15,7 +15,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 
 from flplatform import keys
-from flplatform.engine import Contribution, EngineStrategy
+from flplatform.engine import Contribution, EngineStrategy, Update
 from flplatform.network import ComputeModel, Network, SiteProfile
 
 from .scripted_grid import Behaviour
@@ -66,12 +66,12 @@ class CountingStrategy(EngineStrategy):
     def begin_aggregation(self, server_round: int, arrays: ArrayRecord) -> None:
         self._round, self._count = server_round, 0
 
-    def accumulate(
-        self, reply: Message, *, base: ArrayRecord, weight_scale: float = 1.0
-    ) -> Contribution:
-        self.applied.append((self._round, weight_scale))
+    def read_update(self, reply: Message, *, base: ArrayRecord) -> Update:
+        return Update(Contribution(num_examples=1), vector=[])
+
+    def add_update(self, update: Update, *, weight: float, scale: float = 1.0) -> None:
+        self.applied.append((self._round, scale))
         self._count += 1
-        return Contribution(num_examples=1)
 
     def finish_aggregation(self) -> tuple[ArrayRecord | None, MetricRecord | None]:
         return (ArrayRecord() if self._count else None), None

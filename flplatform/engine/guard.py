@@ -1,0 +1,437 @@
+"""The update guard: what the server checks of every update before it counts.
+
+Pure NumPy; imports no Flower. One guard serves every strategy: the strategy reads a reply
+into an ``Update`` (its vector, the examples it claims), the guard decides how much of it
+counts, and the strategy adds it with the weight and scale the guard allows. Four checks,
+each with its reason for the ledger:
+
+* **Replay.** A reply whose arrays are identical to one the same site sent before (same
+  content-addressed ids) is rejected: an honest site that trained sends new arrays.
+* **Weight.** A site's weight is at most the example count it declared when it joined,
+  and at most ``max_share`` of the federation's examples (the others' declared counts, or
+  their last accepted weight where they declared none):
+  ``w ≤ s/(1−s) · Σ_{m≠n} w_m``. A claim of 10¹² examples cannot own the average.
+* **Norm.** ‖u‖ is compared with the reference: the lower median of the norms accepted in
+  the last ``window_rounds`` rounds and in this one so far, for updates of the same kind.
+  One beyond ``norm_ratio`` × reference is clipped to the reference (scale = ref/‖u‖) or
+  rejected. Until ``min_reference`` norms are known (the first round) updates wait, and
+  are judged together when the round closes (``settle``): a huge update that arrives first
+  cannot become the reference.
+* **Direction** (off by default). An update whose cosine with the federation's recent
+  direction (same kind) is below ``min_cosine`` is rejected: a sign-flipped update points
+  against what the other sites agree on. The direction is a moving average of the rounds'
+  accepted means, d ← ½·d + ū_r, so that in an asynchronous mode (one update per round)
+  it is not one other site's update. Off by default because it cannot be safe in
+  general: near a stationary point of non-IID training the honest sites' updates cancel
+  out and may point against any average. Measured on digits (4 sites, 10 local steps, 20
+  rounds), honest cosines stayed above 0.69 (IID), 0.20 (Dirichlet α = 0.5) and 0.11
+  (α = 0.1): ``update-min-cosine 0`` or −0.1 suits runs like these.
+
+The lower median, not the mean: one huge norm moves a mean without bound; with two sites
+the lower median is the smaller norm, the conservative choice when a majority cannot tell
+who is honest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from flplatform.checks import Problem, holds, number, one_of, require
+
+CLIP = "clip"
+REJECT = "reject"
+NORM_ACTIONS = (CLIP, REJECT)
+# The guard's options as ``flplatform.start`` (and the run config, kebab-cased) names them.
+GUARD_OPTIONS = (
+    "update_norm_ratio",
+    "update_norm_action",
+    "max_site_share",
+    "reject_replays",
+    "update_min_cosine",
+)
+
+
+@dataclass(frozen=True)
+class GuardOptions:
+    """How strictly updates are checked (``flplatform.start``'s guard options).
+
+    Parameters
+    ----------
+    norm_ratio : float
+        An update whose norm exceeds this many times the reference is clipped or rejected;
+        0 turns the norm check off.
+    norm_action : {"clip", "reject"}
+        What happens to such an update: scaled down to the reference norm, or rejected.
+    max_share : float
+        Largest share of the federation's examples one site's weight may claim, in (0, 1];
+        1 caps nothing (the declared-examples cap still applies).
+    reject_replays : bool
+        Reject a reply identical to one the site sent before.
+    min_cosine : float
+        Reject an update whose cosine with the recent direction is below this, in
+        [−1, 1]; −1 turns the direction check off.
+    cap_declared : bool
+        Cap a site's weight at the examples it declared when it joined.
+    window_rounds : int
+        Rounds of accepted norms the reference is taken over (the current one too).
+    min_reference : int
+        Norms needed before an update is judged on arrival; before that it waits for the
+        round's end.
+    """
+
+    norm_ratio: float = 10.0
+    norm_action: str = CLIP
+    max_share: float = 1.0
+    reject_replays: bool = True
+    min_cosine: float = -1.0
+    cap_declared: bool = True
+    window_rounds: int = 3
+    min_reference: int = 3
+
+    def __post_init__(self) -> None:
+        require(self.problems())
+
+    @classmethod
+    def off(cls) -> GuardOptions:
+        """Options that check nothing: every update counts as its site claims."""
+        return cls(norm_ratio=0.0, reject_replays=False, min_cosine=-1.0, cap_declared=False)
+
+    def problems(self) -> list[Problem]:
+        """Every problem with these options (the names are the CLI's)."""
+        return guard_problems(
+            update_norm_ratio=self.norm_ratio,
+            update_norm_action=self.norm_action,
+            max_site_share=self.max_share,
+            reject_replays=self.reject_replays,
+            update_min_cosine=self.min_cosine,
+        ) + [
+            number(self.window_rounds, "window_rounds", at_least=1),
+            number(self.min_reference, "min_reference", at_least=1),
+        ]
+
+
+def guard_problems(
+    *,
+    update_norm_ratio: object = 10.0,
+    update_norm_action: object = CLIP,
+    max_site_share: object = 1.0,
+    reject_replays: object = True,
+    update_min_cosine: object = -1.0,
+) -> list[Problem]:
+    """Every problem with the guard's options, named as ``flplatform.start`` names them."""
+    ratio_says = "a number >= 1, or 0 (no norm check)"
+    ratio = update_norm_ratio
+    return [
+        number(ratio, "update-norm-ratio", at_least=0.0, says=ratio_says)
+        or holds(ratio == 0 or float(ratio) >= 1, ratio, "update-norm-ratio", says=ratio_says),  # type: ignore[arg-type]
+        one_of(update_norm_action, "update-norm-action", NORM_ACTIONS),
+        number(
+            max_site_share, "max-site-share", above=0.0, at_most=1.0, says="in (0, 1] (1: no cap)"
+        ),
+        holds(
+            isinstance(reject_replays, bool), reject_replays, "reject-replays", says="true or false"
+        ),
+        number(
+            update_min_cosine,
+            "update-min-cosine",
+            at_least=-1.0,
+            at_most=1.0,
+            says="in [-1, 1] (-1: no direction check)",
+        ),
+    ]
+
+
+class Ruling(Enum):
+    """What the guard made of an update."""
+
+    ADMIT = "admit"
+    REJECT = "reject"
+    WAIT = "wait"  # judged when the round closes (no reference yet)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The guard's decision on one update.
+
+    ``weight`` and ``scale`` are what the strategy adds the update with (Σ w·s·u / Σ w);
+    ``reason`` is the ledger's (None: nothing to say).
+    """
+
+    ruling: Ruling
+    weight: float = 0.0
+    scale: float = 1.0
+    reason: str | None = None
+
+
+@dataclass
+class _Waiting:
+    """An update held until the round closes, and what is known of it already."""
+
+    ticket: int
+    site: int
+    kind: str
+    norm: float
+    weight: float
+    notes: list[str]
+    vector: Sequence[np.ndarray]
+
+
+@dataclass
+class _Kind:
+    """Norms and direction of the accepted updates of one kind (model deltas, sketches)."""
+
+    rounds: deque[list[float]]
+    current: list[float] = field(default_factory=list)
+    # Σ w·s·u and Σ w of this round's accepted updates; the direction d ← ½·d + ū_r.
+    direction_sum: list[np.ndarray] | None = None
+    direction_weight: float = 0.0
+    direction: list[np.ndarray] | None = None
+
+    def norms(self) -> list[float]:
+        return [n for past in self.rounds for n in past] + self.current
+
+
+def lower_median(values: Iterable[float]) -> float:
+    """The lower median: the ⌈n/2⌉-th smallest value (the median for odd n)."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("no values")
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def vector_norm(parts: Sequence[np.ndarray]) -> float:
+    """‖u‖₂ over all parts, in float64 (finite float32 parts cannot overflow it)."""
+    total = 0.0
+    for part in parts:
+        flat = np.asarray(part).reshape(-1)
+        if flat.dtype != np.float64:
+            flat = flat.astype(np.float64)
+        with np.errstate(over="ignore"):  # an overflow is the answer (inf), not a fault
+            total += float(np.dot(flat, flat))
+    return math.sqrt(total)
+
+
+def cosine(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> float | None:
+    """cos(a, b) over all parts; None when either is zero."""
+    dot = sum(
+        float(np.dot(np.asarray(x, np.float64).reshape(-1), np.asarray(y, np.float64).reshape(-1)))
+        for x, y in zip(a, b, strict=True)
+    )
+    na, nb = vector_norm(a), vector_norm(b)
+    if na == 0 or nb == 0 or not math.isfinite(dot):
+        return None
+    return dot / (na * nb)
+
+
+class UpdateGuard:
+    """Decides, update by update, how much each one counts (see the module).
+
+    The engine calls ``consider`` for each update the strategy read, ``settle`` before the
+    strategy finishes the round (for updates that waited), and ``round_finished`` after.
+    """
+
+    def __init__(self, options: GuardOptions | None = None) -> None:
+        self.options = options or GuardOptions()
+        self._kinds: dict[str, _Kind] = {}
+        self._seen: dict[int, dict[tuple[str, ...], int]] = {}  # site → fingerprint → round
+        self._last_weight: dict[int, float] = {}
+        self._declared: dict[int, int] = {}
+        self._waiting: list[_Waiting] = []
+        self._round = 0
+
+    # ------------------------------------------------------------------ sites
+    def declare(self, site: int, num_examples: int | None) -> None:
+        """The example count ``site`` declared when it joined (None: it declared none)."""
+        if num_examples is not None and num_examples > 0:
+            self._declared[site] = num_examples
+
+    def begin_round(self, server_round: int) -> None:
+        """The engine opens ``server_round``."""
+        self._round = server_round
+
+    # --------------------------------------------------------------- judging
+    def consider(
+        self,
+        ticket: int,
+        *,
+        site: int,
+        kind: str,
+        claimed: int,
+        vector: Sequence[np.ndarray],
+        fingerprint: tuple[str, ...] | None = None,
+    ) -> Decision:
+        """Judge one update: admit it (with its weight and scale), reject it, or hold it.
+
+        Parameters
+        ----------
+        ticket : int
+            The caller's id for the update (``settle`` hands it back).
+        site : int
+            The site (node id) that sent it.
+        kind : str
+            Updates are compared only with updates of the same kind.
+        claimed : int
+            The examples the site says it trained on.
+        vector : sequence of arrays
+            What the update adds (its norm and direction are judged).
+        fingerprint : tuple of str, optional
+            Content ids of the reply's arrays (a replay has the same).
+        """
+        options = self.options
+        if fingerprint is not None and options.reject_replays:
+            seen = self._seen.setdefault(site, {})
+            first = seen.get(fingerprint)
+            if first is not None:
+                return Decision(
+                    Ruling.REJECT,
+                    reason=f"identical to its reply of round {first}: a replayed update",
+                )
+            seen[fingerprint] = self._round
+        norm = vector_norm(vector)
+        if not math.isfinite(norm):
+            return Decision(Ruling.REJECT, reason="its norm overflows: not a usable update")
+        weight, notes = self._weight(site, claimed)
+        state = self._kind(kind)
+        known = state.norms()
+        if options.norm_ratio == 0:
+            decision = Decision(Ruling.ADMIT, weight=weight, reason="; ".join(notes) or None)
+        elif len(known) >= options.min_reference:
+            decision = self._judge_norm(weight, norm, notes, lower_median(known))
+        else:  # no reference yet: judged with the round's norms when it closes
+            decision = Decision(Ruling.WAIT, weight=weight)
+        if decision.ruling is Ruling.REJECT:  # the norm is the more telling reason
+            return decision
+        pointing_away = self._direction_problem(vector, state)
+        if pointing_away is not None:
+            return pointing_away
+        if decision.ruling is Ruling.WAIT:
+            self._waiting.append(_Waiting(ticket, site, kind, norm, weight, notes, vector))
+            return decision
+        return self._admit(decision, state, site, norm, vector)
+
+    def settle(self) -> dict[int, Decision]:
+        """Judge the updates that waited, against the round's norms; ticket → decision."""
+        decisions: dict[int, Decision] = {}
+        waiting, self._waiting = self._waiting, []
+        by_kind: dict[str, list[_Waiting]] = {}
+        for item in waiting:
+            by_kind.setdefault(item.kind, []).append(item)
+        for kind, items in by_kind.items():
+            state = self._kind(kind)
+            reference = lower_median(state.norms() + [item.norm for item in items])
+            for item in items:
+                decision = self._judge_norm(item.weight, item.norm, item.notes, reference)
+                if decision.ruling is Ruling.ADMIT:
+                    decision = self._admit(decision, state, item.site, item.norm, item.vector)
+                decisions[item.ticket] = decision
+        return decisions
+
+    def round_finished(self) -> None:
+        """The round closed: its norms join the window, its mean the direction."""
+        for state in self._kinds.values():
+            state.rounds.append(state.current)
+            state.current = []
+            if state.direction_sum is not None and state.direction_weight > 0:
+                mean = [part / state.direction_weight for part in state.direction_sum]
+                if state.direction is None:
+                    state.direction = mean
+                else:  # d ← ½·d + ū_r
+                    for kept, new in zip(state.direction, mean, strict=True):
+                        kept *= 0.5
+                        kept += new
+            state.direction_sum, state.direction_weight = None, 0.0
+
+    # --------------------------------------------------------------- helpers
+    def _kind(self, kind: str) -> _Kind:
+        state = self._kinds.get(kind)
+        if state is None:
+            state = self._kinds[kind] = _Kind(rounds=deque(maxlen=self.options.window_rounds - 1))
+        return state
+
+    def _weight(self, site: int, claimed: int) -> tuple[float, list[str]]:
+        """The weight the site's update gets, and notes on any cap."""
+        weight, notes = float(claimed), []
+        declared = self._declared.get(site) if self.options.cap_declared else None
+        if declared is not None and claimed > declared:
+            weight = float(declared)
+            notes.append(
+                f"claimed {claimed} examples but declared {declared} when it joined: "
+                f"weighted as {declared}"
+            )
+        share = self.options.max_share
+        if share < 1.0:
+            others = sum(
+                self._declared.get(other, self._last_weight.get(other, 0.0))
+                for other in set(self._declared) | set(self._last_weight)
+                if other != site
+            )
+            cap = share / (1.0 - share) * others
+            if others > 0 and weight > cap:
+                weight = cap
+                notes.append(
+                    f"weight capped at {cap:.6g} examples, max-site-share {share:g} of the "
+                    "federation's"
+                )
+        return weight, notes
+
+    def _judge_norm(
+        self, weight: float, norm: float, notes: list[str], reference: float
+    ) -> Decision:
+        """The norm check's decision against ``reference`` (``_admit`` then counts it)."""
+        ratio = self.options.norm_ratio
+        if reference > 0 and norm > ratio * reference:
+            said = (
+                f"norm {norm:.3g} is {norm / reference:.3g}x the recent median {reference:.3g} "
+                f"(update-norm-ratio {ratio:g})"
+            )
+            if self.options.norm_action == REJECT:
+                return Decision(Ruling.REJECT, reason=said)
+            notes = [*notes, f"clipped: {said}; scaled to the median"]
+            return Decision(
+                Ruling.ADMIT, weight=weight, scale=reference / norm, reason="; ".join(notes)
+            )
+        return Decision(Ruling.ADMIT, weight=weight, reason="; ".join(notes) or None)
+
+    def _direction_problem(self, vector: Sequence[np.ndarray], state: _Kind) -> Decision | None:
+        """A rejection when the update points against the recent direction, else None."""
+        bound = self.options.min_cosine
+        if bound <= -1.0 or state.direction is None:
+            return None
+        cos = cosine(vector, state.direction)
+        if cos is None or cos >= bound:
+            return None
+        return Decision(
+            Ruling.REJECT,
+            reason=(
+                f"direction: cosine {cos:.2f} with the federation's recent updates, "
+                f"below update-min-cosine {bound:g}"
+            ),
+        )
+
+    def _admit(
+        self,
+        decision: Decision,
+        state: _Kind,
+        site: int,
+        norm: float,
+        vector: Sequence[np.ndarray],
+    ) -> Decision:
+        """Count an admitted update: its norm (after clipping) in the window, its weight,
+        and its direction."""
+        state.current.append(norm * decision.scale)
+        self._last_weight[site] = decision.weight
+        if self.options.min_cosine > -1.0:
+            factor = decision.weight * decision.scale
+            if state.direction_sum is None:
+                state.direction_sum = [np.asarray(p, np.float64) * factor for p in vector]
+            else:
+                for acc, part in zip(state.direction_sum, vector, strict=True):
+                    acc += np.multiply(part, factor, dtype=np.float64)
+            state.direction_weight += decision.weight
+        return decision

@@ -1,0 +1,230 @@
+"""The update guard: hand-computed cases, a naive reference, and properties."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flplatform.engine.guard import (
+    Decision,
+    GuardOptions,
+    Ruling,
+    UpdateGuard,
+    cosine,
+    lower_median,
+    vector_norm,
+)
+from flplatform.errors import ConfigError
+
+
+def vec(*values: float) -> list[np.ndarray]:
+    return [np.array(values, dtype=np.float64)]
+
+
+def warmed(options: GuardOptions, norms: list[float]) -> UpdateGuard:
+    """A guard whose first round admitted updates of these norms (along e1)."""
+    guard = UpdateGuard(options)
+    guard.begin_round(1)
+    for site, norm in enumerate(norms, start=100):
+        decision = guard.consider(site, site=site, kind="delta", claimed=10, vector=vec(norm, 0))
+        assert decision.ruling in (Ruling.WAIT, Ruling.ADMIT)
+    assert all(d.ruling is Ruling.ADMIT for d in guard.settle().values())
+    guard.round_finished()
+    guard.begin_round(2)
+    return guard
+
+
+# ------------------------------------------------------------------ golden cases
+def test_an_update_thirty_times_the_median_is_clipped_to_it() -> None:
+    guard = warmed(GuardOptions(norm_ratio=10), [1.0, 2.0, 3.0])  # lower median 2
+    decision = guard.consider(1, site=1, kind="delta", claimed=10, vector=vec(60, 0))
+    # 60 / 2 = 30x > 10x: scaled by 2/60 to the median's norm, its weight untouched
+    assert decision.ruling is Ruling.ADMIT
+    assert decision.scale == pytest.approx(2 / 60) and decision.weight == 10
+    assert "norm 60 is 30x the recent median 2" in (decision.reason or "")
+    assert "clipped" in (decision.reason or "")
+    # within the ratio: counted as it is, nothing to say
+    fine = guard.consider(2, site=2, kind="delta", claimed=10, vector=vec(19, 0))
+    assert (fine.ruling, fine.scale, fine.reason) == (Ruling.ADMIT, 1.0, None)
+
+
+def test_reject_action_rejects_instead() -> None:
+    guard = warmed(GuardOptions(norm_ratio=10, norm_action="reject"), [1.0, 1.0, 1.0])
+    decision = guard.consider(1, site=1, kind="delta", claimed=10, vector=vec(1e30, 0))
+    assert decision.ruling is Ruling.REJECT
+    assert "1e+30x the recent median 1" in (decision.reason or "")
+
+
+def test_a_huge_first_arrival_waits_and_cannot_become_the_reference() -> None:
+    guard = UpdateGuard(GuardOptions(norm_ratio=10))
+    guard.begin_round(1)
+    rulings = [
+        guard.consider(t, site=t, kind="delta", claimed=10, vector=vec(n, 0))
+        for t, n in ((1, 1e30), (2, 1.0), (3, 2.0))
+    ]
+    assert [d.ruling for d in rulings] == [Ruling.WAIT] * 3
+    decisions = guard.settle()  # reference: the lower median of {1e30, 1, 2} = 2
+    assert decisions[1].scale == pytest.approx(2 / 1e30)
+    assert (decisions[2].scale, decisions[3].scale) == (1.0, 1.0)
+
+
+def test_two_sites_are_judged_against_the_smaller_norm() -> None:
+    guard = UpdateGuard(GuardOptions(norm_ratio=10, norm_action="reject"))
+    guard.begin_round(1)
+    guard.consider(1, site=1, kind="delta", claimed=10, vector=vec(1.0, 0))
+    guard.consider(2, site=2, kind="delta", claimed=10, vector=vec(1e6, 0))
+    decisions = guard.settle()
+    assert decisions[1].ruling is Ruling.ADMIT and decisions[2].ruling is Ruling.REJECT
+
+
+def test_kinds_are_compared_only_with_their_own() -> None:
+    guard = warmed(GuardOptions(norm_ratio=10), [1.0, 1.0, 1.0])
+    decision = guard.consider(1, site=1, kind="sketch", claimed=10, vector=vec(1e3, 0))
+    assert decision.ruling is Ruling.WAIT  # no sketch norms known yet
+
+
+def test_a_replayed_reply_is_rejected_naming_the_round_it_copies() -> None:
+    guard = UpdateGuard(GuardOptions(norm_ratio=0))
+    guard.begin_round(1)
+    first = guard.consider(1, site=7, kind="delta", claimed=1, vector=vec(1), fingerprint=("a",))
+    assert first.ruling is Ruling.ADMIT
+    guard.round_finished()
+    guard.begin_round(4)
+    again = guard.consider(2, site=7, kind="delta", claimed=1, vector=vec(1), fingerprint=("a",))
+    assert again.ruling is Ruling.REJECT
+    assert again.reason == "identical to its reply of round 1: a replayed update"
+    # another site sending the same bytes is not replaying its own reply
+    other = guard.consider(3, site=8, kind="delta", claimed=1, vector=vec(1), fingerprint=("a",))
+    assert other.ruling is Ruling.ADMIT
+
+
+def test_weight_is_capped_by_the_declared_examples_and_the_share() -> None:
+    guard = UpdateGuard(GuardOptions(norm_ratio=0, max_share=0.5))
+    for site, declared in ((1, 300), (2, 300), (3, 400)):
+        guard.declare(site, declared)
+    guard.begin_round(1)
+    # claims 10^12 but declared 400: weighted as 400; the others hold 600 ≥ 400, no share cap
+    liar = guard.consider(1, site=3, kind="delta", claimed=10**12, vector=vec(1))
+    assert liar.weight == 400
+    assert "claimed 1000000000000 examples but declared 400" in (liar.reason or "")
+    # a site that declared nothing: at most s/(1−s)·others = 1·(300 + 300 + 400)
+    guard.declare(4, None)
+    quiet = guard.consider(2, site=4, kind="delta", claimed=5000, vector=vec(1))
+    assert quiet.weight == pytest.approx(1000)
+    assert "max-site-share 0.5" in (quiet.reason or "")
+
+
+def test_a_sign_flipped_update_is_rejected_and_an_honest_one_admitted() -> None:
+    guard = warmed(GuardOptions(norm_ratio=10, min_cosine=-0.1), [1.0, 1.0, 1.0])
+    flipped = guard.consider(1, site=1, kind="delta", claimed=10, vector=vec(-1, 0.2))
+    assert flipped.ruling is Ruling.REJECT
+    assert "cosine -0.98" in (flipped.reason or "")
+    honest = guard.consider(2, site=2, kind="delta", claimed=10, vector=vec(1, 0.5))
+    assert honest.ruling is Ruling.ADMIT
+
+
+def test_the_direction_is_a_moving_average_of_the_round_means() -> None:
+    guard = warmed(GuardOptions(norm_ratio=0, min_cosine=0.0), [1.0])  # d = e1
+    guard.consider(1, site=1, kind="delta", claimed=1, vector=vec(0, 3))
+    guard.round_finished()  # d = ½·e1 + 3·e2
+    assert guard._kinds["delta"].direction is not None
+    np.testing.assert_allclose(guard._kinds["delta"].direction[0], [0.5, 3.0])
+
+
+def test_options_off_admit_everything_as_claimed() -> None:
+    guard = UpdateGuard(GuardOptions.off())
+    guard.declare(1, 10)
+    guard.begin_round(1)
+    for ticket in range(3):
+        decision = guard.consider(
+            ticket, site=1, kind="delta", claimed=10**12, vector=vec(1e30), fingerprint=("x",)
+        )
+        assert decision == Decision(Ruling.ADMIT, weight=1e12, scale=1.0, reason=None)
+
+
+def test_a_norm_that_overflows_is_rejected() -> None:
+    guard = UpdateGuard()
+    decision = guard.consider(1, site=1, kind="delta", claimed=1, vector=vec(1e200, 1e200))
+    assert decision.ruling is Ruling.REJECT and "overflows" in (decision.reason or "")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(norm_ratio=0.5),
+        dict(norm_ratio=-1),
+        dict(norm_action="drop"),
+        dict(max_share=0.0),
+        dict(max_share=1.5),
+        dict(min_cosine=2.0),
+        dict(reject_replays="yes"),
+    ],
+)
+def test_bad_options_are_refused_naming_the_option(options: dict) -> None:
+    with pytest.raises(
+        ConfigError,
+        match="update-norm-ratio|update-norm-action|max-site-share|update-min-cosine|reject-replays",
+    ):
+        GuardOptions(**options)
+
+
+# ------------------------------------------------------ naive reference, properties
+def naive_decisions(history: list[float], norms: list[float], ratio: float) -> list[float]:
+    """The scale each update gets, computed the slow, obvious way (sequential judging)."""
+    accepted = list(history)
+    scales = []
+    for norm in norms:
+        reference = sorted(accepted)[(len(accepted) - 1) // 2]
+        scale = reference / norm if reference > 0 and norm > ratio * reference else 1.0
+        scales.append(scale)
+        accepted.append(norm * scale)
+    return scales
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    history=st.lists(st.floats(0.01, 100), min_size=3, max_size=8),
+    norms=st.lists(st.floats(0.01, 1e6), min_size=1, max_size=6),
+    ratio=st.floats(1.0, 20.0),
+)
+def test_clipping_matches_the_naive_reference(
+    history: list[float], norms: list[float], ratio: float
+) -> None:
+    guard = warmed(GuardOptions(norm_ratio=ratio, min_cosine=-1.0, window_rounds=2), history)
+    scales = [
+        guard.consider(t, site=t, kind="delta", claimed=1, vector=vec(n, 0)).scale
+        for t, n in enumerate(norms)
+    ]
+    np.testing.assert_allclose(scales, naive_decisions(history, norms, ratio), rtol=1e-9)
+    # whatever was sent, what counts is at most ratio × the reference it was judged on
+    for scale, norm in zip(scales, norms, strict=True):
+        assert norm * scale <= ratio * max(max(history), max(norms)) * (1 + 1e-9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    parts=st.lists(st.lists(st.floats(-1e3, 1e3), min_size=1, max_size=5), min_size=1, max_size=3),
+    factor=st.floats(0.1, 10),
+)
+def test_norm_and_cosine_match_numpy(parts: list[list[float]], factor: float) -> None:
+    arrays = [np.array(p) for p in parts]
+    flat = np.concatenate(arrays)
+    assert vector_norm(arrays) == pytest.approx(float(np.linalg.norm(flat)), rel=1e-9, abs=1e-12)
+    scaled = [a * factor for a in arrays]
+    cos = cosine(arrays, scaled)
+    if np.linalg.norm(flat) > 1e-6:
+        assert cos == pytest.approx(1.0, rel=1e-9)
+    else:
+        assert cos is None or math.isfinite(cos)
+
+
+def test_lower_median() -> None:
+    assert lower_median([3, 1, 2]) == 2
+    assert lower_median([4, 1, 3, 2]) == 2
+    assert lower_median([5]) == 5
+    with pytest.raises(ValueError):
+        lower_median([])
