@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flplatform.checks import integer, require
 from flplatform.config import RunConfig
 from flplatform.engine.synchrony import SYNC_MODES
 from flplatform.errors import ConfigError
@@ -105,10 +106,12 @@ def plan_modes(
     modes: Sequence[str], *, sites: int, rounds: int, k: int, delay: int = 2
 ) -> list[ModePlan]:
     """Plans with equal numbers of site updates: ``rounds`` × ``sites`` for every mode."""
-    if not 1 <= k <= sites:
-        raise ConfigError(f"k must be between 1 and the {sites} sites, got {k}")
-    if delay < 0:
-        raise ConfigError(f"delay must be >= 0 rounds, got {delay}")
+    # Every problem now, in one error: each plan runs for minutes before the next is built.
+    require(
+        integer(rounds, "rounds", minimum=1),
+        integer(k, "k", minimum=1, maximum=sites, says=f"between 1 and the {sites} sites"),
+        integer(delay, "delay", minimum=0, says=">= 0 rounds"),
+    )
     plans = []
     for mode in modes:
         if mode == DELAYED_MODE:
@@ -138,13 +141,14 @@ def run_comparison(
     run: Callable[[RunConfig, ModePlan], RunRecord],
 ) -> list[int]:
     """Run every plan on ``base`` (same sites, data, network, seed); return the run ids."""
-    run_ids = []
-    for plan in plans:
-        config = RunConfig.from_mapping(
-            {**base.to_run_config(), **plan.settings, "num-server-rounds": plan.rounds}
-        )
-        run_ids.append(run(config, plan).id)
-    return run_ids
+    return [run(plan_config(base, plan), plan).id for plan in plans]
+
+
+def plan_config(base: RunConfig, plan: ModePlan) -> RunConfig:
+    """The run configuration of one plan; ``ConfigError`` if it cannot run."""
+    return RunConfig.from_mapping(
+        {**base.to_run_config(), **plan.settings, "num-server-rounds": plan.rounds}
+    )
 
 
 def read_results(

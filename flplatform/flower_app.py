@@ -239,6 +239,7 @@ def plan_run(app: FlowerApp, given: PlatformOptions, *, tag: str) -> AppRun:
     Raises ``ConfigError`` (or ``StorageError`` for a ledger that cannot be opened) before
     anything starts.
     """
+    _check_home_outside(app)
     overrides = parse_run_config(app, given.run_config)
     for key, option in (("db", "--db"), ("run-tag", None)):
         if key in overrides:
@@ -273,6 +274,10 @@ def plan_run(app: FlowerApp, given: PlatformOptions, *, tag: str) -> AppRun:
         sites = _declared_sites(app, overrides)
     if given.sites is not None:
         options["required_sites"] = len(sites)
+    if "sync" in values and "k" in values:  # otherwise the app's own start() call decides
+        from flplatform.config_rules import k_sites_problem
+
+        require(k_sites_problem(values["sync"], values["k"], len(sites)))
     db_url = _ledger_url(given.db)
     options["ledger"] = db_url
     options["tag"] = tag
@@ -295,6 +300,26 @@ def plan_run(app: FlowerApp, given: PlatformOptions, *, tag: str) -> AppRun:
         num_rounds=num_rounds if isinstance(num_rounds, int) else None,
         python_path=_python_path(given.model),
     )
+
+
+def _check_home_outside(app: FlowerApp) -> None:
+    """Refuse a platform home inside the app directory: Flower would pack it into the app.
+
+    ``flwr run`` packs the app directory's ``.py``, ``.toml``, ``.json``… files into the app
+    it sends, and Flower's home (``FLWR_HOME``, ``$FLPLATFORM_HOME/flwr`` for our runs) is
+    where it installs apps and we write run configs: each run would carry the last one's
+    copies, until the app exceeds Flower's size limit.
+    """
+    from storage.session import flplatform_home
+
+    home = flplatform_home().resolve()
+    if home.is_relative_to(app.path):
+        raise ConfigError(
+            f"FLPLATFORM_HOME {home} (which holds Flower's home, FLWR_HOME, and the run "
+            f"logs) lies inside the app directory {app.path}, which flwr run packs into the "
+            "app: set FLPLATFORM_HOME to a directory outside it (unset, it is .flplatform in "
+            "the current directory)"
+        )
 
 
 def _checked_values(app: FlowerApp, given: PlatformOptions) -> dict[str, Any]:
@@ -418,13 +443,14 @@ def _declared_sites(app: FlowerApp, overrides: Mapping[str, ConfigValue]) -> tup
 
 
 def _ledger_url(db: str | None) -> str:
-    """The ledger's absolute URL, opened (created if needed) now so a bad one fails early."""
+    """The ledger's absolute URL, opened (created if needed) and checked writable, now."""
     from storage import LedgerRepository
     from storage.session import default_db_url, normalize_db_url
 
-    url = normalize_db_url(db) if db else default_db_url()
-    with LedgerRepository.open(url if db else None):
-        pass
+    # An empty --db is refused (normalize_db_url), not taken for the default ledger.
+    url = normalize_db_url(db) if db is not None else default_db_url()
+    with LedgerRepository.open(url if db is not None else None) as repository:
+        repository.check_writable()
     return url
 
 

@@ -435,13 +435,14 @@ def ledger_url(config: RunConfig) -> str:
 def check_ledger(config: RunConfig) -> str:
     """Open (creating if needed) the ledger ``config`` names; return its absolute URL.
 
-    Fails fast, before any start-up cost, with a ``StorageError`` saying what is wrong.
+    Fails fast, before any start-up cost, with a ``StorageError`` saying what is wrong:
+    another application's database, or a ledger the run could not write to.
     """
     # No --db: the default ledger, whose directory (the home) is created; a user-given URL's
     # directory is not (a typo should not start an empty ledger somewhere else).
     db_url = ledger_url(config)
-    with LedgerRepository.open(db_url if config.db else None):
-        pass
+    with LedgerRepository.open(db_url if config.db else None) as repository:
+        repository.check_writable()
     return db_url
 
 

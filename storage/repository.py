@@ -11,14 +11,16 @@ totals are computed in ``storage.summaries``.
 from __future__ import annotations
 
 import numbers
+import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
 from alembic.util import CommandError
-from sqlalchemy import ColumnElement, Engine, Table, insert, select
+from sqlalchemy import ColumnElement, Engine, Table, insert, select, text
 from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -34,7 +36,7 @@ from flplatform.ledger_rows import (
 )
 
 from .mapping import row_values, to_record
-from .migrations import upgrade_to_head
+from .migrations import VERSION_TABLE, schema_objects, upgrade_to_head
 from .models import NAME_LENGTH, STRATEGY_LENGTH, Base, Evaluation, Round, Run, Site, Update
 from .records import (
     EvaluationInput,
@@ -47,14 +49,17 @@ from .records import (
     UpdateRecord,
 )
 from .session import (
+    SQLITE_BEGIN_OPTION,
     URL_HINT,
     create_ledger_engine,
     default_db_url,
     flplatform_home,
+    is_in_memory,
     make_session_factories,
     mask_db_url,
     normalize_db_url,
     session_scope,
+    sqlite_file,
 )
 from .summaries import round_record, rounds_query, run_record, runs_query, site_summaries
 from .validators import (
@@ -85,6 +90,46 @@ def _describe(exc: BaseException) -> str:
     original = getattr(exc, "orig", None) or exc
     lines = str(original).strip().splitlines()
     return " ".join(lines[0].split()) if lines else type(original).__name__
+
+
+def _why(exc: BaseException, path: Path | None) -> str:
+    """What a driver error says; for a SQLite file it could not write, which permission."""
+    reason = _describe(exc)
+    if path is None or not any(s in reason.lower() for s in ("readonly", "unable to open")):
+        return reason
+    if path.exists() and not os.access(path, os.W_OK):
+        return f"the file {path} is read-only"
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        # SQLite writes its log (-wal, -shm) beside the ledger, even to read one in WAL mode.
+        return f"its directory {path.parent} is not writable"
+    return reason
+
+
+def _check_is_ledger(url: str, shown: str, *, create: bool) -> None:
+    """Refuse a database that holds something other than a ledger (or, to a reader, nothing).
+
+    Looked at through an engine that does not switch SQLite to WAL: the switch rewrites the
+    file's header, and another application's file must be left byte for byte as it was.
+    """
+    probe = create_ledger_engine(url, wal=False)
+    try:
+        found = schema_objects(probe)
+    finally:
+        probe.dispose()
+    if VERSION_TABLE in found:
+        return
+    if found:
+        named = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        raise StorageError(
+            f"database {shown!r} is not a flplatform ledger: it holds another application's "
+            f"tables ({named}), and was left unchanged; {URL_HINT} (a new file or an empty "
+            "database)"
+        )
+    if not create:
+        raise StorageError(
+            f"no ledger in {shown!r}: the database is empty (flplatform simulate, run and "
+            f"demo record runs there); {URL_HINT} to read another ledger"
+        )
 
 
 def _is_locked(exc: BaseException) -> bool:
@@ -120,14 +165,20 @@ class LedgerRepository:
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
-    def open(cls, url: str | None = None) -> LedgerRepository:
+    def open(cls, url: str | None = None, *, create: bool = True) -> LedgerRepository:
         """Open (creating and migrating if needed) the ledger at ``url``.
+
+        Only an empty database or a ledger of ours is opened: a database holding another
+        application's tables is refused and left as it was, never migrated into a ledger.
 
         Parameters
         ----------
         url : str or None
             A SQLAlchemy URL; a relative SQLite path is taken from the current directory.
             ``None`` opens ``$FLPLATFORM_HOME/ledger.db``, creating the directory.
+        create : bool
+            False for readers (the history commands): a missing SQLite file or an empty
+            database is refused, not created, and the home directory is not made.
 
         Returns
         -------
@@ -138,29 +189,40 @@ class LedgerRepository:
         ------
         StorageError
             If the URL is malformed or names an unknown or missing driver, the server is
-            unreachable, the path is unwritable, the file is not a database, or the schema
-            was written by a newer flplatform.
+            unreachable, the path is unwritable, the file is not a database, the database
+            belongs to another application (or, with ``create=False``, holds no ledger), or
+            the schema was written by a newer flplatform.
         """
         if url is None:
-            home = flplatform_home()
-            try:
-                home.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise StorageError(
-                    f"cannot create the ledger directory {home}: {exc.strerror}; set "
-                    f"FLPLATFORM_HOME to a writable directory or {URL_HINT}"
-                ) from None
+            if create:
+                home = flplatform_home()
+                try:
+                    home.mkdir(parents=True, exist_ok=True)
+                except OSError as exc:
+                    raise StorageError(
+                        f"cannot create the ledger directory {home}: {exc.strerror}; set "
+                        f"FLPLATFORM_HOME to a writable directory or {URL_HINT}"
+                    ) from None
             url = default_db_url()
         normalized = normalize_db_url(url)
+        shown = mask_db_url(normalized)
+        path = sqlite_file(normalized)
+        new_file = path is not None and not path.exists()
+        if new_file and not create:
+            raise StorageError(
+                f"no ledger at {path}: the file does not exist (flplatform simulate, run and "
+                f"demo record runs there); {URL_HINT} to read another ledger"
+            )
         engine = create_ledger_engine(normalized)
         try:
+            if not new_file and not is_in_memory(normalized):  # nothing to look at in either
+                _check_is_ledger(normalized, shown, create=create)
             upgrade_to_head(engine)
         except StorageError:
             engine.dispose()
             raise
         except (SQLAlchemyError, CommandError, OSError) as exc:
             engine.dispose()
-            shown = mask_db_url(normalized)
             if _is_locked(exc):
                 # Only after the busy timeout: another process is legitimately writing (or
                 # wedged); a different --db would not help.
@@ -169,9 +231,29 @@ class LedgerRepository:
                     "retry when that process has finished writing"
                 ) from exc
             raise StorageError(
-                f"cannot open database {shown!r}: {_describe(exc)}; {URL_HINT}"
+                f"cannot open database {shown!r}: {_why(exc, path)}; {URL_HINT}"
             ) from exc
         return cls(engine, normalized)
+
+    def check_writable(self) -> None:
+        """Raise ``StorageError`` now unless a run can be recorded here; writes nothing.
+
+        Opening only reads a ledger already at the current schema, so a read-only file (or
+        a role that may only read) would pass, and the ServerApp's first row would fail
+        after Flower's whole start-up. A write that changes nothing, rolled back, meets the
+        same refusal at once.
+        """
+        try:
+            with self._engine.connect() as connection:
+                writer = connection.execution_options(**{SQLITE_BEGIN_OPTION: "IMMEDIATE"})
+                with writer.begin() as transaction:
+                    writer.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = version_num"))
+                    transaction.rollback()
+        except SQLAlchemyError as exc:
+            raise StorageError(
+                f"cannot record runs in {self.url}: {_why(exc, sqlite_file(self._url))}; "
+                f"make it writable or {URL_HINT}"
+            ) from exc
 
     @property
     def url(self) -> str:

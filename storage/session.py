@@ -96,6 +96,11 @@ def _is_sqlite_memory(url: URL) -> bool:
     return url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:")
 
 
+def is_in_memory(url: str) -> bool:
+    """Whether ``url`` names an in-memory SQLite database (new and empty when opened)."""
+    return _is_sqlite_memory(_parse(url))
+
+
 def _is_sqlite_file_uri(url: URL) -> bool:
     database = url.database or ""
     return str(url.query.get("uri", "")).lower() == "true" or database.startswith("file:")
@@ -146,12 +151,42 @@ def mask_db_url(url: str) -> str:
     Returns
     -------
     str
-        The URL safe to print; unparsable input is returned as is.
+        The URL safe to print; unparsable input, and a URL without a password, are returned
+        as is, except a SQLite file's path, shown as the user wrote it (the normalized URL
+        percent-encodes its brackets, spaces and colons).
     """
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        parsed = make_url(url)
     except (ArgumentError, ValueError):
         return url
+    if parsed.password is not None:
+        return parsed.render_as_string(hide_password=True)
+    if parsed.get_backend_name() == "sqlite" and parsed.database and not parsed.query:
+        return f"{parsed.drivername}:///{parsed.database}"
+    return url
+
+
+def sqlite_file(url: str) -> Path | None:
+    """The file a SQLite URL names; None for other backends, in-memory and ``file:`` URIs.
+
+    Parameters
+    ----------
+    url : str
+        A URL as returned by ``normalize_db_url``.
+
+    Returns
+    -------
+    Path or None
+        The database file (which may not exist yet).
+    """
+    parsed = _parse(url)
+    if (
+        parsed.get_backend_name() != "sqlite"
+        or _is_sqlite_memory(parsed)
+        or _is_sqlite_file_uri(parsed)
+    ):
+        return None
+    return Path(parsed.database or "")
 
 
 def _check_sqlite_path(url: URL, shown: str) -> None:
@@ -238,7 +273,7 @@ def _install_sqlite_hooks(engine: Engine, *, wal: bool) -> None:
         connection.exec_driver_sql(f"BEGIN {mode}")
 
 
-def create_ledger_engine(url: str) -> Engine:
+def create_ledger_engine(url: str, *, wal: bool = True) -> Engine:
     """Create an engine for a normalized ledger URL, with the per-backend settings.
 
     No connection is made here; connection errors surface on first use.
@@ -247,6 +282,9 @@ def create_ledger_engine(url: str) -> Engine:
     ----------
     url : str
         A URL as returned by ``normalize_db_url``.
+    wal : bool
+        Switch a SQLite file to WAL on connecting (see the module docstring). False for a
+        look at a database that may not be ours: the switch rewrites the file's header.
 
     Returns
     -------
@@ -287,7 +325,7 @@ def create_ledger_engine(url: str) -> Engine:
     except (ArgumentError, TypeError, ValueError) as exc:
         raise StorageError(f"cannot open database {shown!r}: {exc}; {URL_HINT}") from None
     if backend == "sqlite":
-        _install_sqlite_hooks(engine, wal=not _is_sqlite_memory(parsed))
+        _install_sqlite_hooks(engine, wal=wal and not _is_sqlite_memory(parsed))
     return engine
 
 

@@ -9,20 +9,23 @@ from typing import ParamSpec, TypeVar
 
 import typer
 from rich.console import Console
-from rich.markup import escape
+from rich.text import Text
 
 from flplatform.errors import FLPlatformError
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
-stderr = Console(stderr=True, highlight=False, soft_wrap=True, width=1000)
+# Literal: messages quote paths, names and remote errors (``[tool.flwr.app]``, ``[/x]``,
+# ``:smile:``), which rich would read as markup or emoji codes.
+stderr = Console(
+    stderr=True, highlight=False, soft_wrap=True, width=1000, markup=False, emoji=False
+)
 
 
 def fail(message: str, code: int) -> typer.Exit:
     """Print ``error: message`` on stderr and return the Exit to raise."""
-    # Escaped: messages name things like [tool.flwr.app], which rich would take as markup.
-    stderr.print(f"[bold red]error:[/] {escape(message)}", markup=True)
+    stderr.print(Text.assemble(("error:", "bold red"), " ", message))
     return typer.Exit(code)
 
 

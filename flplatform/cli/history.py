@@ -73,7 +73,7 @@ def runs(
     limit: Annotated[int | None, typer.Option(min=1, help="Show only the newest N runs.")] = None,
 ) -> None:
     """List runs, newest first."""
-    with LedgerRepository.open(db) as repository:
+    with LedgerRepository.open(db, create=False) as repository:
         records = repository.list_runs(limit=limit)
         emit(
             console,
@@ -119,7 +119,7 @@ def rounds(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForm
     with dropped or rejected updates shows each round's most common reason for them
     (``history updates RUN --round N`` lists them all).
     """
-    with LedgerRepository.open(db) as repository:
+    with LedgerRepository.open(db, create=False) as repository:
         run_id = resolve_run(repository, run)
         record = repository.get_run(run_id)
         records = repository.list_rounds(run_id)
@@ -183,7 +183,7 @@ def sites(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForma
     the header. A run of the delayed strategy also shows each site's mean delay: how many
     rounds old the global average its applied updates started from was.
     """
-    with LedgerRepository.open(db) as repository:
+    with LedgerRepository.open(db, create=False) as repository:
         run_id = resolve_run(repository, run)
         record = repository.get_run(run_id)
         records = repository.site_summaries(run_id)
@@ -266,7 +266,7 @@ def updates(
     simulated clock, a delayed run each update's delay.
     """
     statuses = parse_statuses(status)
-    with LedgerRepository.open(db) as repository:
+    with LedgerRepository.open(db, create=False) as repository:
         run_id = resolve_run(repository, run)
         record = repository.get_run(run_id)
         records = repository.list_updates(run_id, round=round_, site=site, status=statuses)

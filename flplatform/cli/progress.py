@@ -6,13 +6,34 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
-from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.text import Text
 
 from flplatform.cli.history import failure_note
 from flplatform.cli.render import human_bytes
 from flplatform.simulation import ProgressCallback
 from storage import RoundRecord, RunRecord, UpdateRecord
+from storage.session import mask_db_url, sqlite_file
+
+
+class StatusColumn(ProgressColumn):
+    """A task's ``status`` field, shown as given: never read as markup.
+
+    Rich's ``TextColumn`` parses its text as markup (and emoji codes), and a status quotes
+    remote errors; a ``Text`` status keeps the styles we gave it.
+    """
+
+    def render(self, task: Task) -> Text:
+        status = task.fields.get("status", "")
+        return status if isinstance(status, Text) else Text(str(status))
 
 
 @contextmanager
@@ -27,7 +48,7 @@ def round_progress(console: Console, total: int | None) -> Iterator[ProgressCall
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        TextColumn("{task.fields[status]}"),
+        StatusColumn(),
         console=console,
     )
     task = progress.add_task("rounds", total=total, status="starting Flower…")
@@ -48,21 +69,24 @@ def round_progress(console: Console, total: int | None) -> Iterator[ProgressCall
         status = (f"accuracy {accuracy:.4f}  " if accuracy is not None else "") + (
             f"up {up}  down {down}"
         )
-        progress.update(task, completed=len(done), status=status + failure_suffix(done, failures))
+        progress.update(
+            task, completed=len(done), status=Text(status) + failure_suffix(done, failures)
+        )
 
     with progress:
         yield show
 
 
-def failure_suffix(done: list[RoundRecord], failures: list[UpdateRecord]) -> str:
-    """The latest round's drops and rejections with their reason, for a progress line.
-
-    Escaped: reasons quote remote errors, whose brackets rich would read as markup.
-    """
+def failure_suffix(done: list[RoundRecord], failures: list[UpdateRecord]) -> Text:
+    """The latest round's drops and rejections with their reason, for a progress line."""
     note = failure_note(done[-1], failures)
-    return f"  [yellow]{escape(note)}[/]" if note else ""
+    return Text.assemble("  ", (note, "yellow")) if note else Text()
 
 
 def display_url(url: str) -> str:
-    """A ledger URL as a user reads it: a SQLite file as its path."""
-    return url.removeprefix("sqlite:///")
+    """A ledger URL as a user reads it: a SQLite file as its path, a password masked.
+
+    The path as the user gave it: a URL percent-encodes ``[`` and ``%`` in it.
+    """
+    path = sqlite_file(url)
+    return str(path) if path is not None else mask_db_url(url)

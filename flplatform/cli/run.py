@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.markup import escape
+from rich.text import Text
 
 from flplatform.cli.errors import handles_errors
 from flplatform.cli.history import rounds as show_rounds
@@ -20,7 +20,7 @@ from flplatform.cli.history import sites as show_sites
 from flplatform.cli.options import table_options
 from flplatform.cli.progress import display_url, round_progress
 from flplatform.cli.render import OutputFormat, make_console
-from flplatform.cli.simulate import site_names
+from flplatform.cli.simulate import db_argument, site_names
 from flplatform.engine.guard import GUARD_OPTIONS
 from flplatform.flower_app import AppRun, PlatformOptions, plan_run, read_app
 from flplatform.simulation import run_app
@@ -100,10 +100,13 @@ def run(
         if record.simulated_seconds is not None
         else ""
     )
-    again = f"flplatform history rounds {record.id}" + (f" --db {db}" if db else "")
     console.print(
-        f"\nRun {record.id} {record.status} in {record.wall_seconds or 0:.1f} s{simulated}; "
-        f"ledger: [bold]{escape(display_url(plan.db_url))}[/]\nSee it again with: {again}"
+        Text.assemble(
+            f"\nRun {record.id} {record.status} in {record.wall_seconds or 0:.1f} s{simulated}; "
+            "ledger: ",
+            (display_url(plan.db_url), "bold"),
+            f"\nSee it again with: flplatform history rounds {record.id}{db_argument(db)}",
+        )
     )
 
 
@@ -119,9 +122,12 @@ def follow(plan: AppRun) -> RunRecord:
         f"{key}={value}" for key, value in plan.run_config.items() if key not in ("db", "run-tag")
     )
     console.print(
-        f"Running app [bold]{escape(plan.app.name)}[/] ({escape(str(plan.app.path))}) on "
-        f"{plan.num_sites} simulated sites{escape(extras)}"
-        + (f"; run config: {escape(own)}" if own else "")
+        Text.assemble(
+            "Running app ",
+            (plan.app.name, "bold"),
+            f" ({plan.app.path}) on {plan.num_sites} simulated sites{extras}"
+            + (f"; run config: {own}" if own else ""),
+        )
     )
     with round_progress(console, plan.num_rounds) as show:
         record = run_app(plan, on_progress=show)

@@ -6,24 +6,27 @@ start Flower's simulation, and follow the run through the ledger the ServerApp w
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from clients.catalog import BUILTIN_DATASETS, MODELS
 from flplatform.cli.errors import handles_errors
 from flplatform.cli.history import rounds as show_rounds
 from flplatform.cli.history import sites as show_sites
 from flplatform.cli.options import config_values, table_options
-from flplatform.cli.progress import display_url, failure_suffix, round_progress
+from flplatform.cli.progress import StatusColumn, display_url, failure_suffix, round_progress
 from flplatform.cli.render import OutputFormat, human_bytes, make_console
 from flplatform.comparison import (
     DEMO_MODES,
     ModePlan,
     ModeResult,
+    plan_config,
     plan_modes,
     plot_results,
     read_results,
@@ -33,6 +36,7 @@ from flplatform.config import DEFAULT_SITES, SKETCHED, RunConfig
 from flplatform.errors import ConfigError
 from flplatform.simulation import check_ledger, ledger_url, run_simulation, work_home
 from storage import LedgerRepository, RoundRecord, RunRecord, UpdateRecord
+from storage.session import normalize_db_url
 
 console = make_console()
 
@@ -77,11 +81,31 @@ def run_and_follow(config: RunConfig) -> RunRecord:
         else ""
     )
     console.print(
-        f"\nRun {record.id} {record.status} in {record.wall_seconds or 0:.1f} s{simulated}; "
-        f"ledger: [bold]{display_url(url)}[/]\n"
-        f"See it again with: flplatform history rounds {record.id}" + (f" --db {db}" if db else ""),
+        Text.assemble(
+            f"\nRun {record.id} {record.status} in {record.wall_seconds or 0:.1f} s{simulated}; "
+            "ledger: ",
+            (display_url(url), "bold"),
+            f"\nSee it again with: flplatform history rounds {record.id}" + db_argument(db),
+        )
     )
     return record
+
+
+def db_argument(db: str | None) -> str:
+    """`` --db URL`` to repeat in a suggested command (quoted for the shell), or ''."""
+    return f" --db {shlex.quote(db)}" if db else ""
+
+
+def ledger_option(db: str | None) -> str:
+    """``--db`` as RunConfig's ``db``: '' (the default ledger) only when it was not given.
+
+    An empty ``--db`` (an unset shell variable, say) is refused here in one line rather
+    than taken for the default ledger.
+    """
+    if db is None:
+        return ""
+    normalize_db_url(db)  # raises StorageError for an empty or malformed URL
+    return db
 
 
 # ================================================================ commands
@@ -109,7 +133,7 @@ def simulate(
     if values["local-steps"] > 0:
         values["local-epochs"] = 0
     values["sites"] = site_names(sites) if sites else _default_sites(partition, dataset)
-    values["db"] = db or ""
+    values["db"] = ledger_option(db)
     config = RunConfig.from_mapping(values)
     _check_dataset(config)
     check_ledger(config)
@@ -213,10 +237,12 @@ def cross_silo(
     if not 0.0 < target <= 1.0:
         raise ConfigError(f"--target is an accuracy in (0, 1], got {target}")
     base = RunConfig.from_mapping(
-        _DEMO | {"seed": seed, "db": db or "", "network": _network_spec(network)}
+        _DEMO | {"seed": seed, "db": ledger_option(db), "network": _network_spec(network)}
     )
     names = tuple(m.strip() for m in modes.split(",") if m.strip())
     plans = plan_modes(names, sites=base.num_sites, rounds=rounds, k=k, delay=delay)
+    for plan in plans:  # every mode's configuration, before the first one runs for minutes
+        plan_config(base, plan)
     check_ledger(base)
     console.print(
         f"Comparing {len(plans)} modes: {base.num_sites} sites "
@@ -232,21 +258,24 @@ def cross_silo(
     paths = plot_results(
         results, out_dir, title=f"{base.num_sites} sites, {network} network", target=target
     )
-    console.print("Plots: " + ", ".join(f"[bold]{p}[/]" for p in paths))
+    console.print(Text.assemble("Plots: ", Text(", ").join(Text(str(p), "bold") for p in paths)))
     console.print(
-        f"Ledger: [bold]{display_url(url)}[/]; per site: flplatform history sites RUN"
-        + (f" --db {db}" if db else "")
+        Text.assemble(
+            "Ledger: ",
+            (display_url(url), "bold"),
+            "; per site: flplatform history sites RUN" + db_argument(db),
+        )
     )
 
 
 def _follow_mode(config: RunConfig, plan: ModePlan) -> RunRecord:
     """Run one mode with a one-line progress bar."""
     progress = Progress(
-        TextColumn(f"[bold]{plan.label:<24}"),
+        TextColumn(f"{plan.label:<24}", style="bold", markup=False),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        TextColumn("{task.fields[status]}"),
+        StatusColumn(),
         console=console,
     )
     task = progress.add_task(plan.label, total=config.num_server_rounds, status="starting…")
@@ -261,7 +290,9 @@ def _follow_mode(config: RunConfig, plan: ModePlan) -> RunRecord:
         status = f"accuracy {accuracy:.4f}" if isinstance(accuracy, float) else ""
         if simulated is not None:
             status += f"  simulated {simulated:.1f} s"
-        progress.update(task, completed=len(done), status=status + failure_suffix(done, failures))
+        progress.update(
+            task, completed=len(done), status=Text(status) + failure_suffix(done, failures)
+        )
 
     with progress:
         return run_simulation(config, on_progress=show)

@@ -18,7 +18,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, inspect, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
@@ -89,6 +89,27 @@ def current_revisions(connection: Connection) -> set[str]:
     """
     context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
     return set(context.get_current_heads())
+
+
+def schema_objects(engine: Engine) -> tuple[str, ...]:
+    """Return the names of the tables and views in the database at ``engine``, sorted.
+
+    A database holding ``VERSION_TABLE`` is a ledger (possibly an old one); one holding
+    nothing may become one; anything else belongs to another application.
+
+    Parameters
+    ----------
+    engine : Engine
+        An engine that changes nothing on connecting (``create_ledger_engine(url, wal=False)``).
+
+    Returns
+    -------
+    tuple[str, ...]
+        Names in the backend's default schema (SQLite's own ``sqlite_*`` tables excluded).
+    """
+    with engine.connect() as connection:
+        inspector = inspect(connection)
+        return tuple(sorted({*inspector.get_table_names(), *inspector.get_view_names()}))
 
 
 def _upgrade_locked(engine: Engine) -> None:
