@@ -113,6 +113,7 @@ def train(msg: Message, context: Context) -> Message:
         {
             keys.NUM_EXAMPLES: len(site.x_train),
             keys.TRAIN_LOSS: stats.loss,
+            keys.FIRST_BATCH_LOSS: stats.first_loss,
             keys.COMPUTE_SECONDS: stats.seconds,
         }
     )
@@ -129,6 +130,8 @@ def query(msg: Message, context: Context) -> Message:
             keys.SITE_NAME: site.name,
             keys.NUM_EXAMPLES: len(site.x_train),
             keys.DEVICE: str(site.device),
+            # lets the server say why training that diverges does (features far from 1)
+            keys.FEATURE_SCALE: site.feature_scale,
         }
     )
     if site.partition_id is not None:

@@ -2,7 +2,9 @@
 
 In simulation a site's data is its partition (``partition-id`` of ``num-partitions`` in
 the node config) of a dataset named in the run config; in deployment the node config's
-``data-path`` names the site's own file, and nothing else is read.
+``data-path`` names the site's own file, and nothing else is read. With the run config's
+``standardize-features`` the site standardises its features with its own training split's
+statistics (``clients.scaling``), which never leave it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 from clients.datasets import load_dataset, load_site_file
 from clients.models import build_model
 from clients.partitioning import partition_indices
+from clients.scaling import feature_scale, standardize
 from clients.site_files import read_manifest
 from clients.training import pick_device
 from flplatform import keys
@@ -47,6 +50,11 @@ class LocalSite:
         """Shape of one example, (C, H, W)."""
         return tuple(int(d) for d in self.x_train.shape[1:])
 
+    @property
+    def feature_scale(self) -> float:
+        """How far its training features are from unit scale (``clients.scaling``)."""
+        return feature_scale(self.x_train)
+
     def build_model(self, num_classes: int, seed: int = 0) -> nn.Module:
         """A fresh model of the run's architecture for this site's inputs."""
         return build_model(
@@ -68,6 +76,7 @@ class SiteDataConfig:
     model: str = "mlp"
     seed: int = 0
     sites: tuple[str, ...] = ("london", "ohio", "california", "tokyo")
+    standardize_features: bool = False
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> SiteDataConfig:
@@ -84,6 +93,9 @@ class SiteDataConfig:
         sites = run_config.get("sites", defaults.sites)
         items = sites if isinstance(sites, list | tuple) else str(sites).split(",")
         values["sites"] = tuple(str(n).strip() for n in items if str(n).strip())
+        values["standardize_features"] = _flag(
+            run_config, "standardize-features", defaults.standardize_features
+        )
         return cls(**values)
 
 
@@ -149,16 +161,33 @@ def _load_site(
     order = rng_for(config.seed, "validation", site_name).permutation(len(x))
     n_val = int(len(x) * LOCAL_VALIDATION_FRACTION) if len(x) >= 10 else 0
     val, train = order[:n_val], order[n_val:]
+    x_train, x_val = x[train], x[val]
+    if config.standardize_features:
+        # The training split's statistics only: the validation slice is held-out data.
+        x_train, x_val = standardize(x_train, x_val)
     return LocalSite(
         name=site_name,
         partition_id=partition_id,
-        x_train=x[train],
+        x_train=x_train,
         y_train=y[train],
-        x_val=x[val],
+        x_val=x_val,
         y_val=y[val],
         model_name=config.model,
         device=pick_device(),
     )
+
+
+def _flag(run_config: Mapping[str, Any], key: str, default: bool) -> bool:
+    """A yes/no run-config key, spelt as ``RunConfig`` accepts it (Flower passes a bool)."""
+    value = run_config.get(key, default)
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"run config '{key}' must be true or false, got {value!r}")
 
 
 def _name_for(partition_id: int | None, config: SiteDataConfig) -> str:

@@ -26,6 +26,9 @@ class TrainStats:
     """What one local training call did."""
 
     loss: float  # mean training loss over the steps taken
+    # the received model's loss on the first mini-batch, before any step: the server
+    # compares later losses with it to notice training that diverges
+    first_loss: float
     steps: int
     examples_seen: int
     seconds: float
@@ -70,6 +73,7 @@ def train_local(
     total_steps = local_steps if local_steps > 0 else local_epochs * steps_per_epoch
 
     losses = torch.zeros((), device=device)
+    first_loss = torch.zeros((), device=device)
     steps = 0
     while steps < total_steps:
         order = torch.as_tensor(rng.permutation(n), device=device)
@@ -82,10 +86,13 @@ def train_local(
             loss.backward()
             optimiser.step()
             losses += loss.detach()
+            if steps == 0:
+                first_loss = loss.detach()
             steps += 1
     mean_loss = float(losses.item()) / steps
     return TrainStats(
         loss=mean_loss,
+        first_loss=float(first_loss.item()),
         steps=steps,
         examples_seen=steps * batch_size,
         seconds=time.perf_counter() - started,

@@ -94,6 +94,14 @@ class RunConfig:
             "callable returning your nn.Module, importable from here or the Python path)."
         ),
     )
+    standardize_features: bool = field(
+        default=False,
+        metadata=about(
+            "Each site standardises its features with its own training split's mean and "
+            "standard deviation (never shared); the sites then evaluate the model "
+            "(fraction-evaluate > 0), as the server's test set stays unscaled."
+        ),
+    )
     # ---- the sites' training
     local_steps: int = field(
         default=0, metadata=about("H local SGD steps per round (0: use epochs).")

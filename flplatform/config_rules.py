@@ -259,6 +259,12 @@ def _edge_problems(config: RunConfig) -> list[Problem]:
         positive(config.num_server_rounds, "num-server-rounds"),
         positive(config.batch_size, "batch-size"),
     ]
+    if config.standardize_features and config.fraction_evaluate <= 0:
+        problems.append(
+            "standardize-features keeps each site's statistics at the site, so the server "
+            "cannot score the model on its unscaled test set: set fraction-evaluate > 0 "
+            "(e.g. 1) to have the sites evaluate it on their own standardised data"
+        )
     if config.local_steps < 0 or config.local_epochs < 0:
         problems.append("local-steps and local-epochs must be >= 0")
     if config.local_steps == 0 and config.local_epochs == 0:

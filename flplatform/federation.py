@@ -129,7 +129,14 @@ def run_federation(grid: Grid, config: RunConfig) -> Result:
             num_classes=test.num_classes,
             seed=config.seed,
         )
-        evaluate_fn = central_evaluator(test, model_name=config.model, seed=config.seed)
+        # Sites that standardise their features with their own statistics train a model
+        # for standardised inputs; the server's test set is not (no statistics leave the
+        # sites), so the sites' evaluation is the run's (RunConfig requires one).
+        evaluate_fn = (
+            None
+            if config.standardize_features
+            else central_evaluator(test, model_name=config.model, seed=config.seed)
+        )
     except BaseException as exc:
         record_failed_start(exc, strategy=config.strategy, **options)
         raise

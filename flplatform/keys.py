@@ -57,6 +57,9 @@ NUM_EXAMPLES = "num-examples"  # Flower's weighting key
 TRAIN_LOSS = "train_loss"  # spelled as in Flower's quickstarts
 TRAIN_LOSS_ALIASES = ("train_loss", "train-loss", "loss")
 COMPUTE_SECONDS = "compute-seconds"
+# the received model's loss on the first mini-batch, before any step: the reference the
+# server compares later train losses with (flplatform/engine/divergence.py)
+FIRST_BATCH_LOSS = "first-batch-loss"
 PERIOD = "period"  # delayed updates: the period an accumulated step was computed for
 STATE_LOST = "state-lost"  # 1: the site's mod found its kept state gone (a restart)
 # ---- a mod's reply config: what its arrays are, and why a state-lost reply has none
@@ -71,6 +74,9 @@ SITE_NAME = "site-name"
 PARTITION_ID = "partition-id"
 NUM_PARTITIONS = "num-partitions"
 DEVICE = "device"
+# the largest per-feature root-mean-square of the site's training features (clients/scaling.py):
+# far from 1, it is the likely reason training diverges
+FEATURE_SCALE = "feature-scale"
 DATA_PATH = "data-path"  # node config of a deployed site: its own data file
 
 # ---- the site's persistent state (Flower's context.state), one record per mod

@@ -45,4 +45,5 @@ class SqlLedger:
             virtual_finished_at=summary.virtual_finished_at,
             updates=[UpdateInput(**asdict(u)) for u in summary.updates],
             evaluations=[EvaluationInput(**asdict(e)) for e in summary.evaluations],
+            run_warning=summary.warning,
         )

@@ -42,7 +42,8 @@ def round_reporter(
 
 
 def log_round(summary: RoundSummary) -> None:
-    """One line per finished round: version, updates, bytes, simulated time, metrics."""
+    """One line per finished round: version, updates, bytes, simulated time, metrics; then
+    the round's warning (training diverged), when it has one."""
     metrics = " ".join(f"{k}={v:.4f}" for k, v in summary.metrics.items())
     simulated = (
         f", simulated t={summary.virtual_finished_at:.2f} s"
@@ -59,3 +60,5 @@ def log_round(summary: RoundSummary) -> None:
         simulated,
         metrics,
     )
+    if summary.warning:
+        log.warning("%s", summary.warning)

@@ -152,6 +152,8 @@ class Run(Base):
     config: Mapped[dict[str, Any]] = mapped_column(JSON)
     num_rounds_planned: Mapped[int] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(STATUS_LENGTH))
+    # Why the run failed; and a warning noted while it ran (training diverged), kept when it
+    # finishes (repository.record_round and finish_run).
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

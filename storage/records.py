@@ -113,7 +113,9 @@ class RunRecord(_Record):
     metrics of its latest round (empty before the first round), so a run listing needs no
     second query. ``network`` is the network preset name or TOML path a simulated run used and
     ``simulated_seconds`` the run's length on the simulated clock; both are ``None`` for a
-    wall-clock run (``simulated_seconds`` also while the run has not finished).
+    wall-clock run (``simulated_seconds`` also while the run has not finished). ``error`` is
+    why the run failed, and a warning noted while it ran (training diverged), which a
+    finished run keeps too.
     """
 
     id: int

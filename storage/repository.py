@@ -416,7 +416,8 @@ class LedgerRepository:
         status : {"finished", "failed"}
             How it ended.
         error : str or None
-            Why it failed.
+            Why it failed. A warning recorded while the run ran (``record_round``'s
+            ``run_warning``) is kept: after ``error`` when it failed, alone when it finished.
         final_metrics : dict[str, float] or None
             Final global metrics; non-finite values are stored as null.
         finished_at : float or None
@@ -458,7 +459,7 @@ class LedgerRepository:
                     f"({run.created_at.isoformat()})"
                 )
             run.status = status
-            run.error = free_text(error)
+            run.error = _joined(free_text(error), run.error)
             run.final_metrics = metrics
             run.finished_at = end_dt
             run.wall_seconds = wall
@@ -631,6 +632,7 @@ class LedgerRepository:
         evaluations: Sequence[EvaluationInput] = (),
         virtual_started_at: float | None = None,
         virtual_finished_at: float | None = None,
+        run_warning: str | None = None,
     ) -> None:
         """Record one server step, every update and evaluation it handled, in one transaction.
 
@@ -660,6 +662,10 @@ class LedgerRepository:
         virtual_started_at, virtual_finished_at : float or None
             The step on the simulated clock, in seconds since the simulated start of the run
             (finite, ``>= 0``, finish not before start); ``None`` for a wall-clock run.
+        run_warning : str or None
+            What this step revealed about the whole run (training diverged): added to the
+            run's ``error`` in the same transaction, so a reader sees the round and the
+            warning together; kept when the run finishes (see ``finish_run``).
 
         Raises
         ------
@@ -701,8 +707,14 @@ class LedgerRepository:
             virtual_finished_at=virtual_end,
         )
         # ---- write the round, then its rows, in one transaction
+        if run_warning is not None and not isinstance(run_warning, str):
+            raise StorageError(
+                f"run_warning must be a string or None, got {type(run_warning).__name__}"
+            )
         with self._session(f"record round {step} of run {run_id}", write=True) as session:
-            self._require_run(session, run_id)
+            run = self._require_run(session, run_id)
+            if run_warning:
+                run.error = _joined(run.error, free_text(run_warning))
             done = select(Round.id).where(Round.run_id == run_id, Round.round == step)
             if session.scalar(done) is not None:
                 raise StorageError(
@@ -868,3 +880,15 @@ def _insert_rows(
         values.append(row_values(row, run_id=run_id, step=step, site_id=site_ids[row.site]))
     if values:
         session.execute(insert(model), values)
+
+
+def _joined(first: str | None, then: str | None) -> str | None:
+    """A run's ``error`` text from two parts, either of which may be missing.
+
+    A failure's reason comes first, a warning noted while the run ran after it (training
+    that diverged is often why a run then failed); a part already there is not repeated.
+    """
+    parts = [part for part in (first, then) if part]
+    if len(parts) == 2 and parts[1] in parts[0]:
+        return parts[0]
+    return "; ".join(parts) or None

@@ -3,7 +3,9 @@
 A run that simulated a network also has times on its simulated clock (seconds since the
 simulated start of the run); the tables show them next to the wall-clock ones, and JSON/CSV
 carry every field of the records. Why an update was not applied (its ``reason``) is shown
-per update by ``updates`` and, most common first, per round by ``rounds``.
+per update by ``updates`` and, most common first, per round by ``rounds``. A run's note
+(why it failed, or a warning such as training that diverged) is a column of ``runs`` and a
+line under ``rounds``.
 """
 
 from __future__ import annotations
@@ -13,17 +15,21 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated
 
 import typer
+from rich.text import Text
 
+from flplatform import keys
 from flplatform.cli.errors import handles_errors
 from flplatform.cli.render import OutputFormat, emit, human_bytes, make_console, shorten
 from flplatform.errors import ConfigError
 from storage import (
     CLOCK_WALL,
+    RUN_FAILED,
     UPDATE_DROPPED,
     UPDATE_REJECTED,
     UPDATE_STATUSES,
     LedgerRepository,
     RoundRecord,
+    RunRecord,
     UpdateRecord,
 )
 
@@ -72,9 +78,16 @@ def runs(
     fmt: FormatOption = OutputFormat.table,
     limit: Annotated[int | None, typer.Option(min=1, help="Show only the newest N runs.")] = None,
 ) -> None:
-    """List runs, newest first."""
+    """List runs, newest first.
+
+    Accuracy is the server's, or the sites' (federated evaluation) for a run without one. A
+    run with a note (why it failed, or a warning such as training that diverged) shows it,
+    cut short; JSON and CSV carry it whole as ``error``.
+    """
     with LedgerRepository.open(db, create=False) as repository:
         records = repository.list_runs(limit=limit)
+        # Only a ledger with notes gets the column: otherwise it would be all dashes.
+        noted = any(r.error for r in records)
         emit(
             console,
             fmt,
@@ -91,6 +104,7 @@ def runs(
                 "created",
                 "wall s",
                 "simulated",
+                *(["note"] if noted else []),
             ],
             rows=[
                 (
@@ -98,12 +112,13 @@ def runs(
                     r.name,
                     r.status,
                     f"{r.rounds_completed}/{r.num_rounds_planned}",
-                    (r.final_metrics or r.last_metrics or {}).get("accuracy"),
+                    shown_accuracy(r.final_metrics or r.last_metrics or {})[1],
                     r.seed,
                     r.network,
                     r.created_at.strftime("%Y-%m-%d %H:%M:%S"),
                     r.wall_seconds,
                     human_seconds(r.simulated_seconds),
+                    *([shorten(r.error, REASON_CELL) if r.error else None] if noted else []),
                 )
                 for r in records
             ],
@@ -117,7 +132,8 @@ def rounds(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForm
 
     A run with simulated time also shows when each round ended on the simulated clock; a run
     with dropped or rejected updates shows each round's most common reason for them
-    (``history updates RUN --round N`` lists them all).
+    (``history updates RUN --round N`` lists them all); a run whose sites evaluated, their
+    accuracy. The run's note (training diverged, why it failed) follows the table.
     """
     with LedgerRepository.open(db, create=False) as repository:
         run_id = resolve_run(repository, run)
@@ -129,6 +145,8 @@ def rounds(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForm
         failures = failures_by_round(repository.list_updates(run_id, status=FAILED_STATUSES))
         # Only runs with failed updates get the column, for the same reason.
         why = ["why not applied"] if failures else []
+        # ... and only runs whose sites evaluated get theirs.
+        sited = any(r.metrics.get(keys.SITE_ACCURACY) is not None for r in records)
         emit(
             console,
             fmt,
@@ -139,6 +157,7 @@ def rounds(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForm
                 "version",
                 "accuracy",
                 "loss",
+                *(["site acc"] if sited else []),
                 "train loss",
                 "applied",
                 "dropped",
@@ -156,6 +175,7 @@ def rounds(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForm
                     r.model_version,
                     r.metrics.get("accuracy"),
                     r.metrics.get("loss"),
+                    *([r.metrics.get(keys.SITE_ACCURACY)] if sited else []),
                     r.train_loss,
                     r.num_applied,
                     r.num_dropped,
@@ -170,6 +190,8 @@ def rounds(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForm
                 for r in records
             ],
         )
+        if fmt is OutputFormat.table and record.error:
+            console.print(run_note(record))
 
 
 @app.command("sites")
@@ -325,6 +347,24 @@ def updates(
                 for u in records
             ],
         )
+
+
+def shown_accuracy(metrics: Mapping[str, float | None]) -> tuple[str, float | None]:
+    """The accuracy to show for a round or run, and its label.
+
+    The server's own (central evaluation) when it has one, else the sites' (federated
+    evaluation: a run whose sites standardise their features has only theirs).
+    """
+    central = metrics.get(keys.ACCURACY)
+    if central is None and metrics.get(keys.SITE_ACCURACY) is not None:
+        return "site accuracy", metrics[keys.SITE_ACCURACY]
+    return "accuracy", central
+
+
+def run_note(record: RunRecord) -> Text:
+    """A run's note as one plain-text line: why it failed, or its warning."""
+    label = "failed" if record.status == RUN_FAILED else "warning"
+    return Text(f"Run {record.id} {label}: {record.error}", style="yellow")
 
 
 def parse_statuses(text: str | None) -> tuple[str, ...] | None:

@@ -17,10 +17,10 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from flplatform.cli.history import failure_note
+from flplatform.cli.history import failure_note, shown_accuracy
 from flplatform.cli.render import human_bytes
 from flplatform.simulation import ProgressCallback
-from storage import RoundRecord, RunRecord, UpdateRecord
+from storage import RUN_FAILED, RoundRecord, RunRecord, UpdateRecord
 from storage.session import mask_db_url, sqlite_file
 
 
@@ -41,7 +41,9 @@ def round_progress(console: Console, total: int | None) -> Iterator[ProgressCall
     """A progress bar over the run's rounds (total None: unknown until the run says).
 
     Each finished round shows the accuracy, the bytes so far (training and federated
-    evaluation) and, when the latest round dropped or rejected updates, why.
+    evaluation) and, when the latest round dropped or rejected updates, why. A warning the
+    run records while it runs (training diverged, with its likely fix) is printed above the
+    bar as soon as its round is shown.
     """
     progress = Progress(
         TextColumn("[bold]rounds"),
@@ -52,21 +54,26 @@ def round_progress(console: Console, total: int | None) -> Iterator[ProgressCall
         console=console,
     )
     task = progress.add_task("rounds", total=total, status="starting Flower…")
+    warned: set[str] = set()
 
     def show(
         record: RunRecord | None, done: list[RoundRecord], failures: list[UpdateRecord]
     ) -> None:
         if record is None:
             return
+        # A failed run's error is its reason, which the command prints as it fails.
+        if record.error and record.status != RUN_FAILED and record.error not in warned:
+            warned.add(record.error)
+            progress.console.print(Text(f"warning: {record.error}", style="yellow"))
         if record.num_rounds_planned:
             progress.update(task, total=record.num_rounds_planned)
         if not done:
             progress.update(task, status="sites joining…")
             return
-        accuracy = done[-1].metrics.get("accuracy")
+        label, accuracy = shown_accuracy(done[-1].metrics)
         up = human_bytes(sum(r.bytes_up + r.eval_bytes_up for r in done))
         down = human_bytes(sum(r.bytes_down + r.eval_bytes_down for r in done))
-        status = (f"accuracy {accuracy:.4f}  " if accuracy is not None else "") + (
+        status = (f"{label} {accuracy:.4f}  " if accuracy is not None else "") + (
             f"up {up}  down {down}"
         )
         progress.update(

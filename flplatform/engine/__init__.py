@@ -4,7 +4,8 @@
 asks of a synchrony policy (``synchrony``: the modes); ``sites`` one state per site;
 ``mailbox`` the messages in flight; ``discovery`` new sites; ``rows`` and ``events`` the
 ledger rows; ``evaluation`` federated evaluation; ``versions`` the model versions in use;
-``stop_rule`` when a run that keeps failing stops; ``clock`` wall or simulated time.
+``stop_rule`` when a run that keeps failing stops; ``divergence`` when training diverges;
+``clock`` wall or simulated time.
 """
 
 from flplatform.engine.clock import Clock, Landing, Schedule, VirtualClock, WallClock

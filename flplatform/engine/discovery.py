@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 from flplatform import keys
 from flplatform.engine.clock import Clock
-from flplatform.engine.events import LedgerSink, SiteInfo
+from flplatform.engine.events import LedgerSink
 from flplatform.engine.mailbox import TTL_GRACE_SECONDS, Mailbox
 from flplatform.engine.replies import site_info
 from flplatform.engine.sites import Sites
@@ -51,17 +52,12 @@ def introduce(
     infos.sort(key=lambda s: (s.partition_id is None, s.partition_id or 0, s.name))
     for info in infos:
         if info.name in taken:
-            info = SiteInfo(
-                info.node_id,
-                f"{info.name[:40]}-{info.node_id}",
-                info.partition_id,
-                info.num_examples,
-                info.device,
-            )
+            info = replace(info, name=f"{info.name[:40]}-{info.node_id}")
         taken.add(info.name)
         profile = clock.join(info.name, len(sites))
         sites.add(info)
         if info.node_id in unanswered:
             sites.give_up(info.node_id)
-        ledger.add_site(info, {**profile, **({"device": info.device} if info.device else {})})
+        said = {"device": info.device, "feature_scale": info.feature_scale}
+        ledger.add_site(info, {**profile, **{k: v for k, v in said.items() if v is not None}})
     log.info("sites: %s", ", ".join(sites.name(n) for n in node_ids))

@@ -21,7 +21,8 @@ the cancelled one, so a site still never holds two messages.
 
 The parts, one job each: ``sites`` (one state per site), ``mailbox`` (messages in flight),
 ``discovery`` (new sites), ``rows`` (ledger rows), ``evaluation`` (federated evaluation),
-``versions`` (model versions in use), ``stop_rule`` (when a failing run stops). What the
+``versions`` (model versions in use), ``stop_rule`` (when a failing run stops),
+``divergence`` (when training diverges, reported once with its likely fix). What the
 engine asks of a strategy is ``strategy.EngineStrategy``; of a policy,
 ``policy.AggregationPolicy``.
 """
@@ -42,6 +43,7 @@ from flplatform import keys
 from flplatform.engine import rows
 from flplatform.engine.clock import Clock, Schedule, WallClock, planned_steps
 from flplatform.engine.discovery import introduce
+from flplatform.engine.divergence import DivergenceWatch, ReportedLoss
 from flplatform.engine.evaluation import evaluate_round
 from flplatform.engine.events import (
     APPLIED,
@@ -60,7 +62,7 @@ from flplatform.engine.events import (
 from flplatform.engine.guard import Decision, GuardOptions, Ruling, UpdateGuard
 from flplatform.engine.mailbox import PULL_CHUNK, TTL_GRACE_SECONDS, Arrival, Mailbox, address
 from flplatform.engine.policy import AggregationPolicy, EngineView
-from flplatform.engine.replies import finite, reported_metrics
+from flplatform.engine.replies import finite, reported_losses, reported_metrics
 from flplatform.engine.rows import REFUSED, UNAVAILABLE, no_reply_within, site_error
 from flplatform.engine.sites import Phase, Sites
 from flplatform.engine.stop_rule import DEFAULT_MAX_FAILED_ROUNDS, FailureStreak
@@ -92,6 +94,8 @@ class _RoundState:
     failed_replies: list[UpdateOutcome] = field(default_factory=list)
     # updates the guard holds until the round closes: ticket → (its row, the update, scale)
     waiting: dict[int, tuple[UpdateOutcome, Update, float]] = field(default_factory=dict)
+    # every reply's losses as sent, non-finite ones too (the rows keep finite ones only)
+    losses: list[ReportedLoss] = field(default_factory=list)
 
 
 class RoundEngine:
@@ -159,6 +163,7 @@ class RoundEngine:
         self.failure_streak = FailureStreak(max_failed_rounds)
         self.guard = guard or UpdateGuard(GuardOptions.off())
         self._tickets = 0
+        self.divergence = DivergenceWatch()
         self.sites = Sites()  # every site that ever joined the run, and its state
         self.mailbox = Mailbox(grid, self.clock, self.sites.name, poll_interval)
         self.versions = ModelVersions()
@@ -344,8 +349,18 @@ class RoundEngine:
             updates=tuple(state.outcomes),
             virtual_started_at=state.clock_started_at if self.clock.virtual else None,
             virtual_finished_at=self.clock.now() if self.clock.virtual else None,
+            warning=self._diverged(server_round, train_loss, state.losses),
         )
         return summary, train_metrics, state.failed_replies
+
+    def _diverged(
+        self, server_round: int, train_loss: float | None, losses: Sequence[ReportedLoss]
+    ) -> str | None:
+        """The report of training that diverged this round (once per run), else None."""
+        found = self.divergence.observe(server_round, train_loss=train_loss, reported=losses)
+        if found is None:
+            return None
+        return found.describe({i.name: i.feature_scale for i in self.sites.infos().values()})
 
     # ================================================================== dispatch
     def _dispatch_wanted(self, state: _RoundState) -> None:
@@ -558,6 +573,7 @@ class RoundEngine:
                 self.sites.free(arrival.dispatch.node_id)
                 outcome = self._judge(arrival, state)
                 state.outcomes.append(outcome)
+                state.losses.append(_reported_loss(outcome, arrival.reply))
                 if outcome.status in (DROPPED, REJECTED):
                     state.failed_nodes.add(arrival.dispatch.node_id)
             self._cancel_unwanted(state)
@@ -763,6 +779,13 @@ def fingerprint(reply: Message) -> tuple[str, ...]:
     measured, so this costs nothing more.
     """
     return tuple(record.object_id for record in reply.content.array_records.values())
+
+
+def _reported_loss(outcome: UpdateOutcome, reply: Message) -> ReportedLoss:
+    """The losses a reply reported as sent (its row keeps finite ones only), and why it
+    was refused if it was."""
+    refused = outcome.reason if outcome.status in (DROPPED, REJECTED) else None
+    return ReportedLoss(outcome.site, outcome.num_examples, *reported_losses(reply), refused)
 
 
 def _floats(record: MetricRecord) -> dict[str, float]:

@@ -48,6 +48,8 @@ class SiteInfo:
     partition_id: int | None = None
     num_examples: int | None = None
     device: str | None = None
+    # how far its features are from unit scale (largest per-feature RMS), if it said
+    feature_scale: float | None = None
 
 
 @dataclass
@@ -86,6 +88,8 @@ class RoundSummary:
     # Simulated times of the step; None on the wall clock.
     virtual_started_at: float | None = None
     virtual_finished_at: float | None = None
+    # What this round revealed about the whole run (training diverged), said once per run.
+    warning: str | None = None
 
     @property
     def bytes_up(self) -> int:

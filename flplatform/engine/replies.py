@@ -71,6 +71,7 @@ def site_info(node_id: int, reply: Message | None) -> SiteInfo:
         partition_id=count(info.get(keys.PARTITION_ID), maximum=MAX_INT32),
         num_examples=count(info.get(keys.NUM_EXAMPLES)),
         device=_UNSAFE_NAME.sub("_", device)[:64] if isinstance(device, str) else None,
+        feature_scale=finite(info.get(keys.FEATURE_SCALE), minimum=0.0),
     )
 
 
@@ -98,6 +99,31 @@ def reported_metrics(reply: Message) -> dict[str, Any]:
     if seconds is not None:
         out["compute_seconds"] = seconds
     return out
+
+
+def reported_losses(reply: Message) -> tuple[float | None, float | None]:
+    """The train loss and first-batch loss a reply reports, non-finite ones kept.
+
+    Unlike :func:`reported_metrics`, which keeps only what a ledger row may hold, a NaN or
+    infinite loss is returned as it came: it is the news that training diverged. None: not
+    reported (or not a number).
+    """
+    metrics, _ = _metrics_and_examples(reply)
+    if metrics is None:
+        return None, None
+    numbers = (_number(metrics.get(key)) for key in keys.TRAIN_LOSS_ALIASES)
+    train = next((n for n in numbers if n is not None), None)
+    return train, _number(metrics.get(keys.FIRST_BATCH_LOSS))
+
+
+def _number(value: Any) -> float | None:
+    """A number as a float (NaN and infinities included), else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond any float: as far from finite as inf
+        return math.inf if value > 0 else -math.inf
 
 
 def evaluation_metrics(reply: Message) -> dict[str, Any]:

@@ -121,6 +121,8 @@ def test_the_period_sets_the_local_steps_of_delayed_updates() -> None:
         ({"strategy": "delayed", "sync": "k-sync"}, "runs with sync mode 'sync' only"),
         ({"strategy": "delayed", "server-momentum": 0.9}, "set server-momentum 0"),
         ({"strategy": "delayed", "fraction-train": 0.5}, "fraction-train must be 1"),
+        ({"standardize-features": True}, "standardize-features .* set fraction-evaluate > 0"),
+        ({"standardize-features": "perhaps"}, "standardize-features must be true or false"),
     ],
 )
 def test_bad_values_name_the_problem(values: dict, message: str) -> None:

@@ -91,6 +91,24 @@ def test_finish_run_records_outcome_and_wall_time(repo: LedgerRepository) -> Non
     assert run.wall_seconds == pytest.approx(125.5, abs=1e-5)
 
 
+def test_a_rounds_run_warning_is_kept_when_the_run_finishes_or_fails(
+    repo: LedgerRepository,
+) -> None:
+    finished, failed = make_run(repo, created_at=T0), make_run(repo, created_at=T0)
+    for run_id in (finished, failed):
+        record(repo, run_id, 1, [], run_warning="round 1: training diverged: loss nan\x00")
+        record(repo, run_id, 2, [], run_warning=None)
+        # Written with its round: a reader never sees one without the other.
+        assert repo.get_run(run_id).error == "round 1: training diverged: loss nan\ufffd"
+    with pytest.raises(StorageError, match="run_warning must be a string"):
+        record(repo, finished, 3, [], run_warning=3)
+    assert repo.get_run(finished).rounds_completed == 2
+    repo.finish_run(finished, status="finished", finished_at=T0 + 60)
+    repo.finish_run(failed, status="failed", error="stopped", finished_at=T0 + 60)
+    assert repo.get_run(finished).error == "round 1: training diverged: loss nan\ufffd"
+    assert repo.get_run(failed).error == "stopped; round 1: training diverged: loss nan\ufffd"
+
+
 def test_finish_run_refuses_bad_status_a_second_finish_and_time_travel(
     repo: LedgerRepository,
 ) -> None:

@@ -21,7 +21,7 @@ from flplatform.cli.history import (
     staleness_counts,
 )
 from flplatform.errors import StorageError
-from storage import LedgerRepository, UpdateInput, UpdateRecord, UpdateStatus
+from storage import FinalRunStatus, LedgerRepository, UpdateInput, UpdateRecord, UpdateStatus
 
 runner = CliRunner()
 
@@ -556,3 +556,71 @@ def test_failure_note_names_counts_and_the_common_reason(failing_ledger: str) ->
         "round 2: 1 rejected, 1 dropped — missing arrays: [conv1.weight] xxx"
     )
     assert common_reason([]) == "-"
+
+
+def diverged_ledger(tmp_path: Path, *, status: FinalRunStatus) -> str:
+    """A run whose round 1 recorded a divergence warning; sites evaluated, not the server."""
+    url = f"sqlite:///{tmp_path / 'diverged.db'}"
+    t0 = time.time()
+    with LedgerRepository.open(url) as repo:
+        run_id = repo.create_run(
+            name="wine [raw]", strategy="local-sgd", seed=0, config={}, num_rounds_planned=2
+        )
+        for rnd in (1, 2):
+            repo.record_round(
+                run_id,
+                round=rnd,
+                model_version=rnd,
+                started_at=t0 + rnd,
+                finished_at=t0 + rnd + 0.5,
+                metrics={"site_accuracy": 0.4},
+                train_loss=1e5 if rnd == 1 else 1.1,
+                updates=[],
+                run_warning="round 1: training diverged: [loss] 1e+05" if rnd == 1 else None,
+            )
+        repo.finish_run(run_id, status=status, error="stopped" if status == "failed" else None)
+    return url
+
+
+def test_a_diverged_run_shows_its_warning_in_runs_and_rounds(tmp_path: Path) -> None:
+    db = diverged_ledger(tmp_path, status="finished")
+    runs = runner.invoke(app, ["history", "runs", "--db", db])
+    assert runs.exit_code == 0, runs.output
+    # The note column, literally (its brackets are no markup); the sites' accuracy.
+    assert "┃ note" in runs.output and "round 1: training diverged: [loss] 1e+05" in runs.output
+    assert "0.4" in runs.output
+    rounds = runner.invoke(app, ["history", "rounds", "latest", "--db", db])
+    assert rounds.exit_code == 0, rounds.output
+    assert "site acc" in rounds.output
+    assert "Run 1 warning: round 1: training diverged: [loss] 1e+05" in rounds.output
+    # JSON stays a list of rounds; the run's JSON carries the note whole.
+    shown = runner.invoke(app, ["history", "rounds", "1", "--db", db, "--format", "json"])
+    assert [r["round"] for r in json.loads(shown.output)] == [1, 2]
+    (run,) = json.loads(runner.invoke(app, ["history", "runs", "--db", db, "-f", "json"]).output)
+    assert (run["status"], run["error"]) == ("finished", "round 1: training diverged: [loss] 1e+05")
+
+
+def test_a_failed_run_keeps_the_warning_after_its_reason(tmp_path: Path) -> None:
+    db = diverged_ledger(tmp_path, status="failed")
+    rounds = runner.invoke(app, ["history", "rounds", "latest", "--db", db])
+    assert "Run 1 failed: stopped; round 1: training diverged" in rounds.output
+
+
+def test_runs_without_notes_have_no_note_column(ledger: str) -> None:
+    assert "┃ note" not in runner.invoke(app, ["history", "runs", "--db", ledger]).output
+
+
+def test_the_progress_display_prints_a_running_runs_warning_once(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from flplatform.cli.progress import round_progress
+
+    db = diverged_ledger(tmp_path, status="finished")
+    with LedgerRepository.open(db) as repo:
+        record, done = repo.get_run(1), repo.list_rounds(1)
+    console = Console(record=True, width=200)
+    with round_progress(console, 2) as show:
+        show(record, done[:1], [])
+        show(record, done, [])
+    out = console.export_text()
+    assert out.count("warning: round 1: training diverged: [loss] 1e+05") == 1
