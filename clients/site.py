@@ -25,6 +25,7 @@ from clients.scaling import feature_scale, standardize
 from clients.site_files import read_manifest
 from clients.training import pick_device
 from flplatform import keys
+from flplatform.checks import as_bool
 from flplatform.errors import ConfigError
 from flplatform.seeding import rng_for
 
@@ -179,15 +180,7 @@ def _load_site(
 
 def _flag(run_config: Mapping[str, Any], key: str, default: bool) -> bool:
     """A yes/no run-config key, spelt as ``RunConfig`` accepts it (Flower passes a bool)."""
-    value = run_config.get(key, default)
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"run config '{key}' must be true or false, got {value!r}")
+    return as_bool(run_config.get(key, default), f"run config '{key}'")
 
 
 def _name_for(partition_id: int | None, config: SiteDataConfig) -> str:

@@ -202,3 +202,19 @@ def _num(bound: float) -> str:
 
 def _shown(value: object) -> str:
     return str(value) if is_number(value) else repr(value)
+
+
+def as_bool(value: object, name: str) -> bool:
+    """``value`` as a yes/no: a bool, or true/false, yes/no, on/off, 1/0 in any case.
+
+    Run configs carry bools from TOML and text from ``-c key=value``; both mean the same.
+    Raises ``ConfigError`` naming ``name`` for anything else.
+    """
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name} must be true or false, got {value!r}")

@@ -21,7 +21,7 @@ from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any
 
 from clients.catalog import BUILTIN_DATASETS, MODELS, PARTITIONS
-from flplatform.checks import Problem, require, site_names
+from flplatform.checks import Problem, as_bool, require, site_names
 from flplatform.config_rules import (
     CODEC_MISUSE,
     DEFAULT_SITES,
@@ -394,7 +394,7 @@ def _coerce(f: Field[Any], value: Any) -> tuple[Any, Problem]:
     default = f.default
     try:
         if isinstance(default, bool):
-            return _as_bool(name, value), None
+            return as_bool(value, name), None
         if isinstance(default, int):
             return _as_int(name, value), None
         if isinstance(default, float):
@@ -424,17 +424,6 @@ def _as_float(name: str, value: Any) -> float:
         return float(str(value).strip())
     except ValueError:
         raise ConfigError(f"{name} must be a number, got {value!r}") from None
-
-
-def _as_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name} must be true or false, got {value!r}")
 
 
 def as_site_names(name: str, value: Any) -> tuple[str, ...]:
