@@ -90,8 +90,11 @@ def flower_environment(home: Path, *, python_path: Sequence[Path] = ()) -> dict[
             "FLWR_DISABLE_UPDATE_CHECK": "1",
             "FLPLATFORM_HOME": str(home),
             # Flower's processes start each other by name (flower-superexec, flwr-serverapp):
-            # they must find this environment's scripts first.
-            "PATH": os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
+            # they must find this environment's scripts first, and flwr-simulation ours.
+            "PATH": os.pathsep.join(
+                [str(_simulation_script_dir(home)), str(Path(sys.executable).parent)]
+                + ([env["PATH"]] if env.get("PATH") else [])
+            ),
             "PYTHONUNBUFFERED": "1",
             "RAY_DEDUP_LOGS": "0",
             # Faster writes into fresh memory for torch tensors (see ARCHITECTURE.md).
@@ -100,6 +103,35 @@ def flower_environment(home: Path, *, python_path: Sequence[Path] = ()) -> dict[
     )
     (home / "flwr").mkdir(parents=True, exist_ok=True)
     return env
+
+
+def _simulation_script_dir(home: Path) -> Path:
+    """A directory holding our ``flwr-simulation`` (``flplatform.simulation_runtime``).
+
+    SuperExec starts the simulation process by that name; ours runs Flower's with the
+    Ray actors of dead sites replaced (see that module for why).
+    """
+    directory = home / "bin"
+    directory.mkdir(parents=True, exist_ok=True)
+    # The package's own root comes last on sys.path: where flplatform is installed, the
+    # installed one is found first, as in the CLI.
+    script = (
+        f"#!{sys.executable}\n"
+        "# Written by flplatform (flplatform/simulation.py): Flower's flwr-simulation with\n"
+        "# flplatform's adaptations (flplatform/simulation_runtime.py).\n"
+        "import sys\n"
+        f"sys.path.append({str(Path(__file__).resolve().parents[1])!r})\n"
+        "from flplatform.simulation_runtime import main\n"
+        "main()\n"
+    )
+    path = directory / "flwr-simulation"
+    if not path.exists() or path.read_text() != script:
+        # Written aside and renamed: another run starting now may be executing it.
+        temporary = directory / f".flwr-simulation.{os.getpid()}"
+        temporary.write_text(script)
+        temporary.chmod(0o755)
+        temporary.replace(path)
+    return directory
 
 
 def free_port() -> int:
