@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -94,20 +95,19 @@ def _cmdline(pid: int) -> str:
         return "?"
 
 
-def _run(db: str) -> RunRecord | None:
-    with LedgerRepository.open(db) as repo:
-        runs = repo.list_runs()
-        return runs[0] if runs else None
+def _run(repo: LedgerRepository) -> RunRecord | None:
+    runs = repo.list_runs()
+    return runs[0] if runs else None
 
 
-def _wait_for_round_1(db: str, leftovers: Leftovers, cli: subprocess.Popen[bytes]) -> None:
+def _wait_for_round_1(
+    repo: LedgerRepository, record: Callable[[], None], running: Callable[[], bool]
+) -> None:
+    """Poll the ledger until round 1 is in it, calling ``record`` at every poll."""
     deadline = time.monotonic() + STARTUP_SECONDS
-    while True:
-        leftovers.record()
-        run = _run(db) if Path(db.removeprefix("sqlite:///")).exists() else None
-        if run is not None and run.rounds_completed >= 1:
-            return
-        assert cli.poll() is None, "the command ended before round 1"
+    while (run := _run(repo)) is None or run.rounds_completed < 1:
+        record()
+        assert running(), "the command ended before round 1"
         assert time.monotonic() < deadline, "no round within the start-up time"
         time.sleep(0.2)
 
@@ -134,17 +134,18 @@ def test_a_signal_stops_every_process_within_10_s_and_the_run_takes_no_more_roun
         + ["--dataset", "digits", "--local-steps", "2", "--db", db],
         env=env,
         cwd=tmp_path,
-        stdout=subprocess.PIPE,
+        stdout=(tmp_path / "output.txt").open("wb"),
         stderr=subprocess.STDOUT,
     )
     leftovers = Leftovers(cli.pid)
+    repo = LedgerRepository.open(db)  # created here first, so that both find it
     try:
-        _wait_for_round_1(db, leftovers, cli)
+        _wait_for_round_1(repo, leftovers.record, lambda: cli.poll() is None)
         assert any("ClientAppActor" in p for p in leftovers.alive()), leftovers.alive()
 
         sent = time.monotonic()
         cli.send_signal(sig)
-        output, _ = cli.communicate(timeout=STOP_BOUND_SECONDS)
+        cli.wait(timeout=STOP_BOUND_SECONDS)
         while leftovers.alive() and time.monotonic() - sent < STOP_BOUND_SECONDS:
             time.sleep(0.05)
         took = time.monotonic() - sent
@@ -152,22 +153,22 @@ def test_a_signal_stops_every_process_within_10_s_and_the_run_takes_no_more_roun
         print(
             f"{sig.name}: the command and its {len(leftovers.seen)} processes gone in {took:.1f} s"
         )
+        text = (tmp_path / "output.txt").read_text(errors="replace")
+        assert cli.returncode == 128 + sig, text
+        assert "Traceback" not in text
+        assert f"stopped by the user ({sig.name}) after" in text
+        run = _run(repo)
+        assert run is not None
+        assert (run.status, run.error) == ("failed", f"stopped by the user ({sig.name})")
+        assert 1 <= run.rounds_completed < 200
+        time.sleep(3)  # a ServerApp left behind would record its next round by now
+        after = _run(repo)
+        assert after is not None and after.rounds_completed == run.rounds_completed
     finally:
+        repo.close()
         cli.kill()
         for line in leftovers.alive():
             os.kill(int(line.split()[0]), signal.SIGKILL)
-
-    text = output.decode(errors="replace")
-    assert cli.returncode == 128 + sig, text
-    assert "Traceback" not in text
-    assert f"stopped by the user ({sig.name}) after" in text
-    run = _run(db)
-    assert run is not None
-    assert (run.status, run.error) == ("failed", f"stopped by the user ({sig.name})")
-    assert 1 <= run.rounds_completed < 200
-    time.sleep(3)  # a ServerApp left behind would record its next round by now
-    after = _run(db)
-    assert after is not None and after.rounds_completed == run.rounds_completed
 
 
 # ============================================================ a SuperLink that dies
@@ -179,26 +180,22 @@ def test_a_serverapp_whose_superlink_died_stops_and_marks_the_run_failed(tmp_pat
     config = RunConfig.from_mapping(
         {"sites": "a,b", "num-server-rounds": 200, "local-steps": 2, "db": db, "run-tag": tag}
     )
-    with ProcessTree() as tree:
+    with ProcessTree() as tree, LedgerRepository.open(db) as repo:
         process = start_simulation(config, home=work_home(), log_name=tag[:12], tree=tree)
-        deadline = time.monotonic() + STARTUP_SECONDS
-        while (run := _run(db) if (tmp_path / "ledger.db").exists() else None) is None or (
-            run.rounds_completed < 1
-        ):
-            tree.record()  # so that SuperExec's session is known once the SuperLink is gone
-            assert process.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
+        # Recorded at every poll, so that SuperExec's session is known once the SuperLink,
+        # its parent, is gone.
+        _wait_for_round_1(repo, tree.record, lambda: process.poll() is None)
 
         process.superlink.kill()
         killed = time.monotonic()
-        while (run := _run(db)) is not None and run.status == "running":
+        while (run := _run(repo)) is not None and run.status == "running":
             assert time.monotonic() - killed < 30, "the ServerApp trained on"
             time.sleep(0.2)
         print(f"the ServerApp marked the run failed {time.monotonic() - killed:.1f} s after")
         assert run is not None and run.status == "failed"
         assert "SuperLink at 127.0.0.1:" in (run.error or "") and "is gone" in (run.error or "")
         time.sleep(3)
-        after = _run(db)
+        after = _run(repo)
         assert after is not None and after.rounds_completed == run.rounds_completed
 
         # What the SuperLink started outlives it (re-parented); the tree still finds it.
