@@ -84,3 +84,18 @@ class NoProgress(RunFailed):
     The engine stops the run rather than spend its remaining rounds the same way (for
     example, every site sending a model whose keys do not match the server's).
     """
+
+
+class RunStopped(RunFailed):
+    """The user stopped a run with SIGINT (Ctrl-C) or SIGTERM.
+
+    Every process the run had started is stopped, and the run, if it was still going, is
+    marked failed with "stopped by the user (SIGINT)". The exit code is the one a shell
+    reports for a process that signal ended: 130 for SIGINT, 143 for SIGTERM.
+    """
+
+    exit_code = 130
+
+    def __init__(self, reason: str, *, exit_code: int = 130) -> None:
+        super().__init__(reason)
+        self.exit_code = exit_code

@@ -8,7 +8,6 @@ ServerApp writes the ledger; the caller follows progress by reading the ledger.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
@@ -24,8 +23,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from flplatform.config import RunConfig
-from flplatform.errors import ConfigError, RunFailed
+from flplatform.errors import ConfigError, RunFailed, RunStopped, StorageError
 from flplatform.flower_app import OPTIONS_ENV, AppRun, ConfigValue
+from flplatform.processes import ProcessTree, StopRequested, stop_reason
 from storage import (
     UPDATE_DROPPED,
     UPDATE_REJECTED,
@@ -90,8 +90,11 @@ def flower_environment(home: Path, *, python_path: Sequence[Path] = ()) -> dict[
             "FLWR_DISABLE_UPDATE_CHECK": "1",
             "FLPLATFORM_HOME": str(home),
             # Flower's processes start each other by name (flower-superexec, flwr-serverapp):
-            # they must find this environment's scripts first.
-            "PATH": os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
+            # they must find this environment's scripts first, and flwr-simulation ours.
+            "PATH": os.pathsep.join(
+                [str(_simulation_script_dir(home)), str(Path(sys.executable).parent)]
+                + ([env["PATH"]] if env.get("PATH") else [])
+            ),
             "PYTHONUNBUFFERED": "1",
             "RAY_DEDUP_LOGS": "0",
             # Faster writes into fresh memory for torch tensors (see ARCHITECTURE.md).
@@ -100,6 +103,35 @@ def flower_environment(home: Path, *, python_path: Sequence[Path] = ()) -> dict[
     )
     (home / "flwr").mkdir(parents=True, exist_ok=True)
     return env
+
+
+def _simulation_script_dir(home: Path) -> Path:
+    """A directory holding our ``flwr-simulation`` (``flplatform.simulation_runtime``).
+
+    SuperExec starts the simulation process by that name; ours runs Flower's with the
+    Ray actors of dead sites replaced (see that module for why).
+    """
+    directory = home / "bin"
+    directory.mkdir(parents=True, exist_ok=True)
+    # The package's own root comes last on sys.path: where flplatform is installed, the
+    # installed one is found first, as in the CLI.
+    script = (
+        f"#!{sys.executable}\n"
+        "# Written by flplatform (flplatform/simulation.py): Flower's flwr-simulation with\n"
+        "# flplatform's adaptations (flplatform/simulation_runtime.py).\n"
+        "import sys\n"
+        f"sys.path.append({str(Path(__file__).resolve().parents[1])!r})\n"
+        "from flplatform.simulation_runtime import main\n"
+        "main()\n"
+    )
+    path = directory / "flwr-simulation"
+    if not path.exists() or path.read_text() != script:
+        # Written aside and renamed: another run starting now may be executing it.
+        temporary = directory / f".flwr-simulation.{os.getpid()}"
+        temporary.write_text(script)
+        temporary.chmod(0o755)
+        temporary.replace(path)
+    return directory
 
 
 def free_port() -> int:
@@ -122,31 +154,34 @@ def _bin(name: str) -> str:
 
 @dataclass
 class SimulationProcess:
-    """A running ``flwr run`` and the SuperLink it talks to."""
+    """A running ``flwr run``, the SuperLink it talks to, and every process below them."""
 
     superlink: subprocess.Popen[bytes]
     run: subprocess.Popen[bytes]
     log_path: Path
     superlink_log: Path
+    tree: ProcessTree
+    # Why the simulation ended early, when its SuperLink exited on its own (noted when
+    # it is seen, before ``stop`` ends the SuperLink too).
+    link_lost: str | None = None
 
     def poll(self) -> int | None:
         """Exit code of ``flwr run``, or None while it runs."""
         return self.run.poll()
 
-    def stop(self) -> None:
-        """Stop ``flwr run`` (if still going) and the SuperLink, with its app processes.
+    def superlink_exited(self) -> bool:
+        """Whether the SuperLink exited on its own; the first time, note why."""
+        code = self.superlink.poll()
+        if code is not None and self.link_lost is None:
+            self.link_lost = (
+                f"the SuperLink exited ({describe_exit(code)}) while the run was going; "
+                f"see {self.superlink_log}"
+            )
+        return code is not None
 
-        The SuperLink starts SuperExec in a session of its own, and SuperExec the
-        simulation (ServerApp, Ray and its actors) in that one: their process groups are
-        found (before anything is stopped) and stopped too. They would exit by themselves
-        once their parent is gone, by raising SIGINT, which does nothing where SIGINT is
-        ignored (a process started in the background by a shell).
-        """
-        groups = _descendant_groups(self.superlink.pid, self.run.pid)
-        for proc in (self.run, self.superlink):
-            if proc.poll() is None:
-                _terminate_group(proc)
-        _terminate_groups(groups - {self.run.pid, self.superlink.pid, os.getpgrp()})
+    def stop(self) -> None:
+        """Stop ``flwr run``, the SuperLink and every process they started (``ProcessTree``)."""
+        self.tree.stop()
 
     def last_error(self) -> str:
         """The most telling line of the run's output (see ``telling_line``)."""
@@ -159,6 +194,16 @@ class SimulationProcess:
         except OSError:
             return ""
         return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def describe_exit(code: int) -> str:
+    """A process's exit status in words: ``exit code 1``, ``killed by SIGKILL``."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def telling_line(output: str) -> str:
@@ -188,76 +233,6 @@ def telling_line(output: str) -> str:
     return tail[-1] if tail else "no output"
 
 
-def _descendant_groups(*roots: int) -> set[int]:
-    """Process groups of every descendant of ``roots`` (Linux ``/proc``; empty elsewhere)."""
-    children: dict[int, list[int]] = {}
-    groups: dict[int, int] = {}
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return set()
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) < 3:
-            continue
-        pid, ppid, pgrp = int(entry.name), int(fields[1]), int(fields[2])
-        children.setdefault(ppid, []).append(pid)
-        groups[pid] = pgrp
-    found: set[int] = set()
-    todo = list(roots)
-    seen = set(roots)
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in seen:
-                seen.add(child)
-                todo.append(child)
-                found.add(groups[child])
-    return found
-
-
-def _terminate_groups(groups: set[int], timeout: float = 10) -> None:
-    """SIGTERM each process group, then SIGKILL what is left after ``timeout`` seconds."""
-    live = set()
-    for group in groups:
-        try:
-            os.killpg(group, signal.SIGTERM)
-            live.add(group)
-        except (ProcessLookupError, PermissionError):
-            pass
-    deadline = time.monotonic() + timeout
-    while live and time.monotonic() < deadline:
-        time.sleep(0.2)
-        live = {g for g in live if _group_alive(g)}
-    for group in live:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(group, signal.SIGKILL)
-
-
-def _group_alive(group: int) -> bool:
-    try:
-        os.killpg(group, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
-
-
-def _terminate_group(proc: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=15)
-    except (ProcessLookupError, PermissionError):
-        return
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=5)
-
-
 def federation_options(num_sites: int) -> str:
     """Flower's simulation federation: one SuperNode per site, one CPU per actor.
 
@@ -270,13 +245,19 @@ def federation_options(num_sites: int) -> str:
 
 
 def start_simulation(
-    config: RunConfig, *, home: Path, log_name: str, app_dir: Path | None = None
+    config: RunConfig,
+    *,
+    home: Path,
+    log_name: str,
+    tree: ProcessTree,
+    app_dir: Path | None = None,
 ) -> SimulationProcess:
     """Start a SuperLink and ``flwr run`` a Flower app (this project's by default)."""
     return start_app(
         app_dir or project_dir(),
         home=home,
         log_name=log_name,
+        tree=tree,
         run_config=config.to_run_config(),
         num_sites=config.num_sites,
         python_path=_model_dirs(config.model),
@@ -298,6 +279,7 @@ def start_app(
     *,
     home: Path,
     log_name: str,
+    tree: ProcessTree,
     run_config: Mapping[str, ConfigValue],
     num_sites: int,
     extra_env: Mapping[str, str] | None = None,
@@ -306,11 +288,12 @@ def start_app(
     """Start a SuperLink and ``flwr run app_dir`` on it with ``run_config`` overrides.
 
     ``extra_env`` reaches the ServerApp and ClientApp processes: the SuperLink starts
-    them (through SuperExec) with its own environment.
+    them (through SuperExec) with its own environment. Every process is started in
+    ``tree``: whoever made it stops them (``tree.stop()``), also when this raises.
     """
     env = flower_environment(home, python_path=python_path)
     env.update(extra_env or {})
-    superlink, superlink_log = start_superlink(env, home=home, log_name=log_name)
+    superlink, superlink_log = start_superlink(env, home=home, log_name=log_name, tree=tree)
     logs = home / "logs"
     overrides: list[str] = []
     if run_config:
@@ -318,39 +301,35 @@ def start_app(
         path.write_text(_toml(dict(run_config)))
         overrides = ["--run-config", str(path)]
     log_path = logs / f"{log_name}.log"
-    try:
-        run = subprocess.Popen(
-            [
-                _bin("flwr"),
-                "run",
-                str(app_dir),
-                "local",
-                *overrides,
-                "--federation-config",
-                federation_options(num_sites),
-                "--stream",
-            ],
-            env=env,
-            cwd=str(home),
-            stdout=log_path.open("wb"),
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    except BaseException:
-        stop_process(superlink)
-        raise
-    return SimulationProcess(superlink, run, log_path, superlink_log)
+    run = tree.popen(
+        [
+            _bin("flwr"),
+            "run",
+            str(app_dir),
+            "local",
+            *overrides,
+            "--federation-config",
+            federation_options(num_sites),
+            "--stream",
+        ],
+        env=env,
+        cwd=str(home),
+        stdout=log_path.open("wb"),
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
+    return SimulationProcess(superlink, run, log_path, superlink_log, tree)
 
 
 def start_superlink(
-    env: dict[str, str], *, home: Path, log_name: str
+    env: dict[str, str], *, home: Path, log_name: str, tree: ProcessTree | None = None
 ) -> tuple[subprocess.Popen[bytes], Path]:
     """Start a simulation SuperLink on free loopback ports; return it and its log.
 
     ``env`` (from :func:`flower_environment`) is the SuperLink's, and so that of the app
     processes it starts; the ports are written into it, so that ``flwr run APP local``
-    run with ``env`` uses this SuperLink.
+    run with ``env`` uses this SuperLink. It is started in ``tree`` (a tree of its own
+    when None: stop it with :func:`stop_process`).
     """
     http_port, control_port = free_port(), free_port()
     # `flwr run APP local` uses a SuperLink on these ports; we start it ourselves so that
@@ -360,7 +339,7 @@ def start_superlink(
     logs = home / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     superlink_log = logs / f"{log_name}.superlink.log"
-    superlink = subprocess.Popen(
+    superlink = (tree or ProcessTree()).popen(
         [
             _bin("flower-superlink"),
             "--insecure",
@@ -380,7 +359,6 @@ def start_superlink(
         env=env,
         stdout=superlink_log.open("wb"),
         stderr=subprocess.STDOUT,
-        start_new_session=True,
     )
     try:
         wait_for_port(http_port, superlink, superlink_log)
@@ -391,9 +369,10 @@ def start_superlink(
 
 
 def stop_process(proc: subprocess.Popen[bytes]) -> None:
-    """Stop a process started here, with its process group (SIGTERM, then SIGKILL)."""
-    if proc.poll() is None:
-        _terminate_group(proc)
+    """Stop a process started in a session of its own, and every process below it."""
+    tree = ProcessTree()
+    tree.adopt(proc)
+    tree.stop()
 
 
 def wait_for_port(port: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 30) -> None:
@@ -407,7 +386,7 @@ def wait_for_port(port: int, proc: subprocess.Popen[bytes], log: Path, timeout: 
             if sock.connect_ex(("127.0.0.1", port)) == 0:
                 return
         time.sleep(0.1)
-    _terminate_group(proc)
+    stop_process(proc)
     raise RunFailed(f"the SuperLink did not start within {timeout:.0f} s; see {log}")
 
 
@@ -456,14 +435,18 @@ def run_simulation(
     """Run ``config`` as a Flower simulation and follow it through the ledger.
 
     Returns the finished run; raises ``RunFailed`` (after recording the failure in the
-    ledger) when it does not finish, and ``StorageError`` when the ledger cannot be opened.
+    ledger) when it does not finish, ``RunStopped`` when SIGINT or SIGTERM stopped it
+    (see :func:`follow_run`), and ``StorageError`` when the ledger cannot be opened.
     """
     home = work_home()
     db_url = check_ledger(config)
     tag = uuid.uuid4().hex
     config = RunConfig.from_mapping({**config.to_run_config(), "run-tag": tag, "db": db_url})
-    process = start_simulation(config, home=home, log_name=tag[:12], app_dir=app_dir)
-    return _follow_to_end(process, config, on_progress, poll_interval)
+
+    def start(tree: ProcessTree) -> SimulationProcess:
+        return start_simulation(config, home=home, log_name=tag[:12], tree=tree, app_dir=app_dir)
+
+    return follow_run(start, config, on_progress, poll_interval)
 
 
 def run_app(
@@ -476,29 +459,38 @@ def run_app(
 
     The run is found by ``run.tag``: flplatform's ServerApp reads it from the ``run-tag``
     key, ``flplatform.start`` from ``FLPLATFORM_OPTIONS``. Returns the finished run;
-    raises ``RunFailed`` like :func:`run_simulation`.
+    raises ``RunFailed`` and ``RunStopped`` like :func:`run_simulation`.
     """
     home = work_home()
-    process = start_app(
-        run.app.path,
-        home=home,
-        log_name=run.tag[:12],
-        run_config=run.run_config,
-        num_sites=run.num_sites,
-        extra_env=run.environment(),
-        python_path=run.python_path,
-    )
+    started: list[SimulationProcess] = []
+
+    def start(tree: ProcessTree) -> SimulationProcess:
+        process = start_app(
+            run.app.path,
+            home=home,
+            log_name=run.tag[:12],
+            tree=tree,
+            run_config=run.run_config,
+            num_sites=run.num_sites,
+            extra_env=run.environment(),
+            python_path=run.python_path,
+        )
+        started.append(process)
+        return process
+
     # What _follow reads: where the run is recorded and its tag.
     follow = replace(RunConfig(), db=run.db_url, run_tag=run.tag)
     try:
-        return _follow_to_end(process, follow, on_progress, poll_interval)
+        return follow_run(start, follow, on_progress, poll_interval)
+    except RunStopped:
+        raise
     except RunFailed:
-        if process.poll() != 0 or _has_run(follow):
+        if not started or started[0].poll() != 0 or _has_run(follow):
             raise
         raise RunFailed(
-            f"app '{run.app.name}' recorded no run in the ledger ({process.last_error()}); "
+            f"app '{run.app.name}' recorded no run in the ledger ({started[0].last_error()}); "
             f"`flplatform run` follows ServerApps that call flplatform.start(...) or are "
-            f"flplatform's own; log: {process.log_path}"
+            f"flplatform's own; log: {started[0].log_path}"
         ) from None
 
 
@@ -507,28 +499,61 @@ def _has_run(config: RunConfig) -> bool:
         return repository.find_run_by_tag(config.run_tag) is not None
 
 
-def _follow_to_end(
-    process: SimulationProcess,
+def follow_run(
+    start: Callable[[ProcessTree], SimulationProcess],
     config: RunConfig,
-    on_progress: ProgressCallback | None,
-    poll_interval: float,
+    on_progress: ProgressCallback | None = None,
+    poll_interval: float = 0.5,
 ) -> RunRecord:
-    """Follow a started run to its end, stop every process, and return its record."""
-    db_url = config.db
+    """Start a simulation with ``start``, follow its run to the end, stop every process.
+
+    Whatever happens, every process ``start`` started is stopped before this returns or
+    raises (``ProcessTree``). Ctrl-C (``KeyboardInterrupt``) or ``StopRequested`` (the
+    CLI's SIGINT and SIGTERM, see ``processes.stop_signals``), during start-up too, stops
+    them first, then marks the run failed with "stopped by the user (SIGINT)" and raises
+    ``RunStopped``: nothing is left running that could write to the run afterwards.
+    """
+    with ProcessTree() as tree:
+        try:
+            process = start(tree)
+            run_id = _follow(process, config, on_progress, poll_interval)
+            tree.stop()  # before the status is read: nothing may write to the run later
+        except KeyboardInterrupt as exc:
+            tree.stop()
+            raise _stopped(config, exc) from None
+    return _final_record(process, config, run_id)
+
+
+def _stopped(config: RunConfig, exc: KeyboardInterrupt) -> RunStopped:
+    """Mark the stopped run failed, if it was still running; return the error to raise."""
+    reason = stop_reason(exc)
+    code = exc.exit_code if isinstance(exc, StopRequested) else RunStopped.exit_code
     try:
-        run_id = _follow(process, config, on_progress, poll_interval)
-    except KeyboardInterrupt:
-        process.stop()
-        _close_unfinished(config, "interrupted by the user")
-        raise
-    finally:
-        process.stop()
-    with LedgerRepository.open(db_url) as repository:
+        with LedgerRepository.open(config.db) as repository:
+            record = repository.find_run_by_tag(config.run_tag)
+            if record is None:
+                return RunStopped(f"{reason} before the run started", exit_code=code)
+            if record.status != "running":
+                return RunStopped(f"{reason}; run {record.id} had {record.status}", exit_code=code)
+            repository.finish_run(record.id, status="failed", error=reason)
+    except StorageError as exc_storage:
+        return RunStopped(
+            f"{reason}; the run could not be marked failed: {exc_storage.reason}", exit_code=code
+        )
+    return RunStopped(
+        f"run {record.id} {reason} after {record.rounds_completed} of "
+        f"{record.num_rounds_planned} rounds; it is marked failed",
+        exit_code=code,
+    )
+
+
+def _final_record(process: SimulationProcess, config: RunConfig, run_id: int) -> RunRecord:
+    """The run once every process is stopped; failed with the reason if it was left running."""
+    with LedgerRepository.open(config.db) as repository:
         record = repository.get_run(run_id)
         if record.status == "running":  # the ServerApp died without a word
-            repository.finish_run(
-                run_id, status="failed", error=f"simulation exited: {process.last_error()}"
-            )
+            reason = process.link_lost or f"simulation exited: {process.last_error()}"
+            repository.finish_run(run_id, status="failed", error=reason)
             record = repository.get_run(run_id)
     if record.status != "finished":
         raise RunFailed(
@@ -544,11 +569,16 @@ def _follow(
     on_progress: ProgressCallback | None,
     poll_interval: float,
 ) -> int:
-    """Poll the ledger until the run leaves "running" or Flower exits; return the run id."""
+    """Poll the ledger until the run leaves "running", Flower exits or the SuperLink dies.
+
+    Returns the run id. Each poll records the process tree, so that the processes of a
+    SuperLink that dies are still found and stopped.
+    """
     run_id: int | None = None
     with LedgerRepository.open(config.db) as repository:
         while True:
-            exited = process.poll() is not None
+            process.tree.record()
+            exited = process.poll() is not None or process.superlink_exited()
             record = repository.find_run_by_tag(config.run_tag)
             if record is not None:
                 run_id = record.id
@@ -559,9 +589,10 @@ def _follow(
                 break
             time.sleep(poll_interval)
     if run_id is None:
+        reason = process.link_lost or f"flwr exited with {process.poll()}"
         raise RunFailed(
-            f"the simulation stopped before the ServerApp started (flwr exited with "
-            f"{process.poll()}): {process.last_error()}; log: {process.log_path}"
+            f"the simulation stopped before the ServerApp started ({reason}): "
+            f"{process.last_error()}; log: {process.log_path}"
         )
     return run_id
 
@@ -574,10 +605,3 @@ def _latest_failures(repository: LedgerRepository, done: list[RoundRecord]) -> l
     return repository.list_updates(
         latest.run_id, round=latest.round, status=(UPDATE_DROPPED, UPDATE_REJECTED)
     )
-
-
-def _close_unfinished(config: RunConfig, reason: str) -> None:
-    with LedgerRepository.open(config.db) as repository:
-        record = repository.find_run_by_tag(config.run_tag)
-        if record is not None and record.status == "running":
-            repository.finish_run(record.id, status="failed", error=reason)

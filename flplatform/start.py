@@ -7,7 +7,9 @@ ledger="default")`` instead and gets, on top of Flower's ``Result``:
 * a synchrony mode (``flplatform.engine.synchrony``): sync, K-sync, K-async, buffered, ...;
 * a simulated network on a virtual clock (``flplatform.network``), or the wall clock;
 * the ledger: the run's row is written first, each round is committed as it finishes, and
-  the run is marked finished, or failed with the reason, at the end (``run_ledger``).
+  the run is marked finished, or failed with the reason, at the end (``run_ledger``);
+* a watch on the SuperLink: a ServerApp whose SuperLink exited stops, the run failed with
+  that reason, instead of training on (``engine.link``).
 
 Any strategy runs: flplatform's own as they are, Flower's own wrapped, fully synchronously
 (``start_parts``, which also picks the policy and the clock). Command-line overrides:
@@ -38,6 +40,7 @@ from flplatform.engine import (
     RoundSummary,
     UpdateGuard,
 )
+from flplatform.engine.link import watch_superlink
 from flplatform.network import Network
 from flplatform.run_ledger import open_run
 from flplatform.run_log import log_start, round_reporter
@@ -183,7 +186,8 @@ def start(
     StorageError
         If the ledger cannot be opened or written.
     RunFailed
-        If the run could not start (too few sites) or stopped early (``NoProgress``).
+        If the run could not start (too few sites) or stopped early (``NoProgress``, or
+        the SuperLink that runs it exited).
     """
     given = PlatformOptions(
         num_rounds=num_rounds,
@@ -216,6 +220,8 @@ def start(
     label = strategy_name(engine_strategy)
     policy = choose_policy(engine_strategy, options)
     clock = make_clock(options)
+    # A simulated ServerApp's Grid answers after its SuperLink died: stop then (engine/link).
+    grid = watch_superlink(grid)
     run = open_run(options, overrides, label)
     log_start(engine_strategy, label, policy, network_label(options), options.num_rounds)
     engine: RoundEngine | None = None

@@ -312,10 +312,29 @@ class LedgerRepository:
             raise self._missing_run(int(run_id))
         return int(run_id)
 
-    def _require_run(self, session: Session, run_id: int) -> Run:
-        run = session.get(Run, run_id)
+    def _require_run(self, session: Session, run_id: int, *, lock: bool = False) -> Run:
+        """The run's row; ``lock``: locked until the transaction ends (PostgreSQL's
+        ``FOR UPDATE``; SQLite's write transactions are serialized already)."""
+        run = session.get(Run, run_id, with_for_update=lock)
         if run is None:
             raise self._missing_run(run_id)
+        return run
+
+    def _require_running(self, session: Session, run_id: int, action: str) -> Run:
+        """The run's row, locked, if the run is still running.
+
+        A finished or failed run takes no more rows: a ServerApp that outlives the command
+        that stopped its run (or its SuperLink) stops at its next write, instead of
+        writing rounds into a run already marked failed. The lock keeps a ``finish_run``
+        of another process from landing between this check and the write.
+        """
+        run = self._require_run(session, run_id, lock=True)
+        if run.status != RUN_RUNNING:
+            why = f" ({run.error})" if run.error else ""
+            raise StorageError(
+                f"cannot {action}: run {run_id} is {run.status}{why}; a run takes no rows "
+                "once it has finished or failed"
+            )
         return run
 
     @staticmethod
@@ -447,7 +466,7 @@ class LedgerRepository:
         end = time.time() if finished_at is None else finished_at
         end_dt = to_datetime("finished_at", end)
         with self._session(f"finish run {run_id}", write=True) as session:
-            run = self._require_run(session, run_id)
+            run = self._require_run(session, run_id, lock=True)
             if run.status != RUN_RUNNING:
                 raise StorageError(
                     f"run {run_id} is already {run.status}; only a running run can be finished"
@@ -565,7 +584,8 @@ class LedgerRepository:
         NotFoundError
             If the run does not exist.
         StorageError
-            If a value is invalid or the run already has a site with this name.
+            If a value is invalid, the run already has a site with this name, or the run
+            is no longer running.
         """
         run_id = self._run_id(run_id)
         row = Site(
@@ -582,7 +602,7 @@ class LedgerRepository:
         )
         taken = f"site {name!r} is already in run {run_id}; site names must be unique in a run"
         with self._session(f"add site {name!r} to run {run_id}", write=True) as session:
-            self._require_run(session, run_id)
+            self._require_running(session, run_id, f"add site {name!r} to run {run_id}")
             exists = select(Site.id).where(Site.run_id == run_id, Site.name == name)
             if session.scalar(exists) is not None:
                 raise StorageError(taken)
@@ -673,7 +693,8 @@ class LedgerRepository:
             If the run does not exist.
         StorageError
             If a value is invalid, the round is already recorded, an update or evaluation
-            names a site the run does not have, or two evaluations name the same site.
+            names a site the run does not have, two evaluations name the same site, or the
+            run is no longer running (finished, or failed: stopped by the user, say).
         """
         # ---- check the step and its rows before touching the database
         run_id = self._run_id(run_id)
@@ -712,7 +733,7 @@ class LedgerRepository:
                 f"run_warning must be a string or None, got {type(run_warning).__name__}"
             )
         with self._session(f"record round {step} of run {run_id}", write=True) as session:
-            run = self._require_run(session, run_id)
+            run = self._require_running(session, run_id, f"record round {step} of run {run_id}")
             if run_warning:
                 run.error = _joined(run.error, free_text(run_warning))
             done = select(Round.id).where(Round.run_id == run_id, Round.round == step)

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.text import Text
 
 from flplatform.errors import FLPlatformError
+from flplatform.processes import StopRequested, stop_signals
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -32,19 +33,25 @@ def fail(message: str, code: int) -> typer.Exit:
 def handles_errors(command: Callable[P, R]) -> Callable[P, R]:
     """Wrap a CLI command: domain errors → one line + their exit code; bugs → one line + 70.
 
+    SIGINT (Ctrl-C) and SIGTERM stop the command the same way (``stop_signals``): a run
+    stops every process it started and records why (``RunStopped``), and the command
+    exits with 130 or 143, as a shell reports a process the signal ended.
     Set FLPLATFORM_DEBUG=1 to see the traceback of an unexpected error.
     """
 
     @functools.wraps(command)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
-            return command(*args, **kwargs)
+            with stop_signals():
+                return command(*args, **kwargs)
         except FLPlatformError as exc:
             raise fail(exc.reason, exc.exit_code) from None
         except (typer.Exit, typer.Abort, SystemExit):
             raise
+        except StopRequested as exc:
+            raise fail(f"stopped by the user ({exc.name})", exc.exit_code) from None
         except KeyboardInterrupt:
-            raise fail("interrupted", 130) from None
+            raise fail("stopped by the user (SIGINT)", 130) from None
         except Exception as exc:
             if os.environ.get("FLPLATFORM_DEBUG"):
                 raise

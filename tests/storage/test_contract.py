@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import textwrap
@@ -285,6 +286,32 @@ def test_a_round_is_recorded_once(repo: LedgerRepository) -> None:
     [rnd] = repo.list_rounds(run_id)
     assert rnd.model_version == 1
     assert len(repo.list_updates(run_id)) == 1
+
+
+@pytest.mark.parametrize(
+    ("status", "error"), [("failed", "stopped by the user (SIGINT)"), ("finished", None)]
+)
+def test_a_run_no_longer_running_takes_no_rounds_or_sites(
+    repo: LedgerRepository, status: Any, error: str | None
+) -> None:
+    """A ServerApp that outlives the command that stopped its run stops at its next write."""
+    run_id = make_run(repo)
+    repo.add_site(run_id, name="a", node_id=1)
+    record(repo, run_id, 1, [update("a")])
+    repo.finish_run(run_id, status=status, error=error)
+
+    because = rf" \({re.escape(error)}\)" if error else ";"
+    with pytest.raises(
+        StorageError, match=rf"record round 2 of run {run_id}: run {run_id} is {status}{because}"
+    ):
+        record(repo, run_id, 2, [update("a", dispatched_round=2)])
+    with pytest.raises(StorageError, match="takes no rows once it has finished or failed"):
+        repo.add_site(run_id, name="b", node_id=2)
+
+    assert [r.round for r in repo.list_rounds(run_id)] == [1]
+    assert len(repo.list_updates(run_id)) == 1
+    assert [s.name for s in repo.list_sites(run_id)] == ["a"]
+    assert repo.get_run(run_id).status == status
 
 
 def test_unknown_site_leaves_neither_round_nor_updates(repo: LedgerRepository) -> None:

@@ -1,0 +1,77 @@
+"""``flwr-simulation`` as flplatform starts it: Flower's own, with dead sites' actors replaced.
+
+Flower 1.41's Ray backend runs every simulated site's ClientApp on a fixed pool of Ray
+actors (``flwr.simulation.ray_transport.ray_actor.BasicActorPool``). When a ClientApp ends
+its actor's process (``os._exit``, a signal, a segfault, the OOM killer), ``ray.get``
+raises ``ActorDiedError``: the backend answers that site's message with an error (right:
+the site failed) but puts the dead actor back into the pool (``add_actor_back_to_pool``),
+and every later message handed to it fails with "The actor is dead". The pool shrinks for
+the rest of the run and healthy sites are dropped, round after round.
+
+Flower's backend config has no setting for this. Ray's own (``max_restarts`` on the actor)
+is not enough: a message handed to the actor while it restarts fails too
+(``ActorUnavailableError``), dropping another healthy site. So the pool puts a new actor
+in the dead one's place instead: messages sent to an actor that is still starting wait
+for it, so the next site handed to it only waits. A site's ``Context`` lives in the
+driver process, so nothing of any site's state is lost. The dying site's message is
+answered with Flower's error, which the engine records as that site's dropped update with
+the reason; the other sites go on, and the dying site too, on its next message.
+
+flplatform's CLI puts a ``flwr-simulation`` script that runs :func:`main` first on the
+PATH of the SuperLink it starts (``simulation.flower_environment``); SuperExec starts the
+simulation process by that name. Everything else is Flower's ``flwr-simulation``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+log = logging.getLogger("flplatform")
+
+
+def replace_dead_actors() -> None:
+    """Make Flower's actor pool replace an actor whose process died (see the module)."""
+    from flwr.simulation.ray_transport.ray_actor import BasicActorPool
+
+    put_back = BasicActorPool.add_actor_back_to_pool
+    if getattr(put_back, "replaces_dead_actors", False):
+        return
+
+    def add_actor_back_to_pool(self: BasicActorPool, future: Any) -> None:
+        if not _actor_died(future):
+            put_back(self, future)
+            return
+        import ray
+
+        dead = self._future_to_actor.pop(future)
+        with contextlib.suppress(Exception):  # dead already; this only frees its handle
+            ray.kill(dead, no_restart=True)  # type: ignore[arg-type]  # an actor handle
+        self.pool.append(self.create_actor_fn())
+        log.warning("a ClientApp's process died; its Ray actor is replaced by a new one")
+
+    add_actor_back_to_pool.replaces_dead_actors = True  # type: ignore[attr-defined]
+    BasicActorPool.add_actor_back_to_pool = add_actor_back_to_pool  # type: ignore[method-assign]
+
+
+def _actor_died(future: Any) -> bool:
+    """Whether a finished job failed because its actor's process is gone."""
+    import ray
+
+    try:
+        ray.get(future, timeout=0)
+    except ray.exceptions.RayActorError:  # ActorDiedError, ActorUnavailableError
+        return True
+    except Exception:  # the ClientApp raised, or not finished: the actor is fine
+        return False
+    return False
+
+
+def main() -> None:
+    """``flwr-simulation``, with dead actors replaced."""
+    # Flower's module first: it sets Ray's environment before anything imports Ray.
+    from flwr.simulation.app import flwr_simulation
+
+    replace_dead_actors()
+    flwr_simulation()
