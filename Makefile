@@ -40,7 +40,8 @@ lint: setup-dev
 
 # [tool.flwr.app.config] of the Flower apps, written from the options table (RunConfig).
 app-config: setup
-	$(BIN)/python -m flplatform.app_config pyproject.toml examples/plain_flower_client/pyproject.toml
+	$(BIN)/python -m flplatform.app_config pyproject.toml examples/plain_flower_client/pyproject.toml \
+		tests/integration/apps/attack_app/pyproject.toml
 
 bench: setup
 	$(BIN)/python benchmarks/bench_round.py

@@ -86,6 +86,7 @@ DELAYED_STATE = "flplatform-delayed"  # delayed updates: kept periods and carry
 CODEC_STATE = "flplatform-codec"  # upload compression: the error-feedback residual
 FETCHSGD_STATE = "flplatform-fetchsgd"  # the model a FetchSGD site holds, and its version
 SKETCHED_STATE = "flplatform-sketched-sgd"  # model, version, u, v and progress
+ATTACK_STATE = "flplatform-attack"  # flplatform.attacks (red-team tool): prefix of its records
 
 # ---- global metrics written to the ledger
 ACCURACY = "accuracy"

@@ -1,0 +1,305 @@
+"""Hostile sites: each attack's final accuracy with and without the defence, and what the
+server's checks cost per 1M-parameter reply, as JSON.
+
+The federation is the hostile-site suite's (tests/integration/test_hostile.py): the hostile
+app (tests/integration/apps/attack_app), digits, the MLP, three sites (london, ohio,
+california; Dirichlet α = 0.5), sync, 20 rounds; california attacks from round 2 with
+each of ``flplatform.attacks``' kinds. ``silent`` (no update from round 2 on) is each
+federation's baseline: the same run with the attacker silent. Every run is ``flplatform
+run`` of the app (through ``flplatform.flower_app``), read back from its ledger; a run the
+attack made fail (the engine stops after ``max-failed-rounds`` rounds without an applied
+update) counts with the rounds it recorded.
+
+"With the defence" is the app's own configuration; "without" adds the options that switch
+it off (``--defence-off``, default ``update-norm-ratio=0 max-site-share=1
+detect-replay=false``; ``--defence-on`` adds options to the defended runs, e.g. a robust
+aggregator for the sign flip). Only options the app declares are passed: Flower refuses
+undeclared run-config keys. Until the defence's options exist, none is declared, each
+attack runs once, today's behaviour, reported as ``without_defence`` (``with_defence``
+is null, and ``defence.missing`` names the options).
+
+Accuracy: ``final_accuracy`` is the mean of the last 3 rounds' server-side accuracy (one
+round on digits' 360 test images with two non-IID sites moves it by up to 3.6 points),
+``last_accuracy`` the last round's alone.
+
+The cost of the checks: ``check_cost`` times a callable over a 1M-parameter update (the
+four float32 arrays of an MLP 784→1 258→10, 1 000 120 parameters, as a model reply
+holds them)
+and gives the median wall and CPU seconds per call. Until the engine's guard exists it
+times stand-ins: the update's L2 norm (float64 accumulation, which a float32-max
+update cannot overflow; and float32, for comparison) and a replay fingerprint of the
+arrays' names, shapes, dtypes and bytes (zlib.crc32 and hashlib.blake2b, 16-byte
+digest). Point ``CHECKS`` at the engine's guard when it lands.
+
+    python benchmarks/bench_hostile.py [--attacks huge,examples,...] [--rounds 20]
+        [--defence-off KEY=VALUE ...] [--defence-on KEY=VALUE ...] [--repeats 20]
+        [--skip-simulations] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import math
+import platform
+import shutil
+import statistics
+import sys
+import time
+import uuid
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from bench_support import emit, fresh_home
+
+from flplatform.attacks import KINDS, NONE, SILENT
+from flplatform.errors import RunFailed
+from flplatform.flower_app import PlatformOptions, plan_run, read_app
+from flplatform.simulation import run_app
+from storage import LedgerRepository
+
+ROOT = Path(__file__).resolve().parents[1]
+ATTACK_APP = ROOT / "tests" / "integration" / "apps" / "attack_app"
+FINAL_ROUNDS = 3
+PARAMETERS = 1_000_000
+
+# The federation each attack runs in (the suite's): run-config items on the app's own.
+FEDERATIONS: dict[str, tuple[str, ...]] = {
+    "plain": (),
+    "server-momentum 0.9": ("server-momentum=0.9",),
+    "fetchsgd": ("strategy=fetchsgd", "k=500"),
+}
+ATTACK_FEDERATION = {
+    "huge": "plain",
+    "float32-max": "server-momentum 0.9",
+    "examples": "plain",
+    "replay": "plain",
+    "sketch": "fetchsgd",
+    "sign-flip": "plain",
+    "suicide": "plain",
+}
+DEFENCE_OFF = ("update-norm-ratio=0", "max-site-share=1", "detect-replay=false")
+
+Update = Mapping[str, np.ndarray]
+
+
+# ============================================================ the cost of the checks
+def l2_norm_float64(update: Update) -> float:
+    """‖u‖₂ accumulated in float64 (finite for any finite float32 update).
+
+    ``einsum`` casts in small buffers: no float64 copy of the update (``astype`` would
+    cost 11 ms per 1M parameters, mostly page faults of the fresh 8 MB).
+    """
+    total = 0.0
+    for array in update.values():
+        flat = array.reshape(-1)
+        total += float(np.einsum("i,i->", flat, flat, dtype=np.float64))
+    return math.sqrt(total)
+
+
+def l2_norm_float32(update: Update) -> float:
+    """‖u‖₂ in the arrays' own float32 (overflows to inf from about 1e19 per coordinate)."""
+    return math.sqrt(sum(float(np.dot(a.reshape(-1), a.reshape(-1))) for a in update.values()))
+
+
+def _described(update: Update) -> bytes:
+    return repr([(name, a.shape, a.dtype.str) for name, a in update.items()]).encode()
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+    """The array's bytes, without a copy when it is contiguous."""
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
+
+
+def fingerprint_crc32(update: Update) -> int:
+    """CRC-32 of the arrays' layout and bytes (a replay check's key)."""
+    crc = zlib.crc32(_described(update))
+    for array in update.values():
+        crc = zlib.crc32(_bytes_of(array), crc)
+    return crc
+
+
+def fingerprint_blake2b(update: Update) -> bytes:
+    """BLAKE2b (16-byte digest) of the arrays' layout and bytes."""
+    digest = hashlib.blake2b(_described(update), digest_size=16)
+    for array in update.values():
+        digest.update(_bytes_of(array))
+    return digest.digest()
+
+
+# The server's checks of one reply, timed by check_cost. Stand-ins until the engine's guard
+# exists: point this at it (a callable taking the reply's arrays) and rerun.
+CHECKS: dict[str, Callable[[Update], object]] = {
+    "l2_norm_float64": l2_norm_float64,
+    "l2_norm_float32": l2_norm_float32,
+    "fingerprint_crc32": fingerprint_crc32,
+    "fingerprint_blake2b": fingerprint_blake2b,
+}
+
+
+def million_parameter_update(parameters: int = PARAMETERS, seed: int = 0) -> dict[str, np.ndarray]:
+    """An MLP 784→h→10's float32 arrays, h chosen so they hold about ``parameters``."""
+    hidden = max(1, round((parameters - 10) / (784 + 1 + 10)))
+    shapes = {"0.weight": (hidden, 784), "0.bias": (hidden,), "2.weight": (10, hidden)}
+    shapes["2.bias"] = (10,)
+    rng = np.random.default_rng(seed)
+    return {k: rng.normal(0, 0.01, size=s).astype(np.float32) for k, s in shapes.items()}
+
+
+def check_cost(
+    check: Callable[[Update], object], update: Update, *, repeats: int = 20
+) -> dict[str, float]:
+    """Median wall and CPU milliseconds of ``check(update)`` over ``repeats`` calls (after a
+    warm-up call), per 1M parameters of ``update``."""
+    size = sum(a.size for a in update.values())
+    check(update)  # warm: first-touch page faults and lazy imports are not the check's cost
+    wall, cpu = [], []
+    for _ in range(repeats):
+        began, began_cpu = time.perf_counter(), time.process_time()
+        check(update)
+        wall.append(time.perf_counter() - began)
+        cpu.append(time.process_time() - began_cpu)
+    per_million = PARAMETERS / size
+    return {
+        "wall_ms_per_1M": round(statistics.median(wall) * 1e3 * per_million, 3),
+        "cpu_ms_per_1M": round(statistics.median(cpu) * 1e3 * per_million, 3),
+    }
+
+
+def measure_checks(repeats: int) -> dict[str, Any]:
+    update = million_parameter_update()
+    costs = {name: check_cost(check, update, repeats=repeats) for name, check in CHECKS.items()}
+    fingerprints = {name: costs[name]["cpu_ms_per_1M"] for name in costs if "fingerprint" in name}
+    cheaper = min(fingerprints, key=fingerprints.__getitem__)
+    return {
+        "parameters": sum(a.size for a in update.values()),
+        "stand_ins": True,  # not the engine's guard yet: see CHECKS
+        "checks": costs,
+        "cheaper_fingerprint": cheaper,
+        # what a guard of one norm and one fingerprint per reply would cost the server
+        "norm_and_fingerprint_cpu_ms_per_1M": round(
+            costs["l2_norm_float64"]["cpu_ms_per_1M"] + costs[cheaper]["cpu_ms_per_1M"], 3
+        ),
+    }
+
+
+# ============================================================ the simulations
+def run_attack(
+    app_dir: Path, db: str, kind: str, items: Sequence[str], rounds: int | None
+) -> dict[str, Any]:
+    """One ``flplatform run`` of the attack app with ``kind`` attacking; its ledger's story."""
+    app = read_app(app_dir)
+    given = PlatformOptions(rounds=rounds, db=db, run_config=(f"attack.kind={kind}", *items))
+    plan = plan_run(app, given, tag=uuid.uuid4().hex)
+    began = time.perf_counter()
+    with contextlib.suppress(RunFailed):  # an attack may fail the run: its ledger tells
+        run_app(plan)
+    wall = time.perf_counter() - began
+    with LedgerRepository.open(db) as repository:
+        run = repository.find_run_by_tag(plan.tag)
+        if run is None:
+            return {"status": "not started", "wall_seconds": round(wall, 1)}
+        rounds_done = repository.list_rounds(run.id)
+        attacker = app.config.get("attack.site")
+        flagged = [
+            (u.round, u.status, u.reason)
+            for u in repository.list_updates(run.id, site=str(attacker))
+            if u.status != "applied" or u.reason
+        ]
+    accuracies = [float(r.metrics.get("accuracy") or 0.0) for r in rounds_done]
+    tail = accuracies[-FINAL_ROUNDS:]
+    return {
+        "final_accuracy": round(sum(tail) / FINAL_ROUNDS, 4) if tail else None,
+        "last_accuracy": round(accuracies[-1], 4) if accuracies else None,
+        "status": run.status,
+        "error": run.error,
+        "rounds": len(rounds_done),
+        "attacker_flagged": [list(row) for row in flagged[:3]],
+        "attacker_flagged_count": len(flagged),
+        "wall_seconds": round(wall, 1),
+    }
+
+
+def declared(app_dir: Path, items: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``items`` split into those whose key the app declares and those it does not."""
+    config = read_app(app_dir).config
+    known = [item for item in items if item.partition("=")[0].strip() in config]
+    return known, [item for item in items if item not in known]
+
+
+def measure_attacks(
+    attacks: Sequence[str], rounds: int | None, off: Sequence[str], on: Sequence[str]
+) -> dict[str, Any]:
+    home = fresh_home()
+    app_dir = home / "attack_app"  # Flower builds its FAB from the directory: a clean copy
+    shutil.copytree(ATTACK_APP, app_dir, ignore=shutil.ignore_patterns("__pycache__"))
+    db = f"sqlite:///{home / 'ledger.db'}"
+    off_known, off_missing = declared(app_dir, off)
+    on_known, on_missing = declared(app_dir, on)
+    defended = bool(off_known)  # nothing to switch off: the defence is not in this build
+    settings = {"with": tuple(on_known), "without": tuple(off_known)} if defended else {}
+    results: dict[str, Any] = {}
+    silent: dict[tuple[str, str], dict[str, Any]] = {}
+    for kind in attacks:
+        federation = ATTACK_FEDERATION[kind]
+        row: dict[str, Any] = {"federation": federation}
+        for label, extra in (settings or {"without": ()}).items():
+            items = (*FEDERATIONS[federation], *extra)
+            if (federation, label) not in silent:
+                silent[(federation, label)] = run_attack(app_dir, db, SILENT, items, rounds)
+            attacked = run_attack(app_dir, db, kind, items, rounds)
+            baseline = silent[(federation, label)]
+            loss = None
+            if attacked["final_accuracy"] is not None and baseline["final_accuracy"] is not None:
+                loss = round(baseline["final_accuracy"] - attacked["final_accuracy"], 4)
+            row[f"{label}_defence"] = {**attacked, "points_below_silent": loss}
+            row[f"silent_{label}_defence"] = baseline
+        row.setdefault("with_defence", None)
+        results[kind] = row
+    return {
+        "defence": {
+            "present": defended,
+            "with": list(on_known),
+            "without": list(off_known),
+            "missing": off_missing + on_missing,
+            "note": None
+            if defended
+            else "the app declares none of the options that switch the defence off: each "
+            "attack ran once, with today's engine (without_defence)",
+        },
+        "attacks": results,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    attacks = [k for k in KINDS if k not in (SILENT, NONE)]
+    parser.add_argument("--attacks", default=",".join(attacks), help="comma-separated kinds")
+    parser.add_argument("--rounds", type=int, default=None, help="default: the app's (20)")
+    parser.add_argument("--defence-off", nargs="*", default=list(DEFENCE_OFF), metavar="K=V")
+    parser.add_argument("--defence-on", nargs="*", default=[], metavar="K=V")
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls per check")
+    parser.add_argument("--skip-simulations", action="store_true", help="only the checks' cost")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    chosen = [k.strip() for k in args.attacks.split(",") if k.strip()]
+    unknown = [k for k in chosen if k not in ATTACK_FEDERATION]
+    if unknown:
+        parser.error(f"unknown attack {', '.join(unknown)}; allowed: {', '.join(attacks)}")
+    began = time.perf_counter()
+    report: dict[str, Any] = {
+        "machine": {"python": sys.version.split()[0], "platform": platform.platform()},
+        "check_cost": measure_checks(args.repeats),
+    }
+    if not args.skip_simulations:
+        report.update(measure_attacks(chosen, args.rounds, args.defence_off, args.defence_on))
+    report["wall_seconds"] = round(time.perf_counter() - began, 1)
+    emit(report, args.out)
+
+
+if __name__ == "__main__":
+    main()
