@@ -29,7 +29,8 @@ and gives the median wall and CPU seconds per call. Until the engine's guard exi
 times stand-ins: the update's L2 norm (float64 accumulation, which a float32-max
 update cannot overflow; and float32, for comparison) and a replay fingerprint of the
 arrays' names, shapes, dtypes and bytes (zlib.crc32 and hashlib.blake2b, 16-byte
-digest). Point ``CHECKS`` at the engine's guard when it lands.
+digest). ``guard_default`` and ``guard_with_direction`` time the engine's own
+``UpdateGuard.consider`` (flplatform/engine/guard.py) on such an update.
 
     python benchmarks/bench_hostile.py [--attacks huge,examples,...] [--rounds 20]
         [--defence-off KEY=VALUE ...] [--defence-on KEY=VALUE ...] [--repeats 20]
@@ -56,7 +57,9 @@ from typing import Any
 import numpy as np
 from bench_support import emit, fresh_home
 
+from flplatform.arrays import arrays_to_record
 from flplatform.attacks import KINDS, NONE, SILENT
+from flplatform.engine.guard import GuardOptions, UpdateGuard
 from flplatform.errors import RunFailed
 from flplatform.flower_app import PlatformOptions, plan_run, read_app
 from flplatform.simulation import run_app
@@ -82,7 +85,10 @@ ATTACK_FEDERATION = {
     "sign-flip": "plain",
     "suicide": "plain",
 }
-DEFENCE_OFF = ("update-norm-ratio=0", "max-site-share=1", "detect-replay=false")
+# The update guard's options (flplatform/engine/guard.py) that switch each check off, and
+# the one that is off by default and on in the defended runs (the sign flip needs it).
+DEFENCE_OFF = ("update-norm-ratio=0", "max-site-share=1", "reject-replays=false")
+DEFENCE_ON = ("update-min-cosine=-0.1",)
 
 Update = Mapping[str, np.ndarray]
 
@@ -131,9 +137,49 @@ def fingerprint_blake2b(update: Update) -> bytes:
     return digest.digest()
 
 
-# The server's checks of one reply, timed by check_cost. Stand-ins until the engine's guard
-# exists: point this at it (a callable taking the reply's arrays) and rerun.
+def _warm_guard(options: GuardOptions, like: Update) -> UpdateGuard:
+    """A guard past its first round (three updates shaped as ``like``): it judges on
+    arrival, against a direction of the same shape."""
+    guard = UpdateGuard(options)
+    guard.begin_round(1)
+    for site in range(3):
+        guard.consider(site, site=site, kind="delta", claimed=10, vector=list(like.values()))
+    guard.settle()
+    guard.round_finished()
+    guard.begin_round(2)
+    return guard
+
+
+def guard_check(options: GuardOptions) -> Callable[[Update], object]:
+    """The engine's guard judging one reply's update (norm, weight, and the direction when
+    on; replay by content id, which the engine's byte metering has already computed, so it
+    is not timed here). Warmed on the first call, which ``check_cost`` does not time."""
+    guards: list[UpdateGuard] = []
+    tickets = iter(range(10, 10**9))
+
+    def check(update: Update) -> object:
+        if not guards:
+            guards.append(_warm_guard(options, update))
+        ticket = next(tickets)
+        return guards[0].consider(
+            ticket, site=ticket, kind="delta", claimed=10, vector=list(update.values())
+        )
+
+    return check
+
+
+def flower_content_id(update: Update) -> str:
+    """The replay fingerprint's cost when no one computed it yet: Flower's content id
+    (SHA-256 of the serialized record). In the engine the byte metering pays it."""
+    return arrays_to_record(dict(update)).object_id
+
+
+# The server's checks of one reply, timed by check_cost: the engine's guard (default
+# options; and with the direction check on), and for comparison the stand-ins.
 CHECKS: dict[str, Callable[[Update], object]] = {
+    "guard_default": guard_check(GuardOptions()),
+    "guard_with_direction": guard_check(GuardOptions(min_cosine=-0.1)),
+    "flower_content_id_uncached": flower_content_id,
     "l2_norm_float64": l2_norm_float64,
     "l2_norm_float32": l2_norm_float32,
     "fingerprint_crc32": fingerprint_crc32,
@@ -177,7 +223,8 @@ def measure_checks(repeats: int) -> dict[str, Any]:
     cheaper = min(fingerprints, key=fingerprints.__getitem__)
     return {
         "parameters": sum(a.size for a in update.values()),
-        "stand_ins": True,  # not the engine's guard yet: see CHECKS
+        # guard_*: the engine's own UpdateGuard.consider on a float32 update (local-SGD's
+        # deltas are float64 already); the rest: stand-ins, for comparison
         "checks": costs,
         "cheaper_fingerprint": cheaper,
         # what a guard of one norm and one fingerprint per reply would cost the server
@@ -281,7 +328,7 @@ def main() -> None:
     parser.add_argument("--attacks", default=",".join(attacks), help="comma-separated kinds")
     parser.add_argument("--rounds", type=int, default=None, help="default: the app's (20)")
     parser.add_argument("--defence-off", nargs="*", default=list(DEFENCE_OFF), metavar="K=V")
-    parser.add_argument("--defence-on", nargs="*", default=[], metavar="K=V")
+    parser.add_argument("--defence-on", nargs="*", default=list(DEFENCE_ON), metavar="K=V")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per check")
     parser.add_argument("--skip-simulations", action="store_true", help="only the checks' cost")
     parser.add_argument("--out", type=Path, default=None)

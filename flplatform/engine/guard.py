@@ -205,26 +205,24 @@ def lower_median(values: Iterable[float]) -> float:
     return ordered[(len(ordered) - 1) // 2]
 
 
+def _dot(a: np.ndarray, b: np.ndarray) -> float:
+    """a·b accumulated in float64, without a float64 copy of either (einsum casts in small
+    buffers; ``astype`` would cost a fresh model-sized array per update)."""
+    x, y = np.asarray(a).reshape(-1), np.asarray(b).reshape(-1)
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is the answer (inf)
+        return float(np.einsum("i,i->", x, y, dtype=np.float64))
+
+
 def vector_norm(parts: Sequence[np.ndarray]) -> float:
     """‖u‖₂ over all parts, in float64 (finite float32 parts cannot overflow it)."""
-    total = 0.0
-    for part in parts:
-        flat = np.asarray(part).reshape(-1)
-        if flat.dtype != np.float64:
-            flat = flat.astype(np.float64)
-        with np.errstate(over="ignore"):  # an overflow is the answer (inf), not a fault
-            total += float(np.dot(flat, flat))
-    return math.sqrt(total)
+    return math.sqrt(sum(_dot(part, part) for part in parts))
 
 
 def cosine(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> float | None:
     """cos(a, b) over all parts; None when either is zero."""
-    dot = sum(
-        float(np.dot(np.asarray(x, np.float64).reshape(-1), np.asarray(y, np.float64).reshape(-1)))
-        for x, y in zip(a, b, strict=True)
-    )
+    dot = sum(_dot(x, y) for x, y in zip(a, b, strict=True))
     na, nb = vector_norm(a), vector_norm(b)
-    if na == 0 or nb == 0 or not math.isfinite(dot):
+    if na == 0 or nb == 0 or not math.isfinite(dot) or not math.isfinite(na * nb):
         return None
     return dot / (na * nb)
 
