@@ -9,7 +9,7 @@ export FLWR_HOME ?= $(FLPLATFORM_HOME)/flwr
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
 export FLWR_TELEMETRY_ENABLED := 0
 
-.PHONY: setup setup-dev demo test test-all lint bench app-config clean
+.PHONY: setup setup-dev demo test test-hostile test-all lint bench app-config clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ demo: setup
 
 test: setup-dev
 	$(BIN)/python -m pytest -q
+
+# One real simulation per attack against the attacker silent (tests/integration/test_hostile.py).
+test-hostile: setup-dev
+	$(BIN)/python -m pytest -q -m hostile
 
 lint: setup-dev
 	$(BIN)/ruff check flplatform clients strategies storage tests benchmarks examples

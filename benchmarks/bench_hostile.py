@@ -88,7 +88,7 @@ ATTACK_FEDERATION = {
 # The update guard's options (flplatform/engine/guard.py) that switch each check off, and
 # the one that is off by default and on in the defended runs (the sign flip needs it).
 DEFENCE_OFF = ("update-norm-ratio=0", "max-site-share=1", "reject-replays=false")
-DEFENCE_ON = ("update-min-cosine=-0.1",)
+DEFENCE_ON = ("update-min-cosine=0",)
 
 Update = Mapping[str, np.ndarray]
 

@@ -11,10 +11,13 @@ each with its reason for the ledger:
   and at most ``max_share`` of the federation's examples (the others' declared counts, or
   their last accepted weight where they declared none):
   ``w ≤ s/(1−s) · Σ_{m≠n} w_m``. A claim of 10¹² examples cannot own the average.
-* **Norm.** ‖u‖ is compared with the reference: the lower median of the norms accepted in
-  the last ``window_rounds`` rounds and in this one so far, for updates of the same kind.
+* **Norm.** ‖u‖ is compared with the reference: the median of the norms accepted in the
+  last ``window_rounds`` rounds and in this one so far, for updates of the same kind.
   One beyond ``norm_ratio`` × reference is clipped to the reference (scale = ref/‖u‖) or
-  rejected. Until ``min_reference`` norms are known (the first round) updates wait, and
+  rejected; one beyond ``norm_ratio``² × reference is rejected either way: no honest
+  update is a hundred medians long, and clipping it would still apply its direction
+  (measured: a float32-max update clipped once cost FedAvgM two points of accuracy).
+  Until ``min_reference`` norms are known (the first round) updates wait, and
   are judged together when the round closes (``settle``): a huge update that arrives first
   cannot become the reference.
 * **Direction** (off by default). An update whose cosine with the federation's recent
@@ -27,9 +30,11 @@ each with its reason for the ledger:
   rounds), honest cosines stayed above 0.69 (IID), 0.20 (Dirichlet α = 0.5) and 0.11
   (α = 0.1): ``update-min-cosine 0`` or −0.1 suits runs like these.
 
-The lower median, not the mean: one huge norm moves a mean without bound; with two sites
-the lower median is the smaller norm, the conservative choice when a majority cannot tell
-who is honest.
+The median, not the mean: one huge norm moves a mean without bound. Not the lower median:
+honest sites' norms differ by two orders of magnitude on non-IID splits (measured: 146×
+between two digits sites with server momentum), and with two sites the lower median is
+the smaller one, which rejected an honest site. With two sites neither the median nor
+anything else can tell who is honest; with three or more, one attacker is outvoted.
 """
 
 from __future__ import annotations
@@ -197,12 +202,13 @@ class _Kind:
         return [n for past in self.rounds for n in past] + self.current
 
 
-def lower_median(values: Iterable[float]) -> float:
-    """The lower median: the ⌈n/2⌉-th smallest value (the median for odd n)."""
+def median(values: Iterable[float]) -> float:
+    """The median (the mean of the middle two for an even count)."""
     ordered = sorted(values)
     if not ordered:
         raise ValueError("no values")
-    return ordered[(len(ordered) - 1) // 2]
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def _dot(a: np.ndarray, b: np.ndarray) -> float:
@@ -300,7 +306,7 @@ class UpdateGuard:
         if options.norm_ratio == 0:
             decision = Decision(Ruling.ADMIT, weight=weight, reason="; ".join(notes) or None)
         elif len(known) >= options.min_reference:
-            decision = self._judge_norm(weight, norm, notes, lower_median(known))
+            decision = self._judge_norm(weight, norm, notes, median(known))
         else:  # no reference yet: judged with the round's norms when it closes
             decision = Decision(Ruling.WAIT, weight=weight)
         if decision.ruling is Ruling.REJECT:  # the norm is the more telling reason
@@ -322,7 +328,7 @@ class UpdateGuard:
             by_kind.setdefault(item.kind, []).append(item)
         for kind, items in by_kind.items():
             state = self._kind(kind)
-            reference = lower_median(state.norms() + [item.norm for item in items])
+            reference = median(state.norms() + [item.norm for item in items])
             for item in items:
                 decision = self._judge_norm(item.weight, item.norm, item.notes, reference)
                 if decision.ruling is Ruling.ADMIT:
@@ -390,6 +396,10 @@ class UpdateGuard:
             )
             if self.options.norm_action == REJECT:
                 return Decision(Ruling.REJECT, reason=said)
+            if norm > ratio * ratio * reference:
+                return Decision(
+                    Ruling.REJECT, reason=f"{said}: beyond {ratio * ratio:g}x, not clipped"
+                )
             notes = [*notes, f"clipped: {said}; scaled to the median"]
             return Decision(
                 Ruling.ADMIT, weight=weight, scale=reference / norm, reason="; ".join(notes)

@@ -98,16 +98,26 @@ def honest_rows_applied(db: str) -> bool:
         return all(u.status == APPLIED for u in repo.list_updates(run.id) if u.site != "evil")
 
 
-def test_huge_finite_weights_are_clipped_and_the_model_survives(db: str) -> None:
+def test_huge_finite_weights_are_rejected_and_the_model_survives(db: str) -> None:
     result = start(LocalSGDAveraging(), federation(huge), MODEL, num_rounds=4, ledger=db)
     w = record_to_arrays(result.arrays)["w"]
-    # The attacker counts as one median-sized step among four: the model stays in the
-    # honest sites' range (their targets are at most 2).
-    assert np.isfinite(w).all() and np.abs(w).max() < 2.5
+    assert np.isfinite(w).all() and np.abs(w).max() < 2.0  # the honest targets' range
     rows = evil_rows(db)
-    assert [status for _, status, _ in rows] == [APPLIED] * 4
-    assert all("clipped: norm" in (reason or "") for _, _, reason in rows)
+    assert [status for _, status, _ in rows] == [REJECTED] * 4
+    assert all("x the recent median" in (r or "") and "not clipped" in (r or "") for *_, r in rows)
     assert honest_rows_applied(db)
+
+
+def test_a_large_but_plausible_update_is_clipped_to_the_median(db: str) -> None:
+    def large(server_round: int, sent: np.ndarray) -> tuple[np.ndarray, int]:
+        return sent + 30.0 * (1.5 - sent) * (1 + 0.01 * server_round), 10  # ~30x a step
+
+    start(LocalSGDAveraging(), federation(large), MODEL, num_rounds=3, ledger=db)
+    rows = evil_rows(db)
+    assert [status for _, status, _ in rows] == [APPLIED] * 3
+    assert all(
+        "clipped: norm" in (r or "") and "scaled to the median" in (r or "") for *_, r in rows
+    )
 
 
 def test_without_the_guard_the_same_attack_destroys_the_model(db: str) -> None:
@@ -199,7 +209,7 @@ def test_a_step_that_would_overflow_float32_is_not_taken(db: str) -> None:
         )
 
 
-def test_a_huge_fetchsgd_sketch_is_clipped(db: str) -> None:
+def test_a_huge_fetchsgd_sketch_is_rejected(db: str) -> None:
     """FetchSGD's replies are sketches; the guard judges the tables (kind 'sketch')."""
     from strategies.sketched_common import SKETCH
     from tests.strategies.delayed_sites import context, digits_site
@@ -231,6 +241,6 @@ def test_a_huge_fetchsgd_sketch_is_clipped(db: str) -> None:
     )
     assert all(np.isfinite(a).all() for a in record_to_arrays(result.arrays).values())
     rows = evil_rows(db)
-    assert len(rows) == 3
-    assert all("clipped: norm" in (reason or "") for *_, reason in rows)
+    assert len(rows) == 3  # 10^30 times the median: rejected (clipping is for plausible sizes)
+    assert all(s == REJECTED and "x the recent median" in (r or "") for _, s, r in rows)
     assert honest_rows_applied(db)
