@@ -40,7 +40,6 @@ from flplatform.engine.guard import NORM_ACTIONS
 from flplatform.engine.synchrony import SYNC_MODES
 from flplatform.errors import ConfigError
 from flplatform.network import Network, load_network
-from strategies.local_sgd import AGGREGATORS
 
 __all__ = [
     "DEFAULT_SITES",
@@ -256,8 +255,7 @@ class RunConfig:
         default="mean",
         metadata=about(
             "Local-SGD: combine updates by their weighted mean, median or trimmed-mean.",
-            allowed=AGGREGATORS,
-            strategies=(LOCAL_SGD,),
+            strategies=(LOCAL_SGD,),  # (the strategy checks the name: one message)
         ),
     )
     trim_fraction: float = field(
