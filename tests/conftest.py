@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,3 +36,18 @@ def flplatform_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("FLPLATFORM_HOME", str(home))
     monkeypatch.setenv("FLWR_HOME", str(home / "flwr"))
     return home
+
+
+@pytest.fixture
+def live_sigint() -> Iterator[None]:
+    """SIGINT handled as in a terminal (Python's KeyboardInterrupt) for the test's duration.
+
+    A test run started in the background by a non-interactive shell inherits SIGINT
+    ignored, and the platform keeps an ignored SIGINT ignored (as that shell meant); tests
+    of its SIGINT handling put Python's own handler back first.
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

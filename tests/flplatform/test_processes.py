@@ -85,6 +85,7 @@ def test_a_process_that_ignores_sigterm_is_killed_after_the_grace() -> None:
         tree.stop(grace=0)
 
 
+@pytest.mark.usefixtures("live_sigint")
 def test_sigterm_and_sigint_become_stop_requested_once_and_the_handlers_come_back() -> None:
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     with pytest.raises(StopRequested) as raised, stop_signals():

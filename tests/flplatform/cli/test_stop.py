@@ -42,6 +42,7 @@ def command_app(action: str) -> typer.Typer:
         ("stopped-run", 143, "error: run 3 stopped by the user (SIGTERM) after 2 of 9 rounds"),
     ],
 )
+@pytest.mark.usefixtures("live_sigint")
 def test_a_stopped_command_says_why_in_one_line(action: str, code: int, line: str) -> None:
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     started = time.monotonic()
