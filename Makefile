@@ -34,7 +34,8 @@ demo: setup
 test: setup-dev
 	$(BIN)/python -m pytest -q
 
-# One real simulation per attack against the attacker silent (tests/integration/test_hostile.py).
+# One real simulation per attack against the attacker silent (tests/integration/test_hostile.py),
+# and the faults: SIGTERM, a dead SuperLink, a dying site (tests/integration/test_lifecycle.py).
 test-hostile: setup-dev
 	$(BIN)/python -m pytest -q -m hostile
 

@@ -114,7 +114,13 @@ def _wait_for_round_1(
 
 # ====================================================================== SIGINT, SIGTERM
 @pytest.mark.usefixtures("flplatform_home")
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+# SIGINT in the default suite; SIGTERM and the faults below in `make test-hostile` (the
+# hostile-site and fault suite), to keep the default suite's time down.
+@pytest.mark.parametrize(
+    "sig",
+    [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.hostile)],
+    ids=["SIGINT", "SIGTERM"],
+)
 def test_a_signal_stops_every_process_within_10_s_and_the_run_takes_no_more_rounds(
     tmp_path: Path, sig: signal.Signals
 ) -> None:
@@ -172,6 +178,7 @@ def test_a_signal_stops_every_process_within_10_s_and_the_run_takes_no_more_roun
 
 
 # ============================================================ a SuperLink that dies
+@pytest.mark.hostile
 @pytest.mark.usefixtures("flplatform_home")
 def test_a_serverapp_whose_superlink_died_stops_and_marks_the_run_failed(tmp_path: Path) -> None:
     """Flower's own simulation, with nobody following the run: the ServerApp notices."""
@@ -204,6 +211,7 @@ def test_a_serverapp_whose_superlink_died_stops_and_marks_the_run_failed(tmp_pat
 
 
 # ============================================================== a site that dies
+@pytest.mark.hostile
 @pytest.mark.usefixtures("flplatform_home")
 def test_a_site_whose_process_dies_is_replaced_and_the_others_go_on(tmp_path: Path) -> None:
     """Partition 1 kills its own ClientApp process (the Ray actor) in round 2."""
