@@ -32,7 +32,7 @@ from typing import Any
 
 from clients.catalog import MODELS
 from flplatform.checks import integer, one_of, require
-from flplatform.engine.guard import GUARD_OPTIONS
+from flplatform.engine.guard import GUARD_OPTIONS, guard_problems
 from flplatform.errors import ConfigError
 
 ConfigValue = str | int | float | bool
@@ -360,8 +360,6 @@ def _checked_values(app: FlowerApp, given: PlatformOptions) -> dict[str, Any]:
         out["strategy"] = strategy
     if given.model is not None:
         out["model"] = _checked_model(app, given.model.strip())
-    from flplatform.engine.guard import guard_problems
-
     guard = {name: getattr(given, name) for name in GUARD_OPTIONS}
     guard = {name: value for name, value in guard.items() if value is not None}
     require(guard_problems(**guard))

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -52,14 +52,6 @@ from flplatform.checks import Problem, holds, number, one_of, require
 CLIP = "clip"
 REJECT = "reject"
 NORM_ACTIONS = (CLIP, REJECT)
-# The guard's options as ``flplatform.start`` (and the run config, kebab-cased) names them.
-GUARD_OPTIONS = (
-    "update_norm_ratio",
-    "update_norm_action",
-    "max_site_share",
-    "reject_replays",
-    "update_min_cosine",
-)
 
 
 @dataclass(frozen=True)
@@ -121,35 +113,38 @@ class GuardOptions:
         ]
 
 
-def guard_problems(
-    *,
-    update_norm_ratio: object = 10.0,
-    update_norm_action: object = CLIP,
-    max_site_share: object = 1.0,
-    reject_replays: object = True,
-    update_min_cosine: object = -1.0,
-) -> list[Problem]:
-    """Every problem with the guard's options, named as ``flplatform.start`` names them."""
-    ratio_says = "a number >= 1, or 0 (no norm check)"
-    ratio = update_norm_ratio
-    return [
-        number(ratio, "update-norm-ratio", at_least=0.0, says=ratio_says)
-        or holds(ratio == 0 or float(ratio) >= 1, ratio, "update-norm-ratio", says=ratio_says),  # type: ignore[arg-type]
-        one_of(update_norm_action, "update-norm-action", NORM_ACTIONS),
-        number(
-            max_site_share, "max-site-share", above=0.0, at_most=1.0, says="in (0, 1] (1: no cap)"
-        ),
-        holds(
-            isinstance(reject_replays, bool), reject_replays, "reject-replays", says="true or false"
-        ),
-        number(
-            update_min_cosine,
-            "update-min-cosine",
-            at_least=-1.0,
-            at_most=1.0,
-            says="in [-1, 1] (-1: no direction check)",
-        ),
-    ]
+def _norm_ratio_problem(ratio: object, name: str) -> Problem:
+    says = "a number >= 1, or 0 (no norm check)"
+    return number(ratio, name, at_least=0.0, says=says) or holds(
+        ratio == 0 or float(ratio) >= 1,  # type: ignore[arg-type]
+        ratio,
+        name,
+        says=says,
+    )
+
+
+# Each guard option's rule, by its ``flplatform.start`` name: rule(value, run-option name).
+_RULES: dict[str, Callable[[object, str], Problem]] = {
+    "update_norm_ratio": _norm_ratio_problem,
+    "update_norm_action": lambda v, n: one_of(v, n, NORM_ACTIONS),
+    "max_site_share": lambda v, n: number(
+        v, n, above=0.0, at_most=1.0, says="in (0, 1] (1: no cap)"
+    ),
+    "reject_replays": lambda v, n: holds(isinstance(v, bool), v, n, says="true or false"),
+    "update_min_cosine": lambda v, n: number(
+        v, n, at_least=-1.0, at_most=1.0, says="in [-1, 1] (-1: no direction check)"
+    ),
+}
+
+
+# The guard's options as ``flplatform.start`` (and the run config, kebab-cased) names them.
+GUARD_OPTIONS = tuple(_RULES)
+
+
+def guard_problems(**options: object) -> list[Problem]:
+    """Every problem with the guard options given, by their ``flplatform.start`` names
+    (``update_norm_ratio=...``); each is reported under its run-option name."""
+    return [_RULES[name](value, name.replace("_", "-")) for name, value in options.items()]
 
 
 class Ruling(Enum):

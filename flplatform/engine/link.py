@@ -19,12 +19,11 @@ from __future__ import annotations
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
-from flwr.app import Message
 from flwr.serverapp import Grid
 
+from flplatform.engine.strategy import ForwardingGrid
 from flplatform.errors import RunFailed
 
 # Seconds nothing may listen at the SuperLink's address before the run stops: long enough
@@ -115,44 +114,15 @@ class SuperLinkWatch:
             )
 
 
-class LinkedGrid(Grid):
+class LinkedGrid(ForwardingGrid):
     """``grid``, each of whose calls first checks that the SuperLink is still there."""
 
     def __init__(self, grid: Grid, watch: SuperLinkWatch) -> None:
-        self._grid = grid
+        super().__init__(grid)
         self.watch = watch
 
-    def set_run(self, run: Any) -> None:
-        self._grid.set_run(run)
-
-    @property
-    def run(self) -> Any:
-        return self._grid.run
-
-    def create_message(self, *args: Any, **kwargs: Any) -> Message:
-        return self._grid.create_message(*args, **kwargs)
-
-    def get_node_ids(self) -> Iterable[int]:
+    def _before(self) -> None:
         self.watch.check()
-        return self._grid.get_node_ids()
-
-    def get_nodes(self) -> Iterable[Any]:
-        self.watch.check()
-        return self._grid.get_nodes()
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        self.watch.check()
-        return self._grid.push_messages(messages)
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        self.watch.check()
-        return self._grid.pull_messages(message_ids)
-
-    def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> Iterable[Message]:
-        self.watch.check()
-        return self._grid.send_and_receive(messages, timeout=timeout)
 
 
 def watch_superlink(grid: Grid, argv: Sequence[str] | None = None) -> Grid:

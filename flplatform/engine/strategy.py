@@ -185,18 +185,20 @@ class EngineStrategy(Protocol):
         return None
 
 
-class SubsetGrid(Grid):
-    """A view of a Grid whose ``get_node_ids`` lists only some nodes.
+class ForwardingGrid(Grid):
+    """A Grid that forwards every call to ``grid``; subclasses change what they need.
 
-    The engine hands it to ``configure_train`` so that a strategy's own sampling picks
-    among the sites the policy allows (idle ones), without the strategy knowing why.
+    ``_before`` runs before each call that reaches the SuperLink (a check, in
+    ``flplatform.engine.link``); it does nothing here.
     """
 
-    def __init__(self, grid: Grid, node_ids: Sequence[int]) -> None:
+    def __init__(self, grid: Grid) -> None:
         self._grid = grid
-        self._node_ids = list(node_ids)
 
-    def set_run(self, run: Any) -> None:  # pragma: no cover - never called on a view
+    def _before(self) -> None:
+        return None
+
+    def set_run(self, run: Any) -> None:
         self._grid.set_run(run)
 
     @property
@@ -207,15 +209,38 @@ class SubsetGrid(Grid):
         return self._grid.create_message(*args, **kwargs)
 
     def get_node_ids(self) -> Iterable[int]:
-        return list(self._node_ids)
+        self._before()
+        return self._grid.get_node_ids()
+
+    def get_nodes(self) -> Iterable[Any]:
+        self._before()
+        return self._grid.get_nodes()
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        self._before()
         return self._grid.push_messages(messages)
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        self._before()
         return self._grid.pull_messages(message_ids)
 
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
+        self._before()
         return self._grid.send_and_receive(messages, timeout=timeout)
+
+
+class SubsetGrid(ForwardingGrid):
+    """A view of a Grid whose ``get_node_ids`` lists only some nodes.
+
+    The engine hands it to ``configure_train`` so that a strategy's own sampling picks
+    among the sites the policy allows (idle ones), without the strategy knowing why.
+    """
+
+    def __init__(self, grid: Grid, node_ids: Sequence[int]) -> None:
+        super().__init__(grid)
+        self._node_ids = list(node_ids)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self._node_ids)
