@@ -51,6 +51,12 @@ ZERO_STEP = "zero-step"
 # a site's persistent state (strategies/mods): whether the server relies on the site holding
 # state from earlier messages (a site that lost it, a restarted SuperNode, says so)
 STATE_EXPECTED = "state-expected"
+# set by the engine in every training message's config: the message's place among those sent
+# to this site (1, 2, ...), and a stable id of the run (the same after a resume). A site
+# restores the state it had after work SITE_WORK − 1 of RUN_KEY (strategies/mods/contract.py)
+# and draws its data order from the work index, so a resumed run repeats the same work.
+SITE_WORK = "site-work"
+RUN_KEY = "run-key"
 
 # ---- MetricRecord keys sent back by sites
 NUM_EXAMPLES = "num-examples"  # Flower's weighting key

@@ -16,7 +16,7 @@ Subclass ``EngineStrategy`` to inherit the defaults.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -174,6 +174,34 @@ class EngineStrategy(Protocol):
         why for a mode the strategy cannot run. Default: the requested mode, as it is.
         """
         return requested
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the strategy needs to go on after the last finished round.
+
+        Called by the engine between rounds (after ``finish_aggregation`` and after the
+        messages of the next round's work, if any, were drafted and sent); plain
+        checkpoint data (``flplatform.checkpoint``), node ids as they are. The strategy's
+        configuration is not in it: a resumed run builds the strategy from the same
+        options. Default: nothing (a strategy that keeps no state across rounds).
+        """
+        return {}
+
+    def load_state_dict(
+        self, state: Mapping[str, Any], *, nodes: Mapping[int, int] | None = None
+    ) -> None:
+        """Restore ``state_dict()`` output into a strategy built with the same options.
+
+        ``nodes`` maps the node ids the state names to this run's (a resumed run's sites
+        join with new node ids; None: the same ids). Raises ``CheckpointError`` listing
+        every problem (``flplatform.checkpoint.StateProblems``), leaving the strategy as
+        it was.
+        """
+        if state:
+            from flplatform.checkpoint import CheckpointError
+
+            raise CheckpointError(
+                f"{type(self).__name__} keeps no state, but the checkpoint holds {sorted(state)}"
+            )
 
     @property
     def ledger_name(self) -> str:
