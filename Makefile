@@ -9,7 +9,7 @@ export FLWR_HOME ?= $(FLPLATFORM_HOME)/flwr
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
 export FLWR_TELEMETRY_ENABLED := 0
 
-.PHONY: setup setup-dev demo test test-hostile test-all lint bench app-config clean
+.PHONY: setup setup-dev demo test test-hostile test-resume test-all lint bench app-config clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ test: setup-dev
 # and the faults: SIGTERM, a dead SuperLink, a dying site (tests/integration/test_lifecycle.py).
 test-hostile: setup-dev
 	$(BIN)/python -m pytest -q -m hostile
+
+# Every strategy and mode killed with SIGKILL at three committed rounds and resumed, compared
+# bit for bit with the run left alone (tests/integration/test_resume.py).
+test-resume: setup-dev
+	$(BIN)/python -m pytest -q -m resume
 
 lint: setup-dev
 	$(BIN)/ruff check flplatform clients strategies storage tests benchmarks examples

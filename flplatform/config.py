@@ -140,6 +140,25 @@ class RunConfig:
     round_timeout: float = field(
         default=600.0, metadata=about("Seconds a site may take per message.")
     )
+    # ---- checkpoints and resume (flplatform/checkpoint.py, `flplatform resume`)
+    checkpoint_every: int = field(
+        default=5,
+        metadata=about(
+            "Keep the run's checkpoint every N rounds for `flplatform export` (0: only the "
+            "final one); the latest round's is always kept for `flplatform resume`."
+        ),
+    )
+    keep_checkpoints: int = field(
+        default=3, metadata=about("Most kept checkpoints of a run, besides the final one.")
+    )
+    checkpoint_dir: str = field(
+        default="",
+        metadata=about("Where checkpoints go (empty: $FLPLATFORM_HOME/checkpoints)."),
+    )
+    resume_run: int = field(
+        default=0,
+        metadata=about("Continue this run from its last checkpoint (0: a new run).", cli=None),
+    )
     max_failed_rounds: int = field(
         default=3,
         metadata=about(

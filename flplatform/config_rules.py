@@ -290,6 +290,14 @@ def _edge_problems(config: RunConfig) -> list[Problem]:
             minimum=0,
             says=">= 0 (rounds in a row that fail alike before the run stops; 0 never stops)",
         ),
+        integer(
+            config.checkpoint_every,
+            "checkpoint-every",
+            minimum=0,
+            says=">= 0 (0: keep only the final model)",
+        ),
+        integer(config.keep_checkpoints, "keep-checkpoints", minimum=1, says=">= 1"),
+        integer(config.resume_run, "resume-run", minimum=0, says="a run id, or 0 (a new run)"),
         *guard_problems(
             update_norm_ratio=config.update_norm_ratio,
             update_norm_action=config.update_norm_action,

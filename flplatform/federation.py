@@ -67,6 +67,10 @@ def platform_options(config: RunConfig) -> dict[str, Any]:
         max_site_share=config.max_site_share,
         reject_replays=config.reject_replays,
         update_min_cosine=config.update_min_cosine,
+        checkpoint_every=config.checkpoint_every,
+        keep_checkpoints=config.keep_checkpoints,
+        checkpoint_dir=config.checkpoint_dir or None,
+        resume_run=config.resume_run or None,
     )
 
 

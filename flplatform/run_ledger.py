@@ -11,14 +11,18 @@ the end. A run that fails before it can start is recorded too (:func:`record_fai
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
+import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from flwr.app import MetricRecord
 
 from flplatform.engine import LedgerSink
-from flplatform.errors import FLPlatformError, StorageError
+from flplatform.errors import ConfigError, FLPlatformError, StorageError
 from flplatform.network import Network
 from flplatform.start_options import OPTION_NAMES, PlatformOptions, resolve_options
 from flplatform.start_parts import network_label
@@ -32,16 +36,41 @@ log = logging.getLogger("flplatform")
 DEFAULT_LEDGER = ("", "default")
 # Options that shape how the run goes, recorded in the ledger's run config (kebab-case, as
 # RunConfig spells them); where and under which name a run is recorded is not among them.
-_RECORDED = tuple(n for n in OPTION_NAMES if n not in ("ledger", "name", "run_config", "tag"))
+_RECORDED = tuple(
+    n
+    for n in OPTION_NAMES
+    if n not in ("ledger", "name", "run_config", "tag", "checkpoint_dir", "resume_run")
+)
 _CONFIG_KEYS = {"num_rounds": "num-server-rounds", "timeout": "round-timeout"}
 
 
 def open_run(
     options: PlatformOptions, overrides: Mapping[str, Any], strategy: str
 ) -> LedgerRun | None:
-    """The run's new row in the ledger the options name; None without a ledger."""
+    """The run's new row in the ledger the options name; None without a ledger.
+
+    With ``resume_run``, the run it names, reopened, with the state to resume from.
+    """
     if options.ledger is None:
+        if options.resume_run is not None:
+            raise ConfigError(
+                f"resume_run={options.resume_run} needs the ledger the run is recorded in "
+                f"(ledger=...)"
+            )
         return None
+    checkpointing = Checkpointing(
+        every=options.checkpoint_every,
+        keep=options.keep_checkpoints,
+        directory=options.checkpoint_dir,
+    )
+    if options.resume_run is not None:
+        return LedgerRun.reopen(
+            options.ledger,
+            options.resume_run,
+            strategy=strategy,
+            num_rounds=options.num_rounds,
+            checkpointing=checkpointing,
+        )
     return LedgerRun.open(
         options.ledger,
         name=options.name or strategy,
@@ -51,7 +80,37 @@ def open_run(
         num_rounds=options.num_rounds,
         tag=options.tag,
         network=network_label(options),
+        checkpointing=checkpointing,
     )
+
+
+def process_owner() -> str:
+    """``host:pid`` of this process: who is writing a run (a resume checks it is gone)."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def owner_alive(owner: str | None) -> bool | None:
+    """Whether the process ``owner`` (``host:pid``) is alive; None when it cannot be told
+    (another host, or no owner recorded)."""
+    host, _, pid = (owner or "").rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return None
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """How a run's checkpoints are kept (``start``'s ``checkpoint_*`` options)."""
+
+    every: int = 5
+    keep: int = 3
+    directory: str | None = None
 
 
 def record_failed_start(exc: BaseException, *, strategy: str, **options: Any) -> None:
@@ -90,14 +149,39 @@ class LedgerRun:
         The open ledger; closed when the run is finished or failed.
     run_id : int
         The run's id.
+    run_key : str
+        A stable id of the run that its sites key their kept state by (the same after a
+        resume; the engine keeps it in its checkpoints).
+    checkpointing : Checkpointing
+        How its checkpoints are kept.
+    resume_state : dict, optional
+        The checkpoint to resume from (a reopened run); None for a new run.
     """
 
-    def __init__(self, repository: LedgerRepository, run_id: int) -> None:
+    def __init__(
+        self,
+        repository: LedgerRepository,
+        run_id: int,
+        *,
+        run_key: str = "",
+        checkpointing: Checkpointing | None = None,
+        resume_state: dict[str, Any] | None = None,
+    ) -> None:
         from flplatform.ledger import SqlLedger
 
+        checkpointing = checkpointing or Checkpointing()
         self.repository = repository
         self.run_id = run_id
-        self.sink: LedgerSink = SqlLedger(repository, run_id)
+        self.run_key = run_key or uuid.uuid4().hex
+        self.resume_state = resume_state
+        self.ledger = SqlLedger(
+            repository,
+            run_id,
+            checkpoint_dir=checkpointing.directory,
+            checkpoint_every=checkpointing.every,
+            keep_checkpoints=checkpointing.keep,
+        )
+        self.sink: LedgerSink = self.ledger
 
     @classmethod
     def open(
@@ -111,6 +195,7 @@ class LedgerRun:
         num_rounds: int,
         tag: str | None = None,
         network: str | None = None,
+        checkpointing: Checkpointing | None = None,
     ) -> LedgerRun:
         """Open the ledger ``ledger`` names and record a new, running run in it.
 
@@ -130,6 +215,8 @@ class LedgerRun:
             A unique external id.
         network : str, optional
             The simulated network's name; None on the wall clock.
+        checkpointing : Checkpointing, optional
+            How its checkpoints are kept (default: ``Checkpointing()``).
 
         Returns
         -------
@@ -153,18 +240,94 @@ class LedgerRun:
                 num_rounds_planned=num_rounds,
                 tag=tag or None,
                 network=network or None,
+                owner=process_owner(),
             )
         except BaseException:
             repository.close()
             raise
         log.info("ledger: run %s in %s", run_id, repository.url)
-        return cls(repository, run_id)
+        return cls(repository, run_id, run_key=tag or "", checkpointing=checkpointing)
+
+    @classmethod
+    def reopen(
+        cls,
+        ledger: str,
+        run_id: int,
+        *,
+        strategy: str,
+        num_rounds: int,
+        checkpointing: Checkpointing | None = None,
+    ) -> LedgerRun:
+        """Reopen run ``run_id`` to resume it from its last checkpoint.
+
+        The run must be one of ``strategy``'s, not finished, and have a checkpoint. It is
+        marked running again (``flplatform resume`` may have done so already) with a
+        "resumed" event, owned by this process.
+
+        Raises
+        ------
+        NotFoundError
+            If there is no such run.
+        CheckpointError
+            If it cannot be resumed (finished, another strategy, no checkpoint, the file
+            missing or unreadable), saying why.
+        """
+        from flplatform.checkpoint import CheckpointError, read_state
+        from storage import LedgerRepository
+
+        repository = LedgerRepository.open(None if ledger in DEFAULT_LEDGER else ledger)
+        try:
+            record = repository.get_run(run_id)
+            if record.status == "finished":
+                raise CheckpointError(f"run {run_id} finished; there is nothing to resume")
+            if record.strategy != strategy:
+                raise CheckpointError(
+                    f"run {run_id} ran strategy {record.strategy!r}, not {strategy!r}; "
+                    f"resume it with the options it was started with (flplatform resume)"
+                )
+            if record.num_rounds_planned != num_rounds:
+                raise CheckpointError(
+                    f"run {run_id} planned {record.num_rounds_planned} rounds, not {num_rounds}"
+                )
+            checkpoint = repository.latest_checkpoint(run_id)
+            if checkpoint is None:
+                raise CheckpointError(
+                    f"run {run_id} has no checkpoint (it died before its first round ended, "
+                    f"or an older flplatform recorded it); start it again"
+                )
+            state = read_state(checkpoint.path)
+            if state.get("server_round") != checkpoint.server_round:
+                raise CheckpointError(
+                    f"checkpoint {checkpoint.path} holds round {state.get('server_round')!r}, "
+                    f"but the ledger says round {checkpoint.server_round}"
+                )
+            # ``flplatform resume`` reopens the run before it starts this process (so that
+            # it can follow it): then the owner is that command, alive.
+            if record.status != "running" or owner_alive(record.owner) is False:
+                repository.reopen_run(run_id, owner=process_owner())
+        except BaseException:
+            repository.close()
+            raise
+        log.info(
+            "ledger: resuming run %s in %s from round %s",
+            run_id,
+            repository.url,
+            checkpoint.server_round,
+        )
+        return cls(
+            repository,
+            run_id,
+            run_key=record.tag or "",
+            checkpointing=checkpointing,
+            resume_state=state,
+        )
 
     def finish(
         self, *, final_metrics: MetricRecord | None, simulated_seconds: float | None
     ) -> None:
         """Mark the run finished with its final central metrics; close the ledger."""
         try:
+            self.ledger.keep_final()
             self.repository.finish_run(
                 self.run_id,
                 status="finished",

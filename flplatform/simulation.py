@@ -449,6 +449,26 @@ def run_simulation(
     return follow_run(start, config, on_progress, poll_interval)
 
 
+def resume_simulation(
+    config: RunConfig,
+    *,
+    on_progress: ProgressCallback | None = None,
+    poll_interval: float = 0.5,
+) -> RunRecord:
+    """Resume a run of the built-in app (``flplatform resume``): ``config`` is the run's own,
+    with ``resume_run`` set, its ``run_tag`` and ``db``; the run must already be reopened
+    (running) so that following it does not stop at once.
+
+    Returns the finished run; raises like :func:`run_simulation`.
+    """
+    home = work_home()
+
+    def start(tree: ProcessTree) -> SimulationProcess:
+        return start_simulation(config, home=home, log_name=config.run_tag[:12], tree=tree)
+
+    return follow_run(start, config, on_progress, poll_interval)
+
+
 def run_app(
     run: AppRun,
     *,

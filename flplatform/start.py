@@ -91,6 +91,10 @@ def start(
     max_site_share: float = 1.0,
     reject_replays: bool = True,
     update_min_cosine: float = -1.0,
+    checkpoint_every: int = 5,
+    keep_checkpoints: int = 3,
+    checkpoint_dir: str | None = None,
+    resume_run: int | None = None,
     on_round: Callable[[RoundSummary], None] | None = None,
 ) -> Result:
     """Run ``strategy`` over ``grid`` for ``num_rounds`` rounds with the platform's parts.
@@ -170,6 +174,19 @@ def start(
     update_min_cosine : float
         Reject an update whose cosine with the federation's recent mean updates is below
         this; −1 turns the direction check off.
+    checkpoint_every : int
+        With a ledger, every round is committed with a checkpoint of the whole run state
+        (the resume point; only the latest is kept); every ``checkpoint_every`` rounds
+        one is kept for ``flplatform export`` (0: only the final one).
+    keep_checkpoints : int
+        Most kept checkpoints of the run, besides the final one (the oldest go first).
+    checkpoint_dir : str, optional
+        Where checkpoint files go (default ``$FLPLATFORM_HOME/checkpoints``).
+    resume_run : int, optional
+        Continue this run of the ledger from its last committed round instead of starting
+        a new one (``flplatform resume``): the strategy, options and sites must be the
+        ones it was started with; ``initial_arrays`` is ignored (the checkpoint holds the
+        model).
     on_round : callable, optional
         Called with every finished round's ``RoundSummary`` (each is also logged).
 
@@ -214,6 +231,10 @@ def start(
         max_site_share=max_site_share,
         reject_replays=reject_replays,
         update_min_cosine=update_min_cosine,
+        checkpoint_every=checkpoint_every,
+        keep_checkpoints=keep_checkpoints,
+        checkpoint_dir=checkpoint_dir,
+        resume_run=resume_run,
     )
     options, overrides = resolve_options(given)
     engine_strategy = as_engine_strategy(strategy)
@@ -223,6 +244,7 @@ def start(
     # A simulated ServerApp's Grid answers after its SuperLink died: stop then (engine/link).
     grid = watch_superlink(grid)
     run = open_run(options, overrides, label)
+    resume = run.resume_state if run is not None else None
     log_start(engine_strategy, label, policy, network_label(options), options.num_rounds)
     engine: RoundEngine | None = None
     try:
@@ -236,6 +258,8 @@ def start(
             required_sites=options.required_sites,
             on_round=round_reporter(on_round),
             max_failed_rounds=options.max_failed_rounds,
+            checkpoints=run is not None,
+            run_key=run.run_key if run is not None else "",
             guard=UpdateGuard(
                 GuardOptions(
                     norm_ratio=options.update_norm_ratio,
@@ -255,6 +279,7 @@ def start(
             # As Flower's start: every round asks the strategy for evaluation messages (a
             # strategy that evaluates nothing sends none).
             federated_evaluation=True,
+            resume=resume,
         )
     except BaseException as exc:
         if run is not None:

@@ -57,6 +57,10 @@ class PlatformOptions:
     max_site_share: float = 1.0
     reject_replays: bool = True
     update_min_cosine: float = -1.0
+    checkpoint_every: int = 5
+    keep_checkpoints: int = 3
+    checkpoint_dir: str | None = None
+    resume_run: int | None = None
 
 
 OPTION_NAMES = tuple(f.name for f in fields(PlatformOptions))
@@ -211,10 +215,26 @@ _RULES: dict[str, Callable[[Any, str], Problem]] = {
     "max_failed_rounds": lambda v, n: integer(
         v, n, minimum=0, says="an integer >= 0 (0: never stop)"
     ),
+    "checkpoint_every": lambda v, n: integer(
+        v, n, minimum=0, says="an integer >= 0 (0: keep only the final model)"
+    ),
+    "keep_checkpoints": lambda v, n: integer(v, n, minimum=1),
+    "checkpoint_dir": _text("a directory path or null ($FLPLATFORM_HOME/checkpoints)"),
+    "resume_run": lambda v, n: integer(v, n, minimum=1, says="a run id >= 1 or null"),
     # The guard's options: its own rules, under the name the caller used.
     **{option: _guard_rule(option) for option in GUARD_OPTIONS},
 }
 # Options that may be None (JSON null): "not set" (no bound, no network, no ledger, ...).
 _NULLABLE = frozenset(
-    ("staleness_bound", "staleness_weighting", "network", "ledger", "name", "run_config", "tag")
+    (
+        "staleness_bound",
+        "staleness_weighting",
+        "network",
+        "ledger",
+        "name",
+        "run_config",
+        "tag",
+        "checkpoint_dir",
+        "resume_run",
+    )
 )

@@ -1,0 +1,113 @@
+"""``flplatform resume RUN``: continue a run that died from its last committed round.
+
+The ledger holds everything: the run's options (its config), and with every committed round
+a checkpoint of the whole run state (``flplatform.checkpoint``). The run is reopened (an
+event in the ledger), the same federation is started again with ``resume-run`` set, and the
+ServerApp continues from the round after the checkpoint. Only options that cannot change the
+result may be given again (``--round-timeout``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.text import Text
+
+from flplatform.checkpoint import CheckpointError
+from flplatform.cli.errors import handles_errors
+from flplatform.cli.history import DbOption, RunArgument, resolve_run
+from flplatform.cli.history import rounds as show_rounds
+from flplatform.cli.progress import display_url, round_progress
+from flplatform.cli.render import OutputFormat, make_console
+from flplatform.cli.simulate import db_argument, ledger_option
+from flplatform.config import RunConfig
+from flplatform.errors import ConfigError
+from flplatform.run_ledger import owner_alive, process_owner
+from flplatform.simulation import resume_simulation
+from storage import LedgerRepository, RunRecord
+
+console = make_console()
+
+
+@handles_errors
+def resume(
+    run: RunArgument,
+    db: DbOption = None,
+    round_timeout: Annotated[
+        float | None,
+        typer.Option(help="Seconds a site may take per message (default: the run's)."),
+    ] = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Resume although the ledger says the run's process is alive on this machine.",
+        ),
+    ] = False,
+) -> None:
+    """Continue a run that died (running or failed) from its last committed round."""
+    url = ledger_option(db)
+    with LedgerRepository.open(url or None, create=False) as repository:
+        run_id = resolve_run(repository, run)
+        record = repository.get_run(run_id)
+        config = resumable_config(record, db=url, round_timeout=round_timeout)
+        checkpoint = repository.latest_checkpoint(run_id)
+        if checkpoint is None:
+            raise CheckpointError(
+                f"run {run_id} has no checkpoint (it died before its first round ended, or "
+                "an older flplatform recorded it); start it again"
+            )
+        alive = owner_alive(record.owner) if record.status == "running" else False
+        if alive and not force:
+            raise ConfigError(
+                f"run {run_id} is running in process {record.owner}, which is alive: stop it "
+                f"first (or pass --force if that process is not this run's)"
+            )
+        repository.reopen_run(run_id, owner=process_owner())
+    console.print(
+        Text.assemble(
+            "Resuming run ",
+            (str(run_id), "bold"),
+            f" ({record.name}) from round {checkpoint.server_round} of {record.num_rounds_planned}",
+        )
+    )
+    with round_progress(console, record.num_rounds_planned) as show:
+        finished = resume_simulation(config, on_progress=show)
+    console.print()
+    show_rounds(str(finished.id), db=config.db, fmt=OutputFormat.table)
+    _said_done(finished, config.db, db)
+
+
+def resumable_config(record: RunRecord, *, db: str, round_timeout: float | None) -> RunConfig:
+    """The run's own options, set to resume it; ``ConfigError`` when it cannot be resumed."""
+    if record.status == "finished":
+        raise ConfigError(f"run {record.id} finished; there is nothing to resume")
+    if not record.tag or "strategy" not in record.config or "dataset" not in record.config:
+        raise ConfigError(
+            f"run {record.id} was not started by `flplatform simulate` or the demo: "
+            "`flplatform resume` restarts those; a ServerApp of your own resumes a run by "
+            "passing resume_run=<id> to flplatform.start(...)"
+        )
+    values = dict(record.config)
+    values.update({"resume-run": record.id, "run-tag": record.tag})
+    if db:
+        values["db"] = db
+    if round_timeout is not None:
+        values["round-timeout"] = round_timeout
+    return RunConfig.from_mapping(values)
+
+
+def _said_done(record: RunRecord, url: str, db: str | None) -> None:
+    simulated = (
+        f" ({record.simulated_seconds:.1f} s simulated)"
+        if record.simulated_seconds is not None
+        else ""
+    )
+    console.print(
+        Text.assemble(
+            f"\nRun {record.id} {record.status}{simulated}; ledger: ",
+            (display_url(url), "bold"),
+            f"\nSee it again with: flplatform history rounds {record.id}" + db_argument(db),
+        )
+    )
