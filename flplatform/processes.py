@@ -20,12 +20,14 @@ Linux reads ``/proc``; elsewhere only the started processes' own groups are sign
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -173,8 +175,17 @@ class ProcessTree:
         self.stop()
 
     def popen(self, args: Sequence[str], **kwargs: Any) -> subprocess.Popen[bytes]:
-        """``subprocess.Popen`` in a new session, recorded as part of the tree."""
-        proc: subprocess.Popen[bytes] = subprocess.Popen(args, start_new_session=True, **kwargs)
+        """``subprocess.Popen`` in a new session, recorded as part of the tree.
+
+        On Linux the child is also killed when this process dies, however it dies: a
+        command killed with SIGKILL cannot stop its tree, and a SuperLink left behind would
+        keep its ServerApp writing rounds into the run (its ServerApp stops when it goes:
+        ``engine.link``). Linux ties this to the thread that started the child: start
+        the tree's processes from a thread that outlives them (the CLI's main thread).
+        """
+        proc: subprocess.Popen[bytes] = subprocess.Popen(
+            args, start_new_session=True, preexec_fn=_die_with_parent(), **kwargs
+        )
         return self.adopt(proc)
 
     def adopt(self, proc: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
@@ -257,6 +268,26 @@ class ProcessTree:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(member.pid, signum)
         return len(members)
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` asking Linux to SIGKILL the child when its parent dies (None elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
 
 
 def _running(proc: subprocess.Popen[bytes]) -> bool:
