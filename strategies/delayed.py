@@ -165,7 +165,7 @@ class DelayedState:
         models = reader.keyed(fields["models"], "models", lambda v, at: _record(reader, v, at))
         if version is not None and models is not None:
             # After a round: versions v − 1 − D … v (pruned when the next round begins).
-            if version not in models:
+            if version not in models and (version or models):  # (empty before round 1)
                 reader.add(f"'models' lacks the current version {version}")
             stale = sorted(v for v in models if not version - 1 - delay <= v <= version)
             if stale:
@@ -557,8 +557,9 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         reader.raise_if_any()
         assert restored is not None  # a problem was noted otherwise
         self.state = restored
-        current = restored.models[restored.version]
-        self._current, self._current_record = record_to_arrays(current), current
+        current = restored.models.get(restored.version)
+        if current is not None:
+            self._current, self._current_record = record_to_arrays(current), current
 
     # -------------------------------------------------------------- driving
 

@@ -40,7 +40,7 @@ from flplatform.arrays import arrays_to_record, record_to_arrays
 from flplatform.engine import AggregationPolicy, Contribution, EngineStrategy, Synchrony, Update
 from flplatform.errors import ConfigError, RunFailed, StepRefused, UpdateRejected
 from strategies.local_sgd import first_number
-from strategies.state import StateReader
+from strategies.state import MISSING, StateReader
 from strategies.validation import check_arrays, check_num_examples
 
 log = logging.getLogger("flplatform.strategies.flower_adapter")
@@ -284,7 +284,8 @@ class FlowerStrategyAdapter(EngineStrategy):
         _read_flower_state(reader, self.strategy, fields["flower"], "flower", assignments)
         generator = random.Random()
         try:
-            generator.setstate(fields["random"])
+            if fields["random"] is not MISSING:
+                generator.setstate(fields["random"])
         except (TypeError, ValueError) as exc:
             reader.add(f"'random' is not a state of Python's random module: {exc}")
         reader.raise_if_any()
@@ -381,6 +382,8 @@ def _read_flower_state(
     for name in names:
         value, at = fields[name], f"{where}.{name}"
         current = getattr(strategy, name)
+        if value is MISSING:
+            continue
         if value is None:
             assignments.append((strategy, name, None))
         elif name == "clipping_norm":

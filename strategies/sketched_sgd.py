@@ -61,7 +61,7 @@ from strategies.mods.sketched_sgd import (
 from strategies.sketch_feedback import candidate_coordinates, exact_top_k
 from strategies.sketched_common import SketchedStrategy, sketch_table
 from strategies.sparse_sync import SparseModel
-from strategies.state import StateReader
+from strategies.state import MISSING, StateReader
 from strategies.top_k import index_dtype
 from strategies.validation import check_num_examples, reply_parts
 
@@ -113,7 +113,7 @@ class SketchedSGDState:
         if fields is None:
             return None
         phases = [p.value for p in StepPhase]
-        if fields["phase"] not in phases:
+        if fields["phase"] is not MISSING and fields["phase"] not in phases:
             reader.add(f"'{where}.phase' must be one of {phases}, got {fields['phase']!r:.40}")
         candidates = reader.indices(fields["candidates"], f"{where}.candidates", d=d)
         sketch_round = reader.integer(fields["sketch_round"], f"{where}.sketch_round", minimum=0)

@@ -23,7 +23,7 @@ from flwr.app import ArrayRecord
 
 from flplatform.arrays import arrays_to_record, record_to_arrays
 from strategies.codecs import Layout
-from strategies.state import StateReader
+from strategies.state import MISSING, StateReader
 from strategies.top_k import index_dtype
 
 SYNC_INDICES, SYNC_VALUES = "sync.indices", "sync.values"  # a sparse download
@@ -146,7 +146,7 @@ class SparseModel:
             return None
         model = cls()
         record = fields["record"]
-        if record is not None:
+        if record is not None and record is not MISSING:
             if not isinstance(record, ArrayRecord):
                 reader.add(f"'{where}.record' must be an ArrayRecord, got {type(record).__name__}")
                 return None

@@ -25,6 +25,9 @@ import numpy as np
 from flplatform.checkpoint import StateProblems
 
 T = TypeVar("T")
+# A field the state lacks: noted once by ``fields``; every read of it then yields None quietly,
+# so the other fields are still checked and every problem is reported together.
+MISSING: Any = type("Missing", (), {"__repr__": lambda self: "MISSING"})()
 
 
 class StateReader:
@@ -45,20 +48,24 @@ class StateReader:
         self.problems.raise_if_any()
 
     def fields(self, state: Any, where: str, *names: str) -> dict[str, Any] | None:
-        """``state`` as a mapping holding ``names`` (each missing one noted), else None."""
-        if not isinstance(state, Mapping):
-            self.add(f"'{where}' must be a mapping, got {type(state).__name__}")
+        """``state``'s ``names`` (a missing one noted, and ``MISSING``); None if no mapping."""
+        if state is MISSING:
             return None
-        missing = [n for n in names if n not in state]
-        for name in missing:
-            self.add(f"'{_join(where, name)}' is missing")
+        if not isinstance(state, Mapping):
+            self.add(f"'{where or 'state'}' must be a mapping, got {type(state).__name__}")
+            return None
+        for name in names:
+            if name not in state:
+                self.add(f"'{_join(where, name)}' is missing")
         unknown = [n for n in state if n not in names]
         if unknown:
             self.add(f"'{where or 'state'}' holds unknown entries {sorted(map(str, unknown))}")
-        return None if missing else dict(state)
+        return {name: state.get(name, MISSING) for name in names}
 
     # ------------------------------------------------------------ scalars
     def integer(self, value: Any, where: str, *, minimum: int | None = None) -> int | None:
+        if value is MISSING:
+            return None
         if isinstance(value, np.integer):
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
@@ -70,6 +77,9 @@ class StateReader:
         return value
 
     def real(self, value: Any, where: str, *, minimum: float | None = None) -> float | None:
+        """A finite number, kept as the int or float it was (sums stay bit for bit)."""
+        if value is MISSING:
+            return None
         if isinstance(value, np.floating | np.integer):
             value = value.item()
         if isinstance(value, bool) or not isinstance(value, int | float):
@@ -79,7 +89,7 @@ class StateReader:
             bound = "" if minimum is None else f" >= {minimum}"
             self.add(f"'{where}' must be a finite number{bound}, got {value!r}")
             return None
-        return float(value)
+        return value
 
     def node(self, value: Any, where: str) -> int | None:
         """A saved node id, mapped to this run's."""
@@ -101,6 +111,8 @@ class StateReader:
         by_node: bool = False,
     ) -> dict[int, T] | None:
         """A dict with integer keys (node ids when ``by_node``: remapped)."""
+        if value is MISSING:
+            return None
         if not isinstance(value, Mapping):
             self.add(f"'{where}' must be a mapping, got {type(value).__name__}")
             return None
@@ -121,6 +133,8 @@ class StateReader:
 
     def integers(self, value: Any, where: str) -> set[int] | None:
         """A set of whole numbers (periods, versions)."""
+        if value is MISSING:
+            return None
         if not isinstance(value, set | frozenset | list | tuple):
             self.add(f"'{where}' must be a set of whole numbers, got {type(value).__name__}")
             return None
@@ -129,6 +143,8 @@ class StateReader:
 
     def node_set(self, value: Any, where: str) -> set[int] | None:
         """A set of node ids, remapped."""
+        if value is MISSING:
+            return None
         if not isinstance(value, set | frozenset | list | tuple):
             self.add(f"'{where}' must be a set of node ids, got {type(value).__name__}")
             return None
@@ -145,6 +161,8 @@ class StateReader:
         dtype: Any = None,
         finite: bool = False,
     ) -> np.ndarray | None:
+        if value is MISSING:
+            return None
         if not self.problems.array(value, where, shape=shape, dtype=dtype):
             return None
         if finite and value.dtype.kind in "fc" and not np.isfinite(value).all():
@@ -174,6 +192,8 @@ class StateReader:
         dtype: Any = np.float64,
     ) -> dict[str, np.ndarray] | None:
         """Name → finite array of ``dtype``; the names and shapes of ``like`` when given."""
+        if value is MISSING:
+            return None
         if not isinstance(value, Mapping):
             self.add(f"'{where}' must be a mapping of arrays, got {type(value).__name__}")
             return None
