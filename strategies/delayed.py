@@ -36,8 +36,9 @@ unsettled periods are dropped and its update, trained from the global model, cou
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from flwr.app import (
@@ -81,6 +82,7 @@ from strategies.local_sgd import (
     reject_state_lost,
     state_lost_note,
 )
+from strategies.state import StateReader
 from strategies.validation import check_arrays, check_num_examples, reply_parts
 
 log = logging.getLogger("flplatform.strategies.delayed")
@@ -109,6 +111,171 @@ class DelayedState:
     models: dict[int, ArrayRecord] = field(default_factory=dict)
     open: dict[int, WeightedDeltaSum] = field(default_factory=dict)
     losses: dict[int, tuple[float, float]] = field(default_factory=dict)  # Σ n·loss, Σ n
+    replied: dict[int, set[int]] = field(default_factory=dict)  # node → periods it answered
+    drafted: dict[int, Work] = field(default_factory=dict)  # node → its last drafted work
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything above as checkpoint data (node ids as they are)."""
+        periods = self.periods
+        return {
+            "version": self.version,
+            "models": dict(self.models),
+            "open": {
+                period: {
+                    "sums": {k: v.copy() for k, v in acc.sums.items()},
+                    "total_weight": acc.total_weight,
+                    "count": acc.count,
+                }
+                for period, acc in self.open.items()
+            },
+            "losses": {period: tuple(pair) for period, pair in self.losses.items()},
+            "next_period": dict(periods.next_period),
+            "unsettled": {n: set(p) for n, p in periods.unsettled.items()},
+            "included": {n: set(p) for n, p in periods.included.items()},
+            "awaited": dict(periods.awaited),
+            "replied": {n: set(p) for n, p in self.replied.items()},
+            "drafted": {
+                n: {"period": w.period, "model_version": w.model_version, "delay": w.delay}
+                for n, w in self.drafted.items()
+            },
+        }
+
+    @classmethod
+    def read(
+        cls,
+        reader: StateReader,
+        state: Mapping[str, Any],
+        *,
+        delay: int,
+        model: Mapping[str, np.ndarray] | None,
+    ) -> DelayedState | None:
+        """The state ``state_dict()`` wrote, checked against a run with this ``delay``.
+
+        ``model``: the arrays the strategy holds already, which every saved model must
+        match (None: they need only match one another). Problems go to ``reader``.
+        """
+        names = (
+            *("version", "models", "open", "losses", "next_period", "unsettled"),
+            *("included", "awaited", "replied", "drafted"),
+        )
+        fields = reader.fields(state, "", *names)
+        if fields is None:
+            return None
+        version = reader.integer(fields["version"], "version", minimum=0)
+        models = reader.keyed(fields["models"], "models", lambda v, at: _record(reader, v, at))
+        if version is not None and models is not None:
+            # After a round: versions v − 1 − D … v (pruned when the next round begins).
+            if version not in models and (version or models):  # (empty before round 1)
+                reader.add(f"'models' lacks the current version {version}")
+            stale = sorted(v for v in models if not version - 1 - delay <= v <= version)
+            if stale:
+                reader.add(
+                    f"'models' holds versions {stale}, outside {version - 1 - delay}…{version} "
+                    f"of a run with delay {delay}"
+                )
+        decoded = _decoded_models(reader, models or {}, model)
+        like = model or next(iter(decoded.values()), None)
+        losses = reader.keyed(fields["losses"], "losses", lambda v, at: _loss(reader, v, at))
+        open_ = reader.keyed(
+            fields["open"], "open", lambda v, at: _weighted_sum(reader, v, at, like=like)
+        )
+        by_node = {"by_node": True}
+        next_period = reader.keyed(fields["next_period"], "next_period", reader.integer, **by_node)
+        awaited = reader.keyed(fields["awaited"], "awaited", reader.integer, **by_node)
+        unsettled = reader.keyed(fields["unsettled"], "unsettled", reader.integers, **by_node)
+        included = reader.keyed(fields["included"], "included", reader.integers, **by_node)
+        replied = reader.keyed(fields["replied"], "replied", reader.integers, **by_node)
+        drafted = reader.keyed(
+            fields["drafted"], "drafted", lambda v, at: _work(reader, v, at), **by_node
+        )
+        parts = (version, models, open_, losses, next_period, awaited, unsettled, included)
+        if any(p is None for p in (*parts, replied, drafted)) or reader.problems.problems:
+            return None
+        periods = ServerPeriods(
+            delay,
+            next_period=next_period or {},
+            unsettled=unsettled or {},
+            included=included or {},
+            awaited=awaited or {},
+        )
+        return cls(
+            periods=periods,
+            version=version or 0,
+            models=models or {},
+            open=open_ or {},
+            losses=losses or {},
+            replied=replied or {},
+            drafted=drafted or {},
+        )
+
+
+def _record(reader: StateReader, value: Any, where: str) -> ArrayRecord | None:
+    if not isinstance(value, ArrayRecord):
+        reader.add(f"'{where}' must be a model (an ArrayRecord), got {type(value).__name__}")
+        return None
+    return value
+
+
+def _decoded_models(
+    reader: StateReader,
+    models: Mapping[int, ArrayRecord],
+    model: Mapping[str, np.ndarray] | None,
+) -> dict[int, dict[str, np.ndarray]]:
+    """Each saved model's arrays, all with the names, shapes and dtypes of the first (or
+    of ``model``, the one the strategy holds)."""
+    decoded: dict[int, dict[str, np.ndarray]] = {}
+    for version, record in models.items():
+        try:
+            arrays = record_to_arrays(record)
+        except Exception as exc:  # not .npy bytes: a damaged checkpoint
+            reader.add(f"'models[{version}]' cannot be decoded: {exc}")
+            continue
+        like = model or next(iter(decoded.values()), None)
+        if like is not None and _signature(arrays) != _signature(like):
+            reader.add(f"'models[{version}]' does not have this run's model arrays")
+            continue
+        decoded[version] = arrays
+    return decoded
+
+
+def _signature(arrays: Mapping[str, np.ndarray]) -> list[tuple[str, tuple[int, ...], str]]:
+    return [(k, tuple(v.shape), str(v.dtype)) for k, v in arrays.items()]
+
+
+def _loss(reader: StateReader, value: Any, where: str) -> tuple[float, float] | None:
+    """(Σ n·loss, Σ n) of a period's accepted updates."""
+    if not isinstance(value, tuple | list) or len(value) != 2:
+        reader.add(f"'{where}' must be a pair (Σ n·loss, Σ n), got {value!r:.60}")
+        return None
+    total, weight = reader.real(value[0], f"{where}[0]"), reader.real(value[1], f"{where}[1]")
+    return None if total is None or weight is None else (total, weight)
+
+
+def _weighted_sum(
+    reader: StateReader, value: Any, where: str, *, like: Mapping[str, np.ndarray] | None
+) -> WeightedDeltaSum | None:
+    """A period's open accumulator: Σ w·s·A (float64, the model's arrays), Σ w, count."""
+    fields = reader.fields(value, where, "sums", "total_weight", "count")
+    if fields is None:
+        return None
+    sums = reader.arrays(fields["sums"], f"{where}.sums", like=like)
+    total = reader.real(fields["total_weight"], f"{where}.total_weight", minimum=0.0)
+    count = reader.integer(fields["count"], f"{where}.count", minimum=1)
+    if sums is None or total is None or count is None:
+        return None
+    return WeightedDeltaSum(sums=sums, total_weight=total, count=count)
+
+
+def _work(reader: StateReader, value: Any, where: str) -> Work | None:
+    fields = reader.fields(value, where, "period", "model_version", "delay")
+    if fields is None:
+        return None
+    period = reader.integer(fields["period"], f"{where}.period", minimum=1)
+    version = reader.integer(fields["model_version"], f"{where}.model_version", minimum=0)
+    delay = reader.integer(fields["delay"], f"{where}.delay", minimum=0)
+    if period is None or version is None or delay is None:
+        return None
+    return Work(period, version, delay=delay)
 
 
 class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
@@ -156,8 +323,6 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         self.eta = eta
         self.seed = seed
         self.codec: Codec = make_codec(codec)
-        self._replied: dict[int, set[int]] = {}  # node → periods it sent a reply for
-        self._drafted: dict[int, Work] = {}  # node → the work of its last drafted message
         self.state = DelayedState(periods=ServerPeriods(delay))
         self._round = 0
         self._current: dict[str, np.ndarray] = {}
@@ -204,8 +369,8 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
                 continue
             version = periods.version_for(period)
             # Only answered, unsettled periods matter (at most D + 1 of them are kept).
-            held = periods.unsettled.get(node_id, set()) & self._replied.get(node_id, set())
-            self._replied[node_id] = held
+            held = periods.unsettled.get(node_id, set()) & self.state.replied.get(node_id, set())
+            self.state.replied[node_id] = held
             site_config = ConfigRecord(dict(config))  # never write into the caller's record
             site_config.update(
                 {
@@ -229,12 +394,12 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
             periods.sent(node_id, period)
             # The model lacks the averages of rounds version + 1 … period − 1: D of them
             # once the pipeline is full.
-            self._drafted[node_id] = Work(period, version, delay=max(0, period - 1 - version))
+            self.state.drafted[node_id] = Work(period, version, delay=max(0, period - 1 - version))
         return messages
 
     def work_for(self, message: Message, *, server_round: int, model_version: int) -> Work:
         """Period q and the model x_{q−1−D} of the message drafted for its site."""
-        return self._drafted.pop(message.metadata.dst_node_id)
+        return self.state.drafted.pop(message.metadata.dst_node_id)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -273,7 +438,7 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         # Whatever the reply holds, the site answered: it is not re-offered the period.
         asked = periods.answered(node_id)
         if asked is not None and not reply.has_error():
-            self._replied.setdefault(node_id, set()).add(asked)
+            self.state.replied.setdefault(node_id, set()).add(asked)
         content = reply.content
         reject_state_lost(content, "it trains from the global model next period")
         record, metrics = reply_parts(reply)
@@ -372,6 +537,29 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         if refused is not None:
             raise StepRefused(f"the average Ā_{self._round}: {refused.reason}", arrays=record)
         return record, metrics
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """``DelayedState`` as checkpoint data: the last D + 2 models, the open periods'
+        sums, and every site's periods (sent, answered, included, awaited, drafted).
+
+        The round being aggregated and the decoded current model are not in it: the next
+        ``begin_aggregation`` sets them from the model the engine hands over.
+        """
+        return self.state.state_dict()
+
+    def load_state_dict(
+        self, state: Mapping[str, Any], *, nodes: Mapping[int, int] | None = None
+    ) -> None:
+        """Restore ``state_dict()``; ``CheckpointError`` lists every problem, nothing changed."""
+        reader = StateReader(type(self).__name__, nodes)
+        restored = DelayedState.read(reader, state, delay=self.delay, model=self._current or None)
+        reader.raise_if_any()
+        assert restored is not None  # a problem was noted otherwise
+        self.state = restored
+        current = restored.models.get(restored.version)
+        if current is not None:
+            self._current, self._current_record = record_to_arrays(current), current
 
     # -------------------------------------------------------------- driving
 

@@ -23,7 +23,8 @@ training, and is sent the whole model next time.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,6 +42,8 @@ from strategies.sketched_common import (
     SketchedStrategy,
     sketch_table,
 )
+from strategies.sparse_sync import SparseModel
+from strategies.state import StateReader
 from strategies.validation import check_num_examples, reply_parts
 
 log = logging.getLogger("flplatform.strategies.fetchsgd")
@@ -158,6 +161,64 @@ class FetchSGD(SketchedStrategy):
             self.feedback = SketchFeedback(
                 sketch, k=self.k, rho=self.rho, eta=self.eta, removal=self.removal
             )
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The momentum and error sketches S_u, S_e and the sparse-sync model bookkeeping.
+
+        The round's table sum is not in it: ``begin_aggregation`` starts it afresh.
+        """
+        tables = {} if self.feedback is None else self.feedback.state_dict()
+        return {
+            "momentum": None if "momentum" not in tables else tables["momentum"].numpy(),
+            "error": None if "error" not in tables else tables["error"].numpy(),
+            "model": self.model.state_dict(),
+        }
+
+    def load_state_dict(
+        self, state: Mapping[str, Any], *, nodes: Mapping[int, int] | None = None
+    ) -> None:
+        """Restore ``state_dict()``; ``CheckpointError`` lists every problem, nothing changed.
+
+        The tables must be finite float32 r × c of this run's sketch; the model's
+        coordinates must number at least k.
+        """
+        reader = StateReader(type(self).__name__, nodes)
+        fields = reader.fields(state, "", "momentum", "error", "model")
+        if fields is None:
+            reader.raise_if_any()
+            return
+        model = SparseModel.read(reader, fields["model"], "model")
+        shape = (self.rows, self.cols)
+        tables = {}
+        for name in ("momentum", "error"):
+            if fields[name] is not None:
+                tables[name] = reader.array(
+                    fields[name], name, shape=shape, dtype=np.float32, finite=True
+                )
+        if len(tables) == 1:
+            reader.add("'momentum' and 'error' are saved together or not at all")
+        if model is not None:
+            if model.layout is None and tables:
+                reader.add("sketch tables are saved, but no model")
+            if model.layout is not None and self.k > model.size:
+                reader.add(f"k = {self.k} exceeds the saved model's {model.size} parameters")
+            if self.model.layout is not None and model.layout != self.model.layout:
+                reader.add("the saved model is not the model this run holds")
+        reader.raise_if_any()
+        assert model is not None  # a problem was noted otherwise
+        feedback = None
+        if model.layout is not None:
+            sketch = CountSketch.from_seed(
+                model.size, rows=self.rows, cols=self.cols, seed=self.sketch_seed
+            )
+            feedback = SketchFeedback(
+                sketch, k=self.k, rho=self.rho, eta=self.eta, removal=self.removal
+            )
+            if tables:
+                feedback.momentum = torch.from_numpy(tables["momentum"])
+                feedback.error = torch.from_numpy(tables["error"])
+        self.model, self.feedback = model, feedback
 
     # ------------------------------------------------------------ Flower hooks
     def configure_train(

@@ -24,7 +24,8 @@ it runs fully synchronously only (``engine_policy``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import random
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,7 @@ from flplatform.arrays import arrays_to_record, record_to_arrays
 from flplatform.engine import AggregationPolicy, Contribution, EngineStrategy, Synchrony, Update
 from flplatform.errors import ConfigError, RunFailed, StepRefused, UpdateRejected
 from strategies.local_sgd import first_number
+from strategies.state import MISSING, StateReader
 from strategies.validation import check_arrays, check_num_examples
 
 log = logging.getLogger("flplatform.strategies.flower_adapter")
@@ -256,6 +258,41 @@ class FlowerStrategyAdapter(EngineStrategy):
                     raise StepRefused(f"Flower's {self.name} made array '{key}' non-finite")
         return arrays, metrics
 
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """What the wrapped Flower strategy changes as it runs, and Python's ``random``.
+
+        Flower keeps its server state in attributes (``FLOWER_STATE``: FedOpt's m_t, v_t,
+        FedAvgM's momentum, the DP wrappers' clipping norm, ...), through a DP wrapper's
+        inner strategy too; FedAvg has none. Flower samples nodes with the ``random``
+        module, so its position is saved as well (a resumed run then samples the same
+        nodes, as long as nothing else in the process draws from it).
+        """
+        return {"flower": _flower_state(self.strategy), "random": random.getstate()}
+
+    def load_state_dict(
+        self, state: Mapping[str, Any], *, nodes: Mapping[int, int] | None = None
+    ) -> None:
+        """Restore ``state_dict()`` into the same Flower strategy; ``CheckpointError`` lists
+        every problem, nothing changed (not even ``random``)."""
+        reader = StateReader(f"{type(self).__name__}({self.name})", nodes)
+        fields = reader.fields(state, "", "flower", "random")
+        if fields is None:
+            reader.raise_if_any()
+            return
+        assignments: list[tuple[Any, str, Any]] = []
+        _read_flower_state(reader, self.strategy, fields["flower"], "flower", assignments)
+        generator = random.Random()
+        try:
+            if fields["random"] is not MISSING:
+                generator.setstate(fields["random"])
+        except (TypeError, ValueError) as exc:
+            reader.add(f"'random' is not a state of Python's random module: {exc}")
+        reader.raise_if_any()
+        for owner, name, value in assignments:
+            setattr(owner, name, value)
+        random.setstate(generator.getstate())
+
     # ------------------------------------------------------------ helpers
     def _check_consistent(self, contents: list[RecordDict], *, check_arrays: bool = True) -> None:
         """Flower's own consistency rule over ``contents`` (the last one is being judged)."""
@@ -295,3 +332,104 @@ def _count(strategy: Any, name: str) -> int:
     """An integer attribute of ``strategy`` (0 if it has none)."""
     value = getattr(strategy, name, 0)
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+# What Flower 1.x strategies change as they run (read from their source): the model the
+# server optimiser steps from, its moments, FedAvgM's momentum, DP adaptive clipping's norm,
+# the bagging ensemble. Configuration (learning rates, fractions) is rebuilt from options.
+FLOWER_STATE = ("current_arrays", "m_t", "v_t", "momentum_vector", "clipping_norm", "current_bst")
+
+
+def _flower_state(strategy: Any) -> dict[str, Any]:
+    """The ``FLOWER_STATE`` attributes ``strategy`` has, and its inner strategy's."""
+    state: dict[str, Any] = {
+        name: _copy(getattr(strategy, name)) for name in FLOWER_STATE if hasattr(strategy, name)
+    }
+    inner = getattr(strategy, "strategy", None)
+    if isinstance(inner, Strategy):
+        state["strategy"] = _flower_state(inner)
+    return state
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    if isinstance(value, ArrayRecord):
+        return value.copy()
+    return value
+
+
+def _read_flower_state(
+    reader: StateReader,
+    strategy: Any,
+    state: Any,
+    where: str,
+    assignments: list[tuple[Any, str, Any]],
+) -> None:
+    """Check ``state`` against ``strategy``'s attributes; queue the assignments."""
+    names = [n for n in FLOWER_STATE if hasattr(strategy, n)]
+    inner = getattr(strategy, "strategy", None)
+    expected = [*names, *(["strategy"] if isinstance(inner, Strategy) else [])]
+    fields = reader.fields(state, where, *expected)
+    if fields is None:
+        return
+    model = fields.get("current_arrays")
+    model_arrays = _named_arrays(model)
+    for name in names:
+        value, at = fields[name], f"{where}.{name}"
+        current = getattr(strategy, name)
+        if value is MISSING:
+            continue
+        if value is None:
+            assignments.append((strategy, name, None))
+        elif name == "clipping_norm":
+            norm = reader.real(value, at, minimum=0.0)
+            if norm is not None:
+                assignments.append((strategy, name, norm))
+        elif name == "current_bst":
+            if isinstance(value, bytes):
+                assignments.append((strategy, name, value))
+            else:
+                reader.add(f"'{at}' must be bytes, got {type(value).__name__}")
+        elif name == "current_arrays" and isinstance(value, ArrayRecord):
+            assignments.append((strategy, name, value.copy()))
+        elif isinstance(value, dict):  # FedOpt's model, m_t, v_t: name → array
+            like = model_arrays if name != "current_arrays" else None
+            arrays = reader.arrays(value, at, like=like, dtype=None)
+            if arrays is not None:
+                assignments.append((strategy, name, arrays))
+        elif isinstance(value, list):  # FedAvgM's momentum: one array per model array
+            like_list = None if model_arrays is None else list(model_arrays.values())
+            arrays_list = [
+                reader.array(
+                    v,
+                    f"{at}[{i}]",
+                    shape=None if like_list is None or i >= len(like_list) else like_list[i].shape,
+                    finite=True,
+                )
+                for i, v in enumerate(value)
+            ]
+            if like_list is not None and len(value) != len(like_list):
+                reader.add(f"'{at}' holds {len(value)} arrays, the model {len(like_list)}")
+            if all(a is not None for a in arrays_list):
+                assignments.append((strategy, name, arrays_list))
+        else:
+            reader.add(
+                f"'{at}' has an unexpected {type(value).__name__} "
+                f"(Flower's {type(strategy).__name__} holds a {type(current).__name__})"
+            )
+    if isinstance(inner, Strategy):
+        _read_flower_state(reader, inner, fields["strategy"], f"{where}.strategy", assignments)
+
+
+def _named_arrays(model: Any) -> dict[str, np.ndarray] | None:
+    """A saved ``current_arrays`` as name → array (an ArrayRecord or FedOpt's dict)."""
+    if isinstance(model, ArrayRecord):
+        return {k: v.numpy() for k, v in model.items()}
+    if isinstance(model, dict) and all(isinstance(v, np.ndarray) for v in model.values()):
+        return model
+    return None

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from flwr.app import (
@@ -61,6 +62,7 @@ from strategies.aggregation import (
     eta_problem,
 )
 from strategies.codecs import Codec, Identity, Layout, make_codec
+from strategies.state import StateReader
 from strategies.validation import check_arrays, check_num_examples, reply_parts
 
 log = logging.getLogger("flplatform.strategies.local_sgd")
@@ -375,6 +377,43 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         else:
             combined = aggregate_trimmed_avg(results, self.trim_fraction)
         return {k: np.asarray(v, np.float64) for k, v in zip(names, combined, strict=True)}
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The server momentum v and the sites whose compressed uploads were taken.
+
+        Everything else is the round's (reset by ``begin_aggregation``) or derived from
+        the model the engine hands over (``_current``, the codec's layout).
+        """
+        return {
+            "velocity": {k: v.copy() for k, v in self.state.optimizer.velocity.items()},
+            # Each is told to expect its error-feedback residual (STATE_EXPECTED).
+            "compressing": set(self._compressing),
+        }
+
+    def load_state_dict(
+        self, state: Mapping[str, Any], *, nodes: Mapping[int, int] | None = None
+    ) -> None:
+        """Restore ``state_dict()``; ``CheckpointError`` lists every problem, nothing changed.
+
+        The velocity must be float64 and finite, empty when β = 0, and have the current
+        model's names and shapes once the strategy knows the model.
+        """
+        reader = StateReader(type(self).__name__, nodes)
+        fields = reader.fields(state, "", "velocity", "compressing")
+        velocity = compressing = None
+        if fields is not None:
+            saved = fields["velocity"]
+            # Empty until the first step with momentum; then one array per model array.
+            model = self._current if saved and self._current else None
+            velocity = reader.arrays(saved, "velocity", like=model)
+            compressing = reader.node_set(fields["compressing"], "compressing")
+            if velocity and self.beta == 0.0:
+                reader.add("'velocity' is saved, but this run has no server momentum (β = 0)")
+        reader.raise_if_any()
+        assert velocity is not None and compressing is not None  # noted otherwise
+        self.state.optimizer.velocity = velocity
+        self._compressing = compressing
 
     # -------------------------------------------------------------- driving
 

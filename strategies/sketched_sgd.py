@@ -27,7 +27,9 @@ through the sketch, whatever its tensor.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -58,12 +60,96 @@ from strategies.mods.sketched_sgd import (
 )
 from strategies.sketch_feedback import candidate_coordinates, exact_top_k
 from strategies.sketched_common import SketchedStrategy, sketch_table
+from strategies.sparse_sync import SparseModel
+from strategies.state import MISSING, StateReader
 from strategies.top_k import index_dtype
 from strategies.validation import check_num_examples, reply_parts
 
 log = logging.getLogger("flplatform.strategies.sketched_sgd")
 
 SITE_ALGORITHM = keys.SKETCHED_SGD
+
+
+@dataclass
+class SketchedSGDState:
+    """The server's state between rounds: the step in progress and what sites are owed.
+
+    A step is a sketch round (``phase`` SKETCH: candidates chosen from the sketches of
+    ``contributors``) then a values round (``phase`` VALUES). Each site whose values went
+    into step s is owed the zeroing of ``applied[s]`` (``pending_zero``), carried by its
+    next sketch-round message (``zero_sent``, until it answers). The model and what each
+    site holds of it are the ``SparseModel``'s.
+    """
+
+    phase: StepPhase = StepPhase.SKETCH  # what the next round asks of the sites
+    candidates: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    sketch_round: int = 0  # the round whose sketches chose the candidates
+    contributors: dict[int, float] = field(default_factory=dict)  # node → its sketch's weight
+    pending_zero: dict[int, int] = field(default_factory=dict)  # node → step it must zero
+    applied: dict[int, torch.Tensor] = field(default_factory=dict)  # step → its coordinates
+    zero_sent: dict[int, int] = field(default_factory=dict)  # node → zero step in flight
+    sketched: set[int] = field(default_factory=set)  # sites holding accumulators
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpoint data: coordinates as int64 arrays, node ids as they are."""
+        return {
+            "phase": self.phase.value,
+            "candidates": self.candidates.numpy().astype(np.int64),
+            "sketch_round": self.sketch_round,
+            "contributors": dict(self.contributors),
+            "pending_zero": dict(self.pending_zero),
+            "applied": {step: i.numpy().astype(np.int64) for step, i in self.applied.items()},
+            "zero_sent": dict(self.zero_sent),
+            "sketched": set(self.sketched),
+        }
+
+    @classmethod
+    def read(
+        cls, reader: StateReader, state: Any, where: str, *, d: int
+    ) -> SketchedSGDState | None:
+        """The state ``state_dict()`` wrote, for a model of d coordinates."""
+        names = ("phase", "candidates", "sketch_round", "contributors", "pending_zero")
+        fields = reader.fields(state, where, *names, "applied", "zero_sent", "sketched")
+        if fields is None:
+            return None
+        phases = [p.value for p in StepPhase]
+        if fields["phase"] is not MISSING and fields["phase"] not in phases:
+            reader.add(f"'{where}.phase' must be one of {phases}, got {fields['phase']!r:.40}")
+        candidates = reader.indices(fields["candidates"], f"{where}.candidates", d=d)
+        sketch_round = reader.integer(fields["sketch_round"], f"{where}.sketch_round", minimum=0)
+
+        def weight(value: Any, at: str) -> float | None:
+            return reader.real(value, at, minimum=0.0)
+
+        def step(value: Any, at: str) -> int | None:
+            return reader.integer(value, at, minimum=1)
+
+        contributors = reader.keyed(
+            fields["contributors"], f"{where}.contributors", weight, by_node=True
+        )
+        pending = reader.keyed(fields["pending_zero"], f"{where}.pending_zero", step, by_node=True)
+        applied = reader.keyed(
+            fields["applied"], f"{where}.applied", lambda v, at: reader.indices(v, at, d=d)
+        )
+        zero_sent = reader.keyed(fields["zero_sent"], f"{where}.zero_sent", step, by_node=True)
+        sketched = reader.node_set(fields["sketched"], f"{where}.sketched")
+        if pending is not None and applied is not None:
+            lacking = sorted(set(pending.values()) - set(applied))
+            if lacking:
+                reader.add(f"'{where}.pending_zero' names steps {lacking} that 'applied' lacks")
+        parts = (candidates, sketch_round, contributors, pending, applied, zero_sent, sketched)
+        if any(p is None for p in parts) or reader.problems.problems:
+            return None
+        return cls(
+            phase=StepPhase(fields["phase"]),
+            candidates=torch.from_numpy(candidates),
+            sketch_round=sketch_round or 0,
+            contributors=contributors or {},
+            pending_zero=pending or {},
+            applied={s: torch.from_numpy(i) for s, i in (applied or {}).items()},
+            zero_sent=zero_sent or {},
+            sketched=sketched or set(),
+        )
 
 
 class SketchedSGD(SketchedStrategy):
@@ -123,17 +209,8 @@ class SketchedSGD(SketchedStrategy):
         )
         self.candidate_factor, self.momentum, self.eta = candidate_factor, momentum, eta
         self.sketch: CountSketch | None = None  # fixed once the model is known
-        # ---- the step in progress
-        self.phase = StepPhase.SKETCH  # what the next round asks of the sites
-        self.candidates = torch.empty(0, dtype=torch.int64)
-        self.sketch_round = 0  # the round whose sketches chose the candidates
-        self.contributors: dict[int, float] = {}  # node → weight of the sketch it sent
-        # ---- zeroing owed to sites: node → step its values went into; step → coordinates
-        self.pending_zero: dict[int, int] = {}
-        self.applied: dict[int, torch.Tensor] = {}
-        self._zero_sent: dict[int, int] = {}  # node → zero step its outstanding message carries
-        self._sketched: set[int] = set()  # sites that hold accumulators (a sketch was taken)
-        # ---- this round
+        self.state = SketchedSGDState()  # the step in progress and what sites are owed
+        # ---- this round (begin_aggregation starts them afresh: not checkpointed)
         self._round_phase, self._round = StepPhase.SKETCH, 0
         self._asked: set[int] = set()
         self._answered: set[int] = set()
@@ -193,6 +270,39 @@ class SketchedSGD(SketchedStrategy):
                 self.model.size, rows=self.rows, cols=self.cols, seed=self.sketch_seed
             )
 
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """``SketchedSGDState`` and the sparse-sync model; the round's sums are not in it
+        (``begin_aggregation`` starts them afresh, after a sketch round or a values round).
+        """
+        return {"step": self.state.state_dict(), "model": self.model.state_dict()}
+
+    def load_state_dict(
+        self, state: Mapping[str, Any], *, nodes: Mapping[int, int] | None = None
+    ) -> None:
+        """Restore ``state_dict()``; ``CheckpointError`` lists every problem, nothing changed."""
+        reader = StateReader(type(self).__name__, nodes)
+        fields = reader.fields(state, "", "step", "model")
+        if fields is None:
+            reader.raise_if_any()
+            return
+        model = SparseModel.read(reader, fields["model"], "model")
+        d = 0 if model is None else model.size
+        step = SketchedSGDState.read(reader, fields["step"], "step", d=d)
+        if model is not None:
+            if model.layout is not None and self.k > model.size:
+                reader.add(f"k = {self.k} exceeds the saved model's {model.size} parameters")
+            if self.model.layout is not None and model.layout != self.model.layout:
+                reader.add("the saved model is not the model this run holds")
+        reader.raise_if_any()
+        assert model is not None and step is not None  # a problem was noted otherwise
+        sketch = None
+        if model.layout is not None:
+            sketch = CountSketch.from_seed(
+                model.size, rows=self.rows, cols=self.cols, seed=self.sketch_seed
+            )
+        self.model, self.state, self.sketch = model, step, sketch
+
     # ------------------------------------------------------------ Flower hooks
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -203,34 +313,34 @@ class SketchedSGD(SketchedStrategy):
         if self._round_phase == StepPhase.VALUES:
             # Asked again while unanswered: a site drawn as away (simulated availability)
             # got nothing; one whose reply failed is not offered work again this round.
-            wanted = [n for n in nodes if n in self.contributors and n not in self._answered]
+            wanted = [n for n in nodes if n in self.state.contributors and n not in self._answered]
             if wanted or self._asked:
                 return [self._values_request(n, server_round, config) for n in wanted]
             # Every site whose sketch chose the candidates is gone: start the step afresh.
             log.warning(
                 "round %s: no site that sent a sketch is here; sketching again", server_round
             )
-            self._round_phase = self.phase = StepPhase.SKETCH
-            self.contributors = {}
+            self._round_phase = self.state.phase = StepPhase.SKETCH
+            self.state.contributors = {}
         sampled = self._sampling.sample(server_round, nodes, self._sampling.fraction_train)
         return [self._sketch_request(n, server_round, config) for n in sampled]
 
     def _sketch_request(self, node_id: int, server_round: int, config: ConfigRecord) -> Message:
-        zero_step = self.pending_zero.get(node_id, 0)
+        zero_step = self.state.pending_zero.get(node_id, 0)
         extra = {
             keys.STEP_PHASE: StepPhase.SKETCH.value,
             keys.STEP_MOMENTUM: self.momentum,
             keys.ZERO_STEP: zero_step,
-            keys.STATE_EXPECTED: node_id in self._sketched,
+            keys.STATE_EXPECTED: node_id in self.state.sketched,
         }
         content, sync_from = self._sketch_content(node_id, server_round, config, **extra)
         # The step's coordinates are exactly this sync's when the site holds the version
         # before it and that step is the latest: then they travel once.
         if zero_step and not (sync_from == zero_step - 1 and self.model.version == zero_step):
-            indices = self.applied[zero_step].numpy().astype(index_dtype(self.model.size))
+            indices = self.state.applied[zero_step].numpy().astype(index_dtype(self.model.size))
             content[ZERO] = arrays_to_record({ZERO_INDICES: indices})
         if zero_step:
-            self._zero_sent[node_id] = zero_step
+            self.state.zero_sent[node_id] = zero_step
         return Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN)
 
     def _values_request(self, node_id: int, server_round: int, config: ConfigRecord) -> Message:
@@ -241,13 +351,13 @@ class SketchedSGD(SketchedStrategy):
                 keys.SERVER_ROUND: server_round,
                 keys.SITE_ALGORITHM: SITE_ALGORITHM,
                 keys.STEP_PHASE: StepPhase.VALUES.value,
-                keys.SKETCHED_ROUND: self.sketch_round,
+                keys.SKETCHED_ROUND: self.state.sketch_round,
                 # No training: the virtual clock books no compute for it.
                 keys.LOCAL_STEPS: 0,
                 keys.LOCAL_EPOCHS: 0,
             }
         )
-        indices = self.candidates.numpy().astype(index_dtype(self.model.size))
+        indices = self.state.candidates.numpy().astype(index_dtype(self.model.size))
         content = RecordDict(
             {keys.ARRAYS: arrays_to_record({CANDIDATES: indices}), keys.CONFIG: site_config}
         )
@@ -257,12 +367,12 @@ class SketchedSGD(SketchedStrategy):
     def begin_aggregation(self, server_round: int, arrays: ArrayRecord) -> None:
         """Start this round: a sketch round or the values round of the step in progress."""
         self._use(arrays)
-        self._round_phase = self.phase
+        self._round_phase = self.state.phase
         self._round = server_round
         self._asked, self._answered = set(), set()
         self._sum, self._weight, self._loss = None, 0.0, (0.0, 0.0)
-        if self.phase == StepPhase.SKETCH:
-            self.contributors = {}
+        if self.state.phase == StepPhase.SKETCH:
+            self.state.contributors = {}
 
     def read_update(self, reply: Message, *, base: ArrayRecord) -> Update:
         """Read a site's sketch (sketch round) or its values at the candidates."""
@@ -273,17 +383,17 @@ class SketchedSGD(SketchedStrategy):
             # and its next message carries the whole model.
             self._forget_zero(node_id)
             self.model.synced.pop(node_id, None)
-            self._sketched.discard(node_id)
+            self.state.sketched.discard(node_id)
         reject_state_lost(reply.content, "it is sent the whole model and restarts u = v = 0")
         record, metrics = reply_parts(reply)
         num_examples = check_num_examples(metrics.get(keys.NUM_EXAMPLES))
         if self._round_phase == StepPhase.SKETCH:
             # It synced and zeroed, whatever becomes of its sketch.
             self.model.confirm(node_id)
-            if self._zero_sent.get(node_id) == self.pending_zero.get(node_id, 0):
+            if self.state.zero_sent.get(node_id) == self.state.pending_zero.get(node_id, 0):
                 self._forget_zero(node_id)
             table = sketch_table(record, (self.rows, self.cols), SITE_ALGORITHM)
-            self._sketched.add(node_id)
+            self.state.sketched.add(node_id)
             loss = first_number(metrics, keys.TRAIN_LOSS_ALIASES)
             seconds = first_number(metrics, (keys.COMPUTE_SECONDS,))
             note = state_lost_note(metrics, "its momentum u and error v restarted at zero")
@@ -302,14 +412,14 @@ class SketchedSGD(SketchedStrategy):
             values = record_to_arrays(record)[VALUES]
         except Exception as exc:
             raise UpdateRejected(f"values cannot be decoded: {exc}") from None
-        shape = (len(self.candidates),)
+        shape = (len(self.state.candidates),)
         if values.shape != shape or values.dtype != np.float32:
             raise UpdateRejected(
                 f"values must be float32 of shape {shape}, got {values.dtype} {values.shape}"
             )
         if not np.isfinite(values).all():
             raise UpdateRejected("values contain NaN or Inf")
-        if node_id not in self.contributors:
+        if node_id not in self.state.contributors:
             raise UpdateRejected(f"node {node_id}'s sketch was not counted this step")
         payload = (node_id, values)
         return Update(Contribution(num_examples), vector=[values], kind="values", payload=payload)
@@ -322,12 +432,12 @@ class SketchedSGD(SketchedStrategy):
         if update.kind == "sketch":
             # (Sync only: the policy's scale is 1; the guard's clips the table.)
             self._add(torch.from_numpy(array.astype(np.float32)), weight * scale, weight)
-            self.contributors[node_id] = weight
+            self.state.contributors[node_id] = weight
             loss = update.contribution.train_loss
             if loss is not None:
                 self._loss = (self._loss[0] + weight * loss, self._loss[1] + weight)
             return
-        sketch_weight = self.contributors[node_id]
+        sketch_weight = self.state.contributors[node_id]
         self._add(torch.from_numpy(array.astype(np.float32)), sketch_weight * scale, sketch_weight)
         self._answered.add(node_id)
 
@@ -338,10 +448,10 @@ class SketchedSGD(SketchedStrategy):
         self._weight += weight
 
     def _forget_zero(self, node_id: int) -> None:
-        step = self.pending_zero.pop(node_id, None)
-        self._zero_sent.pop(node_id, None)
-        if step is not None and step not in self.pending_zero.values():
-            self.applied.pop(step, None)
+        step = self.state.pending_zero.pop(node_id, None)
+        self.state.zero_sent.pop(node_id, None)
+        if step is not None and step not in self.state.pending_zero.values():
+            self.state.applied.pop(step, None)
 
     def finish_aggregation(self) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Sketch round: choose the candidates (x unchanged); values round: the step."""
@@ -352,22 +462,25 @@ class SketchedSGD(SketchedStrategy):
             count = min(self.candidate_factor * self.k, self.model.size)
             mean = (self._sum / self._weight).to(torch.float32)
             if not torch.isfinite(mean).all():
-                self.phase = StepPhase.SKETCH  # (it was) the next round sketches again
+                self.state.phase = StepPhase.SKETCH  # (it was) the next round sketches again
                 raise StepRefused("the sketches' mean overflows float32")
-            self.candidates = candidate_coordinates(self.sketch, mean, count).cpu()
-            self.phase, self.sketch_round = StepPhase.VALUES, self._round
+            self.state.candidates = candidate_coordinates(self.sketch, mean, count).cpu()
+            self.state.phase, self.state.sketch_round = StepPhase.VALUES, self._round
             metrics = MetricRecord(
-                {"num-updates": len(self.contributors), "candidates": len(self.candidates)}
+                {
+                    "num-updates": len(self.state.contributors),
+                    "candidates": len(self.state.candidates),
+                }
             )
             if self._loss[1] > 0:
                 metrics[keys.TRAIN_LOSS] = self._loss[0] / self._loss[1]
             return None, metrics
         # ---- values round: whatever arrived, the next round sketches again
-        self.phase = StepPhase.SKETCH
+        self.state.phase = StepPhase.SKETCH
         if self._sum is None:
             return None, None
         mean = (self._sum / self._weight).to(torch.float32)
-        indices, values = exact_top_k(self.candidates, mean, self.k)
+        indices, values = exact_top_k(self.state.candidates, mean, self.k)
         step = self.eta * values
         if (
             not torch.isfinite(step).all()
@@ -376,9 +489,9 @@ class SketchedSGD(SketchedStrategy):
             # The sites keep their values (none is told to zero) for a later step.
             raise StepRefused("the step would make the model non-finite in float32")
         record = self.model.apply(indices, step)
-        self.applied[self.model.version] = indices
+        self.state.applied[self.model.version] = indices
         for node_id in self._answered:
-            self.pending_zero[node_id] = self.model.version
+            self.state.pending_zero[node_id] = self.model.version
         metrics = MetricRecord(
             {"num-updates": len(self._answered), "applied-coordinates": int(indices.numel())}
         )

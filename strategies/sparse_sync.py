@@ -15,6 +15,7 @@ its own key order on the wire.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ from flwr.app import ArrayRecord
 
 from flplatform.arrays import arrays_to_record, record_to_arrays
 from strategies.codecs import Layout
+from strategies.state import MISSING, StateReader
 from strategies.top_k import index_dtype
 
 SYNC_INDICES, SYNC_VALUES = "sync.indices", "sync.values"  # a sparse download
@@ -118,6 +120,66 @@ class SparseModel:
         if version_and_held is not None and version_and_held[1] is not None:
             self.synced[node_id] = version_and_held[1]
 
+    def state_dict(self) -> dict[str, Any]:
+        """x, its version and change log, and what each site holds (node ids as they are).
+
+        ``flat`` is saved beside ``record``: x accumulates in float32 where the model's
+        own dtype may round (an integer buffer), so neither is rebuilt from the other.
+        """
+        return {
+            "record": self.record,  # None before adopt
+            "flat": self.flat.numpy().copy(),
+            "order": list(self.order),
+            "version": self.version,
+            "changes": {v: i.numpy().copy() for v, i in self.changes.changes.items()},
+            "synced": dict(self.synced),
+            "sent": {node: tuple(pair) for node, pair in self._sent.items()},
+        }
+
+    @classmethod
+    def read(cls, reader: StateReader, state: Any, where: str) -> SparseModel | None:
+        """The model ``state_dict()`` wrote; problems go to ``reader``."""
+        fields = reader.fields(
+            state, where, "record", "flat", "order", "version", "changes", "synced", "sent"
+        )
+        if fields is None:
+            return None
+        model = cls()
+        record = fields["record"]
+        if record is not None and record is not MISSING:
+            if not isinstance(record, ArrayRecord):
+                reader.add(f"'{where}.record' must be an ArrayRecord, got {type(record).__name__}")
+                return None
+            try:
+                arrays = record_to_arrays(record)
+                model.layout = Layout.of(arrays)
+            except Exception as exc:  # not .npy bytes, a dtype no layout takes
+                reader.add(f"'{where}.record' is not a usable model: {exc}")
+                return None
+            model.record, model.order = record, list(arrays)
+            if fields["order"] != model.order:
+                reader.add(f"'{where}.order' is not the saved model's key order")
+        flat = reader.array(
+            fields["flat"], f"{where}.flat", shape=(model.size,), dtype=np.float32, finite=True
+        )
+        version = reader.integer(fields["version"], f"{where}.version", minimum=0)
+        changes = reader.keyed(
+            fields["changes"],
+            f"{where}.changes",
+            lambda v, at: reader.indices(v, at, d=model.size),
+        )
+        synced = reader.keyed(fields["synced"], f"{where}.synced", reader.integer, by_node=True)
+        sent = reader.keyed(
+            fields["sent"], f"{where}.sent", lambda v, at: _sent_pair(reader, v, at), by_node=True
+        )
+        if flat is None or version is None or changes is None or synced is None or sent is None:
+            return None
+        model.flat = torch.from_numpy(flat)
+        model.version = version
+        model.changes.changes = {v: torch.from_numpy(i) for v, i in changes.items()}
+        model.synced, model._sent = synced, sent
+        return model
+
     def apply(self, indices: torch.Tensor, values: torch.Tensor) -> ArrayRecord:
         """x[indices] += values as the next version; return the new x as a record."""
         if self.layout is None:
@@ -129,6 +191,18 @@ class SparseModel:
         # The model's own key order, not the layout's sorted one: users load by position.
         self.record = arrays_to_record({name: arrays[name] for name in self.order})
         return self.record
+
+
+def _sent_pair(reader: StateReader, value: Any, where: str) -> tuple[int, int | None] | None:
+    """(version the outstanding message carries, version the site held before or None)."""
+    if not isinstance(value, tuple | list) or len(value) != 2:
+        reader.add(f"'{where}' must be a pair (sent version, held version), got {value!r:.60}")
+        return None
+    sent = reader.integer(value[0], f"{where}[0]", minimum=0)
+    held = None if value[1] is None else reader.integer(value[1], f"{where}[1]", minimum=0)
+    if sent is None or (value[1] is not None and held is None):
+        return None
+    return sent, held
 
 
 # =============================================================== both sides

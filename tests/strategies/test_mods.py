@@ -466,7 +466,7 @@ def test_sketched_sgd_restarts_the_accumulators_of_a_site_that_lost_them() -> No
     assert "lost its state" in (lost.reason or "") and "u = v = 0" in (lost.reason or "")
     # Round 5: the whole model, state expected no longer; the site sketches again.
     assert all(u.status == APPLIED for s in summaries[3:] for u in s.updates)
-    assert 1 not in strategy.pending_zero or strategy.pending_zero[1] > 1
+    assert 1 not in strategy.state.pending_zero or strategy.state.pending_zero[1] > 1
 
 
 def test_delayed_drops_the_unsettled_periods_of_a_site_that_lost_them() -> None:

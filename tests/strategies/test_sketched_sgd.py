@@ -264,8 +264,8 @@ def test_malformed_values_are_rejected(node: int, arrays: dict, reason: str) -> 
     strategy = SketchedSGD(k=3, sketch_cols=50)
     base = arrays_to_record({"w": np.zeros(10, np.float32)})
     strategy._use(base)
-    strategy.phase, strategy.candidates = StepPhase.VALUES, torch.arange(6)
-    strategy.contributors = {1: 10}
+    strategy.state.phase, strategy.state.candidates = StepPhase.VALUES, torch.arange(6)
+    strategy.state.contributors = {1: 10}
     strategy.begin_aggregation(2, base)
     strategy._asked = {1}
     with pytest.raises(UpdateRejected, match=reason):
@@ -349,10 +349,10 @@ def test_huge_finite_values_do_not_overflow_the_model() -> None:
     strategy = SketchedSGD(k=3, sketch_cols=50)
     base = arrays_to_record({"w": np.zeros(10, np.float32)})
     strategy._use(base)
-    strategy.phase, strategy.candidates = StepPhase.VALUES, torch.arange(6)
-    strategy.contributors = {1: 1000, 2: 1000}
+    strategy.state.phase, strategy.state.candidates = StepPhase.VALUES, torch.arange(6)
+    strategy.state.contributors = {1: 1000, 2: 1000}
     for step in (1, 2):
-        strategy.phase = StepPhase.VALUES
+        strategy.state.phase = StepPhase.VALUES
         strategy.begin_aggregation(2 * step, base)
         strategy._asked = {1, 2}
         for node in (1, 2):  # w·v overflows float32: the sums are float64
@@ -362,13 +362,13 @@ def test_huge_finite_values_do_not_overflow_the_model() -> None:
             applied, _ = strategy.finish_aggregation()
             assert applied is not None and strategy.model.version == 1
             assert torch.isfinite(strategy.model.flat).all()
-            strategy.pending_zero.clear()
+            strategy.state.pending_zero.clear()
         else:  # x + Δ = 6e38 overflows: refused, and no site is told to zero
             with pytest.raises(StepRefused, match="non-finite"):
                 strategy.finish_aggregation()
             assert strategy.model.version == 1
             assert torch.isfinite(strategy.model.flat).all()
-            assert strategy.pending_zero == {}
+            assert strategy.state.pending_zero == {}
 
 
 def test_a_diverging_local_training_leaves_the_sites_accumulators_as_they_were() -> None:
