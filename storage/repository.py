@@ -1169,7 +1169,8 @@ def checkpointed_rounds(run_id: int, rounds: Sequence[int]) -> str:
             f"run {run_id} has no checkpoints (it was recorded without them, or by a "
             "flplatform older than checkpoints)"
         )
-    return f"run {run_id} has checkpoints of rounds {', '.join(map(str, rounds))}"
+    noun = "round" if len(rounds) == 1 else "rounds"
+    return f"run {run_id} has checkpoints of {noun} {', '.join(map(str, rounds))}"
 
 
 def _joined(first: str | None, then: str | None) -> str | None:
