@@ -271,6 +271,18 @@ def written(path: Path, data: bytes) -> Path:
     return path
 
 
+def torch_saved(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def plain_npz() -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, w=np.ones(2))
+    return buffer.getvalue()
+
+
 def npy(array: np.ndarray, *, allow_pickle: bool = False) -> bytes:
     buffer = io.BytesIO()
     np.lib.format.write_array(buffer, array, allow_pickle=allow_pickle)
@@ -298,8 +310,8 @@ HOSTILE: dict[str, Any] = {
     "not a zip": lambda p: written(p, b"hello"),
     "empty file": lambda p: written(p, b""),
     "pickle": lambda p: written(p, pickle.dumps({"w": Marker()})),
-    "torch.save": lambda p: torch.save({"w": torch.ones(2)}, p) or p,
-    "plain npz": lambda p: np.savez(p, w=np.ones(2)) or p,
+    "torch.save": lambda p: written(p, torch_saved({"w": torch.ones(2)})),
+    "plain npz": lambda p: written(p, plain_npz()),
     "foreign zip": lambda p: zip_with(p, {"readme.txt": b"hi"}),
     "other format": lambda p: zip_with(
         p, {TREE_ENTRY: json.dumps({"format": "x/9", "state": {}}).encode()}

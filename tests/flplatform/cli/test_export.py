@@ -40,15 +40,12 @@ def one_error_line(output: str) -> str:
 def small_model(seed: int) -> torch.nn.Module:
     """Weights, a float64 bias, and BatchNorm buffers (an int64 counter among them)."""
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(
-        torch.nn.Conv2d(1, 3, 3),
-        torch.nn.BatchNorm2d(3),
-        torch.nn.Flatten(),
-        torch.nn.Linear(12, 2),
-    )
-    model[3].bias = torch.nn.Parameter(model[3].bias.detach().double())
-    model[1].num_batches_tracked += 7
-    model[1].running_mean += torch.arange(3.0)
+    norm = torch.nn.BatchNorm2d(3)
+    linear = torch.nn.Linear(12, 2)
+    linear.bias = torch.nn.Parameter(linear.bias.detach().double())
+    norm.num_batches_tracked = torch.tensor(7)
+    norm.running_mean = torch.arange(3.0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 3, 3), norm, torch.nn.Flatten(), linear)
     return model
 
 
