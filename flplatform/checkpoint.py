@@ -30,6 +30,7 @@ one. The file is owner-only (0600): a checkpoint holds the model, which may be p
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -263,12 +264,18 @@ def write_state(path: str | Path, state: Mapping[str, Any]) -> int:
         os.replace(temporary, path)
         _fsync_directory(path.parent)
     except OSError as exc:
-        temporary.unlink(missing_ok=True)
+        _discard(temporary)
         raise CheckpointError(f"cannot write checkpoint {path}: {exc.strerror or exc}") from exc
     except BaseException:
-        temporary.unlink(missing_ok=True)
+        _discard(temporary)
         raise
     return path.stat().st_size
+
+
+def _discard(temporary: Path) -> None:
+    """Remove a temporary file, if it could be made at all (its directory may not exist)."""
+    with contextlib.suppress(OSError):
+        temporary.unlink(missing_ok=True)
 
 
 def read_state(path: str | Path) -> dict[str, Any]:
@@ -293,12 +300,20 @@ def read_state(path: str | Path) -> dict[str, Any]:
                 )
     except CheckpointError:
         raise
-    except (OSError, zipfile.BadZipFile, ValueError, json.JSONDecodeError) as exc:
+    except (OSError, zipfile.BadZipFile, ValueError, RecursionError) as exc:
+        # ValueError covers JSON and .npy headers; RecursionError a tree nested too deep.
         raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
     if not isinstance(tree, dict) or tree.get("format") != FORMAT:
         found = tree.get("format") if isinstance(tree, dict) else None
         raise CheckpointError(f"{path} is not a {FORMAT} file (format {found!r})")
-    state = _Decoder(arrays).decode(tree.get("state"))
+    try:
+        state = _Decoder(arrays).decode(tree.get("state"))
+    except CheckpointError as exc:
+        raise CheckpointError(f"{path}: {exc.reason}") from exc
+    except (TypeError, ValueError, KeyError, RecursionError) as exc:
+        # A marker whose body has the wrong shape (a hostile or corrupted tree), or a
+        # record Flower refuses: the file can only fail to load, never load half-way.
+        raise CheckpointError(f"{path} holds a malformed state: {exc}") from exc
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} holds no state")
     return state

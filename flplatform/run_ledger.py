@@ -11,8 +11,6 @@ the end. A run that fails before it can start is recorded too (:func:`record_fai
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
 import uuid
 from collections.abc import Mapping
@@ -82,26 +80,6 @@ def open_run(
         network=network_label(options),
         checkpointing=checkpointing,
     )
-
-
-def process_owner() -> str:
-    """``host:pid`` of this process: who is writing a run (a resume checks it is gone)."""
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def owner_alive(owner: str | None) -> bool | None:
-    """Whether the process ``owner`` (``host:pid``) is alive; None when it cannot be told
-    (another host, or no owner recorded)."""
-    host, _, pid = (owner or "").rpartition(":")
-    if host != socket.gethostname() or not pid.isdigit():
-        return None
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
 
 
 @dataclass(frozen=True)
@@ -228,6 +206,7 @@ class LedgerRun:
         StorageError
             If the ledger cannot be opened or the run not recorded (a taken tag, ...).
         """
+        from flplatform.ledger import process_owner
         from storage import LedgerRepository
 
         repository = LedgerRepository.open(None if ledger in DEFAULT_LEDGER else ledger)
@@ -272,7 +251,8 @@ class LedgerRun:
             If it cannot be resumed (finished, another strategy, no checkpoint, the file
             missing or unreadable), saying why.
         """
-        from flplatform.checkpoint import CheckpointError, read_state
+        from flplatform.checkpoint import CheckpointError
+        from flplatform.ledger import load_checkpoint, owner_alive, process_owner
         from storage import LedgerRepository
 
         repository = LedgerRepository.open(None if ledger in DEFAULT_LEDGER else ledger)
@@ -289,17 +269,11 @@ class LedgerRun:
                 raise CheckpointError(
                     f"run {run_id} planned {record.num_rounds_planned} rounds, not {num_rounds}"
                 )
-            checkpoint = repository.latest_checkpoint(run_id)
-            if checkpoint is None:
-                raise CheckpointError(
-                    f"run {run_id} has no checkpoint (it died before its first round ended, "
-                    f"or an older flplatform recorded it); start it again"
-                )
-            state = read_state(checkpoint.path)
-            if state.get("server_round") != checkpoint.server_round:
+            checkpoint, state = load_checkpoint(repository, run_id)
+            if state.get("server_round") != checkpoint.round:
                 raise CheckpointError(
                     f"checkpoint {checkpoint.path} holds round {state.get('server_round')!r}, "
-                    f"but the ledger says round {checkpoint.server_round}"
+                    f"but the ledger says round {checkpoint.round}"
                 )
             # ``flplatform resume`` reopens the run before it starts this process (so that
             # it can follow it): then the owner is that command, alive.
@@ -312,7 +286,7 @@ class LedgerRun:
             "ledger: resuming run %s in %s from round %s",
             run_id,
             repository.url,
-            checkpoint.server_round,
+            checkpoint.round,
         )
         return cls(
             repository,
@@ -327,7 +301,7 @@ class LedgerRun:
     ) -> None:
         """Mark the run finished with its final central metrics; close the ledger."""
         try:
-            self.ledger.keep_final()
+            self.ledger.finish()
             self.repository.finish_run(
                 self.run_id,
                 status="finished",

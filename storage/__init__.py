@@ -7,7 +7,8 @@ through a ``LedgerSink`` (``flplatform.ledger.SqlLedger`` adapts this repository
 
 Modules: ``repository`` (the repository), ``records`` (what it takes and returns),
 ``validators`` (every check on what it takes), ``mapping`` (rows in, records out),
-``summaries`` (per-site totals), ``models`` (the SQL tables), ``migrations`` (their history),
+``summaries`` (per-site totals), ``models`` (the SQL tables; 0005 added the checkpoints
+and events of runs), ``migrations`` (their history),
 ``session`` (URLs, engines and transactions).
 """
 
@@ -34,9 +35,12 @@ from flplatform.ledger_rows import (
 from .records import (
     CLOCK_VIRTUAL,
     CLOCK_WALL,
+    CheckpointInput,
+    CheckpointRecord,
     EvaluationInput,
     EvaluationRecord,
     RoundRecord,
+    RunEventRecord,
     RunRecord,
     SiteRecord,
     SiteSummary,
@@ -50,6 +54,7 @@ from .session import (
     LEDGER_FILENAME,
     default_db_url,
     flplatform_home,
+    ledger_id,
     mask_db_url,
     normalize_db_url,
 )
@@ -72,12 +77,15 @@ __all__ = [
     "UPDATE_DROPPED",
     "UPDATE_REJECTED",
     "UPDATE_STATUSES",
+    "CheckpointInput",
+    "CheckpointRecord",
     "EvaluationInput",
     "EvaluationRecord",
     "EvaluationStatus",
     "FinalRunStatus",
     "LedgerRepository",
     "RoundRecord",
+    "RunEventRecord",
     "RunRecord",
     "RunStatus",
     "SiteRecord",
@@ -88,6 +96,7 @@ __all__ = [
     "WaitingClock",
     "default_db_url",
     "flplatform_home",
+    "ledger_id",
     "mask_db_url",
     "normalize_db_url",
 ]

@@ -1,5 +1,5 @@
-"""SQLAlchemy 2.0 models of the ledger: runs, the sites in them, rounds, site updates and
-federated evaluations.
+"""SQLAlchemy 2.0 models of the ledger: runs, the sites in them, rounds, site updates,
+federated evaluations, and (migration 0005) the checkpoints and events of runs.
 
 Times come on two clocks. ``*_at`` datetimes are the wall clock (UTC). ``virtual_*`` floats
 are the simulated clock of a run that simulated a network: seconds since the simulated start
@@ -25,6 +25,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     DateTime,
@@ -65,6 +66,7 @@ metadata = MetaData(naming_convention=NAMING_CONVENTION)
 NAME_LENGTH = 255
 STRATEGY_LENGTH = 100
 STATUS_LENGTH = 16
+EVENT_KIND_LENGTH = 32
 
 _UINT64_RANGE = 2**64
 _INT64_MAX = 2**63 - 1
@@ -163,6 +165,8 @@ class Run(Base):
     # Migration 0003: the network preset or TOML path simulated, and the run's simulated length.
     network: Mapped[str | None] = mapped_column(String(NAME_LENGTH))
     simulated_seconds: Mapped[float | None] = mapped_column(Double)
+    # Migration 0005: "host:pid" of the process recording the run (a resume checks it).
+    owner: Mapped[str | None] = mapped_column(String(NAME_LENGTH))
 
 
 class Site(Base):
@@ -203,6 +207,38 @@ class Round(Base):
     # Migration 0003: the step on the simulated clock.
     virtual_started_at: Mapped[float | None] = mapped_column(Double)
     virtual_finished_at: Mapped[float | None] = mapped_column(Double)
+
+
+class Checkpoint(Base):
+    """The file holding a run's whole state after one committed round (migration 0005).
+
+    Written in the round's transaction; deleted with its file by retention unless ``kept``.
+    """
+
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("run_id", "round"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    round: Mapped[int] = mapped_column(Integer)
+    model_version: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(Text)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    kept: Mapped[bool] = mapped_column(Boolean)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class RunEvent(Base):
+    """Something that happened to a run besides its rounds (``resumed``), migration 0005."""
+
+    __tablename__ = "run_events"
+    __table_args__ = (Index(None, "run_id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    at: Mapped[datetime] = mapped_column(UTCDateTime)
+    kind: Mapped[str] = mapped_column(String(EVENT_KIND_LENGTH))
+    detail: Mapped[dict[str, Any]] = mapped_column(JSON)
 
 
 def _row_table(name: str, row: type, *constraints: SchemaItem) -> Table:

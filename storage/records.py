@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Final, Literal, cast
 
+from flplatform.errors import StorageError
 from flplatform.ledger_rows import (
     EvaluationColumns,
     EvaluationRow,
@@ -32,7 +33,7 @@ from flplatform.ledger_rows import (
     UpdateRow,
 )
 
-from .validators import check_row
+from .validators import PATH_LENGTH, check_count, check_name, check_row
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -104,6 +105,27 @@ class EvaluationInput(EvaluationRow):
         check_row(self, "evaluation")
 
 
+@dataclass(frozen=True, kw_only=True)
+class CheckpointInput:
+    """The checkpoint file of a round, as ``record_round`` takes it with the round.
+
+    ``path`` is where the file was written (absolute, so any process finds it), ``size_bytes``
+    its size; ``kept``: retention keeps it (every N rounds, the final one) when later rounds
+    are committed. The round and model version are the round's. Validated on construction
+    (``StorageError`` naming the bad field).
+    """
+
+    path: str
+    size_bytes: int
+    kept: bool = False
+
+    def __post_init__(self) -> None:
+        check_name("checkpoint path", self.path, max_length=PATH_LENGTH)
+        object.__setattr__(self, "size_bytes", check_count("checkpoint size", self.size_bytes))
+        if not isinstance(self.kept, bool):
+            raise StorageError(f"checkpoint kept must be True or False, got {self.kept!r}")
+
+
 # ---------------------------------------------------------------------------- output
 @dataclass(frozen=True, slots=True)
 class RunRecord(_Record):
@@ -115,7 +137,8 @@ class RunRecord(_Record):
     ``simulated_seconds`` the run's length on the simulated clock; both are ``None`` for a
     wall-clock run (``simulated_seconds`` also while the run has not finished). ``error`` is
     why the run failed, and a warning noted while it ran (training diverged), which a
-    finished run keeps too.
+    finished run keeps too. ``owner`` is ``"host:pid"`` of the process recording the run
+    (``None`` for runs older than migration 0005).
     """
 
     id: int
@@ -135,6 +158,39 @@ class RunRecord(_Record):
     last_metrics: dict[str, float | None] = field(default_factory=dict)
     network: str | None = None
     simulated_seconds: float | None = None
+    owner: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRecord(_Record):
+    """The checkpoint file of one committed round of a run.
+
+    ``path`` is the file (the ledger keeps the row only while the file is meant to exist:
+    retention deletes both), ``size_bytes`` its size when written, ``kept`` whether
+    retention keeps it (every N rounds, and the final one of a finished run); the latest
+    checkpoint of a run is its resume point, kept or not.
+    """
+
+    id: int
+    run_id: int
+    round: int
+    model_version: int
+    path: str
+    size_bytes: int
+    kept: bool
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class RunEventRecord(_Record):
+    """Something that happened to a run besides its rounds: its ``kind`` (``"resumed"``),
+    when (wall clock, UTC) and what the recorder said about it (``detail``, JSON data)."""
+
+    id: int
+    run_id: int
+    at: datetime
+    kind: str
+    detail: dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar, cast
@@ -37,11 +38,26 @@ from flplatform.ledger_rows import (
 
 from .mapping import row_values, to_record
 from .migrations import VERSION_TABLE, schema_objects, upgrade_to_head
-from .models import NAME_LENGTH, STRATEGY_LENGTH, Base, Evaluation, Round, Run, Site, Update
+from .models import (
+    EVENT_KIND_LENGTH,
+    NAME_LENGTH,
+    STRATEGY_LENGTH,
+    Base,
+    Checkpoint,
+    Evaluation,
+    Round,
+    Run,
+    RunEvent,
+    Site,
+    Update,
+)
 from .records import (
+    CheckpointInput,
+    CheckpointRecord,
     EvaluationInput,
     EvaluationRecord,
     RoundRecord,
+    RunEventRecord,
     RunRecord,
     SiteRecord,
     SiteSummary,
@@ -55,6 +71,7 @@ from .session import (
     default_db_url,
     flplatform_home,
     is_in_memory,
+    ledger_id,
     make_session_factories,
     mask_db_url,
     normalize_db_url,
@@ -260,6 +277,11 @@ class LedgerRepository:
         """The normalized URL of the database, password masked (safe to print)."""
         return mask_db_url(self._url)
 
+    @property
+    def ledger_id(self) -> str:
+        """A directory name for this ledger, without any secret (``session.ledger_id``)."""
+        return ledger_id(self._url)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(url={self.url!r})"
 
@@ -358,6 +380,7 @@ class LedgerRepository:
         tag: str | None = None,
         created_at: float | None = None,
         network: str | None = None,
+        owner: str | None = None,
     ) -> int:
         """Record a new run with status ``"running"``.
 
@@ -380,6 +403,9 @@ class LedgerRepository:
         network : str or None
             The network preset name or TOML path the run simulates; ``None`` for a run on the
             wall clock (a real deployment).
+        owner : str or None
+            ``"host:pid"`` of the process that records the run (a resume refuses a run whose
+            owner is still alive).
 
         Returns
         -------
@@ -403,6 +429,7 @@ class LedgerRepository:
             status=RUN_RUNNING,
             created_at=to_datetime("created_at", time.time() if created_at is None else created_at),
             network=check_name("network", network, max_length=NAME_LENGTH, optional=True),
+            owner=check_name("owner", owner, max_length=NAME_LENGTH, optional=True),
         )
         taken = f"a run tagged {tag!r} already exists in {self.url}; pick another tag"
         with self._session("create a run", write=True) as session:
@@ -484,6 +511,121 @@ class LedgerRepository:
             run.wall_seconds = wall
             run.simulated_seconds = simulated
 
+    def reopen_run(self, run_id: int, owner: str) -> RunRecord:
+        """Mark a run that died (``running``, or ``failed``) running again, owned by ``owner``.
+
+        Its ``error``, ``finished_at``, wall and simulated times and final metrics are
+        cleared, and a ``"resumed"`` event records what they were, in the same transaction.
+        Whether the previous owner is still alive is the caller's question: this only
+        records the answer.
+
+        Parameters
+        ----------
+        run_id : int
+            The run to resume.
+        owner : str
+            ``"host:pid"`` of the process that now records the run.
+
+        Returns
+        -------
+        RunRecord
+            The run as it now is.
+
+        Raises
+        ------
+        NotFoundError
+            If the run does not exist.
+        StorageError
+            If the run finished (a finished run is complete; nothing is left to resume) or
+            ``owner`` is not a name.
+        """
+        run_id = self._run_id(run_id)
+        owner = cast(str, check_name("owner", owner, max_length=NAME_LENGTH))
+        with self._session(f"reopen run {run_id}", write=True) as session:
+            run = self._require_run(session, run_id, lock=True)
+            if run.status == RUN_FINISHED:
+                raise StorageError(
+                    f"run {run_id} finished; only a run that is running or failed can be resumed"
+                )
+            detail = {
+                "status": run.status,
+                "error": run.error,
+                "previous_owner": run.owner,
+                "owner": owner,
+            }
+            run.status = RUN_RUNNING
+            run.error = None
+            run.finished_at = None
+            run.wall_seconds = None
+            run.simulated_seconds = None
+            run.final_metrics = None
+            run.owner = owner
+            session.add(RunEvent(run_id=run_id, at=_now(), kind="resumed", detail=detail))
+        return self.get_run(run_id)
+
+    # ------------------------------------------------------------------ events
+    def add_event(
+        self,
+        run_id: int,
+        kind: str,
+        detail: dict[str, Any] | None = None,
+        *,
+        at: float | None = None,
+    ) -> int:
+        """Record something that happened to a run (of any status) besides its rounds.
+
+        Parameters
+        ----------
+        run_id : int
+            The run.
+        kind : str
+            What happened, a short name (``"resumed"``, ...), at most 32 characters.
+        detail : dict[str, Any] or None
+            What the recorder says about it, as JSON data.
+        at : float or None
+            Unix time; ``None`` means now.
+
+        Returns
+        -------
+        int
+            The event's id.
+
+        Raises
+        ------
+        NotFoundError
+            If the run does not exist.
+        StorageError
+            If a value is invalid.
+        """
+        run_id = self._run_id(run_id)
+        row = RunEvent(
+            run_id=run_id,
+            at=_now() if at is None else to_datetime("at", at),
+            kind=check_name("event kind", kind, max_length=EVENT_KIND_LENGTH),
+            detail=check_json_object("event detail", {} if detail is None else detail),
+        )
+        with self._session(f"add an event to run {run_id}", write=True) as session:
+            self._require_run(session, run_id)
+            session.add(row)
+            session.flush()
+            return row.id
+
+    def list_events(self, run_id: int) -> list[RunEventRecord]:
+        """Return a run's events in the order they were recorded.
+
+        Raises
+        ------
+        NotFoundError
+            If the run does not exist.
+        """
+        run_id = self._run_id(run_id)
+        with self._session(f"list the events of run {run_id}") as session:
+            self._require_run(session, run_id)
+            rows = session.scalars(
+                select(RunEvent).where(RunEvent.run_id == run_id).order_by(RunEvent.id)
+            )
+            return [to_record(RunEventRecord, row) for row in rows]
+
     def get_run(self, run_id: int) -> RunRecord:
         """Return one run.
 
@@ -557,7 +699,11 @@ class LedgerRepository:
         num_examples: int | None = None,
         profile: dict[str, Any] | None = None,
     ) -> int:
-        """Record a site taking part in a run.
+        """Record a site taking part in a run; a site already in it rejoins.
+
+        A site is known by its name within the run: adding a name the run already has (the
+        same site, back after a resume with a new Flower node id) updates that site's node id
+        and the facts given (partition, examples, profile) and returns its id.
 
         Parameters
         ----------
@@ -584,8 +730,7 @@ class LedgerRepository:
         NotFoundError
             If the run does not exist.
         StorageError
-            If a value is invalid, the run already has a site with this name, or the run
-            is no longer running.
+            If a value is invalid, or the run is no longer running.
         """
         run_id = self._run_id(run_id)
         row = Site(
@@ -600,12 +745,19 @@ class LedgerRepository:
             else check_count("num_examples", num_examples),
             profile=check_json_object("site profile", {} if profile is None else profile),
         )
-        taken = f"site {name!r} is already in run {run_id}; site names must be unique in a run"
+        taken = f"site {name!r} was added to run {run_id} by another process at the same time"
         with self._session(f"add site {name!r} to run {run_id}", write=True) as session:
             self._require_running(session, run_id, f"add site {name!r} to run {run_id}")
-            exists = select(Site.id).where(Site.run_id == run_id, Site.name == name)
-            if session.scalar(exists) is not None:
-                raise StorageError(taken)
+            existing = session.scalar(select(Site).where(Site.run_id == run_id, Site.name == name))
+            if existing is not None:
+                existing.node_id = row.node_id
+                if partition_id is not None:
+                    existing.partition_id = row.partition_id
+                if num_examples is not None:
+                    existing.num_examples = row.num_examples
+                if profile is not None:
+                    existing.profile = row.profile
+                return existing.id
             session.add(row)
             try:
                 session.flush()
@@ -653,6 +805,7 @@ class LedgerRepository:
         virtual_started_at: float | None = None,
         virtual_finished_at: float | None = None,
         run_warning: str | None = None,
+        checkpoint: CheckpointInput | None = None,
     ) -> None:
         """Record one server step, every update and evaluation it handled, in one transaction.
 
@@ -686,6 +839,9 @@ class LedgerRepository:
             What this step revealed about the whole run (training diverged): added to the
             run's ``error`` in the same transaction, so a reader sees the round and the
             warning together; kept when the run finishes (see ``finish_run``).
+        checkpoint : CheckpointInput or None
+            The file holding the run's state after this step, already written: its row is
+            committed with the round (a committed round with a checkpoint is resumable).
 
         Raises
         ------
@@ -732,6 +888,10 @@ class LedgerRepository:
             raise StorageError(
                 f"run_warning must be a string or None, got {type(run_warning).__name__}"
             )
+        if checkpoint is not None and not isinstance(checkpoint, CheckpointInput):
+            raise StorageError(
+                f"checkpoint must be a CheckpointInput or None, got {type(checkpoint).__name__}"
+            )
         with self._session(f"record round {step} of run {run_id}", write=True) as session:
             run = self._require_running(session, run_id, f"record round {step} of run {run_id}")
             if run_warning:
@@ -749,6 +909,18 @@ class LedgerRepository:
             site_ids = {name: site_id for name, site_id in session.execute(site_query)}
             _insert_rows(session, Update, "update", batch, run_id, step, site_ids)
             _insert_rows(session, Evaluation, "evaluation", evals, run_id, step, site_ids)
+            if checkpoint is not None:
+                session.add(
+                    Checkpoint(
+                        run_id=run_id,
+                        round=step,
+                        model_version=row.model_version,
+                        path=checkpoint.path,
+                        size_bytes=checkpoint.size_bytes,
+                        kept=checkpoint.kept,
+                        created_at=_now(),
+                    )
+                )
 
     def list_rounds(self, run_id: int) -> list[RoundRecord]:
         """Return a run's rounds ordered by round number.
@@ -772,6 +944,89 @@ class LedgerRepository:
         with self._session(f"list the rounds of run {run_id}") as session:
             self._require_run(session, run_id)
             return [round_record(*row) for row in session.execute(rounds_query(run_id))]
+
+    # ------------------------------------------------------------------ checkpoints
+    def list_checkpoints(self, run_id: int) -> list[CheckpointRecord]:
+        """Return a run's checkpoints ordered by round (empty for runs older than 0005).
+
+        Raises
+        ------
+        NotFoundError
+            If the run does not exist.
+        """
+        run_id = self._run_id(run_id)
+        with self._session(f"list the checkpoints of run {run_id}") as session:
+            self._require_run(session, run_id)
+            rows = session.scalars(
+                select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.round)
+            )
+            return [to_record(CheckpointRecord, row) for row in rows]
+
+    def latest_checkpoint(self, run_id: int) -> CheckpointRecord | None:
+        """Return the checkpoint of a run's last checkpointed round (its resume point), or None.
+
+        Raises
+        ------
+        NotFoundError
+            If the run does not exist.
+        """
+        run_id = self._run_id(run_id)
+        with self._session(f"read the latest checkpoint of run {run_id}") as session:
+            self._require_run(session, run_id)
+            row = session.scalar(
+                select(Checkpoint)
+                .where(Checkpoint.run_id == run_id)
+                .order_by(Checkpoint.round.desc())
+                .limit(1)
+            )
+            return None if row is None else to_record(CheckpointRecord, row)
+
+    def keep_checkpoint(self, run_id: int, round: int) -> CheckpointRecord:
+        """Mark the checkpoint of a round kept (retention leaves it); return it.
+
+        Raises
+        ------
+        NotFoundError
+            If the run does not exist or has no checkpoint for ``round``.
+        """
+        return self._change_checkpoint(run_id, round, keep=True)
+
+    def delete_checkpoint(self, run_id: int, round: int) -> CheckpointRecord:
+        """Delete the row of a round's checkpoint; return what it said (the file is the
+        caller's to delete, after this commits, so no row ever names a deleted file).
+
+        Raises
+        ------
+        NotFoundError
+            If the run does not exist or has no checkpoint for ``round``.
+        """
+        return self._change_checkpoint(run_id, round, keep=None)
+
+    def _change_checkpoint(self, run_id: int, round: int, *, keep: bool | None) -> CheckpointRecord:
+        run_id = self._run_id(run_id)
+        step = check_count("round", round, maximum=INT32_MAX)
+        action = f"{'keep' if keep else 'delete'} the checkpoint of round {step} of run {run_id}"
+        with self._session(action, write=True) as session:
+            self._require_run(session, run_id)
+            row = session.scalar(
+                select(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.round == step)
+            )
+            if row is None:
+                rounds = session.scalars(
+                    select(Checkpoint.round)
+                    .where(Checkpoint.run_id == run_id)
+                    .order_by(Checkpoint.round)
+                )
+                raise NotFoundError(
+                    f"run {run_id} has no checkpoint of round {step}; "
+                    + checkpointed_rounds(run_id, list(rounds))
+                )
+            if keep is None:
+                session.delete(row)
+            else:
+                row.kept = keep
+            session.flush()
+            return to_record(CheckpointRecord, row)
 
     # ------------------------------------------------------------------ updates, evaluations
     def list_updates(
@@ -901,6 +1156,21 @@ def _insert_rows(
         values.append(row_values(row, run_id=run_id, step=step, site_id=site_ids[row.site]))
     if values:
         session.execute(insert(model), values)
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def checkpointed_rounds(run_id: int, rounds: Sequence[int]) -> str:
+    """Which rounds of a run have a checkpoint, said for an error message."""
+    if not rounds:
+        return (
+            f"run {run_id} has no checkpoints (it was recorded without them, or by a "
+            "flplatform older than checkpoints)"
+        )
+    noun = "round" if len(rounds) == 1 else "rounds"
+    return f"run {run_id} has checkpoints of {noun} {', '.join(map(str, rounds))}"
 
 
 def _joined(first: str | None, then: str | None) -> str | None:

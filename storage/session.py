@@ -18,8 +18,10 @@ SQLite connections are tuned so that the ledger behaves like a server database:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -164,6 +166,35 @@ def mask_db_url(url: str) -> str:
     if parsed.get_backend_name() == "sqlite" and parsed.database and not parsed.query:
         return f"{parsed.drivername}:///{parsed.database}"
     return url
+
+
+def ledger_id(url: str) -> str:
+    """A directory name for the ledger at ``url``: the same in every process, no secret in it.
+
+    It names where the ledger's data is (backend, host, port, database), never who reads it:
+    the password and the user are left out, so the name is safe on disk and two users of one
+    PostgreSQL database share their runs' checkpoints. A readable prefix (the SQLite file's
+    name, or the database's) is followed by a hash of the location, so two ledgers never
+    share a directory.
+
+    Parameters
+    ----------
+    url : str
+        A URL as returned by ``normalize_db_url``.
+
+    Returns
+    -------
+    str
+        ``"<backend>-<name>-<12 hex digits>"`` of the characters ``[A-Za-z0-9._-]``.
+    """
+    parsed = _parse(url)
+    backend = parsed.get_backend_name()
+    database = parsed.database or ""
+    location = "\x00".join((backend, parsed.host or "", str(parsed.port or ""), database))
+    digest = hashlib.sha256(location.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    name = Path(database).stem if backend == "sqlite" else database
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")[:40] or "memory"
+    return f"{backend}-{readable}-{digest}"
 
 
 def sqlite_file(url: str) -> Path | None:

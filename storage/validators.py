@@ -37,6 +37,8 @@ from flplatform.ledger_rows import (
 INT64_MAX: Final = 2**63 - 1
 INT32_MAX: Final = 2**31 - 1
 UINT64_MAX: Final = 2**64 - 1
+# Longest checkpoint path taken (PATH_MAX on Linux).
+PATH_LENGTH: Final = 4096
 
 R = TypeVar("R")
 

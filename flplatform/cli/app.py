@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from flplatform.cli import data, history, resume, run, simulate
+from flplatform.cli import data, export, history, resume, run, simulate
 
 app = typer.Typer(
     name="flplatform",
@@ -16,6 +16,7 @@ app = typer.Typer(
 app.command("simulate")(simulate.simulate)
 app.command("run")(run.run)
 app.command("resume")(resume.resume)
+app.command("export")(export.export)
 app.add_typer(simulate.demo_app, name="demo")
 app.add_typer(data.app, name="data")
 app.add_typer(history.app, name="history")

@@ -1,4 +1,5 @@
-"""``flplatform history runs|rounds|sites|updates``: what every run, round and site cost.
+"""``flplatform history runs|rounds|sites|updates|checkpoints|events``: what every run, round
+and site cost, which models were kept, and what happened to a run besides its rounds.
 
 A run that simulated a network also has times on its simulated clock (seconds since the
 simulated start of the run); the tables show them next to the wall-clock ones, and JSON/CSV
@@ -10,6 +11,8 @@ line under ``rounds``.
 
 from __future__ import annotations
 
+import json
+import os
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated
@@ -345,6 +348,75 @@ def updates(
                     shorten(u.reason, REASON_CELL) if u.reason else None,
                 )
                 for u in records
+            ],
+        )
+
+
+@app.command("checkpoints")
+@handles_errors
+def checkpoints(
+    run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputFormat.table
+) -> None:
+    """One row per checkpoint of a run: its round, model version, size and file.
+
+    The last one is where `flplatform resume` continues from; kept ones (every few rounds,
+    and the final model) stay when later rounds are recorded. Any of them can be written out
+    with `flplatform export RUN --round N`. A file no longer on disk is marked missing.
+    """
+    with LedgerRepository.open(db, create=False) as repository:
+        run_id = resolve_run(repository, run)
+        record = repository.get_run(run_id)
+        records = repository.list_checkpoints(run_id)
+        present = [os.path.isfile(c.path) for c in records]
+        # One directory (the usual case) goes in the title, so the cells stay short.
+        folders = {os.path.dirname(c.path) for c in records}
+        folder = folders.pop() if len(folders) == 1 else None
+        emit(
+            console,
+            fmt,
+            title=f"Run {run_id} ({record.name}, {record.status}): checkpoints"
+            + (f" in {folder}" if folder else ""),
+            records=[
+                {**c.to_dict(), "file_present": p} for c, p in zip(records, present, strict=True)
+            ],
+            columns=["round", "version", "kept", "size", "created", "file"],
+            rows=[
+                (
+                    c.round,
+                    c.model_version,
+                    "last" if c is records[-1] and not c.kept else ("yes" if c.kept else "no"),
+                    human_bytes(c.size_bytes),
+                    c.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+                    (os.path.basename(c.path) if folder else c.path) + ("" if p else " (missing)"),
+                )
+                for c, p in zip(records, present, strict=True)
+            ],
+        )
+        if fmt is OutputFormat.table and not records:
+            console.print(Text(f"Run {run_id} has no checkpoints.", style="yellow"))
+
+
+@app.command("events")
+@handles_errors
+def events(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputFormat.table) -> None:
+    """One row per event of a run besides its rounds (a resume: who resumed it, from what)."""
+    with LedgerRepository.open(db, create=False) as repository:
+        run_id = resolve_run(repository, run)
+        record = repository.get_run(run_id)
+        records = repository.list_events(run_id)
+        emit(
+            console,
+            fmt,
+            title=f"Run {run_id} ({record.name}, {record.status}): events",
+            records=[e.to_dict() for e in records],
+            columns=["at", "event", "detail"],
+            rows=[
+                (
+                    e.at.strftime("%Y-%m-%d %H:%M:%S"),
+                    e.kind,
+                    shorten(json.dumps(e.detail, default=str), 2 * REASON_CELL),
+                )
+                for e in records
             ],
         )
 

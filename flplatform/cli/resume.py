@@ -23,7 +23,7 @@ from flplatform.cli.render import OutputFormat, make_console
 from flplatform.cli.simulate import db_argument, ledger_option
 from flplatform.config import RunConfig
 from flplatform.errors import ConfigError
-from flplatform.run_ledger import owner_alive, process_owner
+from flplatform.ledger import owner_alive, process_owner
 from flplatform.simulation import resume_simulation
 from storage import LedgerRepository, RunRecord
 
@@ -69,7 +69,7 @@ def resume(
         Text.assemble(
             "Resuming run ",
             (str(run_id), "bold"),
-            f" ({record.name}) from round {checkpoint.server_round} of {record.num_rounds_planned}",
+            f" ({record.name}) from round {checkpoint.round} of {record.num_rounds_planned}",
         )
     )
     with round_progress(console, record.num_rounds_planned) as show:

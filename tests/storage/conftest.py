@@ -230,8 +230,8 @@ def repo(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LedgerRepos
             with repository._engine.begin() as connection:
                 connection.execute(
                     text(
-                        "TRUNCATE runs, sites, rounds, updates, evaluations "
-                        "RESTART IDENTITY CASCADE"
+                        "TRUNCATE runs, sites, rounds, updates, evaluations, checkpoints, "
+                        "run_events RESTART IDENTITY CASCADE"
                     )
                 )
         yield repository

@@ -16,7 +16,14 @@ import pytest
 from sqlalchemy import event, text
 
 from flplatform.errors import NotFoundError, StorageError
-from storage import EvaluationInput, LedgerRepository, UpdateInput, UpdateStatus
+from storage import (
+    CheckpointInput,
+    CheckpointRecord,
+    EvaluationInput,
+    LedgerRepository,
+    UpdateInput,
+    UpdateStatus,
+)
 from tests.storage.helpers import (
     T0,
     assert_summary_matches,
@@ -172,19 +179,25 @@ def test_site_round_trips_every_field(repo: LedgerRepository, node_id: int) -> N
     assert repo.site_summaries(run_id)[0].node_id == node_id
 
 
-def test_sites_are_listed_in_insertion_order_and_names_are_unique_per_run(
+def test_sites_are_listed_in_insertion_order_and_a_name_added_again_rejoins(
     repo: LedgerRepository,
 ) -> None:
     run_a, run_b = make_run(repo), make_run(repo)
-    for name in ("tokyo", "london", "ohio"):
-        repo.add_site(run_a, name=name, node_id=len(name))
-    repo.add_site(run_b, name="london", node_id=1)  # same name, other run: fine
+    ids = {name: repo.add_site(run_a, name=name, node_id=len(name)) for name in ("tokyo", "london")}
+    repo.add_site(run_a, name="ohio", node_id=4, partition_id=2, profile={"latency_ms": 5.0})
+    repo.add_site(run_b, name="london", node_id=1)  # same name, other run: another site
 
-    with pytest.raises(StorageError, match="already in run"):
-        repo.add_site(run_a, name="london", node_id=99)
+    # A resumed run's site comes back under its name with a new Flower node id: same row.
+    assert repo.add_site(run_a, name="london", node_id=99, num_examples=10) == ids["london"]
+    repo.add_site(run_a, name="ohio", node_id=5)
 
-    assert [s.name for s in repo.list_sites(run_a)] == ["tokyo", "london", "ohio"]
-    assert [(s.name, s.profile) for s in repo.list_sites(run_b)] == [("london", {})]
+    sites = {s.name: s for s in repo.list_sites(run_a)}
+    assert list(sites) == ["tokyo", "london", "ohio"]
+    assert (sites["london"].node_id, sites["london"].num_examples) == (99, 10)
+    # Facts not given again are kept.
+    assert (sites["ohio"].node_id, sites["ohio"].partition_id) == (5, 2)
+    assert sites["ohio"].profile == {"latency_ms": 5.0}
+    assert [(s.name, s.node_id) for s in repo.list_sites(run_b)] == [("london", 1)]
 
 
 @pytest.mark.parametrize("node_id", [-1, 2**64, True, 1.5])
@@ -1002,6 +1015,13 @@ def test_a_missing_run_is_not_found_everywhere(repo: LedgerRepository) -> None:
         "list_updates": lambda: repo.list_updates(42),
         "list_evaluations": lambda: repo.list_evaluations(42),
         "site_summaries": lambda: repo.site_summaries(42),
+        "list_checkpoints": lambda: repo.list_checkpoints(42),
+        "latest_checkpoint": lambda: repo.latest_checkpoint(42),
+        "keep_checkpoint": lambda: repo.keep_checkpoint(42, 1),
+        "delete_checkpoint": lambda: repo.delete_checkpoint(42, 1),
+        "add_event": lambda: repo.add_event(42, "resumed"),
+        "list_events": lambda: repo.list_events(42),
+        "reopen_run": lambda: repo.reopen_run(42, "host:1"),
         "huge id": lambda: repo.get_run(2**40),
     }
     for name, call in calls.items():
@@ -1097,7 +1117,15 @@ def test_deleting_a_run_cascades_to_its_rows(repo: LedgerRepository) -> None:
 def test_records_serialise_to_json(repo: LedgerRepository) -> None:
     run_id = make_run(repo, tag="j")
     repo.add_site(run_id, name="a", node_id=UINT64_MAX, profile={"x": [1, 2]})
-    record(repo, run_id, 1, [update("a")], evaluations=[evaluation("a")])
+    record(
+        repo,
+        run_id,
+        1,
+        [update("a")],
+        evaluations=[evaluation("a")],
+        checkpoint=CheckpointInput(path="/c/round-000001.npz", size_bytes=10),
+    )
+    repo.add_event(run_id, "note", {"said": [1, "x"]})
     repo.finish_run(run_id, status="finished", finished_at=T0 + 60)
 
     records: list[Any] = [
@@ -1107,6 +1135,8 @@ def test_records_serialise_to_json(repo: LedgerRepository) -> None:
         *repo.list_updates(run_id),
         *repo.site_summaries(run_id),
         *repo.list_evaluations(run_id),
+        *repo.list_checkpoints(run_id),
+        *repo.list_events(run_id),
     ]
     for rec in records:
         data = json.loads(json.dumps(rec.to_dict()))
@@ -1130,3 +1160,169 @@ def test_records_serialise_to_json(repo: LedgerRepository) -> None:
     assert datetime.fromisoformat(evaluated["arrived_at"]) == utc(T0 + 4)
     run["config"]["lr"] = 99  # a copy: the record itself is untouched
     assert records[0].config == {"lr": 0.1}
+
+
+# ---------------------------------------------------------------------------- resume (0005)
+def checkpoint(step: int, *, kept: bool = False, size: int = 1000) -> CheckpointInput:
+    return CheckpointInput(path=f"/ckpt/run/round-{step:06d}.npz", size_bytes=size, kept=kept)
+
+
+def test_a_round_and_its_checkpoint_are_committed_together(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    repo.add_site(run_id, name="a", node_id=1)
+    record(repo, run_id, 1, [update("a")], model_version=3, checkpoint=checkpoint(1, kept=True))
+    record(repo, run_id, 2, [update("a")], model_version=4)  # a round without one
+    record(repo, run_id, 3, [update("a")], model_version=5, checkpoint=checkpoint(3, size=7))
+
+    first, third = repo.list_checkpoints(run_id)
+    assert isinstance(first, CheckpointRecord)
+    assert (first.run_id, first.round, first.model_version, first.kept) == (run_id, 1, 3, True)
+    assert (first.path, first.size_bytes) == ("/ckpt/run/round-000001.npz", 1000)
+    assert (third.round, third.model_version, third.size_bytes, third.kept) == (3, 5, 7, False)
+    assert first.created_at.tzinfo is not None
+    assert repo.latest_checkpoint(run_id) == third
+    assert repo.latest_checkpoint(make_run(repo)) is None
+
+
+def test_a_round_already_recorded_takes_no_second_checkpoint(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    repo.add_site(run_id, name="a", node_id=1)
+    record(repo, run_id, 1, [update("a")], checkpoint=checkpoint(1))
+
+    with pytest.raises(StorageError, match="round 1 of run .* is already recorded"):
+        record(repo, run_id, 1, [update("a")], checkpoint=checkpoint(1, size=5))
+
+    [only] = repo.list_checkpoints(run_id)
+    assert only.size_bytes == 1000
+    assert count_rows(repo, "rounds") == 1
+
+
+def test_a_round_that_fails_leaves_no_checkpoint_row(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    repo.add_site(run_id, name="a", node_id=1)
+
+    with pytest.raises(StorageError, match="which run .* does not have"):
+        record(repo, run_id, 1, [update("ghost")], checkpoint=checkpoint(1))
+
+    assert repo.list_checkpoints(run_id) == []
+    assert repo.list_rounds(run_id) == []
+
+
+def test_checkpoint_inputs_are_validated(repo: LedgerRepository) -> None:
+    with pytest.raises(StorageError, match="checkpoint path"):
+        CheckpointInput(path="", size_bytes=1)
+    with pytest.raises(StorageError, match="checkpoint size"):
+        CheckpointInput(path="/x", size_bytes=-1)
+    with pytest.raises(StorageError, match="kept must be True or False"):
+        CheckpointInput(path="/x", size_bytes=1, kept=1)  # type: ignore[arg-type]
+    run_id = make_run(repo)
+    with pytest.raises(StorageError, match="checkpoint must be a CheckpointInput"):
+        record(repo, run_id, 1, [], checkpoint={"path": "/x"})
+    assert repo.list_rounds(run_id) == []
+
+
+def test_checkpoints_are_kept_and_deleted_by_round(repo: LedgerRepository) -> None:
+    run_id, other = make_run(repo), make_run(repo)
+    for step in (1, 2, 3):
+        record(repo, run_id, step, [], checkpoint=checkpoint(step))
+    record(repo, other, 2, [], checkpoint=checkpoint(2))
+
+    kept = repo.keep_checkpoint(run_id, 2)
+    gone = repo.delete_checkpoint(run_id, 1)
+
+    assert (kept.round, kept.kept, gone.round) == (2, True, 1)
+    assert [(c.round, c.kept) for c in repo.list_checkpoints(run_id)] == [(2, True), (3, False)]
+    assert [c.round for c in repo.list_checkpoints(other)] == [2]  # another run's: untouched
+    with pytest.raises(NotFoundError, match=r"no checkpoint of round 1; .* rounds 2, 3"):
+        repo.delete_checkpoint(run_id, 1)
+    with pytest.raises(NotFoundError, match="has no checkpoints"):
+        repo.keep_checkpoint(make_run(repo), 1)
+
+
+def test_events_are_listed_in_order_with_their_detail(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    first = repo.add_event(run_id, "resumed", {"from": "failed", "n": 2}, at=T0 + 5)
+    repo.finish_run(run_id, status="finished", finished_at=T0 + 60)
+    repo.add_event(run_id, "exported", at=T0 + 70)  # a finished run takes events too
+
+    events = repo.list_events(run_id)
+    assert [(e.id, e.kind, e.detail) for e in events] == [
+        (first, "resumed", {"from": "failed", "n": 2}),
+        (events[1].id, "exported", {}),
+    ]
+    assert [e.at for e in events] == [utc(T0 + 5), utc(T0 + 70)]
+    assert repo.list_events(make_run(repo)) == []
+    with pytest.raises(StorageError, match="event kind"):
+        repo.add_event(run_id, "")
+    with pytest.raises(StorageError, match="event kind must be at most 32"):
+        repo.add_event(run_id, "x" * 33)
+    with pytest.raises(StorageError, match="event detail"):
+        repo.add_event(run_id, "k", {"ids": {1, 2}})
+
+
+def test_create_run_records_its_owner(repo: LedgerRepository) -> None:
+    assert repo.get_run(make_run(repo, owner="host-a:123")).owner == "host-a:123"
+    assert repo.get_run(make_run(repo)).owner is None
+    with pytest.raises(StorageError, match="owner"):
+        make_run(repo, owner="")
+
+
+@pytest.mark.parametrize("status", ["running", "failed"])
+def test_reopen_run_resumes_a_run_that_died_and_records_the_event(
+    repo: LedgerRepository, status: str
+) -> None:
+    run_id = make_run(repo, owner="old:1")
+    repo.add_site(run_id, name="a", node_id=1)
+    record(repo, run_id, 1, [update("a")], checkpoint=checkpoint(1))
+    if status == "failed":
+        repo.finish_run(
+            run_id, status="failed", error="killed", finished_at=T0 + 30, simulated_seconds=2.0
+        )
+
+    reopened = repo.reopen_run(run_id, "new:2")
+
+    assert (reopened.status, reopened.owner, reopened.error) == ("running", "new:2", None)
+    assert (reopened.finished_at, reopened.wall_seconds, reopened.simulated_seconds) == (
+        None,
+        None,
+        None,
+    )
+    assert reopened.rounds_completed == 1
+    [event] = repo.list_events(run_id)
+    assert event.kind == "resumed"
+    assert event.detail == {
+        "status": status,
+        "error": "killed" if status == "failed" else None,
+        "previous_owner": "old:1",
+        "owner": "new:2",
+    }
+    # The run takes rounds again, but never a round twice.
+    record(repo, run_id, 2, [update("a")], checkpoint=checkpoint(2))
+    with pytest.raises(StorageError, match="already recorded"):
+        record(repo, run_id, 1, [update("a")])
+    assert [c.round for c in repo.list_checkpoints(run_id)] == [1, 2]
+
+
+def test_reopen_run_refuses_a_finished_run(repo: LedgerRepository) -> None:
+    run_id = make_run(repo, owner="old:1")
+    repo.finish_run(run_id, status="finished", finished_at=T0 + 60)
+
+    with pytest.raises(StorageError, match=f"run {run_id} finished; only a run that is running"):
+        repo.reopen_run(run_id, "new:2")
+
+    run = repo.get_run(run_id)
+    assert (run.status, run.owner) == ("finished", "old:1")
+    assert repo.list_events(run_id) == []
+    with pytest.raises(StorageError, match="owner"):
+        repo.reopen_run(make_run(repo), "")
+
+
+def test_deleting_a_run_takes_its_checkpoints_and_events(repo: LedgerRepository) -> None:
+    keep, drop = make_run(repo), make_run(repo)
+    for run_id in (keep, drop):
+        record(repo, run_id, 1, [], checkpoint=checkpoint(1))
+        repo.add_event(run_id, "resumed")
+    with repo._engine.begin() as connection:
+        connection.execute(text("DELETE FROM runs WHERE id = :id"), {"id": drop})
+    assert (count_rows(repo, "checkpoints"), count_rows(repo, "run_events")) == (1, 1)
+    assert len(repo.list_checkpoints(keep)) == 1

@@ -24,7 +24,7 @@ from sqlalchemy import JSON, column, create_engine, insert, inspect, table, text
 from sqlalchemy.engine import Connection, make_url
 
 from flplatform.errors import StorageError
-from storage import EvaluationInput, LedgerRepository
+from storage import CheckpointInput, EvaluationInput, LedgerRepository
 from storage.migrations import (
     _POSTGRES_LOCK_KEY,
     MIGRATIONS_DIR,
@@ -38,7 +38,7 @@ from storage.session import create_ledger_engine
 from tests.storage.helpers import T0, evaluation, make_run, record, update
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-LEDGER_TABLES = {"runs", "sites", "rounds", "updates", "evaluations"}
+LEDGER_TABLES = {"runs", "sites", "rounds", "updates", "evaluations", "checkpoints", "run_events"}
 TABLES_OF_0001 = {"runs", "sites", "rounds", "updates"}
 
 
@@ -86,12 +86,15 @@ def test_every_constraint_and_index_is_named_by_convention(ledger_url: str) -> N
         "fk_updates_site_id_sites",
         "fk_evaluations_run_id_runs",
         "fk_evaluations_site_id_sites",
+        "fk_checkpoints_run_id_runs",
+        "fk_run_events_run_id_runs",
     }
     assert names["uq"] == {
         "uq_runs_tag",
         "uq_sites_run_id_name",
         "uq_rounds_run_id_round",
         "uq_evaluations_run_id_round_site_id",
+        "uq_checkpoints_run_id_round",
     }
     assert {
         "ix_runs_created_at",
@@ -99,6 +102,7 @@ def test_every_constraint_and_index_is_named_by_convention(ledger_url: str) -> N
         "ix_updates_site_id",
         "ix_evaluations_run_id_round",
         "ix_evaluations_site_id",
+        "ix_run_events_run_id",
     } <= names["ix"]
     assert checks == {"ck_evaluations_status"}
     for name in ("fk_updates_site_id_sites", "fk_evaluations_site_id_sites"):
@@ -207,7 +211,7 @@ def _fill_an_0001_ledger(connection: Connection) -> None:
 
 
 def test_an_0001_ledger_upgrades_keeping_its_rows_and_downgrades_back(ledger_url: str) -> None:
-    assert head_revision() == "0004"
+    assert head_revision() == "0005"
     engine = create_ledger_engine(ledger_url)
     try:
         with engine.begin() as connection:
@@ -398,9 +402,9 @@ def test_an_0003_ledger_upgrades_to_delayed_updates_keeping_its_rows_and_downgra
     finally:
         engine.dispose()
 
-    with LedgerRepository.open(ledger_url) as repo:  # opening upgrades to 0004
+    with LedgerRepository.open(ledger_url) as repo:  # opening upgrades to head
         with repo._engine.connect() as connection:
-            assert current_revisions(connection) == {"0004"}
+            assert current_revisions(connection) == {head_revision()}
             assert _columns(connection, "updates") >= DELAY_COLUMNS
             nullable = {
                 c["name"]: c["nullable"] for c in inspect(connection).get_columns("updates")
@@ -449,6 +453,86 @@ def test_an_0003_ledger_upgrades_to_delayed_updates_keeping_its_rows_and_downgra
         stored = repo.list_updates(1)
         assert [(u.round, u.delay) for u in stored] == [(1, None), (2, None)]
         assert repo.site_summaries(1)[0].mean_delay is None
+
+
+RESUME_TABLES = {"checkpoints", "run_events"}
+
+
+def _row_counts(connection: Connection) -> dict[str, int]:
+    return {
+        name: connection.execute(text(f"SELECT COUNT(*) FROM {name}")).scalar_one()
+        for name in ("runs", "sites", "rounds", "updates", "evaluations")
+    }
+
+
+def test_an_0004_ledger_upgrades_to_checkpoints_keeping_every_row_and_downgrades_back(
+    ledger_url: str,
+) -> None:
+    engine = create_ledger_engine(ledger_url)
+    try:
+        with engine.begin() as connection:
+            command.upgrade(alembic_config(connection), "0004")
+            _fill_an_0001_ledger(connection)  # 0002 to 0004 only added; these rows still fit
+        with engine.connect() as connection:
+            assert current_revisions(connection) == {"0004"}
+            assert not RESUME_TABLES & set(inspect(connection).get_table_names())
+            before = _row_counts(connection)
+            old_rows = {
+                name: connection.execute(text(f"SELECT * FROM {name} ORDER BY id")).all()
+                for name in ("runs", "sites", "rounds", "updates")
+            }
+    finally:
+        engine.dispose()
+
+    with LedgerRepository.open(ledger_url) as repo:  # opening upgrades to head
+        with repo._engine.connect() as connection:
+            assert current_revisions(connection) == {head_revision()}
+            assert set(inspect(connection).get_table_names()) >= RESUME_TABLES
+            assert _row_counts(connection) == before
+            # Every old row is there, column for column (runs gained one, NULL: no owner).
+            for name, rows in old_rows.items():
+                now = connection.execute(text(f"SELECT * FROM {name} ORDER BY id")).all()
+                width = len(rows[0])
+                assert [tuple(r)[:width] for r in now] == [tuple(r) for r in rows], name
+            _assert_no_schema_diff(connection)
+        run = repo.get_run(1)
+        assert (run.name, run.status, run.rounds_completed, run.owner) == (
+            "old",
+            "running",
+            1,
+            None,
+        )
+        assert repo.list_checkpoints(1) == []
+        assert repo.latest_checkpoint(1) is None
+        assert repo.list_events(1) == []
+
+        # The new API works next to the old rows: the old run can even be reopened.
+        assert repo.reopen_run(1, "host:7").owner == "host:7"
+        record(
+            repo,
+            1,
+            2,
+            [update("london")],
+            checkpoint=CheckpointInput(path="/c/round-000002.npz", size_bytes=3, kept=True),
+        )
+        assert [c.round for c in repo.list_checkpoints(1)] == [2]
+        assert [e.kind for e in repo.list_events(1)] == ["resumed"]
+
+        with repo._engine.begin() as connection:
+            command.downgrade(alembic_config(connection), "0004")
+        with repo._engine.connect() as connection:
+            assert current_revisions(connection) == {"0004"}
+            assert not RESUME_TABLES & set(inspect(connection).get_table_names())
+            assert "owner" not in _columns(connection, "runs")
+            # Dropping the column must not cascade: every row survives the downgrade.
+            assert _row_counts(connection) == {**before, "rounds": 2, "updates": 2}
+
+    with LedgerRepository.open(ledger_url) as repo:  # and back up to head
+        with repo._engine.connect() as connection:
+            assert current_revisions(connection) == {head_revision()}
+            _assert_no_schema_diff(connection)
+        assert [r.round for r in repo.list_rounds(1)] == [1, 2]
+        assert (repo.get_run(1).owner, repo.list_checkpoints(1)) == (None, [])
 
 
 def test_a_schema_from_a_newer_flplatform_is_refused(ledger_url: str) -> None:
@@ -598,6 +682,7 @@ def test_every_migration_file_would_ship_in_a_wheel() -> None:
         "0002_evaluations.py",
         "0003_virtual_time.py",
         "0004_delayed_updates.py",
+        "0005_checkpoints.py",
     } <= {f.name for f in files}
     for path in files:
         in_package = path.suffix == ".py" and (path.parent / "__init__.py").exists()
