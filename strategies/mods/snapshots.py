@@ -117,8 +117,15 @@ def save_state(msg: Message, context: Context, key: str, state: ModState) -> Non
         return
     _tag(context, key, work.run_key, work.index)
     store = SiteSnapshots.of(context, work.run_key)
-    if store is not None:
+    if store is None:
+        return
+    try:
         store.write(key, work.index, state)
+    except (CheckpointError, OSError) as exc:
+        # The reply is still good; only a resume needs the snapshot. Without it the newest
+        # earlier one would pass for the state after this work, so none may stay.
+        log.warning("cannot snapshot this site's state (%s); a resume will resync it", exc)
+        store.forget_from(key, 0)
 
 
 def held_work(context: Context, key: str, run_key: str) -> int | None:
@@ -254,7 +261,10 @@ class SiteSnapshots:
         """Delete snapshots of work ``index`` and later: the server is redoing that work."""
         for work in self.works(key):
             if work >= index:
-                self.path(key, work).unlink(missing_ok=True)
+                try:
+                    self.path(key, work).unlink(missing_ok=True)
+                except OSError as exc:  # unreadable later: lost state, never a wrong one
+                    log.warning("cannot delete site snapshot %s: %s", self.path(key, work), exc)
 
 
 def _state_from_tree(tree: Mapping[str, Any], key: str, work: int) -> ModState:

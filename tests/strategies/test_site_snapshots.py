@@ -329,6 +329,26 @@ def test_an_unreadable_snapshot_is_lost_state_never_an_older_one(tmp_path: Path)
     assert reply == _today(mod, script(4, {}))
 
 
+def test_a_snapshot_that_cannot_be_written_costs_the_resume_not_the_reply(
+    tmp_path: Path,
+) -> None:
+    mod, script, _ = SCRIPTS["codec"]
+    ctx = site(tmp_path)
+    for n in (1, 2):
+        mod(script(n, ours(n)), ctx, user_train)
+    # Work 3's file cannot be put in place (a directory stands there).
+    (tmp_path / RUN / "london" / keys.CODEC_STATE / "work-000000003.npz" / "x").mkdir(parents=True)
+    reply = as_plain(mod(script(3, ours(3)), ctx, user_train))
+    assert reply == uninterrupted(tmp_path / "reference", "codec", works=3)[2]
+    # Snapshot 2 must not pass for the state after work 3: a resume finds the state lost.
+    resumed = as_plain(mod(script(4, ours(4)), site(tmp_path, node_id=3), user_train))
+    assert resumed == _today(mod, script(4, {}))
+    # A state directory that is not one: the site still trains.
+    (tmp_path / "file").write_text("not a directory")
+    other = context(4, {keys.SITE_NAME: "ohio", keys.STATE_DIR: str(tmp_path / "file")})
+    assert not mod(script(1, ours(1)), other, user_train).has_error()
+
+
 def test_another_runs_state_is_not_this_runs(tmp_path: Path) -> None:
     """A context holding run A's state does not give it to run B's second work."""
     mod, script, _ = SCRIPTS["codec"]
