@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -22,6 +23,7 @@ from flplatform import keys
 from flplatform.errors import ConfigError
 from flplatform.seeding import rng_for
 from strategies.mods import flplatform_mod
+from strategies.mods.snapshots import work_of
 
 app = ClientApp()
 
@@ -88,6 +90,24 @@ def count_training(context: Context) -> int:
     return done
 
 
+def data_order(
+    msg: Message, context: Context, config: SiteTrainConfig, site: str
+) -> np.random.Generator:
+    """The generator of this training's data order: a function of the work, not the process.
+
+    Our engine numbers each site's training messages (``site-work``), so a resumed run,
+    a new Flower run with an empty ``context.state``, draws the order the uninterrupted
+    run drew. Without it (another server), the site counts its own trainings.
+    """
+    work = work_of(msg)
+    trainings = count_training(context)
+    if work is not None:
+        return rng_for(
+            config.seed, config.server_round, site, "site-work", work.index, "data-order"
+        )
+    return rng_for(config.seed, config.server_round, site, trainings, "data-order")
+
+
 @app.train(mods=[flplatform_mod()])
 def train(msg: Message, context: Context) -> Message:
     """Train the received model for H steps or E epochs on the site's data; reply with it."""
@@ -96,7 +116,7 @@ def train(msg: Message, context: Context) -> Message:
         msg.content.config_records.get(keys.CONFIG, ConfigRecord())
     )
     model = received_model(msg, site, config.seed)
-    trainings = count_training(context)
+    order = data_order(msg, context, config, site.name)
     stats = train_local(
         model,
         site.x_train,
@@ -106,7 +126,7 @@ def train(msg: Message, context: Context) -> Message:
         batch_size=config.batch_size,
         local_steps=config.local_steps,
         local_epochs=config.local_epochs,
-        rng=rng_for(config.seed, config.server_round, site.name, trainings, "data-order"),
+        rng=order,
         device=site.device,
     )
     metrics = MetricRecord(

@@ -84,6 +84,7 @@ DEVICE = "device"
 # far from 1, it is the likely reason training diverges
 FEATURE_SCALE = "feature-scale"
 DATA_PATH = "data-path"  # node config of a deployed site: its own data file
+STATE_DIR = "state-dir"  # node config: where the site keeps its snapshots (strategies/mods)
 
 # ---- the site's persistent state (Flower's context.state), one record per mod
 SITE_STATE = "flplatform-site"  # the built-in app's counters (ConfigRecord)
@@ -92,6 +93,8 @@ DELAYED_STATE = "flplatform-delayed"  # delayed updates: kept periods and carry
 CODEC_STATE = "flplatform-codec"  # upload compression: the error-feedback residual
 FETCHSGD_STATE = "flplatform-fetchsgd"  # the model a FetchSGD site holds, and its version
 SKETCHED_STATE = "flplatform-sketched-sgd"  # model, version, u, v and progress
+# which work (SITE_WORK) of which run (RUN_KEY) wrote each record above (ConfigRecord)
+WORK_TAGS = "flplatform-work"
 ATTACK_STATE = "flplatform-attack"  # flplatform.attacks (red-team tool): prefix of its records
 
 # ---- global metrics written to the ledger

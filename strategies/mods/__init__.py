@@ -34,7 +34,11 @@ Every mod here, for a training message of its algorithm:
    When it is missing although the server says it relies on it (``state-expected``; a
    restarted SuperNode starts empty), the mod says so in its reply (``state-lost``) and
    the server resyncs the site: a dense download, unsettled periods dropped, momentum
-   and error restarted at zero, recorded in the ledger.
+   and error restarted at zero, recorded in the ledger. A message of our engine names
+   its work (``site-work`` n, ``run-key``): the mod then acts on the state after work
+   n − 1, from ``context.state`` or, in a resumed run or for work sent again, from the
+   site's snapshots on its own disk, and snapshots what work n leaves
+   (``strategies.mods.snapshots``: ``load_state``/``save_state``).
 6. **Answers protocol stages that need no training** without calling the user
    (Sketched-SGD's values round), as Flower's ``secaggplus_mod`` answers its stages.
 7. **Passes every other message through untouched**: queries, evaluation, and training

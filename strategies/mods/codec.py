@@ -24,7 +24,6 @@ from flplatform.seeding import rng_for
 from strategies.codecs import Codec, ErrorFeedback, Identity, make_codec
 from strategies.mods.contract import (
     Mod,
-    ModState,
     TrainFunction,
     UserResult,
     call_user,
@@ -39,6 +38,7 @@ from strategies.mods.contract import (
     site_identity,
     with_config,
 )
+from strategies.mods.snapshots import load_state, save_state
 
 RESIDUAL = "residual"
 
@@ -106,7 +106,7 @@ def compress_upload(
     whether the site had lost the residual the server expected it to hold.
     """
     config = round_config(msg)
-    state = ModState.load(context, keys.CODEC_STATE)
+    state = load_state(msg, context, keys.CODEC_STATE)
     lost = state is None and config.get(keys.STATE_EXPECTED) is True
     state = state or new_state()
     feedback = ErrorFeedback()
@@ -128,7 +128,7 @@ def compress_upload(
     )
     wire, sent = feedback.compress(update, codec, rng=rng)
     state.groups[RESIDUAL] = dict(feedback.residual)
-    state.save(context, keys.CODEC_STATE)
+    save_state(msg, context, keys.CODEC_STATE, state)
     return wire, {k: sent[k] for k in update}, lost
 
 

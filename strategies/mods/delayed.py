@@ -42,6 +42,7 @@ from strategies.mods.contract import (
     sent_model,
     site_algorithm,
 )
+from strategies.mods.snapshots import load_state, save_state
 
 CARRY = "carry"
 PENDING = "pending."  # + the period: one group per kept step
@@ -75,9 +76,17 @@ class DelayedSiteConfig:
         return cls(int(period), int(version), compensate, tuple(included))  # type: ignore[arg-type]
 
 
-def load_site_periods(context: Context) -> SitePeriods | None:
-    """The site's kept periods and carry from its persistent state; None if it has none."""
-    state = ModState.load(context, keys.DELAYED_STATE)
+def load_site_periods(context: Context, msg: Message | None = None) -> SitePeriods | None:
+    """The site's kept periods and carry from its persistent state; None if it has none.
+
+    With ``msg``, the state as it was after the work before that message's
+    (``strategies.mods.snapshots``).
+    """
+    state = (
+        ModState.load(context, keys.DELAYED_STATE)
+        if msg is None
+        else load_state(msg, context, keys.DELAYED_STATE)
+    )
     if state is None:
         return None
     periods = SitePeriods()
@@ -90,12 +99,16 @@ def load_site_periods(context: Context) -> SitePeriods | None:
     return periods
 
 
-def save_site_periods(context: Context, periods: SitePeriods) -> None:
-    """Write the kept periods back as the site's one delayed-update record."""
+def save_site_periods(context: Context, periods: SitePeriods, msg: Message | None = None) -> None:
+    """Write the kept periods back as the site's one delayed-update record (and, with
+    ``msg``, as the snapshot of its work)."""
     groups = {f"{PENDING}{period}": update for period, update in periods.pending.items()}
     if periods.carry is not None:
         groups[CARRY] = periods.carry
-    ModState({}, groups).save(context, keys.DELAYED_STATE)
+    if msg is None:
+        ModState({}, groups).save(context, keys.DELAYED_STATE)
+    else:
+        save_state(msg, context, keys.DELAYED_STATE, ModState({}, groups))
 
 
 def delayed_mod() -> Mod:
@@ -108,7 +121,7 @@ def delayed_mod() -> Mod:
         delayed = DelayedSiteConfig.from_record(raw)
         global_model = sent_model(msg)
 
-        kept = load_site_periods(context)
+        kept = load_site_periods(context, msg)
         lost = kept is None and raw.get(keys.STATE_EXPECTED) is True
         periods = kept or SitePeriods()
         periods.settle(delayed.version, delayed.included)
@@ -137,7 +150,7 @@ def delayed_mod() -> Mod:
                 # server knows, the residual travels in a later upload.
                 periods.pending[delayed.period] = {k: v.astype(np.float64) for k, v in sent.items()}
             update, config[keys.CODEC] = wire, codec.name
-        save_site_periods(context, periods)
+        save_site_periods(context, periods, msg)
         return reply_with(msg, update, mark_lost(metrics, lost), config=config, extra=result.extra)
 
     return mod

@@ -40,6 +40,7 @@ from strategies.mods.contract import (
     site_algorithm,
     state_lost_reply,
 )
+from strategies.mods.snapshots import load_state, save_state
 from strategies.sparse_sync import DENSE, SYNC_INDICES, SYNC_VALUES, valid_indices
 
 SKETCH = "sketch"  # a sketch reply's one array
@@ -110,7 +111,7 @@ def fetchsgd_mod() -> Mod:
         seed = int_config(raw, keys.SKETCH_SEED, 0)
         rows = int_config(raw, keys.SKETCH_ROWS, 1)
         cols = int_config(raw, keys.SKETCH_COLS, 1)
-        state = ModState.load(context, keys.FETCHSGD_STATE)
+        state = load_state(msg, context, keys.FETCHSGD_STATE)
         model = synced_model(msg, state)
         if model is None:
             return state_lost_reply(msg, "the model this site was synced to")
@@ -123,7 +124,7 @@ def fetchsgd_mod() -> Mod:
         # Only now, with the work done, does the site hold the synced model.
         state = state or new_state()
         remember_model(state, model, version)
-        state.save(context, keys.FETCHSGD_STATE)
+        save_state(msg, context, keys.FETCHSGD_STATE, state)
         return reply_with(msg, {SKETCH: table}, result.metrics, extra=result.extra)
 
     return mod

@@ -50,6 +50,7 @@ from strategies.mods.fetchsgd import (
     sketch_of,
     synced_model,
 )
+from strategies.mods.snapshots import load_state, save_state
 from strategies.sketch_feedback import SiteAccumulators
 from strategies.sparse_sync import SYNC_INDICES, valid_indices
 
@@ -124,7 +125,7 @@ def _sketch_reply(msg: Message, context: Context, call_next: TrainFunction) -> M
     momentum = raw.get(keys.STEP_MOMENTUM)
     if isinstance(momentum, bool) or not isinstance(momentum, float) or not 0 <= momentum < 1:
         raise ConfigError(f"round config '{keys.STEP_MOMENTUM}' must be in [0, 1)")
-    kept = ModState.load(context, keys.SKETCHED_STATE)
+    kept = load_state(msg, context, keys.SKETCHED_STATE)
     model = synced_model(msg, kept)
     if model is None:
         return state_lost_reply(msg, "the model this site was synced to")
@@ -159,7 +160,7 @@ def _sketch_reply(msg: Message, context: Context, call_next: TrainFunction) -> M
     state.meta.update(
         {ZEROED_STEP: zeroed, SKETCHED_ROUND: server_round, EXAMPLES: result.num_examples}
     )
-    state.save(context, keys.SKETCHED_STATE)
+    save_state(msg, context, keys.SKETCHED_STATE, state)
     metrics = mark_lost(result.metrics, lost)
     return reply_with(msg, {SKETCH: table}, metrics, extra=result.extra)
 
@@ -168,7 +169,7 @@ def _values_reply(msg: Message, context: Context) -> Message:
     """v at the candidates, from the accumulators of the sketch the server asks about."""
     raw = round_config(msg)
     asked_round = int_config(raw, keys.SKETCHED_ROUND, 1)
-    state = ModState.load(context, keys.SKETCHED_STATE)
+    state = load_state(msg, context, keys.SKETCHED_STATE)
     if state is None or ACCUMULATORS not in state.groups:
         return state_lost_reply(msg, f"the accumulators of its sketch of round {asked_round}")
     sketched = state.meta.get(SKETCHED_ROUND, 0)

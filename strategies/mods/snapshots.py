@@ -1,0 +1,287 @@
+"""Site snapshots: a mod's state as it was after each piece of work, on the site's own disk.
+
+Our engine numbers the training messages it sends each site (``site-work`` = n, 1, 2, ...)
+and names the run with a key that survives a resume (``run-key``). A site handling work n
+must act with exactly the state it had after work n − 1 of that run, so that a resumed run
+repeats the uninterrupted one bit for bit:
+
+* normally Flower's ``context.state`` holds it: each state record is tagged with the work
+  that wrote it (``keys.WORK_TAGS``), and a tag below n is the site's latest state;
+* a resumed run is a new Flower run (``context.state`` starts empty), and a server may
+  re-send work the site already did: then the state comes from the newest snapshot of a
+  work below n. Work that wrote no state (a training that failed, Sketched-SGD's values
+  round, a message lost on the way) changed nothing, so the newest earlier snapshot is
+  the state after n − 1.
+
+After work n changes a state, it is written as snapshot n (owner-only, atomic;
+``flplatform.checkpoint.write_state``) and the newest ``KEEP`` are kept: a resume re-sends
+at most the work in flight at the last committed round, a step or two behind. Receiving
+work n rewinds the site: snapshots of work n or later belong to a timeline the server
+abandoned and are deleted, so a failure of the repeated work cannot leave a stale one.
+When neither holds the state (snapshots deleted, a fresh machine), the mod is told None
+and its existing state-lost path runs: the server resyncs the site.
+
+A message without ``site-work`` and ``run-key`` (a server that is not ours, Flower's own
+strategies) uses ``context.state`` alone, as before.
+
+Where: node config ``state-dir``, else ``$FLPLATFORM_SITE_STATE``, else
+``$FLPLATFORM_HOME/site-state``, else ``~/.flplatform/site-state``; then
+``<run key>/<site>/<state key>/work-<n>.npz``. The site is its name (node config
+``site-name``), else its partition (``partition-<id>``), never the Flower node id, which a
+resume changes; a site with neither keeps snapshots only under a ``state-dir`` of its own.
+Run keys and site names come from the network and are made safe for a path first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flwr.app import ConfigRecord, Context, Message
+
+from flplatform import keys
+from flplatform.checkpoint import CheckpointError, read_state, write_state
+from flplatform.errors import ConfigError
+from strategies.mods.contract import ModState, round_config
+
+log = logging.getLogger("flplatform.strategies.mods.snapshots")
+
+KEEP = 4  # snapshots kept per site and state
+KIND = "flplatform-site-snapshot"
+_FILE = re.compile(r"work-(\d{9,})\.npz")
+_SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_RUN_KEY_TAG = "run-key"  # in the WORK_TAGS record: the run its tags belong to
+
+
+@dataclass(frozen=True)
+class Work:
+    """A training message's place in its run: the run's key and the site's work index."""
+
+    run_key: str
+    index: int  # 1-based: the n-th training message sent to this site in this run
+
+
+def work_of(msg: Message) -> Work | None:
+    """The message's (``run-key``, ``site-work``); None unless it carries both.
+
+    An empty run key is none (an engine without a run to resume). A present but
+    malformed value is a ``ConfigError``: our engine never sends one.
+    """
+    config = round_config(msg)
+    index, run_key = config.get(keys.SITE_WORK), config.get(keys.RUN_KEY)
+    if index is None or run_key is None or run_key == "":
+        return None
+    if isinstance(index, bool) or not isinstance(index, int) or index < 1:
+        raise ConfigError(f"round config '{keys.SITE_WORK}' must be an integer >= 1, got {index!r}")
+    if not isinstance(run_key, str):
+        raise ConfigError(f"round config '{keys.RUN_KEY}' must be a string, got {run_key!r}")
+    return Work(run_key, index)
+
+
+# ============================================================ the state a mod sees
+def load_state(msg: Message, context: Context, key: str) -> ModState | None:
+    """The state under ``key`` as it was after the work before ``msg``'s; None if unknown.
+
+    None is what ``ModState.load`` gives a site that never held the state or lost it, so
+    the mod's own first-message and state-lost paths apply unchanged.
+    """
+    work = work_of(msg)
+    if work is None:
+        return ModState.load(context, key)
+    held = held_work(context, key, work.run_key)
+    if held is not None and held < work.index:
+        return ModState.load(context, key)  # the normal case: the state after the last work
+    # A new Flower run (resumed) or work the site did already (re-sent): from the disk.
+    store = SiteSnapshots.of(context, work.run_key)
+    state, found = None, 0
+    if store is not None and work.index > 1:
+        state, found = store.latest_before(key, work.index)
+    if store is not None:
+        store.forget_from(key, work.index)
+    _hold(context, key, work.run_key, state, found)
+    return state
+
+
+def save_state(msg: Message, context: Context, key: str, state: ModState) -> None:
+    """Keep ``state`` under ``key`` in ``context.state`` and, for our engine's work, on disk."""
+    state.save(context, key)
+    work = work_of(msg)
+    if work is None:
+        return
+    _tag(context, key, work.run_key, work.index)
+    store = SiteSnapshots.of(context, work.run_key)
+    if store is None:
+        return
+    try:
+        store.write(key, work.index, state)
+    except (CheckpointError, OSError) as exc:
+        # The reply is still good; only a resume needs the snapshot. Without it the newest
+        # earlier one would pass for the state after this work, so none may stay.
+        log.warning("cannot snapshot this site's state (%s); a resume will resync it", exc)
+        store.forget_from(key, 0)
+
+
+def held_work(context: Context, key: str, run_key: str) -> int | None:
+    """The work whose state ``context.state`` holds under ``key`` for ``run_key``; None if none."""
+    tags = context.state.config_records.get(keys.WORK_TAGS)
+    if tags is None or tags.get(_RUN_KEY_TAG) != run_key or key not in context.state:
+        return None
+    index = tags.get(key)
+    return index if isinstance(index, int) and not isinstance(index, bool) else None
+
+
+def _tag(context: Context, key: str, run_key: str, index: int) -> None:
+    tags = context.state.config_records.get(keys.WORK_TAGS)
+    kept = dict(tags) if tags is not None and tags.get(_RUN_KEY_TAG) == run_key else {}
+    context.state[keys.WORK_TAGS] = ConfigRecord({**kept, _RUN_KEY_TAG: run_key, key: index})
+
+
+def _hold(context: Context, key: str, run_key: str, state: ModState | None, work: int) -> None:
+    """Make ``context.state`` hold what the site now has under ``key`` (restored, or nothing)."""
+    if state is None:
+        if key in context.state:
+            del context.state[key]
+        return
+    state.save(context, key)
+    _tag(context, key, run_key, work)
+
+
+# ================================================================== the files
+def state_root(node_config: Mapping[str, Any]) -> Path:
+    """The directory holding this site's snapshots of every run (see the module's doc)."""
+    configured = node_config.get(keys.STATE_DIR)
+    if configured:
+        return Path(str(configured)).expanduser()
+    if os.environ.get("FLPLATFORM_SITE_STATE"):
+        return Path(os.environ["FLPLATFORM_SITE_STATE"]).expanduser()
+    if os.environ.get("FLPLATFORM_HOME"):
+        return Path(os.environ["FLPLATFORM_HOME"]).expanduser() / "site-state"
+    return Path.home() / ".flplatform" / "site-state"
+
+
+def stable_site_id(node_config: Mapping[str, Any]) -> str | None:
+    """What names this site across runs and resumes: its name, else its partition.
+
+    None when the node config has neither: the Flower node id changes on a resume, so it
+    would find no snapshot; such a site keeps snapshots only in a ``state-dir`` of its own.
+    """
+    name = node_config.get(keys.SITE_NAME)
+    if name not in (None, ""):
+        return str(name)
+    partition = node_config.get(keys.PARTITION_ID)
+    if partition not in (None, ""):
+        return f"partition-{partition}"
+    return "site" if node_config.get(keys.STATE_DIR) else None
+
+
+def safe_name(text: str) -> str:
+    """``text`` as one path component that cannot leave its directory.
+
+    Plain names stay readable; anything else (``..``, slashes, spaces, long names) becomes
+    ``h-`` and a hash of it, so two different texts never share a directory.
+    """
+    if _SAFE.fullmatch(text) and text not in (".", ".."):
+        return text
+    return "h-" + hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
+class SiteSnapshots:
+    """One site's snapshots of one run: ``<root>/<run key>/<site>/<state key>/work-<n>.npz``."""
+
+    def __init__(self, directory: Path, *, keep: int = KEEP) -> None:
+        self.directory = directory
+        self.keep = keep
+
+    @classmethod
+    def of(cls, context: Context, run_key: str) -> SiteSnapshots | None:
+        """This site's snapshots of ``run_key``; None when the site has no stable id."""
+        site = stable_site_id(context.node_config)
+        if site is None:
+            return None
+        root = state_root(context.node_config)
+        return cls(root / safe_name(run_key) / safe_name(site))
+
+    def path(self, key: str, index: int) -> Path:
+        return self.directory / safe_name(key) / f"work-{index:09d}.npz"
+
+    def works(self, key: str) -> list[int]:
+        """The works that have a snapshot of ``key``, oldest first."""
+        folder = self.directory / safe_name(key)
+        if not folder.is_dir():
+            return []
+        found = (_FILE.fullmatch(entry.name) for entry in folder.iterdir())
+        return sorted(int(m.group(1)) for m in found if m)
+
+    def write(self, key: str, index: int, state: ModState) -> int:
+        """Write ``state`` as work ``index``'s snapshot, keep the newest; return its bytes."""
+        tree = {
+            "kind": KIND,
+            "state-key": key,
+            "work": index,
+            "meta": dict(state.meta),
+            # np.asarray: a 0-d step may be a NumPy scalar, which would be saved as a float
+            "groups": {
+                group: {name: np.asarray(array) for name, array in arrays.items()}
+                for group, arrays in state.groups.items()
+            },
+        }
+        path = self.path(key, index)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        size = write_state(path, tree)
+        for old in self.works(key)[: -self.keep]:
+            self.path(key, old).unlink(missing_ok=True)
+        return size
+
+    def latest_before(self, key: str, index: int) -> tuple[ModState | None, int]:
+        """The newest snapshot of ``key`` from a work before ``index``, and that work (0: none).
+
+        An unreadable newest snapshot is lost state, never a reason to use an older one
+        (that would be the wrong state, silently).
+        """
+        earlier = [n for n in self.works(key) if n < index]
+        if not earlier:
+            return None, 0
+        work = earlier[-1]
+        path = self.path(key, work)
+        try:
+            state = _state_from_tree(read_state(path), key, work)
+        except CheckpointError as exc:
+            log.warning("site snapshot %s is unusable, state treated as lost: %s", path, exc)
+            return None, 0
+        return state, work
+
+    def forget_from(self, key: str, index: int) -> None:
+        """Delete snapshots of work ``index`` and later: the server is redoing that work."""
+        for work in self.works(key):
+            if work >= index:
+                try:
+                    self.path(key, work).unlink(missing_ok=True)
+                except OSError as exc:  # unreadable later: lost state, never a wrong one
+                    log.warning("cannot delete site snapshot %s: %s", self.path(key, work), exc)
+
+
+def _state_from_tree(tree: Mapping[str, Any], key: str, work: int) -> ModState:
+    """A ``ModState`` from a snapshot's tree, checked (``CheckpointError`` says what is wrong)."""
+    if tree.get("kind") != KIND or tree.get("state-key") != key or tree.get("work") != work:
+        raise CheckpointError(f"not the snapshot of '{key}' after work {work}")
+    meta, groups = tree.get("meta"), tree.get("groups")
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+        for k, v in meta.items()
+    ):
+        raise CheckpointError("its 'meta' must map names to integers")
+    if not isinstance(groups, dict) or not all(
+        isinstance(g, str)
+        and isinstance(arrays, dict)
+        and all(isinstance(n, str) and isinstance(a, np.ndarray) for n, a in arrays.items())
+        for g, arrays in groups.items()
+    ):
+        raise CheckpointError("its 'groups' must map names to named arrays")
+    return ModState(dict(meta), {g: dict(arrays) for g, arrays in groups.items()})
