@@ -15,6 +15,14 @@ os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
 
 
+@pytest.fixture(autouse=True)
+def site_state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test's sites keep their snapshots (strategies/mods/snapshots.py) to themselves."""
+    directory = tmp_path / "site-state"
+    monkeypatch.setenv("FLPLATFORM_SITE_STATE", str(directory))
+    return directory
+
+
 @pytest.fixture
 def task_identity() -> Iterator[None]:
     """Let a test build ``Message`` objects outside a running app."""
