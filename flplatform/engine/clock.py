@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from flplatform import keys
+from flplatform.checkpoint import CheckpointError, StateProblems
 from flplatform.checks import positive_count
 from flplatform.network import Network, SiteProfile, compute_seconds
 from flplatform.seeding import rng_for
@@ -110,6 +111,14 @@ class Clock(Protocol):
         """
         ...
 
+    def state_dict(self) -> dict[str, Any]:
+        """The clock's state at a round boundary (checkpoint data, keyed by site name)."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``state_dict()`` output (``CheckpointError`` listing every problem)."""
+        ...
+
 
 class WallClock:
     """Real time: a reply has arrived when the server pulls it."""
@@ -150,6 +159,14 @@ class WallClock:
         """Always: on the wall clock, whatever has been pulled has arrived."""
         return True
 
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing: real time is not saved."""
+        return {"kind": "wall"}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Accept only a wall clock's state: a simulated run cannot go on in real time."""
+        _check_kind(state, "wall")
+
 
 class VirtualClock:
     """Simulated time over a ``Network`` of site profiles; starts at 0.
@@ -177,6 +194,7 @@ class VirtualClock:
         # site → when its last pipelined message was sent, computed and landed: how far
         # its next one may reach back
         self._pipeline_from: dict[str, tuple[float, float, float]] = {}
+        self._joined: dict[str, int] = {}  # site → the index it joined with (its profile)
 
     def now(self) -> float:
         """Simulated seconds since the run started."""
@@ -190,6 +208,7 @@ class VirtualClock:
         """Give ``site`` its profile (by name, else by position) and return it for the ledger."""
         profile = self.network.profile_for(site, index)
         self._profiles[site] = profile
+        self._joined[site] = index
         return profile.to_dict()
 
     def profile(self, site: str) -> SiteProfile:
@@ -306,6 +325,87 @@ class VirtualClock:
     def releasable(self, arrived_at: float, outstanding: Iterable[Schedule]) -> bool:
         """Only if no outstanding message could land before ``arrived_at``."""
         return all(arrived_at <= s.earliest_arrival for s in outstanding)
+
+    # ------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """Simulated time and every site's timeline, by site name (node ids change on resume).
+
+        Profiles are not saved: they follow from the network and the index each site
+        joined with, so a resumed run with the same network gets the same ones.
+        """
+        return {
+            "kind": "virtual",
+            "seed": self.seed,
+            "now": self._now,
+            "joined": dict(self._joined),
+            "attempts": dict(self._attempts),
+            "downlink_free": dict(self._downlink_free),
+            "uplink_free": dict(self._uplink_free),
+            "pipeline_from": {site: list(times) for site, times in self._pipeline_from.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``state_dict()`` output; the clock is unchanged if it does not fit."""
+        _check_kind(state, "virtual")
+        problems = StateProblems("the virtual clock")
+        names = ("seed", "now", "joined", "attempts", "downlink_free", "uplink_free")
+        if not problems.require(state, *names, "pipeline_from"):
+            problems.raise_if_any()
+        if state["seed"] != self.seed:
+            problems.add(f"it ran with seed {state['seed']!r}, this run has seed {self.seed}")
+        problems.number(state["now"], "now")
+        joined = _site_numbers(problems, state["joined"], "joined", integer=True)
+        attempts = _site_numbers(problems, state["attempts"], "attempts", integer=True)
+        downlink = _site_numbers(problems, state["downlink_free"], "downlink_free")
+        uplink = _site_numbers(problems, state["uplink_free"], "uplink_free")
+        pipeline: dict[str, tuple[float, float, float]] = {}
+        raw = state["pipeline_from"]
+        if not isinstance(raw, Mapping):
+            problems.add("'pipeline_from' must be a mapping")
+        else:
+            for site, times in raw.items():
+                if (
+                    isinstance(site, str)
+                    and isinstance(times, list | tuple)
+                    and len(times) == 3
+                    and all(problems.number(t, f"pipeline_from[{site}]") for t in times)
+                ):
+                    pipeline[site] = (float(times[0]), float(times[1]), float(times[2]))
+                else:
+                    problems.add(f"'pipeline_from' of {site!r} must be three times")
+        problems.raise_if_any()
+        self._now = float(state["now"])
+        self._joined = {site: int(index) for site, index in joined.items()}
+        self._profiles = {
+            site: self.network.profile_for(site, index) for site, index in self._joined.items()
+        }
+        self._attempts = {site: int(n) for site, n in attempts.items()}
+        self._downlink_free = {site: float(t) for site, t in downlink.items()}
+        self._uplink_free = {site: float(t) for site, t in uplink.items()}
+        self._pipeline_from = pipeline
+
+
+def _check_kind(state: Mapping[str, Any], kind: str) -> None:
+    found = state.get("kind") if isinstance(state, Mapping) else None
+    if found != kind:
+        raise CheckpointError(
+            f"the checkpoint's clock is {found!r}, this run's is {kind!r}: a run resumes "
+            "on the clock it started with"
+        )
+
+
+def _site_numbers(
+    problems: StateProblems, value: Any, name: str, *, integer: bool = False
+) -> dict[str, float]:
+    """``value`` as a site name → number mapping (problems noted, bad entries left out)."""
+    if not isinstance(value, Mapping):
+        problems.add(f"'{name}' must be a mapping of site names")
+        return {}
+    return {
+        site: number
+        for site, number in value.items()
+        if isinstance(site, str) and problems.number(number, f"{name}[{site}]", integer=integer)
+    }
 
 
 def _speed(profile: SiteProfile) -> float:

@@ -23,6 +23,9 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from flplatform.checkpoint import StateProblems
 
 # A round's train loss above this many times the run's first loss is divergence.
 FACTOR = 10.0
@@ -129,6 +132,25 @@ class DivergenceWatch:
         found = self._judge(server_round, train_loss, reported)
         self.reported = found is not None
         return found
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run's first loss, where it came from, and whether divergence was reported."""
+        return {"first": self.first, "first_from": self.first_from, "reported": self.reported}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``state_dict()`` output (``CheckpointError`` listing every problem)."""
+        problems = StateProblems("the divergence watch")
+        if not problems.require(state, "first", "first_from", "reported"):
+            problems.raise_if_any()
+        if state["first"] is not None:
+            problems.number(state["first"], "first")
+        if not isinstance(state["first_from"], str):
+            problems.add("'first_from' must be text")
+        if not isinstance(state["reported"], bool):
+            problems.add("'reported' must be true or false")
+        problems.raise_if_any()
+        self.first = None if state["first"] is None else float(state["first"])
+        self.first_from, self.reported = state["first_from"], state["reported"]
 
     def _judge(
         self, server_round: int, train_loss: float | None, reported: Sequence[ReportedLoss]

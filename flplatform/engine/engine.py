@@ -32,14 +32,16 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from flplatform import keys
+from flplatform.checkpoint import CheckpointError, StateProblems
 from flplatform.engine import rows
 from flplatform.engine.clock import Clock, Schedule, WallClock, planned_steps
 from flplatform.engine.discovery import introduce
@@ -60,7 +62,14 @@ from flplatform.engine.events import (
     UpdateOutcome,
 )
 from flplatform.engine.guard import Decision, GuardOptions, Ruling, UpdateGuard
-from flplatform.engine.mailbox import PULL_CHUNK, TTL_GRACE_SECONDS, Arrival, Mailbox, address
+from flplatform.engine.mailbox import (
+    PULL_CHUNK,
+    TTL_GRACE_SECONDS,
+    Arrival,
+    Mailbox,
+    SavedWork,
+    address,
+)
 from flplatform.engine.policy import AggregationPolicy, EngineView
 from flplatform.engine.replies import finite, reported_losses, reported_metrics
 from flplatform.engine.rows import REFUSED, UNAVAILABLE, no_reply_within, site_error
@@ -69,14 +78,16 @@ from flplatform.engine.stop_rule import DEFAULT_MAX_FAILED_ROUNDS, FailureStreak
 from flplatform.engine.strategy import EngineStrategy, SubsetGrid, Update, Work
 from flplatform.engine.synchrony import Synchrony
 from flplatform.engine.versions import ModelVersions
-from flplatform.engine.wire import content_size, message_size
-from flplatform.errors import RunFailed, StepRefused, UpdateRejected
+from flplatform.engine.wire import content_size, message_size, restamped_size
+from flplatform.errors import NoProgress, RunFailed, StepRefused, UpdateRejected
 
 log = logging.getLogger("flplatform.engine")
 
 # A refused site is not offered work again for this long (it may be reconnecting).
 REFUSED_BACKOFF = 5.0
 CANCELLED_REASON = "cancelled: the step it was computing for was decided without it"
+# The ``kind`` of a run's state tree (a checkpoint): what ``resume_from`` accepts.
+STATE_KIND = "flplatform-run-state"
 
 
 @dataclass
@@ -132,6 +143,14 @@ class RoundEngine:
     guard : UpdateGuard, optional
         Checks every update before it counts. None: a guard that checks nothing (every
         update counts as its site claims); ``flplatform.start`` gives one that does.
+    checkpoints : bool
+        Build the engine's whole state after each round (``state_dict``) and hand it to
+        the ledger with the round: ``ledger.record_round(summary, state)``.
+    run_key : str
+        A stable id of the run (the same after a resume). When given, every training
+        message's ``config`` carries it (``run-key``) and the message's 1-based index
+        among those sent to its site (``site-work``), so that a site can restore the
+        state it had before that work (see ``flplatform.keys``).
     """
 
     def __init__(
@@ -149,6 +168,8 @@ class RoundEngine:
         on_round: Callable[[RoundSummary], None] | None = None,
         max_failed_rounds: int = DEFAULT_MAX_FAILED_ROUNDS,
         guard: UpdateGuard | None = None,
+        checkpoints: bool = False,
+        run_key: str = "",
     ) -> None:
         self.grid = grid
         self.strategy = strategy
@@ -170,6 +191,12 @@ class RoundEngine:
         self.version = 0
         self.arrays = ArrayRecord()
         self._sent_per_period: dict[int, int] = {}  # training messages sent, by period
+        self.checkpoints = checkpoints
+        self.run_key = run_key
+        self._site_work: dict[int, int] = {}  # node → training messages sent to it
+        self._finished_round = 0  # the last round recorded
+        self._result = Result()
+        self._resend: list[SavedWork] = []  # a resumed run's work in flight, sent first
 
     # ======================================================================= run
     def run(
@@ -181,18 +208,28 @@ class RoundEngine:
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
         federated_evaluation: bool = False,
+        resume: Mapping[str, Any] | None = None,
     ) -> Result:
-        """Run ``num_rounds`` server steps and return Flower's ``Result``."""
-        result = Result(arrays=initial_arrays)
-        self.arrays, self.version = initial_arrays, 0
-        self.versions.start(self.clock.now())
-        self.discover_sites()
-        if evaluate_fn is not None:
-            initial = evaluate_fn(0, initial_arrays)
-            if initial is not None:
-                result.evaluate_metrics_serverapp[0] = initial
+        """Run server steps up to round ``num_rounds`` and return Flower's ``Result``.
 
-        for server_round in range(1, num_rounds + 1):
+        ``resume``: a state tree from ``state_dict()`` (a checkpoint). The run then goes
+        on from the round after the one it was taken at, with everything restored and
+        the work that was in flight sent again (see ``resume_from``); ``initial_arrays``
+        is ignored and the initial evaluation is not repeated.
+        """
+        result = self._result = Result(arrays=initial_arrays)
+        if resume is None:
+            self.arrays, self.version = initial_arrays, 0
+            self.versions.start(self.clock.now())
+            self.discover_sites()
+            if evaluate_fn is not None:
+                initial = evaluate_fn(0, initial_arrays)
+                if initial is not None:
+                    result.evaluate_metrics_serverapp[0] = initial
+        else:
+            self.resume_from(resume)
+
+        for server_round in range(self._finished_round + 1, num_rounds + 1):
             self.refresh_sites()
             summary, train_metrics, failed_replies = self._train_round(server_round, train_config)
             metrics: dict[str, float] = {}
@@ -226,15 +263,228 @@ class RoundEngine:
             summary = replace(
                 summary, finished_at=time.time(), metrics=metrics, evaluations=evaluations
             )
-            self.ledger.record_round(summary)
+            stop: NoProgress | None = None
+            try:  # observed before the checkpoint, so that it holds this round too
+                self.failure_streak.observe(
+                    server_round, applied=_applied(summary.updates), failed_replies=failed_replies
+                )
+            except NoProgress as exc:
+                stop = exc
+            self._finished_round = server_round
+            if self.checkpoints:
+                self.ledger.record_round(summary, self.state_dict())
+            else:
+                self.ledger.record_round(summary)
             if self.on_round is not None:
                 self.on_round(summary)
             # Only now: the round that trips the rule is in the ledger when the run stops.
-            self.failure_streak.observe(
-                server_round, applied=_applied(summary.updates), failed_replies=failed_replies
-            )
+            if stop is not None:
+                raise stop
         result.arrays = self.arrays
         return result
+
+    # ============================================================ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """The whole run at the last round boundary, as checkpoint data.
+
+        ``{"kind", "server_round", "model_version", "model", "engine"}``: ``model`` is the
+        global model (all ``flplatform export`` reads); ``engine`` everything else the
+        run needs to go on exactly: the strategy's and the policy's state, the clock,
+        the sites (by node id, with their names), the work in flight with its content,
+        the replies not yet judged, the model versions that work was sent, the guard,
+        the divergence watch, the stop rule, counters and the ``Result`` history.
+        """
+        result = self._result
+        return {
+            "kind": STATE_KIND,
+            "server_round": self._finished_round,
+            "model_version": self.version,
+            "model": self.arrays,
+            "engine": {
+                "run_key": self.run_key,
+                "strategy_name": self.strategy.ledger_name,
+                "strategy": self.strategy.state_dict(),
+                "policy": self.policy.state_dict(),
+                "clock": self.clock.state_dict(),
+                "sites": self.sites.state_dict(),
+                "site_work": dict(self._site_work),
+                "mailbox": self.mailbox.state_dict(),
+                # the sites' work in the order it was planned (the order the policy sees)
+                "planned": [d.node_id for d in self.sites.training()],
+                "versions": self.versions.state_dict(),
+                "guard": self.guard.state_dict(),
+                "divergence": self.divergence.state_dict(),
+                "failure_streak": self.failure_streak.state_dict(),
+                "sent_per_period": dict(self._sent_per_period),
+                "tickets": self._tickets,
+                "history": {
+                    "train_metrics_clientapp": dict(result.train_metrics_clientapp),
+                    "evaluate_metrics_clientapp": dict(result.evaluate_metrics_clientapp),
+                    "evaluate_metrics_serverapp": dict(result.evaluate_metrics_serverapp),
+                },
+            },
+        }
+
+    def resume_from(self, state: Mapping[str, Any]) -> dict[int, int]:
+        """Restore the engine from ``state_dict()`` output; return old → new node ids.
+
+        Waits (``startup_timeout``) for every site the state names to connect and
+        introduce itself, and matches them by site name (a resumed simulation's nodes
+        have new ids). The work that was in flight is sent again, unchanged, when the
+        next round opens. Raises ``CheckpointError`` for a state that is not a run state
+        or does not fit this run, ``RunFailed`` when a site does not come back.
+        """
+        problems = StateProblems("the run")
+        kind = state.get("kind") if isinstance(state, Mapping) else None
+        if kind != STATE_KIND:
+            raise CheckpointError(f"not a run state (kind {kind!r}, expected {STATE_KIND!r})")
+        names = ("server_round", "model_version", "model", "engine")
+        if not problems.require(state, *names):
+            problems.raise_if_any()
+        engine = state["engine"]
+        parts = (
+            *("run_key", "strategy_name", "strategy", "policy", "clock", "sites", "site_work"),
+            *("mailbox", "planned", "versions", "guard", "divergence", "failure_streak"),
+            *("sent_per_period", "tickets", "history"),
+        )
+        if not problems.require(engine, *parts):
+            problems.raise_if_any()
+        problems.number(state["server_round"], "server_round", integer=True)
+        problems.number(state["model_version"], "model_version", integer=True)
+        if not isinstance(state["model"], ArrayRecord):
+            problems.add("'model' must be an ArrayRecord")
+        if engine["strategy_name"] != self.strategy.ledger_name:
+            problems.add(
+                f"it ran strategy {engine['strategy_name']!r}, this run "
+                f"{self.strategy.ledger_name!r}"
+            )
+        if not isinstance(engine["planned"], list):
+            problems.add("'planned' must list node ids")
+        saved_sites = engine["sites"]
+        if not isinstance(saved_sites, list) or not all(
+            isinstance(s, Mapping) and isinstance(s.get("name"), str) for s in saved_sites
+        ):
+            problems.add("'sites' must list the run's sites by name")
+        problems.raise_if_any()
+
+        # ---- the same sites, with this run's node ids
+        nodes = self._rediscover([s["name"] for s in saved_sites])
+        by_name = {info.name: node_id for node_id, info in self.sites.infos().items()}
+        mapping = {s["node_id"]: by_name[s["name"]] for s in saved_sites}
+        joined_since = [n for n in nodes if n not in mapping.values()]
+
+        # ---- every part, each validating its own state
+        self.arrays, self.version = state["model"], int(state["model_version"])
+        self.clock.load_state_dict(engine["clock"])
+        self.sites.load_state_dict(saved_sites, nodes=mapping)
+        self.versions.load_state_dict(engine["versions"], current=(self.version, self.arrays))
+        self.guard.load_state_dict(engine["guard"], nodes=mapping)
+        for node_id in joined_since:
+            info = self.sites.info(node_id)
+            self.guard.declare(node_id, info.num_examples if info else None)
+        self.divergence.load_state_dict(engine["divergence"])
+        self.failure_streak.load_state_dict(engine["failure_streak"])
+        self.policy.load_state_dict(engine["policy"])
+        self.strategy.load_state_dict(engine["strategy"], nodes=mapping)
+        work = self.mailbox.load_state_dict(engine["mailbox"], nodes=mapping)
+        self._restore_counters(engine, mapping)
+        self._load_history(engine["history"])
+
+        # ---- the sites take up their work again: replies not yet judged, then work out
+        for arrival in self.mailbox.arrivals:
+            self.sites.train(arrival.dispatch)
+            self.sites.arrive(arrival.dispatch.node_id)
+        planned = {mapping.get(n, n): i for i, n in enumerate(engine["planned"])}
+        working = [w for w in work if w.tray != "cancelled"]  # a cancelled site is free
+        for saved in sorted(working, key=lambda w: planned.get(w.dispatch.node_id, len(planned))):
+            self.sites.train(saved.dispatch)
+        self._resend = work
+        self._finished_round = int(state["server_round"])
+        log.info(
+            "resumed after round %s (model version %s): %s message(s) sent again, "
+            "%s reply(ies) waiting to be judged",
+            self._finished_round,
+            self.version,
+            len(work),
+            len(self.mailbox.arrivals),
+        )
+        return mapping
+
+    def _rediscover(self, names: Sequence[str]) -> list[int]:
+        """Introduce nodes until every site in ``names`` is among them; their node ids."""
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            node_ids = sorted(self.grid.get_node_ids())
+            new = [n for n in node_ids if n not in self.sites]
+            if new:
+                self._introduce(new, timeout=self.startup_timeout)
+            present = {info.name for info in self.sites.infos().values()}
+            missing = [name for name in names if name not in present]
+            if not missing:
+                return node_ids
+            if time.monotonic() > deadline:
+                raise RunFailed(
+                    f"cannot resume: site(s) {', '.join(missing)} of the checkpoint did not "
+                    f"connect within {self.startup_timeout:.0f} s (connected: "
+                    f"{', '.join(sorted(present)) or 'none'}); a run resumes with all its "
+                    "sites, under the same names"
+                )
+            time.sleep(0.2)
+
+    def _restore_counters(self, engine: Mapping[str, Any], nodes: Mapping[int, int]) -> None:
+        problems = StateProblems("the engine's counters")
+        site_work, sent = engine["site_work"], engine["sent_per_period"]
+        if not isinstance(engine["run_key"], str):
+            problems.add("'run_key' must be text")
+        problems.number(engine["tickets"], "tickets", integer=True)
+        for name, counts in (("site_work", site_work), ("sent_per_period", sent)):
+            if not isinstance(counts, Mapping) or not all(
+                isinstance(k, int) and problems.number(v, name, integer=True)
+                for k, v in counts.items()
+            ):
+                problems.add(f"'{name}' must map whole numbers to counts")
+        if isinstance(site_work, Mapping):
+            unknown = [n for n in site_work if n not in nodes]
+            if unknown:
+                problems.add(f"'site_work' names nodes {unknown} that are not sites of the run")
+        problems.raise_if_any()
+        if self.run_key and engine["run_key"] != self.run_key:
+            log.info("resuming run key %r (this run was given %r)", engine["run_key"], self.run_key)
+        self.run_key = engine["run_key"]
+        self._site_work = {nodes[n]: int(v) for n, v in site_work.items()}
+        self._sent_per_period = {int(p): int(v) for p, v in sent.items()}
+        self._tickets = int(engine["tickets"])
+
+    def _load_history(self, history: Any) -> None:
+        problems = StateProblems("the run's metric history")
+        fields = (
+            "train_metrics_clientapp",
+            "evaluate_metrics_clientapp",
+            "evaluate_metrics_serverapp",
+        )
+        if problems.require(history, *fields):
+            for name in fields:
+                records = history[name]
+                if not isinstance(records, Mapping) or not all(
+                    isinstance(r, int) and isinstance(m, MetricRecord) for r, m in records.items()
+                ):
+                    problems.add(f"'{name}' must map rounds to metric records")
+        problems.raise_if_any()
+        for name in fields:
+            setattr(self._result, name, dict(history[name]))
+
+    def _resend_saved(self, state: _RoundState) -> None:
+        """A resumed run: send the work that was in flight at the checkpoint, unchanged."""
+        work, self._resend = self._resend, []
+        for saved in self.mailbox.resend(work, self.round_timeout):
+            node_id = saved.dispatch.node_id
+            if saved.tray == "cancelled":  # its deferred work need not wait for it
+                self._push_deferred(node_id, state)
+                continue
+            self._site_work[node_id] = self._site_work.get(node_id, 1) - 1
+            state.outcomes.append(self._no_update(saved.dispatch, DROPPED, REFUSED))
+            state.failed_nodes.add(node_id)
+            self.sites.refuse(node_id, time.monotonic() + REFUSED_BACKOFF)
 
     @property
     def simulated_seconds(self) -> float | None:
@@ -293,6 +543,8 @@ class RoundEngine:
         state = _RoundState(server_round, time.time(), self.clock.now(), train_config)
         self.strategy.begin_aggregation(server_round, self.arrays)
         self.guard.begin_round(server_round)
+        if self._resend:
+            self._resend_saved(state)
         waiting_since = time.monotonic()
         while True:
             # ---- dispatch: the policy says who may get work; the strategy samples
@@ -390,6 +642,9 @@ class RoundEngine:
         )
         if not messages:
             return 0
+        # In join order, not the strategy's (often node-id) order: a resumed run's nodes
+        # have new ids, and the order of sending is the order of planning and of rows.
+        messages.sort(key=lambda m: self.sites.position(m.metadata.dst_node_id))
         self.versions.hand_out(self.version, self.arrays)
         sizes: dict[int, int] = {}  # a broadcast shares one content: measure it once
         to_push: list[tuple[Message, Dispatch]] = []
@@ -413,7 +668,10 @@ class RoundEngine:
             key = id(msg.content)
             if key not in sizes:
                 sizes[key] = content_size(msg.content)
-            dispatch = self._planned(msg, work, state, bytes_down=message_size(msg, sizes[key]))
+            content_bytes = sizes[key]
+            if self.run_key:
+                msg, content_bytes = self._stamp(msg, content_bytes)
+            dispatch = self._planned(msg, work, state, bytes_down=message_size(msg, content_bytes))
             self._sent_per_period[dispatch.period] = (
                 self._sent_per_period.get(dispatch.period, 0) + 1
             )
@@ -425,6 +683,37 @@ class RoundEngine:
         if to_push:
             self._push(to_push, state)
         return attempted
+
+    def _stamp(self, msg: Message, content_bytes: int) -> tuple[Message, int]:
+        """``msg`` with the run key and its site-work index in its config; its content size.
+
+        The strategy's content may be shared by every message of a broadcast: each site
+        gets its own copy of the records (the arrays stay shared).
+        """
+        node_id = msg.metadata.dst_node_id
+        work = self._site_work[node_id] = self._site_work.get(node_id, 0) + 1
+        content = msg.content
+        config = ConfigRecord(
+            {
+                **content.config_records.get(keys.CONFIG, ConfigRecord()),
+                keys.SITE_WORK: work,
+                keys.RUN_KEY: self.run_key,
+            }
+        )
+        size = restamped_size(content, content_bytes, keys.CONFIG, config)
+        stamped = Message(
+            RecordDict({**content, keys.CONFIG: config}),
+            dst_node_id=node_id,
+            message_type=msg.metadata.message_type,
+            ttl=msg.metadata.ttl,
+            group_id=msg.metadata.group_id,
+        )
+        return stamped, size
+
+    def _unsent(self, dispatch: Dispatch) -> None:
+        """A training message never reached its site: its site-work index is used again."""
+        if self.run_key and self._site_work.get(dispatch.node_id, 0) > 0:
+            self._site_work[dispatch.node_id] -= 1
 
     def _steps(self, msg: Message) -> int:
         """Local steps a training message asks of its site (what compute time scales with)."""
@@ -471,6 +760,7 @@ class RoundEngine:
         """Push training messages whose sites are TRAINING; record refusals."""
         for dispatch in self.mailbox.push_training(pairs, self.round_timeout):
             # the SuperLink took nothing: no bytes went down
+            self._unsent(dispatch)
             state.outcomes.append(self._no_update(dispatch, DROPPED, REFUSED))
             state.failed_nodes.add(dispatch.node_id)
             self.sites.refuse(dispatch.node_id, time.monotonic() + REFUSED_BACKOFF)
@@ -690,6 +980,8 @@ class RoundEngine:
         """Stop waiting for the site's update; the site is free for new work at once."""
         dispatch = self.sites.work(node_id)
         if self.sites.phase(node_id) is Phase.TRAINING and dispatch is not None:
+            if not dispatch.message_id:  # deferred: it never went
+                self._unsent(dispatch)
             self.mailbox.cancel(dispatch)
             self.sites.free(node_id)
             state.outcomes.append(self._no_update(dispatch, CANCELLED, CANCELLED_REASON))

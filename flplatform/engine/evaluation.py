@@ -39,6 +39,7 @@ def evaluate_round(
     config[keys.MODEL_VERSION] = model_version
     drafts = strategy.configure_evaluate(server_round, arrays, config, SubsetGrid(grid, idle))
     messages = address(drafts, idle, ttl=timeout + TTL_GRACE_SECONDS, model_version=model_version)
+    messages.sort(key=lambda m: sites.position(m.metadata.dst_node_id))  # rows in join order
     exchanged = mailbox.exchange(messages, model_version=model_version, timeout=timeout)
     outcomes = []
     for dispatch, reply in exchanged:

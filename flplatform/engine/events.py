@@ -10,6 +10,7 @@ are declared once for the engine and the ledger alike. The engine writes through
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -109,8 +110,14 @@ class LedgerSink(Protocol):
         """Record a site that joined the run."""
         ...
 
-    def record_round(self, summary: RoundSummary) -> None:
-        """Record one finished round and all its updates, atomically."""
+    def record_round(self, summary: RoundSummary, state: Mapping[str, Any] | None = None) -> None:
+        """Record one finished round and all its updates, atomically.
+
+        ``state``: the engine's whole state after the round (``RoundEngine.state_dict``),
+        when the run keeps checkpoints; committed with the round, so that a committed
+        round always has its checkpoint. The engine passes it only then (a sink that
+        keeps none may take ``summary`` alone).
+        """
         ...
 
 
@@ -120,5 +127,5 @@ class NullLedger:
     def add_site(self, site: SiteInfo, profile: dict[str, Any]) -> None:
         """Ignore the site."""
 
-    def record_round(self, summary: RoundSummary) -> None:
-        """Ignore the round."""
+    def record_round(self, summary: RoundSummary, state: Mapping[str, Any] | None = None) -> None:
+        """Ignore the round (and its state)."""

@@ -41,12 +41,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import numpy as np
 
+from flplatform.checkpoint import StateProblems
 from flplatform.checks import Problem, holds, number, one_of, require
 
 CLIP = "clip"
@@ -195,6 +197,27 @@ class _Kind:
 
     def norms(self) -> list[float]:
         return [n for past in self.rounds for n in past] + self.current
+
+
+def _mapping(problems: StateProblems, value: Any, name: str) -> Mapping[Any, Any]:
+    if isinstance(value, Mapping):
+        return value
+    problems.add(f"'{name}' must be a mapping")
+    return {}
+
+
+def _node_mapper(problems: StateProblems, nodes: Mapping[int, int] | None) -> Callable[[Any], int]:
+    """old node id → this run's (unchanged without ``nodes``; an unknown one is a problem)."""
+
+    def node(old: Any) -> int:
+        if nodes is None:
+            return int(old)
+        if old not in nodes:
+            problems.add(f"node {old!r} is not among the sites of this run")
+            return -1
+        return nodes[old]
+
+    return node
 
 
 def median(values: Iterable[float]) -> float:
@@ -346,6 +369,85 @@ class UpdateGuard:
                         kept += new
             state.direction_sum, state.direction_weight = None, 0.0
 
+    # ------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """What the guard remembers across rounds: norm windows and directions by kind,
+        replay fingerprints, last and declared weights by node. Taken between rounds,
+        when no update waits. The options are not in it (a resumed run passes the same).
+        """
+        return {
+            "round": self._round,
+            "kinds": {
+                name: {
+                    "rounds": [list(norms) for norms in kind.rounds],
+                    # copies: the direction is updated in place after each round
+                    "direction": None
+                    if kind.direction is None
+                    else [part.copy() for part in kind.direction],
+                }
+                for name, kind in self._kinds.items()
+            },
+            "seen": {site: dict(prints) for site, prints in self._seen.items()},
+            "last_weight": dict(self._last_weight),
+            "declared": dict(self._declared),
+        }
+
+    def load_state_dict(
+        self, state: Mapping[str, Any], *, nodes: Mapping[int, int] | None = None
+    ) -> None:
+        """Restore ``state_dict()`` output, node ids mapped through ``nodes`` (old → new).
+
+        Raises ``CheckpointError`` listing every problem; the guard is then unchanged.
+        """
+        problems = StateProblems("the update guard")
+        if not problems.require(state, "round", "kinds", "seen", "last_weight", "declared"):
+            problems.raise_if_any()
+        problems.number(state["round"], "round", integer=True)
+        kinds: dict[str, _Kind] = {}
+        for name, saved in _mapping(problems, state["kinds"], "kinds").items():
+            if not problems.require(saved, "rounds", "direction"):
+                continue
+            rounds = saved["rounds"]
+            if not isinstance(rounds, list) or not all(
+                isinstance(norms, list) and all(problems.number(n, "norm") for n in norms)
+                for norms in rounds
+            ):
+                problems.add(f"the norms of kind {name!r} must be lists of numbers")
+                continue
+            direction = saved["direction"]
+            if direction is not None and not (
+                isinstance(direction, list)
+                and all(problems.array(part, f"direction of {name!r}") for part in direction)
+            ):
+                continue
+            window: deque[list[float]] = deque(maxlen=self.options.window_rounds - 1)
+            window.extend([float(n) for n in norms] for norms in rounds)
+            kinds[name] = _Kind(
+                rounds=window,
+                direction=None if direction is None else [np.array(p) for p in direction],
+            )
+        node = _node_mapper(problems, nodes)
+        seen = {
+            node(site): {tuple(fp): int(r) for fp, r in prints.items()}
+            for site, prints in _mapping(problems, state["seen"], "seen").items()
+            if isinstance(prints, Mapping)
+        }
+        last_weight = {
+            node(site): float(w)
+            for site, w in _mapping(problems, state["last_weight"], "last_weight").items()
+            if problems.number(w, "last_weight")
+        }
+        declared = {
+            node(site): int(n)
+            for site, n in _mapping(problems, state["declared"], "declared").items()
+            if problems.number(n, "declared", integer=True)
+        }
+        problems.raise_if_any()
+        self._round = int(state["round"])
+        self._kinds, self._seen = kinds, seen
+        self._last_weight, self._declared = last_weight, declared
+        self._waiting = []
+
     # --------------------------------------------------------------- helpers
     def _kind(self, kind: str) -> _Kind:
         state = self._kinds.get(kind)
@@ -365,7 +467,8 @@ class UpdateGuard:
             )
         share = self.options.max_share
         if share < 1.0:
-            others = sum(
+            # fsum: exact whatever the order of the set (node ids change on resume)
+            others = math.fsum(
                 self._declared.get(other, self._last_weight.get(other, 0.0))
                 for other in set(self._declared) | set(self._last_weight)
                 if other != site

@@ -17,16 +17,18 @@ judges them. The mailbox measures every message's size; it decides nothing.
 from __future__ import annotations
 
 import heapq
-import itertools
 import logging
+import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from flwr.app import Message
+from flwr.app import Error, Message, MessageType, Metadata, RecordDict
 from flwr.serverapp import Grid
 
-from flplatform.engine.clock import Clock, Landing
+from flplatform.checkpoint import StateProblems
+from flplatform.engine.clock import Clock, Landing, Schedule
 from flplatform.engine.events import Dispatch
 from flplatform.engine.replies import reported_metrics
 from flplatform.engine.wire import content_size, message_size
@@ -63,6 +65,25 @@ class Late:
     cancelled: bool  # cancelled by the policy (else given up on)
 
 
+@dataclass(frozen=True)
+class SavedWork:
+    """A training message in flight at a checkpoint, to be sent again on resume."""
+
+    tray: str  # "awaited", "cancelled" or "deferred" (see ``Mailbox.state_dict``)
+    dispatch: Dispatch  # node id already this run's
+    content: RecordDict
+
+    def message(self, *, ttl: float) -> Message:
+        """The same message to the site's node of this run."""
+        return Message(
+            self.content,
+            dst_node_id=self.dispatch.node_id,
+            message_type=self.dispatch.message_type,
+            ttl=ttl,
+            group_id=str(self.dispatch.model_version),
+        )
+
+
 class Mailbox:
     """The engine's messages in flight over one Grid.
 
@@ -91,7 +112,10 @@ class Mailbox:
         self.deferred: dict[int, tuple[Message, Dispatch]] = {}  # node → its next push
         self.arrivals: list[Arrival] = []  # a heap by clock time
         self.replied_at: dict[str, float] = {}  # evaluation/query reply → its wall time
-        self._seq = itertools.count()
+        # awaited and cancelled training messages: message id → content (a resumed run
+        # sends the same work again)
+        self.contents: dict[str, RecordDict] = {}
+        self._seq = 0  # arrivals' order of pulling (ties on the clock)
 
     # ------------------------------------------------------------------ state
     def empty(self) -> bool:
@@ -130,7 +154,7 @@ class Mailbox:
         """
         ids = self.push([msg for msg, _ in pairs])
         refused = []
-        for (_, dispatch), message_id in zip(pairs, ids, strict=True):
+        for (msg, dispatch), message_id in zip(pairs, ids, strict=True):
             if not message_id:
                 dispatch.bytes_down = 0
                 refused.append(dispatch)
@@ -139,6 +163,7 @@ class Mailbox:
             dispatch.dispatched_at = time.time()
             dispatch.deadline = time.monotonic() + timeout
             self.awaited[message_id] = dispatch
+            self.contents[message_id] = msg.content
         return refused
 
     def defer(self, msg: Message, dispatch: Dispatch) -> None:
@@ -153,6 +178,7 @@ class Mailbox:
     def give_up(self, dispatch: Dispatch) -> None:
         """Stop waiting for ``dispatch``; its site stays busy until Flower answers it."""
         self.awaited.pop(dispatch.message_id, None)
+        self.contents.pop(dispatch.message_id, None)
         self.given_up[dispatch.message_id] = dispatch
 
     def cancel(self, dispatch: Dispatch) -> None:
@@ -189,6 +215,7 @@ class Mailbox:
         for message_id, dispatch in list(self.cancelled.items()):
             if dispatch.deadline < older_than:
                 del self.cancelled[message_id]
+                self.contents.pop(message_id, None)
                 returned.append(dispatch.node_id)
         return freed, returned
 
@@ -208,6 +235,7 @@ class Mailbox:
         late: list[Late] = []
         for reply in self.grid.pull_messages(message_ids):
             message_id = reply.metadata.reply_to_message_id
+            self.contents.pop(message_id, None)
             given_up = self.given_up.pop(message_id, None)
             if given_up is not None:
                 count += 1
@@ -235,17 +263,10 @@ class Mailbox:
             bytes_up=bytes_up,
             measured_compute=reported.get("compute_seconds"),
         )
+        self._seq += 1
         heapq.heappush(
             self.arrivals,
-            Arrival(
-                landing.arrived_at,
-                next(self._seq),
-                dispatch,
-                reply,
-                bytes_up,
-                landing,
-                time.time(),
-            ),
+            Arrival(landing.arrived_at, self._seq, dispatch, reply, bytes_up, landing, time.time()),
         )
 
     def next_arrival_at(self) -> float | None:
@@ -253,6 +274,86 @@ class Mailbox:
 
     def pop_arrival(self) -> Arrival:
         return heapq.heappop(self.arrivals)
+
+    # ------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """The training work in flight at a round boundary, and the replies not yet judged.
+
+        ``work``: every training message the engine waits for (``awaited``, in the order
+        pushed), waiting behind a cancelled one (``deferred``) or cancelled but still
+        held by Flower (``cancelled``: its site still does it), with its content, so that
+        a resumed run sends the same work again. ``arrivals``: replies pulled but later
+        on the clock than the round's decision, with their landing, in the heap's own
+        order. Messages given up on are left out: they end with this run.
+        """
+        work = [("awaited", d, self.contents[i]) for i, d in self.awaited.items()]
+        work += [("deferred", d, m.content) for m, d in self.deferred.values()]
+        work += [("cancelled", d, self.contents[i]) for i, d in self.cancelled.items()]
+        return {
+            "work": [
+                {"tray": tray, "content": content, **dispatch_state(dispatch)}
+                for tray, dispatch, content in work
+            ],
+            "arrivals": [arrival_state(a) for a in self.arrivals],
+            "seq": self._seq,
+        }
+
+    def load_state_dict(
+        self, state: Mapping[str, Any], *, nodes: Mapping[int, int] | None = None
+    ) -> list[SavedWork]:
+        """Restore the arrivals of ``state_dict()`` output; return its work to send again.
+
+        The mailbox must be empty (a fresh run). The work is returned, not sent: the
+        engine hands it to its sites first (``RoundEngine`` sends it with ``resend``).
+        Raises ``CheckpointError`` listing every problem, the mailbox unchanged.
+        """
+        problems = StateProblems("the messages in flight")
+        if not problems.require(state, "work", "arrivals", "seq"):
+            problems.raise_if_any()
+        problems.number(state["seq"], "seq", integer=True)
+        work: list[SavedWork] = []
+        for saved in _list(problems, state["work"], "work"):
+            dispatch = dispatch_from_state(problems, saved, nodes)
+            tray = saved.get("tray") if isinstance(saved, Mapping) else None
+            content = saved.get("content") if isinstance(saved, Mapping) else None
+            if tray not in ("awaited", "cancelled", "deferred"):
+                problems.add(f"work in an unknown tray {tray!r}")
+            elif not isinstance(content, RecordDict):
+                problems.add("a message in flight has no content")
+            elif dispatch is not None:
+                work.append(SavedWork(tray, dispatch, content))
+        arrivals = []
+        for saved in _list(problems, state["arrivals"], "arrivals"):
+            arrival = arrival_from_state(problems, saved, nodes)
+            if arrival is not None:
+                arrivals.append(arrival)
+        problems.raise_if_any()
+        self.arrivals = arrivals  # saved in heap order: still a heap
+        self._seq = int(state["seq"])
+        return work
+
+    def resend(self, work: Sequence[SavedWork], timeout: float) -> list[SavedWork]:
+        """Send saved work again, each message into its tray; return the refused ones.
+
+        Deferred work waits, as before, for its site's cancelled message.
+        """
+        pushed = [w for w in work if w.tray != "deferred"]
+        messages = [w.message(ttl=timeout + TTL_GRACE_SECONDS) for w in work]
+        for w, msg in zip(work, messages, strict=True):
+            if w.tray == "deferred":
+                self.defer(msg, w.dispatch)
+        sent = [msg for w, msg in zip(work, messages, strict=True) if w.tray != "deferred"]
+        refused = []
+        for w, message_id in zip(pushed, self.push(sent), strict=True):
+            if not message_id:
+                w.dispatch.bytes_down = 0 if w.tray == "awaited" else w.dispatch.bytes_down
+                refused.append(w)
+                continue
+            w.dispatch.message_id = message_id
+            w.dispatch.deadline = time.monotonic() + timeout
+            (self.awaited if w.tray == "awaited" else self.cancelled)[message_id] = w.dispatch
+            self.contents[message_id] = w.content
+        return refused
 
     # --------------------------------------------------------------- exchange
     def exchange(
@@ -336,3 +437,168 @@ def address(
             )
         )
     return messages
+
+
+# ================================================================ checkpoint data
+_SCHEDULE = (
+    "dispatched_at",
+    "download_seconds",
+    "compute_seconds",
+    "earliest_arrival",
+    "compute_started_at",
+)
+_DISPATCH = (
+    "node_id",
+    "server_round",
+    "model_version",
+    "dispatched_at",
+    "bytes_down",
+    "message_type",
+    "period",
+    "delay",
+)
+
+
+def dispatch_state(dispatch: Dispatch) -> dict[str, Any]:
+    """A dispatch as checkpoint data (its message id and deadline end with the run)."""
+    schedule = dispatch.schedule
+    return {
+        **{name: getattr(dispatch, name) for name in _DISPATCH},
+        "schedule": [getattr(schedule, name) for name in _SCHEDULE],
+    }
+
+
+def dispatch_from_state(
+    problems: StateProblems, saved: Any, nodes: Mapping[int, int] | None
+) -> Dispatch | None:
+    """The dispatch ``dispatch_state`` saved, with this run's node id (None: a problem)."""
+    if not problems.require(saved, *_DISPATCH, "schedule"):
+        return None
+    ok = all(
+        problems.number(saved[name], name, integer=True)
+        for name in ("node_id", "server_round", "model_version", "bytes_down", "period")
+    )
+    ok &= problems.number(saved["dispatched_at"], "dispatched_at")
+    if saved["delay"] is not None:
+        ok &= problems.number(saved["delay"], "delay", integer=True)
+    if saved["message_type"] != MessageType.TRAIN:
+        problems.add(f"only training work is saved, not {saved['message_type']!r}")
+        ok = False
+    times = saved["schedule"]
+    if not (
+        isinstance(times, list | tuple)
+        and len(times) == len(_SCHEDULE)
+        and all(t is None or problems.number(t, "schedule") for t in times)
+        and times[0] is not None
+    ):
+        problems.add(f"a schedule must be {len(_SCHEDULE)} times, got {times!r:.80}")
+        ok = False
+    node_id = saved["node_id"]
+    if nodes is not None and ok:
+        if node_id not in nodes:
+            problems.add(f"work for node {node_id}, which is not a site of this run")
+            return None
+        node_id = nodes[node_id]
+    if not ok:
+        return None
+    schedule = dict(zip(_SCHEDULE, times, strict=True))
+    if schedule["earliest_arrival"] is None:
+        schedule["earliest_arrival"] = -math.inf
+    return Dispatch(
+        node_id=node_id,
+        message_id="",
+        server_round=saved["server_round"],
+        model_version=saved["model_version"],
+        dispatched_at=float(saved["dispatched_at"]),
+        deadline=math.inf,
+        bytes_down=saved["bytes_down"],
+        message_type=saved["message_type"],
+        period=saved["period"],
+        delay=saved["delay"],
+        schedule=Schedule(**schedule),
+    )
+
+
+def arrival_state(arrival: Arrival) -> dict[str, Any]:
+    """A pulled reply not yet judged, as checkpoint data: its dispatch, landing and reply."""
+    reply = arrival.reply
+    landing = arrival.landing
+    return {
+        **dispatch_state(arrival.dispatch),
+        "arrived_at": arrival.arrived_at,
+        "seq": arrival.seq,
+        "bytes_up": arrival.bytes_up,
+        "landing": [landing.arrived_at, landing.compute_seconds, landing.transfer_seconds],
+        "pulled_at": arrival.pulled_at,
+        "reply": reply.content if reply.has_content() else None,
+        "error": [reply.error.code, reply.error.reason] if reply.has_error() else None,
+    }
+
+
+def arrival_from_state(
+    problems: StateProblems, saved: Any, nodes: Mapping[int, int] | None
+) -> Arrival | None:
+    """The arrival ``arrival_state`` saved, its reply from this run's node (None: a problem)."""
+    dispatch = dispatch_from_state(problems, saved, nodes)
+    names = ("arrived_at", "seq", "bytes_up", "landing", "pulled_at", "reply", "error")
+    if dispatch is None or not problems.require(saved, *names):
+        return None
+    ok = problems.number(saved["arrived_at"], "arrived_at")
+    ok &= problems.number(saved["seq"], "seq", integer=True)
+    ok &= problems.number(saved["bytes_up"], "bytes_up", integer=True)
+    ok &= problems.number(saved["pulled_at"], "pulled_at")
+    landing = saved["landing"]
+    if not (
+        isinstance(landing, list | tuple)
+        and len(landing) == 3
+        and all(t is None or problems.number(t, "landing") for t in landing)
+    ):
+        problems.add("a landing must be three times")
+        ok = False
+    content, error = saved["reply"], saved["error"]
+    if (content is None) == (error is None) or (
+        content is not None and not isinstance(content, RecordDict)
+    ):
+        problems.add("an arrival must hold a reply's content or its error")
+        ok = False
+    if error is not None and not (
+        isinstance(error, list | tuple) and len(error) == 2 and isinstance(error[0], int)
+    ):
+        problems.add("an arrival's error must be its code and reason")
+        ok = False
+    if not ok:
+        return None
+    metadata = Metadata(
+        run_id=0,
+        message_id="",
+        src_node_id=dispatch.node_id,
+        dst_node_id=0,
+        reply_to_message_id="",
+        group_id=str(dispatch.model_version),
+        created_at=float(saved["pulled_at"]),
+        ttl=math.inf,
+        message_type=dispatch.message_type,
+    )
+    # The reply as the site sent it, from this run's node: Flower's own way of building a
+    # message from stored metadata (its serde does the same), not in its typed overloads.
+    if content is not None:
+        reply = Message(metadata=metadata, content=content)  # type: ignore[call-overload]
+    else:
+        error_record = Error(code=error[0], reason=error[1])
+        reply = Message(metadata=metadata, error=error_record)  # type: ignore[call-overload]
+    return Arrival(
+        float(saved["arrived_at"]),
+        saved["seq"],
+        dispatch,
+        reply,
+        saved["bytes_up"],
+        Landing(*landing),
+        float(saved["pulled_at"]),
+    )
+
+
+def _list(problems: StateProblems, value: Any, name: str) -> list[Any]:
+    if isinstance(value, list):
+        return value
+    problems.add(f"'{name}' must be a list")
+    return []

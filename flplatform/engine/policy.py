@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from flplatform.engine.events import Dispatch
 
@@ -85,4 +85,12 @@ class AggregationPolicy(Protocol):
 
     def round_finished(self, train_loss: float | None) -> None:
         """Learn from the step that just closed (AdaSync grows K as the loss falls)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the policy learned so far, as checkpoint data (not its options)."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``state_dict()`` output; ``CheckpointError`` for one of another mode."""
         ...

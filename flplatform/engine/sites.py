@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from enum import Enum
+from typing import Any
 
+from flplatform.checkpoint import StateProblems
 from flplatform.engine.events import Dispatch, SiteInfo
 
 
@@ -68,12 +71,13 @@ class Sites:
         self._planned = itertools.count()
         # The last census, while no site changed since (the policy asks again and again).
         self._census: Census | None = None
+        self._positions: dict[int, int] | None = None  # node → its place in join order
 
     # ------------------------------------------------------------ membership
     def add(self, info: SiteInfo) -> None:
         """A site that introduced itself (connected, idle)."""
         self._states[info.node_id] = SiteState(info)
-        self._census = None
+        self._census = self._positions = None
 
     def __contains__(self, node_id: object) -> bool:
         return node_id in self._states
@@ -84,6 +88,13 @@ class Sites:
     def infos(self) -> dict[int, SiteInfo]:
         """Node id → site, in join order."""
         return {n: s.info for n, s in self._states.items()}
+
+    def position(self, node_id: int) -> int:
+        """The site's place in join order: the order the engine sends in, whatever the
+        node ids (a resumed run's sites have new ones); unknown nodes come last."""
+        if self._positions is None:
+            self._positions = {n: i for i, n in enumerate(self._states)}
+        return self._positions.get(node_id, len(self._positions))
 
     def info(self, node_id: int) -> SiteInfo | None:
         state = self._states.get(node_id)
@@ -149,14 +160,16 @@ class Sites:
 
     def next_back(self) -> tuple[float, int] | None:
         """(clock time, node) of the first connected AWAY site to come back, if any."""
-        return min(
+        # Ties go to the site that joined first (not the lower node id: ids change on resume).
+        first = min(
             (
-                (s.until, n)
-                for n, s in self._states.items()
+                (s.until, i, n)
+                for i, (n, s) in enumerate(self._states.items())
                 if s.phase is Phase.AWAY and s.connected
             ),
             default=None,
         )
+        return None if first is None else (first[0], first[2])
 
     def train(self, dispatch: Dispatch) -> None:
         """The site was given ``dispatch`` (pushed now, or queued behind a cancelled one)."""
@@ -187,6 +200,70 @@ class Sites:
         if self.phase(node_id) is Phase.GIVEN_UP:
             self._move(node_id, Phase.IDLE)
 
+    # ------------------------------------------------------------ checkpointing
+    def state_dict(self) -> list[dict[str, Any]]:
+        """Every site in join order: who it is and what it does, at a round boundary.
+
+        A site with training work out is ``working`` (the mailbox saves the work); a site
+        given up on or refused is ``idle`` (its message ends with this run); an away site
+        keeps the clock time it is back.
+        """
+        saved = []
+        for node_id, state in self._states.items():
+            phase = state.phase
+            if phase in (Phase.TRAINING, Phase.ARRIVED):
+                said, until = "working", 0.0
+            elif phase is Phase.AWAY:
+                said, until = "away", state.until
+            else:
+                said, until = "idle", 0.0
+            saved.append({**asdict(state.info), "node_id": node_id, "phase": said, "until": until})
+        return saved
+
+    def load_state_dict(self, state: Any, *, nodes: Mapping[int, int] | None = None) -> None:
+        """Restore ``state_dict()`` output, node ids mapped through ``nodes`` (old → new).
+
+        Sites keep their saved names and what they declared. A saved ``working`` site is
+        idle until the engine hands it its saved work again. Sites of this run that the
+        state does not name (they joined since) follow, idle.
+        """
+        problems = StateProblems("the sites")
+        fields = ("node_id", "name", "phase", "until")
+        restored: dict[int, SiteState] = {}
+        if not isinstance(state, list):
+            problems.add("expected a list of sites")
+            state = []
+        for saved in state:
+            if not problems.require(saved, *fields):
+                continue
+            old = saved["node_id"]
+            new = old if nodes is None else nodes.get(old)
+            if new is None:
+                problems.add(f"site {saved['name']!r} (node {old}) is not in this run")
+                continue
+            if saved["phase"] not in ("idle", "working", "away"):
+                problems.add(f"site {saved['name']!r} has an unknown phase {saved['phase']!r}")
+                continue
+            if not problems.number(saved["until"], "until"):
+                continue
+            try:
+                info = SiteInfo(**{**_info_fields(saved), "node_id": new})
+            except TypeError as exc:
+                problems.add(f"site {saved['name']!r}: {exc}")
+                continue
+            away = saved["phase"] == "away"
+            restored[new] = SiteState(
+                info,
+                connected=self._states[new].connected if new in self._states else True,
+                phase=Phase.AWAY if away else Phase.IDLE,
+                until=float(saved["until"]) if away else 0.0,
+            )
+        problems.raise_if_any()
+        for node_id, current in self._states.items():
+            restored.setdefault(node_id, current)
+        self._states = restored
+        self._census = self._positions = None
+
     def _move(
         self, node_id: int, phase: Phase, *, work: Dispatch | None = None, **fields: float
     ) -> None:
@@ -197,3 +274,8 @@ class Sites:
         self._census = None
         state.until = fields.get("until", 0.0)
         state.planned = int(fields.get("planned", 0))
+
+
+def _info_fields(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``SiteInfo`` fields of a saved site."""
+    return {f.name: saved[f.name] for f in fields(SiteInfo) if f.name in saved}

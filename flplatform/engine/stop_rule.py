@@ -7,8 +7,10 @@ reasons. The round engine feeds it every round once the round is in the ledger.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+from flplatform.checkpoint import StateProblems
 from flplatform.engine.events import UpdateOutcome
 from flplatform.errors import ConfigError, NoProgress
 
@@ -92,6 +94,27 @@ class FailureStreak:
         self._statuses.update(u.status for u in failed_replies)
         if self.limit and len(self.rounds) >= self.limit:
             raise NoProgress(self._describe(failed_replies[-1].reason))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The current streak: its rounds, their reason (as compared) and statuses."""
+        return {"rounds": list(self.rounds), "key": self._key, "statuses": set(self._statuses)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``state_dict()`` output (``CheckpointError`` listing every problem)."""
+        problems = StateProblems("the stop rule")
+        if not problems.require(state, "rounds", "key", "statuses"):
+            problems.raise_if_any()
+        rounds, key, statuses = state["rounds"], state["key"], state["statuses"]
+        if not isinstance(rounds, list) or not all(
+            problems.number(r, "rounds", integer=True) for r in rounds
+        ):
+            problems.add("'rounds' must be a list of round numbers")
+        if key is not None and not isinstance(key, str):
+            problems.add("'key' must be text")
+        if not isinstance(statuses, set | list) or not all(isinstance(s, str) for s in statuses):
+            problems.add("'statuses' must be a set of statuses")
+        problems.raise_if_any()
+        self.rounds, self._key, self._statuses = list(rounds), key, set(statuses)
 
     def _reset(self) -> None:
         self.rounds, self._key, self._statuses = [], None, set()

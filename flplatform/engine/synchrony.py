@@ -31,9 +31,11 @@ training loss falls, for any K mode.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from flplatform.checkpoint import StateProblems
 from flplatform.engine.events import APPLIED, DROPPED, Dispatch
 from flplatform.engine.policy import EngineView, Verdict
 from flplatform.engine.staleness import WEIGHTINGS, adasync_k, staleness_weight
@@ -277,13 +279,39 @@ class Synchrony:
 
     # ------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs to continue with the same K."""
-        return {"k": self.k, "initial_loss": self._initial_loss}
+        """What a resumed run needs to go on exactly: K (AdaSync), F(x₀), the last P and
+        the round whose start offered work. The options are not in it: a resumed run
+        builds the policy from the same ones (the mode is kept, to refuse another)."""
+        return {
+            "mode": self.name,
+            "k": self.k,
+            "initial_loss": self._initial_loss,
+            "sites": self._sites,
+            "offered_round": self._offered_round,
+        }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore ``state_dict()`` output."""
-        self.k = state["k"]
-        self._initial_loss = state["initial_loss"]
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``state_dict()`` output (``CheckpointError`` listing every problem)."""
+        problems = StateProblems(f"the {self.name} policy")
+        if not problems.require(state, "mode", "k", "initial_loss", "sites", "offered_round"):
+            problems.raise_if_any()
+        if state["mode"] != self.name:
+            problems.add(f"the checkpoint ran sync mode {state['mode']!r}, this run {self.name!r}")
+        k = state["k"]
+        if (k is None) != (self.k0 is None) or (
+            k is not None and problems.number(k, "k", integer=True) and k < 1
+        ):
+            problems.add(f"'k' {k!r} does not fit mode {self.name!r}")
+        loss = state["initial_loss"]
+        if loss is not None:
+            problems.number(loss, "initial_loss")
+        problems.number(state["sites"], "sites", integer=True)
+        problems.number(state["offered_round"], "offered_round", integer=True)
+        problems.raise_if_any()
+        self.k = k
+        self._initial_loss = None if loss is None else float(loss)
+        self._sites = max(1, int(state["sites"]))
+        self._offered_round = int(state["offered_round"])
 
 
 class PeriodSync:
@@ -332,8 +360,15 @@ class PeriodSync:
         """Nothing adapts."""
 
     def state_dict(self) -> dict[str, Any]:
-        """No state of its own: periods live in the strategy."""
+        """No state of its own: periods live in the strategy (and the engine's counts)."""
         return {"mode": self.name, "pipelined": True}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Accept only a ``PeriodSync`` state (``CheckpointError`` otherwise)."""
+        problems = StateProblems("the pipelined sync policy")
+        if problems.require(state, "mode", "pipelined") and not state["pipelined"]:
+            problems.add(f"the checkpoint ran sync mode {state['mode']!r}, not a pipelined one")
+        problems.raise_if_any()
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,14 @@ the clock time each version was formed (a pipelined site downloads it from then)
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord
 
 from flplatform.arrays import record_to_arrays
+from flplatform.checkpoint import StateProblems
 
 
 class ModelVersions:
@@ -51,6 +53,41 @@ class ModelVersions:
         """Forget every version but ``live`` ones (outstanding work, and the current one)."""
         keep = set(live)
         self._handed_out = {v: a for v, a in self._handed_out.items() if v in keep}
+        self._distances.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The arrays of the versions in use, and when every version was formed.
+
+        The arrays are the very records in-flight messages carry, so a checkpoint holds
+        each once.
+        """
+        return {"handed_out": dict(self._handed_out), "formed_at": dict(self._formed_at)}
+
+    def load_state_dict(
+        self, state: Mapping[str, Any], *, current: tuple[int, ArrayRecord] | None = None
+    ) -> None:
+        """Restore ``state_dict()`` output.
+
+        ``current``: the current version and its arrays (the engine's model), kept as
+        that same record, as when it was handed out.
+        """
+        problems = StateProblems("the model versions")
+        if not problems.require(state, "handed_out", "formed_at"):
+            problems.raise_if_any()
+        handed, formed = state["handed_out"], state["formed_at"]
+        if not isinstance(handed, Mapping) or not all(
+            isinstance(v, int) and isinstance(a, ArrayRecord) for v, a in handed.items()
+        ):
+            problems.add("'handed_out' must map version numbers to arrays")
+        if not isinstance(formed, Mapping) or not all(
+            isinstance(v, int) and problems.number(t, f"formed_at[{v}]") for v, t in formed.items()
+        ):
+            problems.add("'formed_at' must map version numbers to clock times")
+        problems.raise_if_any()
+        self._handed_out = dict(handed)
+        if current is not None and current[0] in self._handed_out:
+            self._handed_out[current[0]] = current[1]
+        self._formed_at = {v: float(t) for v, t in formed.items()}
         self._distances.clear()
 
     def distance(self, version: int, *, current: ArrayRecord, current_version: int) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from flwr.app import Message, RecordDict
 from flwr.supercore.inflatable.inflatable_object import (
     get_all_nested_objects,
@@ -33,3 +35,17 @@ def message_size(msg: Message, content_bytes: int | None = None) -> int:
         if not msg.has_content():
             return own
         return own + (content_size(msg.content) if content_bytes is None else content_bytes)
+
+
+def restamped_size(content: RecordDict, content_bytes: int, name: str, record: Any) -> int:
+    """Size of ``content`` with its record ``name`` replaced by ``record``, from its own size.
+
+    Only the replaced record's bytes change (the RecordDict names its children by
+    fixed-length ids), so a per-site copy of a broadcast model costs one small record,
+    not a model-sized measurement.
+    """
+    old = content.get(name)
+    if old is None:
+        return content_size(RecordDict({**content, name: record}))
+    with no_object_id_recompute():
+        return content_bytes - len(old.deflate()) + len(record.deflate())
