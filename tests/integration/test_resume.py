@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -207,3 +208,26 @@ def test_a_run_killed_and_resumed_ends_bit_for_bit_as_the_uninterrupted_run(
         events = repository.list_events(run_id)
     assert run.status == "finished"
     assert sum(e.kind == "resumed" for e in events) == len(kills)
+
+
+@pytest.mark.resume
+@pytest.mark.usefixtures("flplatform_home")
+def test_sites_that_lost_their_snapshots_are_resynced_and_the_run_finishes(
+    tmp_path: Path, site_state_dir: Path
+) -> None:
+    log = tmp_path / "output.txt"
+    db = f"sqlite:///{tmp_path / 'ledger.db'}"
+    LedgerRepository.open(db).close()
+    args = ["simulate", *BASE, "--strategy", "delayed", "--delay", "2", "--rounds", "5"]
+    run_id = _kill_after(_cli([*args, "--db", db], tmp_path, log), db, None, 2)
+    assert any(site_state_dir.iterdir())  # the sites kept snapshots, under the test's dir
+    shutil.rmtree(site_state_dir)  # a site machine that lost its disk
+
+    _wait(_cli(["resume", str(run_id), "--db", db], tmp_path, log), log)
+
+    with LedgerRepository.open(db) as repository:
+        run = repository.get_run(run_id)
+        after = [u for u in repository.list_updates(run_id) if u.round > 2]
+    assert run.status == "finished" and run.rounds_completed == 5
+    resynced = {u.site for u in after if u.reason and "lost its state" in u.reason}
+    assert resynced, [u.reason for u in after]

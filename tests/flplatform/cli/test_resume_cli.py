@@ -1,0 +1,151 @@
+"""`flplatform resume`: what it refuses before anything starts, each in one line."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord
+from typer.testing import CliRunner
+
+from flplatform.cli.app import app
+from flplatform.config import RunConfig
+from flplatform.engine.events import RoundSummary
+from flplatform.ledger import SqlLedger, process_owner
+from storage import LedgerRepository
+
+runner = CliRunner()
+
+
+def invoke(args: list[str]) -> Any:
+    result = runner.invoke(app, args)
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
+    return result
+
+
+def error_line(output: str) -> str:
+    [line] = [line for line in output.splitlines() if line.startswith("error:")]
+    return line
+
+
+def simulate_config(tag: str) -> dict[str, Any]:
+    return {**RunConfig(num_server_rounds=4).to_run_config(), "run-tag": tag}
+
+
+def record_run(
+    url: str,
+    tmp_path: Path,
+    *,
+    config: dict[str, Any],
+    tag: str | None,
+    rounds: int,
+    owner: str | None = None,
+    status: str | None = None,
+) -> int:
+    """A run with ``rounds`` committed rounds, each with its checkpoint."""
+    t0 = time.time()
+    with LedgerRepository.open(url) as repo:
+        run_id = repo.create_run(
+            name="r",
+            strategy="local-sgd",
+            seed=0,
+            config=config,
+            num_rounds_planned=4,
+            tag=tag,
+            owner=owner,
+        )
+        sink = SqlLedger(repo, run_id, checkpoint_dir=tmp_path / "ckpt")
+        for step in range(1, rounds + 1):
+            state = {
+                "kind": "flplatform-run-state",
+                "server_round": step,
+                "model_version": step,
+                "model": ArrayRecord({"w": Array(np.full(3, step, np.float32))}),
+                "engine": {},
+            }
+            sink.record_round(RoundSummary(step, step, t0, t0 + 0.1, {}, None, ()), state)
+        if status is not None:
+            repo.finish_run(run_id, status=status, error="boom" if status == "failed" else None)
+    return run_id
+
+
+@pytest.fixture
+def url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'ledger.db'}"
+
+
+def test_a_finished_run_is_refused(url: str, tmp_path: Path) -> None:
+    run_id = record_run(
+        url, tmp_path, config=simulate_config("t1"), tag="t1", rounds=4, status="finished"
+    )
+
+    result = invoke(["resume", str(run_id), "--db", url])
+
+    assert result.exit_code == 2
+    assert "finished; there is nothing to resume" in error_line(result.output)
+
+
+def test_a_run_without_a_checkpoint_is_refused_with_what_to_do(url: str, tmp_path: Path) -> None:
+    run_id = record_run(
+        url, tmp_path, config=simulate_config("t2"), tag="t2", rounds=0, status="failed"
+    )
+
+    result = invoke(["resume", str(run_id), "--db", url])
+
+    assert result.exit_code != 0
+    assert "has no checkpoint" in error_line(result.output)
+    assert "start it again" in result.output
+
+
+def test_a_run_whose_process_is_alive_is_refused_unless_forced(url: str, tmp_path: Path) -> None:
+    # This test's own process plays the run's ServerApp, alive on this machine.
+    run_id = record_run(
+        url, tmp_path, config=simulate_config("t3"), tag="t3", rounds=2, owner=process_owner()
+    )
+
+    result = invoke(["resume", str(run_id), "--db", url])
+
+    assert result.exit_code == 2
+    line = error_line(result.output)
+    assert f"process {process_owner()}, which is alive" in line
+    assert "--force" in line
+    with LedgerRepository.open(url) as repo:
+        assert repo.list_events(run_id) == []  # refused before anything changed
+
+
+def test_a_run_of_an_own_app_is_refused_with_how_to_resume_it(url: str, tmp_path: Path) -> None:
+    run_id = record_run(
+        url, tmp_path, config={"num-server-rounds": 4}, tag="t4", rounds=2, status="failed"
+    )
+
+    result = invoke(["resume", str(run_id), "--db", url])
+
+    assert result.exit_code == 2
+    assert "resume_run=" in error_line(result.output)
+
+
+def test_an_unknown_run_and_a_missing_ledger_are_one_line(url: str, tmp_path: Path) -> None:
+    record_run(url, tmp_path, config=simulate_config("t5"), tag="t5", rounds=1)
+
+    unknown = invoke(["resume", "99", "--db", url])
+    missing = invoke(["resume", "1", "--db", f"sqlite:///{tmp_path / 'nothing.db'}"])
+
+    assert unknown.exit_code == 5 and "99" in error_line(unknown.output)
+    assert missing.exit_code != 0 and error_line(missing.output)
+    assert not (tmp_path / "nothing.db").exists()
+
+
+def test_the_dead_owner_check_reads_the_process_table() -> None:
+    from flplatform.ledger import owner_alive
+
+    host = process_owner().rpartition(":")[0]
+    assert owner_alive(process_owner()) is True
+    dead = 2**22 + 12345  # above Linux's default pid_max
+    assert owner_alive(f"{host}:{dead}") is False
+    assert owner_alive(f"another-host:{os.getpid()}") is None
+    assert owner_alive(None) is None
