@@ -10,22 +10,12 @@ from typing import Any
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord
-from typer.testing import CliRunner
 
-from flplatform.cli.app import app
 from flplatform.config import RunConfig
 from flplatform.engine.events import RoundSummary
 from flplatform.ledger import SqlLedger, process_owner
 from storage import LedgerRepository
-
-runner = CliRunner()
-
-
-def invoke(args: list[str]) -> Any:
-    result = runner.invoke(app, args)
-    assert "Traceback" not in result.output
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
-    return result
+from tests.flplatform.cli.test_export import invoke
 
 
 def error_line(output: str) -> str:
