@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import socket
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -143,7 +144,7 @@ class SqlLedger:
             profile=profile,
         )
 
-    def record_round(self, summary: RoundSummary, state: dict[str, Any] | None = None) -> None:
+    def record_round(self, summary: RoundSummary, state: Mapping[str, Any] | None = None) -> None:
         """Record one finished round with all its updates and evaluations, and its checkpoint.
 
         Parameters
