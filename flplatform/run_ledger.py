@@ -26,7 +26,7 @@ from flplatform.start_options import OPTION_NAMES, PlatformOptions, resolve_opti
 from flplatform.start_parts import network_label
 
 if TYPE_CHECKING:
-    from storage import LedgerRepository
+    from storage import LedgerRepository, RunRecord
 
 log = logging.getLogger("flplatform")
 
@@ -89,6 +89,12 @@ class Checkpointing:
     every: int = 5
     keep: int = 3
     directory: str | None = None
+
+
+def refuse_finished(record: RunRecord) -> None:
+    """``ConfigError`` for a run that finished: there is nothing to resume."""
+    if record.status == "finished":
+        raise ConfigError(f"run {record.id} finished; there is nothing to resume")
 
 
 def record_failed_start(exc: BaseException, *, strategy: str, **options: Any) -> None:
@@ -258,8 +264,7 @@ class LedgerRun:
         repository = LedgerRepository.open(None if ledger in DEFAULT_LEDGER else ledger)
         try:
             record = repository.get_run(run_id)
-            if record.status == "finished":
-                raise CheckpointError(f"run {run_id} finished; there is nothing to resume")
+            refuse_finished(record)
             if record.strategy != strategy:
                 raise CheckpointError(
                     f"run {run_id} ran strategy {record.strategy!r}, not {strategy!r}; "

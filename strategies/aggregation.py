@@ -73,19 +73,6 @@ class ServerOptimizerState:
 
     velocity: Arrays = field(default_factory=dict)
 
-    def state_dict(self) -> dict[str, np.ndarray]:
-        """Arrays to checkpoint."""
-        return {f"velocity.{k}": v.copy() for k, v in self.velocity.items()}
-
-    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
-        """Restore from ``state_dict()``."""
-        prefix = "velocity."
-        self.velocity = {
-            k[len(prefix) :]: np.array(v, dtype=np.float64)
-            for k, v in state.items()
-            if k.startswith(prefix)
-        }
-
 
 def apply_server_update(
     x: Mapping[str, np.ndarray],

@@ -52,7 +52,7 @@ from flplatform import keys
 from flplatform.arrays import arrays_to_record, record_to_arrays
 from flplatform.checks import Problem, number, one_of, require, unit_interval
 from flplatform.engine import Contribution, EngineStrategy, Update
-from flplatform.errors import ConfigError, StepRefused, UpdateRejected
+from flplatform.errors import StepRefused, UpdateRejected
 from flplatform.seeding import rng_for
 from flplatform.start import PlatformStart
 from strategies.aggregation import (
@@ -77,24 +77,14 @@ _EVAL_NAMES = {keys.EVAL_ACCURACY: keys.ACCURACY, keys.EVAL_LOSS: keys.LOSS}
 
 @dataclass
 class LocalSGDState:
-    """Server state that outlives a round: the FedAvgM velocity.
+    """Server state that outlives a round: the FedAvgM velocity (saved and restored by
+    ``LocalSGDAveraging.state_dict``/``load_state_dict``, with the rest of its state).
 
     The model version is the engine's to count (it also counts rounds that apply no
     update); the strategy keeps only what its own update rule needs.
     """
 
     optimizer: ServerOptimizerState = field(default_factory=ServerOptimizerState)
-
-    def state_dict(self) -> dict[str, np.ndarray]:
-        """Everything needed to resume."""
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        """Restore from ``state_dict()``."""
-        for key, value in state.items():
-            if not isinstance(value, np.ndarray) or not np.isfinite(value).all():
-                raise ConfigError(f"bad checkpoint: '{key}' must be a finite array")
-        self.optimizer.load_state_dict(state)
 
 
 class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):

@@ -24,8 +24,10 @@ from flplatform.cli.simulate import db_argument, ledger_option
 from flplatform.config import RunConfig
 from flplatform.errors import ConfigError
 from flplatform.ledger import owner_alive, process_owner
+from flplatform.run_ledger import refuse_finished
 from flplatform.simulation import resume_simulation
 from storage import LedgerRepository, RunRecord
+from storage.repository import checkpointed_rounds
 
 console = make_console()
 
@@ -53,11 +55,8 @@ def resume(
         record = repository.get_run(run_id)
         config = resumable_config(record, db=url, round_timeout=round_timeout)
         checkpoint = repository.latest_checkpoint(run_id)
-        if checkpoint is None:
-            raise CheckpointError(
-                f"run {run_id} has no checkpoint (it died before its first round ended, or "
-                "an older flplatform recorded it); start it again"
-            )
+        if checkpoint is None:  # the ServerApp would say the same (ledger.load_checkpoint)
+            raise CheckpointError(f"{checkpointed_rounds(run_id, [])}; start it again")
         alive = owner_alive(record.owner) if record.status == "running" else False
         if alive and not force:
             raise ConfigError(
@@ -81,8 +80,7 @@ def resume(
 
 def resumable_config(record: RunRecord, *, db: str, round_timeout: float | None) -> RunConfig:
     """The run's own options, set to resume it; ``ConfigError`` when it cannot be resumed."""
-    if record.status == "finished":
-        raise ConfigError(f"run {record.id} finished; there is nothing to resume")
+    refuse_finished(record)
     if not record.tag or "strategy" not in record.config or "dataset" not in record.config:
         raise ConfigError(
             f"run {record.id} was not started by `flplatform simulate` or the demo: "

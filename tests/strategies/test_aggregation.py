@@ -136,13 +136,3 @@ def test_integer_buffers_are_rounded_not_truncated() -> None:
 def test_empty_sum_has_no_mean() -> None:
     with pytest.raises(ValueError):
         WeightedDeltaSum().mean()
-
-
-def test_optimizer_state_round_trips() -> None:
-    state = ServerOptimizerState()
-    apply_server_update(
-        {"p": np.zeros(2, np.float32)}, {"p": np.ones(2)}, eta=1.0, beta=0.5, state=state
-    )
-    restored = ServerOptimizerState()
-    restored.load_state_dict(state.state_dict())
-    np.testing.assert_array_equal(restored.velocity["p"], state.velocity["p"])

@@ -139,13 +139,7 @@ def stateful_site(name: str, partition: int, disk: Disk) -> Any:
 
 
 class MomentumLocalSGD(LocalSGDAveraging):
-    """FedAvgM whose server velocity is its whole state (H1 owns LocalSGDAveraging's own)."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"velocity": self.state.optimizer.state_dict()}
-
-    def load_state_dict(self, state: Any, *, nodes: Any = None) -> None:
-        self.state.optimizer.load_state_dict(state["velocity"])
+    """FedAvgM, saved and restored by LocalSGDAveraging's own state_dict/load_state_dict."""
 
 
 @dataclass
