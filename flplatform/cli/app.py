@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from flplatform.cli import data, export, history, resume, run, simulate
+from flplatform.cli import certs, data, export, history, resume, run, simulate
 
 app = typer.Typer(
     name="flplatform",
@@ -20,6 +20,7 @@ app.command("export")(export.export)
 app.add_typer(simulate.demo_app, name="demo")
 app.add_typer(data.app, name="data")
 app.add_typer(history.app, name="history")
+app.add_typer(certs.app, name="certs")
 
 
 def main() -> None:

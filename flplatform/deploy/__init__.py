@@ -1,0 +1,1 @@
+"""Cross-silo deployment: certificates and keys, the TLS SuperLink, the sites' SuperNodes."""
