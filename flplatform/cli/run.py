@@ -28,31 +28,31 @@ from storage import RunRecord
 
 console = make_console()
 
+# The platform's options a user's app takes (flplatform/flower_app.py says where each goes).
+APP_OPTIONS = (
+    "rounds",
+    "network",
+    "sync",
+    "k",
+    "seed",
+    "max_failed_rounds",
+    "strategy",
+    "model",
+    *GUARD_OPTIONS,
+)
+APP_OPTION_HELPS = {
+    "rounds": "Server rounds (the app's num-server-rounds and start's num_rounds).",
+    "k": "K of the K synchrony modes.",
+    "seed": "Seed of the platform's random choices.",
+    "strategy": "Sets the app's `strategy` key (flplatform's ServerApp: the algorithm).",
+    "model": "Sets the app's `model` key: mlp, cnn, wide-mlp, or MODULE:FACTORY (a "
+    "zero-argument callable returning an nn.Module, importable from the app "
+    "directory or the Python path).",
+}
+
 
 @handles_errors
-@table_options(
-    only=(
-        "rounds",
-        "network",
-        "sync",
-        "k",
-        "seed",
-        "max_failed_rounds",
-        "strategy",
-        "model",
-        *GUARD_OPTIONS,
-    ),
-    optional=True,
-    helps={
-        "rounds": "Server rounds (the app's num-server-rounds and start's num_rounds).",
-        "k": "K of the K synchrony modes.",
-        "seed": "Seed of the platform's random choices.",
-        "strategy": "Sets the app's `strategy` key (flplatform's ServerApp: the algorithm).",
-        "model": "Sets the app's `model` key: mlp, cnn, wide-mlp, or MODULE:FACTORY (a "
-        "zero-argument callable returning an nn.Module, importable from the app "
-        "directory or the Python path).",
-    },
-)
+@table_options(only=APP_OPTIONS, optional=True, helps=APP_OPTION_HELPS)
 def run(
     app_dir: Annotated[
         Path,

@@ -9,8 +9,9 @@ from dataclasses import replace
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
 from flplatform import keys
+from flplatform.deploy.registry import SiteRegistry
 from flplatform.engine.clock import Clock
-from flplatform.engine.events import LedgerSink
+from flplatform.engine.events import LedgerSink, SiteInfo
 from flplatform.engine.mailbox import TTL_GRACE_SECONDS, Mailbox
 from flplatform.engine.replies import site_info
 from flplatform.engine.sites import Sites
@@ -34,6 +35,9 @@ def introduce(
     node id (and stays busy until Flower hands its query back). Sites are added in
     partition order (then name), so the ledger's site order is the same across runs; two
     nodes claiming one name are both kept, the second one's name suffixed with its id.
+    In a deployment with registered sites (``FLPLATFORM_SITE_REGISTRY``) a node is named
+    by its registration, whatever it claims; a different claim is logged and kept in its
+    ledger profile as ``claimed_name``.
     """
     queries = [
         Message(
@@ -48,7 +52,10 @@ def introduce(
     replies = {d.node_id: r for d, r in exchanged}
     unanswered = {d.node_id for d, r in exchanged if d.message_id and r is None}
     taken = sites.names()
-    infos = [site_info(node_id, replies.get(node_id)) for node_id in node_ids]
+    registry = SiteRegistry.from_environment()
+    named = [registered(site_info(n, replies.get(n)), registry) for n in node_ids]
+    claims = {info.node_id: claim for info, claim in named if claim is not None}
+    infos = [info for info, _ in named]
     infos.sort(key=lambda s: (s.partition_id is None, s.partition_id or 0, s.name))
     for info in infos:
         if info.name in taken:
@@ -58,6 +65,32 @@ def introduce(
         sites.add(info)
         if info.node_id in unanswered:
             sites.give_up(info.node_id)
-        said = {"device": info.device, "feature_scale": info.feature_scale}
+        said = {
+            "device": info.device,
+            "feature_scale": info.feature_scale,
+            "claimed_name": claims.get(info.node_id),
+        }
         ledger.add_site(info, {**profile, **{k: v for k, v in said.items() if v is not None}})
     log.info("sites: %s", ", ".join(sites.name(n) for n in node_ids))
+
+
+def registered(info: SiteInfo, registry: SiteRegistry | None) -> tuple[SiteInfo, str | None]:
+    """``info`` named as ``registry`` has its node; and the name it claimed, if different."""
+    if registry is None:
+        return info, None
+    name = registry.name_of(info.node_id)
+    if name is None:  # cannot join an authenticating SuperLink; a stale registry file
+        log.warning(
+            "node %d is not in the site registry; named as it says: %s", info.node_id, info.name
+        )
+        return info, None
+    claimed = None if info.name in (name, f"node-{info.node_id}") else info.name
+    if claimed is not None:
+        log.warning(
+            "node %d, registered as %s, calls itself %s: recorded as %s",
+            info.node_id,
+            name,
+            claimed,
+            name,
+        )
+    return replace(info, name=name), claimed

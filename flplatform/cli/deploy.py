@@ -1,0 +1,302 @@
+"""``flplatform server`` and ``flplatform site``: a federation across machines.
+
+The server's administrator runs ``flplatform server`` with the deployment's certificates
+and every site's public key; each site runs ``flplatform site NAME`` with the CA
+certificate, its own private key and its own data file. flplatform/deploy/superlink.py
+and flplatform/deploy/site.py say what runs where. Everything is checked before any
+process starts.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.text import Text
+
+from clients.catalog import BUILTIN_DATASETS
+from flplatform.cli.errors import handles_errors, stderr
+from flplatform.cli.history import rounds as show_rounds
+from flplatform.cli.history import sites as show_sites
+from flplatform.cli.options import config_values, table_options
+from flplatform.cli.progress import display_url, round_progress
+from flplatform.cli.render import OutputFormat, make_console
+from flplatform.cli.run import APP_OPTIONS
+from flplatform.cli.simulate import _network_spec, check_top_k, db_argument, ledger_option
+from flplatform.config import SKETCHED, RunConfig
+from flplatform.deploy.superlink import (
+    DEFAULT_ADDRESS,
+    DEFAULT_WAIT_SECONDS,
+    DeployedRun,
+    ServerPlan,
+    plan_server,
+    run_deployment,
+)
+from flplatform.errors import ConfigError
+from flplatform.flower_app import PlatformOptions, parse_run_config, plan_run, read_app
+from flplatform.simulation import _model_dirs, check_ledger, project_dir, work_home
+from storage import RunRecord
+
+console = make_console()
+
+INSECURE_SERVER_WARNING = (
+    "--insecure: no TLS and no site authentication. Anyone who can reach {address} can "
+    "join this federation under any name and send it model updates, and everything "
+    "between the sites and the server (models, metrics, the run's configuration) can be "
+    "read and changed on the way. Use it only for a test on a network you trust."
+)
+INSECURE_SITE_WARNING = (
+    "--insecure: no TLS. This site cannot tell the real server from another one, and "
+    "what it sends (model updates computed from its data) can be read and changed on the "
+    "way. Use it only for a test on a network you trust."
+)
+# -c keys the server sets itself.
+_SET_BY_SERVER = {"sites": "--sites", "db": "--db", "run-tag": None}
+
+
+def _warn(text: str) -> None:
+    stderr.print(Text.assemble(("warning:", "bold yellow"), " ", text))
+
+
+def _say(line: str) -> None:
+    console.print(Text(line))
+
+
+@handles_errors
+@table_options(optional=True)
+def server(
+    sites: Annotated[
+        str,
+        typer.Option(
+            help="The sites' names, comma-separated; each site's public key NAME.pub is in "
+            "--certs, and only these sites can join.",
+            show_default=False,
+        ),
+    ],
+    certs: Annotated[
+        Path | None,
+        typer.Option(
+            help="The deployment's directory: ca.crt, server.crt and server.key "
+            "(`flplatform certs init`) and each site's NAME.pub (`flplatform certs site`)."
+        ),
+    ] = None,
+    address: Annotated[
+        str,
+        typer.Option(
+            help="HOST:PORT to listen on for the sites: they dial this port, at a name or "
+            "address server.crt is valid for. 0.0.0.0 listens on every interface."
+        ),
+    ] = DEFAULT_ADDRESS,
+    app_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--app",
+            help="Run your own Flower app directory instead of the built-in task; it takes "
+            f"--{', --'.join(o.replace('_', '-') for o in APP_OPTIONS)} and -c.",
+        ),
+    ] = None,
+    run_config: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--run-config",
+            "-c",
+            help="key=value of the run config (repeatable): the app's own keys with --app, "
+            "else the built-in task's.",
+        ),
+    ] = None,
+    db: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the ledger.")] = None,
+    wait_timeout: Annotated[
+        float, typer.Option(help="Seconds to wait for every site to connect.")
+    ] = DEFAULT_WAIT_SECONDS,
+    insecure: Annotated[
+        bool,
+        typer.Option(
+            "--insecure",
+            help="No TLS and no site authentication: anyone who reaches the address can "
+            "join. For tests on a trusted network only.",
+        ),
+    ] = False,
+    **options: Any,
+) -> None:
+    """Run a federation across sites on other machines: a SuperLink with TLS and site
+    authentication, registered sites, and the run, recorded in the ledger by the sites'
+    registered names. Stops every process at the end or on Ctrl-C."""
+    if insecure:
+        _warn(INSECURE_SERVER_WARNING.format(address=address))
+    plan = plan_server(
+        sites=sites.split(","),
+        certs_dir=certs,
+        address=address,
+        wait_timeout=wait_timeout,
+        insecure=insecure,
+    )
+    tag = uuid.uuid4().hex
+    given = {name: value for name, value in options.items() if value is not None}
+    if app_dir is not None:
+        run, follow, rounds, title = _app_run(app_dir, plan, given, run_config or (), db, tag)
+    else:
+        run, follow, rounds, title = _builtin_run(plan, given, run_config or (), db, tag)
+    console.print(Text(title))
+    with round_progress(console, rounds) as show:
+        record = run_deployment(plan, run, follow, home=work_home(), say=_say, on_progress=show)
+    console.print()
+    _finish(record, follow.db, db)
+
+
+def _builtin_run(
+    plan: ServerPlan, given: Mapping[str, Any], items: Sequence[str], db: str | None, tag: str
+) -> tuple[DeployedRun, RunConfig, int, str]:
+    """The built-in task's run config from the options and -c, checked."""
+    values = config_values(given)
+    if items:
+        project = read_app(project_dir())
+        for key, value in parse_run_config(project, items).items():
+            if key in _SET_BY_SERVER:
+                option = _SET_BY_SERVER[key]
+                raise ConfigError(f"-c {key}: " + (f"use {option}" if option else "it is ours"))
+            if key in values:
+                raise ConfigError(f"-c {key} and its option both set '{key}': give one of them")
+            values[key] = value
+    dataset, partition = str(values.get("dataset", "")), str(values.get("partition", ""))
+    if dataset.endswith(".npz") or (partition == "files" and dataset not in BUILTIN_DATASETS):
+        # The ServerApp runs in another directory.
+        values["dataset"] = str(Path(dataset).expanduser().resolve())
+    if "network" in values:
+        values["network"] = _network_spec(str(values["network"]))
+    if int(values.get("local-steps", 0)) > 0:
+        values["local-epochs"] = 0
+    values.update(sites=plan.sites, db=ledger_option(db), **{"run-tag": tag})
+    config = RunConfig.from_mapping(values)
+    _check_test_set(config)
+    config = replace(config, db=check_ledger(config))
+    run = DeployedRun(
+        app_dir=project_dir(),
+        run_config=config.to_run_config(),
+        tag=tag,
+        python_path=_model_dirs(config.model),
+    )
+    title = (
+        f"Federation of {config.num_sites} sites ({', '.join(config.sites)}): "
+        f"{config.num_server_rounds} round{'s' if config.num_server_rounds != 1 else ''} of "
+        f"{config.strategy} ({config.sync}), "
+        f"model {config.model}, server evaluates on {config.dataset}"
+    )
+    return run, config, config.num_server_rounds, title
+
+
+def _check_test_set(config: RunConfig) -> None:
+    """The server's held-out test set, loaded once now: a bad path is one line, not a
+    failed run after the sites joined."""
+    from clients.site import load_test_set
+
+    test = load_test_set(dataset=config.dataset, partition=config.partition, seed=config.seed)
+    if config.strategy in SKETCHED:
+        check_top_k(config, input_shape=test.input_shape, num_classes=test.num_classes)
+
+
+def _app_run(
+    app_dir: Path,
+    plan: ServerPlan,
+    given: Mapping[str, Any],
+    items: Sequence[str],
+    db: str | None,
+    tag: str,
+) -> tuple[DeployedRun, RunConfig, int | None, str]:
+    """A user's app, planned as ``flplatform run`` plans it, on the registered sites."""
+    builtin_only = sorted(set(given) - set(APP_OPTIONS))
+    if builtin_only:
+        names = ", ".join(f"--{name.replace('_', '-')}" for name in builtin_only)
+        raise ConfigError(
+            f"{names}: options of the built-in task; with --app, set your app's own keys "
+            "with -c key=value"
+        )
+    app = read_app(app_dir)
+    planned = plan_run(
+        app, PlatformOptions(sites=plan.sites, db=db, run_config=tuple(items), **given), tag=tag
+    )
+    run = DeployedRun(
+        app_dir=app.path,
+        run_config=planned.run_config,
+        tag=tag,
+        extra_env=planned.environment(),
+        python_path=planned.python_path,
+    )
+    follow = replace(RunConfig(), db=planned.db_url, run_tag=tag)
+    title = (
+        f"Federation of {len(plan.sites)} sites ({', '.join(plan.sites)}): "
+        f"app {app.name} ({app.path})"
+    )
+    return run, follow, planned.num_rounds, title
+
+
+def _finish(record: RunRecord, url: str, db: str | None) -> None:
+    show_rounds(str(record.id), db=url, fmt=OutputFormat.table)
+    show_sites(str(record.id), db=url, fmt=OutputFormat.table)
+    console.print(
+        Text.assemble(
+            f"\nRun {record.id} {record.status} in {record.wall_seconds or 0:.1f} s; ledger: ",
+            (display_url(url), "bold"),
+            f"\nSee it again with: flplatform history rounds {record.id}{db_argument(db)}",
+        )
+    )
+
+
+@handles_errors
+def site(
+    name: Annotated[
+        str,
+        typer.Argument(help="This site's name, as in the server's --sites.", show_default=False),
+    ],
+    server: Annotated[
+        str,
+        typer.Option(
+            help="HOST:PORT of the server, as its administrator gives it (the host must be "
+            "one its certificate is valid for).",
+            show_default=False,
+        ),
+    ],
+    data: Annotated[
+        Path,
+        typer.Option(
+            help="This site's own data file (.npz with arrays x and y, e.g. from "
+            "`flplatform data split`); the only data this site reads.",
+            show_default=False,
+        ),
+    ],
+    certs: Annotated[
+        Path | None,
+        typer.Option(
+            help="Directory with the server's ca.crt and this site's NAME.key "
+            "(`flplatform certs site NAME --out DIR`)."
+        ),
+    ] = None,
+    insecure: Annotated[
+        bool,
+        typer.Option(
+            "--insecure",
+            help="No TLS and no key, for a server started with --insecure (tests only).",
+        ),
+    ] = False,
+) -> None:
+    """Connect this site to a federation's server and train for every run it starts,
+    until stopped (Ctrl-C).
+
+    The site's SuperNode dials the server with TLS, trusting only the deployment's CA, and
+    proves who it is with its private key, which never leaves this machine. The built-in
+    task trains on a CUDA GPU when PyTorch sees one (else on the CPU); the server's ledger
+    records each site's device.
+    """
+    from flplatform.deploy.site import plan_site, probe_server, run_site
+
+    if insecure:
+        _warn(INSECURE_SITE_WARNING)
+    plan = plan_site(name, server=server, certs_dir=certs, data=data, insecure=insecure)
+    note = probe_server(plan)
+    if note:
+        _say(f"{note}; the SuperNode keeps trying")
+    _say(f"site {plan.name}: SuperNode for {plan.server}, data {plan.data} (Ctrl-C stops it)")
+    run_site(plan, home=work_home(), say=_say)

@@ -1,0 +1,351 @@
+"""The Fleet gateway: the one address sites reach, passing on the Fleet API and nothing else.
+
+Flower 1.41's SuperLink serves its three APIs on one HTTP(S) port: the Fleet API that
+SuperNodes use, the Runtime API of its own ServerApp processes, and the Control API,
+which has no authentication in Flower's open-source edition. Whoever reached that port
+could register a key of their own (``flwr supernode register``) and join as a site, or
+start a run, that is run code on the server. So ``flplatform server`` binds the SuperLink
+to 127.0.0.1 and puts this gateway on the address sites dial: it terminates TLS with the
+server's certificate, forwards ``POST /v1/fleet/...`` to the SuperLink (which still
+checks every node's signature and registration itself) and refuses everything else.
+
+Being the first to see each connection, it also reports what the SuperLink logs nowhere
+or only as a status code: a TLS handshake that failed (a node speaking plain HTTP, a node
+trusting another CA), a request for another API, a node refused by SuperNode
+authentication (which site's key, if any), and sites connecting and leaving. Each report
+is one line on stdout; ``flplatform server`` prints them as they come.
+
+Run as ``python -m flplatform.deploy.gateway``; one thread per connection (a federation
+has a handful of sites).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import http.server
+import socket
+import socketserver
+import ssl
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from flplatform.deploy.registry import SiteRegistry
+
+FLEET_PREFIX = "/v1/fleet/"
+# Flower's own limit on one message (GRPC_MAX_MESSAGE_LENGTH); larger bodies are refused.
+MAX_BODY_BYTES = 2**31 - 1
+HANDSHAKE_SECONDS = 10.0
+# The Fleet client's own timeout is 30 s; a large object on a slow link may take longer.
+UPSTREAM_TIMEOUT = httpx.Timeout(connect=10.0, read=300.0, write=300.0, pool=None)
+# The same report about the same peer at most once a minute (a plain-text node retries
+# for ever, with back-off).
+REPEAT_SECONDS = 60.0
+# Flower's node-authentication header: base64 of the node's PEM public key.
+PUBLIC_KEY_HEADER = "flwr-public-key"
+READY_LINE = "listening on"
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "date",
+        "server",
+    }
+)
+# TLS handshake failures by OpenSSL reason, in words a server administrator acts on.
+_HANDSHAKE_REASONS = {
+    "HTTP_REQUEST": "it spoke plain HTTP (a site started with --insecure?)",
+    "TLSV1_ALERT_UNKNOWN_CA": "it does not trust this server's certificate (a ca.crt from "
+    "another deployment?)",
+    "SSLV3_ALERT_BAD_CERTIFICATE": "it rejected this server's certificate (not valid for "
+    "the name it dialled?)",
+    "SSLV3_ALERT_CERTIFICATE_UNKNOWN": "it rejected this server's certificate (not valid "
+    "for the name it dialled?)",
+    "WRONG_VERSION_NUMBER": "it did not speak TLS",
+}
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """The server's certificate and key, and the CA that signed it."""
+
+    certfile: Path
+    keyfile: Path
+    ca_certfile: Path
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Where to listen, where the SuperLink is, TLS (None: plain HTTP), the site registry."""
+
+    host: str
+    port: int
+    upstream: str  # 127.0.0.1:PORT of the SuperLink
+    tls: TlsFiles | None = None
+    registry: Path | None = None
+
+
+class Reports:
+    """One-line reports on stdout, each repeated at most once a minute."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def say(self, line: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(line, -REPEAT_SECONDS) < REPEAT_SECONDS:
+                return
+            self._last[line] = now
+        self.emit(line)
+
+    def emit(self, line: str) -> None:
+        print(line, flush=True)
+
+
+def handshake_reason(exc: BaseException) -> str:
+    """Why a TLS handshake failed, in words (OpenSSL's reason when we know none better)."""
+    reason = getattr(exc, "reason", None)
+    if isinstance(reason, str) and reason in _HANDSHAKE_REASONS:
+        return _HANDSHAKE_REASONS[reason]
+    if isinstance(exc, TimeoutError | socket.timeout):
+        return f"no TLS handshake within {HANDSHAKE_SECONDS:.0f} s"
+    return f"TLS handshake failed ({exc})"
+
+
+def key_fingerprint(header: str | None) -> str | None:
+    """``SHA256:…`` of the key in Flower's public-key header, as ``ssh-keygen -l`` shows it.
+
+    The same hash as ``flplatform.deploy.certs.fingerprint`` of the site's ``NAME.pub``,
+    so a key is told by the fingerprint ``flplatform certs site`` printed.
+    """
+    if not header:
+        return None
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        key = serialization.load_pem_public_key(base64.b64decode(header, validate=True))
+        line = key.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    except (ValueError, TypeError, UnsupportedAlgorithm):
+        return None
+    digest = hashlib.sha256(base64.b64decode(line.split()[1])).digest()
+    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+
+
+class _Refused(Exception):
+    """The connection was refused and reported; nothing more to do with it."""
+
+
+class FleetGateway(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    """The listening server; one ``_FleetHandler`` thread per connection."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, config: GatewayConfig, reports: Reports) -> None:
+        self.config = config
+        self.reports = reports
+        self.registry = SiteRegistry.read(config.registry) if config.registry else None
+        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        self.address_family = family
+        super().__init__((config.host, config.port), _FleetHandler)
+        self.tls_context: ssl.SSLContext | None = None
+        verify: ssl.SSLContext | bool = False
+        if config.tls is not None:
+            server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            server.minimum_version = ssl.TLSVersion.TLSv1_2
+            server.load_cert_chain(config.tls.certfile, config.tls.keyfile)
+            self.tls_context = server
+            # The SuperLink presents the same certificate on 127.0.0.1.
+            verify = ssl.create_default_context(cafile=str(config.tls.ca_certfile))
+        scheme = "https" if config.tls is not None else "http"
+        self.upstream = httpx.Client(
+            base_url=f"{scheme}://{config.upstream}", verify=verify, timeout=UPSTREAM_TIMEOUT
+        )
+
+    def get_request(self) -> tuple[Any, Any]:
+        sock, address = super().get_request()
+        if self.tls_context is None:
+            return sock, address
+        # The handshake happens in the connection's own thread (see _FleetHandler.setup),
+        # so that a slow or failing client holds up no one and its failure is seen.
+        return (
+            self.tls_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False),
+            address,
+        )
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        error = sys.exc_info()[1]
+        if isinstance(error, _Refused | ConnectionError | TimeoutError | ssl.SSLError):
+            return  # refused and reported, or the peer went away
+        super().handle_error(request, client_address)
+
+    def server_close(self) -> None:
+        super().server_close()
+        self.upstream.close()
+
+    def who(self, fingerprint: str | None) -> str:
+        """A node in words: its registered site, or its key's fingerprint."""
+        if fingerprint is None:
+            return "a SuperNode"
+        if self.registry is None:  # no site authentication: every key is a node's own
+            return f"a SuperNode (key {fingerprint})"
+        name = next((s.name for s in self.registry.sites if s.fingerprint == fingerprint), None)
+        return f"site {name}" if name else f"a SuperNode with unregistered key {fingerprint}"
+
+
+class _FleetHandler(http.server.BaseHTTPRequestHandler):
+    """One connection: its TLS handshake, then its requests, each forwarded or refused."""
+
+    server: FleetGateway
+    protocol_version = "HTTP/1.1"  # keep-alive: a SuperNode polls every 3 s
+    timeout = 600  # an idle connection is closed after ten minutes
+
+    def setup(self) -> None:
+        if isinstance(self.request, ssl.SSLSocket):
+            self.request.settimeout(HANDSHAKE_SECONDS)
+            try:
+                self.request.do_handshake()
+            except (ssl.SSLError, OSError) as exc:
+                if _quiet(exc):  # a port scan, or a probe that only connected
+                    raise _Refused from None
+                source = self.client_address[0]
+                self.server.reports.say(f"refused {source}: {handshake_reason(exc)}")
+                raise _Refused from None
+        super().setup()
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+        pass  # the SuperLink logs every request it serves; refusals are reported
+
+    def do_POST(self) -> None:
+        if not self.path.startswith(FLEET_PREFIX):
+            self._refuse()
+            return
+        length = self.headers.get("content-length")
+        if length is None or not length.isdigit() or int(length) > MAX_BODY_BYTES:
+            self.send_error(411 if length is None else 413)
+            return
+        body = self.rfile.read(int(length))
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+        try:
+            reply = self.server.upstream.post(self.path, content=body, headers=headers)
+        except httpx.HTTPError as exc:
+            upstream = self.server.config.upstream
+            self.server.reports.say(f"cannot reach the SuperLink at {upstream}: {exc}")
+            self.send_error(502)
+            return
+        self._note(reply.status_code)
+        self.send_response(reply.status_code)
+        for key, value in reply.headers.items():
+            if key.lower() not in _HOP_BY_HOP:
+                self.send_header(key, value)
+        self.send_header("Content-Length", str(len(reply.content)))
+        self.end_headers()
+        self.wfile.write(reply.content)
+
+    def do_GET(self) -> None:
+        self._refuse()
+
+    do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_GET
+
+    # ------------------------------------------------------------------ internals
+    def _refuse(self) -> None:
+        self.server.reports.say(
+            f"refused {self.client_address[0]}: {self.command} {self.path.split('?')[0]} — only "
+            "the Fleet API is served on this address (the SuperLink's Control API listens "
+            "on the server's loopback only)"
+        )
+        self.send_error(404, "only the Fleet API is served here")
+
+    def _note(self, status: int) -> None:
+        """Report a node joining, leaving, or refused by SuperNode authentication."""
+        action = self.path[len(FLEET_PREFIX) :]
+        source = self.client_address[0]
+        if action == "register-node" and status >= 400:
+            # A SuperNode without a private key asks to be registered with a fresh one.
+            self.server.reports.say(
+                f"refused a SuperNode from {source}: it has no registered key (started "
+                "without a site's private key)"
+            )
+            return
+        if status < 400 and action not in ("activate-node", "deactivate-node"):
+            return
+        who = self.server.who(key_fingerprint(self.headers.get(PUBLIC_KEY_HEADER)))
+        if action == "activate-node" and status < 400:
+            self.server.reports.say(f"joined: {who} connected from {source}")
+        elif action == "deactivate-node" and status < 400:
+            self.server.reports.say(f"left: {who} disconnected ({source})")
+        elif action == "activate-node":
+            if who.startswith("site "):
+                why = (
+                    "the SuperLink counts this site connected already (a second SuperNode "
+                    "with its key, or a restart within a minute of a crash)"
+                )
+            else:
+                why = "its key is not registered (it is not one of --sites)"
+            self.server.reports.say(f"refused {who} from {source}: {why}")
+        elif status == 401:
+            self.server.reports.say(
+                f"refused {who} from {source}: its request's signature was not accepted"
+            )
+
+
+def _quiet(exc: BaseException) -> bool:
+    """A connection closed before it said anything: not worth a report."""
+    return isinstance(exc, ssl.SSLEOFError | ConnectionResetError | BrokenPipeError) or (
+        isinstance(exc, ssl.SSLError) and "EOF" in str(exc)
+    )
+
+
+def serve(config: GatewayConfig) -> None:
+    """Listen and forward until the process is stopped."""
+    reports = Reports()
+    try:
+        gateway = FleetGateway(config, reports)
+    except OSError as exc:
+        print(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}", flush=True)
+        raise SystemExit(2) from None
+    print(f"{READY_LINE} {config.host}:{config.port}", flush=True)
+    with gateway:
+        gateway.serve_forever(poll_interval=0.5)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m flplatform.deploy.gateway`` (started by ``flplatform server``)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--upstream", required=True, help="127.0.0.1:PORT of the SuperLink")
+    parser.add_argument("--tls", nargs=3, type=Path, metavar=("CERT", "KEY", "CA_CERT"))
+    parser.add_argument("--registry", type=Path)
+    args = parser.parse_args(argv)
+    serve(
+        GatewayConfig(
+            host=args.host,
+            port=args.port,
+            upstream=args.upstream,
+            tls=TlsFiles(*args.tls) if args.tls else None,
+            registry=args.registry,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,299 @@
+"""``flplatform site``: one site's SuperNode, reading only that site's own data file.
+
+The SuperNode dials the server's address with TLS, trusting the deployment's ``ca.crt``,
+and signs its requests with the site's private key (``NAME.key``), which never leaves the
+site. Before it starts, the site's files are checked, and one TLS handshake with the
+server tells at once a server this CA did not sign, or one not speaking TLS. Flower's
+SuperNode then serves every run the server starts until it is stopped: it retries while
+the server is unreachable (a restart of the server is waited out), and exits when the
+server refuses it, which is reported here in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import ssl
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+
+from flplatform.deploy.addresses import Address, parse_address
+from flplatform.deploy.certs import CA_CERT, SiteKey, check_site_name
+from flplatform.errors import ConfigError, DataError, RunFailed
+from flplatform.processes import ProcessTree
+from flplatform.simulation import _bin, describe_exit, flower_environment, free_port, telling_line
+
+PROBE_SECONDS = 10.0
+# Seconds a SuperNode has to deregister after SIGTERM: the server then counts it gone at
+# once; a SuperNode killed outright is counted connected for up to a minute, and
+# refused if it comes back within that minute.
+DEREGISTER_SECONDS = 5.0
+POLL_SECONDS = 0.5
+_NODE_ID = re.compile(r"SuperNode ID: (\d+)")
+_RUN = re.compile(r"\[RUN (\d+)")
+_CONNECTION_FAILED = "Connection attempt failed"
+_RECONNECTED = "Connection successful"
+
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class SitePlan:
+    """A checked ``flplatform site``."""
+
+    name: str
+    server: Address
+    data: Path  # absolute: the ClientApp runs in another directory
+    ca_cert: Path | None  # None: --insecure
+    private_key: Path | None
+
+    @property
+    def insecure(self) -> bool:
+        return self.ca_cert is None
+
+    def node_config(self) -> str:
+        """Flower's ``--node-config``: the site's file and name for the ClientApp."""
+        return f'data-path="{self.data}" site-name="{self.name}"'
+
+
+def plan_site(
+    name: str, *, server: str, certs_dir: Path | None, data: Path, insecure: bool
+) -> SitePlan:
+    """Check the site's name, the server's address, its certificates and its data file."""
+    check_site_name(name)
+    address = parse_address(server, "--server")
+    if address.is_wildcard:
+        raise ConfigError(
+            f"--server {address}: give the address the server is reached at (its name or IP "
+            "address, as in its certificate), not a listening address"
+        )
+    data_file = _checked_data(name, data)
+    if insecure:
+        if certs_dir is not None:
+            raise ConfigError(
+                "--insecure runs without TLS and without the site's key: drop --certs, or "
+                "drop --insecure to use them"
+            )
+        return SitePlan(name, address, data_file, ca_cert=None, private_key=None)
+    if certs_dir is None:
+        raise ConfigError(
+            f"--certs DIR is needed: the server's ca.crt (from its administrator) and this "
+            f"site's key, made with `flplatform certs site {name} --out DIR`; or connect "
+            "without TLS and authentication with --insecure"
+        )
+    # Absolute: the SuperNode runs in another directory.
+    certs_dir = certs_dir.expanduser().resolve()
+    key = SiteKey.find(certs_dir, name)
+    ca_cert = certs_dir / CA_CERT
+    if not ca_cert.is_file():
+        raise ConfigError(
+            f"{ca_cert} is missing: the server's administrator sends it (they made it with "
+            "`flplatform certs init`); put it beside your site key"
+        )
+    try:
+        x509.load_pem_x509_certificate(ca_cert.read_bytes())
+    except ValueError as exc:
+        raise ConfigError(f"{ca_cert} is not a PEM certificate ({exc})") from None
+    return SitePlan(name, address, data_file, ca_cert=ca_cert, private_key=key.private_key)
+
+
+def _checked_data(name: str, data: Path) -> Path:
+    """The site's data file, absolute, loaded once to check it is a site file."""
+    from clients.datasets import load_site_file
+    from clients.site_files import MANIFEST_FILE, TEST_FILE, read_manifest
+
+    path = data.expanduser().resolve()
+    if '"' in str(path):
+        raise ConfigError(f"--data {data}: the path may not contain a double quote")
+    if path.is_dir():
+        raise ConfigError(
+            f"--data {data} is a directory; give this site's own file, e.g. {data}/{name}.npz "
+            "(written by `flplatform data split`)"
+        )
+    if path.name.lower() == TEST_FILE:
+        raise ConfigError(
+            f"--data {data} is a split's held-out test set (the server's), not a site's file"
+        )
+    x, _ = load_site_file(path)  # DataError naming the file and what is wrong
+    if len(x) == 0:
+        raise DataError(f"{path} holds no examples")
+    if (path.parent / MANIFEST_FILE).is_file():
+        owners = [s.name for s in read_manifest(path.parent).sites if s.path.resolve() == path]
+        if owners and name not in owners:
+            raise ConfigError(
+                f"--data {data} is site '{owners[0]}''s file in its split "
+                f"({path.parent / MANIFEST_FILE}), not {name}'s"
+            )
+    return path
+
+
+# ====================================================================== before starting
+def probe_server(plan: SitePlan) -> str | None:
+    """One TLS handshake (or none, with --insecure) with the server; what it showed.
+
+    Raises ConfigError when the server cannot be the right one: a certificate the site's
+    ca.crt does not trust or that is not valid for the name dialled, no TLS where TLS was
+    expected, or TLS where plain HTTP was. Returns a note when the server cannot be
+    reached now (the SuperNode keeps trying), else None.
+    """
+    try:
+        raw = socket.create_connection((plan.server.host, plan.server.port), PROBE_SECONDS)
+    except OSError as exc:
+        return f"the server {plan.server} is not reachable now ({exc.strerror or exc})"
+    with raw:
+        if plan.ca_cert is None:
+            return _probe_plain(raw, plan)
+        context = ssl.create_default_context(cafile=str(plan.ca_cert))
+        try:
+            with context.wrap_socket(raw, server_hostname=plan.server.host):
+                return None
+        except ssl.SSLCertVerificationError as exc:
+            raise ConfigError(
+                f"the server {plan.server} presented a certificate that {plan.ca_cert} does "
+                f"not accept ({exc.verify_message}): "
+                + (
+                    f"it is not valid for {plan.server.host} (the server's administrator "
+                    f"adds it with `flplatform certs init --host {plan.server.host}`)"
+                    if "mismatch" in str(exc.verify_message)
+                    else "ask the server's administrator for this deployment's ca.crt"
+                )
+            ) from None
+        except ssl.SSLError as exc:
+            if "WRONG_VERSION_NUMBER" in str(exc) or "record layer" in str(exc):
+                raise ConfigError(
+                    f"the server {plan.server} does not speak TLS (it runs with --insecure?); "
+                    "a site with --certs talks to it only over TLS"
+                ) from None
+            return f"TLS handshake with {plan.server} failed ({exc})"
+        except OSError as exc:
+            return f"the server {plan.server} closed the connection ({exc.strerror or exc})"
+
+
+def _probe_plain(raw: socket.socket, plan: SitePlan) -> str | None:
+    """With --insecure: refuse a server that answers a TLS hello (it would never answer us)."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with context.wrap_socket(raw, server_hostname=plan.server.host):
+            pass
+    except (ssl.SSLError, OSError):
+        return None  # not TLS: a plain-HTTP server, as --insecure expects
+    raise ConfigError(
+        f"the server {plan.server} speaks TLS: a site connects to it with --certs DIR (its "
+        f"ca.crt and {plan.name}.key), not --insecure"
+    )
+
+
+# ====================================================================== running
+def refusal_reason(output: str, plan: SitePlan) -> str:
+    """Why the SuperNode exited, from its output, in one line."""
+    if "[code: 2004]" in output:
+        return (
+            f"refused by the server: it does not accept {plan.name}'s key now — either "
+            f"{plan.name}.pub is not registered there (is {plan.name} in the server's --sites, "
+            f"with this key?), or the server counts {plan.name} connected already (another "
+            "SuperNode with this key, or a restart within a minute of a crash: retry in a minute)"
+        )
+    if "[code: 2001]" in output:
+        return "refused by the server: it accepts only registered sites, and this node has no key"
+    if "CERTIFICATE_VERIFY_FAILED" in output:
+        return (
+            f"the server's certificate is not accepted by {plan.ca_cert} (another "
+            "deployment's CA, or not valid for the address dialled)"
+        )
+    return telling_line(output)
+
+
+def run_site(plan: SitePlan, *, home: Path, say: Say) -> None:
+    """Start the site's SuperNode and stay with it until it exits or the user stops it.
+
+    Raises ``RunFailed`` with the reason when the SuperNode exits on its own (refused by
+    the server, say); ``KeyboardInterrupt``/``StopRequested`` after stopping it.
+    """
+    env = flower_environment(home)
+    logs = home / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"site-{plan.name}.supernode.log"
+    security = (
+        ["--insecure"]
+        if plan.ca_cert is None or plan.private_key is None
+        else [
+            "--root-certificates",
+            str(plan.ca_cert),
+            "--auth-supernode-private-key",
+            str(plan.private_key),
+        ]
+    )
+    with ProcessTree() as tree:
+        node = tree.popen(
+            [
+                _bin("flower-supernode"),
+                *security,
+                "--superlink",
+                str(plan.server),
+                # The SuperNode's own API for its ClientApp processes, on loopback.
+                "--port",
+                str(free_port()),
+                "--node-config",
+                plan.node_config(),
+            ],
+            env=env,
+            cwd=str(home),
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        try:
+            _watch(node, tree, log, plan, say)
+        except KeyboardInterrupt:
+            _deregister(node)
+            raise
+
+
+def _watch(
+    node: subprocess.Popen[bytes], tree: ProcessTree, log: Path, plan: SitePlan, say: Say
+) -> None:
+    """Say what the SuperNode does (connected, runs served, connection lost) until it exits."""
+    offset = 0
+    runs: set[str] = set()
+    connected = False
+    while True:
+        tree.record()
+        code = node.poll()
+        text = log.read_text(errors="replace")
+        new, offset = text[offset:], len(text)
+        for line in new.splitlines():
+            if match := _NODE_ID.search(line):
+                connected = True
+                say(f"connected to {plan.server} as node {match.group(1)}")
+            elif (match := _RUN.search(line)) and match.group(1) not in runs:
+                runs.add(match.group(1))
+                say(f"serving run {match.group(1)}")
+            elif _CONNECTION_FAILED in line and connected:
+                connected = False
+                say(f"lost the server {plan.server}; retrying until it is back")
+            elif _RECONNECTED in line and not connected:
+                connected = True
+                say(f"reconnected to {plan.server}")
+        if code is not None:
+            raise RunFailed(
+                f"site {plan.name}'s SuperNode exited ({describe_exit(code)}): "
+                f"{refusal_reason(text, plan)}; log: {log}"
+            )
+        time.sleep(POLL_SECONDS)
+
+
+def _deregister(node: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the SuperNode alone first: it tells the server it is leaving, then exits."""
+    if node.poll() is not None:
+        return
+    node.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):  # the tree's stop kills it
+        node.wait(timeout=DEREGISTER_SECONDS)

@@ -1,0 +1,349 @@
+"""``flplatform server`` and ``flplatform site`` refuse bad set-ups before starting anything.
+
+Each refusal is one ``error:`` line naming what is wrong and how to put it right, and no
+process is started (these tests would hang or leave processes behind otherwise). The
+probe a site makes before it starts is tested against real TLS and plain sockets.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import ssl
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flplatform.cli.deploy import INSECURE_SERVER_WARNING, INSECURE_SITE_WARNING
+from flplatform.deploy.certs import init_certs, make_site_key
+from flplatform.deploy.site import plan_site, probe_server
+from flplatform.errors import ConfigError
+from flplatform.simulation import free_port
+from tests.flplatform.cli.test_export import invoke, one_error_line
+
+
+@pytest.fixture
+def server_dir(tmp_path: Path) -> Path:
+    """A server's certificate directory with london's and ohio's public keys."""
+    out = tmp_path / "server"
+    init_certs(out)
+    for name in ("london", "ohio"):
+        key = make_site_key(name, tmp_path / name)
+        shutil.copy(key.public_key, out)
+        shutil.copy(out / "ca.crt", tmp_path / name)
+    return out
+
+
+@pytest.fixture
+def site_file(tmp_path: Path) -> Path:
+    path = tmp_path / "london.npz"
+    np.savez(path, x=np.zeros((20, 1, 8, 8), np.float32), y=np.arange(20) % 10)
+    return path
+
+
+def address() -> str:
+    return f"127.0.0.1:{free_port()}"
+
+
+def server(*args: str) -> tuple[int, str]:
+    result = invoke(["server", *args])
+    return result.exit_code, result.output
+
+
+def site(*args: str) -> tuple[int, str]:
+    result = invoke(["site", *args])
+    return result.exit_code, result.output
+
+
+# ====================================================================== server
+def test_server_without_certs_names_certs_init_and_insecure() -> None:
+    code, output = server("--sites", "london,ohio", "--address", address())
+    assert code == 2
+    line = one_error_line(output)
+    assert "flplatform certs init --out DIR" in line and "--insecure" in line
+
+
+def test_server_with_a_missing_certs_dir_names_the_command(tmp_path: Path) -> None:
+    code, output = server("--sites", "london", "--certs", str(tmp_path / "nowhere"))
+    assert code == 2
+    assert "flplatform certs init --out" in one_error_line(output)
+
+
+def test_server_missing_a_sites_public_key_names_certs_site(server_dir: Path) -> None:
+    code, output = server(
+        "--sites", "london,ohio,tokyo", "--certs", str(server_dir), "--address", address()
+    )
+    assert code == 2
+    line = one_error_line(output)
+    assert "tokyo.pub is missing" in line and "flplatform certs site tokyo" in line
+
+
+def test_two_sites_with_one_key_are_refused(server_dir: Path) -> None:
+    shutil.copy(server_dir / "london.pub", server_dir / "paris.pub")
+    code, output = server(
+        "--sites", "london,paris", "--certs", str(server_dir), "--address", address()
+    )
+    assert code == 2
+    assert "london and paris have the same public key" in one_error_line(output)
+
+
+@pytest.mark.parametrize(
+    "sites, says",
+    [
+        ("london,london", "london more than once"),
+        ("2", "not a count"),
+        (",", "needs the sites' names"),
+        ("lon don", "not allowed"),
+    ],
+)
+def test_bad_site_lists_are_refused(server_dir: Path, sites: str, says: str) -> None:
+    code, output = server("--sites", sites, "--certs", str(server_dir), "--address", address())
+    assert code == 2
+    assert says in one_error_line(output)
+
+
+@pytest.mark.parametrize(
+    "spelled, says",
+    [
+        ("nonsense", "is not HOST:PORT"),
+        ("127.0.0.1:0", "from 1 to 65535"),
+        ("127.0.0.1:http", "from 1 to 65535"),
+        ("bad_host:9092", "neither an IP address nor a host name"),
+        ("10.255.255.1:9092", "would refuse"),  # not in the certificate
+    ],
+)
+def test_bad_addresses_are_refused(server_dir: Path, spelled: str, says: str) -> None:
+    code, output = server("--sites", "london", "--certs", str(server_dir), "--address", spelled)
+    assert code == 2
+    assert says in one_error_line(output)
+
+
+def test_an_address_in_use_is_refused_before_anything_starts(server_dir: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, output = server(
+            "--sites", "london", "--certs", str(server_dir), "--address", f"127.0.0.1:{port}"
+        )
+    assert code == 2
+    assert "cannot listen there" in one_error_line(output)
+
+
+def test_a_certificate_not_valid_on_loopback_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "server"
+    init_certs(out, ["fl.example.org"])
+    shutil.copy(make_site_key("london", tmp_path / "london").public_key, out)
+    code, output = server("--sites", "london", "--certs", str(out), "--address", address())
+    assert code == 2
+    line = one_error_line(output)
+    assert "not valid for 127.0.0.1" in line and "--host 127.0.0.1 --host fl.example.org" in line
+
+
+def test_insecure_server_warns_what_it_allows_and_refuses_certs(server_dir: Path) -> None:
+    code, output = server(
+        "--sites", "london", "--insecure", "--certs", str(server_dir), "--address", address()
+    )
+    assert code == 2
+    assert "drop --certs" in one_error_line(output)
+    where = output.split("Anyone who can reach ")[1].split(" ")[0]
+    assert "warning: " + INSECURE_SERVER_WARNING.format(address=where) in " ".join(output.split())
+    assert "join this federation under any name" in output
+
+
+def test_insecure_server_still_checks_its_address() -> None:
+    code, output = server("--sites", "london", "--insecure", "--address", "nowhere")
+    assert code == 2
+    assert "warning: --insecure: no TLS and no site authentication" in output
+    assert "is not HOST:PORT" in one_error_line(output)
+
+
+def test_built_in_options_are_refused_with_an_app(tmp_path: Path) -> None:
+    code, output = server(
+        "--sites", "london", "--insecure", "--address", address(),
+        "--app", str(tmp_path), "--lr", "0.5",
+    )  # fmt: skip
+    assert code == 2
+    assert "--lr: options of the built-in task" in one_error_line(output)
+
+
+@pytest.mark.parametrize(
+    "item, says", [("sites=a,b", "use --sites"), ("num-server-rounds=x", "must be an integer")]
+)
+def test_run_config_items_are_checked(item: str, says: str) -> None:
+    code, output = server("--sites", "london", "--insecure", "--address", address(), "-c", item)
+    assert code == 2
+    assert says in one_error_line(output)
+
+
+def test_wait_timeout_must_be_positive(server_dir: Path) -> None:
+    code, output = server(
+        "--sites", "london", "--certs", str(server_dir), "--address", address(),
+        "--wait-timeout", "0",
+    )  # fmt: skip
+    assert code == 2
+    assert "--wait-timeout" in one_error_line(output)
+
+
+# ====================================================================== site
+def test_site_without_certs_names_certs_site_and_insecure(site_file: Path) -> None:
+    code, output = site("london", "--server", "127.0.0.1:9092", "--data", str(site_file))
+    assert code == 2
+    line = one_error_line(output)
+    assert "flplatform certs site london --out DIR" in line and "--insecure" in line
+
+
+def test_site_missing_its_key_names_the_command(
+    tmp_path: Path, server_dir: Path, site_file: Path
+) -> None:
+    code, output = site(
+        "tokyo", "--server", "127.0.0.1:9092", "--certs", str(tmp_path / "london"),
+        "--data", str(site_file),
+    )  # fmt: skip
+    assert code == 2
+    assert "flplatform certs site tokyo" in one_error_line(output)
+
+
+def test_site_missing_the_ca_certificate_says_who_sends_it(tmp_path: Path, site_file: Path) -> None:
+    make_site_key("london", tmp_path / "keys")
+    code, output = site(
+        "london", "--server", "127.0.0.1:9092", "--certs", str(tmp_path / "keys"),
+        "--data", str(site_file),
+    )  # fmt: skip
+    assert code == 2
+    assert "ca.crt is missing: the server's administrator sends it" in one_error_line(output)
+
+
+@pytest.mark.parametrize(
+    "server_address, says",
+    [("0.0.0.0:9092", "not a listening address"), ("9092", "is not HOST:PORT")],
+)
+def test_site_needs_the_servers_reachable_address(
+    tmp_path: Path, server_dir: Path, site_file: Path, server_address: str, says: str
+) -> None:
+    code, output = site(
+        "london", "--server", server_address, "--certs", str(tmp_path / "london"),
+        "--data", str(site_file),
+    )  # fmt: skip
+    assert code == 2
+    assert says in one_error_line(output)
+
+
+def test_site_data_must_be_its_own_site_file(tmp_path: Path, server_dir: Path) -> None:
+    split = invoke(["data", "split", "--out", str(tmp_path / "split"), "--sites", "london,ohio"])
+    assert split.exit_code == 0, split.output
+    certs = ["--server", "127.0.0.1:9092", "--certs", str(tmp_path / "london")]
+    for data, code, says in [
+        (tmp_path / "split" / "ohio.npz", 2, "is site 'ohio''s file in its split"),
+        (tmp_path / "split" / "test.npz", 2, "held-out test set"),
+        (tmp_path / "split", 2, "is a directory"),
+        (tmp_path / "nowhere.npz", 3, "nowhere.npz"),
+    ]:
+        exit_code, output = site("london", *certs, "--data", str(data))
+        assert exit_code == code, output
+        assert says in one_error_line(output)
+
+
+def test_insecure_site_warns_and_refuses_certs(tmp_path: Path, site_file: Path) -> None:
+    code, output = site(
+        "london", "--server", "127.0.0.1:9092", "--insecure", "--certs", str(tmp_path),
+        "--data", str(site_file),
+    )  # fmt: skip
+    assert code == 2
+    assert "warning: " + INSECURE_SITE_WARNING in " ".join(output.split())
+    assert "drop --certs" in one_error_line(output)
+
+
+# ====================================================================== the probe
+def serve_once(listener: socket.socket, context: ssl.SSLContext | None) -> None:
+    """Accept one connection; with ``context``, attempt a TLS handshake on it."""
+    conn, _ = listener.accept()
+    with conn:
+        if context is not None:
+            try:
+                with context.wrap_socket(conn, server_side=True):
+                    pass
+            except (ssl.SSLError, OSError):
+                pass
+        else:  # a plain HTTP server answers a TLS hello as a malformed request
+            conn.recv(1024)
+            conn.sendall(b"HTTP/1.0 400 Bad request version\r\n\r\n")
+
+
+@pytest.fixture
+def listener() -> Iterator[socket.socket]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock
+
+
+def tls_server(server_dir: Path) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(server_dir / "server.crt", server_dir / "server.key")
+    return context
+
+
+def probe(
+    listener: socket.socket, context: ssl.SSLContext | None, certs: Path | None, site_file: Path
+) -> str | None:
+    thread = threading.Thread(target=serve_once, args=(listener, context), daemon=True)
+    thread.start()
+    port = listener.getsockname()[1]
+    plan = plan_site(
+        "london",
+        server=f"127.0.0.1:{port}",
+        certs_dir=certs,
+        data=site_file,
+        insecure=certs is None,
+    )
+    try:
+        return probe_server(plan)
+    finally:
+        thread.join(5)
+
+
+def test_probe_accepts_the_deployments_server(
+    tmp_path: Path, server_dir: Path, listener: socket.socket, site_file: Path
+) -> None:
+    assert probe(listener, tls_server(server_dir), tmp_path / "london", site_file) is None
+
+
+def test_probe_refuses_a_server_of_another_ca(
+    tmp_path: Path, server_dir: Path, listener: socket.socket, site_file: Path
+) -> None:
+    other = tmp_path / "other"
+    init_certs(other)
+    with pytest.raises(ConfigError, match="does not accept .* this deployment's ca.crt"):
+        probe(listener, tls_server(other), tmp_path / "london", site_file)
+
+
+def test_probe_refuses_a_server_without_tls(
+    tmp_path: Path, server_dir: Path, listener: socket.socket, site_file: Path
+) -> None:
+    with pytest.raises(ConfigError, match="does not speak TLS"):
+        probe(listener, None, tmp_path / "london", site_file)
+
+
+def test_insecure_probe_refuses_a_tls_server(
+    server_dir: Path, listener: socket.socket, site_file: Path
+) -> None:
+    with pytest.raises(ConfigError, match="speaks TLS: a site connects to it with --certs"):
+        probe(listener, tls_server(server_dir), None, site_file)
+
+
+def test_probe_of_an_unreachable_server_is_a_note(tmp_path: Path, site_file: Path) -> None:
+    make_site_key("london", tmp_path / "keys")
+    shutil.copy(init_certs(tmp_path / "server").ca_cert, tmp_path / "keys")
+    plan = plan_site(
+        "london",
+        server=f"127.0.0.1:{free_port()}",
+        certs_dir=tmp_path / "keys",
+        data=site_file,
+        insecure=False,
+    )
+    note = probe_server(plan)
+    assert note is not None and "not reachable now" in note

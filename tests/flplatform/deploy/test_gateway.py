@@ -1,0 +1,189 @@
+"""The Fleet gateway: Fleet requests pass, everything else is refused, refusals are reported.
+
+The gateway runs for real on 127.0.0.1 with certificates from ``init_certs``; the
+SuperLink behind it is a small HTTPS server that answers as Flower's Fleet API does
+(412 for a node its authentication refuses). The real SuperLink is in
+tests/integration/test_deploy.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from cryptography.hazmat.primitives import serialization
+
+from flplatform.deploy.certs import fingerprint, init_certs, make_site_key
+from flplatform.deploy.gateway import (
+    PUBLIC_KEY_HEADER,
+    FleetGateway,
+    GatewayConfig,
+    Reports,
+    TlsFiles,
+)
+from flplatform.deploy.registry import RegisteredSite, SiteRegistry
+from flplatform.simulation import free_port
+
+
+class Collected(Reports):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, line: str) -> None:
+        self.lines.append(line)
+
+    def wait_for(self, text: str, timeout: float = 5.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [line for line in self.lines if text in line]
+            if found:
+                return found[0]
+            time.sleep(0.02)
+        raise AssertionError(f"no report with {text!r}; reports: {self.lines}")
+
+
+class FleetStandIn(http.server.BaseHTTPRequestHandler):
+    """Answers like the Fleet API: 412 for activate-node, else the request echoed."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["content-length"]))
+        status = 412 if self.path.endswith("/activate-node") else 200
+        self.send_response(status)
+        self.send_header("x-path", self.path)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass
+
+
+@dataclass
+class Deployment:
+    url: str
+    ca_cert: Path
+    other_ca: Path
+    reports: Collected
+    london_header: str
+    stranger_header: str
+    port: int
+
+
+def key_header(public_key: Path) -> str:
+    """Flower's node-authentication header for a key: base64 of its PEM public key."""
+    key = serialization.load_ssh_public_key(public_key.read_bytes())
+    pem = key.public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return base64.b64encode(pem).decode()
+
+
+@pytest.fixture
+def deployment(tmp_path: Path) -> Iterator[Deployment]:
+    certs = init_certs(tmp_path / "server")
+    other = init_certs(tmp_path / "other")
+    london = make_site_key("london", tmp_path / "keys")
+    stranger = make_site_key("stranger", tmp_path / "keys")
+    registry = tmp_path / "registry.json"
+    SiteRegistry((RegisteredSite("london", 5, fingerprint(london.public_key)),)).write(registry)
+
+    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FleetStandIn)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(certs.server_cert, certs.server_key)
+    upstream.socket = context.wrap_socket(upstream.socket, server_side=True)
+    reports = Collected()
+    port = free_port()
+    gateway = FleetGateway(
+        GatewayConfig(
+            host="127.0.0.1",
+            port=port,
+            upstream=f"127.0.0.1:{upstream.server_address[1]}",
+            tls=TlsFiles(certs.server_cert, certs.server_key, certs.ca_cert),
+            registry=registry,
+        ),
+        reports,
+    )
+    threads = [
+        threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+        for server in (upstream, gateway)
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        yield Deployment(
+            url=f"https://127.0.0.1:{port}",
+            ca_cert=certs.ca_cert,
+            other_ca=other.ca_cert,
+            reports=reports,
+            london_header=key_header(london.public_key),
+            stranger_header=key_header(stranger.public_key),
+            port=port,
+        )
+    finally:
+        for server in (gateway, upstream):
+            server.shutdown()
+            server.server_close()
+
+
+def test_fleet_requests_reach_the_superlink_unchanged(deployment: Deployment) -> None:
+    body = bytes(range(256)) * 1000
+    with httpx.Client(verify=str(deployment.ca_cert)) as client:
+        for _ in range(2):  # the second over the same kept-alive connection
+            reply = client.post(f"{deployment.url}/v1/fleet/pull-messages", content=body)
+            assert reply.status_code == 200
+            assert reply.headers["x-path"] == "/v1/fleet/pull-messages"
+            assert reply.content == body
+    assert deployment.reports.lines == []
+
+
+def test_the_control_api_is_not_served_and_the_attempt_is_reported(
+    deployment: Deployment,
+) -> None:
+    with httpx.Client(verify=str(deployment.ca_cert)) as client:
+        reply = client.post(f"{deployment.url}/v1/control/register-node", content=b"key")
+        assert reply.status_code == 404
+        assert client.get(f"{deployment.url}/docs").status_code == 404
+    line = deployment.reports.wait_for("/v1/control/register-node")
+    assert line.startswith("refused 127.0.0.1: POST /v1/control/register-node")
+
+
+def test_refused_nodes_are_reported_by_site_or_key(deployment: Deployment) -> None:
+    with httpx.Client(verify=str(deployment.ca_cert)) as client:
+        for header in (deployment.london_header, deployment.stranger_header):
+            reply = client.post(
+                f"{deployment.url}/v1/fleet/activate-node",
+                content=b"",
+                headers={PUBLIC_KEY_HEADER: header},
+            )
+            assert reply.status_code == 412  # the SuperLink's answer, passed on
+    assert "counts this site connected already" in deployment.reports.wait_for("site london")
+    assert "its key is not registered" in deployment.reports.wait_for("unregistered key SHA256:")
+
+
+def test_plain_http_and_a_foreign_ca_are_reported(deployment: Deployment) -> None:
+    with socket.create_connection(("127.0.0.1", deployment.port)) as plain:
+        plain.sendall(b"POST /v1/fleet/register-node HTTP/1.1\r\nHost: x\r\n\r\n")
+        plain.recv(100)
+    assert "spoke plain HTTP" in deployment.reports.wait_for("refused 127.0.0.1")
+    with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+        httpx.post(f"{deployment.url}/v1/fleet/pull-messages", verify=str(deployment.other_ca))
+    assert "does not trust this server's certificate" in deployment.reports.wait_for("trust")
+
+
+def test_a_connection_that_says_nothing_is_not_reported(deployment: Deployment) -> None:
+    with socket.create_connection(("127.0.0.1", deployment.port)):
+        pass
+    time.sleep(0.3)
+    assert deployment.reports.lines == []

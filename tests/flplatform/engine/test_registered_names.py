@@ -1,0 +1,60 @@
+"""Sites are named by their registration in a deployment, whatever they claim."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord
+
+from flplatform.deploy.registry import REGISTRY_ENV, RegisteredSite, SiteRegistry
+from storage import LedgerRepository
+
+from .scripted_grid import ScriptedGrid
+from .test_engine import engine_for, site
+
+pytestmark = pytest.mark.usefixtures("task_identity")
+
+MODEL = ArrayRecord({"w": Array(np.zeros(4, np.float32))})
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Iterator[tuple[LedgerRepository, int]]:
+    repo = LedgerRepository.open(f"sqlite:///{tmp_path / 'l.db'}")
+    run_id = repo.create_run(
+        name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=1
+    )
+    yield repo, run_id
+    repo.close()
+
+
+def test_registered_names_win_over_claims_and_the_claim_is_kept(
+    ledger: tuple[LedgerRepository, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "registry.json"
+    SiteRegistry(
+        (RegisteredSite("london", 11, "SHA256:l"), RegisteredSite("ohio", 12, "SHA256:o"))
+    ).write(path)
+    monkeypatch.setenv(REGISTRY_ENV, str(path))
+    # Node 11 holds london's key but calls itself tokyo; node 12 tells the truth.
+    grid = ScriptedGrid({11: site("tokyo"), 12: site("ohio")})
+    engine_for(grid, ledger).run(MODEL, num_rounds=1)
+    repo, run_id = ledger
+    sites = {s.name: s for s in repo.list_sites(run_id)}
+    assert set(sites) == {"london", "ohio"}
+    assert sites["london"].node_id == 11
+    assert sites["london"].profile["claimed_name"] == "tokyo"
+    assert "claimed_name" not in sites["ohio"].profile
+    assert {u.site for u in repo.list_updates(run_id)} == {"london", "ohio"}
+
+
+def test_without_a_registry_sites_are_named_as_they_say(
+    ledger: tuple[LedgerRepository, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(REGISTRY_ENV, raising=False)
+    grid = ScriptedGrid({11: site("tokyo"), 12: site("ohio")})
+    engine_for(grid, ledger).run(MODEL, num_rounds=1)
+    repo, run_id = ledger
+    assert {s.name for s in repo.list_sites(run_id)} == {"tokyo", "ohio"}

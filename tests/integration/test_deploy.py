@@ -1,0 +1,229 @@
+"""A deployment for real on 127.0.0.1: certificates, `flplatform server`, two `flplatform site`.
+
+One test, as a site administrator would do it: the CA and server certificate, two site
+keys, a split of the data, the server, then (while it waits for its sites) every kind of
+node that must be refused: an unregistered key, no key, plain text, another deployment's
+CA, and a client of the Control API. Then the two sites train a 3-round federation with
+TLS and authentication. The ledger names the sites by their registered names, the
+refused nodes are in it nowhere, each refusal was reported, and every process is gone.
+Each machine (the server, each site) has a home of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flplatform.processes import ProcessTree
+from flplatform.simulation import flower_environment, free_port
+from storage import LedgerRepository
+
+pytestmark = [pytest.mark.slow, pytest.mark.deploy]
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+ROUNDS = 3
+
+
+class Machine:
+    """A home of its own and the ``flplatform`` command run there."""
+
+    def __init__(self, home: Path) -> None:
+        home.mkdir(parents=True)
+        self.home = home
+        self.env = {
+            **os.environ,
+            "FLPLATFORM_HOME": str(home),
+            "FLWR_HOME": str(home / "flwr"),
+            "PYTHONPATH": str(ROOT),
+        }
+
+    def command(self, *args: str) -> list[str]:
+        return [sys.executable, "-c", "from flplatform.cli.app import main; main()", *args]
+
+    def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            self.command(*args),
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def start(self, tree: ProcessTree, log: Path, *args: str) -> subprocess.Popen[bytes]:
+        return tree.popen(
+            self.command(*args),
+            env=self.env,
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+
+def wait_for_text(log: Path, text: str, proc: subprocess.Popen[bytes], tree: ProcessTree,
+                  timeout: float) -> str:  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        tree.record()  # every process the commands start is known, to check none is left
+        output = log.read_text(errors="replace")
+        if text in output:
+            return output
+        assert proc.poll() is None, output[-3000:]
+        time.sleep(0.5)
+    raise AssertionError(f"no {text!r} within {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def test_a_deployment_with_tls_and_registered_sites(tmp_path: Path) -> None:
+    server = Machine(tmp_path / "server")
+    sites = {name: Machine(tmp_path / name) for name in ("london", "ohio", "evil")}
+    # ---- certificates: the server's CA, each site's key, the public keys to the server
+    certs = server.home / "certs"
+    made = server.run("certs", "init", "--out", str(certs))
+    assert made.returncode == 0, made.stderr
+    for name, site in sites.items():
+        made = site.run("certs", "site", name, "--out", str(site.home / "certs"))
+        assert made.returncode == 0, made.stderr
+        shutil.copy(certs / "ca.crt", site.home / "certs")
+        if name != "evil":  # the administrator registers london and ohio only
+            shutil.copy(site.home / "certs" / f"{name}.pub", certs)
+    stranger_ca = tmp_path / "other-deployment"
+    assert server.run("certs", "init", "--out", str(stranger_ca)).returncode == 0
+    shutil.copy(sites["london"].home / "certs" / "london.key", stranger_ca)
+    # ---- data: the split's site files, one to each site; the test set stays on the server
+    split = server.home / "split"
+    made = server.run("data", "split", "--out", str(split), "--sites", "london,ohio")
+    assert made.returncode == 0, made.stderr
+    data = {name: site.home / f"{name}.npz" for name, site in sites.items()}
+    for name in ("london", "ohio"):
+        shutil.copy(split / f"{name}.npz", data[name])
+    shutil.copy(split / "london.npz", data["evil"])
+
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    ledger = f"sqlite:///{server.home / 'ledger.db'}"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    tree = ProcessTree()
+    try:
+        server_proc = server.start(
+            tree, logs / "server.log",
+            "server", "--certs", str(certs), "--sites", "london,ohio", "--address", address,
+            "--rounds", str(ROUNDS), "--local-epochs", "1", "--dataset", str(split),
+            "--partition", "files", "--db", ledger, "--wait-timeout", "180",
+        )  # fmt: skip
+        wait_for_text(logs / "server.log", "listening for sites", server_proc, tree, 120)
+
+        # ---- refused: a key the server did not register
+        evil = sites["evil"].run(
+            "site", "evil", "--server", address, "--certs", str(sites["evil"].home / "certs"),
+            "--data", str(data["evil"]),
+        )  # fmt: skip
+        assert evil.returncode == 7, evil.stdout + evil.stderr
+        assert "refused by the server" in evil.stderr and "evil.pub is not registered" in (
+            evil.stderr
+        )
+        # ---- refused: another deployment's CA (the site stops before starting its node)
+        foreign = sites["london"].run(
+            "site", "london", "--server", address, "--certs", str(stranger_ca),
+            "--data", str(data["london"]),
+        )  # fmt: skip
+        assert foreign.returncode == 2
+        assert "presented a certificate that" in foreign.stderr
+        # ---- refused: a node with no key, and a node speaking plain HTTP (raw SuperNodes)
+        flower = flower_environment(tmp_path / "raw")
+        # (Its SuperExec outlives it for a while, holding its output: a file, not a pipe.)
+        keyless = tree.popen(
+            [str(BIN / "flower-supernode"), "--root-certificates", str(certs / "ca.crt"),
+             "--superlink", address, "--port", str(free_port())],
+            env=flower, stdout=(logs / "keyless.log").open("wb"), stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        assert keyless.wait(120) != 0
+        assert "[code: 2001]" in (logs / "keyless.log").read_text()
+        plain = tree.popen(
+            [str(BIN / "flower-supernode"), "--insecure", "--superlink", address,
+             "--port", str(free_port())],
+            env=flower, stdout=(logs / "plain.log").open("wb"), stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        # ---- refused: the Control API from outside (registering a key of one's own)
+        attacker = tmp_path / "attacker"
+        attacker.mkdir()
+        (attacker / "config.toml").write_text(
+            f'[superlink]\ndefault = "x"\n[superlink.x]\naddress = "{address}"\n'
+            f'root-certificates = "{certs / "ca.crt"}"\n'
+        )
+        register = subprocess.run(
+            [str(BIN / "flwr"), "supernode", "register",
+             str(sites["evil"].home / "certs" / "evil.pub"), "x", "--format", "json"],
+            env={**flower, "FLWR_HOME": str(attacker)}, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+        assert json.loads(register.stdout)["success"] is False
+        wait_for_text(logs / "server.log", "spoke plain HTTP", server_proc, tree, 60)
+        plain.terminate()
+
+        # ---- the sites
+        members = {
+            name: sites[name].start(
+                tree,
+                logs / f"{name}.log",
+                "site",
+                name,
+                "--server",
+                address,
+                "--certs",
+                str(sites[name].home / "certs"),
+                "--data",
+                str(data[name]),
+            )  # fmt: skip
+            for name in ("london", "ohio")
+        }
+        deadline = time.monotonic() + 300
+        while server_proc.poll() is None and time.monotonic() < deadline:
+            tree.record()
+            time.sleep(1)
+        output = (logs / "server.log").read_text()
+        assert server_proc.returncode == 0, output[-4000:]
+        for name, proc in members.items():
+            assert proc.poll() is None, (logs / f"{name}.log").read_text()
+            proc.send_signal(signal.SIGTERM)  # how a service manager stops a site
+        for name, proc in members.items():
+            assert proc.wait(30) == 128 + signal.SIGTERM
+            assert "stopped by the user (SIGTERM)" in (logs / f"{name}.log").read_text()
+        tree.record()
+        time.sleep(1)
+        assert tree.alive() == [], "processes left behind"
+    finally:
+        tree.stop()
+
+    # ---- what the server reported
+    assert "all 2 sites connected: london, ohio" in output
+    reported = {
+        "unregistered key SHA256:": "its key is not registered",
+        "does not trust this server's certificate": "refused 127.0.0.1",
+        "it has no registered key": "refused a SuperNode from 127.0.0.1",
+        "spoke plain HTTP": "refused 127.0.0.1",
+        "POST /v1/control/register-node": "only the Fleet API is served",
+    }
+    for said, also in reported.items():
+        line = next((line for line in output.splitlines() if said in line), "")
+        assert also in line, f"no report of {said!r}:\n{output}"
+    # ---- what the ledger says
+    registry = json.loads(next((server.home / "deployments").glob("*/registry.json")).read_text())
+    node_ids = {site["name"]: site["node_id"] for site in registry["sites"]}
+    with LedgerRepository.open(ledger) as repository:
+        (run,) = repository.list_runs()
+        assert run.status == "finished", run.error
+        assert [r.num_applied for r in repository.list_rounds(run.id)] == [2] * ROUNDS
+        recorded = {s.name: s for s in repository.list_sites(run.id)}
+        assert set(recorded) == {"london", "ohio"}
+        assert {name: s.node_id for name, s in recorded.items()} == node_ids
+        assert all("claimed_name" not in s.profile for s in recorded.values())
+        assert {u.site for u in repository.list_updates(run.id)} == {"london", "ohio"}
