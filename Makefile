@@ -31,8 +31,10 @@ setup-dev: $(VENV)/.installed-dev
 demo: setup
 	$(BIN)/flplatform demo cross-silo
 
+# The PostgreSQL contract tests run against a server the tests start (tests/postgres.py):
+# FLPLATFORM_REQUIRE_POSTGRES=1 makes them fail, not skip, if it cannot be started.
 test: setup-dev
-	$(BIN)/python -m pytest -q
+	FLPLATFORM_REQUIRE_POSTGRES=1 $(BIN)/python -m pytest -q
 
 # One real simulation per attack against the attacker silent (tests/integration/test_hostile.py),
 # and the faults: SIGTERM, a dead SuperLink, a dying site (tests/integration/test_lifecycle.py).

@@ -118,10 +118,12 @@ class AppRun:
     run_config: dict[str, ConfigValue]  # overrides sent with `flwr run --run-config`
     options: dict[str, Any]  # FLPLATFORM_OPTIONS
     site_names: tuple[str, ...]
-    db_url: str
+    db_url: str  # the ledger, password included: this process follows the run in it
     tag: str
     num_rounds: int | None  # known ahead (option or declared key); None: the app decides
     python_path: tuple[Path, ...] = field(default=())  # extra dirs for Flower processes
+    # The ledger's password for the ServerApp (PGPASSWORD): its URL travels without it.
+    password_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def num_sites(self) -> int:
@@ -129,8 +131,9 @@ class AppRun:
         return len(self.site_names)
 
     def environment(self) -> dict[str, str]:
-        """The environment variables that carry :attr:`options` to the ServerApp."""
-        return options_environment(self.options)
+        """The environment variables that carry :attr:`options` and the ledger's password
+        to the ServerApp."""
+        return {**options_environment(self.options), **self.password_env}
 
 
 def options_environment(options: Mapping[str, Any]) -> dict[str, str]:
@@ -237,8 +240,10 @@ def plan_run(app: FlowerApp, given: PlatformOptions, *, tag: str) -> AppRun:
     """Check every option and build the run: overrides, FLPLATFORM_OPTIONS, sites, ledger.
 
     Raises ``ConfigError`` (or ``StorageError`` for a ledger that cannot be opened) before
-    anything starts.
+    anything starts. The ledger's URL is sent without its password (``AppRun.password_env``).
     """
+    from storage.session import detach_password
+
     _check_home_outside(app)
     overrides = parse_run_config(app, given.run_config)
     for key, option in (("db", "--db"), ("run-tag", None)):
@@ -279,9 +284,10 @@ def plan_run(app: FlowerApp, given: PlatformOptions, *, tag: str) -> AppRun:
 
         require(k_sites_problem(values["sync"], values["k"], len(sites)))
     db_url = _ledger_url(given.db)
-    options["ledger"] = db_url
+    ledger, password_env = detach_password(db_url)
+    options["ledger"] = ledger
     options["tag"] = tag
-    for key, value in (("db", db_url), ("run-tag", tag)):
+    for key, value in (("db", ledger), ("run-tag", tag)):
         if key in app.config:
             overrides[key] = value
     if app.uses_generic_serverapp:
@@ -299,6 +305,7 @@ def plan_run(app: FlowerApp, given: PlatformOptions, *, tag: str) -> AppRun:
         tag=tag,
         num_rounds=num_rounds if isinstance(num_rounds, int) else None,
         python_path=_python_path(given.model),
+        password_env=password_env,
     )
 
 

@@ -15,23 +15,27 @@ manager): ``stop_signals`` turns both into ``StopRequested`` in the main thread,
 that the command can stop its processes and record why before it exits.
 
 Linux reads ``/proc``; elsewhere only the started processes' own groups are signalled.
+
+``listening_sockets`` says where processes listen (``/proc/net`` and their open files), so
+that a check can see that a simulation's processes are reachable from this machine only.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import ipaddress
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 # Seconds a process has to exit after SIGTERM before it is killed. The SuperLink, SuperExec
 # and `flwr run` exit within half a second of SIGTERM; flwr-simulation and Ray's processes
@@ -292,3 +296,140 @@ def _die_with_parent() -> Callable[[], None] | None:
 
 def _running(proc: subprocess.Popen[bytes]) -> bool:
     return proc.poll() is None
+
+
+# ============================================================== where processes listen
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+# Socket states in /proc/net/{tcp,udp}* (include/net/tcp_states.h): a TCP socket that
+# accepts connections is LISTEN; a UDP socket that receives from anyone is not connected,
+# which the kernel shows as CLOSE (ss -lu lists those as UNCONN).
+_TCP_LISTEN = 0x0A
+_UDP_UNCONNECTED = 0x07
+# Each table of /proc/PID/net: its protocol and the state of its listening sockets.
+_NET_TABLES = {
+    "tcp": ("tcp", _TCP_LISTEN),
+    "tcp6": ("tcp", _TCP_LISTEN),
+    "udp": ("udp", _UDP_UNCONNECTED),
+    "udp6": ("udp", _UDP_UNCONNECTED),
+}
+
+
+class ProcNetEntry(NamedTuple):
+    """One socket of a ``/proc/net/{tcp,tcp6,udp,udp6}`` table: its local end and state."""
+
+    address: IPAddress
+    port: int
+    state: int
+    inode: int
+
+
+@dataclass(frozen=True)
+class ListeningSocket:
+    """A socket a process listens on: TCP in LISTEN, or UDP not connected to a peer."""
+
+    pid: int
+    command: str  # the process's name (/proc/PID/comm), as ``ss -p`` shows it
+    protocol: str  # "tcp" or "udp"
+    address: IPAddress
+    port: int
+
+    @property
+    def loopback(self) -> bool:
+        """Whether only this machine can reach it (127.0.0.0/8, ::1, ::ffff:127.x.x.x)."""
+        # gRPC listens on 127.0.0.1 through an IPv6 socket, bound to ::ffff:127.0.0.1.
+        mapped = self.address.ipv4_mapped if self.address.version == 6 else None
+        return self.address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+    def __str__(self) -> str:
+        """As ``ss`` shows it: ``tcp [::ffff:127.0.0.1]:6379 (raylet, pid 7)``."""
+        if self.address.version == 4:
+            host = str(self.address)
+        elif (mapped := self.address.ipv4_mapped) is not None:
+            host = f"[::ffff:{mapped}]"  # Python before 3.13 writes ::ffff:7f00:1
+        else:
+            host = f"[{self.address}]"
+        return f"{self.protocol} {host}:{self.port} ({self.command}, pid {self.pid})"
+
+
+def parse_proc_net(text: str) -> list[ProcNetEntry]:
+    """The sockets of a ``/proc/net/tcp``-style table (tcp, tcp6, udp, udp6).
+
+    Each line after the header reads ``sl local_address rem_address st ... inode ...``,
+    the local address as ``HEX_IP:HEX_PORT``.
+    """
+    entries: list[ProcNetEntry] = []
+    for line in text.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) < 10:
+            continue
+        address, port = fields[1].split(":")
+        entries.append(
+            ProcNetEntry(
+                address=_proc_net_address(address),
+                port=int(port, 16),
+                state=int(fields[3], 16),
+                inode=int(fields[9]),
+            )
+        )
+    return entries
+
+
+def _proc_net_address(text: str) -> IPAddress:
+    """An address as ``/proc/net`` prints it: hex, each 32-bit word in host byte order."""
+    raw = bytes.fromhex(text)
+    if sys.byteorder == "little":
+        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return ipaddress.ip_address(raw)
+
+
+def listening_sockets(pids: Iterable[int]) -> list[ListeningSocket]:
+    """Every TCP and UDP socket (IPv4 and IPv6) that the processes ``pids`` listen on.
+
+    A socket is matched to a process through the process's open files (``/proc/PID/fd``
+    links read ``socket:[INODE]``), so a process that exits meanwhile, or that this user
+    may not inspect, is left out. Linux only; empty without ``/proc``.
+    """
+    listening: dict[str, list[tuple[str, ProcNetEntry]]] = {}  # per network namespace
+    found: list[ListeningSocket] = []
+    for pid in pids:
+        proc = _PROC / str(pid)
+        try:
+            command = (proc / "comm").read_text().strip()
+            inodes = _socket_inodes(proc)
+            namespace = os.readlink(proc / "ns" / "net")
+            if namespace not in listening:
+                listening[namespace] = _listening_entries(proc / "net")
+        except OSError:  # it exited while we looked, or is not ours to inspect
+            continue
+        found.extend(
+            ListeningSocket(pid, command, protocol, entry.address, entry.port)
+            for protocol, entry in listening[namespace]
+            if entry.inode in inodes
+        )
+    return found
+
+
+def _listening_entries(net: Path) -> list[tuple[str, ProcNetEntry]]:
+    """The listening sockets of one network namespace, with their protocol."""
+    entries: list[tuple[str, ProcNetEntry]] = []
+    for table, (protocol, state) in _NET_TABLES.items():
+        try:
+            text = (net / table).read_text()
+        except FileNotFoundError:  # a kernel without IPv6
+            continue
+        entries.extend((protocol, e) for e in parse_proc_net(text) if e.state == state)
+    return entries
+
+
+def _socket_inodes(proc: Path) -> set[int]:
+    """The inodes of the sockets a process has open."""
+    inodes = set()
+    for fd in (proc / "fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:  # closed while we looked
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[len("socket:[") : -1]))
+    return inodes

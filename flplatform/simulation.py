@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import BinaryIO
 
 from flplatform.config import RunConfig
 from flplatform.errors import ConfigError, RunFailed, RunStopped, StorageError
@@ -34,10 +35,15 @@ from storage import (
     RunRecord,
     UpdateRecord,
 )
-from storage.session import default_db_url, flplatform_home, normalize_db_url
+from storage.session import default_db_url, detach_password, flplatform_home, normalize_db_url
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b:")
+
+# Files under $FLPLATFORM_HOME/logs (the processes' output, run configs, the SuperLink's
+# state) and whatever Flower's processes write are readable by their owner only: they may
+# hold what the run was given and what its sites sent.
+OWNER_ONLY_UMASK = 0o077
 
 # Called at every poll with the run (None until the ServerApp records it), its rounds so
 # far, and the dropped and rejected updates of the latest round (so a display can say why).
@@ -252,14 +258,20 @@ def start_simulation(
     tree: ProcessTree,
     app_dir: Path | None = None,
 ) -> SimulationProcess:
-    """Start a SuperLink and ``flwr run`` a Flower app (this project's by default)."""
+    """Start a SuperLink and ``flwr run`` a Flower app (this project's by default).
+
+    The ledger's URL travels without its password, which reaches the ServerApp in its
+    environment (``storage.session.detach_password``).
+    """
+    ledger, password_env = detach_password(config.db)
     return start_app(
         app_dir or project_dir(),
         home=home,
         log_name=log_name,
         tree=tree,
-        run_config=config.to_run_config(),
+        run_config={**config.to_run_config(), "db": ledger},
         num_sites=config.num_sites,
+        extra_env=password_env,
         python_path=_model_dirs(config.model),
     )
 
@@ -294,11 +306,12 @@ def start_app(
     env = flower_environment(home, python_path=python_path)
     env.update(extra_env or {})
     superlink, superlink_log = start_superlink(env, home=home, log_name=log_name, tree=tree)
-    logs = home / "logs"
+    logs = logs_dir(home)
     overrides: list[str] = []
     if run_config:
         path = logs / f"{log_name}.run-config.toml"
-        path.write_text(_toml(dict(run_config)))
+        with private_file(path) as file:
+            file.write(_toml(dict(run_config)).encode())
         overrides = ["--run-config", str(path)]
     log_path = logs / f"{log_name}.log"
     run = tree.popen(
@@ -314,11 +327,27 @@ def start_app(
         ],
         env=env,
         cwd=str(home),
-        stdout=log_path.open("wb"),
+        stdout=private_file(log_path),
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
+        umask=OWNER_ONLY_UMASK,
     )
     return SimulationProcess(superlink, run, log_path, superlink_log, tree)
+
+
+def logs_dir(home: Path) -> Path:
+    """``home/logs``, created if needed, owner-only (0700) also when an older run made it."""
+    logs = home / "logs"
+    logs.mkdir(mode=0o700, parents=True, exist_ok=True)
+    logs.chmod(0o700)
+    return logs
+
+
+def private_file(path: Path) -> BinaryIO:
+    """``path`` opened for writing from its start, readable by its owner only (0600)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a file an older run wrote may be readable by others
+    return os.fdopen(fd, "wb")
 
 
 def start_superlink(
@@ -336,8 +365,7 @@ def start_superlink(
     # it runs with our flags and stops with the run.
     env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(http_port)
     env["FLWR_LOCAL_CONTROL_API_PORT"] = str(control_port)
-    logs = home / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = logs_dir(home)
     superlink_log = logs / f"{log_name}.superlink.log"
     superlink = (tree or ProcessTree()).popen(
         [
@@ -357,8 +385,9 @@ def start_superlink(
             str(logs / f"{log_name}.superlink.db"),
         ],
         env=env,
-        stdout=superlink_log.open("wb"),
+        stdout=private_file(superlink_log),
         stderr=subprocess.STDOUT,
+        umask=OWNER_ONLY_UMASK,  # its state database among what it writes
     )
     try:
         wait_for_port(http_port, superlink, superlink_log)

@@ -17,6 +17,10 @@ driver process, so nothing of any site's state is lost. The dying site's message
 answered with Flower's error, which the engine records as that site's dropped update with
 the reason; the other sites go on, and the dying site too, on its next message.
 
+It also keeps Ray on this machine's loopback interface (:func:`keep_ray_on_loopback`): every
+Ray process of a simulation (gcs_server, raylet, the agents, the ClientApp actors) listens
+on 127.0.0.1 only, never on an address another machine can reach.
+
 flplatform's CLI puts a ``flwr-simulation`` script that runs :func:`main` first on the
 PATH of the SuperLink it starts (``simulation.flower_environment``); SuperExec starts the
 simulation process by that name. Everything else is Flower's ``flwr-simulation``.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from typing import Any
 
 log = logging.getLogger("flplatform")
@@ -68,8 +73,29 @@ def _actor_died(future: Any) -> bool:
     return False
 
 
+def keep_ray_on_loopback() -> None:
+    """Make the Ray instance this process starts its own one, listening on loopback only.
+
+    Call it before Ray is imported: Ray reads its cluster switch then.
+    """
+    # Ray takes a node's IP to be the machine's external address, even when told 127.0.0.1
+    # (ray.init's _node_ip_address goes through services.resolve_ip_for_localhost), and
+    # its gRPC servers (gcs_server, raylet, every worker: the ClientApp actors too) listen
+    # on all interfaces unless the node IP is a loopback one. Ray's switch for multi-node
+    # clusters, off by default on macOS and Windows where Ray runs on one machine only,
+    # makes the node IP the loopback address when off (services.get_node_ip_address): then
+    # the gRPC servers and the runtime-env and dashboard agents listen on 127.0.0.1 only.
+    # A simulation runs on one machine: no other node ever joins it.
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    # Without an address, ray.init() joins the Ray instance RAY_ADDRESS names or the one a
+    # `ray start` left running (/tmp/ray/ray_current_cluster): processes that are not the
+    # simulation's, listening wherever they were told to. "local" starts a new instance.
+    os.environ["RAY_ADDRESS"] = "local"
+
+
 def main() -> None:
-    """``flwr-simulation``, with dead actors replaced."""
+    """``flwr-simulation``, with Ray on loopback only and dead actors replaced."""
+    keep_ray_on_loopback()
     # Flower's module first: it sets Ray's environment before anything imports Ray.
     from flwr.simulation.app import flwr_simulation
 

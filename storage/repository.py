@@ -65,6 +65,7 @@ from .records import (
     UpdateRecord,
 )
 from .session import (
+    PASSWORD_ENV,
     SQLITE_BEGIN_OPTION,
     URL_HINT,
     create_ledger_engine,
@@ -101,6 +102,9 @@ from .validators import (
 
 Row = TypeVar("Row", UpdateRecord, EvaluationRecord)
 
+# libpq's words for a login refused for a missing or a wrong password.
+_PASSWORD_REFUSED = ("no password supplied", "password authentication failed")
+
 
 def _describe(exc: BaseException) -> str:
     """One line from a driver error: its first line, whitespace collapsed."""
@@ -110,8 +114,11 @@ def _describe(exc: BaseException) -> str:
 
 
 def _why(exc: BaseException, path: Path | None) -> str:
-    """What a driver error says; for a SQLite file it could not write, which permission."""
+    """What a driver error says; for a SQLite file it could not write, which permission;
+    for a PostgreSQL login refused for its password, where the password comes from."""
     reason = _describe(exc)
+    if any(s in reason for s in _PASSWORD_REFUSED):
+        return f"{reason} (the password comes from the URL, {PASSWORD_ENV} or ~/.pgpass)"
     if path is None or not any(s in reason.lower() for s in ("readonly", "unable to open")):
         return reason
     if path.exists() and not os.access(path, os.W_OK):

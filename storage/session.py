@@ -56,6 +56,15 @@ SQLITE_BEGIN_OPTION: Final = "flplatform_sqlite_begin"
 
 URL_HINT: Final = "pass --db with a SQLAlchemy URL such as sqlite:///runs.db"
 
+# libpq (psycopg's client library) takes the password a PostgreSQL URL leaves out from this
+# variable, else from the password file (~/.pgpass, or the file $PGPASSFILE names).
+PASSWORD_ENV: Final = "PGPASSWORD"
+# libpq's keyword for the password, which psycopg also takes from a URL's query string.
+_QUERY_PASSWORD: Final = "password"
+# The password of text shaped like ``scheme://user:password@host`` that is no URL: all up to
+# the last "@" (a password may hold "/" or "@"; masking some of the host is harmless).
+_UNPARSED_PASSWORD: Final = re.compile(r"(//[^/@:]*):.*@")
+
 
 def flplatform_home() -> Path:
     """Return the platform's home directory (not created).
@@ -91,7 +100,9 @@ def _parse(url: str) -> URL:
     try:
         return make_url(url.strip())
     except (ArgumentError, ValueError) as exc:
-        raise StorageError(f"cannot parse database URL {url!r} ({exc}); {URL_HINT}") from None
+        raise StorageError(
+            f"cannot parse database URL {mask_db_url(url)!r} ({exc}); {URL_HINT}"
+        ) from None
 
 
 def _is_sqlite_memory(url: URL) -> bool:
@@ -153,19 +164,97 @@ def mask_db_url(url: str) -> str:
     Returns
     -------
     str
-        The URL safe to print; unparsable input, and a URL without a password, are returned
-        as is, except a SQLite file's path, shown as the user wrote it (the normalized URL
+        The URL safe to print: the password masked wherever the URL holds one (after the
+        user name, or as the query's ``password``), also in text too malformed to parse that
+        looks like ``scheme://user:password@host``. A URL without a password is returned as
+        is, except a SQLite file's path, shown as the user wrote it (the normalized URL
         percent-encodes its brackets, spaces and colons).
     """
     try:
         parsed = make_url(url)
     except (ArgumentError, ValueError):
-        return url
-    if parsed.password is not None:
+        return _UNPARSED_PASSWORD.sub(r"\1:***@", url)
+    if _QUERY_PASSWORD in parsed.query:
+        parsed = parsed.update_query_dict({_QUERY_PASSWORD: "***"})
+    if parsed.password is not None or _QUERY_PASSWORD in parsed.query:
         return parsed.render_as_string(hide_password=True)
     if parsed.get_backend_name() == "sqlite" and parsed.database and not parsed.query:
         return f"{parsed.drivername}:///{parsed.database}"
     return url
+
+
+def split_password(url: str) -> tuple[str, str | None]:
+    """Return ``url`` without its password, and the password (None when it holds none).
+
+    The URL without the password is the one that may be stored, printed or handed to
+    another process: it still names the database and who logs in, and PostgreSQL's client
+    finds the password in ``PGPASSWORD`` or ``~/.pgpass`` (see :func:`detach_password`).
+
+    Parameters
+    ----------
+    url : str
+        A SQLAlchemy URL; the password may follow the user name or be the query's
+        ``password``.
+
+    Returns
+    -------
+    tuple[str, str or None]
+        The URL (as given when it holds no password) and the password.
+
+    Raises
+    ------
+    StorageError
+        If ``url`` is empty or cannot be parsed.
+    """
+    parsed = _parse(url)
+    query_password = parsed.query.get(_QUERY_PASSWORD)
+    if parsed.password is None and query_password is None:
+        return url.strip(), None
+    password = parsed.password if parsed.password is not None else query_password
+    if isinstance(password, tuple):  # the key repeated: psycopg takes the last
+        password = password[-1]
+    # Not ``set(password=None)``: ``URL.set`` leaves a field it is given None for unchanged.
+    public = parsed._replace(password=None).difference_update_query([_QUERY_PASSWORD])
+    return public.render_as_string(hide_password=False), str(password)
+
+
+def detach_password(url: str) -> tuple[str, dict[str, str]]:
+    """Split ``url`` for another process: the URL to give it, and the environment to add.
+
+    The URL holds no password (``split_password``): a run config, a log or the ledger may
+    keep it. The password, when the URL had one, goes into the process's environment as
+    ``PGPASSWORD``, where libpq reads it when it connects; a URL without one leaves the
+    process to find it as the user's own processes do (``PGPASSWORD``, ``~/.pgpass``).
+
+    Parameters
+    ----------
+    url : str
+        A SQLAlchemy URL; ``""`` (the default ledger) is returned as is.
+
+    Returns
+    -------
+    tuple[str, dict[str, str]]
+        The URL without a password, and ``{"PGPASSWORD": password}`` or ``{}``.
+
+    Raises
+    ------
+    StorageError
+        If ``url`` cannot be parsed, or holds the password of a database other than
+        PostgreSQL (only libpq reads one from the environment).
+    """
+    if not url:
+        return url, {}
+    public, password = split_password(url)
+    if password is None:
+        return public, {}
+    backend = make_url(public).get_backend_name()
+    if backend != "postgresql":
+        raise StorageError(
+            f"cannot hand the password in {mask_db_url(url)!r} to the run's processes: only "
+            f"a PostgreSQL password travels (as {PASSWORD_ENV}), never in a URL that is "
+            f"stored; use a {backend} URL without a password"
+        )
+    return public, {PASSWORD_ENV: password}
 
 
 def ledger_id(url: str) -> str:

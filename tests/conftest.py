@@ -1,4 +1,5 @@
-"""Shared fixtures: Flower's task identity for tests that build messages, isolated homes."""
+"""Shared fixtures: Flower's task identity for tests that build messages, isolated homes,
+and a PostgreSQL server with fresh databases (``tests/postgres.py``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# Any test may take `postgres_database` or `password_database`.
+pytest_plugins = ["tests.postgres"]
 
 # Flower and Ray must never write to ~/.flwr or phone home from the test suite.
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")

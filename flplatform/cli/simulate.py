@@ -36,7 +36,7 @@ from flplatform.config import DEFAULT_SITES, SKETCHED, RunConfig
 from flplatform.errors import ConfigError
 from flplatform.simulation import check_ledger, ledger_url, run_simulation, work_home
 from storage import LedgerRepository, RoundRecord, RunRecord, UpdateRecord
-from storage.session import normalize_db_url
+from storage.session import normalize_db_url, split_password
 
 console = make_console()
 
@@ -92,8 +92,12 @@ def run_and_follow(config: RunConfig) -> RunRecord:
 
 
 def db_argument(db: str | None) -> str:
-    """`` --db URL`` to repeat in a suggested command (quoted for the shell), or ''."""
-    return f" --db {shlex.quote(db)}" if db else ""
+    """`` --db URL`` to repeat in a suggested command (quoted for the shell), or ''.
+
+    The URL is shown without its password: the command finds it where PostgreSQL's client
+    looks (``PGPASSWORD``, ``~/.pgpass``).
+    """
+    return f" --db {shlex.quote(split_password(db)[0])}" if db else ""
 
 
 def ledger_option(db: str | None) -> str:

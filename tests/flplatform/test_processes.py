@@ -1,18 +1,30 @@
-"""Stopping every process a command started, and SIGINT/SIGTERM as ``StopRequested``.
+"""Stopping every process a command started, SIGINT/SIGTERM as ``StopRequested``, and
+the sockets processes listen on.
 
-Real processes (``sleep`` under ``sh``) and real signals; Linux ``/proc``.
+Real processes (``sleep`` under ``sh``), real signals and real sockets; Linux ``/proc``.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
+import socket
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from flplatform.processes import ProcessTree, StopRequested, stop_reason, stop_signals
+from flplatform.processes import (
+    ListeningSocket,
+    ProcessTree,
+    StopRequested,
+    listening_sockets,
+    parse_proc_net,
+    stop_reason,
+    stop_signals,
+)
 
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc (Linux)")
 
@@ -119,3 +131,96 @@ def test_a_signal_ignored_before_stays_ignored() -> None:
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+# ================================================================ listening sockets
+# As a little-endian Linux prints them: each 32-bit word of an address in host byte order.
+PROC_NET_TCP = """\
+  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 4242 1 0000000000000000 100 0 0 10 0
+   1: 00000000:0050 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4343 1 0000000000000000 100 0 0 10 0
+   2: 020200C0:B5C2 0100007F:1F90 01 00000000:00000000 00:00000000 00000000  1000        0 4444 1 0000000000000000 20 4 30 10 -1
+"""  # noqa: E501 (lines as the kernel writes them)
+PROC_NET_TCP6 = """\
+  sl  local_address                         remote_address                        st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000000000000000000001000000:0BB8 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 5151 1 0000000000000000 100 0 0 10 0
+   1: 0000000000000000FFFF00000100007F:A1B2 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 5252 1 0000000000000000 100 0 0 10 0
+   2: 00000000000000000000000000000000:8674 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 5353 1 0000000000000000 100 0 0 10 0
+   3: B80D0120000000000000000001000000:0016 00000000000000000000000000000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 5454 1 0000000000000000 100 0 0 10 0
+"""  # noqa: E501
+
+
+@pytest.mark.skipif(sys.byteorder != "little", reason="the samples are a little-endian kernel's")
+def test_proc_net_tables_are_parsed_into_addresses_ports_states_and_inodes() -> None:
+    def entries(text: str) -> list[tuple[object, int, int, int]]:
+        return [(e.address, e.port, e.state, e.inode) for e in parse_proc_net(text)]
+
+    ip = ipaddress.ip_address
+    assert entries(PROC_NET_TCP) == [
+        (ip("127.0.0.1"), 8080, 0x0A, 4242),
+        (ip("0.0.0.0"), 80, 0x0A, 4343),
+        (ip("192.0.2.2"), 46530, 0x01, 4444),  # a connection's local end
+    ]
+    assert entries(PROC_NET_TCP6) == [
+        (ip("::1"), 3000, 0x0A, 5151),
+        (ip("::ffff:127.0.0.1"), 41394, 0x0A, 5252),  # gRPC's IPv6 socket on 127.0.0.1
+        (ip("::"), 34420, 0x0A, 5353),
+        (ip("2001:db8::1"), 22, 0x0A, 5454),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("address", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.3.2.1", True),
+        ("::1", True),
+        ("::ffff:127.0.0.1", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("192.0.2.2", False),
+        ("::ffff:192.0.2.2", False),
+        ("2001:db8::1", False),
+    ],
+)
+def test_only_loopback_addresses_count_as_loopback(address: str, loopback: bool) -> None:
+    listening = ListeningSocket(1, "raylet", "tcp", ipaddress.ip_address(address), 6379)
+    assert listening.loopback is loopback
+
+
+def test_a_listening_socket_reads_as_ss_shows_it() -> None:
+    def shown(address: str) -> str:
+        return str(ListeningSocket(7, "raylet", "tcp", ipaddress.ip_address(address), 6379))
+
+    assert shown("127.0.0.1") == "tcp 127.0.0.1:6379 (raylet, pid 7)"
+    assert shown("::") == "tcp [::]:6379 (raylet, pid 7)"
+    assert shown("::ffff:127.0.0.1") == "tcp [::ffff:127.0.0.1]:6379 (raylet, pid 7)"
+
+
+def test_the_sockets_a_process_listens_on_are_found_and_its_connections_are_not() -> None:
+    with (
+        socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp,
+        socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as tcp6,
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp,
+        socket.socket(socket.AF_INET, socket.SOCK_STREAM) as client,
+    ):
+        tcp.bind(("127.0.0.1", 0))
+        tcp.listen()
+        tcp6.bind(("::", 0))
+        tcp6.listen()
+        udp.bind(("0.0.0.0", 0))
+        client.connect(tcp.getsockname())
+        found = {s.port: s for s in listening_sockets([os.getpid()])}
+
+        assert [
+            (found[port].protocol, str(found[port].address), found[port].loopback)
+            for port in (tcp.getsockname()[1], tcp6.getsockname()[1], udp.getsockname()[1])
+        ] == [("tcp", "127.0.0.1", True), ("tcp", "::", False), ("udp", "0.0.0.0", False)]
+        assert client.getsockname()[1] not in found  # a connection listens on nothing
+        assert found[tcp.getsockname()[1]].pid == os.getpid()
+
+
+def test_processes_that_are_gone_are_left_out() -> None:
+    proc = ProcessTree().popen(["true"])
+    proc.wait()
+    assert listening_sockets([proc.pid]) == []

@@ -1,8 +1,11 @@
-"""What a failed simulation's message quotes from Flower's output."""
+"""What a failed simulation's message quotes from Flower's output; its files' permissions."""
 
 from __future__ import annotations
 
-from flplatform.simulation import telling_line
+import stat
+from pathlib import Path
+
+from flplatform.simulation import logs_dir, private_file, telling_line
 
 FLOWER_PANEL = """\
 Using SuperLink: local (127.0.0.1:43799)
@@ -30,3 +33,24 @@ def test_otherwise_the_last_line_mentioning_an_error_then_the_last_line() -> Non
     assert telling_line("start\nan error happened here\nbye\n") == "an error happened here"
     assert telling_line("start\nbye\n") == "bye"
     assert telling_line("") == "no output"
+
+
+def test_the_logs_and_the_files_written_there_are_the_owners_only(tmp_path: Path) -> None:
+    # An older flplatform made them readable by everyone; the next run takes that back.
+    (tmp_path / "logs").mkdir(mode=0o755)
+    old = tmp_path / "logs" / "run.log"
+    old.write_text("what the last run said")
+    old.chmod(0o644)
+
+    logs = logs_dir(tmp_path)
+    with private_file(old) as file:
+        file.write(b"this run")
+    with private_file(logs / "new.run-config.toml") as file:
+        file.write(b"x = 1")
+
+    assert stat.S_IMODE(logs.stat().st_mode) == 0o700
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in logs.iterdir()} == {
+        "run.log": 0o600,
+        "new.run-config.toml": 0o600,
+    }
+    assert old.read_text() == "this run"  # written from its start

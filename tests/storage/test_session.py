@@ -15,7 +15,7 @@ from sqlalchemy import text
 from flplatform.errors import StorageError
 from storage import LedgerRepository, default_db_url, mask_db_url, normalize_db_url
 from storage.session import SQLITE_BUSY_TIMEOUT_MS
-from tests.storage.conftest import free_port
+from tests.postgres import free_port
 from tests.storage.helpers import make_run
 
 

@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from flplatform.cli.app import app
+from flplatform.cli.simulate import db_argument
 
 runner = CliRunner()
 
@@ -131,6 +132,19 @@ def test_postgres_that_is_not_there(tmp_path: Path) -> None:
     line = one_error_line(result.output)
     assert "cannot open database" in line
     assert "secret" not in line  # the password is masked
+
+
+def test_a_url_too_malformed_to_parse_is_quoted_without_its_password() -> None:
+    result = invoke(["simulate", "--db", "postgresql+psycopg://amy:s3cret@db:port/ledger"])
+    assert result.exit_code == 4
+    line = one_error_line(result.output)
+    assert "cannot parse database URL 'postgresql+psycopg://amy:***@db:port/ledger'" in line
+    assert "s3cret" not in result.output
+
+
+def test_a_suggested_command_repeats_the_url_without_its_password() -> None:
+    url = "postgresql+psycopg://amy:s3cret@db.example/ledger"
+    assert db_argument(url) == " --db postgresql+psycopg://amy@db.example/ledger"
 
 
 def test_bad_option_type_is_a_usage_error_not_a_traceback() -> None:

@@ -21,6 +21,7 @@ from flplatform.flower_app import (
 )
 from flplatform.start_options import OPTIONS_ENV as START_OPTIONS_ENV
 from flplatform.start_options import options_from_environment
+from storage.session import PASSWORD_ENV, split_password
 
 ROOT = Path(__file__).resolve().parents[3]
 OWN_APP = ROOT / "examples" / "own_app"
@@ -267,6 +268,23 @@ def test_the_generic_serverapp_gets_its_own_keys(tmp_path: Path) -> None:
         "california",
         "tokyo",
     )
+
+
+@pytest.mark.postgres
+@pytest.mark.usefixtures("flplatform_home")
+def test_the_ledger_password_reaches_the_app_in_its_environment_only(
+    password_database: str,
+) -> None:
+    public, password = split_password(password_database)
+    assert password
+    plan = plan_run(read_app(PLAIN_APP), PlatformOptions(db=password_database), tag="t5")
+
+    assert plan.db_url == password_database  # this process follows the run with it
+    assert plan.run_config["db"] == public  # Flower's run config, stored by the SuperLink
+    env = plan.environment()
+    assert json.loads(env[OPTIONS_ENV])["ledger"] == public
+    assert env[PASSWORD_ENV] == password
+    assert [key for key, value in env.items() if password in value] == [PASSWORD_ENV]
 
 
 def test_the_own_app_example_is_a_valid_flower_app() -> None:
