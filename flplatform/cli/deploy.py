@@ -40,6 +40,7 @@ from flplatform.errors import ConfigError
 from flplatform.flower_app import PlatformOptions, parse_run_config, plan_run, read_app
 from flplatform.simulation import _model_dirs, check_ledger, project_dir, work_home
 from storage import RunRecord
+from storage.session import detach_password
 
 console = make_console()
 
@@ -173,10 +174,14 @@ def _builtin_run(
     config = RunConfig.from_mapping(values)
     _check_test_set(config)
     config = replace(config, db=check_ledger(config))
+    # The ledger's URL travels without its password, which reaches the ServerApp in its
+    # environment (storage.session.detach_password), as in `flplatform simulate`.
+    ledger, password_env = detach_password(config.db)
     run = DeployedRun(
         app_dir=project_dir(),
-        run_config=config.to_run_config(),
+        run_config={**config.to_run_config(), "db": ledger},
         tag=tag,
+        extra_env=password_env,
         python_path=_model_dirs(config.model),
     )
     title = (

@@ -27,7 +27,16 @@ from flplatform.deploy.addresses import Address, parse_address
 from flplatform.deploy.certs import CA_CERT, SiteKey, check_site_name
 from flplatform.errors import ConfigError, DataError, RunFailed
 from flplatform.processes import ProcessTree
-from flplatform.simulation import _bin, describe_exit, flower_environment, free_port, telling_line
+from flplatform.simulation import (
+    OWNER_ONLY_UMASK,
+    _bin,
+    describe_exit,
+    flower_environment,
+    free_port,
+    logs_dir,
+    private_file,
+    telling_line,
+)
 
 PROBE_SECONDS = 10.0
 # Seconds a SuperNode has to deregister after SIGTERM: the server then counts it gone at
@@ -218,9 +227,7 @@ def run_site(plan: SitePlan, *, home: Path, say: Say) -> None:
     the server, say); ``KeyboardInterrupt``/``StopRequested`` after stopping it.
     """
     env = flower_environment(home)
-    logs = home / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    log = logs / f"site-{plan.name}.supernode.log"
+    log = logs_dir(home) / f"site-{plan.name}.supernode.log"
     security = (
         ["--insecure"]
         if plan.ca_cert is None or plan.private_key is None
@@ -246,9 +253,10 @@ def run_site(plan: SitePlan, *, home: Path, say: Say) -> None:
             ],
             env=env,
             cwd=str(home),
-            stdout=log.open("wb"),
+            stdout=private_file(log),
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            umask=OWNER_ONLY_UMASK,  # what the site's ClientApps write stays the site's
         )
         try:
             _watch(node, tree, log, plan, say)

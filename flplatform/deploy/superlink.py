@@ -38,7 +38,7 @@ import tomllib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from flplatform.config import RunConfig
 from flplatform.deploy.addresses import Address, parse_address
@@ -49,6 +49,7 @@ from flplatform.errors import ConfigError, FLPlatformError, RunFailed
 from flplatform.flower_app import ConfigValue
 from flplatform.processes import ProcessTree
 from flplatform.simulation import (
+    OWNER_ONLY_UMASK,
     ProgressCallback,
     SimulationProcess,
     _bin,
@@ -57,6 +58,8 @@ from flplatform.simulation import (
     flower_environment,
     follow_run,
     free_port,
+    logs_dir,
+    private_file,
     telling_line,
     wait_for_port,
 )
@@ -425,9 +428,10 @@ def start_superlink(
         ],
         env=env,
         cwd=str(state),
-        stdout=_log_file(log),
+        stdout=private_file(log),
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
+        umask=OWNER_ONLY_UMASK,  # its state database among what it writes
     )
     wait_for_port(port, link, log)
     return link, port
@@ -466,9 +470,10 @@ def start_gateway(
     proc = tree.popen(
         command,
         env=gateway_env,
-        stdout=_log_file(log),
+        stdout=private_file(log),
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
+        umask=OWNER_ONLY_UMASK,
     )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -555,8 +560,7 @@ def start_deployment(
 
     Every process is started in ``tree`` (the caller stops them, also when this raises).
     """
-    logs = home / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = logs_dir(home)
     log_name = run.tag[:12]
     link_log = logs / f"{log_name}.superlink.log"
     env = flower_environment(home, python_path=run.python_path)
@@ -594,16 +598,18 @@ def start_deployment(
     overrides: list[str] = []
     if run.run_config:
         config_path = logs / f"{log_name}.run-config.toml"
-        config_path.write_text(_toml(dict(run.run_config)))
+        with private_file(config_path) as file:
+            file.write(_toml(dict(run.run_config)).encode())
         overrides = ["--run-config", str(config_path)]
     log_path = logs / f"{log_name}.log"
     flwr_run = tree.popen(
         [_bin("flwr"), "run", str(run.app_dir), plan.connection, *overrides, "--stream"],
         env=env,
         cwd=str(home),
-        stdout=_log_file(log_path),
+        stdout=private_file(log_path),
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
+        umask=OWNER_ONLY_UMASK,
     )
     return SimulationProcess(link, flwr_run, log_path, link_log, tree)
 
@@ -645,8 +651,3 @@ def run_deployment(
         finally:
             for line in gateway_log.lines():
                 say(line)
-
-
-def _log_file(path: Path) -> IO[bytes]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path.open("ab")
