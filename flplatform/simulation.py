@@ -147,7 +147,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _bin(name: str) -> str:
+def flower_command(name: str) -> str:
     """A console script of this environment (next to the running Python), else on PATH."""
     candidate = Path(sys.executable).parent / name
     if candidate.exists():
@@ -272,11 +272,11 @@ def start_simulation(
         run_config={**config.to_run_config(), "db": ledger},
         num_sites=config.num_sites,
         extra_env=password_env,
-        python_path=_model_dirs(config.model),
+        python_path=model_dirs(config.model),
     )
 
 
-def _model_dirs(model: str) -> tuple[Path, ...]:
+def model_dirs(model: str) -> tuple[Path, ...]:
     """The directory a ``MODULE:FACTORY`` model's module was found in, when not installed."""
     if ":" not in model:
         return ()
@@ -311,12 +311,12 @@ def start_app(
     if run_config:
         path = logs / f"{log_name}.run-config.toml"
         with private_file(path) as file:
-            file.write(_toml(dict(run_config)).encode())
+            file.write(run_config_toml(dict(run_config)).encode())
         overrides = ["--run-config", str(path)]
     log_path = logs / f"{log_name}.log"
     run = tree.popen(
         [
-            _bin("flwr"),
+            flower_command("flwr"),
             "run",
             str(app_dir),
             "local",
@@ -369,7 +369,7 @@ def start_superlink(
     superlink_log = logs / f"{log_name}.superlink.log"
     superlink = (tree or ProcessTree()).popen(
         [
-            _bin("flower-superlink"),
+            flower_command("flower-superlink"),
             "--insecure",
             "--simulation",
             "--isolation",
@@ -419,7 +419,7 @@ def wait_for_port(port: int, proc: subprocess.Popen[bytes], log: Path, timeout: 
     raise RunFailed(f"the SuperLink did not start within {timeout:.0f} s; see {log}")
 
 
-def _toml(values: Mapping[str, ConfigValue]) -> str:
+def run_config_toml(values: Mapping[str, ConfigValue]) -> str:
     lines = []
     for key, value in values.items():
         if isinstance(value, bool):

@@ -56,7 +56,7 @@ def init(
             "Wrote ",
             (str(certs.ca_cert), "bold"),
             f", {out / CA_KEY}, {certs.server_cert} and {certs.server_key}\n",
-            f"The server certificate is valid for: {', '.join(hosts)}\n",
+            f"The server certificate is valid for: {', '.join(certs.hosts())}\n",
             "Give ca.crt to every site; keep ca.key and server.key on this machine only.",
         )
     )

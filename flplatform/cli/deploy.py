@@ -26,7 +26,7 @@ from flplatform.cli.options import config_values, table_options
 from flplatform.cli.progress import display_url, round_progress
 from flplatform.cli.render import OutputFormat, make_console
 from flplatform.cli.run import APP_OPTIONS
-from flplatform.cli.simulate import _network_spec, check_top_k, db_argument, ledger_option
+from flplatform.cli.simulate import check_top_k, db_argument, ledger_option, network_spec
 from flplatform.config import SKETCHED, RunConfig
 from flplatform.deploy.superlink import (
     DEFAULT_ADDRESS,
@@ -38,7 +38,7 @@ from flplatform.deploy.superlink import (
 )
 from flplatform.errors import ConfigError
 from flplatform.flower_app import PlatformOptions, parse_run_config, plan_run, read_app
-from flplatform.simulation import _model_dirs, check_ledger, project_dir, work_home
+from flplatform.simulation import check_ledger, model_dirs, project_dir, work_home
 from storage import RunRecord
 from storage.session import detach_password
 
@@ -167,7 +167,7 @@ def _builtin_run(
         # The ServerApp runs in another directory.
         values["dataset"] = str(Path(dataset).expanduser().resolve())
     if "network" in values:
-        values["network"] = _network_spec(str(values["network"]))
+        values["network"] = network_spec(str(values["network"]))
     if int(values.get("local-steps", 0)) > 0:
         values["local-epochs"] = 0
     values.update(sites=plan.sites, db=ledger_option(db), **{"run-tag": tag})
@@ -182,7 +182,7 @@ def _builtin_run(
         run_config={**config.to_run_config(), "db": ledger},
         tag=tag,
         extra_env=password_env,
-        python_path=_model_dirs(config.model),
+        python_path=model_dirs(config.model),
     )
     title = (
         f"Federation of {config.num_sites} sites ({', '.join(config.sites)}): "

@@ -133,7 +133,7 @@ def simulate(
         values["dataset"] = str(
             Path(dataset).expanduser().resolve()
         )  # the ServerApp runs elsewhere
-    values["network"] = _network_spec(values["network"])
+    values["network"] = network_spec(values["network"])
     if values["local-steps"] > 0:
         values["local-epochs"] = 0
     values["sites"] = site_names(sites) if sites else _default_sites(partition, dataset)
@@ -144,7 +144,7 @@ def simulate(
     run_and_follow(config)
 
 
-def _network_spec(network: str) -> str:
+def network_spec(network: str) -> str:
     """A preset name as is; a profile file as an absolute path (the ServerApp runs elsewhere)."""
     text = network.strip()
     if text.endswith(".toml") or "/" in text or Path(text).is_file():
@@ -241,7 +241,7 @@ def cross_silo(
     if not 0.0 < target <= 1.0:
         raise ConfigError(f"--target is an accuracy in (0, 1], got {target}")
     base = RunConfig.from_mapping(
-        _DEMO | {"seed": seed, "db": ledger_option(db), "network": _network_spec(network)}
+        _DEMO | {"seed": seed, "db": ledger_option(db), "network": network_spec(network)}
     )
     names = tuple(m.strip() for m in modes.split(",") if m.strip())
     plans = plan_modes(names, sites=base.num_sites, rounds=rounds, k=k, delay=delay)

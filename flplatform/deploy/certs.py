@@ -37,6 +37,7 @@ from flplatform.checks import SITE_NAME
 from flplatform.errors import ConfigError
 
 DEFAULT_HOSTS = ("127.0.0.1", "localhost", "::1")
+LOOPBACK_HOSTS = ("127.0.0.1",)
 # P-384: a NIST curve, as Flower's SuperNode authentication requires; used for the TLS keys too.
 CURVE = ec.SECP384R1
 CA_DAYS = 3650
@@ -116,9 +117,13 @@ def init_certs(
 ) -> ServerCerts:
     """Write a new CA and a server certificate valid for ``hosts`` into ``out``.
 
-    ``hosts``: every name or address sites will dial (the server certificate's SANs).
+    ``hosts``: every name or address sites will dial (the server certificate's SANs);
+    127.0.0.1 is added when missing.
     Refuses (ConfigError) to overwrite any of the four files unless ``force``.
     """
+    # The server's own processes (SuperExec, the Fleet gateway) reach its SuperLink on
+    # 127.0.0.1 with this certificate: loopback is always among its names.
+    hosts = list(dict.fromkeys([*hosts, *LOOPBACK_HOSTS]))
     names = _check_hosts(hosts)
     certs = ServerCerts(out / CA_CERT, out / SERVER_CERT, out / SERVER_KEY)
     files = (certs.ca_cert, out / CA_KEY, certs.server_cert, certs.server_key)
@@ -209,8 +214,13 @@ def site_public_key(directory: Path, name: str) -> Path:
 
 
 def fingerprint(public_key: Path) -> str:
-    """``SHA256:…`` of an OpenSSH public key, as ``ssh-keygen -l`` prints it (to compare)."""
-    blob = base64.b64decode(public_key.read_text().split()[1])
+    """``SHA256:…`` of an OpenSSH public key file, as ``ssh-keygen -l`` prints it (to compare)."""
+    return line_fingerprint(public_key.read_bytes())
+
+
+def line_fingerprint(line: bytes) -> str:
+    """``SHA256:…`` of one OpenSSH public key line: base64 of the SHA-256 of the key blob."""
+    blob = base64.b64decode(line.split()[1])
     return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
 
 

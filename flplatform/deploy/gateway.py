@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import hashlib
 import http.server
 import socket
 import socketserver
@@ -140,13 +139,14 @@ def key_fingerprint(header: str | None) -> str | None:
     from cryptography.exceptions import UnsupportedAlgorithm
     from cryptography.hazmat.primitives import serialization
 
+    from flplatform.deploy.certs import line_fingerprint
+
     try:
         key = serialization.load_pem_public_key(base64.b64decode(header, validate=True))
         line = key.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
     except (ValueError, TypeError, UnsupportedAlgorithm):
         return None
-    digest = hashlib.sha256(base64.b64decode(line.split()[1])).digest()
-    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+    return line_fingerprint(line)
 
 
 class _Refused(Exception):

@@ -29,8 +29,8 @@ from flplatform.errors import ConfigError, DataError, RunFailed
 from flplatform.processes import ProcessTree
 from flplatform.simulation import (
     OWNER_ONLY_UMASK,
-    _bin,
     describe_exit,
+    flower_command,
     flower_environment,
     free_port,
     logs_dir,
@@ -241,7 +241,7 @@ def run_site(plan: SitePlan, *, home: Path, say: Say) -> None:
     with ProcessTree() as tree:
         node = tree.popen(
             [
-                _bin("flower-supernode"),
+                flower_command("flower-supernode"),
                 *security,
                 "--superlink",
                 str(plan.server),

@@ -52,14 +52,14 @@ from flplatform.simulation import (
     OWNER_ONLY_UMASK,
     ProgressCallback,
     SimulationProcess,
-    _bin,
-    _toml,
     describe_exit,
+    flower_command,
     flower_environment,
     follow_run,
     free_port,
     logs_dir,
     private_file,
+    run_config_toml,
     telling_line,
     wait_for_port,
 )
@@ -254,7 +254,7 @@ class FlowerCli:
 
     def call(self, *args: str) -> dict[str, Any]:
         """``flwr ARGS CONN --format json``; RunFailed with Flower's message when it fails."""
-        command = [_bin("flwr"), *args, self.connection, "--format", "json"]
+        command = [flower_command("flwr"), *args, self.connection, "--format", "json"]
         done = subprocess.run(
             command,
             env=self.env,
@@ -416,7 +416,7 @@ def start_superlink(
     )
     link = tree.popen(
         [
-            _bin("flower-superlink"),
+            flower_command("flower-superlink"),
             *security,
             "--database",
             str(state / "superlink.db"),
@@ -599,11 +599,11 @@ def start_deployment(
     if run.run_config:
         config_path = logs / f"{log_name}.run-config.toml"
         with private_file(config_path) as file:
-            file.write(_toml(dict(run.run_config)).encode())
+            file.write(run_config_toml(dict(run.run_config)).encode())
         overrides = ["--run-config", str(config_path)]
     log_path = logs / f"{log_name}.log"
     flwr_run = tree.popen(
-        [_bin("flwr"), "run", str(run.app_dir), plan.connection, *overrides, "--stream"],
+        [flower_command("flwr"), "run", str(run.app_dir), plan.connection, *overrides, "--stream"],
         env=env,
         cwd=str(home),
         stdout=private_file(log_path),

@@ -133,9 +133,36 @@ def test_an_address_in_use_is_refused_before_anything_starts(server_dir: Path) -
     assert "cannot listen there" in one_error_line(output)
 
 
+def _reissue_server_cert(out: Path, host: str) -> None:
+    """Replace server.crt by one valid for ``host`` only, signed by the same CA (as a
+    deployment's own PKI might make it: ``certs init`` always adds 127.0.0.1)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+
+    ca = x509.load_pem_x509_certificate((out / "ca.crt").read_bytes())
+    ca_key = serialization.load_pem_private_key((out / "ca.key").read_bytes(), None)
+    key = serialization.load_pem_private_key((out / "server.key").read_bytes(), None)
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, host)]))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())  # type: ignore[arg-type]
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(host)]), critical=False)
+        .sign(ca_key, hashes.SHA384())  # type: ignore[arg-type]
+    )
+    (out / "server.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+
 def test_a_certificate_not_valid_on_loopback_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "server"
     init_certs(out, ["fl.example.org"])
+    _reissue_server_cert(out, "fl.example.org")
     shutil.copy(make_site_key("london", tmp_path / "london").public_key, out)
     code, output = server("--sites", "london", "--certs", str(out), "--address", address())
     assert code == 2

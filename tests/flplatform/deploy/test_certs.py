@@ -69,10 +69,10 @@ def test_init_covers_the_given_names_and_addresses(tmp_path: Path) -> None:
     certs = init_certs(tmp_path, ["server.example.org", "10.0.0.7", "[2001:db8::1]"])
     assert sans(load_cert(certs.server_cert)) == (
         {"server.example.org"},
-        {"10.0.0.7", "2001:db8::1"},
+        {"10.0.0.7", "2001:db8::1", "127.0.0.1"},  # loopback added: the server's own dial
     )
     assert certs.covers("10.0.0.7") and certs.covers("SERVER.example.org")
-    assert certs.covers("2001:db8:0::1") and not certs.covers("127.0.0.1")
+    assert certs.covers("2001:db8:0::1") and not certs.covers("192.0.2.1")
     assert ServerCerts.find(tmp_path) == certs
 
 
@@ -213,8 +213,8 @@ def test_cli_writes_the_files_and_refuses_to_overwrite(tmp_path: Path) -> None:
     hosts = ["--host", "10.1.2.3", "--host", "hub.example"]
     result = invoke(["certs", "init", "--out", str(out), *hosts])
     assert result.exit_code == 0, result.output
-    assert "valid for: 10.1.2.3, hub.example" in result.output
-    assert sans(load_cert(out / "server.crt")) == ({"hub.example"}, {"10.1.2.3"})
+    assert "valid for: hub.example, 10.1.2.3, 127.0.0.1" in result.output
+    assert sans(load_cert(out / "server.crt")) == ({"hub.example"}, {"10.1.2.3", "127.0.0.1"})
     result = invoke(["certs", "site", "london", "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert fingerprint(out / "london.pub") in result.output
