@@ -9,7 +9,7 @@ export FLWR_HOME ?= $(FLPLATFORM_HOME)/flwr
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
 export FLWR_TELEMETRY_ENABLED := 0
 
-.PHONY: setup setup-dev demo test test-hostile test-resume test-all lint bench app-config clean
+.PHONY: setup setup-dev demo test test-hostile test-resume test-deploy test-all lint bench app-config clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,12 @@ test-hostile: setup-dev
 # bit for bit with the run left alone (tests/integration/test_resume.py).
 test-resume: setup-dev
 	$(BIN)/python -m pytest -q -m resume
+
+# Real deployments on 127.0.0.1 with raw Flower commands: a SuperLink and two SuperNodes
+# train for a few rounds; the ledger's bytes must agree with Flower's own traffic count
+# (tests/integration/test_wire_bytes.py).
+test-deploy: setup-dev
+	$(BIN)/python -m pytest -q -m deploy
 
 lint: setup-dev
 	$(BIN)/ruff check flplatform clients strategies storage tests benchmarks examples
