@@ -46,8 +46,10 @@ test-hostile: setup-dev
 test-resume: setup-dev
 	$(BIN)/python -m pytest -q -m resume
 
-# A real deployment on 127.0.0.1: `flplatform certs`, `server` and two `site`s with TLS and
-# registered keys, and the nodes that must be refused (tests/integration/test_deploy.py).
+# Real deployments on 127.0.0.1: `flplatform certs`, `server` and two `site`s with TLS and
+# registered keys, and the nodes that must be refused (tests/integration/test_deploy.py); raw
+# Flower SuperLink and SuperNodes whose traffic count must equal the ledger's bytes
+# (tests/integration/test_wire_bytes.py).
 test-deploy: setup-dev
 	$(BIN)/python -m pytest -q -m deploy
 

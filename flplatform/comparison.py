@@ -175,8 +175,9 @@ def read_results(
                 simulated_seconds=record.simulated_seconds,
                 time_to_target=time_to_reach(rounds, target),
                 server_steps=len(rounds),
-                bytes_up=sum(r.bytes_up + r.eval_bytes_up for r in rounds),
-                bytes_down=sum(r.bytes_down + r.eval_bytes_down for r in rounds),
+                # every byte of the run, its site queries included (the wire's count)
+                bytes_up=record.bytes_up,
+                bytes_down=record.bytes_down,
                 mean_staleness={s.name: s.mean_staleness for s in sites},
                 wall_seconds=record.wall_seconds,
                 curve=curve,

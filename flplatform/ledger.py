@@ -19,19 +19,20 @@ import logging
 import os
 import re
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from flplatform.checkpoint import CheckpointError, read_state, write_state
-from flplatform.engine.events import RoundSummary, SiteInfo
+from flplatform.engine.events import RoundSummary, SiteInfo, TrafficOutcome
 from flplatform.errors import ConfigError, FLPlatformError, NotFoundError, StorageError
 from storage import (
     CheckpointInput,
     CheckpointRecord,
     EvaluationInput,
     LedgerRepository,
+    TrafficInput,
     UpdateInput,
     flplatform_home,
 )
@@ -142,6 +143,15 @@ class SqlLedger:
             partition_id=site.partition_id,
             num_examples=site.num_examples,
             profile=profile,
+        )
+
+    def record_traffic(
+        self, traffic: Sequence[TrafficOutcome], server_round: int | None = None
+    ) -> None:
+        """Record bytes with sites that no update or evaluation row holds (queries, late
+        replies), in their own transaction."""
+        self.repository.add_traffic(
+            self.run_id, [TrafficInput(**asdict(t)) for t in traffic], round=server_round
         )
 
     def record_round(self, summary: RoundSummary, state: Mapping[str, Any] | None = None) -> None:

@@ -1,15 +1,16 @@
-"""The ledger's update and evaluation rows, each column declared once, and their statuses.
+"""The ledger's update, evaluation and traffic rows, each column declared once, and their
+statuses.
 
 A row is a frozen dataclass whose fields are its columns, in the order the ledger stores them.
 Each field's metadata carries the column's ``Kind`` (what it holds, hence its range and SQL
 type) and, for a status, the values it allows; a field that defaults to ``None`` is nullable.
 Everything else follows from these declarations:
 
-- the engine's events (``flplatform.engine.events.UpdateOutcome``, ``EvaluationOutcome``) are
-  ``UpdateRow`` and ``EvaluationRow`` themselves;
+- the engine's events (``flplatform.engine.events.UpdateOutcome``, ``EvaluationOutcome``,
+  ``TrafficOutcome``) are ``UpdateRow``, ``EvaluationRow`` and ``TrafficRow`` themselves;
 - ``storage`` validates a row once, column by column, when it builds its input from it
   (``storage.records.UpdateInput``; the checks per kind are in ``storage.validators``);
-- the SQL tables ``updates`` and ``evaluations`` are made from the columns
+- the SQL tables ``updates``, ``evaluations`` and ``traffic`` are made from the columns
   (``storage.models``), and rows are written and read back by column name
   (``storage.mapping``);
 - the records the ledger returns (``storage.records.UpdateRecord``) are the same columns with
@@ -60,6 +61,16 @@ EVALUATION_STATUSES: Final[tuple[EvaluationStatus, ...]] = (
     EVALUATION_EVALUATED,
     EVALUATION_DROPPED,
 )
+
+# Traffic that no update or evaluation row holds, by the type of Flower message it was for:
+# the site-information queries a site is sent when it joins (``query``), and replies that
+# came after the server had stopped waiting for them (an evaluation's, or a training
+# message's error); see ``TrafficColumns``.
+TrafficKind = Literal["train", "evaluate", "query"]
+TRAFFIC_TRAIN: Final = "train"
+TRAFFIC_EVALUATE: Final = "evaluate"
+TRAFFIC_QUERY: Final = "query"
+TRAFFIC_KINDS: Final[tuple[TrafficKind, ...]] = (TRAFFIC_TRAIN, TRAFFIC_EVALUATE, TRAFFIC_QUERY)
 
 
 # ---------------------------------------------------------------------------- columns
@@ -274,3 +285,36 @@ class EvaluationRow(EvaluationColumns[float], SiteColumn):
     Times on the wall clock are Unix times (``time.time()``); the columns are documented in
     ``EvaluationColumns``.
     """
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrafficColumns:
+    """Bytes on Flower's Fleet API that no update or evaluation row holds: the columns of a
+    traffic row but its site.
+
+    An update or evaluation row counts its message and its reply; a traffic row counts the
+    rest, so that a run's totals over all three are what the SuperLink reports for it
+    (``flplatform.engine.wire``).
+
+    Parameters
+    ----------
+    kind : {"train", "evaluate", "query"}
+        The type of the messages: ``query`` for the site-information queries a site is sent
+        when it joins, and their replies; ``train`` or ``evaluate`` for a reply that came
+        after the server stopped waiting for it (its message is counted in its own row).
+    messages : int
+        Messages the server sent that the bytes are for (0 for a late reply alone).
+    bytes_up, bytes_down : int
+        Bytes site to server and server to site, as Flower's SuperLink counts them.
+    """
+
+    kind: str = field(metadata=column(Kind.STATUS, allowed=TRAFFIC_KINDS))
+    messages: int = field(metadata=column(Kind.COUNT32))
+    bytes_up: int = field(metadata=column(Kind.COUNT64))
+    bytes_down: int = field(metadata=column(Kind.COUNT64))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrafficRow(TrafficColumns, SiteColumn):
+    """Traffic with one site that no update or evaluation row holds, as the engine reports
+    it; the columns are documented in ``TrafficColumns``."""

@@ -1,4 +1,4 @@
-"""The ledger: every run, round, site update and evaluation, in any SQLAlchemy database.
+"""The ledger: every run, round, site update, evaluation and byte, in any SQLAlchemy database.
 
 ``LedgerRepository`` is the only way the platform touches the database; it takes the rows
 declared in ``flplatform.ledger_rows`` and returns the frozen records of ``storage.records``.
@@ -7,9 +7,9 @@ through a ``LedgerSink`` (``flplatform.ledger.SqlLedger`` adapts this repository
 
 Modules: ``repository`` (the repository), ``records`` (what it takes and returns),
 ``validators`` (every check on what it takes), ``mapping`` (rows in, records out),
-``summaries`` (per-site totals), ``models`` (the SQL tables; 0005 added the checkpoints
-and events of runs), ``migrations`` (their history),
-``session`` (URLs, engines and transactions).
+``summaries`` (per-run and per-site totals), ``models`` (the SQL tables; 0005 added the
+checkpoints and events of runs, 0006 the traffic no update or evaluation row holds),
+``migrations`` (their history), ``session`` (URLs, engines and transactions).
 """
 
 from flplatform.ledger_rows import (
@@ -20,6 +20,10 @@ from flplatform.ledger_rows import (
     RUN_FINISHED,
     RUN_RUNNING,
     RUN_STATUSES,
+    TRAFFIC_EVALUATE,
+    TRAFFIC_KINDS,
+    TRAFFIC_QUERY,
+    TRAFFIC_TRAIN,
     UPDATE_APPLIED,
     UPDATE_BUFFERED,
     UPDATE_CANCELLED,
@@ -29,6 +33,7 @@ from flplatform.ledger_rows import (
     EvaluationStatus,
     FinalRunStatus,
     RunStatus,
+    TrafficKind,
     UpdateStatus,
 )
 
@@ -44,6 +49,8 @@ from .records import (
     RunRecord,
     SiteRecord,
     SiteSummary,
+    TrafficInput,
+    TrafficRecord,
     UpdateInput,
     UpdateRecord,
     WaitingClock,
@@ -71,6 +78,10 @@ __all__ = [
     "RUN_FINISHED",
     "RUN_RUNNING",
     "RUN_STATUSES",
+    "TRAFFIC_EVALUATE",
+    "TRAFFIC_KINDS",
+    "TRAFFIC_QUERY",
+    "TRAFFIC_TRAIN",
     "UPDATE_APPLIED",
     "UPDATE_BUFFERED",
     "UPDATE_CANCELLED",
@@ -90,6 +101,9 @@ __all__ = [
     "RunStatus",
     "SiteRecord",
     "SiteSummary",
+    "TrafficInput",
+    "TrafficKind",
+    "TrafficRecord",
     "UpdateInput",
     "UpdateRecord",
     "UpdateStatus",

@@ -1,9 +1,9 @@
 """Rows into the database and records out of it, column by column by name.
 
-The update and evaluation rows, their SQL tables and their records share their column names
-(all declared in ``flplatform.ledger_rows``), and so do the run, site and round models and
-their records; so one function writes a row and one reads any record, and neither lists a
-column.
+The update, evaluation and traffic rows, their SQL tables and their records share their
+column names (all declared in ``flplatform.ledger_rows``), and so do the run, site and round
+models and their records; so one function writes a row and one reads any record, and neither
+lists a column.
 """
 
 from __future__ import annotations
@@ -22,16 +22,16 @@ if TYPE_CHECKING:
 R = TypeVar("R", bound="DataclassInstance")
 
 
-def row_values(row: object, *, run_id: int, step: int, site_id: int) -> dict[str, Any]:
-    """Return the values to insert for a validated update or evaluation row.
+def row_values(row: object, *, run_id: int, step: int | None, site_id: int) -> dict[str, Any]:
+    """Return the values to insert for a validated update, evaluation or traffic row.
 
     Parameters
     ----------
-    row : UpdateInput or EvaluationInput
+    row : UpdateInput, EvaluationInput or TrafficInput
         The row, already validated on construction.
     run_id, step, site_id : int
-        The keys the ledger adds: the run, the server step that handled the row and the id of
-        the site the row names.
+        The keys the ledger adds: the run, the server step that handled the row (``None``
+        for a traffic row of no step) and the id of the site the row names.
 
     Returns
     -------

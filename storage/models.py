@@ -1,5 +1,6 @@
 """SQLAlchemy 2.0 models of the ledger: runs, the sites in them, rounds, site updates,
-federated evaluations, and (migration 0005) the checkpoints and events of runs.
+federated evaluations, (migration 0005) the checkpoints and events of runs, and (0006) the
+traffic with sites that no update or evaluation row holds.
 
 Times come on two clocks. ``*_at`` datetimes are the wall clock (UTC). ``virtual_*`` floats
 are the simulated clock of a run that simulated a network: seconds since the simulated start
@@ -12,7 +13,7 @@ something to ``create_all`` from.
 Every constraint and index is named through ``NAMING_CONVENTION`` so later migrations can
 drop or alter them by name on every backend (SQLite's batch mode needs the names).
 
-The ``updates`` and ``evaluations`` tables are made from the rows declared in
+The ``updates``, ``evaluations`` and ``traffic`` tables are made from the rows declared in
 ``flplatform.ledger_rows``: each column's SQL type follows from its ``Kind`` and its
 nullability from its default, and a status column gets its check constraint.
 """
@@ -48,6 +49,7 @@ from flplatform.ledger_rows import (
     RUN_STATUSES,
     EvaluationColumns,
     Kind,
+    TrafficColumns,
     UpdateColumns,
     columns,
     nullable,
@@ -241,11 +243,13 @@ class RunEvent(Base):
     detail: Mapped[dict[str, Any]] = mapped_column(JSON)
 
 
-def _row_table(name: str, row: type, *constraints: SchemaItem) -> Table:
+def _row_table(
+    name: str, row: type, *constraints: SchemaItem, round_nullable: bool = False
+) -> Table:
     """The table of a ledger row: an id, its run, its site, the server step, then its columns.
 
     The row's ``site`` (a name) is stored as ``site_id``; every other column is declared in
-    ``row`` and typed by its kind.
+    ``row`` and typed by its kind. ``round_nullable``: rows may belong to no server step.
     """
     declared = columns(row)
     return Table(
@@ -254,7 +258,7 @@ def _row_table(name: str, row: type, *constraints: SchemaItem) -> Table:
         Column("id", Integer, primary_key=True, autoincrement=True),
         Column("run_id", ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
         Column("site_id", ForeignKey("sites.id", ondelete="CASCADE"), nullable=False),
-        Column("round", Integer, nullable=False),
+        Column("round", Integer, nullable=round_nullable),
         *(
             Column(spec.name, _SQL_TYPES[facts.kind], nullable=nullable(spec))
             for spec, facts in declared
@@ -312,4 +316,20 @@ class Evaluation(Base):
         # per-site summary and the cascade from sites.
         Index(None, "run_id", "round"),
         Index(None, "site_id"),
+    )
+
+
+class Traffic(Base):
+    """Bytes with one site that no update or evaluation row holds
+    (``ledger_rows.TrafficColumns``): site-information queries and late replies, by kind;
+    ``round`` is the server step during which they crossed, NULL for those before the first
+    step of a run's process (added by migration 0006)."""
+
+    __table__ = _row_table(
+        "traffic",
+        TrafficColumns,
+        # run_id serves the per-run totals, site_id the per-site ones and the cascade.
+        Index(None, "run_id"),
+        Index(None, "site_id"),
+        round_nullable=True,
     )

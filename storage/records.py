@@ -5,10 +5,14 @@ detached from any session, so the CLI, the plots and the tests can hold them as 
 like. Every record has ``to_dict()`` with JSON-ready values (datetimes as ISO-8601 strings in
 UTC), which is what the CLI renders as JSON or CSV.
 
-The update and evaluation rows are declared once, in ``flplatform.ledger_rows``: the inputs
-here are those rows validated on construction (``storage.validators.check_row``), and
-``UpdateRecord``, ``EvaluationRecord`` are their columns as stored, with the keys the ledger
-adds.
+The update, evaluation and traffic rows are declared once, in ``flplatform.ledger_rows``: the
+inputs here are those rows validated on construction (``storage.validators.check_row``), and
+``UpdateRecord``, ``EvaluationRecord``, ``TrafficRecord`` are their columns as stored, with
+the keys the ledger adds.
+
+Bytes are what Flower's SuperLink counts on its Fleet API (``flplatform.engine.wire``), so a
+run's ``bytes_up`` and ``bytes_down`` are what ``flwr ls`` reports for it; runs recorded
+before migration 0006 have their payload sizes only.
 
 Two clocks: ``*_at`` datetimes are the wall clock. ``virtual_*`` values (and
 ``transfer_seconds``, ``simulated_seconds``) are plain float seconds on the simulated clock of a
@@ -29,6 +33,8 @@ from flplatform.ledger_rows import (
     EvaluationColumns,
     EvaluationRow,
     RunStatus,
+    TrafficColumns,
+    TrafficRow,
     UpdateColumns,
     UpdateRow,
 )
@@ -106,6 +112,19 @@ class EvaluationInput(EvaluationRow):
 
 
 @dataclass(frozen=True, kw_only=True)
+class TrafficInput(TrafficRow):
+    """Bytes with one site that no update or evaluation row holds, as
+    ``LedgerRepository.add_traffic`` takes them: a ``TrafficRow`` (the engine's
+    ``TrafficOutcome``) whose every column has been validated (``StorageError`` naming the bad
+    one). The columns are documented in ``flplatform.ledger_rows.TrafficColumns``; ``site``
+    names a site added with ``add_site``.
+    """
+
+    def __post_init__(self) -> None:
+        check_row(self, "traffic")
+
+
+@dataclass(frozen=True, kw_only=True)
 class CheckpointInput:
     """The checkpoint file of a round, as ``record_round`` takes it with the round.
 
@@ -138,7 +157,9 @@ class RunRecord(_Record):
     wall-clock run (``simulated_seconds`` also while the run has not finished). ``error`` is
     why the run failed, and a warning noted while it ran (training diverged), which a
     finished run keeps too. ``owner`` is ``"host:pid"`` of the process recording the run
-    (``None`` for runs older than migration 0005).
+    (``None`` for runs older than migration 0005). ``bytes_up`` and ``bytes_down`` are every
+    byte of the run each way: its updates, evaluations and traffic rows (see the module's
+    note on bytes).
     """
 
     id: int
@@ -159,6 +180,8 @@ class RunRecord(_Record):
     network: str | None = None
     simulated_seconds: float | None = None
     owner: str | None = None
+    bytes_up: int = 0
+    bytes_down: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,7 +289,7 @@ class UpdateRecord(_Record, UpdateColumns[datetime], StoredRowKeys):
 
 @dataclass(frozen=True, slots=True)
 class SiteSummary(_Record):
-    """Per-site totals over a run's updates and evaluations.
+    """Per-site totals over a run's updates, evaluations and traffic.
 
     Counts, bytes, compute time and ``mean_train_loss`` cover every update, whatever its
     status; ``mean_train_loss`` is ``None`` when no update reported a finite loss, and
@@ -297,6 +320,10 @@ class SiteSummary(_Record):
 
     ``evaluations`` counts the site's federated evaluations (any status) and
     ``eval_bytes_up``, ``eval_bytes_down`` sum their traffic (0 when it had none).
+    ``queries`` counts the site-information queries it was sent, ``query_bytes_up`` and
+    ``query_bytes_down`` sum their traffic and their replies'. ``total_bytes_up`` and
+    ``total_bytes_down`` are all its traffic: updates, evaluations and every traffic row
+    (late replies included).
     """
 
     site_id: int
@@ -327,6 +354,11 @@ class SiteSummary(_Record):
     virtual_compute_seconds: float | None = None
     transfer_seconds: float | None = None
     mean_delay: float | None = None
+    queries: int = 0
+    query_bytes_up: int = 0
+    query_bytes_down: int = 0
+    total_bytes_up: int = 0
+    total_bytes_down: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Return the summary's fields as JSON-ready values.
@@ -347,3 +379,22 @@ class SiteSummary(_Record):
 class EvaluationRecord(_Record, EvaluationColumns[datetime], StoredRowKeys):
     """One site's federated evaluation as stored: its keys, then the columns of
     ``EvaluationColumns`` with the wall-clock times as datetimes."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoredTrafficKeys:
+    """What the ledger adds to a traffic row it stores: the row's id, its run, its site (by
+    id, with the site's name joined in) and the server step during which the bytes crossed
+    (``None``: before the first step of a run's process)."""
+
+    id: int
+    run_id: int
+    site_id: int
+    site: str
+    round: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrafficRecord(_Record, TrafficColumns, StoredTrafficKeys):
+    """Bytes with one site that no update or evaluation row holds, as stored: its keys, then
+    the columns of ``TrafficColumns``."""

@@ -49,6 +49,7 @@ from .models import (
     Run,
     RunEvent,
     Site,
+    Traffic,
     Update,
 )
 from .records import (
@@ -61,6 +62,8 @@ from .records import (
     RunRecord,
     SiteRecord,
     SiteSummary,
+    TrafficInput,
+    TrafficRecord,
     UpdateInput,
     UpdateRecord,
 )
@@ -92,6 +95,7 @@ from .validators import (
     check_seconds,
     check_signed64,
     check_total_bytes,
+    check_traffic_kinds,
     check_update_statuses,
     check_virtual_span,
     check_wall_span,
@@ -163,7 +167,8 @@ def _is_locked(exc: BaseException) -> bool:
 
 # ---------------------------------------------------------------------------- repository
 class LedgerRepository:
-    """Typed access to the ledger: runs, their sites, rounds, site updates and evaluations.
+    """Typed access to the ledger: runs, their sites, rounds, site updates, evaluations and
+    the traffic no update or evaluation holds.
 
     Open one with ``LedgerRepository.open(url)``; it migrates the schema to the current
     revision first. Use it as a context manager, or call ``close()``. Every call takes its own
@@ -1114,8 +1119,85 @@ class LedgerRepository:
                 self._require_site(session, run_id, site)
             return [to_record(record_type, row._mapping) for row in session.execute(query)]
 
+    # ------------------------------------------------------------------ traffic
+    def add_traffic(
+        self, run_id: int, traffic: Sequence[TrafficInput], *, round: int | None = None
+    ) -> None:
+        """Record bytes with sites that no update or evaluation row holds, in one transaction.
+
+        Parameters
+        ----------
+        run_id : int
+            The running run.
+        traffic : Sequence[TrafficInput]
+            One row per site and kind (site-information queries, late replies); each names
+            a site added to the run.
+        round : int or None
+            The server step during which the bytes crossed (``>= 1``); ``None`` before the
+            first step of the run's process (sites joining, or rejoining after a resume).
+
+        Raises
+        ------
+        NotFoundError
+            If the run does not exist.
+        StorageError
+            If a value is invalid, a row names a site the run does not have, or the run is
+            no longer running.
+        """
+        run_id = self._run_id(run_id)
+        step = None if round is None else check_count("round", round, maximum=INT32_MAX)
+        if step == 0:
+            raise StorageError("round must be >= 1 (server steps start at 1) or None, got 0")
+        rows = check_rows("traffic", traffic, TrafficInput)
+        check_total_bytes(step or 0, "total traffic bytes", rows)
+        action = f"record traffic of run {run_id}"
+        with self._session(action, write=True) as session:
+            self._require_running(session, run_id, action)
+            site_query = select(Site.name, Site.id).where(Site.run_id == run_id)
+            site_ids = {name: site_id for name, site_id in session.execute(site_query)}
+            _insert_rows(session, Traffic, "traffic", rows, run_id, step, site_ids)
+
+    def list_traffic(
+        self, run_id: int, *, site: str | None = None, kind: str | Iterable[str] | None = None
+    ) -> list[TrafficRecord]:
+        """Return a run's traffic rows in the order they were recorded.
+
+        Parameters
+        ----------
+        run_id : int
+            The run whose traffic to list.
+        site : str or None
+            Only this site's rows.
+        kind : str, iterable of str, or None
+            Only rows of this kind, or of any of these (``TRAFFIC_KINDS``).
+
+        Raises
+        ------
+        NotFoundError
+            If the run does not exist, or ``site`` is not one of its sites.
+        StorageError
+            If a kind is not one of ``TRAFFIC_KINDS``.
+        """
+        run_id = self._run_id(run_id)
+        table = cast(Table, Traffic.__table__)
+        query = (
+            select(table, Site.name.label("site"))
+            .join(Site, Site.id == table.c.site_id)
+            .where(table.c.run_id == run_id)
+            .order_by(table.c.id)
+        )
+        if kind is not None:
+            query = query.where(table.c.kind.in_(check_traffic_kinds(kind)))
+        if site is not None:
+            query = query.where(Site.name == site)
+        with self._session(f"list the traffic of run {run_id}") as session:
+            self._require_run(session, run_id)
+            if site is not None:
+                self._require_site(session, run_id, site)
+            return [to_record(TrafficRecord, row._mapping) for row in session.execute(query)]
+
     def site_summaries(self, run_id: int) -> list[SiteSummary]:
-        """Return per-site totals over a run's updates and evaluations.
+        """Return per-site totals over a run's updates, evaluations and traffic.
 
         Sites come in the order they were added, those with no updates or evaluations with zero
         counts; what each total covers is said in ``SiteSummary``, how it is computed in
@@ -1146,18 +1228,19 @@ def _insert_rows(
     session: Session,
     model: type[Base],
     noun: str,
-    rows: Sequence[UpdateInput] | Sequence[EvaluationInput],
+    rows: Sequence[UpdateInput] | Sequence[EvaluationInput] | Sequence[TrafficInput],
     run_id: int,
-    step: int,
+    step: int | None,
     site_ids: dict[str, int],
 ) -> None:
-    """Insert a step's update or evaluation rows, each naming a site the run has."""
+    """Insert a step's update, evaluation or traffic rows, each naming a site the run has."""
     values = []
+    where = "" if step is None else f"round {step}: "
     for row in rows:
         if row.site not in site_ids:
             known = ", ".join(sorted(site_ids)) or "none"
             raise StorageError(
-                f"round {step}: {noun} from site {row.site!r}, which run {run_id} does not "
+                f"{where}{noun} from site {row.site!r}, which run {run_id} does not "
                 f"have (its sites: {known}); add it with add_site first"
             )
         values.append(row_values(row, run_id=run_id, step=step, site_id=site_ids[row.site]))

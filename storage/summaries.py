@@ -1,5 +1,5 @@
-"""Totals the ledger computes when read: a run's round count and latest metrics, a round's
-evaluation traffic, and a site's totals over a run (``SiteSummary``).
+"""Totals the ledger computes when read: a run's round count, latest metrics and bytes, a
+round's evaluation traffic, and a site's totals over a run (``SiteSummary``).
 
 Sums and counts are SQL; what SQL cannot do portably is done here in Python: the staleness
 percentile, and the waiting times, which need each update's successor in dispatch order.
@@ -11,10 +11,11 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Select, Subquery, case, func, select
+from sqlalchemy import Select, Subquery, case, func, select, union_all
 from sqlalchemy.orm import Session
 
 from flplatform.ledger_rows import (
+    TRAFFIC_QUERY,
     UPDATE_APPLIED,
     UPDATE_BUFFERED,
     UPDATE_CANCELLED,
@@ -23,20 +24,33 @@ from flplatform.ledger_rows import (
 )
 
 from .mapping import to_record
-from .models import Evaluation, Round, Run, Site, Update
+from .models import Evaluation, Round, Run, Site, Traffic, Update
 from .records import CLOCK_VIRTUAL, CLOCK_WALL, RoundRecord, RunRecord, SiteSummary, WaitingClock
 
 
 # ---------------------------------------------------------------------------- runs, rounds
-def run_record(run: Run, rounds: int | None, last_metrics: dict[str, Any] | None) -> RunRecord:
-    """A run with its round count and the metrics of its latest round (see ``runs_query``)."""
+def run_record(
+    run: Run,
+    rounds: int | None,
+    last_metrics: dict[str, Any] | None,
+    bytes_up: Any = None,
+    bytes_down: Any = None,
+) -> RunRecord:
+    """A run with its round count, the metrics of its latest round and its bytes (see
+    ``runs_query``; PostgreSQL sums BIGINTs as NUMERIC, and a run without rows has NULL)."""
     return to_record(
-        RunRecord, run, rounds_completed=rounds or 0, last_metrics=dict(last_metrics or {})
+        RunRecord,
+        run,
+        rounds_completed=rounds or 0,
+        last_metrics=dict(last_metrics or {}),
+        bytes_up=int(bytes_up or 0),
+        bytes_down=int(bytes_down or 0),
     )
 
 
-def runs_query() -> Select[tuple[Run, int | None, dict[str, Any] | None]]:
-    """Runs with their round count and the metrics of their latest round."""
+def runs_query() -> Select[tuple[Run, int | None, dict[str, Any] | None, Any, Any]]:
+    """Runs with their round count, the metrics of their latest round and their bytes each
+    way over their updates, evaluations and traffic rows."""
     per_run = (
         select(
             Round.run_id.label("run_id"),
@@ -51,10 +65,26 @@ def runs_query() -> Select[tuple[Run, int | None, dict[str, Any] | None]]:
         .join(per_run, (per_run.c.run_id == Round.run_id) & (per_run.c.last_round == Round.round))
         .subquery()
     )
+    rows = union_all(
+        *(
+            select(t.c.run_id, t.c.bytes_up, t.c.bytes_down)
+            for t in (Update.__table__, Evaluation.__table__, Traffic.__table__)
+        )
+    ).subquery()
+    wire = (
+        select(
+            rows.c.run_id.label("run_id"),
+            func.sum(rows.c.bytes_up).label("bytes_up"),
+            func.sum(rows.c.bytes_down).label("bytes_down"),
+        )
+        .group_by(rows.c.run_id)
+        .subquery()
+    )
     return (
-        select(Run, per_run.c.rounds, last.c.metrics)
+        select(Run, per_run.c.rounds, last.c.metrics, wire.c.bytes_up, wire.c.bytes_down)
         .outerjoin(per_run, per_run.c.run_id == Run.id)
         .outerjoin(last, last.c.run_id == Run.id)
+        .outerjoin(wire, wire.c.run_id == Run.id)
     )
 
 
@@ -139,7 +169,7 @@ def waiting_and_busy(intervals: Iterable[tuple[float, float | None]]) -> tuple[f
 
 
 def site_summaries(session: Session, run_id: int) -> list[SiteSummary]:
-    """Return per-site totals over a run's updates and evaluations (see ``SiteSummary``).
+    """Return per-site totals over a run's updates, evaluations and traffic (``SiteSummary``).
 
     Counts, sums, means and the staleness histogram are computed in SQL; the waiting and busy
     times, which depend on each update's successor in dispatch order, are computed here from
@@ -200,6 +230,15 @@ def site_summaries(session: Session, run_id: int) -> list[SiteSummary]:
                 virtual_compute_seconds=_float_or_none(t["virtual_compute_seconds"]),
                 transfer_seconds=_float_or_none(t["transfer_seconds"]),
                 mean_delay=_float_or_none(t["mean_delay"]),
+                queries=int(t["queries"] or 0),
+                query_bytes_up=int(t["query_bytes_up"] or 0),
+                query_bytes_down=int(t["query_bytes_down"] or 0),
+                total_bytes_up=sum(
+                    int(t[k] or 0) for k in ("bytes_up", "eval_bytes_up", "traffic_bytes_up")
+                ),
+                total_bytes_down=sum(
+                    int(t[k] or 0) for k in ("bytes_down", "eval_bytes_down", "traffic_bytes_down")
+                ),
             )
         )
     return summaries
@@ -241,6 +280,24 @@ def _totals_per_site(run_id: int) -> Select[Any]:
         .subquery()
     )
     evaluated = _evaluation_traffic(run_id, "site_id")
+    traffic = Traffic.__table__.c
+
+    def queried(column: Any) -> Any:
+        return func.sum(case((traffic.kind == TRAFFIC_QUERY, column), else_=0))
+
+    other = (
+        select(
+            traffic.site_id.label("site_id"),
+            queried(traffic.messages).label("queries"),
+            queried(traffic.bytes_up).label("query_bytes_up"),
+            queried(traffic.bytes_down).label("query_bytes_down"),
+            func.sum(traffic.bytes_up).label("traffic_bytes_up"),
+            func.sum(traffic.bytes_down).label("traffic_bytes_down"),
+        )
+        .where(traffic.run_id == run_id)
+        .group_by(traffic.site_id)
+        .subquery()
+    )
     return (
         select(
             Site,
@@ -248,9 +305,15 @@ def _totals_per_site(run_id: int) -> Select[Any]:
             evaluated.c.evaluations,
             evaluated.c.eval_bytes_up,
             evaluated.c.eval_bytes_down,
+            other.c.queries,
+            other.c.query_bytes_up,
+            other.c.query_bytes_down,
+            other.c.traffic_bytes_up,
+            other.c.traffic_bytes_down,
         )
         .outerjoin(updated, updated.c.site_id == Site.id)
         .outerjoin(evaluated, evaluated.c.site_id == Site.id)
+        .outerjoin(other, other.c.site_id == Site.id)
         .where(Site.run_id == run_id)
         .order_by(Site.id)
     )

@@ -23,10 +23,12 @@ from typing import Any, Final, TypeVar, cast
 
 from flplatform.errors import StorageError
 from flplatform.ledger_rows import (
+    TRAFFIC_KINDS,
     UPDATE_STATUSES,
     Column,
     EvaluationRow,
     Kind,
+    TrafficRow,
     UpdateRow,
     columns,
     nullable,
@@ -230,6 +232,18 @@ def check_update_statuses(status: str | Iterable[str]) -> list[str]:
     return wanted
 
 
+def check_traffic_kinds(kind: str | Iterable[str]) -> list[str]:
+    """The kinds a traffic filter names, each checked against ``TRAFFIC_KINDS``."""
+    wanted = [kind] if isinstance(kind, str) else list(kind)
+    unknown = [k for k in wanted if k not in TRAFFIC_KINDS]
+    if unknown:
+        raise StorageError(
+            f"unknown traffic kind {', '.join(repr(k) for k in unknown)}; "
+            f"allowed: {', '.join(TRAFFIC_KINDS)}"
+        )
+    return wanted
+
+
 # ---------------------------------------------------------------------------- a round
 def check_wall_span(step: int, started_at: float, finished_at: float) -> tuple[datetime, datetime]:
     """A step's start and finish as datetimes; the finish may not precede the start."""
@@ -279,11 +293,14 @@ def check_one_evaluation_per_site(step: int, evaluations: Sequence[EvaluationRow
 
 
 def check_total_bytes(
-    step: int, what: str, rows: Sequence[UpdateRow] | Sequence[EvaluationRow]
+    step: int | None,
+    what: str,
+    rows: Sequence[UpdateRow] | Sequence[EvaluationRow] | Sequence[TrafficRow],
 ) -> None:
     """A step's bytes each way must fit a BIGINT (the round's column, the per-site sums)."""
     if max(sum(r.bytes_up for r in rows), sum(r.bytes_down for r in rows)) > INT64_MAX:
-        raise StorageError(f"round {step}: {what} exceed 2**63 - 1")
+        where = "" if step is None else f"round {step}: "
+        raise StorageError(f"{where}{what} exceed 2**63 - 1")
 
 
 # ---------------------------------------------------------------------------- rows
@@ -331,7 +348,7 @@ def check_row(row: object, noun: str) -> None:
         A frozen row dataclass (``storage.records.UpdateInput`` while it is built); its
         fields are replaced by their normalised values.
     noun : str
-        How the row is named in errors: ``"update"`` or ``"evaluation"``.
+        How the row is named in errors: ``"update"``, ``"evaluation"`` or ``"traffic"``.
 
     Raises
     ------

@@ -1,5 +1,9 @@
-"""``flplatform history runs|rounds|sites|updates|checkpoints|events``: what every run, round
-and site cost, which models were kept, and what happened to a run besides its rounds.
+"""``flplatform history runs|rounds|sites|updates|traffic|checkpoints|events``: what every run,
+round and site cost, which models were kept, and what happened to a run besides its rounds.
+
+Bytes are what Flower's SuperLink counts on the wire (messages, their replies and their
+protocol envelopes): a run's totals are those ``flwr ls`` reports for it, and ``traffic``
+lists what no update or evaluation holds (each site's information query, late replies).
 
 A run that simulated a network also has times on its simulated clock (seconds since the
 simulated start of the run); the tables show them next to the wall-clock ones, and JSON/CSV
@@ -27,6 +31,7 @@ from flplatform.errors import ConfigError
 from storage import (
     CLOCK_WALL,
     RUN_FAILED,
+    TRAFFIC_KINDS,
     UPDATE_DROPPED,
     UPDATE_REJECTED,
     UPDATE_STATUSES,
@@ -85,7 +90,9 @@ def runs(
 
     Accuracy is the server's, or the sites' (federated evaluation) for a run without one. A
     run with a note (why it failed, or a warning such as training that diverged) shows it,
-    cut short; JSON and CSV carry it whole as ``error``.
+    cut short; JSON and CSV carry it whole as ``error``, and every byte of the run each
+    way as ``bytes_up`` (sites to server) and ``bytes_down``, as Flower's SuperLink counts
+    them (the table has no room for them: ``history traffic RUN`` ends with them).
     """
     with LedgerRepository.open(db, create=False) as repository:
         records = repository.list_runs(limit=limit)
@@ -206,7 +213,10 @@ def sites(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForma
     updates had each staleness ("0:12 1:5" is twelve at 0, five at 1). Waiting is the time
     the site sat idle between an update arriving and its next dispatch, on the clock named in
     the header. A run of the delayed strategy also shows each site's mean delay: how many
-    rounds old the global average its applied updates started from was.
+    rounds old the global average its applied updates started from was. JSON and CSV also
+    carry the bytes of the site-information query each site is sent when it joins
+    (``query_bytes_up``, ``query_bytes_down``) and all of a site's bytes (``total_bytes_*``);
+    ``history traffic`` lists what is neither an update nor an evaluation.
     """
     with LedgerRepository.open(db, create=False) as repository:
         run_id = resolve_run(repository, run)
@@ -350,6 +360,58 @@ def updates(
                 for u in records
             ],
         )
+
+
+@app.command("traffic")
+@handles_errors
+def traffic(
+    run: RunArgument,
+    site: Annotated[str | None, typer.Option(help="Only this site's traffic.")] = None,
+    kind: Annotated[
+        str | None,
+        typer.Option(help=f"Only traffic of this kind: {', '.join(TRAFFIC_KINDS)}."),
+    ] = None,
+    db: DbOption = None,
+    fmt: FormatOption = OutputFormat.table,
+) -> None:
+    """One row per batch of bytes that no update or evaluation holds, then the run's totals.
+
+    ``query``: the site-information query a site is sent when it joins (at the round
+    during which it joined; "join" before the first round), and its reply. ``train`` or
+    ``evaluate``: a reply that came after the server stopped waiting for it (its message
+    is counted in its own row). Bytes are Flower's count of what crossed the wire.
+    """
+    if kind is not None and kind not in TRAFFIC_KINDS:
+        raise ConfigError(f"--kind must be one of {', '.join(TRAFFIC_KINDS)}, got '{kind}'")
+    with LedgerRepository.open(db, create=False) as repository:
+        run_id = resolve_run(repository, run)
+        record = repository.get_run(run_id)
+        records = repository.list_traffic(run_id, site=site, kind=kind)
+        emit(
+            console,
+            fmt,
+            title=f"Run {run_id} ({record.name}, {record.status}): traffic",
+            records=[t.to_dict() for t in records],
+            columns=["round", "site", "kind", "messages", "bytes up", "bytes down"],
+            rows=[
+                (
+                    "join" if t.round is None else t.round,
+                    t.site,
+                    t.kind,
+                    t.messages,
+                    human_bytes(t.bytes_up),
+                    human_bytes(t.bytes_down),
+                )
+                for t in records
+            ],
+        )
+        if fmt is OutputFormat.table:
+            console.print(
+                Text(
+                    f"Run {run_id} in all (its updates, evaluations and traffic): "
+                    f"{human_bytes(record.bytes_up)} up, {human_bytes(record.bytes_down)} down"
+                )
+            )
 
 
 @app.command("checkpoints")

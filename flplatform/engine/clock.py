@@ -93,9 +93,19 @@ class Clock(Protocol):
         ...
 
     def land(
-        self, schedule: Schedule, *, site: str, bytes_up: int, measured_compute: float | None
+        self,
+        schedule: Schedule,
+        *,
+        site: str,
+        bytes_up: int,
+        measured_compute: float | None,
+        ack_bytes: int = 0,
     ) -> Landing:
-        """When the reply to a message with ``schedule`` arrives on this clock."""
+        """When the reply to a message with ``schedule`` arrives on this clock.
+
+        ``bytes_up``: what the reply sends; ``ack_bytes``: what comes back down while it is
+        sent (Flower acknowledges a reply's push before its objects go up).
+        """
         ...
 
     def rest(self, site: str) -> None:
@@ -147,7 +157,13 @@ class WallClock:
         return Schedule(dispatched_at=time.time())
 
     def land(
-        self, schedule: Schedule, *, site: str, bytes_up: int, measured_compute: float | None
+        self,
+        schedule: Schedule,
+        *,
+        site: str,
+        bytes_up: int,
+        measured_compute: float | None,
+        ack_bytes: int = 0,
     ) -> Landing:
         """The moment the reply was pulled."""
         return Landing(arrived_at=time.time())
@@ -292,16 +308,27 @@ class VirtualClock:
         )
 
     def land(
-        self, schedule: Schedule, *, site: str, bytes_up: int, measured_compute: float | None
+        self,
+        schedule: Schedule,
+        *,
+        site: str,
+        bytes_up: int,
+        measured_compute: float | None,
+        ack_bytes: int = 0,
     ) -> Landing:
-        """Dispatch + download + compute + upload of the measured reply."""
+        """Dispatch + download + compute + upload of the measured reply.
+
+        The upload includes sending its acknowledgement's bytes down (no latency more: it
+        answers a request the upload is making), so a reply's transfer covers all it costs.
+        """
         profile = self.profile(site)
         compute = schedule.compute_seconds
         if compute is None:  # the "measured" model: the site's own time, scaled by speed
             measured = measured_compute if measured_compute is not None else math.nan
             valid = math.isfinite(measured)
             compute = max(0.0, measured) / _speed(profile) if valid else 0.0
-        up = profile.upload_seconds(bytes_up)
+        acknowledged = profile.download_seconds(ack_bytes) - profile.download_seconds(0)
+        up = profile.upload_seconds(bytes_up) + acknowledged
         transfer = (schedule.download_seconds or 0.0) + up
         if schedule.compute_started_at is None:
             return Landing(

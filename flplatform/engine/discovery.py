@@ -11,10 +11,12 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flplatform import keys
 from flplatform.deploy.registry import SiteRegistry
 from flplatform.engine.clock import Clock
-from flplatform.engine.events import LedgerSink, SiteInfo
+from flplatform.engine.events import Dispatch, LedgerSink, SiteInfo, TrafficOutcome
 from flplatform.engine.mailbox import TTL_GRACE_SECONDS, Mailbox
 from flplatform.engine.replies import site_info
 from flplatform.engine.sites import Sites
+from flplatform.engine.wire import Traffic, reply_traffic
+from flplatform.ledger_rows import TRAFFIC_QUERY
 
 log = logging.getLogger("flplatform.engine")
 
@@ -28,6 +30,7 @@ def introduce(
     ledger: LedgerSink,
     model_version: int,
     timeout: float,
+    server_round: int | None = None,
 ) -> None:
     """Send each node a QUERY; add every one as a site, in the ledger and on the clock.
 
@@ -38,6 +41,9 @@ def introduce(
     In a deployment with registered sites (``FLPLATFORM_SITE_REGISTRY``) a node is named
     by its registration, whatever it claims; a different claim is logged and kept in its
     ledger profile as ``claimed_name``.
+    Each query's bytes, and its reply's, go to the ledger as the site's ``query`` traffic
+    (at ``server_round``: see ``LedgerSink.record_traffic``); a reply that comes later
+    adds its own.
     """
     queries = [
         Message(
@@ -71,6 +77,9 @@ def introduce(
             "claimed_name": claims.get(info.node_id),
         }
         ledger.add_site(info, {**profile, **{k: v for k, v in said.items() if v is not None}})
+    traffic = [_query_traffic(d, r, sites.name(d.node_id)) for d, r in exchanged if d.message_id]
+    if traffic:  # (a query the SuperLink refused crossed no wire)
+        ledger.record_traffic(traffic, server_round)
     log.info("sites: %s", ", ".join(sites.name(n) for n in node_ids))
 
 
@@ -94,3 +103,15 @@ def registered(info: SiteInfo, registry: SiteRegistry | None) -> tuple[SiteInfo,
             name,
         )
     return replace(info, name=name), claimed
+
+
+def _query_traffic(dispatch: Dispatch, reply: Message | None, site: str) -> TrafficOutcome:
+    """A pushed query's bytes, with its reply's when it came in time."""
+    reply_bytes = reply_traffic(reply) if reply is not None else Traffic()
+    return TrafficOutcome(
+        site=site,
+        kind=TRAFFIC_QUERY,
+        messages=1,
+        bytes_up=reply_bytes.up,
+        bytes_down=dispatch.bytes_down + reply_bytes.down,
+    )

@@ -7,7 +7,8 @@ no staleness, no partial rounds, no per-site accounting. This engine instead
   ``grid.pull_messages`` (which never blocks), keeping at most one message per site;
 * tags every dispatch with the model version sent (also as the message's ``group_id``),
   and computes the staleness of every arrival against the current version;
-* measures the serialized size of every message in both directions;
+* measures every message and reply in both directions as Flower's SuperLink counts its
+  traffic (``wire``), so that the ledger's bytes are the wire's;
 * hands each well-formed arrival to the strategy as it comes (streaming aggregation), after
   the ``UpdateGuard`` has said how much of it counts (replays, weight caps, norm clipping),
   and asks an ``AggregationPolicy`` when the arrivals so far become a new model version;
@@ -59,6 +60,7 @@ from flplatform.engine.events import (
     NullLedger,
     RoundSummary,
     SiteInfo,
+    TrafficOutcome,
     UpdateOutcome,
 )
 from flplatform.engine.guard import Decision, GuardOptions, Ruling, UpdateGuard
@@ -78,7 +80,7 @@ from flplatform.engine.stop_rule import DEFAULT_MAX_FAILED_ROUNDS, FailureStreak
 from flplatform.engine.strategy import EngineStrategy, SubsetGrid, Update, Work
 from flplatform.engine.synchrony import Synchrony
 from flplatform.engine.versions import ModelVersions
-from flplatform.engine.wire import content_size, message_size, restamped_size
+from flplatform.engine.wire import ContentSize, delivery_bytes, measure, reply_traffic
 from flplatform.errors import NoProgress, RunFailed, StepRefused, UpdateRejected
 
 log = logging.getLogger("flplatform.engine")
@@ -195,6 +197,7 @@ class RoundEngine:
         self.run_key = run_key
         self._site_work: dict[int, int] = {}  # node → training messages sent to it
         self._finished_round = 0  # the last round recorded
+        self._server_round: int | None = None  # the round in progress (None: none yet)
         self._result = Result()
         self._resend: list[SavedWork] = []  # a resumed run's work in flight, sent first
 
@@ -230,6 +233,7 @@ class RoundEngine:
             self.resume_from(resume)
 
         for server_round in range(self._finished_round + 1, num_rounds + 1):
+            self._server_round = server_round
             self.refresh_sites()
             summary, train_metrics, failed_replies = self._train_round(server_round, train_config)
             metrics: dict[str, float] = {}
@@ -528,6 +532,7 @@ class RoundEngine:
             ledger=self.ledger,
             model_version=self.version,
             timeout=timeout,
+            server_round=self._server_round,
         )
         # The examples a site declares when it joins cap what its updates may claim.
         for node_id in node_ids:
@@ -646,7 +651,7 @@ class RoundEngine:
         # have new ids, and the order of sending is the order of planning and of rows.
         messages.sort(key=lambda m: self.sites.position(m.metadata.dst_node_id))
         self.versions.hand_out(self.version, self.arrays)
-        sizes: dict[int, int] = {}  # a broadcast shares one content: measure it once
+        sizes: dict[int, ContentSize] = {}  # a broadcast shares one content: measure it once
         to_push: list[tuple[Message, Dispatch]] = []
         attempted = 0
         for msg in messages:
@@ -665,13 +670,17 @@ class RoundEngine:
                 state.outcomes.append(self._no_update(skipped, DROPPED, UNAVAILABLE))
                 continue
             attempted += 1
-            key = id(msg.content)
-            if key not in sizes:
-                sizes[key] = content_size(msg.content)
-            content_bytes = sizes[key]
             if self.run_key:
-                msg, content_bytes = self._stamp(msg, content_bytes)
-            dispatch = self._planned(msg, work, state, bytes_down=message_size(msg, content_bytes))
+                # Its own config record; the arrays it shares were hashed once, when
+                # first measured, so measuring each copy costs little.
+                msg = self._stamp(msg)
+                size = measure(msg.content)
+            else:
+                key = id(msg.content)
+                if key not in sizes:
+                    sizes[key] = measure(msg.content)
+                size = sizes[key]
+            dispatch = self._planned(msg, work, state, bytes_down=delivery_bytes(msg, size))
             self._sent_per_period[dispatch.period] = (
                 self._sent_per_period.get(dispatch.period, 0) + 1
             )
@@ -684,8 +693,8 @@ class RoundEngine:
             self._push(to_push, state)
         return attempted
 
-    def _stamp(self, msg: Message, content_bytes: int) -> tuple[Message, int]:
-        """``msg`` with the run key and its site-work index in its config; its content size.
+    def _stamp(self, msg: Message) -> Message:
+        """``msg`` with the run key and its site-work index in its config.
 
         The strategy's content may be shared by every message of a broadcast: each site
         gets its own copy of the records (the arrays stay shared).
@@ -700,15 +709,13 @@ class RoundEngine:
                 keys.RUN_KEY: self.run_key,
             }
         )
-        size = restamped_size(content, content_bytes, keys.CONFIG, config)
-        stamped = Message(
+        return Message(
             RecordDict({**content, keys.CONFIG: config}),
             dst_node_id=node_id,
             message_type=msg.metadata.message_type,
             ttl=msg.metadata.ttl,
             group_id=msg.metadata.group_id,
         )
-        return stamped, size
 
     def _unsent(self, dispatch: Dispatch) -> None:
         """A training message never reached its site: its site-work index is used again."""
@@ -795,21 +802,45 @@ class RoundEngine:
         count, arrived, late = self.mailbox.pull(message_ids)
         for dispatch in arrived:
             self.sites.arrive(dispatch.node_id)
+        traffic: list[TrafficOutcome] = []  # late replies no row of their own holds
         for reply in late:
             dispatch = reply.dispatch
             if not reply.cancelled:  # its row is written; the site is free again
                 self.sites.release(dispatch.node_id)
-                # A training reply the site did send: account for its bytes. (A late
-                # evaluation or query reply is only let go; its row is already written.)
+                # A training update the site did send: a row for its bytes. The reply to
+                # an evaluation or a query, or a site's error, only adds its bytes.
                 if reply.reply.has_content() and dispatch.message_type == MessageType.TRAIN:
                     state.outcomes.append(self._late(dispatch, reply.reply, "given up on"))
+                else:
+                    traffic.extend(self._late_traffic(dispatch, reply.reply))
                 continue
             # On the wall clock the bytes really crossed; a simulated site stopped when
             # it was cancelled and sent nothing.
-            if reply.reply.has_content() and not self.clock.virtual:
-                state.outcomes.append(self._late(dispatch, reply.reply, "cancelled"))
+            if not self.clock.virtual:
+                if reply.reply.has_content():
+                    state.outcomes.append(self._late(dispatch, reply.reply, "cancelled"))
+                else:
+                    traffic.extend(self._late_traffic(dispatch, reply.reply))
             self._push_deferred(dispatch.node_id, state)
+        if traffic:
+            self.ledger.record_traffic(traffic, state.server_round)
         return count
+
+    def _late_traffic(self, dispatch: Dispatch, reply: Message) -> list[TrafficOutcome]:
+        """The bytes of a late reply that gets no row: one traffic row, or none when it
+        crossed no wire (the SuperLink's own reply to an expired message)."""
+        bytes_ = reply_traffic(reply)
+        if not (bytes_.up or bytes_.down):
+            return []
+        return [
+            TrafficOutcome(
+                site=self.sites.name(dispatch.node_id),
+                kind=dispatch.message_type,
+                messages=0,  # its message is counted in its own row
+                bytes_up=bytes_.up,
+                bytes_down=bytes_.down,
+            )
+        ]
 
     def _release_stuck(self, state: _RoundState) -> None:
         """Free sites whose given-up message neither came back nor expired in time.
@@ -993,7 +1024,12 @@ class RoundEngine:
             self.sites.free(node_id)
             row = self._no_update(arrival.dispatch, CANCELLED, CANCELLED_REASON)
             if not self.clock.virtual:
-                row = replace(row, bytes_up=arrival.bytes_up, arrived_at=arrival.pulled_at)
+                row = replace(
+                    row,
+                    bytes_up=arrival.bytes_up,
+                    bytes_down=row.bytes_down + arrival.ack_bytes,
+                    arrived_at=arrival.pulled_at,
+                )
             state.outcomes.append(row)
 
     # ================================================================== helpers

@@ -1,7 +1,8 @@
 """What the engine reports about sites, messages and rounds, and the ledger it writes to.
 
-A training message's fate is an ``UpdateOutcome`` and an evaluation's an
-``EvaluationOutcome``: the ledger's own rows (``flplatform.ledger_rows``), so their columns
+A training message's fate is an ``UpdateOutcome``, an evaluation's an ``EvaluationOutcome``,
+and the bytes of any other message (a site's query, a reply that came too late) a
+``TrafficOutcome``: the ledger's own rows (``flplatform.ledger_rows``), so their columns
 are declared once for the engine and the ledger alike. The engine writes through
 ``LedgerSink``, an interface it is given, and never imports ``storage``;
 ``flplatform.ledger.SqlLedger`` is the sink backed by the SQL repository.
@@ -10,7 +11,7 @@ are declared once for the engine and the ledger alike. The engine writes through
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,6 +24,7 @@ from flplatform.ledger_rows import (
     UPDATE_DROPPED,
     UPDATE_REJECTED,
     EvaluationRow,
+    TrafficRow,
     UpdateRow,
 )
 
@@ -38,6 +40,8 @@ EVALUATED = EVALUATION_EVALUATED  # an evaluation message answered with metrics
 UpdateOutcome = UpdateRow
 # One federated-evaluation message and its reply: one ledger row (see ``EvaluationColumns``).
 EvaluationOutcome = EvaluationRow
+# Bytes with one site that no update or evaluation row holds (see ``TrafficColumns``).
+TrafficOutcome = TrafficRow
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ class Dispatch:
     model_version: int  # version of the global model the site was sent
     dispatched_at: float  # wall time (Unix) of the push
     deadline: float  # time.monotonic() after which the site is overdue
-    bytes_down: int
+    bytes_down: int  # what delivering the message costs (``wire.delivery_bytes``)
     message_type: str = "train"  # Flower's MessageType: train, evaluate or query
     # the round whose aggregate this update is for: the round open at dispatch, except
     # under a pipelined policy (delayed updates), where a site may work ahead
@@ -94,7 +98,7 @@ class RoundSummary:
 
     @property
     def bytes_up(self) -> int:
-        """Bytes sites sent for training this round."""
+        """Bytes sites sent for training this round (Fleet API bytes, ``engine.wire``)."""
         return sum(u.bytes_up for u in self.updates)
 
     @property
@@ -120,6 +124,16 @@ class LedgerSink(Protocol):
         """
         ...
 
+    def record_traffic(
+        self, traffic: Sequence[TrafficOutcome], server_round: int | None = None
+    ) -> None:
+        """Record bytes with sites that no update or evaluation row holds, committed now.
+
+        ``server_round``: the step during which they crossed; None before the first step
+        this process took (sites joining the run, or rejoining it after a resume).
+        """
+        ...
+
 
 class NullLedger:
     """A sink that records nothing (for ``strategy.start`` without a database)."""
@@ -129,3 +143,8 @@ class NullLedger:
 
     def record_round(self, summary: RoundSummary, state: Mapping[str, Any] | None = None) -> None:
         """Ignore the round (and its state)."""
+
+    def record_traffic(
+        self, traffic: Sequence[TrafficOutcome], server_round: int | None = None
+    ) -> None:
+        """Ignore the traffic."""

@@ -11,7 +11,8 @@ trays, by message id:
   clock order), and its next message waits in ``deferred`` until the cancelled one is back.
 
 Pulled training replies wait in ``arrivals``, a heap in clock order, until the engine
-judges them. The mailbox measures every message's size; it decides nothing.
+judges them. The mailbox measures what every message and reply costs on the wire
+(``flplatform.engine.wire``); it decides nothing.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from flplatform.checkpoint import StateProblems
 from flplatform.engine.clock import Clock, Landing, Schedule
 from flplatform.engine.events import Dispatch
 from flplatform.engine.replies import reported_metrics
-from flplatform.engine.wire import content_size, message_size
+from flplatform.engine.wire import ContentSize, delivery_bytes, measure, reply_traffic
 
 log = logging.getLogger("flplatform.engine")
 
@@ -51,9 +52,11 @@ class Arrival:
     seq: int
     dispatch: Dispatch = field(compare=False)
     reply: Message = field(compare=False)
-    bytes_up: int = field(compare=False)
+    bytes_up: int = field(compare=False)  # the reply's bytes site → server
     landing: Landing = field(compare=False)
     pulled_at: float = field(compare=False)  # wall time
+    # the reply's bytes server → site: Flower's acknowledgement of its push
+    ack_bytes: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True)
@@ -255,18 +258,29 @@ class Mailbox:
         return count, arrived, late
 
     def _queue(self, dispatch: Dispatch, reply: Message) -> None:
-        bytes_up = message_size(reply)
+        traffic = reply_traffic(reply)
+        bytes_up = traffic.up
         reported = reported_metrics(reply) if not reply.has_error() else {}
         landing = self.clock.land(
             dispatch.schedule,
             site=self.name(dispatch.node_id),
             bytes_up=bytes_up,
             measured_compute=reported.get("compute_seconds"),
+            ack_bytes=traffic.down,
         )
         self._seq += 1
         heapq.heappush(
             self.arrivals,
-            Arrival(landing.arrived_at, self._seq, dispatch, reply, bytes_up, landing, time.time()),
+            Arrival(
+                landing.arrived_at,
+                self._seq,
+                dispatch,
+                reply,
+                bytes_up,
+                landing,
+                time.time(),
+                ack_bytes=traffic.down,
+            ),
         )
 
     def next_arrival_at(self) -> float | None:
@@ -369,14 +383,14 @@ class Mailbox:
         """
         if not messages:
             return []
-        sizes: dict[int, int] = {}
+        sizes: dict[int, ContentSize] = {}  # a broadcast shares one content: measure it once
         ids = self.push(messages)
         now, deadline = time.time(), time.monotonic() + timeout
         dispatches: list[Dispatch] = []
         for msg, message_id in zip(messages, ids, strict=True):
             key = id(msg.content)
             if key not in sizes:
-                sizes[key] = content_size(msg.content)
+                sizes[key] = measure(msg.content)
             dispatches.append(
                 Dispatch(
                     node_id=msg.metadata.dst_node_id,
@@ -385,7 +399,7 @@ class Mailbox:
                     model_version=model_version,
                     dispatched_at=now,
                     deadline=deadline,
-                    bytes_down=message_size(msg, sizes[key]),
+                    bytes_down=delivery_bytes(msg, sizes[key]) if message_id else 0,
                     message_type=msg.metadata.message_type,
                 )
             )
@@ -528,6 +542,7 @@ def arrival_state(arrival: Arrival) -> dict[str, Any]:
         "arrived_at": arrival.arrived_at,
         "seq": arrival.seq,
         "bytes_up": arrival.bytes_up,
+        "ack_bytes": arrival.ack_bytes,
         "landing": [landing.arrived_at, landing.compute_seconds, landing.transfer_seconds],
         "pulled_at": arrival.pulled_at,
         "reply": reply.content if reply.has_content() else None,
@@ -546,6 +561,9 @@ def arrival_from_state(
     ok = problems.number(saved["arrived_at"], "arrived_at")
     ok &= problems.number(saved["seq"], "seq", integer=True)
     ok &= problems.number(saved["bytes_up"], "bytes_up", integer=True)
+    # Checkpoints older than wire bytes have no acknowledgement bytes: none were counted.
+    ack_bytes = saved.get("ack_bytes", 0)
+    ok &= problems.number(ack_bytes, "ack_bytes", integer=True)
     ok &= problems.number(saved["pulled_at"], "pulled_at")
     landing = saved["landing"]
     if not (
@@ -594,6 +612,7 @@ def arrival_from_state(
         saved["bytes_up"],
         Landing(*landing),
         float(saved["pulled_at"]),
+        ack_bytes=ack_bytes,
     )
 
 

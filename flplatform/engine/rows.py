@@ -3,6 +3,9 @@
 One function per kind of row; none decides anything. The staleness of an update is the
 model version now minus the one it was trained on; simulated times are written on a
 virtual clock only; the delay columns come from what the strategy declared (``Work``).
+Bytes are Fleet API bytes (``flplatform.engine.wire``): a row's ``bytes_down`` is its
+message's delivery plus the acknowledgement of its reply's push, its ``bytes_up`` the reply
+(with the request that fetched the message); a row without a reply has ``bytes_up`` 0.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from flplatform.engine.events import (
 )
 from flplatform.engine.mailbox import Arrival
 from flplatform.engine.replies import condense_error, evaluation_metrics
-from flplatform.engine.wire import message_size
+from flplatform.engine.wire import reply_traffic
 
 REFUSED = "refused by the SuperLink (node not connected, or the message too large)"
 UNAVAILABLE = "unavailable: sat this work out (simulated availability)"
@@ -79,6 +82,7 @@ def late(
     dispatch: Dispatch, reply: Message, given_up: str, *, site: str, version: int
 ) -> UpdateOutcome:
     """A reply that came after its message was given up on: only its bytes count."""
+    traffic = reply_traffic(reply)
     return UpdateOutcome(
         status=DROPPED,
         reason=f"late: arrived after it was {given_up}",
@@ -86,8 +90,9 @@ def late(
             dispatch,
             site=site,
             version=version,
-            bytes_up=message_size(reply),
-            bytes_down=0,  # counted with the row written when it was given up on
+            bytes_up=traffic.up,
+            # the message's delivery is counted with the row written when it was given up on
+            bytes_down=traffic.down,
             arrived_at=time.time(),
         ),
     )
@@ -101,7 +106,7 @@ def arrived(arrival: Arrival, *, site: str, version: int, virtual: bool) -> dict
         site=site,
         version=version,
         bytes_up=arrival.bytes_up,
-        bytes_down=dispatch.bytes_down,
+        bytes_down=dispatch.bytes_down + arrival.ack_bytes,
         arrived_at=arrival.pulled_at,
     )
     if virtual:
@@ -130,7 +135,9 @@ def evaluation(
         )
     if reply is None:
         return EvaluationOutcome(bytes_up=0, status=DROPPED, reason=no_reply_within(timeout), **row)
-    bytes_up = message_size(reply)
+    traffic = reply_traffic(reply)
+    row["bytes_down"] += traffic.down
+    bytes_up = traffic.up
     if reply.has_error():
         return EvaluationOutcome(
             bytes_up=bytes_up,

@@ -81,16 +81,26 @@ def test_three_sites_two_rounds_fill_the_ledger(tmp_path: Path) -> None:
             assert update.num_examples == next(
                 s.num_examples for s in sites if s.name == update.site
             )
-            # Serialized size = payload + Flower's per-object headers and metadata.
-            assert payload < update.bytes_down < payload + 4000
-            assert payload < update.bytes_up < payload + 4000
+            # Wire size = payload + Flower's per-object headers and metadata and the
+            # protocol envelopes (object trees, the push acknowledgement): a few KB.
+            assert payload < update.bytes_down < payload + 8000
+            assert payload < update.bytes_up < payload + 8000
             assert update.compute_seconds is not None and update.compute_seconds > 0
             assert update.train_loss is not None and np.isfinite(update.train_loss)
         assert rounds[0].bytes_up == sum(u.bytes_up for u in updates if u.round == 1)
         evaluations = repo.list_evaluations(run.id)
         assert len(evaluations) == 6 and all(e.status == "evaluated" for e in evaluations)
         # An evaluation message carries the whole model down, like a training message.
-        assert all(payload < e.bytes_down < payload + 4000 for e in evaluations)
+        assert all(payload < e.bytes_down < payload + 8000 for e in evaluations)
+        # Each site's information query is its own traffic, one per site.
+        queries = repo.list_traffic(run.id, kind="query")
+        assert sorted(q.site for q in queries) == sorted(s.name for s in sites)
+        assert all(q.messages == 1 and q.bytes_up > 0 and q.bytes_down > 0 for q in queries)
+        # The run's totals are every row's bytes: updates, evaluations and traffic.
+        total = repo.get_run(run.id)
+        assert total.bytes_up == sum(u.bytes_up for u in updates) + sum(
+            e.bytes_up for e in evaluations
+        ) + sum(t.bytes_up for t in repo.list_traffic(run.id))
 
     # The history CLI reads the same rows back.
     shown = runner.invoke(app, ["history", "rounds", str(run.id), "--db", db, "--format", "json"])

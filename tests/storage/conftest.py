@@ -74,7 +74,7 @@ def repo(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LedgerRepos
                 connection.execute(
                     text(
                         "TRUNCATE runs, sites, rounds, updates, evaluations, checkpoints, "
-                        "run_events RESTART IDENTITY CASCADE"
+                        "run_events, traffic RESTART IDENTITY CASCADE"
                     )
                 )
         yield repository

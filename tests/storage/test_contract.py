@@ -21,6 +21,7 @@ from storage import (
     CheckpointRecord,
     EvaluationInput,
     LedgerRepository,
+    TrafficInput,
     UpdateInput,
     UpdateStatus,
 )
@@ -1022,6 +1023,8 @@ def test_a_missing_run_is_not_found_everywhere(repo: LedgerRepository) -> None:
         "add_event": lambda: repo.add_event(42, "resumed"),
         "list_events": lambda: repo.list_events(42),
         "reopen_run": lambda: repo.reopen_run(42, "host:1"),
+        "add_traffic": lambda: repo.add_traffic(42, [traffic("a")]),
+        "list_traffic": lambda: repo.list_traffic(42),
         "huge id": lambda: repo.get_run(2**40),
     }
     for name, call in calls.items():
@@ -1126,6 +1129,7 @@ def test_records_serialise_to_json(repo: LedgerRepository) -> None:
         checkpoint=CheckpointInput(path="/c/round-000001.npz", size_bytes=10),
     )
     repo.add_event(run_id, "note", {"said": [1, "x"]})
+    repo.add_traffic(run_id, [traffic("a")])
     repo.finish_run(run_id, status="finished", finished_at=T0 + 60)
 
     records: list[Any] = [
@@ -1137,6 +1141,7 @@ def test_records_serialise_to_json(repo: LedgerRepository) -> None:
         *repo.list_evaluations(run_id),
         *repo.list_checkpoints(run_id),
         *repo.list_events(run_id),
+        *repo.list_traffic(run_id),
     ]
     for rec in records:
         data = json.loads(json.dumps(rec.to_dict()))
@@ -1326,3 +1331,123 @@ def test_deleting_a_run_takes_its_checkpoints_and_events(repo: LedgerRepository)
         connection.execute(text("DELETE FROM runs WHERE id = :id"), {"id": drop})
     assert (count_rows(repo, "checkpoints"), count_rows(repo, "run_events")) == (1, 1)
     assert len(repo.list_checkpoints(keep)) == 1
+
+
+# ---------------------------------------------------------------------------- traffic (0006)
+def traffic(site: str = "a", kind: str = "query", **overrides: Any) -> TrafficInput:
+    fields: dict[str, Any] = {
+        "site": site,
+        "kind": kind,
+        "messages": 1,
+        "bytes_up": 40,
+        "bytes_down": 70,
+    }
+    fields.update(overrides)
+    return TrafficInput(**fields)
+
+
+def test_traffic_round_trips_every_field_in_recording_order(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    for name in ("london", "ohio"):
+        repo.add_site(run_id, name=name, node_id=UINT64_MAX)
+    repo.add_traffic(run_id, [traffic("london"), traffic("ohio", bytes_up=2**40)])
+    repo.add_traffic(
+        run_id, [traffic("ohio", "evaluate", messages=0, bytes_up=5, bytes_down=6)], round=3
+    )
+
+    stored = repo.list_traffic(run_id)
+    assert [(t.site, t.round, t.kind, t.messages, t.bytes_up, t.bytes_down) for t in stored] == [
+        ("london", None, "query", 1, 40, 70),
+        ("ohio", None, "query", 1, 2**40, 70),
+        ("ohio", 3, "evaluate", 0, 5, 6),
+    ]
+    assert all(t.run_id == run_id for t in stored)
+    assert [t.site for t in repo.list_traffic(run_id, site="ohio")] == ["ohio", "ohio"]
+    assert [t.kind for t in repo.list_traffic(run_id, kind=["evaluate"])] == ["evaluate"]
+    with pytest.raises(NotFoundError, match="run 1 has no site 'tokyo'"):
+        repo.list_traffic(run_id, site="tokyo")
+    with pytest.raises(StorageError, match="unknown traffic kind 'train2'"):
+        repo.list_traffic(run_id, kind="train2")
+
+
+def test_traffic_is_validated_and_all_or_nothing(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    repo.add_site(run_id, name="london", node_id=1)
+    for bad, match in (
+        ({"kind": "system"}, "traffic field 'kind' is 'system'; allowed: train, evaluate, query"),
+        ({"bytes_up": -1}, "traffic field 'bytes_up'"),
+        ({"messages": 2**31}, "traffic field 'messages'"),
+        ({"site": ""}, "traffic field 'site'"),
+    ):
+        with pytest.raises(StorageError, match=re.escape(match)):
+            traffic(**{"site": "london", **bad})
+    with pytest.raises(StorageError, match="traffic\\[0\\] must be an TrafficInput"):
+        repo.add_traffic(run_id, [object()])  # type: ignore[list-item]
+    with pytest.raises(StorageError, match="round must be >= 1"):
+        repo.add_traffic(run_id, [traffic("london")], round=0)
+    # A row naming a site the run does not have writes none of the batch.
+    with pytest.raises(StorageError, match="traffic from site 'tokyo', which run 1 does not"):
+        repo.add_traffic(run_id, [traffic("london"), traffic("tokyo")])
+    assert repo.list_traffic(run_id) == []
+    repo.finish_run(run_id, status="finished", finished_at=T0 + 1)
+    with pytest.raises(StorageError, match="run 1 is finished"):
+        repo.add_traffic(run_id, [traffic("london")])
+
+
+def test_run_and_site_totals_are_every_row_s_bytes(repo: LedgerRepository) -> None:
+    run_id, other = make_run(repo), make_run(repo)
+    for name in ("london", "ohio", "idle"):
+        repo.add_site(run_id, name=name, node_id=1)
+    repo.add_site(other, name="london", node_id=1)
+    repo.add_traffic(run_id, [traffic("london", bytes_up=1, bytes_down=2), traffic("ohio")])
+    record(
+        repo,
+        run_id,
+        1,
+        [update("london", bytes_up=10, bytes_down=20), update("ohio", "dropped", bytes_up=0)],
+        evaluations=[evaluation("london", bytes_up=3, bytes_down=4)],
+    )
+    repo.add_traffic(
+        run_id,
+        [traffic("ohio", "train", messages=0, bytes_up=2**40, bytes_down=5)],
+        round=1,
+    )
+    record(repo, other, 1, [update("london", bytes_up=1000, bytes_down=1000)])
+    repo.add_traffic(other, [traffic("london", bytes_up=9, bytes_down=9)])
+
+    # Each run's totals are its own rows' (updates + evaluations + traffic), each way.
+    run = repo.get_run(run_id)
+    assert (run.bytes_up, run.bytes_down) == (
+        1 + 40 + 10 + 0 + 3 + 2**40,
+        2 + 70 + 20 + 200 + 4 + 5,
+    )
+    assert {r.id: (r.bytes_up, r.bytes_down) for r in repo.list_runs()}[other] == (1009, 1009)
+    london, ohio, idle = repo.site_summaries(run_id)
+    assert (london.queries, london.query_bytes_up, london.query_bytes_down) == (1, 1, 2)
+    assert (london.total_bytes_up, london.total_bytes_down) == (1 + 10 + 3, 2 + 20 + 4)
+    # A late reply (kind train) counts in the totals, not as a query.
+    assert (ohio.queries, ohio.query_bytes_up, ohio.query_bytes_down) == (1, 40, 70)
+    assert (ohio.total_bytes_up, ohio.total_bytes_down) == (40 + 0 + 2**40, 70 + 200 + 5)
+    assert (idle.queries, idle.total_bytes_up, idle.total_bytes_down) == (0, 0, 0)
+    # Per site and per run, the totals agree.
+    summaries = repo.site_summaries(run_id)
+    assert sum(s.total_bytes_up for s in summaries) == run.bytes_up
+    assert sum(s.total_bytes_down for s in summaries) == run.bytes_down
+
+
+def test_a_run_without_rows_has_no_bytes(repo: LedgerRepository) -> None:
+    run = repo.get_run(make_run(repo))
+    assert (run.bytes_up, run.bytes_down) == (0, 0)
+
+
+def test_deleting_a_run_or_site_takes_its_traffic(repo: LedgerRepository) -> None:
+    keep, drop = make_run(repo), make_run(repo)
+    for run_id in (keep, drop):
+        repo.add_site(run_id, name="a", node_id=1)
+        repo.add_traffic(run_id, [traffic("a")])
+    with repo._engine.begin() as connection:
+        connection.execute(text("DELETE FROM runs WHERE id = :id"), {"id": drop})
+    assert count_rows(repo, "traffic") == 1
+    with repo._engine.begin() as connection:
+        connection.execute(text("DELETE FROM sites WHERE run_id = :id"), {"id": keep})
+    assert count_rows(repo, "traffic") == 0

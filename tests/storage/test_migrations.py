@@ -24,7 +24,7 @@ from sqlalchemy import JSON, column, create_engine, insert, inspect, table, text
 from sqlalchemy.engine import Connection, make_url
 
 from flplatform.errors import StorageError
-from storage import CheckpointInput, EvaluationInput, LedgerRepository
+from storage import CheckpointInput, EvaluationInput, LedgerRepository, TrafficInput
 from storage.migrations import (
     _POSTGRES_LOCK_KEY,
     MIGRATIONS_DIR,
@@ -38,7 +38,10 @@ from storage.session import create_ledger_engine
 from tests.storage.helpers import T0, evaluation, make_run, record, update
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-LEDGER_TABLES = {"runs", "sites", "rounds", "updates", "evaluations", "checkpoints", "run_events"}
+LEDGER_TABLES = {
+    *("runs", "sites", "rounds", "updates", "evaluations", "checkpoints", "run_events"),
+    "traffic",
+}
 TABLES_OF_0001 = {"runs", "sites", "rounds", "updates"}
 
 
@@ -75,10 +78,11 @@ def test_every_constraint_and_index_is_named_by_convention(ledger_url: str) -> N
         }
         fks = {
             fk["name"]: fk
-            for t in ("updates", "evaluations")
+            for t in ("updates", "evaluations", "traffic")
             for fk in inspector.get_foreign_keys(t)
         }
         checks = {ck["name"] for ck in inspector.get_check_constraints("evaluations")}
+        checks |= {ck["name"] for ck in inspector.get_check_constraints("traffic")}
     assert names["fk"] == {
         "fk_sites_run_id_runs",
         "fk_rounds_run_id_runs",
@@ -88,6 +92,8 @@ def test_every_constraint_and_index_is_named_by_convention(ledger_url: str) -> N
         "fk_evaluations_site_id_sites",
         "fk_checkpoints_run_id_runs",
         "fk_run_events_run_id_runs",
+        "fk_traffic_run_id_runs",
+        "fk_traffic_site_id_sites",
     }
     assert names["uq"] == {
         "uq_runs_tag",
@@ -103,9 +109,16 @@ def test_every_constraint_and_index_is_named_by_convention(ledger_url: str) -> N
         "ix_evaluations_run_id_round",
         "ix_evaluations_site_id",
         "ix_run_events_run_id",
+        "ix_traffic_run_id",
+        "ix_traffic_site_id",
     } <= names["ix"]
-    assert checks == {"ck_evaluations_status"}
-    for name in ("fk_updates_site_id_sites", "fk_evaluations_site_id_sites"):
+    assert checks == {"ck_evaluations_status", "ck_traffic_kind"}
+    for name in (
+        "fk_updates_site_id_sites",
+        "fk_evaluations_site_id_sites",
+        "fk_traffic_site_id_sites",
+        "fk_traffic_run_id_runs",
+    ):
         assert fks[name]["options"].get("ondelete") == "CASCADE", name
     assert fks["fk_evaluations_run_id_runs"]["options"].get("ondelete") == "CASCADE"
 
@@ -211,7 +224,7 @@ def _fill_an_0001_ledger(connection: Connection) -> None:
 
 
 def test_an_0001_ledger_upgrades_keeping_its_rows_and_downgrades_back(ledger_url: str) -> None:
-    assert head_revision() == "0005"
+    assert head_revision() == "0006"
     engine = create_ledger_engine(ledger_url)
     try:
         with engine.begin() as connection:
@@ -533,6 +546,58 @@ def test_an_0004_ledger_upgrades_to_checkpoints_keeping_every_row_and_downgrades
             _assert_no_schema_diff(connection)
         assert [r.round for r in repo.list_rounds(1)] == [1, 2]
         assert (repo.get_run(1).owner, repo.list_checkpoints(1)) == (None, [])
+
+
+def test_an_0005_ledger_upgrades_to_wire_traffic_keeping_every_row_and_downgrades_back(
+    ledger_url: str,
+) -> None:
+    engine = create_ledger_engine(ledger_url)
+    try:
+        with engine.begin() as connection:
+            command.upgrade(alembic_config(connection), "0005")
+            _fill_an_0001_ledger(connection)  # 0002 to 0005 only added; these rows still fit
+        with engine.connect() as connection:
+            assert "traffic" not in inspect(connection).get_table_names()
+            before = _row_counts(connection)
+    finally:
+        engine.dispose()
+
+    with LedgerRepository.open(ledger_url) as repo:  # opening upgrades to head
+        with repo._engine.connect() as connection:
+            assert current_revisions(connection) == {head_revision()}
+            assert _row_counts(connection) == before
+            _assert_no_schema_diff(connection)
+        # An old run's totals are its old rows' bytes; it has no traffic rows.
+        run = repo.get_run(1)
+        assert (run.bytes_up, run.bytes_down) == (111, 222)
+        assert repo.list_traffic(1) == []
+        [summary] = repo.site_summaries(1)
+        assert (summary.queries, summary.total_bytes_up, summary.total_bytes_down) == (
+            0,
+            111,
+            222,
+        )
+
+        # The new API works next to the old rows.
+        repo.add_traffic(
+            1,
+            [TrafficInput(site="london", kind="query", messages=1, bytes_up=5, bytes_down=7)],
+        )
+        assert (repo.get_run(1).bytes_up, repo.get_run(1).bytes_down) == (116, 229)
+
+        with repo._engine.begin() as connection:
+            command.downgrade(alembic_config(connection), "0005")
+        with repo._engine.connect() as connection:
+            assert current_revisions(connection) == {"0005"}
+            assert "traffic" not in inspect(connection).get_table_names()
+            assert _row_counts(connection) == before
+
+    with LedgerRepository.open(ledger_url) as repo:  # and back up to head
+        with repo._engine.connect() as connection:
+            assert current_revisions(connection) == {head_revision()}
+            _assert_no_schema_diff(connection)
+        assert repo.list_traffic(1) == []  # a downgrade drops what 0006 added
+        assert repo.get_run(1).bytes_up == 111
 
 
 def test_a_schema_from_a_newer_flplatform_is_refused(ledger_url: str) -> None:

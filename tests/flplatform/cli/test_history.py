@@ -21,7 +21,14 @@ from flplatform.cli.history import (
     staleness_counts,
 )
 from flplatform.errors import StorageError
-from storage import FinalRunStatus, LedgerRepository, UpdateInput, UpdateRecord, UpdateStatus
+from storage import (
+    FinalRunStatus,
+    LedgerRepository,
+    TrafficInput,
+    UpdateInput,
+    UpdateRecord,
+    UpdateStatus,
+)
 
 runner = CliRunner()
 
@@ -80,6 +87,15 @@ def ledger(tmp_path: Path) -> str:
                     ),
                 ],
             )
+        repo.add_traffic(
+            run_id,
+            [
+                TrafficInput(site="london", kind="query", messages=1, bytes_up=300, bytes_down=400),
+                TrafficInput(site="tokyo", kind="query", messages=1, bytes_up=310, bytes_down=400),
+            ],
+        )
+        late = TrafficInput(site="tokyo", kind="evaluate", messages=0, bytes_up=90, bytes_down=10)
+        repo.add_traffic(run_id, [late], round=2)
         repo.finish_run(run_id, status="finished", final_metrics={"accuracy": 0.9})
     return url
 
@@ -96,6 +112,9 @@ def test_runs_table_json_csv(ledger: str) -> None:
     )
     assert rows[0]["status"] == "finished"
     assert rows[0]["final_metrics"] == {"accuracy": 0.9}
+    # Every byte of the run: its updates, then its queries and the late reply.
+    assert rows[0]["bytes_up"] == 2 * (1000 + 900) + 300 + 310 + 90
+    assert rows[0]["bytes_down"] == 2 * 2200 + 400 + 400 + 10
 
     out = runner.invoke(app, ["history", "runs", "--db", ledger, "--format", "csv"]).output
     (record,) = list(csv.DictReader(io.StringIO(out)))
@@ -120,6 +139,34 @@ def test_sites_summarise_each_site(ledger: str) -> None:
     by_name = {r["name"]: r for r in rows}
     assert by_name["london"]["applied"] == 2 and by_name["london"]["bytes_up"] == 2000
     assert by_name["tokyo"]["rejected"] == 1 and by_name["tokyo"]["node_id"] == 2**64 - 1
+    tokyo = by_name["tokyo"]
+    assert (tokyo["queries"], tokyo["query_bytes_up"], tokyo["query_bytes_down"]) == (1, 310, 400)
+    assert (tokyo["total_bytes_up"], tokyo["total_bytes_down"]) == (1800 + 310 + 90, 2610)
+
+
+def test_traffic_lists_what_no_update_holds_then_the_run_s_totals(ledger: str) -> None:
+    result = runner.invoke(app, ["history", "traffic", "1", "--db", ledger])
+    assert result.exit_code == 0, result.output
+    assert "join" in result.output and "evaluate" in result.output
+    assert "Run 1 in all (its updates, evaluations and traffic): 4.4 KiB up" in result.output
+    rows = json.loads(
+        runner.invoke(
+            app, ["history", "traffic", "1", "--db", ledger, "--site", "tokyo", "-f", "json"]
+        ).output
+    )
+    assert [(r["round"], r["kind"], r["messages"], r["bytes_up"]) for r in rows] == [
+        (None, "query", 1, 310),
+        (2, "evaluate", 0, 90),
+    ]
+    out = runner.invoke(
+        app, ["history", "traffic", "1", "--db", ledger, "--kind", "query", "-f", "csv"]
+    ).output
+    assert [r["site"] for r in csv.DictReader(io.StringIO(out))] == ["london", "tokyo"]
+    bad = runner.invoke(app, ["history", "traffic", "1", "--db", ledger, "--kind", "gossip"])
+    assert bad.exit_code == 2
+    assert "--kind must be one of train, evaluate, query, got 'gossip'" in bad.output
+    missing = runner.invoke(app, ["history", "traffic", "1", "--db", ledger, "--site", "ohio"])
+    assert missing.exit_code == 5 and "run 1 has no site 'ohio'" in missing.output
 
 
 def test_missing_run_is_one_line(ledger: str) -> None:

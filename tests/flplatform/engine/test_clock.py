@@ -148,8 +148,8 @@ def test_a_hand_computed_run_of_two_sites(tmp_path: Path) -> None:
     links = {"a": (0.100, 8 * MBIT, 0.5), "b": (0.300, 80 * MBIT, 1.0)}
     for (name, _), u in rows.items():
         rtt, bandwidth, compute = links[name]
-        # Measured sizes are the 1 MB array plus Flower's framing (well under 1 KB).
-        assert 1_000_000 < u.bytes_down < 1_001_000 and 1_000_000 < u.bytes_up < 1_001_000
+        # Wire sizes are the 1 MB array plus Flower's framing (well under 3 KB).
+        assert 1_000_000 < u.bytes_down < 1_003_000 and 1_000_000 < u.bytes_up < 1_003_000
         transfer = rtt / 2 + 8 * u.bytes_down / bandwidth + rtt / 2 + 8 * u.bytes_up / bandwidth
         assert u.transfer_seconds == pytest.approx(transfer, rel=1e-12)
         assert u.virtual_compute_seconds == pytest.approx(compute)
@@ -158,11 +158,12 @@ def test_a_hand_computed_run_of_two_sites(tmp_path: Path) -> None:
         )
     # By hand: a takes 0.05 + 1.0 + 0.5 + 0.05 + 1.0 = 2.6 s, b 0.15 + 0.1 + 1.0 + 0.15
     # + 0.1 = 1.5 s; a sync round waits for a, so round 2 starts at 2.6 and ends at 5.2.
-    assert rows[("a", 1)].virtual_arrived_at == pytest.approx(2.6, abs=2e-3)
-    assert rows[("b", 1)].virtual_arrived_at == pytest.approx(1.5, abs=2e-3)
-    assert rows[("b", 2)].virtual_dispatched_at == pytest.approx(2.6, abs=2e-3)
+    # (Flower's framing, under 2 KB each way, adds under 2 ms each way at 8 Mbit/s.)
+    assert rows[("a", 1)].virtual_arrived_at == pytest.approx(2.6, abs=4e-3)
+    assert rows[("b", 1)].virtual_arrived_at == pytest.approx(1.5, abs=4e-3)
+    assert rows[("b", 2)].virtual_dispatched_at == pytest.approx(2.6, abs=4e-3)
     rounds = repo.list_rounds(run_id)
-    assert [r.virtual_finished_at for r in rounds] == pytest.approx([2.6, 5.2], abs=4e-3)
+    assert [r.virtual_finished_at for r in rounds] == pytest.approx([2.6, 5.2], abs=8e-3)
     assert rounds[1].virtual_started_at == rounds[0].virtual_finished_at
-    assert engine.simulated_seconds == pytest.approx(5.2, abs=4e-3)
+    assert engine.simulated_seconds == pytest.approx(5.2, abs=8e-3)
     repo.close()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, astuple
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +18,6 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
-from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from flplatform import keys
 from flplatform.arrays import record_to_arrays
@@ -28,6 +27,7 @@ from flplatform.ledger import SqlLedger
 from storage import LedgerRepository
 from strategies.local_sgd import LocalSGDAveraging
 
+from .fleet_oracle import naive_delivery, naive_reply
 from .scripted_grid import ScriptedGrid
 
 pytestmark = pytest.mark.usefixtures("task_identity")
@@ -35,8 +35,11 @@ pytestmark = pytest.mark.usefixtures("task_identity")
 MODEL = ArrayRecord({"w": Array(np.zeros(4, np.float32))})
 
 
-def flower_size(msg: Message) -> int:
-    return sum(len(o.deflate()) for o in get_all_nested_objects(msg).values())
+def wire_bytes(pushed: list[Message], replies: list[Message]) -> list[tuple[int, int]]:
+    """``(up, down)`` of each message with its reply, as Flower's SuperLink counts them."""
+    reply_to = {r.metadata.reply_to_message_id: naive_reply(r) for r in replies}
+    answers = [reply_to[m.metadata.message_id] for m in pushed]
+    return [(a.up, naive_delivery(m) + a.down) for m, a in zip(pushed, answers, strict=True)]
 
 
 def site(
@@ -122,9 +125,11 @@ def test_sync_round_applies_everything_and_records_exact_bytes(ledger) -> None:
     updates = repo.list_updates(run_id)
     train_pushed = [m for m in grid.pushed if m.metadata.message_type == MessageType.TRAIN]
     train_replies = [m for m in grid.replies if m.metadata.message_type == MessageType.TRAIN]
-    # Every recorded size is Flower's own measure of the very message that travelled.
-    assert sorted(u.bytes_down for u in updates) == sorted(flower_size(m) for m in train_pushed)
-    assert sorted(u.bytes_up for u in updates) == sorted(flower_size(m) for m in train_replies)
+    # Every recorded size is what Flower's SuperLink counts for the very messages that
+    # travelled: down, the message and the acknowledgement of its reply; up, the reply.
+    assert sorted((u.bytes_up, u.bytes_down) for u in updates) == sorted(
+        wire_bytes(train_pushed, train_replies)
+    )
     assert all(
         m.metadata.group_id == str(int(m.content["config"]["model-version"])) for m in train_pushed
     )
@@ -143,8 +148,9 @@ def test_evaluation_traffic_is_recorded_per_site(ledger) -> None:
     assert all(e.accuracy == 0.5 and e.num_examples == 5 for e in evaluations)
     pushed = [m for m in grid.pushed if m.metadata.message_type == MessageType.EVALUATE]
     replies = [m for m in grid.replies if m.metadata.message_type == MessageType.EVALUATE]
-    assert sorted(e.bytes_down for e in evaluations) == sorted(flower_size(m) for m in pushed)
-    assert sorted(e.bytes_up for e in evaluations) == sorted(flower_size(m) for m in replies)
+    assert sorted((e.bytes_up, e.bytes_down) for e in evaluations) == sorted(
+        wire_bytes(pushed, replies)
+    )
     rounds = repo.list_rounds(run_id)
     assert rounds[0].eval_bytes_down == sum(e.bytes_down for e in evaluations if e.round == 1)
     assert rounds[0].metrics[keys.SITE_ACCURACY] == pytest.approx(0.5)
@@ -220,8 +226,10 @@ def test_late_reply_frees_the_site_and_its_bytes_count(ledger) -> None:
     dropped, late, applied = rows
     assert (dropped.round, dropped.status, dropped.bytes_up) == (1, DROPPED, 0)
     assert "no reply within" in (dropped.reason or "") and dropped.bytes_down > 0
-    assert (late.round, late.status, late.bytes_down) == (2, DROPPED, 0)
-    assert late.bytes_up > 0 and "late" in (late.reason or "")
+    assert (late.round, late.status) == (2, DROPPED) and "late" in (late.reason or "")
+    # Only its reply's bytes: its message's delivery is the dropped row's.
+    first_reply = next(r for r in grid.replies if r.metadata.message_type == MessageType.TRAIN)
+    assert (late.bytes_up, late.bytes_down) == astuple(naive_reply(first_reply))
     assert (applied.round, applied.status) == (2, APPLIED)
 
 
@@ -233,6 +241,82 @@ def test_a_site_that_joins_mid_run_is_introduced_and_used(ledger) -> None:
     repo, run_id = ledger
     assert [s.name for s in repo.list_sites(run_id)] == ["a", "newcomer"]
     assert [r.num_applied for r in repo.list_rounds(run_id)] == [1, 2, 2]
+    # Each site's query is its own traffic, at the step during which it joined.
+    assert [(t.site, t.kind, t.messages, t.round) for t in repo.list_traffic(run_id)] == [
+        ("a", "query", 1, None),
+        ("newcomer", "query", 1, 2),
+    ]
+
+
+def test_every_byte_that_crossed_is_in_the_ledger(ledger) -> None:
+    grid = ScriptedGrid({1: site("a"), 2: site("b", value=2.0)})
+    engine_for(grid, ledger, fraction_evaluate=1.0).run(
+        MODEL, num_rounds=2, federated_evaluation=True
+    )
+    repo, run_id = ledger
+    # Queries, training and evaluation messages, every one answered: the run's totals are
+    # what Flower's SuperLink counts for all of them.
+    assert len(grid.replies) == len(grid.pushed) == 2 + 2 * 2 + 2 * 2
+    replies = [naive_reply(r) for r in grid.replies]
+    run = repo.get_run(run_id)
+    assert run.bytes_up == sum(r.up for r in replies)
+    assert run.bytes_down == sum(naive_delivery(m) for m in grid.pushed) + sum(
+        r.down for r in replies
+    )
+    # The site-information queries are their own kind of traffic, one row per site.
+    queries = [m for m in grid.pushed if m.metadata.message_type == MessageType.QUERY]
+    traffic = repo.list_traffic(run_id)
+    assert [(t.site, t.kind, t.messages, t.round) for t in traffic] == [
+        ("a", "query", 1, None),
+        ("b", "query", 1, None),
+    ]
+    assert sorted((t.bytes_up, t.bytes_down) for t in traffic) == sorted(
+        wire_bytes(queries, grid.replies)
+    )
+    summaries = {s.name: s for s in repo.site_summaries(run_id)}
+    for t in traffic:
+        summary = summaries[t.site]
+        assert (summary.queries, summary.query_bytes_up, summary.query_bytes_down) == (
+            1,
+            t.bytes_up,
+            t.bytes_down,
+        )
+    assert sum(s.total_bytes_up for s in summaries.values()) == run.bytes_up
+
+
+def test_a_late_evaluation_reply_adds_its_bytes_as_traffic(ledger) -> None:
+    # The only site answers its first evaluation after 0.6 s, twice the timeout: round 1
+    # drops it; round 2 waits until the late reply frees the site, and counts its bytes.
+    talk = site("slow")
+    first: dict[str, float] = {}
+
+    def slow_once(msg: Message) -> Message | None:
+        if msg.metadata.message_type != MessageType.EVALUATE:
+            return talk(msg)
+        first.setdefault(msg.metadata.message_id, time.monotonic())
+        is_first = next(iter(first)) == msg.metadata.message_id
+        if is_first and time.monotonic() - first[msg.metadata.message_id] < 0.6:
+            return None
+        return talk(msg)
+
+    grid = ScriptedGrid({1: slow_once})
+    engine_for(grid, ledger, round_timeout=0.3, fraction_evaluate=1.0).run(
+        MODEL, num_rounds=2, federated_evaluation=True
+    )
+    repo, run_id = ledger
+    dropped, answered = repo.list_evaluations(run_id)
+    assert (dropped.round, dropped.status, dropped.bytes_up) == (1, DROPPED, 0)
+    assert (answered.round, answered.status) == (2, "evaluated")
+    late = next(r for r in grid.replies if r.metadata.message_type == MessageType.EVALUATE)
+    query, evaluate = repo.list_traffic(run_id)
+    assert query.kind == "query"
+    assert (evaluate.site, evaluate.kind, evaluate.messages, evaluate.round) == (
+        "slow",
+        "evaluate",
+        0,
+        2,
+    )
+    assert (evaluate.bytes_up, evaluate.bytes_down) == astuple(naive_reply(late))
 
 
 def test_a_round_with_nothing_applied_keeps_the_model(ledger) -> None:

@@ -52,9 +52,9 @@ from flplatform.errors import RunFailed
 from flplatform.network import ComputeModel, Network, SiteProfile
 from strategies.local_sgd import LocalSGDAveraging
 
+from .fleet_oracle import naive_delivery, naive_reply
 from .idle_sites import network
 from .scripted_grid import ScriptedGrid
-from .test_engine import flower_size
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -150,9 +150,13 @@ class MemoryLedger:
     sites: list[tuple[SiteInfo, dict]] = field(default_factory=list)
     rounds: list[RoundSummary] = field(default_factory=list)
     states: dict[int, Path] = field(default_factory=dict)
+    traffic: list[tuple[int | None, Any]] = field(default_factory=list)
 
     def add_site(self, site: SiteInfo, profile: dict) -> None:
         self.sites.append((site, profile))
+
+    def record_traffic(self, traffic: Any, server_round: int | None = None) -> None:
+        self.traffic.extend((server_round, t) for t in traffic)
 
     def record_round(self, summary: RoundSummary, state: Any = None) -> None:
         if state is not None:
@@ -318,10 +322,18 @@ def test_every_training_message_carries_its_site_work_and_the_run_key(tmp_path: 
         by_node.setdefault(msg.metadata.dst_node_id, []).append(int(config[keys.SITE_WORK]))
     for works in by_node.values():  # 1, 2, 3, ... per site, in the order sent
         assert works == list(range(1, len(works) + 1))
-    # Each site got its own config, and its size is still Flower's own measure.
-    # (Messages still out when the run ends have no row.)
-    recorded = Counter(u.bytes_down for s in ledger.rounds for u in s.updates if u.bytes_down)
-    assert recorded and recorded <= Counter(flower_size(m) for m in train)
+    # Each site got its own config, and its bytes are still what Flower's SuperLink counts:
+    # the message's delivery, with its reply's acknowledgement when one came. (Messages
+    # still out when the run ends have no row.)
+    replies = {r.metadata.reply_to_message_id: naive_reply(r) for r in grid.replies}
+    sizes: Counter[int] = Counter()
+    for msg in train:
+        delivery, reply = naive_delivery(msg), replies.get(msg.metadata.message_id)
+        sizes[delivery if reply is None else delivery + reply.down] += 1
+    recorded = Counter(
+        u.bytes_down for s in ledger.rounds for u in s.updates if u.bytes_down and u.arrived_at
+    )
+    assert recorded and recorded <= sizes
 
 
 # ============================================================== what resume refuses
