@@ -224,7 +224,7 @@ def _fill_an_0001_ledger(connection: Connection) -> None:
 
 
 def test_an_0001_ledger_upgrades_keeping_its_rows_and_downgrades_back(ledger_url: str) -> None:
-    assert head_revision() == "0006"
+    assert head_revision() == "0007"
     engine = create_ledger_engine(ledger_url)
     try:
         with engine.begin() as connection:
@@ -753,3 +753,42 @@ def test_every_migration_file_would_ship_in_a_wheel() -> None:
         in_package = path.suffix == ".py" and (path.parent / "__init__.py").exists()
         relative = path.relative_to(package_root).as_posix()
         assert in_package or any(fnmatch(relative, p) for p in patterns), relative
+
+
+def test_passwords_kept_in_old_runs_options_are_forgotten(ledger_url: str) -> None:
+    secret = "s3cr!t-word"
+    urls = {
+        1: f"postgresql+psycopg://alice:{secret}@db.example:5433/ledger",
+        2: f"postgresql+psycopg://alice@db.example/ledger?password={secret}&sslmode=require",
+        3: "sqlite:////var/ledger.db",
+    }
+    runs = table("runs", column("id"), column("config", JSON))
+    engine = create_ledger_engine(ledger_url)
+    try:
+        with engine.begin() as connection:
+            command.upgrade(alembic_config(connection), "0006")
+            _fill_an_0001_ledger(connection)  # run 1
+            for run_id in (2, 3):
+                connection.execute(
+                    text(
+                        "INSERT INTO runs (id, name, strategy, seed, num_rounds_planned, status, "
+                        "config, created_at) SELECT :id, name, strategy, seed, "
+                        "num_rounds_planned, status, config, created_at FROM runs WHERE id = 1"
+                    ),
+                    {"id": run_id},
+                )
+            for run_id, url in urls.items():
+                connection.execute(
+                    runs.update().where(runs.c.id == run_id).values(config={"lr": 0.1, "db": url})
+                )
+    finally:
+        engine.dispose()
+
+    with LedgerRepository.open(ledger_url) as repo:  # opening upgrades to head
+        configs = {run_id: repo.get_run(run_id).config for run_id in urls}
+    assert configs == {
+        1: {"lr": 0.1, "db": "postgresql+psycopg://alice@db.example:5433/ledger"},
+        2: {"lr": 0.1, "db": "postgresql+psycopg://alice@db.example/ledger?sslmode=require"},
+        3: {"lr": 0.1, "db": "sqlite:////var/ledger.db"},  # no password: untouched
+    }
+    assert secret not in repr(configs)
