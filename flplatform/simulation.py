@@ -306,6 +306,36 @@ def start_app(
     env = flower_environment(home, python_path=python_path)
     env.update(extra_env or {})
     superlink, superlink_log = start_superlink(env, home=home, log_name=log_name, tree=tree)
+    extra = ["--federation-config", federation_options(num_sites)]
+    run, log_path = start_flwr_run(
+        app_dir,
+        "local",
+        extra,
+        run_config=run_config,
+        env=env,
+        home=home,
+        log_name=log_name,
+        tree=tree,
+    )
+    return SimulationProcess(superlink, run, log_path, superlink_log, tree)
+
+
+def start_flwr_run(
+    app_dir: Path,
+    connection: str,
+    extra_args: Sequence[str] = (),
+    *,
+    run_config: Mapping[str, ConfigValue],
+    env: Mapping[str, str],
+    home: Path,
+    log_name: str,
+    tree: ProcessTree,
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """Start ``flwr run app_dir connection --stream`` in ``tree``; return it and its log.
+
+    ``run_config`` goes in an owner-only TOML file (``--run-config``), not on the command
+    line, where every user of the machine could read it.
+    """
     logs = logs_dir(home)
     overrides: list[str] = []
     if run_config:
@@ -319,20 +349,19 @@ def start_app(
             flower_command("flwr"),
             "run",
             str(app_dir),
-            "local",
+            connection,
             *overrides,
-            "--federation-config",
-            federation_options(num_sites),
+            *extra_args,
             "--stream",
         ],
-        env=env,
+        env=dict(env),
         cwd=str(home),
         stdout=private_file(log_path),
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         umask=OWNER_ONLY_UMASK,
     )
-    return SimulationProcess(superlink, run, log_path, superlink_log, tree)
+    return run, log_path
 
 
 def logs_dir(home: Path) -> Path:

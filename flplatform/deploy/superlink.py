@@ -59,7 +59,7 @@ from flplatform.simulation import (
     free_port,
     logs_dir,
     private_file,
-    run_config_toml,
+    start_flwr_run,
     telling_line,
     wait_for_port,
 )
@@ -595,21 +595,14 @@ def start_deployment(
             say(line)
 
     wait_for_sites(cli, plan, registry, link=link, link_log=link_log, on_poll=report, say=say)
-    overrides: list[str] = []
-    if run.run_config:
-        config_path = logs / f"{log_name}.run-config.toml"
-        with private_file(config_path) as file:
-            file.write(run_config_toml(dict(run.run_config)).encode())
-        overrides = ["--run-config", str(config_path)]
-    log_path = logs / f"{log_name}.log"
-    flwr_run = tree.popen(
-        [flower_command("flwr"), "run", str(run.app_dir), plan.connection, *overrides, "--stream"],
+    flwr_run, log_path = start_flwr_run(
+        run.app_dir,
+        plan.connection,
+        run_config=run.run_config,
         env=env,
-        cwd=str(home),
-        stdout=private_file(log_path),
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        umask=OWNER_ONLY_UMASK,
+        home=home,
+        log_name=log_name,
+        tree=tree,
     )
     return SimulationProcess(link, flwr_run, log_path, link_log, tree)
 
