@@ -6,7 +6,8 @@ node that must be refused: an unregistered key, no key, plain text, another depl
 CA, and a client of the Control API. Then the two sites train a 3-round federation with
 TLS and authentication. The ledger names the sites by their registered names, the
 refused nodes are in it nowhere, each refusal was reported, and every process is gone.
-Each machine (the server, each site) has a home of its own.
+Each machine (the server, each site) has a home of its own. The ledger is a PostgreSQL
+database whose password, given in the URL, must appear in no file and no output.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from sqlalchemy.engine import make_url
 
 from flplatform.processes import ProcessTree
 from flplatform.simulation import flower_environment, free_port
@@ -81,7 +83,7 @@ def wait_for_text(log: Path, text: str, proc: subprocess.Popen[bytes], tree: Pro
     raise AssertionError(f"no {text!r} within {timeout} s:\n{log.read_text()[-3000:]}")
 
 
-def test_a_deployment_with_tls_and_registered_sites(tmp_path: Path) -> None:
+def test_a_deployment_with_tls_and_registered_sites(tmp_path: Path, password_database: str) -> None:
     server = Machine(tmp_path / "server")
     sites = {name: Machine(tmp_path / name) for name in ("london", "ohio", "evil")}
     # ---- certificates: the server's CA, each site's key, the public keys to the server
@@ -108,7 +110,11 @@ def test_a_deployment_with_tls_and_registered_sites(tmp_path: Path) -> None:
 
     port = free_port()
     address = f"127.0.0.1:{port}"
-    ledger = f"sqlite:///{server.home / 'ledger.db'}"
+    # The ledger is PostgreSQL (tests/postgres.py), its password given in the URL as a
+    # careless administrator would: it must end up in no file and no output.
+    ledger = password_database
+    password = make_url(ledger).password
+    assert password
     logs = tmp_path / "logs"
     logs.mkdir()
     tree = ProcessTree()
@@ -221,9 +227,14 @@ def test_a_deployment_with_tls_and_registered_sites(tmp_path: Path) -> None:
     with LedgerRepository.open(ledger) as repository:
         (run,) = repository.list_runs()
         assert run.status == "finished", run.error
+        assert password not in json.dumps(run.config)
         assert [r.num_applied for r in repository.list_rounds(run.id)] == [2] * ROUNDS
         recorded = {s.name: s for s in repository.list_sites(run.id)}
         assert set(recorded) == {"london", "ohio"}
         assert {name: s.node_id for name, s in recorded.items()} == node_ids
         assert all("claimed_name" not in s.profile for s in recorded.values())
         assert {u.site for u in repository.list_updates(run.id)} == {"london", "ohio"}
+    # ---- the password: in no output, and in no file of the server's home or the logs
+    for path in [*server.home.rglob("*"), *logs.rglob("*")]:
+        if path.is_file():
+            assert password.encode() not in path.read_bytes(), f"password in {path}"
