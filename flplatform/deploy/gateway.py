@@ -39,8 +39,36 @@ import httpx
 from flplatform.deploy.registry import SiteRegistry
 
 FLEET_PREFIX = "/v1/fleet/"
-# Flower's own limit on one message (GRPC_MAX_MESSAGE_LENGTH); larger bodies are refused.
-MAX_BODY_BYTES = 2**31 - 1
+# The Fleet API's actions, as Flower 1.41's SuperNode calls them (flwr/supernode/
+# fleet_http_client.py). Only these exact paths are forwarded, and the path forwarded is
+# this constant, never the client's: a prefix check would let "/v1/fleet/../control/..."
+# through, as HTTP clients remove dot segments.
+FLEET_ACTIONS = frozenset(
+    {
+        "register-node",
+        "activate-node",
+        "deactivate-node",
+        "unregister-node",
+        "send-node-heartbeat",
+        "pull-messages",
+        "push-messages",
+        "get-run",
+        "get-fab",
+        "push-object",
+        "pull-object",
+        "confirm-message-received",
+    }
+)
+FLEET_PATHS = {FLEET_PREFIX + action: action for action in FLEET_ACTIONS}
+# A request body is held in memory before it is forwarded: one message envelope or one
+# object (Flower chunks arrays at 5 MiB) fits many times over; more is refused (413).
+MAX_BODY_BYTES = 64 * 2**20
+# Connections held at once, in all and from one address: a federation has a handful of
+# sites, each with a connection or two; a peer opening more cannot starve the others.
+MAX_CONNECTIONS = 128
+MAX_CONNECTIONS_PER_ADDRESS = 16
+# Longest printed excerpt of what a refused peer sent (its request path).
+MAX_QUOTED = 80
 HANDSHAKE_SECONDS = 10.0
 # The Fleet client's own timeout is 30 s; a large object on a slow link may take longer.
 UPSTREAM_TIMEOUT = httpx.Timeout(connect=10.0, read=300.0, write=300.0, pool=None)
@@ -64,6 +92,13 @@ _HOP_BY_HOP = frozenset(
         "content-length",
         "date",
         "server",
+        "expect",
+        "forwarded",
+        "x-forwarded-for",
+        "x-forwarded-proto",
+        "x-forwarded-host",
+        "x-real-ip",
+        "content-encoding",  # httpx hands back the body decoded
     }
 )
 # TLS handshake failures by OpenSSL reason, in words a server administrator acts on.
@@ -149,6 +184,13 @@ def key_fingerprint(header: str | None) -> str | None:
     return line_fingerprint(line)
 
 
+def quoted(text: str) -> str:
+    """What a peer sent, safe to print: printable characters only, at most MAX_QUOTED."""
+    text = text.split("?")[0]
+    safe = "".join(c if c.isprintable() and c.isascii() else "?" for c in text[:MAX_QUOTED])
+    return safe + ("…" if len(text) > MAX_QUOTED else "")
+
+
 class _Refused(Exception):
     """The connection was refused and reported; nothing more to do with it."""
 
@@ -158,10 +200,14 @@ class FleetGateway(socketserver.ThreadingMixIn, http.server.HTTPServer):
 
     daemon_threads = True
     allow_reuse_address = True
+    block_on_close = False
 
     def __init__(self, config: GatewayConfig, reports: Reports) -> None:
         self.config = config
         self.reports = reports
+        self._count_lock = threading.Lock()
+        self._open_total = 0
+        self._open_by_address: dict[str, int] = {}
         self.registry = SiteRegistry.read(config.registry) if config.registry else None
         family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
         self.address_family = family
@@ -180,6 +226,36 @@ class FleetGateway(socketserver.ThreadingMixIn, http.server.HTTPServer):
             base_url=f"{scheme}://{config.upstream}", verify=verify, timeout=UPSTREAM_TIMEOUT
         )
 
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Serve the connection in a thread of its own, unless too many are open."""
+        source = client_address[0]
+        with self._count_lock:
+            crowded = (
+                self._open_total >= MAX_CONNECTIONS
+                or self._open_by_address.get(source, 0) >= MAX_CONNECTIONS_PER_ADDRESS
+            )
+            if not crowded:
+                self._open_total += 1
+                self._open_by_address[source] = self._open_by_address.get(source, 0) + 1
+        if crowded:
+            self.reports.say(f"refused {source}: too many connections open at once")
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            source = client_address[0]
+            with self._count_lock:
+                self._open_total -= 1
+                left = self._open_by_address.get(source, 1) - 1
+                if left:
+                    self._open_by_address[source] = left
+                else:
+                    self._open_by_address.pop(source, None)
+
     def get_request(self) -> tuple[Any, Any]:
         sock, address = super().get_request()
         if self.tls_context is None:
@@ -195,7 +271,8 @@ class FleetGateway(socketserver.ThreadingMixIn, http.server.HTTPServer):
         error = sys.exc_info()[1]
         if isinstance(error, _Refused | ConnectionError | TimeoutError | ssl.SSLError):
             return  # refused and reported, or the peer went away
-        super().handle_error(request, client_address)
+        # One line, never a traceback: the server's console relays this log.
+        self.reports.say(f"error serving {client_address[0]}: {type(error).__name__}: {error}")
 
     def server_close(self) -> None:
         super().server_close()
@@ -216,7 +293,9 @@ class _FleetHandler(http.server.BaseHTTPRequestHandler):
 
     server: FleetGateway
     protocol_version = "HTTP/1.1"  # keep-alive: a SuperNode polls every 3 s
-    timeout = 600  # an idle connection is closed after ten minutes
+    # Seconds a connection may stay silent (no byte of a request): sites send one every
+    # 3 s; a peer that trickles bytes or sits idle longer loses its connection.
+    timeout = 120
 
     def setup(self) -> None:
         if isinstance(self.request, ssl.SSLSocket):
@@ -235,17 +314,25 @@ class _FleetHandler(http.server.BaseHTTPRequestHandler):
         pass  # the SuperLink logs every request it serves; refusals are reported
 
     def do_POST(self) -> None:
-        if not self.path.startswith(FLEET_PREFIX):
+        action = FLEET_PATHS.get(self.path)  # exact: no dot segments, query or encoding
+        if action is None:
             self._refuse()
             return
+        path = FLEET_PREFIX + action  # ours, not the client's
         length = self.headers.get("content-length")
-        if length is None or not length.isdigit() or int(length) > MAX_BODY_BYTES:
-            self.send_error(411 if length is None else 413)
+        if length is None or not (length.isascii() and length.isdigit()):
+            self.send_error(411 if length is None else 400)
+            return
+        if int(length) > MAX_BODY_BYTES:
+            self.send_error(413)
             return
         body = self.rfile.read(int(length))
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+        # The SuperLink trusts forwarding headers from 127.0.0.1, which we are: only the
+        # peer's real address may reach it.
+        headers["X-Forwarded-For"] = self.client_address[0]
         try:
-            reply = self.server.upstream.post(self.path, content=body, headers=headers)
+            reply = self.server.upstream.post(path, content=body, headers=headers)
         except httpx.HTTPError as exc:
             upstream = self.server.config.upstream
             self.server.reports.say(f"cannot reach the SuperLink at {upstream}: {exc}")
@@ -268,7 +355,7 @@ class _FleetHandler(http.server.BaseHTTPRequestHandler):
     # ------------------------------------------------------------------ internals
     def _refuse(self) -> None:
         self.server.reports.say(
-            f"refused {self.client_address[0]}: {self.command} {self.path.split('?')[0]} — only "
+            f"refused {self.client_address[0]}: {self.command} {quoted(self.path)} — only "
             "the Fleet API is served on this address (the SuperLink's Control API listens "
             "on the server's loopback only)"
         )

@@ -350,6 +350,10 @@ def register_sites(cli: FlowerCli, plan: ServerPlan, state: Path) -> SiteRegistr
                 node_id = cli.register(plan.public_keys[name], name)
             except FlowerCliError as exc:
                 raise _registration_refused(name, exc, plan, state) from None
+            # Recorded at once: Flower registers a key only once, so a key registered
+            # but not recorded (a later site failing) would lock its site out.
+            known = known.with_site(RegisteredSite(name, node_id, key))
+            known.write(path)
         registry = registry.with_site(RegisteredSite(name, node_id, key))
     ours = {s.node_id for s in registry.sites}
     for node_id in sorted(live - ours):
@@ -463,7 +467,8 @@ def start_gateway(
         command += ["--tls", str(certs.server_cert), str(certs.server_key), str(certs.ca_cert)]
     if registry is not None:
         command += ["--registry", str(registry)]
-    gateway_env = dict(env)
+    # The gateway needs no secret: not the ledger's password the run's processes get.
+    gateway_env = {k: v for k, v in env.items() if k not in ("PGPASSWORD", "PGPASSFILE")}
     gateway_env["PYTHONPATH"] = os.pathsep.join(
         [str(_PACKAGE_ROOT), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
     )

@@ -62,6 +62,7 @@ class FleetStandIn(http.server.BaseHTTPRequestHandler):
         status = 412 if self.path.endswith("/activate-node") else 200
         self.send_response(status)
         self.send_header("x-path", self.path)
+        self.send_header("x-seen-forwarded-for", self.headers.get("x-forwarded-for", ""))
         self.send_header("content-length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -187,3 +188,67 @@ def test_a_connection_that_says_nothing_is_not_reported(deployment: Deployment) 
         pass
     time.sleep(0.3)
     assert deployment.reports.lines == []
+
+
+def raw_request(deployment: Deployment, head: bytes, body: bytes = b"") -> bytes:
+    """One request exactly as written (no client normalising its path); the reply's bytes."""
+    context = ssl.create_default_context(cafile=str(deployment.ca_cert))
+    with (
+        socket.create_connection(("127.0.0.1", deployment.port), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
+        tls.sendall(head + body)
+        return tls.recv(65536)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/fleet/../control/list-runs",
+        "/v1/fleet/../../v1/control/start-run",
+        "/v1/fleet/x/../../runtime/acquire-task",
+        "/v1/fleet/%2e%2e/control/list-runs",
+        "/v1/fleet/pull-messages?x=1",
+        "/v1/fleet/pull-messages/",
+        "http://127.0.0.1/v1/control/list-runs",
+    ],
+)
+def test_only_the_fleet_actions_themselves_are_forwarded(deployment: Deployment, path: str) -> None:
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n".encode()
+    reply = raw_request(deployment, head, b"{}")
+    assert reply.startswith(b"HTTP/1.1 404"), reply[:200]
+    assert b"x-path" not in reply  # the SuperLink never saw it
+    assert "only the Fleet API is served" in deployment.reports.wait_for("refused 127.0.0.1")
+
+
+def test_bad_lengths_and_oversized_bodies_are_refused_before_reading(
+    deployment: Deployment,
+) -> None:
+    from flplatform.deploy.gateway import MAX_BODY_BYTES
+
+    for length, status in (("\u00b2", b"400"), ("-1", b"400"), (str(MAX_BODY_BYTES + 1), b"413")):
+        head = (
+            f"POST /v1/fleet/push-object HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n"
+        ).encode()
+        reply = raw_request(deployment, head)
+        assert reply.startswith(b"HTTP/1.1 " + status), (length, reply[:200])
+    assert not any(
+        "Traceback" in line or "error serving" in line for line in deployment.reports.lines
+    )
+
+
+def test_forwarding_headers_are_the_gateways_own(deployment: Deployment) -> None:
+    with httpx.Client(verify=str(deployment.ca_cert)) as client:
+        reply = client.post(
+            f"{deployment.url}/v1/fleet/get-run",
+            content=b"x",
+            headers={"X-Forwarded-For": "203.0.113.9"},
+        )
+    assert reply.headers["x-seen-forwarded-for"] == "127.0.0.1"
+
+
+def test_what_a_refused_peer_sent_is_printed_harmlessly(deployment: Deployment) -> None:
+    head = b"POST /\x1b[2J" + b"a" * 500 + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+    raw_request(deployment, head)
+    line = deployment.reports.wait_for("refused 127.0.0.1")
+    assert "\x1b" not in line and "a" * 81 not in line and "…" in line
