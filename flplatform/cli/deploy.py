@@ -23,10 +23,10 @@ from flplatform.cli.errors import handles_errors, stderr
 from flplatform.cli.history import rounds as show_rounds
 from flplatform.cli.history import sites as show_sites
 from flplatform.cli.options import config_values, table_options
-from flplatform.cli.progress import display_url, round_progress
+from flplatform.cli.progress import round_progress, say_run_done
 from flplatform.cli.render import OutputFormat, make_console
 from flplatform.cli.run import APP_OPTIONS
-from flplatform.cli.simulate import check_top_k, db_argument, ledger_option, network_spec
+from flplatform.cli.simulate import check_top_k, ledger_option, network_spec
 from flplatform.config import SKETCHED, RunConfig
 from flplatform.deploy.superlink import (
     DEFAULT_ADDRESS,
@@ -241,13 +241,7 @@ def _app_run(
 def _finish(record: RunRecord, url: str, db: str | None) -> None:
     show_rounds(str(record.id), db=url, fmt=OutputFormat.table)
     show_sites(str(record.id), db=url, fmt=OutputFormat.table)
-    console.print(
-        Text.assemble(
-            f"\nRun {record.id} {record.status} in {record.wall_seconds or 0:.1f} s; ledger: ",
-            (display_url(url), "bold"),
-            f"\nSee it again with: flplatform history rounds {record.id}{db_argument(db)}",
-        )
-    )
+    say_run_done(console, record, url, db)
 
 
 @handles_errors

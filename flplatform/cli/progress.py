@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -21,7 +22,7 @@ from flplatform.cli.history import failure_note, shown_accuracy
 from flplatform.cli.render import human_bytes
 from flplatform.simulation import ProgressCallback
 from storage import RUN_FAILED, RoundRecord, RunRecord, UpdateRecord
-from storage.session import mask_db_url, sqlite_file
+from storage.session import mask_db_url, split_password, sqlite_file
 
 
 class StatusColumn(ProgressColumn):
@@ -97,3 +98,36 @@ def display_url(url: str) -> str:
     """
     path = sqlite_file(url)
     return str(path) if path is not None else mask_db_url(url)
+
+
+def db_argument(db: str | None) -> str:
+    """`` --db URL`` to repeat in a suggested command (quoted for the shell), or ''.
+
+    The URL is shown without its password: the command finds it where PostgreSQL's client
+    looks (``PGPASSWORD``, ``~/.pgpass``).
+    """
+    return f" --db {shlex.quote(split_password(db)[0])}" if db else ""
+
+
+def say_run_done(
+    console: Console, record: RunRecord, url: str, db: str | None, *, wall: bool = True
+) -> None:
+    """The last lines of a run command: how the run ended, where it is, how to see it again.
+
+    ``url``: the ledger's (shown masked); ``db``: the ``--db`` the user gave (repeated in the
+    suggested command); ``wall``: say how long the command's run took (not for a resume,
+    whose run began earlier).
+    """
+    took = f" in {record.wall_seconds or 0:.1f} s" if wall else ""
+    simulated = (
+        f" ({record.simulated_seconds:.1f} s simulated)"
+        if record.simulated_seconds is not None
+        else ""
+    )
+    console.print(
+        Text.assemble(
+            f"\nRun {record.id} {record.status}{took}{simulated}; ledger: ",
+            (display_url(url), "bold"),
+            f"\nSee it again with: flplatform history rounds {record.id}{db_argument(db)}",
+        )
+    )

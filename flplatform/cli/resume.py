@@ -18,9 +18,9 @@ from flplatform.checkpoint import CheckpointError
 from flplatform.cli.errors import handles_errors
 from flplatform.cli.history import DbOption, RunArgument, resolve_run
 from flplatform.cli.history import rounds as show_rounds
-from flplatform.cli.progress import display_url, round_progress
+from flplatform.cli.progress import round_progress, say_run_done
 from flplatform.cli.render import OutputFormat, make_console
-from flplatform.cli.simulate import db_argument, ledger_option
+from flplatform.cli.simulate import ledger_option
 from flplatform.config import RunConfig
 from flplatform.errors import ConfigError
 from flplatform.ledger import owner_alive, process_owner
@@ -75,7 +75,7 @@ def resume(
         finished = resume_simulation(config, on_progress=show)
     console.print()
     show_rounds(str(finished.id), db=config.db, fmt=OutputFormat.table)
-    _said_done(finished, config.db, db)
+    say_run_done(console, finished, config.db, db, wall=False)
 
 
 def resumable_config(record: RunRecord, *, db: str, round_timeout: float | None) -> RunConfig:
@@ -94,18 +94,3 @@ def resumable_config(record: RunRecord, *, db: str, round_timeout: float | None)
     if round_timeout is not None:
         values["round-timeout"] = round_timeout
     return RunConfig.from_mapping(values)
-
-
-def _said_done(record: RunRecord, url: str, db: str | None) -> None:
-    simulated = (
-        f" ({record.simulated_seconds:.1f} s simulated)"
-        if record.simulated_seconds is not None
-        else ""
-    )
-    console.print(
-        Text.assemble(
-            f"\nRun {record.id} {record.status}{simulated}; ledger: ",
-            (display_url(url), "bold"),
-            f"\nSee it again with: flplatform history rounds {record.id}" + db_argument(db),
-        )
-    )

@@ -18,9 +18,9 @@ from flplatform.cli.errors import handles_errors
 from flplatform.cli.history import rounds as show_rounds
 from flplatform.cli.history import sites as show_sites
 from flplatform.cli.options import table_options
-from flplatform.cli.progress import display_url, round_progress
+from flplatform.cli.progress import round_progress, say_run_done
 from flplatform.cli.render import OutputFormat, make_console
-from flplatform.cli.simulate import db_argument, site_names
+from flplatform.cli.simulate import site_names
 from flplatform.engine.guard import GUARD_OPTIONS
 from flplatform.flower_app import AppRun, PlatformOptions, plan_run, read_app
 from flplatform.simulation import run_app
@@ -95,19 +95,7 @@ def run(
     record = follow(plan)
     show_rounds(str(record.id), db=plan.db_url, fmt=OutputFormat.table)
     show_sites(str(record.id), db=plan.db_url, fmt=OutputFormat.table)
-    simulated = (
-        f" ({record.simulated_seconds:.1f} s simulated)"
-        if record.simulated_seconds is not None
-        else ""
-    )
-    console.print(
-        Text.assemble(
-            f"\nRun {record.id} {record.status} in {record.wall_seconds or 0:.1f} s{simulated}; "
-            "ledger: ",
-            (display_url(plan.db_url), "bold"),
-            f"\nSee it again with: flplatform history rounds {record.id}{db_argument(db)}",
-        )
-    )
+    say_run_done(console, record, plan.db_url, db)
 
 
 def follow(plan: AppRun) -> RunRecord:

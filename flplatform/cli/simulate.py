@@ -6,7 +6,6 @@ start Flower's simulation, and follow the run through the ledger the ServerApp w
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -20,7 +19,14 @@ from flplatform.cli.errors import handles_errors
 from flplatform.cli.history import rounds as show_rounds
 from flplatform.cli.history import sites as show_sites
 from flplatform.cli.options import config_values, table_options
-from flplatform.cli.progress import StatusColumn, display_url, failure_suffix, round_progress
+from flplatform.cli.progress import (
+    StatusColumn,
+    db_argument,
+    display_url,
+    failure_suffix,
+    round_progress,
+    say_run_done,
+)
 from flplatform.cli.render import OutputFormat, human_bytes, make_console
 from flplatform.comparison import (
     DEMO_MODES,
@@ -36,7 +42,7 @@ from flplatform.config import DEFAULT_SITES, SKETCHED, RunConfig
 from flplatform.errors import ConfigError
 from flplatform.simulation import check_ledger, ledger_url, run_simulation, work_home
 from storage import LedgerRepository, RoundRecord, RunRecord, UpdateRecord
-from storage.session import normalize_db_url, split_password
+from storage.session import normalize_db_url
 
 console = make_console()
 
@@ -75,29 +81,8 @@ def run_and_follow(config: RunConfig) -> RunRecord:
     url = ledger_url(config)
     show_rounds(str(record.id), db=url, fmt=OutputFormat.table)
     show_sites(str(record.id), db=url, fmt=OutputFormat.table)
-    simulated = (
-        f" ({record.simulated_seconds:.1f} s simulated)"
-        if record.simulated_seconds is not None
-        else ""
-    )
-    console.print(
-        Text.assemble(
-            f"\nRun {record.id} {record.status} in {record.wall_seconds or 0:.1f} s{simulated}; "
-            "ledger: ",
-            (display_url(url), "bold"),
-            f"\nSee it again with: flplatform history rounds {record.id}" + db_argument(db),
-        )
-    )
+    say_run_done(console, record, url, db)
     return record
-
-
-def db_argument(db: str | None) -> str:
-    """`` --db URL`` to repeat in a suggested command (quoted for the shell), or ''.
-
-    The URL is shown without its password: the command finds it where PostgreSQL's client
-    looks (``PGPASSWORD``, ``~/.pgpass``).
-    """
-    return f" --db {shlex.quote(split_password(db)[0])}" if db else ""
 
 
 def ledger_option(db: str | None) -> str:

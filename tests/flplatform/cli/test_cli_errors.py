@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from flplatform.cli.app import app
-from flplatform.cli.simulate import db_argument
+from flplatform.cli.progress import db_argument
 
 runner = CliRunner()
 
