@@ -22,7 +22,7 @@ from flplatform.cli.progress import round_progress, say_run_done
 from flplatform.cli.render import OutputFormat, make_console
 from flplatform.cli.simulate import site_names
 from flplatform.engine.guard import GUARD_OPTIONS
-from flplatform.flower_app import AppRun, PlatformOptions, plan_run, read_app
+from flplatform.flower_app import CHECKPOINT_OPTIONS, AppRun, PlatformOptions, plan_run, read_app
 from flplatform.simulation import run_app
 from storage import RunRecord
 
@@ -39,6 +39,7 @@ APP_OPTIONS = (
     "strategy",
     "model",
     *GUARD_OPTIONS,
+    *CHECKPOINT_OPTIONS,
 )
 APP_OPTION_HELPS = {
     "rounds": "Server rounds (the app's num-server-rounds and start's num_rounds).",
