@@ -27,6 +27,7 @@ from rich.text import Text
 from flplatform import keys
 from flplatform.cli.errors import handles_errors
 from flplatform.cli.render import OutputFormat, emit, human_bytes, make_console, shorten
+from flplatform.comparison import accuracy_metric
 from flplatform.errors import ConfigError
 from storage import (
     CLOCK_WALL,
@@ -484,15 +485,10 @@ def events(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForm
 
 
 def shown_accuracy(metrics: Mapping[str, float | None]) -> tuple[str, float | None]:
-    """The accuracy to show for a round or run, and its label.
-
-    The server's own (central evaluation) when it has one, else the sites' (federated
-    evaluation: a run whose sites standardise their features has only theirs).
-    """
-    central = metrics.get(keys.ACCURACY)
-    if central is None and metrics.get(keys.SITE_ACCURACY) is not None:
+    """The accuracy to show for a round or run, and its label (``ACCURACY_METRICS``' rule)."""
+    if accuracy_metric([metrics]) == keys.SITE_ACCURACY:
         return "site accuracy", metrics[keys.SITE_ACCURACY]
-    return "accuracy", central
+    return "accuracy", metrics.get(keys.ACCURACY)
 
 
 def run_note(record: RunRecord) -> Text:
