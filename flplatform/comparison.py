@@ -155,10 +155,10 @@ class CurvePoint:
 class RunSummary:
     """One run as the ledger recorded it: its setup, its accuracy curve and what it cost.
 
-    The setup comes from the run's recorded config; a key it lacks (a user's own app) is
-    None, and the strategy falls back to the name the run was recorded under. ``k`` is None
-    where no K shapes the run: neither a K sync mode nor a sketched strategy (whose k is
-    coordinates per step). ``accuracy_metric`` names the metric the accuracies are (see
+    The setup (``run_setup``) comes from the run's recorded config; a key it lacks (a user's
+    own app) is None, and the strategy falls back to the name the run was recorded under.
+    ``k`` is None where no K shapes the run: neither a K sync mode nor a sketched strategy
+    (whose k is coordinates per step). ``accuracy_metric`` names the metric the accuracies are (see
     ``ACCURACY_METRICS``); None when the run has neither. ``time_to_target`` and the curve's
     times are on ``clock``: the simulated one for a run that simulated a network, else wall
     seconds since the run was created. ``bytes_up_to_target`` is the training bytes up to
@@ -235,11 +235,38 @@ def summarize_runs(
         except NotFoundError:
             missing.append(run_id)
     if missing:
-        runs = ", ".join(str(run_id) for run_id in missing)
         raise NotFoundError(
-            f"no run {runs} in {repository.url}; `flplatform history runs` lists its runs"
+            f"{_runs(missing)} {'does' if len(missing) == 1 else 'do'} not exist in "
+            f"{repository.url}; `flplatform history runs` lists its runs"
         )
     return [_summarize(repository, record, float(target)) for record in records]
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """What a run's recorded config says about its algorithm (see ``RunSummary``)."""
+
+    strategy: str
+    sync: str | None
+    k: int | None
+    model: str | None
+    codec: str | None
+
+
+def run_setup(record: RunRecord) -> RunSetup:
+    """The run's strategy, sync mode, K, model and codec, from its recorded config."""
+    config = record.config
+    sync = _text(config.get("sync"))
+    strategy = _text(config.get("strategy")) or record.strategy
+    k = config.get("k")
+    shaped_by_k = sync in K_MODES or strategy in SKETCHED
+    return RunSetup(
+        strategy=strategy,
+        sync=sync,
+        k=k if shaped_by_k and isinstance(k, int) and not isinstance(k, bool) else None,
+        model=_text(config.get("model")),
+        codec=_text(config.get("codec")),
+    )
 
 
 def _summarize(repository: LedgerRepository, record: RunRecord, target: float) -> RunSummary:
@@ -259,26 +286,19 @@ def _summarize(repository: LedgerRepository, record: RunRecord, target: float) -
                 wall_seconds=(r.finished_at - record.created_at).total_seconds(),
             )
         )
-    simulated = record.simulated_seconds is not None or any(
-        p.simulated_seconds is not None for p in curve
+    simulated = (
+        record.network is not None
+        or record.simulated_seconds is not None
+        or any(p.simulated_seconds is not None for p in curve)
     )
     clock = CLOCK_SIMULATED if simulated else CLOCK_WALL
     accuracies = [p.accuracy for p in curve if p.accuracy is not None]
     reached = next((p for p in curve if p.accuracy is not None and p.accuracy >= target), None)
-    config = record.config
-    sync = _text(config.get("sync"))
-    strategy = _text(config.get("strategy")) or record.strategy
-    k = config.get("k")
-    shaped_by_k = sync in K_MODES or strategy in SKETCHED
     return RunSummary(
         run_id=record.id,
         name=record.name,
         status=record.status,
-        strategy=strategy,
-        sync=sync,
-        k=k if shaped_by_k and isinstance(k, int) and not isinstance(k, bool) else None,
-        model=_text(config.get("model")),
-        codec=_text(config.get("codec")),
+        **asdict(run_setup(record)),
         seed=record.seed,
         target=target,
         accuracy_metric=metric,
@@ -350,11 +370,11 @@ def runs_figure(
         raise ConfigError(f"the x axis is one of {', '.join(X_AXES)}, got '{x}'")
     if not summaries:
         raise ConfigError("there is no run to plot")
-    without = [str(s.run_id) for s in summaries if s.accuracy_metric is None]
+    without = [s.run_id for s in summaries if s.accuracy_metric is None]
     if without:
         raise ConfigError(
-            f"run {', '.join(without)} recorded no accuracy (neither the server's evaluation "
-            "nor the sites'): there is no curve to plot"
+            f"{_runs(without)} recorded no accuracy (neither the server's evaluation nor the "
+            "sites'): there is no curve to plot"
         )
     x_label = {
         "rounds": "round (server step)",
@@ -452,8 +472,13 @@ def _time_label(summaries: Sequence[RunSummary]) -> str:
         return "simulated time (s)"
     if clocks == {CLOCK_WALL}:
         return "wall-clock time since the run started (s)"
-    wall = ", ".join(str(s.run_id) for s in summaries if s.clock == CLOCK_WALL)
+    wall = [s.run_id for s in summaries if s.clock == CLOCK_WALL]
     raise ConfigError(
-        f"run {wall} ran on the wall clock and the others on a simulated one: their times "
+        f"{_runs(wall)} ran on the wall clock and the others on a simulated one: their times "
         "cannot share an axis; plot them by rounds or bytes, or apart"
     )
+
+
+def _runs(run_ids: Sequence[int]) -> str:
+    """'run 3' or 'runs 3, 5'."""
+    return f"run{'s' if len(run_ids) > 1 else ''} {', '.join(str(i) for i in run_ids)}"
