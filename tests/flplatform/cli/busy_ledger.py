@@ -126,7 +126,11 @@ def write_busy_ledger(url: str, checkpoints: Path) -> None:
         repo.add_event(
             run_id,
             "resumed",
-            {"by": "host-with-a-long-name.example.org:123456", "from_round": 7, "reason": "x" * 200},
+            {
+                "by": "host-with-a-long-name.example.org:123456",
+                "from_round": 7,
+                "reason": "x" * 200,
+            },
         )
         repo.finish_run(
             run_id,
