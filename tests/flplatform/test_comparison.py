@@ -219,9 +219,10 @@ def test_bytes_are_mebibytes_and_time_is_each_run_s_clock(ledger: str) -> None:
 
 def test_many_runs_stay_apart_and_the_legend_clear_of_them() -> None:
     curve = [CurvePoint(r, 10.0 * r, 1000 * r, 1000 * r, 0.9, 1.0 * r) for r in range(1, 31)]
+    blank: dict[str, Any] = {f.name: None for f in fields(RunSummary)}
     runs = [
         RunSummary(
-            **{f.name: None for f in fields(RunSummary)}
+            **blank
             | {"run_id": i, "name": f"identical run number {i}", "clock": "simulated"}
             | {"accuracy_metric": "accuracy", "curve": curve}
         )
