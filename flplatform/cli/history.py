@@ -599,7 +599,8 @@ def events(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForm
 
 
 def shown_accuracy(metrics: Mapping[str, float | None]) -> tuple[str, float | None]:
-    """The accuracy to show for a round or run, and its label (``ACCURACY_METRICS``' rule)."""
+    """The accuracy to show for a round or run, and its label: the server's, else the sites'
+    (``flplatform.comparison.accuracy_metric``)."""
     if accuracy_metric([metrics]) == keys.SITE_ACCURACY:
         return "site accuracy", metrics[keys.SITE_ACCURACY]
     return "accuracy", metrics.get(keys.ACCURACY)

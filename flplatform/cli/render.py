@@ -173,7 +173,7 @@ def emit(
             soft_wrap=False,
         )
         hidden = [column.name for i, column in enumerate(specs) if i not in kept]
-        if hidden:
+        if hidden and rows:  # an empty table hides nothing
             say(
                 console,
                 f"Not shown at {console.width} columns: {', '.join(hidden)} "
