@@ -7,7 +7,7 @@ import io
 import json
 import math
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -107,9 +107,10 @@ def fitting_columns(
 ) -> list[int]:
     """Indices of the columns that fit ``width`` console columns, in order (see ``Column``).
 
-    A column takes its widest header line or cell, a text column at most
-    ``TEXT_MIN_WIDTH`` (it wraps), plus three characters of padding and rule; the table one
-    more for its left edge.
+    Columns are dropped, highest ``drop`` first, until the rest fit; then any dropped one
+    that fits in the room left comes back, the lowest ``drop`` first. A column takes its
+    widest header line or cell, a text column at most ``TEXT_MIN_WIDTH`` (it wraps), plus
+    three characters of padding and rule; the table one more for its left edge.
     """
 
     def natural(index: int) -> int:
@@ -117,13 +118,21 @@ def fitting_columns(
         widest = max(cell_len(line) for line in lines)
         return min(widest, TEXT_MIN_WIDTH) if columns[index].text else widest
 
+    widths = [natural(index) for index in range(len(columns))]
+
+    def fits(indices: Iterable[int]) -> bool:
+        return sum(widths[i] + 3 for i in indices) + 1 <= width
+
     kept = list(range(len(columns)))
-    widths = {index: natural(index) for index in kept}
-    while sum(widths[i] + 3 for i in kept) + 1 > width:
+    while not fits(kept):
         droppable = [i for i in kept if columns[i].drop]
         if not droppable:
             break
         kept.remove(max(droppable, key=lambda i: (columns[i].drop, i)))
+    # A narrow column dropped on the way may fit in the room a wide one left.
+    for index in sorted(set(range(len(columns))) - set(kept), key=lambda i: (columns[i].drop, i)):
+        if fits([*kept, index]):
+            kept = sorted([*kept, index])
     return kept
 
 

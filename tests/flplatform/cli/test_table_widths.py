@@ -134,6 +134,10 @@ def test_columns_are_dropped_in_their_order_until_the_table_fits() -> None:
     assert fitting_columns(columns, cells, 1 + 3 * 13) == [0, 1, 2]  # the rightmost of equals
     assert fitting_columns(columns, cells, 1 + 2 * 13) == [0, 2]
     assert fitting_columns(columns, cells, 10) == [0]  # never the kept ones
+    # A narrow column dropped before a wide one comes back when it fits in their room.
+    sized = [Column("a"), Column("wide", drop=2), Column("n", drop=3)]
+    assert fitting_columns(sized, [["x" * 10, "y" * 30, "z"]], 1 + 13 + 33) == [0, 1]
+    assert fitting_columns(sized, [["x" * 10, "y" * 30, "z"]], 1 + 13 + 5) == [0, 2]
     # Free text counts at most TEXT_MIN_WIDTH: it wraps.
     text = [Column("a"), Column("note", text=True), Column("b", drop=1)]
     assert fitting_columns(text, [["x" * 10, "y " * 100, "z" * 10]], 1 + 13 + 19 + 13) == [0, 1, 2]
