@@ -6,6 +6,7 @@ start Flower's simulation, and follow the run through the ledger the ServerApp w
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -31,12 +32,12 @@ from flplatform.cli.render import OutputFormat, human_bytes, make_console
 from flplatform.comparison import (
     DEMO_MODES,
     ModePlan,
-    ModeResult,
+    RunSummary,
     plan_config,
     plan_modes,
-    plot_results,
-    read_results,
+    plot_runs,
     run_comparison,
+    summarize_runs,
 )
 from flplatform.config import DEFAULT_SITES, SKETCHED, RunConfig
 from flplatform.errors import ConfigError
@@ -241,12 +242,21 @@ def cross_silo(
     run_ids = run_comparison(base, plans, run=_follow_mode)
     url = ledger_url(base)
     with LedgerRepository.open(url) as repository:
-        results = read_results(repository, run_ids, [p.label for p in plans], target=target)
+        summaries = summarize_runs(repository, run_ids, target=target)
+    # The runs share one name: each is shown by its mode.
+    results = [replace(s, name=p.label) for s, p in zip(summaries, plans, strict=True)]
     show_comparison(results, target=target)
     out_dir = out or work_home() / "demo"
-    paths = plot_results(
-        results, out_dir, title=f"{base.num_sites} sites, {network} network", target=target
-    )
+    paths = [
+        plot_runs(
+            results,
+            out_dir / f"accuracy_vs_{file_name}.png",
+            x=x,
+            title=f"{base.num_sites} sites, {network} network",
+            target=target,
+        )
+        for x, file_name in (("simulated-time", "simulated_time"), ("rounds", "server_steps"))
+    ]
     console.print(Text.assemble("Plots: ", Text(", ").join(Text(str(p), "bold") for p in paths)))
     console.print(
         Text.assemble(
@@ -287,7 +297,7 @@ def _follow_mode(config: RunConfig, plan: ModePlan) -> RunRecord:
         return run_simulation(config, on_progress=show)
 
 
-def show_comparison(results: list[ModeResult], *, target: float) -> None:
+def show_comparison(results: list[RunSummary], *, target: float) -> None:
     """The comparison table: one row per mode."""
     table = Table(title=f"Modes (time to accuracy {target:g} in simulated seconds)")
     for column in (
@@ -306,12 +316,12 @@ def show_comparison(results: list[ModeResult], *, target: float) -> None:
         table.add_column(column)
     for r in results:
         table.add_row(
-            r.label,
+            r.name,
             _fmt(r.final_accuracy, "{:.4f}"),
             _fmt(r.best_accuracy, "{:.4f}"),
             _fmt(r.time_to_target, "{:.1f}") if r.time_to_target is not None else "not reached",
             _fmt(r.simulated_seconds, "{:.1f}"),
-            str(r.server_steps),
+            str(r.rounds),
             human_bytes(r.bytes_up),
             human_bytes(r.bytes_down),
             human_bytes(r.bytes_up + r.bytes_down),
