@@ -92,7 +92,7 @@ def expand_values(base: Mapping[str, Any], values: Mapping[str, Sequence[Any]]) 
         except ConfigError as exc:
             skipped.append((chosen, exc.reason))
             continue
-        named = _named(config, base, swept)
+        named = _named(config, swept)
         same = _what_runs(named)
         if same in seen:
             skipped.append(
@@ -224,12 +224,10 @@ def _checked_lists(values: Mapping[str, Sequence[Any]]) -> dict[str, list[Any]]:
     return lists
 
 
-def _named(config: RunConfig, base: Mapping[str, Any], swept: Sequence[str]) -> RunConfig:
-    """``config`` named after the base name and its values of the ``swept`` keys."""
-    given = str(base.get("name") or "")
-    if not given:
-        # The default name's strategy would be wrong for every member but one.
-        given = config.dataset if "strategy" in swept else f"{config.strategy}-{config.dataset}"
+def _named(config: RunConfig, swept: Sequence[str]) -> RunConfig:
+    """``config`` named after its base name and its values of the ``swept`` keys."""
+    # The default name's strategy would be wrong for every member but one.
+    given = config.name or (config.dataset if "strategy" in swept else config.run_name)
     values = config.to_run_config()
     label = " ".join([given, *(f"{key}={values[key]}" for key in swept)])
     return RunConfig.from_mapping({**values, "name": label})
