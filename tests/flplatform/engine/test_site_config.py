@@ -1,7 +1,5 @@
 """A run's site config rides on every message the engine sends, measured with it; a run
-without one sends exactly what it sent before. And between the runs of a sweep, the
-replies one left in flight are drained before the next sends (``federation.InFlightGrid``).
-"""
+without one sends exactly what it sent before."""
 
 from __future__ import annotations
 
@@ -13,10 +11,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
 from flplatform import keys
-from flplatform.engine import RoundEngine, Synchrony
-from flplatform.federation import InFlightGrid
 from storage import LedgerRepository
-from strategies.local_sgd import LocalSGDAveraging
 
 from .scripted_grid import ScriptedGrid
 from .test_engine import engine_for, site, wire_bytes
@@ -86,48 +81,3 @@ def test_a_broadcast_stays_one_content_once_stamped(ledger) -> None:
     assert [m.metadata.dst_node_id for m in (first, second)] == [1, 2]
     assert first.metadata.group_id == "4"
     assert keys.RUN_CONFIG not in content  # the strategy's draft is not written into
-
-
-def slow(name: str, *, pulls: int) -> callable:
-    """Answers its queries at once and each training message only after ``pulls`` pulls."""
-    talk = site(name)
-    waited: dict[str, int] = {}
-
-    def behave(msg: Message) -> Message | None:
-        if msg.metadata.message_type != MessageType.TRAIN:
-            return talk(msg)
-        waited[msg.metadata.message_id] = waited.get(msg.metadata.message_id, 0) + 1
-        return talk(msg) if waited[msg.metadata.message_id] > pulls else None
-
-    return behave
-
-
-def _async_run(grid: InFlightGrid) -> None:
-    engine = RoundEngine(
-        grid, LocalSGDAveraging(), policy=Synchrony("async"), required_sites=2, poll_interval=0
-    )
-    engine.run(MODEL, num_rounds=2)
-
-
-def test_a_sweep_drains_what_the_last_run_left_in_flight_before_the_next_one() -> None:
-    scripted = ScriptedGrid({1: site("fast"), 2: slow("slow", pulls=200)})
-    grid = InFlightGrid(scripted)
-    _async_run(grid)  # async: two steps of the fast site, the slow one still training
-    assert len(grid.unanswered) == 1
-    assert grid.drain(timeout=30.0, poll_interval=0.0) == 0
-    assert grid.unanswered == set()
-    late = scripted.replies[-1]
-    assert late.metadata.reply_to_message_id in {m.metadata.message_id for m in scripted.pushed}
-    _async_run(grid)  # the next run finds every site free (the grid refuses a busy one)
-
-    undrained = InFlightGrid(ScriptedGrid({1: site("fast"), 2: slow("slow", pulls=200)}))
-    _async_run(undrained)
-    with pytest.raises(AssertionError, match="second message to busy node 2"):
-        _async_run(undrained)
-
-
-def test_a_reply_that_never_comes_is_given_up_after_the_timeout() -> None:
-    grid = InFlightGrid(ScriptedGrid({1: site("fast"), 2: slow("slow", pulls=10**9)}))
-    _async_run(grid)
-    assert grid.drain(timeout=0.05, poll_interval=0.01) == 1
-    assert grid.unanswered == set()
