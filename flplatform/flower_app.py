@@ -8,8 +8,8 @@ options. They reach the app two ways:
 * ``FLPLATFORM_OPTIONS``, a JSON object of :func:`flplatform.start` keyword names to values
   in the environment of the Flower processes: a ServerApp that calls ``flplatform.start``
   takes them over its own arguments (``--rounds`` → ``num_rounds``, ``--sync``, ``--k``,
-  ``--network``, ``--seed``, ``--db`` → ``ledger``, ``--max-failed-rounds``; and always
-  ``tag`` and ``ledger``, by which the run is followed);
+  ``--network``, ``--seed``, ``--db`` → ``ledger``, ``--max-failed-rounds``, ``--name``;
+  and always ``tag`` and ``ledger``, by which the run is followed);
 * the app's run-config keys of the same name, where the app declares them
   (``--rounds`` → ``num-server-rounds``, ``--sites`` → ``sites``, ``--strategy`` →
   ``strategy``, ``--model`` → ``model``, ...): this is how the generic ServerApp
@@ -56,6 +56,7 @@ RUN_CONFIG_KEYS = {
     "max_failed_rounds": "max-failed-rounds",
     "strategy": "strategy",
     "model": "model",
+    "name": "name",
     **{name: name.replace("_", "-") for name in (*GUARD_OPTIONS, *CHECKPOINT_OPTIONS)},
 }
 # Platform option → flplatform.start() keyword (FLPLATFORM_OPTIONS).
@@ -66,6 +67,7 @@ START_KEYWORDS = {
     "k": "k",
     "seed": "seed",
     "max_failed_rounds": "max_failed_rounds",
+    "name": "name",
     **{name: name for name in (*GUARD_OPTIONS, *CHECKPOINT_OPTIONS)},
 }
 
@@ -104,6 +106,7 @@ class PlatformOptions:
     max_failed_rounds: int | None = None
     strategy: str | None = None
     model: str | None = None
+    name: str | None = None  # the run's name in the ledger
     update_norm_ratio: float | None = None
     update_norm_action: str | None = None
     max_site_share: float | None = None
@@ -443,6 +446,11 @@ def _checked_values(app: FlowerApp, given: PlatformOptions) -> dict[str, Any]:
         out["strategy"] = strategy
     if given.model is not None:
         out["model"] = _checked_model(app, given.model.strip())
+    if given.name is not None:
+        name = given.name.strip()
+        if not name:
+            raise ConfigError("--name must not be empty (unset, the run is named by its app)")
+        out["name"] = name
     guard = {name: getattr(given, name) for name in GUARD_OPTIONS}
     guard = {name: value for name, value in guard.items() if value is not None}
     require(guard_problems(**guard))

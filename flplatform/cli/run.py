@@ -38,6 +38,7 @@ APP_OPTIONS = (
     "max_failed_rounds",
     "strategy",
     "model",
+    "name",
     *GUARD_OPTIONS,
     *CHECKPOINT_OPTIONS,
 )
@@ -49,6 +50,7 @@ APP_OPTION_HELPS = {
     "model": "Sets the app's `model` key: mlp, cnn, wide-mlp, or MODULE:FACTORY (a "
     "zero-argument callable returning an nn.Module, importable from the app "
     "directory or the Python path).",
+    "name": "The run's name in the ledger (start()'s name; default: the app's choice).",
 }
 
 
