@@ -38,6 +38,7 @@ from storage import (
     UpdateRecord,
 )
 from storage.session import default_db_url, detach_password, flplatform_home, normalize_db_url
+from strategies.mods.snapshots import forget_run
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b:")
@@ -635,6 +636,7 @@ def _final_record(process: SimulationProcess, config: RunConfig, run_id: int) ->
             f"run {record.id} failed: {record.error or process.last_error()}; "
             f"log: {process.log_path}"
         )
+    forget_run(record.tag or "")  # only a resume needs the sites' snapshots
     return record
 
 
@@ -777,6 +779,9 @@ def run_sweep(
         _settled_record(process, member, run_id) if run_id is not None else None
         for member, run_id in zip(tagged, run_ids, strict=True)
     ]
+    for record in records:
+        if record is not None and record.status == "finished":
+            forget_run(record.tag or "")  # only a resume needs the sites' snapshots
     troubles = [
         f"'{member.run_name}' "
         + (f"(run {record.id}) failed: {record.error}" if record else "never started")

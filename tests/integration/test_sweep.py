@@ -20,6 +20,7 @@ from flplatform.config import RunConfig
 from flplatform.ledger import load_checkpoint
 from flplatform.simulation import run_simulation, run_sweep
 from storage import LedgerRepository
+from strategies.mods.snapshots import safe_name, state_root
 
 pytestmark = pytest.mark.slow
 
@@ -75,6 +76,9 @@ def test_a_sweep_runs_each_member_as_it_would_run_alone(tmp_path: Path) -> None:
         assert np.array_equal(swept[name], array), (record.name, name)
     assert _metrics(swept_db, record.id) == _metrics(solo_db, solo.id)
     assert record.final_metrics == solo.final_metrics
+    # Finished runs cannot be resumed: the sites' snapshots of them (top-k residuals) are gone.
+    root = state_root({})
+    assert not [r.tag for r in (*records, solo) if (root / safe_name(r.tag or "")).exists()]
     # The members differ (seed, mode): the comparison is not of one model with itself.
     first, second = (_final_model(swept_db, r.id) for r in records)
     assert not all(np.array_equal(first[name], second[name]) for name in first)
