@@ -15,7 +15,12 @@ from typing import TYPE_CHECKING, Any
 from clients.catalog import BUILTIN_DATASETS, MODELS
 from flplatform.checks import Problem, integer, number, one_of, positive, unit_interval
 from flplatform.engine.guard import guard_problems
-from flplatform.engine.synchrony import BATCH_MODES, K_MODES, SYNC_MODES, synchrony_problems
+from flplatform.engine.synchrony import (
+    BATCH_MODES,
+    SYNC_MODES,
+    k_sites_problem,
+    synchrony_problems,
+)
 from flplatform.errors import ConfigError
 from strategies.codecs import make_codec
 from strategies.delayed import SYNC_ONLY as DELAYED_SYNC_ONLY
@@ -45,8 +50,6 @@ STRATEGY_ALIASES = {
     SKETCHED_SGD: SKETCHED_SGD,
 }
 DEFAULT_SITES = ("london", "ohio", "california", "tokyo")
-# The K modes that wait for K different sites (the batch modes count any K updates).
-SITE_COUNTING_MODES = tuple(mode for mode in K_MODES if mode not in BATCH_MODES)
 # Flower refuses message TTLs beyond its own limits; a week is far beyond any real round.
 MAX_ROUND_TIMEOUT = 7 * 24 * 3600.0
 
@@ -139,23 +142,6 @@ def problems(config: RunConfig) -> list[str]:
             )
     problems += _edge_problems(config)
     return [p for p in problems if p]
-
-
-def k_sites_problem(sync: str, k: int, num_sites: int) -> Problem:
-    """K beyond the number of sites, in a mode that waits for K different sites.
-
-    It could never be met: the engine would quietly wait for every site instead. The batch
-    modes count any K updates, which a site may repeat, so any K works there.
-    """
-    if sync not in SITE_COUNTING_MODES or k <= num_sites:
-        return None
-    batch = ", ".join(m for m in K_MODES if m in BATCH_MODES)
-    sites = f"{num_sites} site{'' if num_sites == 1 else 's'}"
-    return (
-        f"k {k} is more than the {sites}: sync mode {sync!r} waits for K updates "
-        f"from K different sites; choose k <= {num_sites}, or a mode that counts any K "
-        f"updates ({batch})"
-    )
 
 
 def _misused(config: RunConfig) -> list[Problem]:

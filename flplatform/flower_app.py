@@ -288,7 +288,7 @@ def plan_run(app: FlowerApp, given: PlatformOptions, *, tag: str) -> AppRun:
     if given.sites is not None:
         options["required_sites"] = len(sites)
     if "sync" in values and "k" in values:  # otherwise the app's own start() call decides
-        from flplatform.config_rules import k_sites_problem
+        from flplatform.engine.synchrony import k_sites_problem
 
         require(k_sites_problem(values["sync"], values["k"], len(sites)))
     db_url = _ledger_url(given.db)

@@ -81,7 +81,7 @@ from flplatform.engine.strategy import EngineStrategy, SubsetGrid, Update, Work
 from flplatform.engine.synchrony import Synchrony
 from flplatform.engine.versions import ModelVersions
 from flplatform.engine.wire import ContentSize, delivery_bytes, measure, reply_traffic
-from flplatform.errors import NoProgress, RunFailed, StepRefused, UpdateRejected
+from flplatform.errors import ConfigError, NoProgress, RunFailed, StepRefused, UpdateRejected
 
 log = logging.getLogger("flplatform.engine")
 
@@ -230,6 +230,15 @@ class RoundEngine:
             self.arrays, self.version = initial_arrays, 0
             self.versions.start(self.clock.now())
             self.discover_sites()
+            # Options set in a ServerApp's own code meet the sites only now (a CLI checks
+            # its own before anything starts): a K no step could ever reach is refused
+            # before the first round, not waited out.
+            problem = self.policy.sites_problem(len(self.sites))
+            if problem:
+                raise ConfigError(
+                    f"{problem} (the sites that joined before the first round; "
+                    "required_sites=N waits for N)"
+                )
             if evaluate_fn is not None:
                 initial = evaluate_fn(0, initial_arrays)
                 if initial is not None:

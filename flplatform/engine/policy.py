@@ -67,6 +67,10 @@ class AggregationPolicy(Protocol):
     # the model it was sent has arrived (its upload and download overlap computation).
     pipelined: bool
 
+    def sites_problem(self, num_sites: int) -> str | None:
+        """Why the mode can never be honoured with ``num_sites`` sites (K beyond them)."""
+        ...
+
     def dispatch_targets(self, view: EngineView) -> tuple[int, ...]:
         """Nodes that may be given work now; the strategy samples among them."""
         ...

@@ -50,6 +50,27 @@ BATCH_MODES = ("k-batch-sync", "k-batch-async", "async", "buffered")
 K_MODES = ("k-sync", "k-batch-sync", "k-async", "k-batch-async", "buffered")
 
 
+# The K modes that wait for K different sites (the batch modes count any K updates).
+SITE_COUNTING_MODES = tuple(mode for mode in K_MODES if mode not in BATCH_MODES)
+
+
+def k_sites_problem(sync: str, k: int, num_sites: int) -> str | None:
+    """K beyond the number of sites, in a mode that waits for K different sites.
+
+    It could never be met: the engine would quietly wait for every site instead. The batch
+    modes count any K updates, which a site may repeat, so any K works there.
+    """
+    if sync not in SITE_COUNTING_MODES or k <= num_sites:
+        return None
+    batch = ", ".join(m for m in K_MODES if m in BATCH_MODES)
+    sites = f"{num_sites} site{'' if num_sites == 1 else 's'}"
+    return (
+        f"k {k} is more than the {sites}: sync mode {sync!r} waits for K updates "
+        f"from K different sites; choose k <= {num_sites}, or a mode that counts any K "
+        f"updates ({batch})"
+    )
+
+
 def synchrony_problems(
     mode: str,
     *,
@@ -159,6 +180,10 @@ class Synchrony:
         self._offered_round = 0  # the round whose start offered work (non-batch modes)
         self._initial_loss: float | None = None
         self._sites = 1  # P, as last seen
+
+    def sites_problem(self, num_sites: int) -> str | None:
+        """K beyond the sites in a mode that waits for K different ones (``k_sites_problem``)."""
+        return k_sites_problem(self.name, self.k0 or 1, num_sites)
 
     def __repr__(self) -> str:
         options = [f"k={self.k}"] if self.k is not None else []
@@ -327,6 +352,10 @@ class PeriodSync:
 
     name = "sync"
     pipelined = True
+
+    def sites_problem(self, num_sites: int) -> str | None:
+        """Every site's period makes the round: any number of sites will do."""
+        return None
 
     def dispatch_targets(self, view: EngineView) -> tuple[int, ...]:
         """Idle sites whose work did not fail this round; the strategy picks periods.

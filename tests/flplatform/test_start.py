@@ -183,6 +183,29 @@ def test_a_run_that_stops_early_is_recorded_failed_with_the_reason(db: str) -> N
         assert len(repo.list_rounds(run.id)) == 2  # stopped after two such rounds
 
 
+@pytest.mark.parametrize("sync", ["k-sync", "k-async"])
+def test_a_k_no_step_could_reach_is_refused_before_the_first_round(db: str, sync: str) -> None:
+    # The ServerApp's own code asks for K = 3 of the 2 sites that joined: the CLI never saw it.
+    with pytest.raises(ConfigError) as raised:
+        start(LocalSGDAveraging(), ScriptedGrid(two_sites()), MODEL, sync=sync, k=3, ledger=db)
+    assert "k 3 is more than the 2 sites" in str(raised.value)
+    assert "k-batch-async" in str(raised.value)  # what would count any K updates
+    with LedgerRepository.open(db) as repo:
+        (run,) = repo.list_runs()
+        assert run.status == "failed" and "k 3 is more than" in (run.error or "")
+        assert repo.list_rounds(run.id) == []  # refused before anything trained
+    # The batch modes count any K updates, which a site may repeat: K = 3 runs.
+    start(
+        LocalSGDAveraging(),
+        ScriptedGrid(two_sites()),
+        MODEL,
+        sync="k-batch-async",
+        k=3,
+        num_rounds=1,
+        ledger=db,
+    )
+
+
 def test_a_run_that_fails_before_it_starts_is_recorded(db: str) -> None:
     record_failed_start(
         DataError("no test set in data/"), strategy="local-sgd", ledger=db, name="n", tag="x"
