@@ -25,24 +25,22 @@ compute model and rounds under which its method's premise holds:
     sketch, ρ = 0.9) and Sketched-SGD (k = 2000, 3 × 2000, two rounds per step), each with
     twice local-SGD's steps. Measure: upload bytes to 90% (training traffic).
 
-Measured (in-process runs of the same engine and ClientApp, seeds 0 / 1 / 2; the Flower
-simulation gives the same numbers, as the clock is simulated):
+Measured on seeds 0 / 1 / 2 (the clock is simulated, so the numbers do not depend on the
+machine or its load):
 
-stragglers, seconds to 90%: sync 15.0 / 9.5 / 9.5; k-sync 8.8 / 4.6 / 7.4; k-async 10.0 /
-5.0 / 2.6; buffered 9.9 / 5.4 / 4.5. Every straggler-tolerant mode beats sync on every seed
-(1.3-3.7×); which of them is first changes with the seed.
-
-delayed, seconds to 92%: synchronous SGD not reached in 20 rounds (about 10.5 s; it needs
-27-29 rounds, about 15 s, on seeds 0 and 1); local-SGD 4.7 / 3.8 / 3.5; DTS 2.9 / 1.5 /
-2.0; DTS + top-k 1.6 / 1.8 / 1.6. DTS beats local-SGD by 1.6-2.5×; top-k helps on seeds 0
-and 2 and costs a little on seed 1.
-
-compression, KiB up to 90%: local-SGD 3816 / 2289 / 3053; top-k 244 / 195 / 293 (about
-12×); FetchSGD 582 / 530 / 530 (4-7×); int8 1055 / 633 / 844 (3.6×); Sketched-SGD 2017 /
-1344 / 1681 (1.7-1.9×). Top-k wins on this model: with four sites that all take part every
-round, FetchSGD's advantages (stateless sites, sparse participation) do not show, and a
-48k-parameter model leaves a sketch less room than the benchmark's 509k one
-(``benchmarks/bench_communication.py``: 27× fewer bytes up).
+- stragglers, seconds to 90%: sync 15.0 / 9.5 / 9.5; k-sync 8.8 / 4.6 / 7.4; k-async
+  10.0 / 5.0 / 2.6; buffered 9.9 / 5.4 / 4.5. Every straggler-tolerant mode beats sync on
+  every seed (1.3-3.7×); which of them comes first changes with the seed.
+- delayed, seconds to 92%: local-SGD 4.7 / 3.8 / 3.5; DTS 2.9 / 1.5 / 2.0 (1.6-2.5×
+  sooner); DTS + top-k 1.6 / 1.8 / 1.6 (2.1-2.9×: top-k helps on seeds 0 and 2, costs a
+  little on seed 1); synchronous SGD does not reach 92% in its 20 rounds (10.5 s, more
+  simulated time than any other run; it needs 27-29 rounds, about 15 s, on seeds 0 and 1).
+- compression, upload bytes to 90%, times fewer than local-SGD's 3.7 / 2.2 / 3.0 MiB:
+  top-k 15.3 / 11.7 / 10.4; FetchSGD 6.5 / 4.3 / 5.8; int8 3.6 on every seed;
+  Sketched-SGD 1.9 / 1.7 / 1.8. Top-k wins on this model: with four sites that all take
+  part every round, FetchSGD's advantages (stateless sites, sparse participation) do not
+  show, and a 48k-parameter model leaves a sketch less room than the benchmark's 509k one
+  (``benchmarks/bench_communication.py``: 27× fewer bytes up).
 
 No Flower imports: the CLI runs every panel's members in one sweep and reads them back
 through ``flplatform.comparison.summarize_runs``.
@@ -82,13 +80,15 @@ COMMON: dict[str, Any] = {
 class Panel:
     """One comparison: its runs, what they race for, and how its plot is drawn.
 
-    ``reference`` names the member the others are measured against (the method the panel's
-    method claims to beat); ``x`` is the plot's x axis (``comparison.X_AXES``); ``note`` is
-    one line a reader needs beside the numbers.
+    ``title`` says what the panel compares and ``setting`` where (the plot's two title
+    lines); ``reference`` names the member the others are measured against (the method the
+    panel's method claims to beat); ``x`` is the plot's x axis (``comparison.X_AXES``);
+    ``note`` is one line a reader needs beside the numbers.
     """
 
     key: str
     title: str
+    setting: str
     measure: str
     target: float
     x: str
@@ -194,7 +194,7 @@ def _stragglers(shared: Mapping[str, Any], max_rounds: int | None) -> Panel:
     k, rounds = 2, 12
     steps = rounds * len(DEFAULT_SITES) // k  # the same number of site updates as sync
     base = {**shared, "network": "world", "model": "mlp", "local-epochs": 1, "local-steps": 0}
-    runs = [
+    runs: list[tuple[str, dict[str, Any], int]] = [
         ("sync", {"sync": "sync"}, rounds),
         (f"k-sync K={k}", {"sync": "k-sync", "k": k}, steps),
         (f"k-async K={k}", {"sync": "k-async", "k": k}, steps),
@@ -202,19 +202,15 @@ def _stragglers(shared: Mapping[str, Any], max_rounds: int | None) -> Panel:
     ]
     return Panel(
         key="stragglers",
-        title=(
-            "Stragglers on the world network: 4 sites, exponential compute times, "
-            "MLP on digits"
-        ),
+        title="Stragglers: time to 90% when sites compute at random speeds",
+        setting="world network, exponential compute times (mean 0.05 s per step), MLP on digits",
         measure=TIME,
         target=0.9,
         x="simulated-time",
         reference="stragglers: sync",
-        members=tuple(
-            _member("stragglers", label, base, s, n, max_rounds) for label, s, n in runs
-        ),
-        note=f"equal site updates ({rounds} rounds of 4, {steps} steps of {k}); "
-        "which tolerant mode is first changes with the seed",
+        members=tuple(_member("stragglers", label, base, s, n, max_rounds) for label, s, n in runs),
+        note=f"Equal site updates ({rounds} rounds of 4, {steps} steps of {k}); "
+        "which tolerant mode comes first changes with the seed",
     )
 
 
@@ -230,30 +226,30 @@ def _delayed(shared: Mapping[str, Any], max_rounds: int | None) -> Panel:
         "local-steps": period,
     }
     dts = {"strategy": "delayed", "delay": delay, "period": period}
-    runs = [
+    runs: list[tuple[str, dict[str, Any], int]] = [
         # One step per round, averaged: data-parallel SGD, its momentum kept by the server
         # (the sites' is reset every round).
         (
-            "sync SGD (1 step/round)",
+            "sync SGD, 1 step/round",
             {"local-steps": 1, "momentum": 0.0, "server-momentum": 0.9},
             20,
         ),
-        (f"local-SGD ({period} steps/round)", {}, 10),
+        (f"local-SGD, {period} steps/round", {}, 10),
         (f"DTS D={delay}", dts, 16),
         (f"DTS D={delay} + top-k 10%", {**dts, "codec": "topk:0.1"}, 16),
     ]
     return Panel(
         key="delayed",
-        title=(
-            "Delayed updates where communication dominates: world links, "
-            "0.01 s per local step, wide MLP (48k parameters)"
-        ),
+        title="Delayed updates: time to 92% where communication dominates",
+        setting="world links, fast computers (0.01 s per local step), "
+        "wide MLP (48k parameters) on digits",
         measure=TIME,
         target=0.92,
         x="simulated-time",
-        reference=f"delayed: local-SGD ({period} steps/round)",
+        reference=f"delayed: local-SGD, {period} steps/round",
         members=tuple(_member("delayed", label, base, s, n, max_rounds) for label, s, n in runs),
-        note="sync SGD waits a round trip per step; DTS waits for none (D = 2)",
+        note="Sync SGD waits for a round trip every step, local-SGD every 10 steps, "
+        "DTS for none (an average arrives 2 rounds late)",
     )
 
 
@@ -268,7 +264,7 @@ def _compression(shared: Mapping[str, Any], max_rounds: int | None) -> Panel:
         "local-steps": 10,
     }
     sketch = {"k": k, "sketch-rows": 3}
-    runs = [
+    runs: list[tuple[str, dict[str, Any], int]] = [
         ("local-SGD, uncompressed", {}, rounds),
         ("top-k 1%", {"codec": "topk:0.01"}, steps),
         ("int8", {"codec": "int8"}, steps),
@@ -287,7 +283,8 @@ def _compression(shared: Mapping[str, Any], max_rounds: int | None) -> Panel:
     ]
     return Panel(
         key="compression",
-        title="Compression on the wide MLP (48k parameters, digits): bytes uploaded to 90%",
+        title="Compression: upload bytes to 90%",
+        setting="wide MLP (48k parameters, 192 KB a model) on digits, 10 local steps per round",
         measure=BYTES,
         target=0.9,
         x="bytes",
@@ -295,8 +292,8 @@ def _compression(shared: Mapping[str, Any], max_rounds: int | None) -> Panel:
         members=tuple(
             _member("compression", label, base, s, n, max_rounds) for label, s, n in runs
         ),
-        note=f"compressed runs get {steps} steps, local-SGD {rounds}; "
-        "FetchSGD's edge (stateless sites, few taking part) needs more sites than 4",
+        note=f"Compressed runs get {steps} steps, local-SGD {rounds}; FetchSGD's edge "
+        "(stateless sites, few of many taking part) does not show with 4 sites",
     )
 
 
@@ -346,11 +343,7 @@ def judge(panel: Panel, summaries: Sequence[RunSummary]) -> Verdict:
     # Ties go to the earlier member: the reference comes first where it may tie.
     winner = min(reached, key=lambda row: row.cost or 0.0, default=None)
     (reference,) = [row for row in rows if row.name == panel.reference]
-    factor = (
-        None
-        if winner is None or winner is reference
-        else _ratio(reference.cost, winner.cost)
-    )
+    factor = None if winner is None or winner is reference else _ratio(reference.cost, winner.cost)
     return Verdict(
         panel=panel,
         rows=tuple(rows),
