@@ -53,6 +53,10 @@ test-resume: setup-dev
 test-deploy: setup-dev
 	$(BIN)/python -m pytest -q -m deploy
 
+# Everything: the default suite, the thorough cases, hostile, resume and deploy (~45 min).
+test-all: setup-dev
+	FLPLATFORM_REQUIRE_POSTGRES=1 $(BIN)/python -m pytest -q -m ''
+
 lint: setup-dev
 	$(BIN)/ruff check flplatform clients strategies storage tests benchmarks examples
 	$(BIN)/mypy flplatform clients strategies storage

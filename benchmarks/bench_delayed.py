@@ -84,7 +84,7 @@ from bench_support import ALPHA, DATASET, SITES, emit, federation, fresh_home
 
 from clients.datasets import load_dataset
 from clients.models import build_model, count_parameters
-from flplatform.comparison import ModePlan, read_results, run_comparison
+from flplatform.comparison import ModePlan, run_comparison, summarize_runs
 from flplatform.config import RunConfig
 from flplatform.network import COMPUTE_MODELS, PRESETS
 from flplatform.simulation import run_simulation
@@ -144,40 +144,42 @@ def measure_seed(base: RunConfig, planned: list[ModePlan], delays: list[int]) ->
     run_ids = run_comparison(base, planned, run=lambda config, plan: run_simulation(config))
     wall = time.perf_counter() - started
 
-    labels = [p.label for p in planned]
     with LedgerRepository.open(base.db) as repository:
-        (reference,) = read_results(repository, run_ids[:1], labels[:1], target=1.0)
+        (reference,) = summarize_runs(repository, run_ids[:1], target=1.0)
         target = (reference.final_accuracy or 0.0) - TARGET_MARGIN
-        results = read_results(repository, run_ids, labels, target=target)
+        summaries = summarize_runs(repository, run_ids, target=target)
         delays_by_run = {
             run_id: {s.name: s.mean_delay for s in repository.site_summaries(run_id)}
             for run_id in run_ids
         }
+    # each run by its plan's label
+    results = [replace(s, name=p.label) for s, p in zip(summaries, planned, strict=True)]
     local_time = results[0].time_to_target
     # unrounded: the goal is judged on it (a printed 2.50 may be 2.496)
     speedup = {
-        r.label: local_time / r.time_to_target for r in results if r.time_to_target and local_time
+        r.name: local_time / r.time_to_target for r in results if r.time_to_target and local_time
     }
     rows: list[dict[str, Any]] = []
     for r in results:
         t = r.time_to_target
         rows.append(
             {
-                "run": r.label,
+                "run": r.name,
                 "run_id": r.run_id,
                 "time_to_target_s": None if t is None else round(t, 2),
                 "rounds_to_target": next(
-                    (step for _, step, acc in r.curve if acc is not None and acc >= target), None
+                    (p.round for p in r.curve if p.accuracy is not None and p.accuracy >= target),
+                    None,
                 ),
                 "speedup_over_local_sgd": (
-                    round(speedup[r.label], 2) if r.label in speedup else None
+                    round(speedup[r.name], 2) if r.name in speedup else None
                 ),
                 "final_accuracy": r.final_accuracy,
                 "best_accuracy": r.best_accuracy,
                 "simulated_seconds": r.simulated_seconds,
                 "seconds_per_round": None
                 if r.simulated_seconds is None
-                else round(r.simulated_seconds / max(1, r.server_steps), 3),
+                else round(r.simulated_seconds / max(1, r.rounds), 3),
                 "bytes_up": r.bytes_up,
                 "bytes_down": r.bytes_down,
                 "mean_delay": delays_by_run[r.run_id],

@@ -19,12 +19,13 @@ import argparse
 import os
 import platform
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from bench_support import SITES, emit, federation
 
-from flplatform.comparison import DEMO_MODES, plan_modes, read_results, run_comparison
+from flplatform.comparison import DEMO_MODES, plan_modes, run_comparison, summarize_runs
 from flplatform.simulation import run_simulation
 from storage import LedgerRepository
 
@@ -57,25 +58,26 @@ def main() -> None:
     run_ids = run_comparison(base, plans, run=lambda config, plan: run_simulation(config))
     wall = time.perf_counter() - started
 
-    labels = [p.label for p in plans]
     with LedgerRepository.open(base.db) as repository:
-        (reference,) = read_results(repository, run_ids[:1], labels[:1], target=1.0)
+        (reference,) = summarize_runs(repository, run_ids[:1], target=1.0)
         target = (reference.final_accuracy or 0.0) - 0.01  # sync's final, less 1 point
-        results = read_results(repository, run_ids, labels, target=target)
+        summaries = summarize_runs(repository, run_ids, target=target)
+    # each run by its plan's label
+    results = [replace(s, name=p.label) for s, p in zip(summaries, plans, strict=True)]
     sync_time = results[0].time_to_target
     rows: list[dict[str, Any]] = []
     for r in results:
         t = r.time_to_target
         rows.append(
             {
-                "mode": r.label,
+                "mode": r.name,
                 "run_id": r.run_id,
                 "time_to_target_s": None if t is None else round(t, 2),
                 "ratio_to_sync": None if t is None or not sync_time else round(t / sync_time, 3),
                 "final_accuracy": r.final_accuracy,
                 "best_accuracy": r.best_accuracy,
                 "simulated_seconds": r.simulated_seconds,
-                "server_steps": r.server_steps,
+                "server_steps": r.rounds,
                 "bytes_up": r.bytes_up,
                 "bytes_down": r.bytes_down,
                 "mean_staleness": r.mean_staleness,

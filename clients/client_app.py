@@ -16,7 +16,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from clients.site import LocalSite, load_site
+from clients.site import LocalSite, load_site, run_config_of
 from clients.training import evaluate as evaluate_model
 from clients.training import train_local
 from flplatform import keys
@@ -56,13 +56,14 @@ class SiteTrainConfig:
         return cls(**values)  # type: ignore[arg-type]
 
 
-def site_of(context: Context) -> LocalSite:
-    """This process's site (loaded once), from the node config and the run config."""
+def site_of(msg: Message, context: Context) -> LocalSite:
+    """This process's site for ``msg``'s run (loaded once), from the node config and the
+    run config (``run_config_of``)."""
     if keys.NUM_PARTITIONS in context.node_config:
         # Simulated sites share the machine: one thread each runs faster in total than
         # oversubscribed threads (two 1-thread processes give 1.9x on 2 cores).
         torch.set_num_threads(1)
-    return load_site(context.node_config, context.run_config)
+    return load_site(context.node_config, run_config_of(msg, context))
 
 
 def received_model(msg: Message, site: LocalSite, seed: int = 0) -> torch.nn.Module:
@@ -111,7 +112,7 @@ def data_order(
 @app.train(mods=[flplatform_mod()])
 def train(msg: Message, context: Context) -> Message:
     """Train the received model for H steps or E epochs on the site's data; reply with it."""
-    site = site_of(context)
+    site = site_of(msg, context)
     config = SiteTrainConfig.from_record(
         msg.content.config_records.get(keys.CONFIG, ConfigRecord())
     )
@@ -144,7 +145,7 @@ def train(msg: Message, context: Context) -> Message:
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     """Introduce the site to the server."""
-    site = site_of(context)
+    site = site_of(msg, context)
     info = ConfigRecord(
         {
             keys.SITE_NAME: site.name,
@@ -162,7 +163,7 @@ def query(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     """Evaluate the global model on this site's local validation data."""
-    site = site_of(context)
+    site = site_of(msg, context)
     model = received_model(msg, site)
     x, y = (site.x_val, site.y_val) if len(site.x_val) else (site.x_train, site.y_train)
     loss, accuracy = evaluate_model(model, x, y, device=site.device)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -28,6 +28,9 @@ from flplatform import keys
 from flplatform.checks import as_bool
 from flplatform.errors import ConfigError
 from flplatform.seeding import rng_for
+
+if TYPE_CHECKING:
+    from flwr.app import Context, Message
 
 # A tenth of each site's data stays local for federated evaluation.
 LOCAL_VALIDATION_FRACTION = 0.1
@@ -98,6 +101,16 @@ class SiteDataConfig:
             run_config, "standardize-features", defaults.standardize_features
         )
         return cls(**values)
+
+
+def run_config_of(msg: Message, context: Context) -> dict[str, Any]:
+    """The run config this message's work belongs to: the node's, under the message's own.
+
+    The runs of a sweep share one Flower run, whose run config is the first run's; each
+    run's messages carry its data and model keys (``keys.RUN_CONFIG``).
+    """
+    sent = msg.content.config_records.get(keys.RUN_CONFIG)
+    return {**context.run_config, **(sent or {})}
 
 
 def load_site(node_config: Mapping[str, Any], run_config: Mapping[str, Any]) -> LocalSite:

@@ -137,6 +137,18 @@ class RunConfig:
     run_tag: str = field(
         default="", metadata=about("A tag by which the run is found and followed.", cli=None)
     )
+    name: str = field(
+        default="",
+        metadata=about("The run's name in the ledger (empty: <strategy>-<dataset>)."),
+    )
+    sweep: str = field(
+        default="",
+        metadata=about(
+            "Several runs in this one Flower run: a JSON list of each run's options that "
+            "differ from these (flplatform/sweep.py writes it; empty: one run).",
+            cli=None,
+        ),
+    )
     round_timeout: float = field(
         default=600.0, metadata=about("Seconds a site may take per message.")
     )
@@ -387,6 +399,11 @@ class RunConfig:
             compute_model=self.compute_model,
             step_seconds=self.step_seconds,
         )
+
+    @property
+    def run_name(self) -> str:
+        """The run's name in the ledger: ``name``, else ``<strategy>-<dataset>``."""
+        return self.name or f"{self.strategy}-{self.dataset}"
 
     @property
     def num_sites(self) -> int:

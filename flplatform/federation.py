@@ -1,21 +1,34 @@
-"""Run one federation on a Grid: the body of the ServerApp, as a library function."""
+"""Run federations on a Grid: the body of the ServerApp, as library functions.
+
+:func:`run_federation` runs one; :func:`run_members` runs a sweep's members one after
+another on the same Grid (``flplatform.sweep``), each sending its sites the data and model
+keys of its own run config (``site_config``).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import fields
 from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
 from clients.models import build_model
-from clients.site import TestSet, load_test_set
+from clients.site import SiteDataConfig, TestSet, load_test_set
 from clients.training import evaluate, pick_device
 from flplatform import keys
 from flplatform.config import RunConfig
 from flplatform.config_rules import strategy_knobs
 from flplatform.engine import AggregationPolicy
+from flplatform.engine.link import watch_superlink
+from flplatform.engine.mailbox import PULL_CHUNK, TTL_GRACE_SECONDS
+from flplatform.engine.strategy import ForwardingGrid
+from flplatform.errors import FLPlatformError
+from flplatform.flower_app import ConfigValue
 from flplatform.run_ledger import record_failed_start
 from flplatform.start import start
 from flplatform.start_options import PlatformOptions
@@ -24,6 +37,12 @@ from strategies.delayed import DelayedCompensated
 from strategies.fetchsgd import FetchSGD
 from strategies.local_sgd import LocalSGDAveraging
 from strategies.sketched_sgd import SketchedSGD
+
+log = logging.getLogger("flplatform")
+
+# The run-config keys a site reads (``SiteDataConfig``): what a sweep member sends its
+# sites, whose own run config is the sweep's first member's.
+SITE_KEYS = tuple(f.name.replace("_", "-") for f in fields(SiteDataConfig))
 
 
 def build_strategy(
@@ -57,7 +76,7 @@ def platform_options(config: RunConfig) -> dict[str, Any]:
         step_seconds=config.step_seconds,
         seed=config.seed,
         ledger=config.db or "default",
-        name=f"{config.strategy}-{config.dataset}",
+        name=config.run_name,
         run_config=config.to_run_config(),
         tag=config.run_tag or None,
         required_sites=config.required_sites,
@@ -115,13 +134,16 @@ def central_evaluator(
     return evaluate_fn
 
 
-def run_federation(grid: Grid, config: RunConfig) -> Result:
+def run_federation(
+    grid: Grid, config: RunConfig, *, site_config: Mapping[str, ConfigValue] | None = None
+) -> Result:
     """Train ``config.num_server_rounds`` rounds over ``grid``, recording every round.
 
     ``flplatform.start`` writes the run row first and commits each round as it finishes;
     if this process dies the run stays "running" with every finished round readable. A
     failure before the run starts (the test set, the model) is recorded as a failed run
-    too.
+    too. ``site_config``: sent with every message (``start``'s), for sites whose own run
+    config is another run's.
     """
     options = platform_options(config)
     try:
@@ -150,5 +172,82 @@ def run_federation(grid: Grid, config: RunConfig) -> Result:
         ArrayRecord(model.state_dict()),
         train_config=train_config_for(config),
         evaluate_fn=evaluate_fn,
+        site_config=site_config,
         **options,
     )
+
+
+def site_config_of(config: RunConfig) -> dict[str, ConfigValue]:
+    """The keys of ``config`` a site reads (its data and model), as its run config says them."""
+    values = config.to_run_config()
+    return {key: values[key] for key in SITE_KEYS}
+
+
+def run_members(grid: Grid, members: Sequence[RunConfig]) -> None:
+    """Run a sweep's members in order on ``grid``, each a run of its own in the ledger.
+
+    A member that fails with a domain error is recorded failed (``start`` records it) and
+    the next one runs; anything else (Ctrl-C, SystemExit, a bug) stops the sweep. Between
+    members, the replies the last one left in flight (stragglers of the async modes,
+    cancelled work, unanswered evaluations) are pulled and dropped, so that the next
+    member's messages neither queue behind them at the sites nor meet a site still busy
+    with them.
+    """
+    tracked = InFlightGrid(watch_superlink(grid))
+    for index, member in enumerate(members):
+        if index:
+            _drain(tracked, after=members[index - 1])
+        log.info("sweep: run %d of %d, %s", index + 1, len(members), member.run_name)
+        try:
+            run_federation(tracked, member, site_config=site_config_of(member))
+        except FLPlatformError as exc:
+            log.error("sweep: run %s failed: %s", member.run_name, exc.reason)
+
+
+def _drain(grid: InFlightGrid, *, after: RunConfig) -> None:
+    """Wait for the replies the member ``after`` left in flight (see ``run_members``)."""
+    began, due = time.monotonic(), len(grid.unanswered)
+    left = grid.drain(timeout=after.round_timeout + TTL_GRACE_SECONDS)
+    log.info(
+        "sweep: %d replies %s left in flight, drained in %.2f s%s",
+        due,
+        after.run_name,
+        time.monotonic() - began,
+        f"; {left} never came" if left else "",
+    )
+
+
+class InFlightGrid(ForwardingGrid):
+    """A Grid that remembers which messages pushed through it still have a reply due."""
+
+    def __init__(self, grid: Grid) -> None:
+        super().__init__(grid)
+        self.unanswered: set[str] = set()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids = list(super().push_messages(messages))
+        self.unanswered.update(i for i in ids if i)  # (refused ones: "" or None)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        replies = list(super().pull_messages(message_ids))
+        self.unanswered.difference_update(r.metadata.reply_to_message_id for r in replies)
+        return replies
+
+    def drain(self, *, timeout: float, poll_interval: float = 0.02) -> int:
+        """Pull and drop every reply still due, for at most ``timeout`` seconds.
+
+        Flower answers every message, at the latest with an error once its TTL passed.
+        Returns how many never came back (forgotten: a later pull does not ask for them).
+        """
+        deadline = time.monotonic() + timeout
+        while self.unanswered and time.monotonic() < deadline:
+            waiting = sorted(self.unanswered)
+            pulled = 0
+            for first in range(0, len(waiting), PULL_CHUNK):
+                pulled += len(list(self.pull_messages(waiting[first : first + PULL_CHUNK])))
+            if not pulled:
+                time.sleep(poll_interval)
+        left = len(self.unanswered)
+        self.unanswered.clear()
+        return left

@@ -8,8 +8,8 @@ options. They reach the app two ways:
 * ``FLPLATFORM_OPTIONS``, a JSON object of :func:`flplatform.start` keyword names to values
   in the environment of the Flower processes: a ServerApp that calls ``flplatform.start``
   takes them over its own arguments (``--rounds`` → ``num_rounds``, ``--sync``, ``--k``,
-  ``--network``, ``--seed``, ``--db`` → ``ledger``, ``--max-failed-rounds``; and always
-  ``tag`` and ``ledger``, by which the run is followed);
+  ``--network``, ``--seed``, ``--db`` → ``ledger``, ``--max-failed-rounds``, ``--name``;
+  and always ``tag`` and ``ledger``, by which the run is followed);
 * the app's run-config keys of the same name, where the app declares them
   (``--rounds`` → ``num-server-rounds``, ``--sites`` → ``sites``, ``--strategy`` →
   ``strategy``, ``--model`` → ``model``, ...): this is how the generic ServerApp
@@ -26,7 +26,7 @@ import sys
 import tomllib
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,8 @@ OPTIONS_ENV = "FLPLATFORM_OPTIONS"
 GENERIC_SERVERAPP = "flplatform.server_app:app"
 # Sites when neither --sites nor the app's `sites` key says (Flower's default is 2).
 DEFAULT_NUM_SITES = 2
+# How many checkpoints are kept, and where (start()'s options of the same names).
+CHECKPOINT_OPTIONS = ("checkpoint_every", "keep_checkpoints", "checkpoint_dir")
 
 # Platform option → the run-config key it also sets when the app declares that key.
 RUN_CONFIG_KEYS = {
@@ -54,7 +56,8 @@ RUN_CONFIG_KEYS = {
     "max_failed_rounds": "max-failed-rounds",
     "strategy": "strategy",
     "model": "model",
-    **{name: name.replace("_", "-") for name in GUARD_OPTIONS},
+    "name": "name",
+    **{name: name.replace("_", "-") for name in (*GUARD_OPTIONS, *CHECKPOINT_OPTIONS)},
 }
 # Platform option → flplatform.start() keyword (FLPLATFORM_OPTIONS).
 START_KEYWORDS = {
@@ -64,7 +67,8 @@ START_KEYWORDS = {
     "k": "k",
     "seed": "seed",
     "max_failed_rounds": "max_failed_rounds",
-    **{name: name for name in GUARD_OPTIONS},
+    "name": "name",
+    **{name: name for name in (*GUARD_OPTIONS, *CHECKPOINT_OPTIONS)},
 }
 
 
@@ -102,11 +106,15 @@ class PlatformOptions:
     max_failed_rounds: int | None = None
     strategy: str | None = None
     model: str | None = None
+    name: str | None = None  # the run's name in the ledger
     update_norm_ratio: float | None = None
     update_norm_action: str | None = None
     max_site_share: float | None = None
     reject_replays: bool | None = None
     update_min_cosine: float | None = None
+    checkpoint_every: int | None = None
+    keep_checkpoints: int | None = None
+    checkpoint_dir: str | None = None
     run_config: Sequence[str] = ()  # -c key=value, the app's own keys
 
 
@@ -287,6 +295,7 @@ def plan_run(app: FlowerApp, given: PlatformOptions, *, tag: str) -> AppRun:
     ledger, password_env = detach_password(db_url)
     options["ledger"] = ledger
     options["tag"] = tag
+    options["launched_by"] = launch_record(app, given)
     for key, value in (("db", ledger), ("run-tag", tag)):
         if key in app.config:
             overrides[key] = value
@@ -307,6 +316,61 @@ def plan_run(app: FlowerApp, given: PlatformOptions, *, tag: str) -> AppRun:
         python_path=_python_path(given.model),
         password_env=password_env,
     )
+
+
+# ====================================================================== launching it again
+def launch_record(app: FlowerApp, given: PlatformOptions) -> dict[str, Any]:
+    """How ``flplatform run`` launched a run, recorded with it (``start``'s ``launched_by``).
+
+    The app directory and the options the user gave, as JSON values; never the ledger's
+    URL, which may hold a password (``flplatform resume`` is told where the ledger is).
+    """
+    options: dict[str, Any] = {}
+    for f in fields(given):
+        value = getattr(given, f.name)
+        if f.name == "db" or value is None or (f.name == "run_config" and not value):
+            continue
+        options[f.name] = list(value) if isinstance(value, tuple | list) else value
+    return {"app": str(app.path), "options": options}
+
+
+def relaunch(launch: Any, *, run_id: int, db: str | None, tag: str) -> AppRun:
+    """The run a recorded ``launch_record`` describes, planned again to resume ``run_id``
+    (in the ledger ``db``; None: the default ledger).
+
+    The app directory is read and every option checked again, as ``flplatform run`` did;
+    ``ConfigError`` says what no longer holds (the directory moved, say).
+    """
+    where = f"run {run_id}'s recorded launch ('flplatform-run' in its config)"
+    if not isinstance(launch, Mapping) or not isinstance(launch.get("app"), str):
+        raise ConfigError(f"{where} names no app directory; it cannot be launched again")
+    recorded = launch.get("options", {})
+    known = {f.name for f in fields(PlatformOptions)} - {"db"}
+    if not isinstance(recorded, Mapping) or not set(recorded) <= known:
+        unknown = sorted(set(recorded) - known) if isinstance(recorded, Mapping) else recorded
+        raise ConfigError(f"{where} holds options this version does not know: {unknown}")
+    values: dict[str, Any] = {}
+    for name, value in recorded.items():
+        if not _of_recorded_type(name, value):
+            raise ConfigError(f"{where}: option '{name}' has a value of the wrong type: {value!r}")
+        values[name] = tuple(value) if isinstance(value, list) else value
+    given = PlatformOptions(**values, db=db)  # plan_run checks each value as `run` did
+    plan = plan_run(read_app(launch["app"]), given, tag=tag)
+    return replace(plan, options={**plan.options, "resume_run": run_id})
+
+
+def _of_recorded_type(name: str, value: Any) -> bool:
+    """Whether a recorded option has its ``PlatformOptions`` field's type (JSON spelling)."""
+    kind = {f.name: str(f.type) for f in fields(PlatformOptions)}[name]
+    if kind.startswith(("tuple", "Sequence")):
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    if isinstance(value, bool):
+        return kind.startswith("bool")
+    if isinstance(value, int):
+        return kind.startswith(("int", "float"))
+    if isinstance(value, float):
+        return kind.startswith("float")
+    return isinstance(value, str) and kind.startswith("str")
 
 
 def _check_home_outside(app: FlowerApp) -> None:
@@ -338,7 +402,15 @@ def _checked_values(app: FlowerApp, given: PlatformOptions) -> dict[str, Any]:
         if not given.sites:
             raise ConfigError("--sites must be a positive count or a list of names")
         out["sites"] = _checked_sites(given.sites)
-    counts = {"rounds": 1, "seed": 0, "max_failed_rounds": 0, "k": 1}  # option → minimum
+    # option → minimum
+    counts = {
+        "rounds": 1,
+        "seed": 0,
+        "max_failed_rounds": 0,
+        "k": 1,
+        "checkpoint_every": 0,
+        "keep_checkpoints": 1,
+    }
     require(
         integer(getattr(given, name), f"--{name.replace('_', '-')}", minimum=minimum)
         for name, minimum in counts.items()
@@ -360,6 +432,13 @@ def _checked_values(app: FlowerApp, given: PlatformOptions) -> dict[str, Any]:
         out["sync"] = sync
     if given.network is not None:
         out["network"] = _checked_network(given.network, seed=given.seed or 0)
+    if given.checkpoint_dir is not None:
+        # The ServerApp runs in another directory: a relative path would land there.
+        out["checkpoint_dir"] = (
+            str(Path(given.checkpoint_dir).expanduser().resolve())
+            if given.checkpoint_dir.strip()
+            else ""
+        )
     if given.strategy is not None:
         strategy = given.strategy.strip()
         if not strategy:
@@ -367,6 +446,11 @@ def _checked_values(app: FlowerApp, given: PlatformOptions) -> dict[str, Any]:
         out["strategy"] = strategy
     if given.model is not None:
         out["model"] = _checked_model(app, given.model.strip())
+    if given.name is not None:
+        name = given.name.strip()
+        if not name:
+            raise ConfigError("--name must not be empty (unset, the run is named by its app)")
+        out["name"] = name
     guard = {name: getattr(given, name) for name in GUARD_OPTIONS}
     guard = {name: value for name, value in guard.items() if value is not None}
     require(guard_problems(**guard))

@@ -12,6 +12,9 @@ ARRAYS = "arrays"
 CONFIG = "config"
 METRICS = "metrics"
 SITE_INFO = "site-info"
+# the run config a site reads its data and model keys from, over its own (a ConfigRecord
+# in every message of a sweep's run: the sites' own run config is another run's)
+RUN_CONFIG = "run-config"
 
 # ---- ConfigRecord keys sent to sites
 SERVER_ROUND = "server-round"  # Flower's FedAvg adds this too

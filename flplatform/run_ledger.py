@@ -37,8 +37,12 @@ DEFAULT_LEDGER = ("", "default")
 _RECORDED = tuple(
     n
     for n in OPTION_NAMES
-    if n not in ("ledger", "name", "run_config", "tag", "checkpoint_dir", "resume_run")
+    if n
+    not in ("ledger", "name", "run_config", "tag", "checkpoint_dir", "resume_run", "launched_by")
 )
+# The recorded run config's key for how ``flplatform run`` launched the run
+# (``PlatformOptions.launched_by``; read back by ``flplatform resume``).
+LAUNCH_KEY = "flplatform-run"
 _CONFIG_KEYS = {"num_rounds": "num-server-rounds", "timeout": "round-timeout"}
 
 
@@ -351,6 +355,8 @@ def _recorded_config(
         recorded[_CONFIG_KEYS.get(option, option.replace("_", "-"))] = _config_value(value)
     if "staleness_bound" in chosen and options.staleness_bound is None:
         recorded["staleness-bound"] = -1  # RunConfig's "no bound"
+    if options.launched_by is not None:
+        recorded[LAUNCH_KEY] = dict(options.launched_by)
     return recorded
 
 

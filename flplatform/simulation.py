@@ -8,6 +8,7 @@ ServerApp writes the ledger; the caller follows progress by reading the ledger.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -27,6 +28,7 @@ from flplatform.config import RunConfig
 from flplatform.errors import ConfigError, RunFailed, RunStopped, StorageError
 from flplatform.flower_app import OPTIONS_ENV, AppRun, ConfigValue
 from flplatform.processes import ProcessTree, StopRequested, stop_reason
+from flplatform.sweep import check_members, sweep_run_config
 from storage import (
     UPDATE_DROPPED,
     UPDATE_REJECTED,
@@ -36,6 +38,7 @@ from storage import (
     UpdateRecord,
 )
 from storage.session import default_db_url, detach_password, flplatform_home, normalize_db_url
+from strategies.mods.snapshots import forget_run
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b:")
@@ -626,6 +629,18 @@ def _stopped(config: RunConfig, exc: KeyboardInterrupt) -> RunStopped:
 
 
 def _final_record(process: SimulationProcess, config: RunConfig, run_id: int) -> RunRecord:
+    """The run once every process is stopped; ``RunFailed`` unless it finished."""
+    record = _settled_record(process, config, run_id)
+    if record.status != "finished":
+        raise RunFailed(
+            f"run {record.id} failed: {record.error or process.last_error()}; "
+            f"log: {process.log_path}"
+        )
+    forget_run(record.tag or "")  # only a resume needs the sites' snapshots
+    return record
+
+
+def _settled_record(process: SimulationProcess, config: RunConfig, run_id: int) -> RunRecord:
     """The run once every process is stopped; failed with the reason if it was left running."""
     with LedgerRepository.open(config.db) as repository:
         record = repository.get_run(run_id)
@@ -633,11 +648,6 @@ def _final_record(process: SimulationProcess, config: RunConfig, run_id: int) ->
             reason = process.link_lost or f"simulation exited: {process.last_error()}"
             repository.finish_run(run_id, status="failed", error=reason)
             record = repository.get_run(run_id)
-    if record.status != "finished":
-        raise RunFailed(
-            f"run {record.id} failed: {record.error or process.last_error()}; "
-            f"log: {process.log_path}"
-        )
     return record
 
 
@@ -673,6 +683,119 @@ def _follow(
             f"{process.last_error()}; log: {process.log_path}"
         )
     return run_id
+
+
+# ========================================================================== sweeps
+# Called at every poll with the member's index (in the order given), then as
+# ``ProgressCallback``: its run (None until recorded), its rounds so far, the latest
+# round's dropped and rejected updates.
+SweepProgress = Callable[[int, RunRecord | None, list[RoundRecord], list[UpdateRecord]], None]
+
+
+class SweepFailed(RunFailed):
+    """Runs of a sweep failed or never started; the others finished.
+
+    ``records``: every member's run as the ledger has it, in the members' order (None for
+    a member that never started).
+    """
+
+    def __init__(self, reason: str, records: Sequence[RunRecord | None]) -> None:
+        super().__init__(reason)
+        self.records = list(records)
+
+
+def run_sweep(
+    members: Sequence[RunConfig],
+    *,
+    on_progress: SweepProgress | None = None,
+    poll_interval: float = 0.5,
+) -> list[RunRecord]:
+    """Run ``members`` in one Flower simulation, one after another, and follow each.
+
+    One SuperLink and one Ray start-up; each member is a run of its own in the ledger
+    (its own tag and name, and as its config its own options, so that ``flplatform
+    resume`` continues it alone). They must share their sites and ledger
+    (``sweep.check_members``). A member that fails is recorded failed and the next one
+    runs. Ctrl-C or SIGTERM stops every process, marks the member that was running failed
+    and raises ``RunStopped``; members not started get no run.
+
+    Returns
+    -------
+    list of RunRecord
+        Each member's finished run, in order.
+
+    Raises
+    ------
+    ConfigError
+        If the members cannot share one federation.
+    SweepFailed
+        Naming the members that failed or never started, once the others have finished
+        (every recorded run is in the ledger, and in the error's ``records``).
+    RunStopped, StorageError
+        As :func:`run_simulation`.
+    """
+    check_members(members)
+    home = work_home()
+    db_url = check_ledger(members[0])
+    tagged = [
+        RunConfig.from_mapping(
+            {**m.to_run_config(), "run-tag": uuid.uuid4().hex, "db": db_url, "name": m.run_name}
+        )
+        for m in members
+    ]
+    flower_config = sweep_run_config(tagged)
+    log_name = tagged[0].run_tag[:12]
+    run_ids: list[int | None] = [None] * len(tagged)
+    current = tagged[0]
+    with ProcessTree() as tree:
+        try:
+            ledger, password_env = detach_password(db_url)
+            process = start_app(
+                project_dir(),
+                home=home,
+                log_name=log_name,
+                tree=tree,
+                run_config={**flower_config, "db": ledger},
+                num_sites=tagged[0].num_sites,
+                extra_env=password_env,
+                python_path=tuple(dict.fromkeys(d for m in tagged for d in model_dirs(m.model))),
+            )
+            for index, member in enumerate(tagged):
+                current = member
+                shown = None if on_progress is None else functools.partial(on_progress, index)
+                try:
+                    run_ids[index] = _follow(process, member, shown, poll_interval)
+                except RunFailed:
+                    break  # the simulation ended before this member started
+            tree.stop()  # before the statuses are read: nothing may write to a run later
+        except KeyboardInterrupt as exc:
+            tree.stop()
+            stopped = _stopped(current, exc)
+            for member in tagged:
+                if member is not current:
+                    _stopped(member, exc)  # one the ServerApp began since the last poll
+            raise stopped from None
+    records = [
+        _settled_record(process, member, run_id) if run_id is not None else None
+        for member, run_id in zip(tagged, run_ids, strict=True)
+    ]
+    for record in records:
+        if record is not None and record.status == "finished":
+            forget_run(record.tag or "")  # only a resume needs the sites' snapshots
+    troubles = [
+        f"'{member.run_name}' "
+        + (f"(run {record.id}) failed: {record.error}" if record else "never started")
+        for member, record in zip(tagged, records, strict=True)
+        if record is None or record.status != "finished"
+    ]
+    if troubles:
+        never = "" if all(records) else f" ({process.last_error()})"
+        raise SweepFailed(
+            f"{len(troubles)} of {len(tagged)} runs of the sweep did not finish: "
+            f"{'; '.join(troubles)}{never}; log: {process.log_path}",
+            records,
+        )
+    return [record for record in records if record is not None]
 
 
 def _latest_failures(repository: LedgerRepository, done: list[RoundRecord]) -> list[UpdateRecord]:

@@ -41,6 +41,7 @@ from flplatform.engine import (
     UpdateGuard,
 )
 from flplatform.engine.link import watch_superlink
+from flplatform.flower_app import ConfigValue
 from flplatform.network import Network
 from flplatform.run_ledger import open_run
 from flplatform.run_log import log_start, round_reporter
@@ -96,6 +97,7 @@ def start(
     checkpoint_dir: str | None = None,
     resume_run: int | None = None,
     on_round: Callable[[RoundSummary], None] | None = None,
+    site_config: Mapping[str, ConfigValue] | None = None,
 ) -> Result:
     """Run ``strategy`` over ``grid`` for ``num_rounds`` rounds with the platform's parts.
 
@@ -189,6 +191,11 @@ def start(
         model).
     on_round : callable, optional
         Called with every finished round's ``RoundSummary`` (each is also logged).
+    site_config : mapping, optional
+        Run-config keys sent to the sites with every message (a ``ConfigRecord`` under
+        ``keys.RUN_CONFIG``), which the built-in ClientApp reads over its own run config:
+        how each run of a sweep tells the shared sites its data and model. None sends
+        nothing.
 
     Returns
     -------
@@ -260,6 +267,7 @@ def start(
             max_failed_rounds=options.max_failed_rounds,
             checkpoints=run is not None,
             run_key=run.run_key if run is not None else "",
+            site_config=ConfigRecord(dict(site_config)) if site_config is not None else None,
             guard=UpdateGuard(
                 GuardOptions(
                     norm_ratio=options.update_norm_ratio,

@@ -61,6 +61,9 @@ class PlatformOptions:
     keep_checkpoints: int = 3
     checkpoint_dir: str | None = None
     resume_run: int | None = None
+    # How the run was launched (``flplatform run`` sets it: the app directory and the
+    # options given), recorded with the run so that ``flplatform resume`` can launch it again.
+    launched_by: Mapping[str, Any] | None = None
 
 
 OPTION_NAMES = tuple(f.name for f in fields(PlatformOptions))
@@ -221,6 +224,7 @@ _RULES: dict[str, Callable[[Any, str], Problem]] = {
     "keep_checkpoints": lambda v, n: integer(v, n, minimum=1),
     "checkpoint_dir": _text("a directory path or null ($FLPLATFORM_HOME/checkpoints)"),
     "resume_run": lambda v, n: integer(v, n, minimum=1, says="a run id >= 1 or null"),
+    "launched_by": _text_keys,
     # The guard's options: its own rules, under the name the caller used.
     **{option: _guard_rule(option) for option in GUARD_OPTIONS},
 }
@@ -236,5 +240,6 @@ _NULLABLE = frozenset(
         "tag",
         "checkpoint_dir",
         "resume_run",
+        "launched_by",
     )
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from flplatform.cli import certs, data, deploy, export, history, resume, run, simulate
+from flplatform.cli import certs, data, deploy, export, history, plot, resume, run, simulate
 
 app = typer.Typer(
     name="flplatform",
@@ -17,6 +17,7 @@ app.command("simulate")(simulate.simulate)
 app.command("run")(run.run)
 app.command("resume")(resume.resume)
 app.command("export")(export.export)
+app.command("plot")(plot.plot)
 app.command("server")(deploy.server)
 app.command("site")(deploy.site)
 app.add_typer(simulate.demo_app, name="demo")

@@ -1,5 +1,6 @@
-"""``flplatform history runs|rounds|sites|updates|traffic|checkpoints|events``: what every run,
-round and site cost, which models were kept, and what happened to a run besides its rounds.
+"""``flplatform history runs|compare|rounds|sites|updates|traffic|checkpoints|events``: what
+every run, round and site cost, how runs compare, which models were kept, and what happened
+to a run besides its rounds.
 
 Bytes are what Flower's SuperLink counts on the wire (messages, their replies and their
 protocol envelopes): a run's totals are those ``flwr ls`` reports for it, and ``traffic``
@@ -9,8 +10,8 @@ A run that simulated a network also has times on its simulated clock (seconds si
 simulated start of the run); the tables show them next to the wall-clock ones, and JSON/CSV
 carry every field of the records. Why an update was not applied (its ``reason``) is shown
 per update by ``updates`` and, most common first, per round by ``rounds``. A run's note
-(why it failed, or a warning such as training that diverged) is a column of ``runs`` and a
-line under ``rounds``.
+(why it failed, or a warning such as training that diverged) is a line under ``runs`` and
+``rounds``. Every table fits the console (``flplatform.cli.render.Column``).
 """
 
 from __future__ import annotations
@@ -22,11 +23,25 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated
 
 import typer
-from rich.text import Text
 
 from flplatform import keys
 from flplatform.cli.errors import handles_errors
-from flplatform.cli.render import OutputFormat, emit, human_bytes, make_console, shorten
+from flplatform.cli.render import (
+    Column,
+    OutputFormat,
+    emit,
+    human_bytes,
+    make_console,
+    say,
+    shorten,
+)
+from flplatform.comparison import (
+    CLOCK_SIMULATED,
+    RunSummary,
+    accuracy_metric,
+    run_setup,
+    summarize_runs,
+)
 from flplatform.errors import ConfigError
 from storage import (
     CLOCK_WALL,
@@ -54,11 +69,22 @@ DbOption = Annotated[
 ]
 FormatOption = Annotated[OutputFormat, typer.Option("--format", "-f", help="Output format.")]
 RunArgument = Annotated[str, typer.Argument(help="Run id, or 'latest'.")]
+RunsArgument = Annotated[
+    list[str], typer.Argument(metavar="RUN...", help="Run ids, or 'latest'.", show_default=False)
+]
+TargetOption = Annotated[
+    float, typer.Option(help="The accuracy whose time and bytes to reach are reported, in (0, 1].")
+]
 
 # Distinct staleness values shown in the site table's histogram cell before it is cut short.
 MAX_STALENESS_SHOWN = 8
 # Characters of a failure reason shown in a table cell (JSON and CSV carry it whole).
 REASON_CELL = 80
+# Characters of a strategy or model name in a table (a user's own may be a long class or
+# factory name).
+SETUP_CELL = 14
+# The header of a column of update counts: "2/0/1".
+COUNTS = "applied/\ndropped/\nrejected"
 # The statuses of updates that came to nothing for a reason worth showing: a site's error,
 # a timeout or absence (dropped), or a reply the strategy refused (rejected).
 FAILED_STATUSES = (UPDATE_DROPPED, UPDATE_REJECTED)
@@ -88,16 +114,17 @@ def runs(
 ) -> None:
     """List runs, newest first.
 
-    Accuracy is the server's, or the sites' (federated evaluation) for a run without one. A
-    run with a note (why it failed, or a warning such as training that diverged) shows it,
-    cut short; JSON and CSV carry it whole as ``error``, and every byte of the run each
-    way as ``bytes_up`` (sites to server) and ``bytes_down``, as Flower's SuperLink counts
-    them (the table has no room for them: ``history traffic RUN`` ends with them).
+    Strategy, sync mode and model are those of the run's recorded config ('-' where it has
+    none, as a user's own app may not). Accuracy is the server's, or the sites' (federated
+    evaluation) for a run without one. A run's note (why it failed, or a warning such as
+    training that diverged) follows the table, cut to a line; JSON and CSV carry it whole
+    as ``error``, and every byte of the run each way as ``bytes_up`` (sites to server) and
+    ``bytes_down``, as Flower's SuperLink counts them (``history traffic RUN`` ends with
+    them).
     """
     with LedgerRepository.open(db, create=False) as repository:
         records = repository.list_runs(limit=limit)
-        # Only a ledger with notes gets the column: otherwise it would be all dashes.
-        noted = any(r.error for r in records)
+        setups = [run_setup(r) for r in records]
         emit(
             console,
             fmt,
@@ -105,34 +132,120 @@ def runs(
             records=[r.to_dict() for r in records],
             columns=[
                 "run",
-                "name",
+                Column("name", text=True),
                 "status",
+                "strategy",
+                Column("sync", drop=1),
+                Column("model", drop=2),
                 "rounds",
                 "accuracy",
-                "seed",
-                "network",
-                "created",
-                "wall s",
-                "simulated",
-                *(["note"] if noted else []),
+                Column("seed", drop=7),
+                Column("network", drop=5),
+                Column("created", drop=4),
+                Column("wall", drop=6),
+                Column("simulated", drop=3),
             ],
             rows=[
                 (
                     r.id,
                     r.name,
                     r.status,
+                    shorten(setup.strategy, SETUP_CELL),
+                    setup.sync,
+                    shorten(setup.model, SETUP_CELL) if setup.model else None,
                     f"{r.rounds_completed}/{r.num_rounds_planned}",
                     shown_accuracy(r.final_metrics or r.last_metrics or {})[1],
                     r.seed,
-                    r.network,
-                    r.created_at.strftime("%Y-%m-%d %H:%M:%S"),
-                    r.wall_seconds,
+                    network_cell(r.network),
+                    r.created_at.strftime("%Y-%m-%d %H:%M"),
+                    human_seconds(r.wall_seconds),
                     human_seconds(r.simulated_seconds),
-                    *([shorten(r.error, REASON_CELL) if r.error else None] if noted else []),
                 )
-                for r in records
+                for r, setup in zip(records, setups, strict=True)
             ],
         )
+        if fmt is OutputFormat.table:
+            for r in records:
+                if r.error:
+                    say(console, run_note(r, limit=REASON_CELL), style="yellow")
+
+
+@app.command("compare")
+@handles_errors
+def compare(
+    selected: RunsArgument,
+    target: TargetOption = 0.9,
+    db: DbOption = None,
+    fmt: FormatOption = OutputFormat.table,
+) -> None:
+    """One row per run: its setup, its accuracy, and what reaching the target cost.
+
+    Accuracy is the server's, else the sites' (federated evaluation). Time to the target is
+    in seconds on the run's simulated clock (marked sim), or on the wall clock since the run
+    was created for a run that simulated no network (marked wall); bytes up to the target
+    are the training uploads until the first round that reached it. Bytes up and down are
+    every byte of the run. JSON carries every field and each run's accuracy curve; CSV every
+    field but the curve. `flplatform plot` draws the curves.
+    """
+    with LedgerRepository.open(db, create=False) as repository:
+        run_ids = [resolve_run(repository, run) for run in selected]
+        summaries = summarize_runs(repository, run_ids, target=target)
+    records = [s.to_dict() for s in summaries]
+    if fmt is OutputFormat.csv:
+        records = [{k: v for k, v in record.items() if k != "curve"} for record in records]
+    goal = f"{target:g}"
+    emit(
+        console,
+        fmt,
+        title=f"Runs compared (target accuracy {goal}; time in s on each run's simulated clock "
+        "(sim) or the wall clock (wall))",
+        records=records,
+        columns=[
+            "run",
+            Column("name", text=True),
+            Column("strategy", drop=1),
+            Column("sync", drop=2),
+            Column("K", drop=6),
+            Column("model", drop=4),
+            Column("codec", drop=5),
+            Column("seed", drop=9),
+            "final\nacc",
+            Column("best\nacc", drop=3),
+            f"time to\n{goal}",
+            Column("rounds", drop=8),
+            Column("bytes\nup", drop=7),
+            Column("bytes\ndown", drop=10),
+            Column(f"bytes up\nto {goal}", drop=1),
+        ],
+        rows=[
+            (
+                s.run_id,
+                s.name,
+                shorten(s.strategy, SETUP_CELL),
+                s.sync,
+                s.k,
+                shorten(s.model, SETUP_CELL) if s.model else None,
+                s.codec,
+                s.seed,
+                s.final_accuracy,
+                s.best_accuracy,
+                time_cell(s),
+                s.rounds,
+                human_bytes(s.bytes_up),
+                human_bytes(s.bytes_down),
+                human_bytes(s.bytes_up_to_target),
+            )
+            for s in summaries
+        ],
+    )
+
+
+def time_cell(summary: RunSummary) -> str | None:
+    """Time to the target with its clock: '15.9 sim', '3.2 wall'; None (shown '-') if never."""
+    if summary.time_to_target is None:
+        return None
+    clock = "sim" if summary.clock == CLOCK_SIMULATED else "wall"
+    return f"{summary.time_to_target:.1f} {clock}"
 
 
 @app.command("rounds")
@@ -151,10 +264,10 @@ def rounds(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForm
         records = repository.list_rounds(run_id)
         # Only simulated runs get the column: on a wall-clock run it would be all dashes.
         simulated = any(r.virtual_finished_at is not None for r in records)
-        sim = ["sim s"] if simulated else []
+        sim = [Column("sim s")] if simulated else []
         failures = failures_by_round(repository.list_updates(run_id, status=FAILED_STATUSES))
         # Only runs with failed updates get the column, for the same reason.
-        why = ["why not applied"] if failures else []
+        why = [Column("why not applied", text=True)] if failures else []
         # ... and only runs whose sites evaluated get theirs.
         sited = any(r.metrics.get(keys.SITE_ACCURACY) is not None for r in records)
         emit(
@@ -164,19 +277,17 @@ def rounds(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForm
             records=[r.to_dict() for r in records],
             columns=[
                 "round",
-                "version",
+                Column("version", drop=6),
                 "accuracy",
-                "loss",
-                *(["site acc"] if sited else []),
-                "train loss",
-                "applied",
-                "dropped",
-                "rejected",
-                "bytes up",
-                "bytes down",
-                "eval up/down",
+                Column("loss", drop=4),
+                *([Column("site acc", drop=1)] if sited else []),
+                Column("train loss", drop=3),
+                COUNTS,
+                "bytes\nup",
+                Column("bytes\ndown", drop=2),
+                Column("eval\nup/down", drop=7),
                 *sim,
-                "wall s",
+                Column("wall s", drop=5),
                 *why,
             ],
             rows=[
@@ -187,9 +298,7 @@ def rounds(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForm
                     r.metrics.get("loss"),
                     *([r.metrics.get(keys.SITE_ACCURACY)] if sited else []),
                     r.train_loss,
-                    r.num_applied,
-                    r.num_dropped,
-                    r.num_rejected,
+                    _counts(r.num_applied, r.num_dropped, r.num_rejected),
                     human_bytes(r.bytes_up),
                     human_bytes(r.bytes_down),
                     _pair(r.eval_bytes_up, r.eval_bytes_down),
@@ -201,7 +310,7 @@ def rounds(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForm
             ],
         )
         if fmt is OutputFormat.table and record.error:
-            console.print(run_note(record))
+            say(console, run_note(record), style="yellow")
 
 
 @app.command("sites")
@@ -232,31 +341,27 @@ def sites(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForma
             title=f"Run {run_id} ({record.name}, {record.status}): sites",
             records=[s.to_dict() for s in records],
             columns=[
-                "site",
-                "examples",
+                Column("site", text=True),
+                Column("examples", drop=6),
                 "updates",
-                "applied",
-                "dropped",
-                "rejected",
-                "staleness mean/max",
-                "p90",
-                "staleness counts",
-                *(["delay"] if delayed else []),
-                "bytes up",
-                "bytes down",
-                "eval up/down",
-                "compute s",
-                f"waiting s ({clock})",
-                "train loss",
+                COUNTS,
+                Column("staleness\nmean/max", drop=1),
+                Column("p90", drop=5),
+                Column("staleness counts", drop=4, text=True),
+                *([Column("delay", drop=1)] if delayed else []),
+                "bytes\nup",
+                Column("bytes\ndown", drop=2),
+                Column("eval\nup/down", drop=7),
+                Column("compute s", drop=6),
+                Column(f"waiting s\n({clock})", drop=3),
+                Column("train loss", drop=5),
             ],
             rows=[
                 (
                     s.name,
                     s.num_examples,
                     s.updates,
-                    s.applied,
-                    s.dropped,
-                    s.rejected,
+                    _counts(s.applied, s.dropped, s.rejected),
                     "-"
                     if s.mean_staleness is None
                     else f"{s.mean_staleness:.2f}/{s.max_staleness}",
@@ -320,20 +425,24 @@ def updates(
             records=[u.to_dict() for u in records],
             columns=[
                 "round",
-                "site",
+                Column("site", text=True),
                 "status",
-                "sent in",
-                "version",
-                "staleness",
-                *(["delay"] if delayed else []),
-                "examples",
-                "train loss",
-                "bytes up",
-                "bytes down",
-                "compute s",
-                "reply s",
-                *(["sim sent", "sim arrived"] if simulated else []),
-                "reason",
+                Column("sent\nin", drop=4),
+                Column("version", drop=6),
+                Column("staleness", drop=1),
+                *([Column("delay", drop=2)] if delayed else []),
+                Column("examples", drop=7),
+                Column("train\nloss", drop=5),
+                "bytes\nup",
+                Column("bytes\ndown", drop=3),
+                Column("compute\ns", drop=6),
+                Column("reply\ns", drop=4),
+                *(
+                    [Column("sim\nsent", drop=5), Column("sim\narrived", drop=2)]
+                    if simulated
+                    else []
+                ),
+                Column("reason", text=True),
             ],
             rows=[
                 (
@@ -392,7 +501,14 @@ def traffic(
             fmt,
             title=f"Run {run_id} ({record.name}, {record.status}): traffic",
             records=[t.to_dict() for t in records],
-            columns=["round", "site", "kind", "messages", "bytes up", "bytes down"],
+            columns=[
+                "round",
+                Column("site", text=True),
+                "kind",
+                "messages",
+                "bytes up",
+                "bytes down",
+            ],
             rows=[
                 (
                     "join" if t.round is None else t.round,
@@ -406,11 +522,10 @@ def traffic(
             ],
         )
         if fmt is OutputFormat.table:
-            console.print(
-                Text(
-                    f"Run {run_id} in all (its updates, evaluations and traffic): "
-                    f"{human_bytes(record.bytes_up)} up, {human_bytes(record.bytes_down)} down"
-                )
+            say(
+                console,
+                f"Run {run_id} in all (its updates, evaluations and traffic): "
+                f"{human_bytes(record.bytes_up)} up, {human_bytes(record.bytes_down)} down",
             )
 
 
@@ -441,7 +556,7 @@ def checkpoints(
             records=[
                 {**c.to_dict(), "file_present": p} for c, p in zip(records, present, strict=True)
             ],
-            columns=["round", "version", "kept", "size", "created", "file"],
+            columns=["round", "version", "kept", "size", "created", Column("file", text=True)],
             rows=[
                 (
                     c.round,
@@ -455,7 +570,7 @@ def checkpoints(
             ],
         )
         if fmt is OutputFormat.table and not records:
-            console.print(Text(f"Run {run_id} has no checkpoints.", style="yellow"))
+            say(console, f"Run {run_id} has no checkpoints.", style="yellow")
 
 
 @app.command("events")
@@ -471,7 +586,7 @@ def events(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForm
             fmt,
             title=f"Run {run_id} ({record.name}, {record.status}): events",
             records=[e.to_dict() for e in records],
-            columns=["at", "event", "detail"],
+            columns=["at", "event", Column("detail", text=True)],
             rows=[
                 (
                     e.at.strftime("%Y-%m-%d %H:%M:%S"),
@@ -484,21 +599,25 @@ def events(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForm
 
 
 def shown_accuracy(metrics: Mapping[str, float | None]) -> tuple[str, float | None]:
-    """The accuracy to show for a round or run, and its label.
-
-    The server's own (central evaluation) when it has one, else the sites' (federated
-    evaluation: a run whose sites standardise their features has only theirs).
-    """
-    central = metrics.get(keys.ACCURACY)
-    if central is None and metrics.get(keys.SITE_ACCURACY) is not None:
+    """The accuracy to show for a round or run, and its label: the server's, else the sites'
+    (``flplatform.comparison.accuracy_metric``)."""
+    if accuracy_metric([metrics]) == keys.SITE_ACCURACY:
         return "site accuracy", metrics[keys.SITE_ACCURACY]
-    return "accuracy", central
+    return "accuracy", metrics.get(keys.ACCURACY)
 
 
-def run_note(record: RunRecord) -> Text:
-    """A run's note as one plain-text line: why it failed, or its warning."""
+def run_note(record: RunRecord, *, limit: int | None = None) -> str:
+    """A run's note as one line: why it failed, or its warning (cut to ``limit``)."""
     label = "failed" if record.status == RUN_FAILED else "warning"
-    return Text(f"Run {record.id} {label}: {record.error}", style="yellow")
+    error = record.error if limit is None else shorten(record.error, limit)
+    return f"Run {record.id} {label}: {error}"
+
+
+def network_cell(network: str | None) -> str | None:
+    """A run's network for a table: a preset's name, a profile file's name after '…/'."""
+    if network is None or "/" not in network:
+        return network
+    return "…/" + network.rsplit("/", 1)[1]
 
 
 def parse_statuses(text: str | None) -> tuple[str, ...] | None:
@@ -569,6 +688,11 @@ def _reply_seconds(update: UpdateRecord) -> str:
     if update.arrived_at is None:
         return "-"
     return _fixed((update.arrived_at - update.dispatched_at).total_seconds())
+
+
+def _counts(applied: int, dropped: int, rejected: int) -> str:
+    """Update counts in one cell, in ``COUNTS``' order: 2/0/1."""
+    return f"{applied}/{dropped}/{rejected}"
 
 
 def _pair(up: int, down: int) -> str:

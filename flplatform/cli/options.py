@@ -20,6 +20,8 @@ from flplatform.config import RunConfig
 from flplatform.config_rules import option_of
 
 F = TypeVar("F", bound=Callable[..., Any])
+# What the help of an option that takes several values adds.
+LISTED_HELP = "Several, comma-separated: a sweep, one run per combination in one start-up."
 
 
 def cli_name(field_name: str) -> str:
@@ -32,6 +34,7 @@ def table_options(
     only: Collection[str] | None = None,
     optional: bool = False,
     helps: Mapping[str, str] | None = None,
+    listed: Collection[str] = (),
 ) -> Callable[[F], F]:
     """Give a ``command(..., **options)`` the table's options as typer options.
 
@@ -43,6 +46,9 @@ def table_options(
         Each option defaults to None (not given) instead of the table's default.
     helps : mapping, optional
         A command's own help for some options, by CLI name.
+    listed : collection of str
+        CLI names of options that take several values, comma-separated: text, whatever
+        their type, with a default written as text (the command splits and checks them).
     """
 
     def decorate(command: F) -> F:
@@ -58,13 +64,19 @@ def table_options(
             if name in declared:
                 params.append(declared.pop(name).replace(kind=inspect.Parameter.KEYWORD_ONLY))
                 continue
-            kind = types[f.name] | None if optional else types[f.name]
+            kind = types[f.name]
+            default = f.default
             text = (helps or {}).get(name, about.help)
+            if name in listed:
+                kind, default = str, str(default)
+                text += f" {LISTED_HELP}"
+            if optional:
+                kind = kind | None
             params.append(
                 inspect.Parameter(
                     name,
                     inspect.Parameter.KEYWORD_ONLY,
-                    default=None if optional else f.default,
+                    default=None if optional else default,
                     annotation=Annotated[kind, typer.Option(help=text)],
                 )
             )

@@ -7,24 +7,33 @@ import io
 import json
 import math
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+# Columns of a console whose output is not a terminal (and $COLUMNS is unset): every
+# table fits them (see ``Column``).
+PIPED_WIDTH = 100
+# Columns a free-text column keeps before the table drops optional columns to make room.
+TEXT_MIN_WIDTH = 16
 
-def make_console(*, stderr: bool = False) -> Console:
-    """A console as wide as the terminal, or 160 columns when output is not a terminal.
 
-    Rich falls back to 80 columns when piped, which squeezes the round and site tables
-    into unreadable cells. Strings are printed literally, never read as markup or emoji
-    codes: what we print quotes paths, run and site names and remote errors, where ``[/x]``
-    would raise and ``:smile:`` turn into a picture. Our own styles go in ``Text`` objects.
+def make_console(*, stderr: bool = False, width: int | None = None) -> Console:
+    """A console as wide as the terminal ($COLUMNS if set), or 100 columns when not a terminal.
+
+    Rich itself falls back to 80 columns when piped. Strings are printed literally, never
+    read as markup or emoji codes: what we print quotes paths, run and site names and remote
+    errors, where ``[/x]`` would raise and ``:smile:`` turn into a picture. Our own styles go
+    in ``Text`` objects.
     """
-    width = shutil.get_terminal_size((160, 24)).columns
+    if width is None:
+        width = shutil.get_terminal_size((PIPED_WIDTH, 24)).columns
     return Console(
         stderr=stderr, highlight=False, soft_wrap=True, width=width, markup=False, emoji=False
     )
@@ -71,18 +80,75 @@ def cell(value: Any) -> str:
     return str(value)
 
 
-def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
-    """A rich table with right-aligned numbers.
+@dataclass(frozen=True)
+class Column:
+    """A table column: its header, and how it gives way on a narrow console.
 
-    The title and cells are plain text, never markup, whatever the console: a failure reason
-    quoting ``[conv1.weight]`` must show its brackets, and a run named ``[/x]`` must not
-    raise.
+    ``header``: "\n" stacks a long one. ``drop``: 0 keeps the column whatever the width;
+    otherwise a table too wide for the console drops columns, the highest ``drop`` first
+    (the rightmost of equals), and says under it which (JSON and CSV carry every field).
+    ``text``: free text (names, reasons) that wraps at spaces and folds a word too long for
+    its width, so nothing is cut; other columns never wrap (a number or size broken over
+    two lines reads as two values).
     """
-    out = Table(title=Text(title, style="table.title"), title_justify="left", header_style="bold")
+
+    header: str
+    drop: int = 0
+    text: bool = False
+
+    @property
+    def name(self) -> str:
+        """The header on one line."""
+        return " ".join(self.header.split())
+
+
+def fitting_columns(
+    columns: Sequence[Column], cells: Sequence[Sequence[str]], width: int
+) -> list[int]:
+    """Indices of the columns that fit ``width`` console columns, in order (see ``Column``).
+
+    Columns are dropped, highest ``drop`` first, until the rest fit; then any dropped one
+    that fits in the room left comes back, the lowest ``drop`` first. A column takes its
+    widest header line or cell, a text column at most ``TEXT_MIN_WIDTH`` (it wraps), plus
+    three characters of padding and rule; the table one more for its left edge.
+    """
+
+    def natural(index: int) -> int:
+        lines = [*columns[index].header.split("\n"), *(row[index] for row in cells)]
+        widest = max(cell_len(line) for line in lines)
+        return min(widest, TEXT_MIN_WIDTH) if columns[index].text else widest
+
+    widths = [natural(index) for index in range(len(columns))]
+
+    def fits(indices: Iterable[int]) -> bool:
+        return sum(widths[i] + 3 for i in indices) + 1 <= width
+
+    kept = list(range(len(columns)))
+    while not fits(kept):
+        droppable = [i for i in kept if columns[i].drop]
+        if not droppable:
+            break
+        kept.remove(max(droppable, key=lambda i: (columns[i].drop, i)))
+    # A narrow column dropped on the way may fit in the room a wide one left.
+    for index in sorted(set(range(len(columns))) - set(kept), key=lambda i: (columns[i].drop, i)):
+        if fits([*kept, index]):
+            kept = sorted([*kept, index])
+    return kept
+
+
+def table(columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> Table:
+    """A rich table of plain-text cells.
+
+    The cells are plain text, never markup, whatever the console: a failure reason quoting
+    ``[conv1.weight]`` must show its brackets, and a run named ``[/x]`` must not raise.
+    """
+    out = Table(header_style="bold")
     for column in columns:
-        out.add_column(column)
+        out.add_column(
+            column.header, overflow="fold" if column.text else "ellipsis", no_wrap=not column.text
+        )
     for row in rows:
-        out.add_row(*(Text(cell(v)) for v in row))
+        out.add_row(*(Text(value) for value in row))
     return out
 
 
@@ -92,17 +158,42 @@ def emit(
     *,
     title: str,
     records: Sequence[dict[str, Any]],
-    columns: Sequence[str],
+    columns: Sequence[str | Column],
     rows: Sequence[Sequence[Any]],
 ) -> None:
-    """Write ``records`` (JSON/CSV: every field) or ``rows`` (table: the chosen columns)."""
+    """Write ``records`` (JSON/CSV: every field) or ``rows`` (table: the chosen columns).
+
+    The table fits the console: optional columns it has no room for are dropped and named
+    under it (a plain string column is always kept).
+    """
     if fmt is OutputFormat.json:
         text = json.dumps(finite(records), indent=2, default=str, allow_nan=False)
         console.file.write(text + "\n")
     elif fmt is OutputFormat.csv:
         console.file.write(to_csv(records))
     else:
-        console.print(table(title, columns, rows))
+        specs = [c if isinstance(c, Column) else Column(c) for c in columns]
+        cells = [[cell(value) for value in row] for row in rows]
+        kept = fitting_columns(specs, cells, console.width)
+        # The title on a line of its own: a table's own wraps at the table's width.
+        say(console, title, style="table.title")
+        console.print(
+            table([specs[i] for i in kept], [[row[i] for i in kept] for row in cells]),
+            soft_wrap=False,
+        )
+        hidden = [column.name for i, column in enumerate(specs) if i not in kept]
+        if hidden and rows:  # an empty table hides nothing
+            say(
+                console,
+                f"Not shown at {console.width} columns: {', '.join(hidden)} "
+                "(a wider terminal shows them; --format json or csv has every field).",
+                style="dim",
+            )
+
+
+def say(console: Console, text: str, *, style: str = "") -> None:
+    """Print ``text`` literally, wrapped at the console's width (a table's note, say)."""
+    console.print(Text(text, style=style), soft_wrap=False)
 
 
 def finite(value: Any) -> Any:

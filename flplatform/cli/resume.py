@@ -5,10 +5,15 @@ a checkpoint of the whole run state (``flplatform.checkpoint``). The run is reop
 event in the ledger), the same federation is started again with ``resume-run`` set, and the
 ServerApp continues from the round after the checkpoint. Only options that cannot change the
 result may be given again (``--round-timeout``).
+
+A run of ``flplatform simulate`` (or the demo) is started again from its recorded options; a
+run of ``flplatform run APP_DIR`` from the app directory and options its launch recorded
+(``flower_app.launch_record``), with ``resume_run`` handed to the app's ``flplatform.start``.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated
 
 import typer
@@ -23,9 +28,10 @@ from flplatform.cli.render import OutputFormat, make_console
 from flplatform.cli.simulate import ledger_option
 from flplatform.config import RunConfig
 from flplatform.errors import ConfigError
+from flplatform.flower_app import AppRun, relaunch
 from flplatform.ledger import owner_alive, process_owner
-from flplatform.run_ledger import refuse_finished
-from flplatform.simulation import resume_simulation
+from flplatform.run_ledger import LAUNCH_KEY, refuse_finished
+from flplatform.simulation import resume_simulation, run_app
 from storage import LedgerRepository, RunRecord
 from storage.repository import checkpointed_rounds
 
@@ -53,7 +59,11 @@ def resume(
     with LedgerRepository.open(url or None, create=False) as repository:
         run_id = resolve_run(repository, run)
         record = repository.get_run(run_id)
-        config = resumable_config(record, db=url, round_timeout=round_timeout)
+        plan: AppRun | RunConfig
+        if LAUNCH_KEY in record.config:
+            plan = relaunched(record, db=url or None, round_timeout=round_timeout)
+        else:
+            plan = resumable_config(record, db=url, round_timeout=round_timeout)
         checkpoint = repository.latest_checkpoint(run_id)
         if checkpoint is None:  # the ServerApp would say the same (ledger.load_checkpoint)
             raise CheckpointError(f"{checkpointed_rounds(run_id, [])}; start it again")
@@ -72,10 +82,27 @@ def resume(
         )
     )
     with round_progress(console, record.num_rounds_planned) as show:
-        finished = resume_simulation(config, on_progress=show)
+        if isinstance(plan, AppRun):
+            finished, followed = run_app(plan, on_progress=show), plan.db_url
+        else:
+            finished, followed = resume_simulation(plan, on_progress=show), plan.db
     console.print()
-    show_rounds(str(finished.id), db=config.db, fmt=OutputFormat.table)
-    say_run_done(console, finished, config.db, db, wall=False)
+    show_rounds(str(finished.id), db=followed, fmt=OutputFormat.table)
+    say_run_done(console, finished, followed, db, wall=False)
+
+
+def relaunched(record: RunRecord, *, db: str | None, round_timeout: float | None) -> AppRun:
+    """A run of ``flplatform run APP_DIR``, planned again to resume; ``ConfigError`` if it
+    cannot be (finished, or its app directory is gone)."""
+    refuse_finished(record)
+    if not record.tag:
+        raise ConfigError(f"run {record.id} has no tag to follow it by; it cannot be resumed")
+    plan = relaunch(record.config[LAUNCH_KEY], run_id=record.id, db=db, tag=record.tag)
+    if round_timeout is not None:
+        if not round_timeout > 0:
+            raise ConfigError(f"--round-timeout must be > 0 seconds, got {round_timeout}")
+        plan = replace(plan, options={**plan.options, "timeout": round_timeout})
+    return plan
 
 
 def resumable_config(record: RunRecord, *, db: str, round_timeout: float | None) -> RunConfig:
@@ -83,9 +110,9 @@ def resumable_config(record: RunRecord, *, db: str, round_timeout: float | None)
     refuse_finished(record)
     if not record.tag or "strategy" not in record.config or "dataset" not in record.config:
         raise ConfigError(
-            f"run {record.id} was not started by `flplatform simulate` or the demo: "
-            "`flplatform resume` restarts those; a ServerApp of your own resumes a run by "
-            "passing resume_run=<id> to flplatform.start(...)"
+            f"run {record.id} was not started by `flplatform simulate`, `flplatform run` or "
+            "the demo: `flplatform resume` restarts those; a ServerApp of your own resumes a "
+            "run by passing resume_run=<id> to flplatform.start(...)"
         )
     values = dict(record.config)
     values.update({"resume-run": record.id, "run-tag": record.tag})

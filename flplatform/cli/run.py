@@ -22,7 +22,7 @@ from flplatform.cli.progress import round_progress, say_run_done
 from flplatform.cli.render import OutputFormat, make_console
 from flplatform.cli.simulate import site_names
 from flplatform.engine.guard import GUARD_OPTIONS
-from flplatform.flower_app import AppRun, PlatformOptions, plan_run, read_app
+from flplatform.flower_app import CHECKPOINT_OPTIONS, AppRun, PlatformOptions, plan_run, read_app
 from flplatform.simulation import run_app
 from storage import RunRecord
 
@@ -38,7 +38,9 @@ APP_OPTIONS = (
     "max_failed_rounds",
     "strategy",
     "model",
+    "name",
     *GUARD_OPTIONS,
+    *CHECKPOINT_OPTIONS,
 )
 APP_OPTION_HELPS = {
     "rounds": "Server rounds (the app's num-server-rounds and start's num_rounds).",
@@ -48,6 +50,7 @@ APP_OPTION_HELPS = {
     "model": "Sets the app's `model` key: mlp, cnn, wide-mlp, or MODULE:FACTORY (a "
     "zero-argument callable returning an nn.Module, importable from the app "
     "directory or the Python path).",
+    "name": "The run's name in the ledger (start()'s name; default: the app's choice).",
 }
 
 

@@ -2,10 +2,14 @@
 
 Parse and validate everything first (a bad value costs no start-up), open the ledger,
 start Flower's simulation, and follow the run through the ledger the ServerApp writes.
+Comma-separated values of the sweepable options (``flplatform.sweep.SWEEPABLE``) run a
+sweep: every combination a run of its own, all in one Flower start-up.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -17,6 +21,7 @@ from rich.text import Text
 from clients.catalog import BUILTIN_DATASETS, MODELS
 from flplatform.cli.errors import handles_errors
 from flplatform.cli.history import rounds as show_rounds
+from flplatform.cli.history import shown_accuracy
 from flplatform.cli.history import sites as show_sites
 from flplatform.cli.options import config_values, table_options
 from flplatform.cli.progress import (
@@ -27,20 +32,28 @@ from flplatform.cli.progress import (
     round_progress,
     say_run_done,
 )
-from flplatform.cli.render import OutputFormat, human_bytes, make_console
+from flplatform.cli.render import Column, OutputFormat, emit, human_bytes, make_console
 from flplatform.comparison import (
     DEMO_MODES,
     ModePlan,
-    ModeResult,
+    RunSummary,
     plan_config,
     plan_modes,
-    plot_results,
-    read_results,
+    plot_runs,
     run_comparison,
+    summarize_runs,
 )
 from flplatform.config import DEFAULT_SITES, SKETCHED, RunConfig
 from flplatform.errors import ConfigError
-from flplatform.simulation import check_ledger, ledger_url, run_simulation, work_home
+from flplatform.simulation import (
+    SweepFailed,
+    check_ledger,
+    ledger_url,
+    run_simulation,
+    run_sweep,
+    work_home,
+)
+from flplatform.sweep import SWEEPABLE, Sweep, expand_values
 from storage import LedgerRepository, RoundRecord, RunRecord, UpdateRecord
 from storage.session import normalize_db_url
 
@@ -105,14 +118,17 @@ Sites = Annotated[
 
 
 @handles_errors
-@table_options()
+@table_options(listed=SWEEPABLE)
 def simulate(
     sites: Sites = None,
     db: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the ledger.")] = None,
     **options: Any,
 ) -> None:
-    """Run a simulated federation and record every round in the ledger."""
+    """Run a simulated federation and record every round in the ledger; with lists, a
+    sweep of runs in one start-up."""
     values = config_values(options)
+    lists = {key: listed_values(key, values[key]) for key in SWEEPABLE}
+    values.update({key: items[0] for key, items in lists.items() if len(items) == 1})
     dataset, partition = values["dataset"], values["partition"]
     if dataset.endswith(".npz") or (partition == "files" and dataset not in BUILTIN_DATASETS):
         values["dataset"] = str(
@@ -123,10 +139,142 @@ def simulate(
         values["local-epochs"] = 0
     values["sites"] = site_names(sites) if sites else _default_sites(partition, dataset)
     values["db"] = ledger_option(db)
-    config = RunConfig.from_mapping(values)
-    _check_dataset(config)
-    check_ledger(config)
-    run_and_follow(config)
+    swept = {key: items for key, items in lists.items() if len(items) > 1}
+    if not swept:
+        config = RunConfig.from_mapping(values)
+        _check_dataset(config)
+        check_ledger(config)
+        run_and_follow(config)
+        return
+    sweep = expand_values(values, swept)
+    checked: set[tuple[Any, ...]] = set()
+    for member in sweep.members:  # each distinct data and model, once
+        what = (member.dataset, member.partition, member.seed, member.model, member.strategy)
+        if what not in checked or member.strategy in SKETCHED:
+            checked.add(what)
+            _check_dataset(member)
+    check_ledger(sweep.members[0])
+    run_sweep_and_follow(sweep, db)
+
+
+def listed_values(key: str, value: Any) -> list[str]:
+    """The comma-separated values of a sweepable option, each stripped; none empty."""
+    items = [item.strip() for item in str(value).split(",")]
+    if not all(items):
+        raise ConfigError(
+            f"--{key} {value!r} lists an empty value; give one value or several, "
+            "comma-separated (e.g. --seed 0,1,2)"
+        )
+    return items
+
+
+def run_sweep_and_follow(sweep: Sweep, db: str | None) -> list[RunRecord]:
+    """Say what runs and what cannot, run the sweep with a line per run, then the table."""
+    members = sweep.members
+    first = members[0]
+    network = f" on the {first.network} network" if first.network else ""
+    console.print(
+        f"Sweep of {len(members)} runs on {first.num_sites} sites "
+        f"({', '.join(first.sites)}){network}, in one Flower start-up:"
+    )
+    for index, member in enumerate(members, start=1):
+        console.print(Text(f"  {index}. {member.run_name}"))
+    if sweep.skipped:
+        console.print(f"Skipped {len(sweep.skipped)} combinations that cannot run:")
+        for chosen, reason in sweep.skipped:
+            said = " ".join(f"{key}={value}" for key, value in chosen.items())
+            console.print(Text(f"  {said}: {reason}"))
+    width = max(len(member.run_name) for member in members)
+    progress = Progress(
+        TextColumn("{task.description}", style="bold", markup=False),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        StatusColumn(),
+        console=console,
+    )
+    tasks = [
+        progress.add_task(
+            f"{member.run_name:<{width}}",
+            total=member.num_server_rounds,
+            status="waiting",
+            start=False,
+        )
+        for member in members
+    ]
+
+    def show(
+        index: int, record: RunRecord | None, done: list[RoundRecord], failures: list[UpdateRecord]
+    ) -> None:
+        task = tasks[index]
+        if record is None:
+            return
+        progress.start_task(task)
+        if not done:
+            progress.update(task, status="sites joining…")
+            return
+        label, accuracy = shown_accuracy(done[-1].metrics)
+        simulated = done[-1].virtual_finished_at
+        status = f"{label} {accuracy:.4f}" if accuracy is not None else ""
+        if simulated is not None:
+            status += f"  simulated {simulated:.1f} s"
+        if record.status != "running":
+            status += f"  {record.status}"
+        progress.update(
+            task, completed=len(done), status=Text(status) + failure_suffix(done, failures)
+        )
+
+    failed: SweepFailed | None = None
+    with progress:
+        try:
+            records: list[RunRecord | None] = list(run_sweep(members, on_progress=show))
+        except SweepFailed as exc:
+            failed, records = exc, exc.records
+    show_sweep(members, records, db)
+    if failed is not None:
+        raise failed
+    return [record for record in records if record is not None]
+
+
+def show_sweep(
+    members: Sequence[RunConfig], records: Sequence[RunRecord | None], db: str | None
+) -> None:
+    """One row per run of a sweep, and how to compare them."""
+    rows: list[list[Any]] = []
+    for member, record in zip(members, records, strict=True):
+        if record is None:
+            rows.append(["-", member.run_name, "not started", None, None, 0])
+            continue
+        _, accuracy = shown_accuracy(record.final_metrics or record.last_metrics)
+        rows.append(
+            [
+                record.id,
+                record.name,
+                record.status,
+                accuracy,
+                record.simulated_seconds,
+                record.rounds_completed,
+            ]
+        )
+    console.print()
+    emit(
+        console,
+        OutputFormat.table,
+        title="Sweep",
+        records=[],
+        columns=[
+            "run",
+            Column("name", text=True),
+            "status",
+            "final acc",
+            "sim s",
+            "rounds",
+        ],
+        rows=rows,
+    )
+    ids = " ".join(str(record.id) for record in records if record is not None)
+    if ids:
+        console.print(Text(f"Compare them with: flplatform history compare {ids}{db_argument(db)}"))
 
 
 def network_spec(network: str) -> str:
@@ -241,12 +389,21 @@ def cross_silo(
     run_ids = run_comparison(base, plans, run=_follow_mode)
     url = ledger_url(base)
     with LedgerRepository.open(url) as repository:
-        results = read_results(repository, run_ids, [p.label for p in plans], target=target)
+        summaries = summarize_runs(repository, run_ids, target=target)
+    # The runs share one name: each is shown by its mode.
+    results = [replace(s, name=p.label) for s, p in zip(summaries, plans, strict=True)]
     show_comparison(results, target=target)
     out_dir = out or work_home() / "demo"
-    paths = plot_results(
-        results, out_dir, title=f"{base.num_sites} sites, {network} network", target=target
-    )
+    paths = [
+        plot_runs(
+            results,
+            out_dir / f"accuracy_vs_{file_name}.png",
+            x=x,
+            title=f"{base.num_sites} sites, {network} network",
+            target=target,
+        )
+        for x, file_name in (("simulated-time", "simulated_time"), ("rounds", "server_steps"))
+    ]
     console.print(Text.assemble("Plots: ", Text(", ").join(Text(str(p), "bold") for p in paths)))
     console.print(
         Text.assemble(
@@ -287,7 +444,7 @@ def _follow_mode(config: RunConfig, plan: ModePlan) -> RunRecord:
         return run_simulation(config, on_progress=show)
 
 
-def show_comparison(results: list[ModeResult], *, target: float) -> None:
+def show_comparison(results: list[RunSummary], *, target: float) -> None:
     """The comparison table: one row per mode."""
     table = Table(title=f"Modes (time to accuracy {target:g} in simulated seconds)")
     for column in (
@@ -306,12 +463,12 @@ def show_comparison(results: list[ModeResult], *, target: float) -> None:
         table.add_column(column)
     for r in results:
         table.add_row(
-            r.label,
+            r.name,
             _fmt(r.final_accuracy, "{:.4f}"),
             _fmt(r.best_accuracy, "{:.4f}"),
             _fmt(r.time_to_target, "{:.1f}") if r.time_to_target is not None else "not reached",
             _fmt(r.simulated_seconds, "{:.1f}"),
-            str(r.server_steps),
+            str(r.rounds),
             human_bytes(r.bytes_up),
             human_bytes(r.bytes_down),
             human_bytes(r.bytes_up + r.bytes_down),

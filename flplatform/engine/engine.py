@@ -153,6 +153,8 @@ class RoundEngine:
         message's ``config`` carries it (``run-key``) and the message's 1-based index
         among those sent to its site (``site-work``), so that a site can restore the
         state it had before that work (see ``flplatform.keys``).
+    site_config : ConfigRecord, optional
+        Sent with every message under ``keys.RUN_CONFIG`` (see ``Mailbox.stamp``).
     """
 
     def __init__(
@@ -172,6 +174,7 @@ class RoundEngine:
         guard: UpdateGuard | None = None,
         checkpoints: bool = False,
         run_key: str = "",
+        site_config: ConfigRecord | None = None,
     ) -> None:
         self.grid = grid
         self.strategy = strategy
@@ -188,7 +191,9 @@ class RoundEngine:
         self._tickets = 0
         self.divergence = DivergenceWatch()
         self.sites = Sites()  # every site that ever joined the run, and its state
-        self.mailbox = Mailbox(grid, self.clock, self.sites.name, poll_interval)
+        self.mailbox = Mailbox(
+            grid, self.clock, self.sites.name, poll_interval, site_config=site_config
+        )
         self.versions = ModelVersions()
         self.version = 0
         self.arrays = ArrayRecord()
@@ -647,6 +652,7 @@ class RoundEngine:
         )
         if not messages:
             return 0
+        messages = self.mailbox.stamp(messages)  # before anything measures them
         # In join order, not the strategy's (often node-id) order: a resumed run's nodes
         # have new ids, and the order of sending is the order of planning and of rows.
         messages.sort(key=lambda m: self.sites.position(m.metadata.dst_node_id))

@@ -25,9 +25,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from flwr.app import Error, Message, MessageType, Metadata, RecordDict
+from flwr.app import ConfigRecord, Error, Message, MessageType, Metadata, RecordDict
 from flwr.serverapp import Grid
 
+from flplatform import keys
 from flplatform.checkpoint import StateProblems
 from flplatform.engine.clock import Clock, Landing, Schedule
 from flplatform.engine.events import Dispatch
@@ -100,12 +101,21 @@ class Mailbox:
         Node id → site name (for the clock).
     poll_interval : float
         Seconds between pulls while ``exchange`` waits.
+    site_config : ConfigRecord, optional
+        Added to every message sent (``stamp``); None adds nothing.
     """
 
     def __init__(
-        self, grid: Grid, clock: Clock, name: Callable[[int], str], poll_interval: float
+        self,
+        grid: Grid,
+        clock: Clock,
+        name: Callable[[int], str],
+        poll_interval: float,
+        *,
+        site_config: ConfigRecord | None = None,
     ) -> None:
         self.grid = grid
+        self.site_config = site_config
         self.clock = clock
         self.name = name
         self.poll_interval = poll_interval
@@ -134,6 +144,32 @@ class Mailbox:
         return {a.dispatch.node_id: a.dispatch for a in self.arrivals}
 
     # ------------------------------------------------------------------- push
+    def stamp(self, messages: list[Message]) -> list[Message]:
+        """``messages`` carrying the site config under ``keys.RUN_CONFIG``, if there is one.
+
+        Called on every message before it is measured, so that the ledger's bytes are the
+        stamped message's. Messages that share a content (a broadcast) share the stamped
+        one; without a site config the messages are returned as they are.
+        """
+        if self.site_config is None:
+            return messages
+        stamped: dict[int, RecordDict] = {}
+        out = []
+        for msg in messages:
+            key = id(msg.content)
+            if key not in stamped:
+                stamped[key] = RecordDict({**msg.content, keys.RUN_CONFIG: self.site_config})
+            out.append(
+                Message(
+                    stamped[key],
+                    dst_node_id=msg.metadata.dst_node_id,
+                    message_type=msg.metadata.message_type,
+                    ttl=msg.metadata.ttl,
+                    group_id=msg.metadata.group_id,
+                )
+            )
+        return out
+
     def push(self, messages: list[Message]) -> list[str]:
         """Push ``messages``; return each one's message id, or "" where it was refused.
 
@@ -383,6 +419,7 @@ class Mailbox:
         """
         if not messages:
             return []
+        messages = self.stamp(messages)
         sizes: dict[int, ContentSize] = {}  # a broadcast shares one content: measure it once
         ids = self.push(messages)
         now, deadline = time.time(), time.monotonic() + timeout

@@ -38,6 +38,7 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,6 +191,19 @@ def safe_name(text: str) -> str:
     if _SAFE.fullmatch(text) and text not in (".", ".."):
         return text
     return "h-" + hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
+def forget_run(run_key: str, node_config: Mapping[str, Any] | None = None) -> None:
+    """Delete every site's snapshots of ``run_key`` under this machine's state root.
+
+    A finished run cannot be resumed, so its snapshots only take disk (a 10M-parameter
+    Sketched-SGD site keeps about 480 MB of them). Simulated sites share the machine and
+    its state root: ``flplatform simulate`` forgets a run's snapshots when it finishes. A
+    deployed site keeps its own (a site cannot tell that a run finished).
+    """
+    if not run_key:
+        return
+    shutil.rmtree(state_root(node_config or {}) / safe_name(run_key), ignore_errors=True)
 
 
 class SiteSnapshots:

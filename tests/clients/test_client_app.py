@@ -72,3 +72,32 @@ def test_the_apps_train_runs_the_algorithm_the_server_names(task_identity: None)
     assert reply.content[keys.METRICS][keys.PERIOD] == 1
     assert reply.content[keys.CONFIG][keys.UPDATE_KIND] == keys.DELTA
     assert keys.DELAYED_STATE in context.state
+
+
+def test_a_message_run_config_chooses_the_data_the_site_loads(task_identity: None) -> None:
+    """A sweep's run tells the shared sites its own data keys: they win over the node's."""
+    from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+
+    from clients import client_app
+    from clients.site import load_site, run_config_of
+    from flplatform import keys
+
+    node_config = {keys.PARTITION_ID: 1, keys.NUM_PARTITIONS: 3}
+    own = {"dataset": "digits", "model": "mlp", "seed": 0, "alpha": 0.5}
+    context = Context(
+        run_id=1, node_id=1, node_config=node_config, state=RecordDict(), run_config=own
+    )
+
+    def query(content: RecordDict) -> int:
+        msg = Message(content, dst_node_id=1, message_type=MessageType.QUERY)
+        reply = client_app.app(msg, context)
+        assert not reply.has_error(), reply.error
+        assert run_config_of(msg, context)["seed"] == (5 if keys.RUN_CONFIG in content else 0)
+        return int(reply.content[keys.SITE_INFO][keys.NUM_EXAMPLES])
+
+    sent = ConfigRecord({"seed": 5, "alpha": 0.1})
+    theirs = query(RecordDict({keys.RUN_CONFIG: sent}))
+    mine = query(RecordDict({}))
+    assert theirs == len(load_site(node_config, {**own, "seed": 5, "alpha": 0.1}).x_train)
+    assert mine == len(load_site(node_config, own).x_train)
+    assert theirs != mine  # another seed and alpha: another Dirichlet share

@@ -30,7 +30,7 @@ from flplatform import keys
 from flplatform.arrays import record_to_arrays
 from flplatform.engine import APPLIED, REJECTED, RoundSummary
 from flplatform.errors import ConfigError, DataError, NoProgress, UpdateRejected
-from flplatform.run_ledger import record_failed_start
+from flplatform.run_ledger import LAUNCH_KEY, record_failed_start
 from flplatform.start import options_environment, start
 from flplatform.start_options import (
     OPTION_NAMES,
@@ -224,6 +224,18 @@ def test_options_from_the_environment_override_the_code(
         assert only.num_applied == 1  # k-async with K = 1: one update makes the step
 
 
+def test_how_flplatform_run_launched_a_run_is_recorded_with_it(
+    db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    launch = {"app": "/apps/mine", "options": {"rounds": 1, "sites": ["a", "b"]}}
+    monkeypatch.setenv(OPTIONS_ENV, json.dumps({"launched_by": launch, "num_rounds": 1}))
+    start(LocalSGDAveraging(), ScriptedGrid(two_sites()), MODEL, num_rounds=3, ledger=db)
+    with LedgerRepository.open(db) as repo:
+        (run,) = repo.list_runs()
+        assert run.config[LAUNCH_KEY] == launch  # what `flplatform resume` reads back
+        assert "launched-by" not in run.config  # not an option of the run itself
+
+
 def test_a_network_from_the_environment_runs_on_its_virtual_clock(
     db: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -245,6 +257,7 @@ def test_a_network_from_the_environment_runs_on_its_virtual_clock(
         ('{"num_rounds": 0}', "option 'num_rounds' must be an integer >= 1, got 0"),
         ('{"sync": "eventually"}', "option 'sync' must be one of sync, k-sync"),
         ('{"network": 3}', "option 'network' must be a preset name"),
+        ('{"launched_by": 3}', "option 'launched_by' must be an object with text keys"),
         ("sync=k-async", "must be a JSON object of start() options; it is not JSON"),
         ('["sync"]', "must be a JSON object of start() options, got list"),
     ],

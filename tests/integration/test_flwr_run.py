@@ -32,8 +32,10 @@ def _stop_local_superlink(port: int) -> None:
     ("strategy", "options"),
     [
         ("local-sgd", "num-server-rounds=2"),
-        ("delayed", "num-server-rounds=2"),
-        ("sketched-sgd", "num-server-rounds=4 k=500"),
+        # `flwr run .` is the same path for every strategy; the mod paths are
+        # test_own_app's (make test-all runs these two as well).
+        pytest.param("delayed", "num-server-rounds=2", marks=pytest.mark.thorough),
+        pytest.param("sketched-sgd", "num-server-rounds=4 k=500", marks=pytest.mark.thorough),
     ],
 )
 def test_flwr_run_dot_trains_and_writes_the_ledger(

@@ -87,8 +87,12 @@ def test_local_sgd_k_async_on_the_world_network(own_app: Path, tmp_path: Path) -
     ("strategy", "extra", "upload_share"),
     [
         ("delayed", (), None),
-        ("dts", (), 0.1),  # delayed + top-1% uploads (index + value per coordinate)
-        ("local-sgd", ("-c", "codec=int8"), 0.6),  # 1 byte a weight, plus Flower's framing
+        # The codec mod of the next two also runs in test_compression's top-k run (the
+        # built-in app uses the same mod), so they run in make test-all only.
+        # delayed + top-1% uploads (index + value per coordinate)
+        pytest.param("dts", (), 0.1, marks=pytest.mark.thorough),
+        # 1 byte a weight, plus Flower's framing
+        pytest.param("local-sgd", ("-c", "codec=int8"), 0.6, marks=pytest.mark.thorough),
         ("fetchsgd", ("-c", "top-k=200"), None),  # a 5 × 1000 sketch
         ("sketched-sgd", ("-c", "top-k=200"), None),
     ],

@@ -231,3 +231,43 @@ def test_sites_that_lost_their_snapshots_are_resynced_and_the_run_finishes(
     assert run.status == "finished" and run.rounds_completed == 5
     resynced = {u.site for u in after if u.reason and "lost its state" in u.reason}
     assert resynced, [u.reason for u in after]
+
+
+@pytest.mark.resume
+@pytest.mark.usefixtures("flplatform_home")
+def test_a_run_of_an_own_app_killed_and_resumed_ends_as_the_uninterrupted_run(
+    tmp_path: Path,
+) -> None:
+    # `flplatform run APP_DIR`: resume launches the recorded app directory and options again.
+    app_dir = tmp_path / "own_app"
+    shutil.copytree(
+        ROOT / "examples" / "own_app", app_dir, ignore=shutil.ignore_patterns("__pycache__")
+    )
+    log = tmp_path / "output.txt"
+    args = ["run", str(app_dir), "--sites", "2", "--rounds", "5", "--seed", "3"]
+    args += ["--network", "world", "--checkpoint-every", "2"]
+    reference_db = f"sqlite:///{tmp_path / 'reference.db'}"
+    _wait(_cli([*args, "--db", reference_db], tmp_path, log), log)
+
+    db = f"sqlite:///{tmp_path / 'ledger.db'}"
+    LedgerRepository.open(db).close()
+    run_id = _kill_after(_cli([*args, "--db", db], tmp_path, log), db, None, 2)
+    _wait(_cli(["resume", str(run_id), "--db", db], tmp_path, log), log)
+
+    with LedgerRepository.open(reference_db) as repository:
+        [reference] = repository.list_runs()
+    with LedgerRepository.open(db) as repository:
+        run = repository.get_run(run_id)
+        events = repository.list_events(run_id)
+        kept = [c.round for c in repository.list_checkpoints(run_id)]
+    assert run.status == "finished" and [e.kind for e in events] == ["resumed"]
+    assert 2 in kept and 4 in kept  # --checkpoint-every reached the app's start()
+    resumed_model = _model(db, run_id, tmp_path / "resumed.pt", tmp_path, log)
+    reference_model = _model(reference_db, reference.id, tmp_path / "reference.pt", tmp_path, log)
+    assert list(resumed_model) == list(reference_model)
+    for name, tensor in reference_model.items():
+        assert torch.equal(resumed_model[name], tensor), name
+    resumed_rows, reference_rows = _rows(db, run_id), _rows(reference_db, reference.id)
+    assert len(resumed_rows) == len(reference_rows)
+    for resumed, reference_row in zip(resumed_rows, reference_rows, strict=True):
+        _assert_same_row(resumed, reference_row)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import io
 import json
+import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -16,34 +18,57 @@ from clients.models import build_model, count_parameters
 from flplatform import keys
 from flplatform.cli.app import app
 from flplatform.config import RunConfig
-from flplatform.simulation import run_simulation
+from flplatform.processes import ListeningSocket, ProcessTree, listening_sockets
+from flplatform.simulation import run_simulation, start_simulation, work_home
 from storage import LedgerRepository
 
 pytestmark = pytest.mark.slow
 runner = CliRunner()
+STARTUP_SECONDS = 240.0  # Flower and Ray starting on a busy 2-core machine
+LINUX_PROC = Path("/proc").is_dir()  # sockets are read from /proc (Linux only)
 
 
 @pytest.mark.usefixtures("flplatform_home")
-def test_three_sites_two_rounds_fill_the_ledger(tmp_path: Path) -> None:
+def test_three_sites_two_rounds_fill_the_ledger_and_listen_on_loopback_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One real simulation, two checks: what the ledger holds, and that every process it
+    starts (SuperLink, SuperExec, flwr-simulation, Ray's gcs_server, raylet and agents,
+    the ClientApp actors) listens on loopback only, read from ``/proc`` as it runs, the
+    way ``ss -ltunp`` finds them."""
+    # A Ray instance named in the environment is not joined: the simulation starts its own.
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")
     db = f"sqlite:///{tmp_path / 'ledger.db'}"
-    result = runner.invoke(
-        app,
-        [
-            "simulate",
-            "--sites",
-            "3",
-            "--rounds",
-            "2",
-            "--db",
-            db,
-            "--local-epochs",
-            "1",
-            "--fraction-evaluate",
-            "1",
-        ],
+    tag = uuid.uuid4().hex
+    config = RunConfig.from_mapping(
+        {
+            "sites": "london,ohio,california",
+            "num-server-rounds": 2,
+            "local-epochs": 1,
+            "fraction-evaluate": 1.0,
+            "db": db,
+            "run-tag": tag,
+        }
     )
-    assert result.exit_code == 0, result.output
-    assert "finished" in result.output
+    seen: set[ListeningSocket] = set()
+    with ProcessTree() as tree:
+        process = start_simulation(config, home=work_home(), log_name=tag[:12], tree=tree)
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while process.poll() is None:
+            assert time.monotonic() < deadline, "the simulation did not end in time"
+            tree.record()
+            if LINUX_PROC:
+                seen.update(listening_sockets(tree.alive()))
+            time.sleep(0.1)
+        assert process.poll() == 0, process.log_tail()
+        superlink = process.superlink.pid
+    if LINUX_PROC:
+        # The scan saw the processes that listen: the SuperLink, Ray's own and the actors'.
+        commands = {s.command for s in seen}
+        assert any(s.pid == superlink for s in seen), sorted(map(str, seen))
+        assert {"gcs_server", "raylet"} <= commands, sorted(map(str, seen))
+        assert any(c.startswith("ray::ClientApp") for c in commands), sorted(map(str, seen))
+        assert sorted(str(s) for s in seen if not s.loopback) == []
 
     with LedgerRepository.open(db) as repo:
         (run,) = repo.list_runs()

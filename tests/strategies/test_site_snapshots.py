@@ -32,9 +32,16 @@ from flplatform.errors import ConfigError
 from strategies.codecs import Layout
 from strategies.delayed import DelayedCompensated
 from strategies.mods import codec_mod, delayed_mod, fetchsgd_mod, sketched_sgd_mod
-from strategies.mods.contract import Mod
+from strategies.mods.contract import Mod, ModState
 from strategies.mods.sketched_sgd import CANDIDATES, StepPhase
-from strategies.mods.snapshots import KEEP, SiteSnapshots, safe_name, state_root, work_of
+from strategies.mods.snapshots import (
+    KEEP,
+    SiteSnapshots,
+    forget_run,
+    safe_name,
+    state_root,
+    work_of,
+)
 from strategies.sparse_sync import DENSE, SYNC_INDICES, SYNC_VALUES
 from tests.flplatform.engine.scripted_grid import ScriptedGrid
 from tests.strategies.test_mods import ALGORITHMS
@@ -533,3 +540,22 @@ def test_a_restarted_site_with_its_disk_carries_on_as_if_it_had_not(
     assert list(kept) == list(restarted)
     for name in kept:
         np.testing.assert_array_equal(kept[name], restarted[name], err_msg=name)
+
+
+def test_forgetting_a_run_deletes_every_sites_snapshots_of_it_and_nothing_else(
+    tmp_path: Path,
+) -> None:
+    node = {keys.STATE_DIR: str(tmp_path)}
+    state = ModState({"calls": 1}, {"residual": {"w": np.ones(3, np.float32)}})
+    for run_key in ("finished-run", "../escape", "other-run"):
+        for site in ("a", "b"):
+            SiteSnapshots(state_root(node) / safe_name(run_key) / site).write("k", 1, state)
+    outside = tmp_path.parent / "escape"
+    outside.mkdir(exist_ok=True)
+
+    forget_run("finished-run", node)
+    forget_run("../escape", node)
+    forget_run("", node)  # no run key: nothing to forget (never the whole root)
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other-run"]
+    assert outside.is_dir()  # a hostile key stays inside the root (safe_name)

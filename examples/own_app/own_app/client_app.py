@@ -10,6 +10,7 @@ model into that algorithm's upload (a compressed delta, a count sketch, ...).
 
 from __future__ import annotations
 
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -33,12 +34,16 @@ def train(msg: Message, context: Context) -> Message:
     config = msg.content["config"]
     run = context.run_config
     partition_id, num_partitions = _partition(context)
+    seed = int(config.get("seed", run["seed"])) + int(config.get("server-round", 0))
     trainloader, _ = load_data(
         partition_id,
         num_partitions,
         int(config.get("batch-size", run["batch-size"])),
-        seed=int(config.get("seed", run["seed"])) + int(config.get("server-round", 0)),
+        seed=seed,
     )
+    # Dropout draws from torch's global generator: seeded per round and site, a run is
+    # reproducible, and one resumed after a crash repeats the uninterrupted one exactly.
+    torch.manual_seed(seed * 1000 + partition_id)
     train_loss = train_fn(
         model,
         trainloader,

@@ -154,7 +154,10 @@ def test_markup_in_run_site_names_and_reasons_is_printed_literally(
 
 
 @pytest.mark.usefixtures("flplatform_home")
-def test_markup_in_a_db_path_is_printed_literally(tmp_path: Path) -> None:
+def test_markup_in_a_db_path_is_printed_literally(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(history_command.console, "width", 400)  # the title on one line
     folder = tmp_path / MARKUP  # "[" / "x] [bold] :smile:": a "/" in a path is a separator
     folder.mkdir(parents=True)
     url = f"sqlite:///{folder / 'ledger.db'}"
@@ -199,6 +202,7 @@ def test_a_simulation_prints_a_dataset_path_ledger_and_reasons_literally(
         return record
 
     monkeypatch.setattr(simulate_command, "run_simulation", recorded_run)
+    monkeypatch.setattr(history_command.console, "width", 400)  # no reason wrapped
     result = invoke(
         ["simulate", "--dataset", str(data), "--db", f"sqlite:///{ledger}", "--sites", "2"]
     )
@@ -429,8 +433,9 @@ def strict_json(text: str) -> Any:
 
 
 def test_non_finite_numbers_in_the_ledger_are_null_in_json_and_empty_in_csv(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(history_command.console, "width", 400)  # every column
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     make_ledger(url)
     with LedgerRepository.open(url) as repo, repo._engine.begin() as connection:

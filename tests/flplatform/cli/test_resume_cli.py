@@ -14,6 +14,7 @@ from flwr.app import Array, ArrayRecord
 from flplatform.config import RunConfig
 from flplatform.engine.events import RoundSummary
 from flplatform.ledger import SqlLedger, process_owner
+from flplatform.run_ledger import LAUNCH_KEY
 from storage import LedgerRepository
 from tests.flplatform.cli.test_export import invoke
 
@@ -108,7 +109,10 @@ def test_a_run_whose_process_is_alive_is_refused_unless_forced(url: str, tmp_pat
         assert repo.list_events(run_id) == []  # refused before anything changed
 
 
-def test_a_run_of_an_own_app_is_refused_with_how_to_resume_it(url: str, tmp_path: Path) -> None:
+def test_a_run_of_an_own_serverapp_is_refused_with_how_to_resume_it(
+    url: str, tmp_path: Path
+) -> None:
+    # Started by the user's own code (no `flplatform run` launch recorded).
     run_id = record_run(
         url, tmp_path, config={"num-server-rounds": 4}, tag="t4", rounds=2, status="failed"
     )
@@ -117,6 +121,43 @@ def test_a_run_of_an_own_app_is_refused_with_how_to_resume_it(url: str, tmp_path
 
     assert result.exit_code == 2
     assert "resume_run=" in error_line(result.output)
+
+
+def test_a_flplatform_run_whose_app_directory_is_gone_is_refused_in_one_line(
+    url: str, tmp_path: Path
+) -> None:
+    launch = {"app": str(tmp_path / "moved-away"), "options": {"rounds": 4}}
+    config = {"num-server-rounds": 4, LAUNCH_KEY: launch}
+    run_id = record_run(url, tmp_path, config=config, tag="t5", rounds=2, status="failed")
+
+    result = invoke(["resume", str(run_id), "--db", url])
+
+    assert result.exit_code == 2
+    assert "moved-away does not exist" in error_line(result.output)
+    with LedgerRepository.open(url) as repo:
+        assert repo.list_events(run_id) == []  # refused before the run was reopened
+        assert repo.get_run(run_id).status == "failed"
+
+
+@pytest.mark.parametrize(
+    ("launch", "says"),
+    [
+        ({"options": {}}, "names no app directory"),
+        ({"app": "x", "options": {"rocket": 1}}, "does not know: ['rocket']"),
+        ({"app": "x", "options": {"rounds": "four"}}, "option 'rounds' has a value of the wrong"),
+        ({"app": "x", "options": {"sites": [1, 2]}}, "option 'sites' has a value of the wrong"),
+    ],
+)
+def test_a_malformed_recorded_launch_is_one_line(
+    url: str, tmp_path: Path, launch: dict[str, Any], says: str
+) -> None:
+    config = {"num-server-rounds": 4, LAUNCH_KEY: launch}
+    run_id = record_run(url, tmp_path, config=config, tag="t6", rounds=2, status="failed")
+
+    result = invoke(["resume", str(run_id), "--db", url])
+
+    assert result.exit_code == 2
+    assert says in error_line(result.output)
 
 
 def test_an_unknown_run_and_a_missing_ledger_are_one_line(url: str, tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from flplatform.flower_app import (
     options_environment,
     plan_run,
     read_app,
+    relaunch,
 )
 from flplatform.start_options import OPTIONS_ENV as START_OPTIONS_ENV
 from flplatform.start_options import options_from_environment
@@ -203,7 +204,8 @@ def test_only_given_options_are_sent(tmp_path: Path) -> None:
     plan = plan_run(tiny, PlatformOptions(), tag="t1")
     # Nothing given: the app's own config as declared; start() told only where to record.
     assert plan.run_config == {}
-    assert set(plan.options) == {"ledger", "tag"} and plan.options["tag"] == "t1"
+    assert set(plan.options) == {"ledger", "tag", "launched_by"} and plan.options["tag"] == "t1"
+    assert plan.options["launched_by"] == {"app": str(tiny.path), "options": {}}
     assert plan.num_sites == 2 and plan.num_rounds == 3
 
     given = PlatformOptions(
@@ -237,6 +239,20 @@ def test_only_given_options_are_sent(tmp_path: Path) -> None:
         "required_sites": 3,
         "ledger": plan.db_url,
         "tag": "t2",
+        # recorded with the run: how `flplatform resume` launches it again
+        "launched_by": {
+            "app": str(tiny.path),
+            "options": {
+                "sites": ["a", "b", "c"],
+                "rounds": 4,
+                "sync": "k-async",
+                "k": 2,
+                "network": "world",
+                "seed": 7,
+                "max_failed_rounds": 0,
+                "run_config": ["learning-rate=0.01", "label='y z'", "use-bn=false"],
+            },
+        },
     }
     # ... and start() in the ServerApp reads back exactly that.
     assert options_from_environment(env) == sent
@@ -285,6 +301,53 @@ def test_the_ledger_password_reaches_the_app_in_its_environment_only(
     assert json.loads(env[OPTIONS_ENV])["ledger"] == public
     assert env[PASSWORD_ENV] == password
     assert [key for key, value in env.items() if password in value] == [PASSWORD_ENV]
+    assert "db" not in plan.options["launched_by"]["options"]  # recorded with the run
+
+
+@pytest.mark.usefixtures("flplatform_home")
+def test_a_recorded_launch_plans_the_same_run_again_to_resume_it(tmp_path: Path) -> None:
+    tiny = read_app(write_app(tmp_path / "tiny", TINY_APP, TINY_MODULES))
+    db = f"sqlite:///{tmp_path / 'l.db'}"
+    given = PlatformOptions(
+        sites=("a", "b"),
+        rounds=5,
+        sync="k-async",
+        k=2,
+        network="world",
+        checkpoint_every=2,
+        keep_checkpoints=4,
+        checkpoint_dir="ckpt",  # relative: made absolute for the ServerApp
+        run_config=("learning-rate=0.01",),
+        db=db,
+    )
+    first = plan_run(tiny, given, tag="t7")
+    assert first.options["checkpoint_every"] == 2 and first.options["keep_checkpoints"] == 4
+    assert first.options["checkpoint_dir"] == str(Path("ckpt").resolve())
+    # Through the ledger's JSON, as `flplatform resume` reads it back.
+    launch = json.loads(json.dumps(first.options["launched_by"]))
+
+    again = relaunch(launch, run_id=9, db=db, tag="t7")
+
+    assert again.options == {**first.options, "resume_run": 9}
+    assert again.run_config == first.run_config and again.site_names == first.site_names
+    assert again.app == first.app and again.db_url == first.db_url
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--checkpoint-every", "-1"], "--checkpoint-every must be an integer >= 0"),
+        (["--keep-checkpoints", "0"], "--keep-checkpoints must be an integer >= 1"),
+    ],
+)
+@pytest.mark.usefixtures("flplatform_home")
+def test_bad_checkpoint_options_are_one_line(
+    tmp_path: Path, args: list[str], expected: str
+) -> None:
+    tiny = write_app(tmp_path / "tiny", TINY_APP, TINY_MODULES)
+    result = invoke([str(tiny), *args])
+    assert result.exit_code == 2
+    assert expected in one_error_line(result.output)
 
 
 def test_the_own_app_example_is_a_valid_flower_app() -> None:

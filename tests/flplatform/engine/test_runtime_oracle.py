@@ -92,7 +92,7 @@ EVERY = [
 
 
 @pytest.mark.parametrize(
-    ("mode", "k"), [*FAST, *(pytest.param(m, k, marks=pytest.mark.slow) for m, k in EVERY)]
+    ("mode", "k"), [*FAST, *(pytest.param(m, k, marks=pytest.mark.thorough) for m, k in EVERY)]
 )
 def test_mean_time_per_step_matches_the_closed_form(mode: str, k: int) -> None:
     expected, cv = expected_step(mode, k)
@@ -101,7 +101,7 @@ def test_mean_time_per_step_matches_the_closed_form(mode: str, k: int) -> None:
     assert measured == pytest.approx(expected, rel=TOLERANCE), (mode, k, steps)
 
 
-@pytest.mark.slow
+@pytest.mark.thorough
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_k_async_is_never_slower_than_k_sync_with_shifted_exponential_times(k: int) -> None:
     # Partial work is kept by K-async; K-sync throws it away and the shift is paid again.
