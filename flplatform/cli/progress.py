@@ -5,7 +5,6 @@ from __future__ import annotations
 import shlex
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import (
@@ -22,12 +21,9 @@ from rich.text import Text
 from flplatform.cli.history import failure_note, shown_accuracy
 from flplatform.cli.render import human_bytes
 from flplatform.config import RunConfig
-from flplatform.simulation import ProgressCallback
+from flplatform.simulation import ProgressCallback, SweepProgress
 from storage import RUN_FAILED, RoundRecord, RunRecord, UpdateRecord
 from storage.session import mask_db_url, split_password, sqlite_file
-
-if TYPE_CHECKING:
-    from flplatform.simulation import SweepProgress  # fast-sweep's; only for the annotation
 
 
 class StatusColumn(ProgressColumn):
