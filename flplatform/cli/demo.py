@@ -70,6 +70,7 @@ def cross_silo(
     verdicts, summaries = _read_back(chosen, records, url)
     console.print()
     console.print(summary_table(verdicts))
+    console.print()
     for verdict in verdicts:
         console.print(Text(f"{verdict.panel.key}: {headline(verdict)}"))
     out_dir = out or work_home() / "demo"
