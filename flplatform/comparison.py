@@ -1,4 +1,4 @@
-"""Compare runs: plan the cross-silo demo's modes, summarise any runs from the ledger, plot them.
+"""Compare runs: plan synchrony modes, summarise any runs from the ledger, plot them.
 
 Planning: every mode trains the same sites on the same data and network; what differs is
 when the server aggregates. To compare like with like each mode gets the same number of
@@ -32,8 +32,9 @@ from storage import LedgerRepository, RoundRecord, RunRecord
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-# The modes the cross-silo demo compares: local-SGD averaging (sync) and delayed updates
-# beside it, then Dutta et al.'s table in order.
+# The modes ``plan_modes`` knows (benchmarks/bench_synchrony.py runs them): local-SGD
+# averaging (sync) and delayed updates beside it, then Dutta et al.'s table in order. (The
+# demo's panels are flplatform/demo.py.)
 DELAYED_MODE = "delayed"
 DEMO_MODES = (
     "sync",
@@ -45,9 +46,9 @@ DEMO_MODES = (
     "k-batch-async",
     "buffered",
 )
-# Optional rows (--modes): compressed uploads and FetchSGD, each beside local-SGD's bytes.
-# FetchSGD's k suits the demo's 5k-parameter MLP (about 5% of it); on so small a model a
-# sketch is as big as the model, which the table shows as it is.
+# Optional rows: compressed uploads and FetchSGD, each beside local-SGD's bytes. Their k
+# suits the 5k-parameter MLP (about 5% of it); on so small a model a sketch is as big as
+# the model.
 COMPRESSION_MODES: dict[str, tuple[str, dict[str, Any]]] = {
     "topk": ("local-sgd topk:0.05", {"codec": "topk:0.05"}),
     "int8": ("local-sgd int8", {"codec": "int8"}),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from flplatform.cli import certs, data, deploy, export, history, plot, resume, run, simulate
+from flplatform.cli import certs, data, demo, deploy, export, history, plot, resume, run, simulate
 
 app = typer.Typer(
     name="flplatform",
@@ -20,7 +20,7 @@ app.command("export")(export.export)
 app.command("plot")(plot.plot)
 app.command("server")(deploy.server)
 app.command("site")(deploy.site)
-app.add_typer(simulate.demo_app, name="demo")
+app.add_typer(demo.demo_app, name="demo")
 app.add_typer(data.app, name="data")
 app.add_typer(history.app, name="history")
 app.add_typer(certs.app, name="certs")

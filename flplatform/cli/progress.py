@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import shlex
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from rich.console import Console
@@ -20,7 +20,8 @@ from rich.text import Text
 
 from flplatform.cli.history import failure_note, shown_accuracy
 from flplatform.cli.render import human_bytes
-from flplatform.simulation import ProgressCallback
+from flplatform.config import RunConfig
+from flplatform.simulation import ProgressCallback, SweepProgress
 from storage import RUN_FAILED, RoundRecord, RunRecord, UpdateRecord
 from storage.session import mask_db_url, split_password, sqlite_file
 
@@ -131,3 +132,53 @@ def say_run_done(
             f"\nSee it again with: flplatform history rounds {record.id}{db_argument(db)}",
         )
     )
+
+
+@contextmanager
+def sweep_progress(console: Console, members: Sequence[RunConfig]) -> Iterator[SweepProgress]:
+    """One line per run of a sweep: its name, a bar over its rounds, its accuracy and clock.
+
+    Every run's line is there from the start ("waiting"), so a reader sees what is to come.
+    """
+    width = max(len(member.run_name) for member in members)
+    progress = Progress(
+        TextColumn("{task.description}", style="bold", markup=False),
+        BarColumn(bar_width=12),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        StatusColumn(),
+        console=console,
+    )
+    tasks = [
+        progress.add_task(
+            f"{member.run_name:<{width}}",
+            total=member.num_server_rounds,
+            status="waiting",
+            start=False,
+        )
+        for member in members
+    ]
+
+    def show(
+        index: int, record: RunRecord | None, done: list[RoundRecord], failures: list[UpdateRecord]
+    ) -> None:
+        task = tasks[index]
+        if record is None:
+            return
+        progress.start_task(task)
+        if not done:
+            progress.update(task, status="sites joining…")
+            return
+        label, accuracy = shown_accuracy(done[-1].metrics)
+        simulated = done[-1].virtual_finished_at
+        status = f"{label} {accuracy:.3f}" if accuracy is not None else ""
+        if simulated is not None:
+            status += f", {simulated:.1f} s simulated"
+        if record.status not in ("running", "finished"):
+            status += f"  {record.status}"
+        progress.update(
+            task, completed=len(done), status=Text(status) + failure_suffix(done, failures)
+        )
+
+    with progress:
+        yield show

@@ -1,4 +1,4 @@
-"""``flplatform simulate`` and ``flplatform demo cross-silo``: run a simulated federation.
+"""``flplatform simulate``: run a simulated federation, or a sweep of them.
 
 Parse and validate everything first (a bad value costs no start-up), open the ledger,
 start Flower's simulation, and follow the run through the ledger the ServerApp writes.
@@ -9,13 +9,10 @@ sweep: every combination a run of its own, all in one Flower start-up.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 from rich.text import Text
 
 from clients.catalog import BUILTIN_DATASETS, MODELS
@@ -25,24 +22,12 @@ from flplatform.cli.history import shown_accuracy
 from flplatform.cli.history import sites as show_sites
 from flplatform.cli.options import config_values, table_options
 from flplatform.cli.progress import (
-    StatusColumn,
     db_argument,
-    display_url,
-    failure_suffix,
     round_progress,
     say_run_done,
+    sweep_progress,
 )
-from flplatform.cli.render import Column, OutputFormat, emit, human_bytes, make_console
-from flplatform.comparison import (
-    DEMO_MODES,
-    ModePlan,
-    RunSummary,
-    plan_config,
-    plan_modes,
-    plot_runs,
-    run_comparison,
-    summarize_runs,
-)
+from flplatform.cli.render import Column, OutputFormat, emit, make_console
 from flplatform.config import DEFAULT_SITES, SKETCHED, RunConfig
 from flplatform.errors import ConfigError
 from flplatform.simulation import (
@@ -51,10 +36,9 @@ from flplatform.simulation import (
     ledger_url,
     run_simulation,
     run_sweep,
-    work_home,
 )
 from flplatform.sweep import SWEEPABLE, Sweep, expand_values
-from storage import LedgerRepository, RoundRecord, RunRecord, UpdateRecord
+from storage import RunRecord
 from storage.session import normalize_db_url
 
 console = make_console()
@@ -184,48 +168,8 @@ def run_sweep_and_follow(sweep: Sweep, db: str | None) -> list[RunRecord]:
         for chosen, reason in sweep.skipped:
             said = " ".join(f"{key}={value}" for key, value in chosen.items())
             console.print(Text(f"  {said}: {reason}"))
-    width = max(len(member.run_name) for member in members)
-    progress = Progress(
-        TextColumn("{task.description}", style="bold", markup=False),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        StatusColumn(),
-        console=console,
-    )
-    tasks = [
-        progress.add_task(
-            f"{member.run_name:<{width}}",
-            total=member.num_server_rounds,
-            status="waiting",
-            start=False,
-        )
-        for member in members
-    ]
-
-    def show(
-        index: int, record: RunRecord | None, done: list[RoundRecord], failures: list[UpdateRecord]
-    ) -> None:
-        task = tasks[index]
-        if record is None:
-            return
-        progress.start_task(task)
-        if not done:
-            progress.update(task, status="sites joining…")
-            return
-        label, accuracy = shown_accuracy(done[-1].metrics)
-        simulated = done[-1].virtual_finished_at
-        status = f"{label} {accuracy:.4f}" if accuracy is not None else ""
-        if simulated is not None:
-            status += f"  simulated {simulated:.1f} s"
-        if record.status != "running":
-            status += f"  {record.status}"
-        progress.update(
-            task, completed=len(done), status=Text(status) + failure_suffix(done, failures)
-        )
-
     failed: SweepFailed | None = None
-    with progress:
+    with sweep_progress(console, members) as show:
         try:
             records: list[RunRecord | None] = list(run_sweep(members, on_progress=show))
         except SweepFailed as exc:
@@ -338,159 +282,3 @@ def check_top_k(config: RunConfig, *, input_shape: tuple[int, ...], num_classes:
         f"--k {config.k} exceeds the {size} parameters of model '{config.model}' on "
         f"{config.dataset}; choose k <= {size}{hint}"
     )
-
-
-demo_app = typer.Typer(help="Ready-made demonstrations.")
-
-
-@demo_app.command("cross-silo")
-@handles_errors
-def cross_silo(
-    rounds: Annotated[
-        int, typer.Option(help="Fully-sync rounds; every mode gets as many site updates.")
-    ] = 15,
-    k: Annotated[int, typer.Option("--k", help="K of the K modes.")] = 2,
-    modes: Annotated[
-        str,
-        typer.Option(
-            help="Comma-separated rows: sync modes, delayed, and the optional topk, int8, "
-            "fetchsgd, sketched-sgd (compressed uploads)."
-        ),
-    ] = ",".join(DEMO_MODES),
-    delay: Annotated[int, typer.Option(help="D of the delayed-updates row.")] = 2,
-    network: Annotated[str, typer.Option(help="Network preset or .toml profile.")] = "world",
-    target: Annotated[
-        float, typer.Option(help="Accuracy whose simulated time-to-reach is reported.")
-    ] = 0.9,
-    seed: Annotated[int, typer.Option(help="Seed of every random choice.")] = 0,
-    out: Annotated[
-        Path | None, typer.Option(help="Directory for the plots (default: .flplatform/demo).")
-    ] = None,
-    db: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the ledger.")] = None,
-) -> None:
-    """Four sites on the world map (London, Ohio, California, Tokyo), non-IID digits:
-    local-SGD averaging, delayed updates and the synchrony modes side by side in
-    simulated time, with two plots."""
-    if not 0.0 < target <= 1.0:
-        raise ConfigError(f"--target is an accuracy in (0, 1], got {target}")
-    base = RunConfig.from_mapping(
-        _DEMO | {"seed": seed, "db": ledger_option(db), "network": network_spec(network)}
-    )
-    names = tuple(m.strip() for m in modes.split(",") if m.strip())
-    plans = plan_modes(names, sites=base.num_sites, rounds=rounds, k=k, delay=delay)
-    for plan in plans:  # every mode's configuration, before the first one runs for minutes
-        plan_config(base, plan)
-    check_ledger(base)
-    console.print(
-        f"Comparing {len(plans)} modes: {base.num_sites} sites "
-        f"({', '.join(base.sites)}) on the {network} network, {base.dataset} "
-        f"(dirichlet α={base.alpha}, {base.model}), {rounds * base.num_sites} site updates each"
-    )
-    run_ids = run_comparison(base, plans, run=_follow_mode)
-    url = ledger_url(base)
-    with LedgerRepository.open(url) as repository:
-        summaries = summarize_runs(repository, run_ids, target=target)
-    # The runs share one name: each is shown by its mode.
-    results = [replace(s, name=p.label) for s, p in zip(summaries, plans, strict=True)]
-    show_comparison(results, target=target)
-    out_dir = out or work_home() / "demo"
-    paths = [
-        plot_runs(
-            results,
-            out_dir / f"accuracy_vs_{file_name}.png",
-            x=x,
-            title=f"{base.num_sites} sites, {network} network",
-            target=target,
-        )
-        for x, file_name in (("simulated-time", "simulated_time"), ("rounds", "server_steps"))
-    ]
-    console.print(Text.assemble("Plots: ", Text(", ").join(Text(str(p), "bold") for p in paths)))
-    console.print(
-        Text.assemble(
-            "Ledger: ",
-            (display_url(url), "bold"),
-            "; per site: flplatform history sites RUN" + db_argument(db),
-        )
-    )
-
-
-def _follow_mode(config: RunConfig, plan: ModePlan) -> RunRecord:
-    """Run one mode with a one-line progress bar."""
-    progress = Progress(
-        TextColumn(f"{plan.label:<24}", style="bold", markup=False),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        StatusColumn(),
-        console=console,
-    )
-    task = progress.add_task(plan.label, total=config.num_server_rounds, status="starting…")
-
-    def show(
-        record: RunRecord | None, done: list[RoundRecord], failures: list[UpdateRecord]
-    ) -> None:
-        if record is None or not done:
-            return
-        accuracy = done[-1].metrics.get("accuracy")
-        simulated = done[-1].virtual_finished_at
-        status = f"accuracy {accuracy:.4f}" if isinstance(accuracy, float) else ""
-        if simulated is not None:
-            status += f"  simulated {simulated:.1f} s"
-        progress.update(
-            task, completed=len(done), status=Text(status) + failure_suffix(done, failures)
-        )
-
-    with progress:
-        return run_simulation(config, on_progress=show)
-
-
-def show_comparison(results: list[RunSummary], *, target: float) -> None:
-    """The comparison table: one row per mode."""
-    table = Table(title=f"Modes (time to accuracy {target:g} in simulated seconds)")
-    for column in (
-        "mode",
-        "final acc",
-        "best acc",
-        f"time to {target:g}",
-        "simulated s",
-        "steps",
-        "bytes up",
-        "bytes down",
-        "bytes total",
-        "mean staleness per site",
-        "run",
-    ):
-        table.add_column(column)
-    for r in results:
-        table.add_row(
-            r.name,
-            _fmt(r.final_accuracy, "{:.4f}"),
-            _fmt(r.best_accuracy, "{:.4f}"),
-            _fmt(r.time_to_target, "{:.1f}") if r.time_to_target is not None else "not reached",
-            _fmt(r.simulated_seconds, "{:.1f}"),
-            str(r.rounds),
-            human_bytes(r.bytes_up),
-            human_bytes(r.bytes_down),
-            human_bytes(r.bytes_up + r.bytes_down),
-            " ".join(f"{site} {_fmt(value, '{:.2f}')}" for site, value in r.mean_staleness.items()),
-            str(r.run_id),
-        )
-    console.print(table)
-
-
-def _fmt(value: float | None, pattern: str) -> str:
-    return "-" if value is None else pattern.format(value)
-
-
-_DEMO: dict[str, Any] = {
-    "strategy": "local-sgd",
-    "sites": DEFAULT_SITES,
-    "dataset": "digits",
-    "partition": "dirichlet",
-    "alpha": 0.5,
-    "model": "mlp",
-    "local-epochs": 2,
-    "batch-size": 32,
-    "lr": 0.1,
-    "momentum": 0.9,
-}

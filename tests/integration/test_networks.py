@@ -9,6 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from flplatform.cli.app import app
+from flplatform.cli.render import human_bytes
+from flplatform.demo import build_panels, sweep_members
 from storage import LedgerRepository
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("flplatform_home")]
@@ -59,39 +61,37 @@ def test_k_async_on_the_world_network(tmp_path: Path) -> None:
     assert sum(count for s in sites for _, count in s["staleness_counts"]) == len(applied)
 
 
-def test_the_cross_silo_demo_compares_modes_and_plots(tmp_path: Path) -> None:
+def test_the_cross_silo_demo_runs_its_panels_in_one_sweep_and_plots_each(tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path / 'ledger.db'}"
     out = tmp_path / "plots"
     result = runner.invoke(
         app,
-        [
-            "demo",
-            "cross-silo",
-            "--modes",
-            "sync,delayed,k-sync",
-            "--rounds",
-            "2",
-            "--db",
-            db,
-            "--out",
-            str(out),
-        ],
-        terminal_width=250,
+        ["demo", "cross-silo", "--max-rounds", "2", "--seed", "1", "--db", db, "--out", str(out)],
+        terminal_width=100,
     )
     assert result.exit_code == 0, result.output
-    assert "sync" in result.output and "k-sync (K=2)" in result.output
-    assert "delayed (D=2)" in result.output
-    for name in ("accuracy_vs_simulated_time.png", "accuracy_vs_server_steps.png"):
-        assert (out / name).read_bytes().startswith(PNG)
+    panels = build_panels(seed=1, max_rounds=2)
+    for panel in panels:
+        assert f"{panel.key}: " in result.output  # its section of the table and its verdict
+        assert (out / f"{panel.key}.png").read_bytes().startswith(PNG)
     with LedgerRepository.open(db) as repo:
-        sync, delayed, k_sync = repo.list_runs()[::-1]
-        # Equal site updates: 2 rounds of 4 for sync and delayed, 4 steps of 2 for k-sync.
-        assert (sync.config["sync"], len(repo.list_rounds(sync.id))) == ("sync", 2)
-        assert (delayed.config["strategy"], len(repo.list_rounds(delayed.id))) == ("delayed", 2)
-        assert (k_sync.config["sync"], len(repo.list_rounds(k_sync.id))) == ("k-sync", 4)
+        runs = repo.list_runs()[::-1]
+        # Every member a finished run of its own, under its name, with its own options.
+        members = sweep_members(panels)
+        assert [r.name for r in runs] == [m.run_name for m in members]
+        for run, member in zip(runs, members, strict=True):
+            assert run.status == "finished" and run.seed == 1
+            assert len(repo.list_rounds(run.id)) == 2
+            for key in ("strategy", "sync", "model", "codec", "network", "compute-model"):
+                assert run.config[key] == member.to_run_config()[key], (run.name, key)
+        by_name = {r.name: r for r in runs}
+        k_sync = by_name["stragglers: k-sync K=2"]
         cancelled = [u for u in repo.list_updates(k_sync.id) if u.status == "cancelled"]
-        assert len(cancelled) == 8  # the two stragglers of each of the four steps
-        assert all(u.bytes_up == 0 for u in cancelled)
+        assert len(cancelled) == 4  # the two stragglers of each of the two steps
+        # The summary's "in all" bytes of the compression reference are the ledger's.
+        reference = by_name["compression: local-SGD, uncompressed"]
+        uploaded = sum(r.bytes_up for r in repo.list_rounds(reference.id))
+    assert human_bytes(uploaded) in result.output
 
 
 def test_a_network_profile_file(tmp_path: Path) -> None:

@@ -402,10 +402,13 @@ def test_k_beyond_the_sites_of_an_app_run_is_refused(
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--rounds", "0"], "rounds must be an integer >= 1, got 0"),
-        (["--rounds", "-2"], "rounds must be an integer >= 1, got -2"),
-        (["--k", "9"], "k must be between 1 and the 4 sites, got 9"),
-        (["--rounds", "0", "--delay", "-1"], "2 problems: rounds must be"),
+        (["--max-rounds", "0"], "max-rounds must be an integer >= 1, got 0"),
+        (
+            ["--panels", "stragglers,bogus"],
+            "unknown panel 'bogus'; allowed: stragglers, delayed, compression",
+        ),
+        (["--panels", " , "], "choose at least one panel: stragglers, delayed, compression"),
+        (["--panels", "[b]x[/b]", "--max-rounds", "-2"], "2 problems: unknown panel '[b]x[/b]'"),
     ],
 )
 def test_the_demo_refuses_what_it_cannot_run_before_anything_starts(
