@@ -149,7 +149,10 @@ class CurvePoint:
     bytes_up: int
     bytes_down: int
     accuracy: float | None
-    wall_seconds: float  # since the run was created
+    # wall seconds of training so far: the steps' own durations summed, so neither a
+    # sweep's Flower start-up (charged to its first run otherwise) nor the time a resumed
+    # run was down counts
+    wall_seconds: float
 
 
 @dataclass(frozen=True)
@@ -275,8 +278,10 @@ def _summarize(repository: LedgerRepository, record: RunRecord, target: float) -
     metric = accuracy_metric(r.metrics for r in rounds)
     curve: list[CurvePoint] = []
     up = down = 0
+    wall = 0.0
     for r in rounds:
         up, down = up + r.bytes_up, down + r.bytes_down
+        wall += r.wall_seconds
         curve.append(
             CurvePoint(
                 round=r.round,
@@ -284,7 +289,7 @@ def _summarize(repository: LedgerRepository, record: RunRecord, target: float) -
                 bytes_up=up,
                 bytes_down=down,
                 accuracy=None if metric is None else _number(r.metrics.get(metric)),
-                wall_seconds=(r.finished_at - record.created_at).total_seconds(),
+                wall_seconds=wall,
             )
         )
     simulated = (
@@ -321,15 +326,6 @@ def _summarize(repository: LedgerRepository, record: RunRecord, target: float) -
 
 def _on_clock(clock: str, point: CurvePoint) -> float | None:
     return point.simulated_seconds if clock == CLOCK_SIMULATED else point.wall_seconds
-
-
-def time_to_reach(rounds: Sequence[RoundRecord], target: float) -> float | None:
-    """Simulated seconds at the end of the first step whose server accuracy reaches ``target``."""
-    for r in rounds:
-        accuracy = _number(r.metrics.get(keys.ACCURACY))
-        if accuracy is not None and accuracy >= target:
-            return r.virtual_finished_at
-    return None
 
 
 def _number(value: Any) -> float | None:
@@ -410,7 +406,9 @@ def runs_figure(
         ax.axhline(
             target, color="black", linestyle=(0, (6, 4)), linewidth=0.9, label=f"target {target:g}"
         )
-    ax.set_title(title)
+    # Titles and run names are the user's text: drawn as written, never read as mathtext
+    # (a "$" pair would be typeset, an odd one raise).
+    ax.set_title(title, parse_math=False)
     ax.set_xlabel(x_label)
     ax.set_ylabel(
         "test accuracy (server)"
@@ -421,7 +419,9 @@ def runs_figure(
     )
     ax.grid(True, alpha=0.3)
     # Beside the axes, never over a curve.
-    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=8)
+    legend = ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=8)
+    for text in legend.get_texts():
+        text.set_parse_math(False)
     return fig
 
 
@@ -472,7 +472,7 @@ def _time_label(summaries: Sequence[RunSummary]) -> str:
     if clocks == {CLOCK_SIMULATED}:
         return "simulated time (s)"
     if clocks == {CLOCK_WALL}:
-        return "wall-clock time since the run started (s)"
+        return "wall-clock training time (s)"
     wall = [s.run_id for s in summaries if s.clock == CLOCK_WALL]
     raise ConfigError(
         f"{_runs(wall)} ran on the wall clock and the others on a simulated one: their times "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +97,9 @@ def test_a_simulated_run_summarised_by_hand(ledger: str) -> None:
         (2, 25.5, 500, 4000, 0.92),
         (3, 40.0, 800, 5000, 0.91),
     ]
-    assert [p.wall_seconds for p in run.curve] == pytest.approx([11.0, 21.0, 31.0])
+    # Wall seconds of training: each round's own second, summed (not since the run was
+    # created, which would charge a sweep's start-up to its first run).
+    assert [p.wall_seconds for p in run.curve] == pytest.approx([1.0, 2.0, 3.0])
 
 
 def test_time_and_bytes_to_other_targets(ledger: str) -> None:
@@ -115,9 +117,9 @@ def test_a_wall_clock_run_with_the_sites_accuracy(ledger: str) -> None:
         0.95,
         0.95,
     )
-    # Wall seconds since the run was created (T0 + 100): round 2 finished at T0 + 109.5.
+    # Wall seconds of training: rounds of 3 s each, round 2 the first at the target.
     assert run.clock == "wall"
-    assert run.time_to_target == pytest.approx(9.5)
+    assert run.time_to_target == pytest.approx(6.0)
     assert run.bytes_up_to_target == 100
     assert run.k is None  # sync mode: no K shapes the run
     assert [p.simulated_seconds for p in run.curve] == [None, None]
@@ -152,7 +154,7 @@ def test_summaries_keep_the_order_given_and_serialise(ledger: str) -> None:
         "bytes_up": 500,
         "bytes_down": 4000,
         "accuracy": 0.92,
-        "wall_seconds": pytest.approx(21.0),
+        "wall_seconds": pytest.approx(2.0),
     }
 
 
@@ -212,8 +214,8 @@ def test_bytes_are_mebibytes_and_time_is_each_run_s_clock(ledger: str) -> None:
     assert axes.get_xlabel() == "simulated time (s)"
     (wall,) = summaries(ledger, [2])
     axes = runs_figure([wall], x="simulated-time", title="t").axes[0]
-    assert list(lines_of_runs(axes)[0].get_xdata()) == pytest.approx([4.0, 9.5])
-    assert axes.get_xlabel() == "wall-clock time since the run started (s)"
+    assert list(lines_of_runs(axes)[0].get_xdata()) == pytest.approx([3.0, 6.0])
+    assert axes.get_xlabel() == "wall-clock training time (s)"
     assert axes.get_ylabel() == "accuracy (sites' federated evaluation)"
 
 
@@ -270,3 +272,15 @@ def test_what_cannot_be_plotted_is_refused(ledger: str, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot write the plot to"):
         plot_runs(runs[:1], blocker / "a.png", x="rounds", title="t")
     assert not (tmp_path / "a.jpg").exists()
+
+
+def test_titles_and_run_names_are_drawn_as_written(ledger: str, tmp_path: Path) -> None:
+    # "$...$" would be typeset as maths (and an odd "$\bogus{" raise): they are the user's text.
+    runs = summaries(ledger, [1])
+    runs = [replace(runs[0], name="cost $5 vs $10 $\\bogus{")]
+    figure = runs_figure(runs, x="rounds", title="a $\\bogus{ title $", target=None)
+    (axes,) = figure.axes
+    assert axes.title.get_parse_math() is False
+    assert all(text.get_parse_math() is False for text in axes.get_legend().get_texts())
+    plot_runs(runs, tmp_path / "plot.png", x="rounds", title="a $\\bogus{ title $")
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
