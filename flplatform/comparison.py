@@ -27,7 +27,7 @@ from flplatform.checks import integer, require
 from flplatform.config import SKETCHED, RunConfig
 from flplatform.engine.synchrony import K_MODES, SYNC_MODES
 from flplatform.errors import ConfigError, NotFoundError
-from storage import LedgerRepository, RoundRecord, RunRecord
+from storage import LedgerRepository, RunRecord
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

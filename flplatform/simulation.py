@@ -636,8 +636,14 @@ def _final_record(process: SimulationProcess, config: RunConfig, run_id: int) ->
             f"run {record.id} failed: {record.error or process.last_error()}; "
             f"log: {process.log_path}"
         )
-    forget_run(record.tag or "")  # only a resume needs the sites' snapshots
+    forget_snapshots(record)
     return record
+
+
+def forget_snapshots(record: RunRecord) -> None:
+    """Delete a finished run's site snapshots (only a resume needs them), where its
+    simulated sites wrote them: the state root in the environment they ran with."""
+    forget_run(record.tag or "", environ=flower_environment(work_home()))
 
 
 def _settled_record(process: SimulationProcess, config: RunConfig, run_id: int) -> RunRecord:
@@ -781,7 +787,7 @@ def run_sweep(
     ]
     for record in records:
         if record is not None and record.status == "finished":
-            forget_run(record.tag or "")  # only a resume needs the sites' snapshots
+            forget_snapshots(record)
     troubles = [
         f"'{member.run_name}' "
         + (f"(run {record.id}) failed: {record.error}" if record else "never started")

@@ -155,15 +155,19 @@ def _hold(context: Context, key: str, run_key: str, state: ModState | None, work
 
 
 # ================================================================== the files
-def state_root(node_config: Mapping[str, Any]) -> Path:
-    """The directory holding this site's snapshots of every run (see the module's doc)."""
+def state_root(node_config: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Path:
+    """The directory holding this site's snapshots of every run (see the module's doc).
+
+    ``environ``: the site process's environment (default: this process's).
+    """
+    env = os.environ if environ is None else environ
     configured = node_config.get(keys.STATE_DIR)
     if configured:
         return Path(str(configured)).expanduser()
-    if os.environ.get("FLPLATFORM_SITE_STATE"):
-        return Path(os.environ["FLPLATFORM_SITE_STATE"]).expanduser()
-    if os.environ.get("FLPLATFORM_HOME"):
-        return Path(os.environ["FLPLATFORM_HOME"]).expanduser() / "site-state"
+    if env.get("FLPLATFORM_SITE_STATE"):
+        return Path(env["FLPLATFORM_SITE_STATE"]).expanduser()
+    if env.get("FLPLATFORM_HOME"):
+        return Path(env["FLPLATFORM_HOME"]).expanduser() / "site-state"
     return Path.home() / ".flplatform" / "site-state"
 
 
@@ -193,8 +197,13 @@ def safe_name(text: str) -> str:
     return "h-" + hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
-def forget_run(run_key: str, node_config: Mapping[str, Any] | None = None) -> None:
-    """Delete every site's snapshots of ``run_key`` under this machine's state root.
+def forget_run(
+    run_key: str,
+    node_config: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> None:
+    """Delete every site's snapshots of ``run_key`` under the sites' state root
+    (``state_root`` of ``node_config`` in the sites' environment ``environ``).
 
     A finished run cannot be resumed, so its snapshots only take disk (a 10M-parameter
     Sketched-SGD site keeps about 480 MB of them). Simulated sites share the machine and
@@ -203,7 +212,8 @@ def forget_run(run_key: str, node_config: Mapping[str, Any] | None = None) -> No
     """
     if not run_key:
         return
-    shutil.rmtree(state_root(node_config or {}) / safe_name(run_key), ignore_errors=True)
+    root = state_root(node_config or {}, environ)
+    shutil.rmtree(root / safe_name(run_key), ignore_errors=True)
 
 
 class SiteSnapshots:

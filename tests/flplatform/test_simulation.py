@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import stat
 from pathlib import Path
+from types import SimpleNamespace
 
-from flplatform.simulation import logs_dir, private_file, telling_line
+import pytest
+
+from flplatform.simulation import (
+    flower_environment,
+    forget_snapshots,
+    logs_dir,
+    private_file,
+    telling_line,
+    work_home,
+)
+from strategies.mods.snapshots import state_root
 
 FLOWER_PANEL = """\
 Using SuperLink: local (127.0.0.1:43799)
@@ -54,3 +65,21 @@ def test_the_logs_and_the_files_written_there_are_the_owners_only(tmp_path: Path
         "new.run-config.toml": 0o600,
     }
     assert old.read_text() == "this run"  # written from its start
+
+
+def test_a_finished_runs_snapshots_are_forgotten_where_its_sites_wrote_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The default set-up: neither variable set; the simulated sites get
+    # FLPLATFORM_HOME=./.flplatform from flower_environment and write under it.
+    monkeypatch.delenv("FLPLATFORM_SITE_STATE", raising=False)
+    monkeypatch.delenv("FLPLATFORM_HOME", raising=False)
+    monkeypatch.chdir(tmp_path)
+    sites_root = state_root({}, flower_environment(work_home()))
+    assert sites_root == tmp_path / ".flplatform" / "site-state"
+    (sites_root / "run-tag-1" / "london").mkdir(parents=True)
+    (sites_root / "run-tag-2" / "london").mkdir(parents=True)
+
+    forget_snapshots(SimpleNamespace(tag="run-tag-1"))  # type: ignore[arg-type]
+
+    assert sorted(p.name for p in sites_root.iterdir()) == ["run-tag-2"]
