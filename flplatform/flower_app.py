@@ -22,6 +22,8 @@ default has.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import tomllib
 from collections.abc import Iterator, Mapping, Sequence
@@ -322,8 +324,10 @@ def plan_run(app: FlowerApp, given: PlatformOptions, *, tag: str) -> AppRun:
 def launch_record(app: FlowerApp, given: PlatformOptions) -> dict[str, Any]:
     """How ``flplatform run`` launched a run, recorded with it (``start``'s ``launched_by``).
 
-    The app directory and the options the user gave, as JSON values; never the ledger's
-    URL, which may hold a password (``flplatform resume`` is told where the ledger is).
+    The app directory, the directory the command ran in (relative paths in the options, a
+    network profile or a model module found there, mean what they meant then) and the
+    options the user gave, as JSON values; never the ledger's URL, which may hold a
+    password (``flplatform resume`` is told where the ledger is).
     """
     options: dict[str, Any] = {}
     for f in fields(given):
@@ -331,7 +335,7 @@ def launch_record(app: FlowerApp, given: PlatformOptions) -> dict[str, Any]:
         if f.name == "db" or value is None or (f.name == "run_config" and not value):
             continue
         options[f.name] = list(value) if isinstance(value, tuple | list) else value
-    return {"app": str(app.path), "options": options}
+    return {"app": str(app.path), "cwd": os.getcwd(), "options": options}
 
 
 def relaunch(launch: Any, *, run_id: int, db: str | None, tag: str) -> AppRun:
@@ -354,8 +358,17 @@ def relaunch(launch: Any, *, run_id: int, db: str | None, tag: str) -> AppRun:
         if not _of_recorded_type(name, value):
             raise ConfigError(f"{where}: option '{name}' has a value of the wrong type: {value!r}")
         values[name] = tuple(value) if isinstance(value, list) else value
-    given = PlatformOptions(**values, db=db)  # plan_run checks each value as `run` did
-    plan = plan_run(read_app(launch["app"]), given, tag=tag)
+    # The ledger as the resuming command means it (a relative path, the default ledger),
+    # before the options are read from the directory the run was started in.
+    given = PlatformOptions(**values, db=_ledger_url(db))  # plan_run checks each value
+    cwd = launch.get("cwd")
+    if not isinstance(cwd, str) or not Path(cwd).is_dir():
+        raise ConfigError(
+            f"{where}: the directory it was started from, {cwd!r}, is gone; relative paths in "
+            "its options would mean something else now"
+        )
+    with contextlib.chdir(cwd):
+        plan = plan_run(read_app(launch["app"]), given, tag=tag)
     return replace(plan, options={**plan.options, "resume_run": run_id})
 
 

@@ -126,7 +126,7 @@ def test_a_run_of_an_own_serverapp_is_refused_with_how_to_resume_it(
 def test_a_flplatform_run_whose_app_directory_is_gone_is_refused_in_one_line(
     url: str, tmp_path: Path
 ) -> None:
-    launch = {"app": str(tmp_path / "moved-away"), "options": {"rounds": 4}}
+    launch = {"app": str(tmp_path / "moved-away"), "cwd": str(tmp_path), "options": {"rounds": 4}}
     config = {"num-server-rounds": 4, LAUNCH_KEY: launch}
     run_id = record_run(url, tmp_path, config=config, tag="t5", rounds=2, status="failed")
 

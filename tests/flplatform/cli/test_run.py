@@ -6,12 +6,14 @@ Bad input is one line before Flower starts; tests/integration/test_own_app.py ru
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from flplatform.cli.app import app
+from flplatform.errors import ConfigError
 from flplatform.flower_app import (
     OPTIONS_ENV,
     PlatformOptions,
@@ -25,6 +27,7 @@ from flplatform.start_options import options_from_environment
 from storage.session import PASSWORD_ENV, split_password
 
 ROOT = Path(__file__).resolve().parents[3]
+NETWORK_FILE = "two-labs.toml"  # a profile of examples/networks
 OWN_APP = ROOT / "examples" / "own_app"
 PLAIN_APP = ROOT / "examples" / "plain_flower_client"
 
@@ -205,7 +208,8 @@ def test_only_given_options_are_sent(tmp_path: Path) -> None:
     # Nothing given: the app's own config as declared; start() told only where to record.
     assert plan.run_config == {}
     assert set(plan.options) == {"ledger", "tag", "launched_by"} and plan.options["tag"] == "t1"
-    assert plan.options["launched_by"] == {"app": str(tiny.path), "options": {}}
+    launched = {"app": str(tiny.path), "cwd": str(Path.cwd()), "options": {}}
+    assert plan.options["launched_by"] == launched
     assert plan.num_sites == 2 and plan.num_rounds == 3
 
     given = PlatformOptions(
@@ -242,6 +246,7 @@ def test_only_given_options_are_sent(tmp_path: Path) -> None:
         # recorded with the run: how `flplatform resume` launches it again
         "launched_by": {
             "app": str(tiny.path),
+            "cwd": str(Path.cwd()),
             "options": {
                 "sites": ["a", "b", "c"],
                 "rounds": 4,
@@ -305,32 +310,42 @@ def test_the_ledger_password_reaches_the_app_in_its_environment_only(
 
 
 @pytest.mark.usefixtures("flplatform_home")
-def test_a_recorded_launch_plans_the_same_run_again_to_resume_it(tmp_path: Path) -> None:
+def test_a_recorded_launch_plans_the_same_run_again_to_resume_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     tiny = read_app(write_app(tmp_path / "tiny", TINY_APP, TINY_MODULES))
-    db = f"sqlite:///{tmp_path / 'l.db'}"
+    started_in = tmp_path / "project"
+    started_in.mkdir()
+    shutil.copy(ROOT / "examples" / "networks" / NETWORK_FILE, started_in / "links.toml")
+    monkeypatch.chdir(started_in)
     given = PlatformOptions(
         sites=("a", "b"),
         rounds=5,
         sync="k-async",
         k=2,
-        network="world",
+        network="links.toml",  # relative, like the next two: as meant where it started
         checkpoint_every=2,
         keep_checkpoints=4,
-        checkpoint_dir="ckpt",  # relative: made absolute for the ServerApp
+        checkpoint_dir="ckpt",
         run_config=("learning-rate=0.01",),
-        db=db,
+        db="sqlite:///ledger.db",
     )
     first = plan_run(tiny, given, tag="t7")
     assert first.options["checkpoint_every"] == 2 and first.options["keep_checkpoints"] == 4
-    assert first.options["checkpoint_dir"] == str(Path("ckpt").resolve())
-    # Through the ledger's JSON, as `flplatform resume` reads it back.
+    assert first.options["checkpoint_dir"] == str(started_in / "ckpt")
+    assert first.options["network"] == str(started_in / "links.toml")
+    # Through the ledger's JSON, as `flplatform resume` reads it back, from elsewhere.
     launch = json.loads(json.dumps(first.options["launched_by"]))
+    monkeypatch.chdir(tmp_path)
 
-    again = relaunch(launch, run_id=9, db=db, tag="t7")
+    again = relaunch(launch, run_id=9, db=first.db_url, tag="t7")
 
     assert again.options == {**first.options, "resume_run": 9}
     assert again.run_config == first.run_config and again.site_names == first.site_names
     assert again.app == first.app and again.db_url == first.db_url
+    # The directory it started in is gone: refused, not read against another one.
+    with pytest.raises(ConfigError, match="the directory it was started from"):
+        relaunch({**launch, "cwd": str(tmp_path / "gone")}, run_id=9, db=None, tag="t7")
 
 
 @pytest.mark.parametrize(
