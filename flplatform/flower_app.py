@@ -15,7 +15,8 @@ options. They reach the app two ways:
   ``strategy``, ``--model`` → ``model``, ...): this is how the generic ServerApp
   (``flplatform.server_app:app``) and the app's own code see them.
 
-Options the user did not give are not sent: the app's own code decides. ``-c key=value``
+Options the user did not give are not sent: the app's own code decides (except
+``required_sites``, the number of SuperNodes the simulation starts). ``-c key=value``
 sets the app's own keys, passed through untouched except for the type its declared
 default has.
 """
@@ -287,8 +288,9 @@ def plan_run(app: FlowerApp, given: PlatformOptions, *, tag: str) -> AppRun:
     sites = values.get("sites")
     if not isinstance(sites, tuple):
         sites = _declared_sites(app, overrides)
-    if given.sites is not None:
-        options["required_sites"] = len(sites)
+    # The simulation starts one SuperNode per site: the engine waits for them all, and a K
+    # set in the app's own code beyond them is refused at once rather than waited out.
+    options["required_sites"] = len(sites)
     if "sync" in values and "k" in values:  # otherwise the app's own start() call decides
         from flplatform.engine.synchrony import k_sites_problem
 

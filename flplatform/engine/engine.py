@@ -232,7 +232,8 @@ class RoundEngine:
             self.discover_sites()
             # Options set in a ServerApp's own code meet the sites only now (a CLI checks
             # its own before anything starts): a K no step could ever reach is refused
-            # before the first round, not waited out.
+            # before the first round, not waited out (discovery waited for K sites when
+            # the caller gave no number to expect).
             problem = self.policy.sites_problem(len(self.sites))
             if problem:
                 raise ConfigError(
@@ -518,8 +519,10 @@ class RoundEngine:
         """
         deadline = time.monotonic() + self.startup_timeout
         node_ids = sorted(self.grid.get_node_ids())
-        while len(node_ids) < self.required_sites:
+        while len(node_ids) < self.required_sites or self._short_of_k(len(node_ids)):
             if time.monotonic() > deadline:
+                if len(node_ids) >= self.required_sites:
+                    break  # too few for K: run() refuses it, saying so
                 raise RunFailed(
                     f"only {len(node_ids)} of {self.required_sites} sites connected within "
                     f"{self.startup_timeout:.0f} s; start more SuperNodes or lower min-sites"
@@ -528,6 +531,12 @@ class RoundEngine:
             node_ids = sorted(self.grid.get_node_ids())
         self._introduce(node_ids, timeout=self.startup_timeout)
         return self.sites.infos()
+
+    def _short_of_k(self, joined: int) -> bool:
+        """Whether to wait for more sites for K: only when the caller did not say how many
+        to expect (``required_sites`` 0), since more may still be starting; with a number
+        given, the K check after discovery refuses at once."""
+        return not self.required_sites and self.policy.sites_problem(joined) is not None
 
     def refresh_sites(self) -> None:
         """Notice nodes that joined (introduce them) or left (give them no work)."""

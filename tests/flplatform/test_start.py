@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from flplatform import keys
 from flplatform.arrays import record_to_arrays
-from flplatform.engine import APPLIED, REJECTED, RoundSummary
+from flplatform.engine import APPLIED, REJECTED, RoundEngine, RoundSummary, Synchrony
 from flplatform.errors import ConfigError, DataError, NoProgress, UpdateRejected
 from flplatform.run_ledger import LAUNCH_KEY, record_failed_start
 from flplatform.start import options_environment, start
@@ -187,13 +188,34 @@ def test_a_run_that_stops_early_is_recorded_failed_with_the_reason(db: str) -> N
 def test_a_k_no_step_could_reach_is_refused_before_the_first_round(db: str, sync: str) -> None:
     # The ServerApp's own code asks for K = 3 of the 2 sites that joined: the CLI never saw it.
     with pytest.raises(ConfigError) as raised:
-        start(LocalSGDAveraging(), ScriptedGrid(two_sites()), MODEL, sync=sync, k=3, ledger=db)
+        start(
+            LocalSGDAveraging(),
+            ScriptedGrid(two_sites()),
+            MODEL,
+            sync=sync,
+            k=3,
+            ledger=db,
+            required_sites=2,  # the federation's size is known: refused at once
+        )
     assert "k 3 is more than the 2 sites" in str(raised.value)
     assert "k-batch-async" in str(raised.value)  # what would count any K updates
     with LedgerRepository.open(db) as repo:
         (run,) = repo.list_runs()
         assert run.status == "failed" and "k 3 is more than" in (run.error or "")
         assert repo.list_rounds(run.id) == []  # refused before anything trained
+    # Without a number of sites to expect, more may still be starting: it waits for them
+    # (up to the start-up timeout) before it refuses.
+    engine = RoundEngine(
+        ScriptedGrid(two_sites()),
+        LocalSGDAveraging(),
+        policy=Synchrony(sync, k=3),
+        required_sites=0,
+        startup_timeout=0.5,
+    )
+    began = time.monotonic()
+    with pytest.raises(ConfigError, match="k 3 is more than the 2 sites"):
+        engine.run(MODEL, num_rounds=1)
+    assert time.monotonic() - began >= 0.5
     # The batch modes count any K updates, which a site may repeat: K = 3 runs.
     start(
         LocalSGDAveraging(),

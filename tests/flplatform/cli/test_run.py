@@ -207,7 +207,9 @@ def test_only_given_options_are_sent(tmp_path: Path) -> None:
     plan = plan_run(tiny, PlatformOptions(), tag="t1")
     # Nothing given: the app's own config as declared; start() told only where to record.
     assert plan.run_config == {}
-    assert set(plan.options) == {"ledger", "tag", "launched_by"} and plan.options["tag"] == "t1"
+    assert set(plan.options) == {"ledger", "tag", "launched_by", "required_sites"}
+    assert plan.options["tag"] == "t1"
+    assert plan.options["required_sites"] == 2  # the SuperNodes the simulation starts
     launched = {"app": str(tiny.path), "cwd": str(Path.cwd()), "options": {}}
     assert plan.options["launched_by"] == launched
     assert plan.num_sites == 2 and plan.num_rounds == 3
