@@ -75,6 +75,12 @@ def expand(base: RunConfig, values: Mapping[str, Sequence[Any]]) -> Sweep:
     return expand_values(base.to_run_config(), values)
 
 
+def _differ_only_in_k(one: Mapping[str, Any], other: Mapping[str, Any]) -> bool:
+    """Whether two combinations differ in ``k`` and nothing else."""
+    differ = {key for key in one if one[key] != other.get(key)}
+    return differ == {"k"}
+
+
 def expand_values(base: Mapping[str, Any], values: Mapping[str, Sequence[Any]]) -> Sweep:
     """:func:`expand` over raw run-config values (the CLI's, not yet validated).
 
@@ -85,6 +91,7 @@ def expand_values(base: Mapping[str, Any], values: Mapping[str, Sequence[Any]]) 
     members: list[RunConfig] = []
     skipped: list[tuple[dict[str, Any], str]] = []
     seen: dict[tuple[Any, ...], str] = {}  # what makes a run → the name of the first such
+    seen_choice: dict[tuple[Any, ...], dict[str, Any]] = {}  # ... and its swept values
     for combination in itertools.product(*lists.values()):
         chosen = dict(zip(lists, combination, strict=True))
         try:
@@ -98,12 +105,18 @@ def expand_values(base: Mapping[str, Any], values: Mapping[str, Sequence[Any]]) 
             skipped.append(
                 (
                     chosen,
-                    f"the same run as '{seen[same]}': k shapes only the K modes "
-                    f"({', '.join(K_MODES)}) and the sketched strategies",
+                    f"the same run as '{seen[same]}'"
+                    + (
+                        f": k shapes only the K modes ({', '.join(K_MODES)}) and the "
+                        "sketched strategies"
+                        if _differ_only_in_k(chosen, seen_choice[same])
+                        else " (the values name the same setting)"
+                    ),
                 )
             )
             continue
         seen[same] = named.name
+        seen_choice[same] = chosen
         members.append(named)
     _check_coverage(lists, members, skipped)
     check_members(members)
