@@ -52,11 +52,13 @@ class WeightedDeltaSum:
             raise ValueError(f"scale must be a finite number >= 0, got {scale}")
         factor = weight * scale
         if self.count == 0:
-            self.sums = {k: np.asarray(v, dtype=np.float64) * factor for k, v in delta.items()}
+            # asarray: a 0-d product is a NumPy scalar, which later updates could not add into
+            self.sums = {
+                k: np.asarray(np.asarray(v, dtype=np.float64) * factor) for k, v in delta.items()
+            }
         else:
             for key, value in delta.items():
-                acc = self.sums[key]
-                acc += np.multiply(value, factor, dtype=np.float64)
+                add_scaled(self.sums[key], value, factor)
         self.total_weight += weight
         self.count += 1
 
@@ -65,6 +67,47 @@ class WeightedDeltaSum:
         if self.count == 0 or self.total_weight <= 0:
             raise ValueError("no updates were accumulated")
         return {k: v / self.total_weight for k, v in self.sums.items()}
+
+
+# Elements per step of ``add_scaled``: a float64 block of 512 KiB stays in cache between
+# the multiply and the add, so no model-sized temporary is made per update.
+BLOCK = 1 << 16
+
+
+def add_scaled(acc: np.ndarray, value: np.ndarray, factor: float) -> None:
+    """``acc += np.multiply(value, factor, dtype=np.float64)``, the same numbers, block by
+    block (``acc``: float64, ``value``: the same shape)."""
+    value = np.asarray(value)
+    if not acc.flags.c_contiguous or value.shape != acc.shape:  # numpy's own way: a view
+        acc += np.multiply(value, factor, dtype=np.float64)  # of acc could not be written
+        return
+    flat, values = acc.reshape(-1), value.reshape(-1)
+    scratch = np.empty(min(BLOCK, flat.size), dtype=np.float64)
+    for start in range(0, flat.size, BLOCK):
+        part = flat[start : start + BLOCK]
+        scaled = scratch[: part.size]
+        np.multiply(values[start : start + BLOCK], factor, out=scaled, dtype=np.float64)
+        part += scaled
+
+
+def model_delta(received: np.ndarray, base: np.ndarray) -> np.ndarray:
+    """Δ = x_n − x in float64: the numbers of ``received.astype(np.float64) - base``, with
+    one new array (``base`` already float64, as ``float64_base`` makes it, saves a cast per
+    update)."""
+    delta = received.astype(np.float64)
+    if np.result_type(delta, base) != delta.dtype:  # a complex base: numpy's own promotion
+        return delta - base
+    np.subtract(delta, base, out=delta)
+    return delta
+
+
+def float64_base(arrays: Mapping[str, np.ndarray]) -> Arrays:
+    """The model x in float64 for ``model_delta`` (real and integer arrays; any other kind
+    is kept as it is, and ``model_delta`` promotes it as numpy would)."""
+    return {
+        k: v.astype(np.float64) if np.result_type(v, np.float64) == np.float64 else v
+        for k, v in arrays.items()
+    }
 
 
 @dataclass

@@ -49,7 +49,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from flplatform import keys
-from flplatform.arrays import arrays_to_record, record_to_arrays
+from flplatform.arrays import arrays_to_record, record_to_arrays, record_views
 from flplatform.checks import Problem, number, one_of, require, unit_interval
 from flplatform.engine import Contribution, EngineStrategy, Update
 from flplatform.errors import StepRefused, UpdateRejected
@@ -60,6 +60,8 @@ from strategies.aggregation import (
     WeightedDeltaSum,
     apply_server_update,
     eta_problem,
+    float64_base,
+    model_delta,
 )
 from strategies.codecs import Codec, Identity, Layout, make_codec
 from strategies.state import StateReader
@@ -147,6 +149,7 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         self._acc = WeightedDeltaSum()
         self._current: dict[str, np.ndarray] = {}
         self._current_record: ArrayRecord | None = None
+        self._current64: dict[str, np.ndarray] | None = None  # _current in float64, when asked
         self._loss_sum = 0.0
         self._loss_weight = 0.0
         self._compressing: set[int] = set()  # sites whose compressed uploads were taken
@@ -280,6 +283,7 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         """
         if arrays is not self._current_record:
             self._current, self._current_record = record_to_arrays(arrays), arrays
+            self._current64 = None
             self._layout = None
 
     def begin_aggregation(self, server_round: int, arrays: ArrayRecord) -> None:
@@ -294,17 +298,21 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         content = reply.content
         record, metrics = reply_parts(reply)
         num_examples = check_num_examples(metrics.get(keys.NUM_EXAMPLES))
-        # Decoding the base once per round, not once per reply, keeps the server's cost
-        # per reply at one decode and one multiply-add.
-        base_arrays = self._current if base is self._current_record else record_to_arrays(base)
+        # Decoding the base once per round, not once per reply, and the reply in place,
+        # keeps the server's cost per reply at one subtraction and one multiply-add.
+        base_arrays = self._current if base is self._current_record else record_views(base)
         try:
-            received = record_to_arrays(record)
+            received = record_views(record)
         except Exception as exc:  # not .npy bytes, pickled objects, truncated data
             raise UpdateRejected(f"arrays cannot be decoded: {exc}") from None
         codec = _reply_codec(content)
         if codec is None:  # a whole model, Flower's convention
             check_arrays(received, base_arrays)
-            delta = {k: received[k].astype(np.float64) - base_arrays[k] for k in base_arrays}
+            if base is self._current_record:
+                if self._current64 is None:
+                    self._current64 = float64_base(self._current)
+                base_arrays = self._current64
+            delta = {k: model_delta(received[k], base_arrays[k]) for k in base_arrays}
         else:
             delta = self._decode(codec, received)
             self._compressing.add(reply.metadata.src_node_id)

@@ -45,6 +45,7 @@ from flplatform import keys
 from flplatform.checkpoint import CheckpointError, StateProblems
 from flplatform.engine import rows
 from flplatform.engine.clock import Clock, Schedule, WallClock, planned_steps
+from flplatform.engine.digest import arrays_digest
 from flplatform.engine.discovery import introduce
 from flplatform.engine.divergence import DivergenceWatch, ReportedLoss
 from flplatform.engine.evaluation import evaluate_round
@@ -1101,12 +1102,11 @@ def _joined(*notes: str | None) -> str | None:
 
 
 def fingerprint(reply: Message) -> tuple[str, ...]:
-    """The content ids of a reply's arrays: equal for identical arrays (a replay).
+    """A digest of each of a reply's array records: equal for identical arrays (a replay).
 
-    Flower's objects are content-addressed; the ids were computed when the reply's size was
-    measured, so this costs nothing more.
+    Not Flower's object ids: those would hash the whole reply again (``engine.digest``).
     """
-    return tuple(record.object_id for record in reply.content.array_records.values())
+    return tuple(arrays_digest(record) for record in reply.content.array_records.values())
 
 
 def _reported_loss(outcome: UpdateOutcome, reply: Message) -> ReportedLoss:

@@ -8,9 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from strategies.aggregation import (
+    BLOCK,
     ServerOptimizerState,
     WeightedDeltaSum,
+    add_scaled,
     apply_server_update,
+    float64_base,
+    model_delta,
     weighted_average,
 )
 
@@ -133,6 +137,56 @@ def test_integer_buffers_are_rounded_not_truncated() -> None:
     assert out["count"][0] == 12  # 11.5 rounds half to even → 12
 
 
+def test_zero_dimensional_arrays_are_summed_like_any_other() -> None:
+    """A 0-d array (a BatchNorm counter) gets every site's update, not only the first's."""
+    acc = WeightedDeltaSum()
+    for value, weight in ((1.0, 1.0), (3.0, 1.0), (5.0, 2.0)):
+        acc.add({"n": np.array(value)}, weight)
+    assert acc.mean()["n"] == (1.0 + 3.0 + 2 * 5.0) / 4
+
+
 def test_empty_sum_has_no_mean() -> None:
     with pytest.raises(ValueError):
         WeightedDeltaSum().mean()
+
+
+# ------------------------------------------------- the per-update kernels, bit for bit
+REAL_DTYPES = st.sampled_from([np.float32, np.float16, np.float64, np.int64, np.uint8, np.bool_])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=REAL_DTYPES,
+    shape=st.sampled_from([(), (0,), (7,), (3, 5), (BLOCK + 3,), (2, BLOCK // 2 + 1)]),
+    factor=st.floats(1e-6, 1e6),
+    fortran=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_the_kernels_give_numpys_numbers_bit_for_bit(
+    dtype: type, shape: tuple[int, ...], factor: float, fortran: bool, seed: int
+) -> None:
+    """model_delta and add_scaled, blocked or not, C or Fortran order, equal the plain
+    expressions the server used to evaluate (``x.astype(float64) - base``,
+    ``acc += np.multiply(delta, factor, dtype=float64)``)."""
+    rng = np.random.default_rng(seed)
+
+    def draw() -> np.ndarray:
+        values = np.asarray(rng.normal(size=shape) * 100).astype(dtype)
+        return np.asfortranarray(values) if fortran else values
+
+    received, base = draw(), draw()
+    base64 = float64_base({"x": base})["x"]
+    expected = received.astype(np.float64) - base
+    for delta in (model_delta(received, base), model_delta(received, base64)):
+        assert delta.dtype == np.float64 and delta.shape == expected.shape
+        assert delta.tobytes() == expected.tobytes()
+    acc = draw().astype(np.float64)
+    reference = acc + np.multiply(expected, factor, dtype=np.float64)
+    add_scaled(acc, expected, factor)
+    assert acc.tobytes() == reference.tobytes()
+
+
+def test_a_complex_base_is_promoted_as_numpy_promotes_it() -> None:
+    received = np.array([1.5, 2.5], np.float32)
+    base = np.array([1 + 1j, 2 - 1j], np.complex64)
+    np.testing.assert_array_equal(model_delta(received, base), received.astype(np.float64) - base)
