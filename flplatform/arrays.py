@@ -7,6 +7,7 @@ user's model is loaded by position as often as by name.
 
 from __future__ import annotations
 
+import functools
 import io
 
 import numpy as np
@@ -38,21 +39,43 @@ def array_view(array: Array) -> np.ndarray:
     .npy header); anything but a plain .npy of fixed-size items (an object array, a
     truncated buffer, an unusual header) takes Flower's own path, with its errors."""
     data = array.data
-    if array.stype == SType.NUMPY and data[: len(npy.MAGIC_PREFIX)] == npy.MAGIC_PREFIX:
-        try:
-            stream = io.BytesIO(data)  # shares ``data``; only the header is read from it
-            read_header = _NPY_HEADER_READERS.get(npy.read_magic(stream))
-            if read_header is not None:
-                shape, fortran_order, dtype = read_header(stream)
-                if not dtype.hasobject and dtype.itemsize > 0:
+    if array.stype == SType.NUMPY and data[:_PREFIX] == npy.MAGIC_PREFIX:
+        length_bytes = _HEADER_LENGTH_BYTES.get(data[_PREFIX : _PREFIX + 1])  # major version
+        if length_bytes is not None:
+            start = _PREFIX + 2 + length_bytes
+            header = bytes(data[: start + int.from_bytes(data[_PREFIX + 2 : start], "little")])
+            try:
+                layout = _npy_layout(header)
+                if layout is not None:
+                    shape, fortran_order, dtype = layout
                     count = int(np.prod(shape, dtype=np.int64))
-                    flat = np.frombuffer(data, dtype=dtype, count=count, offset=stream.tell())
+                    flat = np.frombuffer(data, dtype=dtype, count=count, offset=len(header))
                     if fortran_order:  # as numpy.lib.format.read_array lays it out
                         return flat.reshape(shape[::-1]).transpose()
                     return flat.reshape(shape)
-        except ValueError:
-            pass  # Flower's path raises the error a caller expects, or reads what this cannot
+            except ValueError:
+                pass  # Flower's path raises the error a caller expects
     return array.numpy()
+
+
+_PREFIX = len(npy.MAGIC_PREFIX)
+_HEADER_LENGTH_BYTES = {b"\x01": 2, b"\x02": 4}  # .npy 1.x, 2.x: uint16 or uint32 length
+
+
+@functools.lru_cache(maxsize=1024)
+def _npy_layout(header: bytes) -> tuple[tuple[int, ...], bool, np.dtype] | None:
+    """(shape, Fortran order, dtype) of a whole .npy header, None for arrays a view cannot
+    hold (objects, zero-size items); raises ValueError for a bad header. Cached: every
+    reply of a round repeats the same few headers, and numpy parses one with
+    ``ast.literal_eval`` (some 50 µs)."""
+    stream = io.BytesIO(header)
+    read_header = _NPY_HEADER_READERS.get(npy.read_magic(stream))
+    if read_header is None:
+        return None
+    shape, fortran_order, dtype = read_header(stream)
+    if stream.tell() != len(header) or dtype.hasobject or dtype.itemsize == 0:
+        return None
+    return shape, fortran_order, dtype
 
 
 def arrays_to_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:

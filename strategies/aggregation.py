@@ -40,11 +40,20 @@ class WeightedDeltaSum:
     total_weight: float = 0.0
     count: int = 0
 
-    def add(self, delta: Mapping[str, np.ndarray], weight: float, scale: float = 1.0) -> None:
+    def add(
+        self,
+        delta: Mapping[str, np.ndarray],
+        weight: float,
+        scale: float = 1.0,
+        *,
+        spent: bool = False,
+    ) -> None:
         """Add one site's delta: Σ += weight·scale·Δ, Σw += weight.
 
         ``weight`` (> 0) is the site's example count; ``scale`` (>= 0) discounts the update
         itself (e.g. 1/sqrt(1 + staleness)) without renormalising the discount away.
+        ``spent``: the caller has no further use for ``delta``, whose float64 arrays are
+        then scaled in place (a pass over memory saved; the sum is the same).
         """
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError(f"weight must be a finite number > 0, got {weight}")
@@ -58,14 +67,19 @@ class WeightedDeltaSum:
             }
         else:
             for key, value in delta.items():
-                add_scaled(self.sums[key], value, factor)
+                add_scaled(self.sums[key], value, factor, spent=spent)
         self.total_weight += weight
         self.count += 1
 
-    def mean(self) -> Arrays:
-        """Return Σ w_n Δ_n / Σ w_n (float64); an empty sum has no mean."""
+    def mean(self, *, spent: bool = False) -> Arrays:
+        """Return Σ w_n Δ_n / Σ w_n (float64); an empty sum has no mean.
+
+        ``spent``: the sum is not used again, and is divided in place (no model-sized copy).
+        """
         if self.count == 0 or self.total_weight <= 0:
             raise ValueError("no updates were accumulated")
+        if spent:
+            return {k: np.divide(v, self.total_weight, out=v) for k, v in self.sums.items()}
         return {k: v / self.total_weight for k, v in self.sums.items()}
 
 
@@ -74,10 +88,15 @@ class WeightedDeltaSum:
 BLOCK = 1 << 16
 
 
-def add_scaled(acc: np.ndarray, value: np.ndarray, factor: float) -> None:
+def add_scaled(acc: np.ndarray, value: np.ndarray, factor: float, *, spent: bool = False) -> None:
     """``acc += np.multiply(value, factor, dtype=np.float64)``, the same numbers, block by
-    block (``acc``: float64, ``value``: the same shape)."""
+    block (``acc``: float64, ``value``: the same shape), or (``spent``: ``value`` is not
+    needed after) with ``value`` scaled in place when it is a writable float64 array."""
     value = np.asarray(value)
+    if spent and value.dtype == np.float64 and value.flags.writeable and value.shape == acc.shape:
+        np.multiply(value, factor, out=value)
+        acc += value
+        return
     if not acc.flags.c_contiguous or value.shape != acc.shape:  # numpy's own way: a view
         acc += np.multiply(value, factor, dtype=np.float64)  # of acc could not be written
         return
@@ -90,20 +109,35 @@ def add_scaled(acc: np.ndarray, value: np.ndarray, factor: float) -> None:
         part += scaled
 
 
-def model_delta(received: np.ndarray, base: np.ndarray) -> np.ndarray:
-    """Δ = x_n − x in float64: the numbers of ``received.astype(np.float64) - base``, with
-    one new array (``base`` already float64, as ``float64_base`` makes it, saves a cast per
-    update)."""
-    delta = received.astype(np.float64)
-    if np.result_type(delta, base) != delta.dtype:  # a complex base: numpy's own promotion
-        return delta - base
-    np.subtract(delta, base, out=delta)
-    return delta
+def model_delta(
+    received: np.ndarray, base: np.ndarray, *, out: np.ndarray | None = None
+) -> np.ndarray:
+    """Δ = x_n − x in float64: the numbers of ``received.astype(np.float64) - base``.
+
+    Written into ``out`` when it can hold Δ (float64, C order, the shape: the memory of a
+    spent Δ, as fresh pages cost more than the subtraction). ``base`` already in float64
+    (``float64_model``) saves a cast per update: a subtraction of mixed types runs at
+    half the speed.
+    """
+    if np.result_type(received, base, np.float64) != np.float64:  # complex: numpy's own way
+        return received.astype(np.float64) - base
+    if (
+        out is not None
+        and out.dtype == np.float64
+        and out.shape == received.shape
+        and out.flags.c_contiguous
+        and out.flags.writeable
+    ):
+        np.copyto(out, received)
+    else:
+        out = received.astype(np.float64)
+    np.subtract(out, base, out=out)
+    return out
 
 
-def float64_base(arrays: Mapping[str, np.ndarray]) -> Arrays:
-    """The model x in float64 for ``model_delta`` (real and integer arrays; any other kind
-    is kept as it is, and ``model_delta`` promotes it as numpy would)."""
+def float64_model(arrays: Mapping[str, np.ndarray]) -> Arrays:
+    """The model x in float64 for ``model_delta``; arrays of other kinds (complex) are kept
+    as they are, and ``model_delta`` promotes them as numpy would."""
     return {
         k: v.astype(np.float64) if np.result_type(v, np.float64) == np.float64 else v
         for k, v in arrays.items()
@@ -141,7 +175,8 @@ def apply_server_update(
             v = state.velocity.get(key)
             step = step.copy() if v is None else beta * v + step
             velocity[key] = step
-        new = np.asarray(base, dtype=np.float64) + eta * step
+        new = np.array(base, dtype=np.float64)
+        add_scaled(new, step, eta)  # x + η·step, without a model-sized η·step
         if np.issubdtype(base.dtype, np.integer):
             if not np.isfinite(new).all():
                 raise StepRefused(f"array '{key}' would become non-finite")

@@ -49,7 +49,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from flplatform import keys
-from flplatform.arrays import arrays_to_record, record_to_arrays, record_views
+from flplatform.arrays import arrays_to_record, record_views
 from flplatform.checks import Problem, number, one_of, require, unit_interval
 from flplatform.engine import Contribution, EngineStrategy, Update
 from flplatform.errors import StepRefused, UpdateRejected
@@ -60,7 +60,7 @@ from strategies.aggregation import (
     WeightedDeltaSum,
     apply_server_update,
     eta_problem,
-    float64_base,
+    float64_model,
     model_delta,
 )
 from strategies.codecs import Codec, Identity, Layout, make_codec
@@ -149,7 +149,9 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         self._acc = WeightedDeltaSum()
         self._current: dict[str, np.ndarray] = {}
         self._current_record: ArrayRecord | None = None
-        self._current64: dict[str, np.ndarray] | None = None  # _current in float64, when asked
+        # _current in float64 for the subtraction, made once per version (None: not yet)
+        self._current64: dict[str, np.ndarray] | None = None
+        self._spare: dict[str, np.ndarray] = {}  # a Δ already added: the next one's memory
         self._loss_sum = 0.0
         self._loss_weight = 0.0
         self._compressing: set[int] = set()  # sites whose compressed uploads were taken
@@ -275,14 +277,15 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
 
     # ------------------------------------------------- streaming aggregation
     def _use_current(self, arrays: ArrayRecord) -> None:
-        """Make ``arrays`` the model updates are applied to, decoding it once per version.
+        """Make ``arrays`` the model updates are applied to, decoding it once per version
+        (in place: the arrays read the record's bytes, which it keeps).
 
         The engine hands the same record to ``begin_aggregation`` and to every
         ``configure_train`` of a round; decoding it each time would cost a model-sized
         decode per dispatch.
         """
         if arrays is not self._current_record:
-            self._current, self._current_record = record_to_arrays(arrays), arrays
+            self._current, self._current_record = record_views(arrays), arrays
             self._current64 = None
             self._layout = None
 
@@ -310,9 +313,12 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
             check_arrays(received, base_arrays)
             if base is self._current_record:
                 if self._current64 is None:
-                    self._current64 = float64_base(self._current)
+                    self._current64 = float64_model(self._current)
                 base_arrays = self._current64
-            delta = {k: model_delta(received[k], base_arrays[k]) for k in base_arrays}
+            spare, self._spare = self._spare, {}
+            delta = {
+                k: model_delta(received[k], base_arrays[k], out=spare.get(k)) for k in base_arrays
+            }
         else:
             delta = self._decode(codec, received)
             self._compressing.add(reply.metadata.src_node_id)
@@ -328,7 +334,10 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         """Add w·s·Δ_n to the round's sum (or hold s·Δ_n for a robust aggregator)."""
         delta: dict[str, np.ndarray] = update.payload
         if self.aggregator == MEAN:
-            self._acc.add(delta, weight, scale=scale)
+            # added, nothing reads Δ again (EngineStrategy.add_update): scaled in place, and
+            # its memory holds the next one
+            self._acc.add(delta, weight, scale=scale, spent=True)
+            self._spare = delta
         else:
             self._held.append({k: v * scale for k, v in delta.items()} if scale != 1 else delta)
         loss = update.contribution.train_loss
@@ -352,7 +361,7 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         count = self._acc.count if self.aggregator == MEAN else len(self._held)
         if count == 0:
             return None, None
-        mean = self._acc.mean() if self.aggregator == MEAN else self._robust_mean()
+        mean = self._acc.mean(spent=True) if self.aggregator == MEAN else self._robust_mean()
         # Free the round's sum before the next round, whether or not the step is taken.
         self._acc, self._held = WeightedDeltaSum(), []
         try:

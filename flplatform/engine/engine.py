@@ -925,7 +925,7 @@ class RoundEngine:
                 kind=update.kind,
                 claimed=update.contribution.num_examples,
                 vector=update.vector,
-                fingerprint=fingerprint(reply),
+                fingerprint=fingerprint(reply) if self.guard.options.reject_replays else None,
             )
             if decision.ruling is Ruling.REJECT:
                 raise UpdateRejected(decision.reason or "rejected by the update guard")

@@ -13,7 +13,7 @@ from strategies.aggregation import (
     WeightedDeltaSum,
     add_scaled,
     apply_server_update,
-    float64_base,
+    float64_model,
     model_delta,
     weighted_average,
 )
@@ -152,22 +152,24 @@ def test_empty_sum_has_no_mean() -> None:
 
 # ------------------------------------------------- the per-update kernels, bit for bit
 REAL_DTYPES = st.sampled_from([np.float32, np.float16, np.float64, np.int64, np.uint8, np.bool_])
+SHAPES = st.sampled_from([(), (0,), (7,), (3, 5), (BLOCK + 3,), (2, BLOCK // 2 + 1)])
 
 
 @settings(max_examples=60, deadline=None)
 @given(
     dtype=REAL_DTYPES,
-    shape=st.sampled_from([(), (0,), (7,), (3, 5), (BLOCK + 3,), (2, BLOCK // 2 + 1)]),
+    shape=SHAPES,
     factor=st.floats(1e-6, 1e6),
     fortran=st.booleans(),
+    spare=st.booleans(),
     seed=st.integers(0, 2**31),
 )
 def test_the_kernels_give_numpys_numbers_bit_for_bit(
-    dtype: type, shape: tuple[int, ...], factor: float, fortran: bool, seed: int
+    dtype: type, shape: tuple[int, ...], factor: float, fortran: bool, spare: bool, seed: int
 ) -> None:
-    """model_delta and add_scaled, blocked or not, C or Fortran order, equal the plain
-    expressions the server used to evaluate (``x.astype(float64) - base``,
-    ``acc += np.multiply(delta, factor, dtype=float64)``)."""
+    """model_delta and add_scaled, blocked or not, C or Fortran order, into fresh or spent
+    memory, equal the plain expressions the server used to evaluate
+    (``x.astype(float64) - base``, ``acc += np.multiply(delta, factor, dtype=float64)``)."""
     rng = np.random.default_rng(seed)
 
     def draw() -> np.ndarray:
@@ -175,15 +177,33 @@ def test_the_kernels_give_numpys_numbers_bit_for_bit(
         return np.asfortranarray(values) if fortran else values
 
     received, base = draw(), draw()
-    base64 = float64_base({"x": base})["x"]
     expected = received.astype(np.float64) - base
-    for delta in (model_delta(received, base), model_delta(received, base64)):
+    out = np.full(received.shape, np.nan) if spare else None
+    for against in (base, float64_model({"x": base})["x"]):
+        delta = model_delta(received, against, out=out)
         assert delta.dtype == np.float64 and delta.shape == expected.shape
         assert delta.tobytes() == expected.tobytes()
+        assert out is None or delta is out
     acc = draw().astype(np.float64)
     reference = acc + np.multiply(expected, factor, dtype=np.float64)
-    add_scaled(acc, expected, factor)
-    assert acc.tobytes() == reference.tobytes()
+    for spent in (False, True):
+        into, value = acc.copy(), expected.copy()
+        add_scaled(into, value, factor, spent=spent)
+        assert into.tobytes() == reference.tobytes()
+        assert spent or value.tobytes() == expected.tobytes()  # not spent: left as it was
+
+
+def test_a_spent_sum_gives_the_same_mean_in_its_own_memory() -> None:
+    rng = np.random.default_rng(3)
+    acc = WeightedDeltaSum()
+    for weight in (1.0, 2.5, 7.0):
+        acc.add({"w": rng.normal(size=(3, 4)), "n": np.array(rng.normal())}, weight)
+    fresh = acc.mean()
+    sums = dict(acc.sums)
+    spent = acc.mean(spent=True)
+    for key in fresh:
+        assert spent[key].tobytes() == fresh[key].tobytes()
+        assert spent[key] is sums[key]
 
 
 def test_a_complex_base_is_promoted_as_numpy_promotes_it() -> None:

@@ -203,3 +203,42 @@ def test_aggregator_settings_are_checked() -> None:
         LocalSGDAveraging(aggregator="mode")
     with pytest.raises(ConfigError, match="trim-fraction"):
         LocalSGDAveraging(aggregator="trimmed-mean", trim_fraction=0.5)
+
+
+def test_a_spent_update_s_memory_holds_the_next_and_the_sum_is_the_oracle_s() -> None:
+    """The server writes each Δ_n into the memory of the one it added before (fresh pages
+    cost more than the subtraction); the weighted sum is still Σ n_n Δ_n / Σ n_n exactly,
+    and an update not yet added is never overwritten."""
+    rng = np.random.default_rng(0)
+    base = {"w": rng.normal(size=(3, 4)).astype(np.float32), "b": np.zeros(4, np.float32)}
+    models = [
+        {k: rng.normal(size=v.shape).astype(np.float32) for k, v in base.items()} for _ in range(4)
+    ]
+    weights = [3, 1, 4, 1]
+    strategy = LocalSGDAveraging()
+    base_record = record(**base)
+    strategy.begin_aggregation(1, base_record)
+    first = strategy.read_update(reply(record(**models[0]), weights[0]), base=base_record)
+    second = strategy.read_update(reply(record(**models[1]), weights[1]), base=base_record)
+    assert not np.shares_memory(first.payload["w"], second.payload["w"])
+    strategy.add_update(first, weight=weights[0])
+    strategy.add_update(second, weight=weights[1])
+    third = strategy.read_update(reply(record(**models[2]), weights[2]), base=base_record)
+    assert np.shares_memory(third.payload["w"], second.payload["w"])  # reused
+    strategy.add_update(third, weight=weights[2])
+    strategy.add_update(
+        strategy.read_update(reply(record(**models[3]), weights[3]), base=base_record),
+        weight=weights[3],
+    )
+    arrays, _ = strategy.finish_aggregation()
+    assert arrays is not None
+    expected = {
+        k: sum(
+            w * (m[k].astype(np.float64) - base[k]) for m, w in zip(models, weights, strict=True)
+        )
+        / 9
+        + base[k]
+        for k in base
+    }
+    for key, value in record_to_arrays(arrays).items():
+        np.testing.assert_allclose(value, expected[key].astype(np.float32), rtol=0, atol=1e-6)
