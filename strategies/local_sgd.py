@@ -52,6 +52,7 @@ from flplatform import keys
 from flplatform.arrays import arrays_to_record, record_views
 from flplatform.checks import Problem, number, one_of, require, unit_interval
 from flplatform.engine import Contribution, EngineStrategy, Update
+from flplatform.engine.replies import record_of
 from flplatform.errors import StepRefused, UpdateRejected
 from flplatform.seeding import rng_for
 from flplatform.start import PlatformStart
@@ -454,7 +455,7 @@ def aggregate_batch(
 
 def _reply_codec(content: RecordDict) -> str | None:
     """The codec a reply says it was compressed with; None for a whole model."""
-    config = content.config_records.get(keys.CONFIG)
+    config = record_of(content, keys.CONFIG, ConfigRecord)
     if config is None or keys.CODEC not in config:
         return None
     name = config[keys.CODEC]
@@ -472,9 +473,9 @@ def state_lost_note(metrics: MetricRecord, consequence: str) -> str | None:
 
 def reject_state_lost(content: RecordDict, resync: str) -> None:
     """Reject a reply that says the site lost its state and so carries no update."""
-    metrics = content.metric_records.get(keys.METRICS)
+    metrics = record_of(content, keys.METRICS, MetricRecord)
     if metrics is not None and metrics.get(keys.STATE_LOST) == 1 and keys.ARRAYS not in content:
-        config = content.config_records.get(keys.CONFIG)
+        config = record_of(content, keys.CONFIG, ConfigRecord)
         what = config.get(keys.STATE_LOST_DETAIL) if config is not None else None
         lacking = f" ({what})" if isinstance(what, str) else ""
         raise UpdateRejected(

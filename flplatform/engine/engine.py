@@ -1106,7 +1106,8 @@ def fingerprint(reply: Message) -> tuple[str, ...]:
 
     Not Flower's object ids: those would hash the whole reply again (``engine.digest``).
     """
-    return tuple(arrays_digest(record) for record in reply.content.array_records.values())
+    records = reply.content.values()  # not ``array_records``: see replies.record_of
+    return tuple(arrays_digest(r) for r in records if isinstance(r, ArrayRecord))
 
 
 def _reported_loss(outcome: UpdateOutcome, reply: Message) -> ReportedLoss:
