@@ -39,6 +39,9 @@ class WeightedDeltaSum:
     sums: Arrays = field(default_factory=dict)
     total_weight: float = 0.0
     count: int = 0
+    # Memory for the sums where it fits (a spent sum's arrays): fresh pages cost more
+    # than the arithmetic.
+    into: Arrays = field(default_factory=dict)
 
     def add(
         self,
@@ -61,10 +64,12 @@ class WeightedDeltaSum:
             raise ValueError(f"scale must be a finite number >= 0, got {scale}")
         factor = weight * scale
         if self.count == 0:
-            # asarray: a 0-d product is a NumPy scalar, which later updates could not add into
+            # into arrays, never a 0-d product: that is a NumPy scalar, not added into later
             self.sums = {
-                k: np.asarray(np.asarray(v, dtype=np.float64) * factor) for k, v in delta.items()
+                k: np.multiply(v, factor, out=_memory(self.into.get(k), v), dtype=np.float64)
+                for k, v in delta.items()
             }
+            self.into = {}
         else:
             for key, value in delta.items():
                 add_scaled(self.sums[key], value, factor, spent=spent)
@@ -121,27 +126,40 @@ def model_delta(
     """
     if np.result_type(received, base, np.float64) != np.float64:  # complex: numpy's own way
         return received.astype(np.float64) - base
+    delta = _memory(out, received)
+    np.copyto(delta, received)
+    np.subtract(delta, base, out=delta)
+    return delta
+
+
+def _memory(buffer: np.ndarray | None, like: np.ndarray) -> np.ndarray:
+    """``buffer`` when it can hold a float64 copy of ``like`` (float64, C order, writable,
+    the shape), else a new array for one."""
     if (
-        out is not None
-        and out.dtype == np.float64
-        and out.shape == received.shape
-        and out.flags.c_contiguous
-        and out.flags.writeable
+        buffer is not None
+        and buffer.dtype == np.float64
+        and buffer.shape == np.shape(like)
+        and buffer.flags.c_contiguous
+        and buffer.flags.writeable
     ):
-        np.copyto(out, received)
-    else:
-        out = received.astype(np.float64)
-    np.subtract(out, base, out=out)
-    return out
+        return buffer
+    return np.empty(np.shape(like), dtype=np.float64)
 
 
-def float64_model(arrays: Mapping[str, np.ndarray]) -> Arrays:
-    """The model x in float64 for ``model_delta``; arrays of other kinds (complex) are kept
-    as they are, and ``model_delta`` promotes them as numpy would."""
-    return {
-        k: v.astype(np.float64) if np.result_type(v, np.float64) == np.float64 else v
-        for k, v in arrays.items()
-    }
+def float64_model(
+    arrays: Mapping[str, np.ndarray], *, into: Mapping[str, np.ndarray] | None = None
+) -> Arrays:
+    """The model x in float64 for ``model_delta``, in ``into``'s arrays where they fit (the
+    last version's); arrays of other kinds (complex) are kept as they are, and
+    ``model_delta`` promotes them as numpy would."""
+    cast: Arrays = {}
+    for key, value in arrays.items():
+        if np.result_type(value, np.float64) != np.float64:
+            cast[key] = value
+            continue
+        cast[key] = _memory((into or {}).get(key), value)
+        np.copyto(cast[key], value)
+    return cast
 
 
 @dataclass
@@ -158,11 +176,15 @@ def apply_server_update(
     eta: float,
     beta: float,
     state: ServerOptimizerState,
+    spent: bool = False,
 ) -> Arrays:
     """Return x + η_g·v with v ← β v + Δ̄ (FedAvgM; β = 0 is FedAvg).
 
     The result keeps each array's dtype; integer arrays (e.g. a user model's BatchNorm
     counters) are rounded, since averaging them is all a model-agnostic server can do.
+    ``spent``: ``mean_delta`` is not used again, and (β = 0) its float64 arrays hold the
+    sums in float64 (the result's own arrays where x is float64), saving a model-sized
+    allocation.
 
     Raises ``StepRefused`` if any array of the result would not be finite in its dtype
     (a float32 model overflows at 3.4e38); the velocity is then left as it was.
@@ -175,8 +197,12 @@ def apply_server_update(
             v = state.velocity.get(key)
             step = step.copy() if v is None else beta * v + step
             velocity[key] = step
-        new = np.array(base, dtype=np.float64)
-        add_scaled(new, step, eta)  # x + η·step, without a model-sized η·step
+        if spent and beta == 0.0 and _memory(step, base) is step:
+            new = np.multiply(step, eta, out=step)
+            np.add(new, base, out=new)  # η·step + x: the sum x + η·step is, to the bit
+        else:
+            new = np.array(base, dtype=np.float64)
+            add_scaled(new, step, eta)  # x + η·step, without a model-sized η·step
         if np.issubdtype(base.dtype, np.integer):
             if not np.isfinite(new).all():
                 raise StepRefused(f"array '{key}' would become non-finite")

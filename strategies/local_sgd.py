@@ -150,8 +150,13 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         self._acc = WeightedDeltaSum()
         self._current: dict[str, np.ndarray] = {}
         self._current_record: ArrayRecord | None = None
-        # _current in float64 for the subtraction, made once per version (None: not yet)
+        # Model-sized float64 memory, kept from one use to the next (fresh pages cost more
+        # than the arithmetic): _current in float64 for the subtraction, made once per
+        # version (None: not yet) into the last version's (_spent64); the Δ last added,
+        # which the next is written into (_spare); the last round's sums (_spent_sums).
         self._current64: dict[str, np.ndarray] | None = None
+        self._spent64: dict[str, np.ndarray] = {}
+        self._spent_sums: dict[str, np.ndarray] = {}
         self._spare: dict[str, np.ndarray] = {}  # a Δ already added: the next one's memory
         self._loss_sum = 0.0
         self._loss_weight = 0.0
@@ -287,13 +292,13 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         """
         if arrays is not self._current_record:
             self._current, self._current_record = record_views(arrays), arrays
-            self._current64 = None
+            self._spent64, self._current64 = self._current64 or self._spent64, None
             self._layout = None
 
     def begin_aggregation(self, server_round: int, arrays: ArrayRecord) -> None:
         """Start a new accumulator for the round producing the next version."""
         self._use_current(arrays)
-        self._acc = WeightedDeltaSum()
+        self._acc = WeightedDeltaSum(into=self._spent_sums)
         self._held = []
         self._loss_sum, self._loss_weight = 0.0, 0.0
 
@@ -314,7 +319,7 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
             check_arrays(received, base_arrays)
             if base is self._current_record:
                 if self._current64 is None:
-                    self._current64 = float64_model(self._current)
+                    self._current64 = float64_model(self._current, into=self._spent64)
                 base_arrays = self._current64
             spare, self._spare = self._spare, {}
             delta = {
@@ -363,18 +368,25 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         if count == 0:
             return None, None
         mean = self._acc.mean(spent=True) if self.aggregator == MEAN else self._robust_mean()
-        # Free the round's sum before the next round, whether or not the step is taken.
+        # Free the round's sum before the next round, whether or not the step is taken;
+        # its memory holds the next round's.
         self._acc, self._held = WeightedDeltaSum(), []
+        self._spent_sums = mean if self.aggregator == MEAN else {}
         try:
             new = apply_server_update(
-                self._current, mean, eta=self.eta, beta=self.beta, state=self.state.optimizer
+                self._current,
+                mean,
+                eta=self.eta,
+                beta=self.beta,
+                state=self.state.optimizer,
+                spent=True,
             )
         except StepRefused as exc:
             raise StepRefused(f"the server step: {exc.reason}") from None
         metrics = MetricRecord({"num-updates": count})
         if self._loss_weight > 0:
             metrics[keys.TRAIN_LOSS] = self._loss_sum / self._loss_weight
-        return arrays_to_record(new), metrics
+        return arrays_to_record(new), metrics  # a copy: ``new`` may be _spent_sums
 
     def _robust_mean(self) -> dict[str, np.ndarray]:
         """The coordinate-wise median or trimmed mean of the held updates (Flower's maths)."""

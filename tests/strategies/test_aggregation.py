@@ -210,3 +210,57 @@ def test_a_complex_base_is_promoted_as_numpy_promotes_it() -> None:
     received = np.array([1.5, 2.5], np.float32)
     base = np.array([1 + 1j, 2 - 1j], np.complex64)
     np.testing.assert_array_equal(model_delta(received, base), received.astype(np.float64) - base)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=REAL_DTYPES,
+    shape=SHAPES,
+    eta=st.sampled_from([1.0, 0.5, 1.7]),
+    beta=st.sampled_from([0.0, 0.9]),
+    seed=st.integers(0, 2**31),
+)
+def test_a_spent_mean_gives_the_same_step_bit_for_bit(
+    dtype: type, shape: tuple[int, ...], eta: float, beta: float, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    x = {"x": np.asarray(rng.normal(size=shape) * 10).astype(dtype)}
+    mean = {"x": np.asarray(rng.normal(size=shape))}
+    velocity = {"x": np.asarray(rng.normal(size=shape))}
+    results = []
+    for spent in (False, True):
+        state = ServerOptimizerState(velocity={k: v.copy() for k, v in velocity.items()})
+        out = apply_server_update(
+            x, {k: v.copy() for k, v in mean.items()}, eta=eta, beta=beta, state=state, spent=spent
+        )
+        results.append((out["x"].dtype, out["x"].tobytes(), state.velocity["x"].tobytes()))
+    plain = np.asarray(x["x"], dtype=np.float64) + eta * (
+        beta * velocity["x"] + mean["x"] if beta else mean["x"]
+    )
+    if np.issubdtype(np.dtype(dtype), np.integer):
+        plain = np.rint(plain)
+    assert results[0] == results[1]
+    assert results[0][1] == plain.astype(dtype).tobytes()
+
+
+def test_sums_and_the_float64_model_are_written_into_the_memory_given() -> None:
+    rng = np.random.default_rng(4)
+    memory = {"w": np.full((2, 3), np.nan), "n": np.zeros(5)}
+    acc = WeightedDeltaSum(into=memory)
+    delta = {"w": rng.normal(size=(2, 3)), "n": rng.normal(size=2)}
+    acc.add(delta, 3.0)
+    assert acc.sums["w"] is memory["w"] and acc.sums["n"] is not memory["n"]  # shape changed
+    for key in delta:
+        assert acc.sums[key].tobytes() == (np.asarray(delta[key], np.float64) * 3.0).tobytes()
+    old = {"w": np.zeros((2, 3)), "n": np.zeros(1)}
+    new = {
+        "w": np.ones((2, 3), np.float32),
+        "n": np.ones(2, np.int64),
+        "c": np.ones(1, np.complex64),
+    }
+    cast = float64_model(new, into=old)
+    assert cast["w"] is old["w"] and cast["n"] is not old["n"]
+    assert cast["c"] is new["c"]  # complex: left for numpy's promotion
+    for key in ("w", "n"):
+        assert cast[key].dtype == np.float64
+        np.testing.assert_array_equal(cast[key], new[key])

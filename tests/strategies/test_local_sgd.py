@@ -242,3 +242,43 @@ def test_a_spent_update_s_memory_holds_the_next_and_the_sum_is_the_oracle_s() ->
     }
     for key, value in record_to_arrays(arrays).items():
         np.testing.assert_allclose(value, expected[key].astype(np.float32), rtol=0, atol=1e-6)
+
+
+def test_rounds_on_reused_memory_give_the_plain_numpy_models_bit_for_bit() -> None:
+    """Three rounds through one strategy (each Δ, sum and float64 model written into the
+    memory of the last) give exactly what the plain expressions give, round after round."""
+    rng = np.random.default_rng(7)
+    shapes = {"w": (30, 20), "b": (20,), "n": ()}
+    model = {k: np.asarray(rng.normal(size=s)).astype(np.float32) for k, s in shapes.items()}
+    strategy = LocalSGDAveraging()
+    for server_round in (1, 2, 3):
+        sites = [
+            ({k: np.asarray(v + rng.normal(size=v.shape), np.float32) for k, v in model.items()}, n)
+            for n in (3, 1, 4, 1, 5)
+        ]
+        current = record(**model)
+        strategy.begin_aggregation(server_round, current)
+        for site_model, examples in sites:
+            update = strategy.read_update(reply(record(**site_model), examples), base=current)
+            strategy.add_update(update, weight=examples)
+        arrays, _ = strategy.finish_aggregation()
+        assert arrays is not None
+        # the expressions of the plain implementation, in its order
+        sums: dict[str, np.ndarray] = {}
+        for site_model, examples in sites:
+            for k in model:
+                delta = site_model[k].astype(np.float64) - model[k]
+                if k in sums:
+                    sums[k] += np.multiply(delta, examples, dtype=np.float64)
+                else:
+                    sums[k] = np.asarray(delta, dtype=np.float64) * examples
+        total = float(sum(n for _, n in sites))
+        model = {
+            k: np.asarray(np.asarray(model[k], dtype=np.float64) + 1.0 * (sums[k] / total)).astype(
+                np.float32
+            )
+            for k in model
+        }
+        got = record_to_arrays(arrays)
+        for k in model:
+            assert got[k].tobytes() == model[k].tobytes(), (server_round, k)
