@@ -177,6 +177,7 @@ def apply_server_update(
     beta: float,
     state: ServerOptimizerState,
     spent: bool = False,
+    x64: Mapping[str, np.ndarray] | None = None,
 ) -> Arrays:
     """Return x + η_g·v with v ← β v + Δ̄ (FedAvgM; β = 0 is FedAvg).
 
@@ -184,7 +185,8 @@ def apply_server_update(
     counters) are rounded, since averaging them is all a model-agnostic server can do.
     ``spent``: ``mean_delta`` is not used again, and (β = 0) its float64 arrays hold the
     sums in float64 (the result's own arrays where x is float64), saving a model-sized
-    allocation.
+    allocation; ``x64``: x in float64 (``float64_model``), when the caller has it, saves a
+    cast.
 
     Raises ``StepRefused`` if any array of the result would not be finite in its dtype
     (a float32 model overflows at 3.4e38); the velocity is then left as it was.
@@ -197,9 +199,10 @@ def apply_server_update(
             v = state.velocity.get(key)
             step = step.copy() if v is None else beta * v + step
             velocity[key] = step
-        if spent and beta == 0.0 and _memory(step, base) is step:
-            new = np.multiply(step, eta, out=step)
-            np.add(new, base, out=new)  # η·step + x: the sum x + η·step is, to the bit
+        real = np.result_type(base, np.float64) == np.float64
+        if spent and beta == 0.0 and real and _memory(step, base) is step:
+            new = step if eta == 1.0 else np.multiply(step, eta, out=step)  # 1·s is s
+            np.add(new, base if x64 is None else x64[key], out=new)  # η·s + x is x + η·s
         else:
             new = np.array(base, dtype=np.float64)
             add_scaled(new, step, eta)  # x + η·step, without a model-sized η·step

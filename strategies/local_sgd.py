@@ -380,6 +380,7 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
                 beta=self.beta,
                 state=self.state.optimizer,
                 spent=True,
+                x64=self._current64,
             )
         except StepRefused as exc:
             raise StepRefused(f"the server step: {exc.reason}") from None

@@ -228,18 +228,17 @@ def test_a_spent_mean_gives_the_same_step_bit_for_bit(
     mean = {"x": np.asarray(rng.normal(size=shape))}
     velocity = {"x": np.asarray(rng.normal(size=shape))}
     results = []
-    for spent in (False, True):
+    for spent, x64 in ((False, None), (True, None), (True, float64_model(x))):
         state = ServerOptimizerState(velocity={k: v.copy() for k, v in velocity.items()})
-        out = apply_server_update(
-            x, {k: v.copy() for k, v in mean.items()}, eta=eta, beta=beta, state=state, spent=spent
-        )
+        step = {k: v.copy() for k, v in mean.items()}
+        out = apply_server_update(x, step, eta=eta, beta=beta, state=state, spent=spent, x64=x64)
         results.append((out["x"].dtype, out["x"].tobytes(), state.velocity["x"].tobytes()))
     plain = np.asarray(x["x"], dtype=np.float64) + eta * (
         beta * velocity["x"] + mean["x"] if beta else mean["x"]
     )
     if np.issubdtype(np.dtype(dtype), np.integer):
         plain = np.rint(plain)
-    assert results[0] == results[1]
+    assert results[0] == results[1] == results[2]
     assert results[0][1] == plain.astype(dtype).tobytes()
 
 
