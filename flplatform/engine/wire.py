@@ -217,14 +217,13 @@ class _Objects:
         dtype, shape, stype and, for each slice of its data, which of those it is."""
         data = memoryview(array.data)
         step = flower_array.FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE  # read now: tests change it
-        children: dict[Hashable, _Node] = {}
-        indices = []  # for each slice, its chunk's place among the distinct ones
+        children: dict[Hashable, _Node] = {}  # distinct chunks, in the order met
+        place: dict[Hashable, int] = {}  # a chunk's place among them
+        indices = []  # each slice's chunk, by its place
         for start in range(0, len(data), step):
             chunk = self._chunk(data[start : start + step])
-            indices.append(
-                list(children).index(chunk.key) if chunk.key in children else len(children)
-            )
             children.setdefault(chunk.key, chunk)
+            indices.append(place.setdefault(chunk.key, len(place)))
         metadata = {"dtype": array.dtype, "shape": array.shape, "stype": array.stype}
         body = json.dumps({**metadata, "arraychunk_ids": indices})
         key = (type(array).__qualname__, body, tuple(children))
