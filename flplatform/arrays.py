@@ -7,13 +7,75 @@ user's model is loaded by position as often as by name.
 
 from __future__ import annotations
 
+import functools
+import io
+
 import numpy as np
 from flwr.app import Array, ArrayRecord
+from flwr.common.constant import SType
+from numpy.lib import format as npy
+
+# .npy header versions whose header numpy reads with a public function
+_NPY_HEADER_READERS = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}
 
 
 def record_to_arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
     """ArrayRecord → {name: ndarray} (order kept)."""
     return {key: array.numpy() for key, array in record.items()}
+
+
+def record_views(record: ArrayRecord) -> dict[str, np.ndarray]:
+    """ArrayRecord → {name: read-only ndarray} reading the record's bytes in place.
+
+    What ``record_to_arrays`` gives, without copying any data: for reading a reply once
+    (the server decodes every reply of every round). The arrays keep the record's bytes
+    alive and cannot be written to.
+    """
+    return {key: array_view(array) for key, array in record.items()}
+
+
+def array_view(array: Array) -> np.ndarray:
+    """``array.numpy()`` as a read-only view of ``array.data`` (``np.frombuffer`` after the
+    .npy header); anything but a plain .npy of fixed-size items (an object array, a
+    truncated buffer, an unusual header) takes Flower's own path, with its errors."""
+    data = array.data
+    if array.stype == SType.NUMPY and data[:_PREFIX] == npy.MAGIC_PREFIX:
+        length_bytes = _HEADER_LENGTH_BYTES.get(data[_PREFIX : _PREFIX + 1])  # major version
+        if length_bytes is not None:
+            start = _PREFIX + 2 + length_bytes
+            header = bytes(data[: start + int.from_bytes(data[_PREFIX + 2 : start], "little")])
+            try:
+                layout = _npy_layout(header)
+                if layout is not None:
+                    shape, fortran_order, dtype = layout
+                    count = int(np.prod(shape, dtype=np.int64))
+                    flat = np.frombuffer(data, dtype=dtype, count=count, offset=len(header))
+                    if fortran_order:  # as numpy.lib.format.read_array lays it out
+                        return flat.reshape(shape[::-1]).transpose()
+                    return flat.reshape(shape)
+            except ValueError:
+                pass  # Flower's path raises the error a caller expects
+    return array.numpy()
+
+
+_PREFIX = len(npy.MAGIC_PREFIX)
+_HEADER_LENGTH_BYTES = {b"\x01": 2, b"\x02": 4}  # .npy 1.x, 2.x: uint16 or uint32 length
+
+
+@functools.lru_cache(maxsize=1024)
+def _npy_layout(header: bytes) -> tuple[tuple[int, ...], bool, np.dtype] | None:
+    """(shape, Fortran order, dtype) of a whole .npy header, None for arrays a view cannot
+    hold (objects, zero-size items); raises ValueError for a bad header. Cached: every
+    reply of a round repeats the same few headers, and numpy parses one with
+    ``ast.literal_eval`` (some 50 µs)."""
+    stream = io.BytesIO(header)
+    read_header = _NPY_HEADER_READERS.get(npy.read_magic(stream))
+    if read_header is None:
+        return None
+    shape, fortran_order, dtype = read_header(stream)
+    if stream.tell() != len(header) or dtype.hasobject or dtype.itemsize == 0:
+        return None
+    return shape, fortran_order, dtype
 
 
 def arrays_to_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:

@@ -39,12 +39,24 @@ class WeightedDeltaSum:
     sums: Arrays = field(default_factory=dict)
     total_weight: float = 0.0
     count: int = 0
+    # Memory for the sums where it fits (a spent sum's arrays): fresh pages cost more
+    # than the arithmetic.
+    into: Arrays = field(default_factory=dict)
 
-    def add(self, delta: Mapping[str, np.ndarray], weight: float, scale: float = 1.0) -> None:
+    def add(
+        self,
+        delta: Mapping[str, np.ndarray],
+        weight: float,
+        scale: float = 1.0,
+        *,
+        spent: bool = False,
+    ) -> None:
         """Add one site's delta: Σ += weight·scale·Δ, Σw += weight.
 
         ``weight`` (> 0) is the site's example count; ``scale`` (>= 0) discounts the update
         itself (e.g. 1/sqrt(1 + staleness)) without renormalising the discount away.
+        ``spent``: the caller has no further use for ``delta``, whose float64 arrays are
+        then scaled in place (a pass over memory saved; the sum is the same).
         """
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError(f"weight must be a finite number > 0, got {weight}")
@@ -52,19 +64,102 @@ class WeightedDeltaSum:
             raise ValueError(f"scale must be a finite number >= 0, got {scale}")
         factor = weight * scale
         if self.count == 0:
-            self.sums = {k: np.asarray(v, dtype=np.float64) * factor for k, v in delta.items()}
+            # into arrays, never a 0-d product: that is a NumPy scalar, not added into later
+            self.sums = {
+                k: np.multiply(v, factor, out=_memory(self.into.get(k), v), dtype=np.float64)
+                for k, v in delta.items()
+            }
+            self.into = {}
         else:
             for key, value in delta.items():
-                acc = self.sums[key]
-                acc += np.multiply(value, factor, dtype=np.float64)
+                add_scaled(self.sums[key], value, factor, spent=spent)
         self.total_weight += weight
         self.count += 1
 
-    def mean(self) -> Arrays:
-        """Return Σ w_n Δ_n / Σ w_n (float64); an empty sum has no mean."""
+    def mean(self, *, spent: bool = False) -> Arrays:
+        """Return Σ w_n Δ_n / Σ w_n (float64); an empty sum has no mean.
+
+        ``spent``: the sum is not used again, and is divided in place (no model-sized copy).
+        """
         if self.count == 0 or self.total_weight <= 0:
             raise ValueError("no updates were accumulated")
+        if spent:
+            return {k: np.divide(v, self.total_weight, out=v) for k, v in self.sums.items()}
         return {k: v / self.total_weight for k, v in self.sums.items()}
+
+
+# Elements per step of ``add_scaled``: a float64 block of 512 KiB stays in cache between
+# the multiply and the add, so no model-sized temporary is made per update.
+BLOCK = 1 << 16
+
+
+def add_scaled(acc: np.ndarray, value: np.ndarray, factor: float, *, spent: bool = False) -> None:
+    """``acc += np.multiply(value, factor, dtype=np.float64)``, the same numbers, block by
+    block (``acc``: float64, ``value``: the same shape), or (``spent``: ``value`` is not
+    needed after) with ``value`` scaled in place when it is a writable float64 array."""
+    value = np.asarray(value)
+    if spent and value.dtype == np.float64 and value.flags.writeable and value.shape == acc.shape:
+        np.multiply(value, factor, out=value)
+        acc += value
+        return
+    if not acc.flags.c_contiguous or value.shape != acc.shape:  # numpy's own way: a view
+        acc += np.multiply(value, factor, dtype=np.float64)  # of acc could not be written
+        return
+    flat, values = acc.reshape(-1), value.reshape(-1)
+    scratch = np.empty(min(BLOCK, flat.size), dtype=np.float64)
+    for start in range(0, flat.size, BLOCK):
+        part = flat[start : start + BLOCK]
+        scaled = scratch[: part.size]
+        np.multiply(values[start : start + BLOCK], factor, out=scaled, dtype=np.float64)
+        part += scaled
+
+
+def model_delta(
+    received: np.ndarray, base: np.ndarray, *, out: np.ndarray | None = None
+) -> np.ndarray:
+    """Δ = x_n − x in float64: the numbers of ``received.astype(np.float64) - base``.
+
+    Written into ``out`` when it can hold Δ (float64, C order, the shape: the memory of a
+    spent Δ, as fresh pages cost more than the subtraction). ``base`` already in float64
+    (``float64_model``) saves a cast per update: a subtraction of mixed types runs at
+    half the speed.
+    """
+    if np.result_type(received, base, np.float64) != np.float64:  # complex: numpy's own way
+        return received.astype(np.float64) - base
+    delta = _memory(out, received)
+    np.copyto(delta, received)
+    np.subtract(delta, base, out=delta)
+    return delta
+
+
+def _memory(buffer: np.ndarray | None, like: np.ndarray) -> np.ndarray:
+    """``buffer`` when it can hold a float64 copy of ``like`` (float64, C order, writable,
+    the shape), else a new array for one."""
+    if (
+        buffer is not None
+        and buffer.dtype == np.float64
+        and buffer.shape == np.shape(like)
+        and buffer.flags.c_contiguous
+        and buffer.flags.writeable
+    ):
+        return buffer
+    return np.empty(np.shape(like), dtype=np.float64)
+
+
+def float64_model(
+    arrays: Mapping[str, np.ndarray], *, into: Mapping[str, np.ndarray] | None = None
+) -> Arrays:
+    """The model x in float64 for ``model_delta``, in ``into``'s arrays where they fit (the
+    last version's); arrays of other kinds (complex) are kept as they are, and
+    ``model_delta`` promotes them as numpy would."""
+    cast: Arrays = {}
+    for key, value in arrays.items():
+        if np.result_type(value, np.float64) != np.float64:
+            cast[key] = value
+            continue
+        cast[key] = _memory((into or {}).get(key), value)
+        np.copyto(cast[key], value)
+    return cast
 
 
 @dataclass
@@ -81,11 +176,17 @@ def apply_server_update(
     eta: float,
     beta: float,
     state: ServerOptimizerState,
+    spent: bool = False,
+    x64: Mapping[str, np.ndarray] | None = None,
 ) -> Arrays:
     """Return x + η_g·v with v ← β v + Δ̄ (FedAvgM; β = 0 is FedAvg).
 
     The result keeps each array's dtype; integer arrays (e.g. a user model's BatchNorm
     counters) are rounded, since averaging them is all a model-agnostic server can do.
+    ``spent``: ``mean_delta`` is not used again, and (β = 0) its float64 arrays hold the
+    sums in float64 (the result's own arrays where x is float64), saving a model-sized
+    allocation; ``x64``: x in float64 (``float64_model``), when the caller has it, saves a
+    cast.
 
     Raises ``StepRefused`` if any array of the result would not be finite in its dtype
     (a float32 model overflows at 3.4e38); the velocity is then left as it was.
@@ -98,7 +199,13 @@ def apply_server_update(
             v = state.velocity.get(key)
             step = step.copy() if v is None else beta * v + step
             velocity[key] = step
-        new = np.asarray(base, dtype=np.float64) + eta * step
+        real = np.result_type(base, np.float64) == np.float64
+        if spent and beta == 0.0 and real and _memory(step, base) is step:
+            new = step if eta == 1.0 else np.multiply(step, eta, out=step)  # 1·s is s
+            np.add(new, base if x64 is None else x64[key], out=new)  # η·s + x is x + η·s
+        else:
+            new = np.array(base, dtype=np.float64)
+            add_scaled(new, step, eta)  # x + η·step, without a model-sized η·step
         if np.issubdtype(base.dtype, np.integer):
             if not np.isfinite(new).all():
                 raise StepRefused(f"array '{key}' would become non-finite")

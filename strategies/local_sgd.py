@@ -49,9 +49,10 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from flplatform import keys
-from flplatform.arrays import arrays_to_record, record_to_arrays
+from flplatform.arrays import arrays_to_record, record_views
 from flplatform.checks import Problem, number, one_of, require, unit_interval
 from flplatform.engine import Contribution, EngineStrategy, Update
+from flplatform.engine.replies import record_of
 from flplatform.errors import StepRefused, UpdateRejected
 from flplatform.seeding import rng_for
 from flplatform.start import PlatformStart
@@ -60,6 +61,8 @@ from strategies.aggregation import (
     WeightedDeltaSum,
     apply_server_update,
     eta_problem,
+    float64_model,
+    model_delta,
 )
 from strategies.codecs import Codec, Identity, Layout, make_codec
 from strategies.state import StateReader
@@ -147,6 +150,14 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         self._acc = WeightedDeltaSum()
         self._current: dict[str, np.ndarray] = {}
         self._current_record: ArrayRecord | None = None
+        # Model-sized float64 memory, kept from one use to the next (fresh pages cost more
+        # than the arithmetic): _current in float64 for the subtraction, made once per
+        # version (None: not yet) into the last version's (_spent64); the Δ last added,
+        # which the next is written into (_spare); the last round's sums (_spent_sums).
+        self._current64: dict[str, np.ndarray] | None = None
+        self._spent64: dict[str, np.ndarray] = {}
+        self._spent_sums: dict[str, np.ndarray] = {}
+        self._spare: dict[str, np.ndarray] = {}  # a Δ already added: the next one's memory
         self._loss_sum = 0.0
         self._loss_weight = 0.0
         self._compressing: set[int] = set()  # sites whose compressed uploads were taken
@@ -272,20 +283,22 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
 
     # ------------------------------------------------- streaming aggregation
     def _use_current(self, arrays: ArrayRecord) -> None:
-        """Make ``arrays`` the model updates are applied to, decoding it once per version.
+        """Make ``arrays`` the model updates are applied to, decoding it once per version
+        (in place: the arrays read the record's bytes, which it keeps).
 
         The engine hands the same record to ``begin_aggregation`` and to every
         ``configure_train`` of a round; decoding it each time would cost a model-sized
         decode per dispatch.
         """
         if arrays is not self._current_record:
-            self._current, self._current_record = record_to_arrays(arrays), arrays
+            self._current, self._current_record = record_views(arrays), arrays
+            self._spent64, self._current64 = self._current64 or self._spent64, None
             self._layout = None
 
     def begin_aggregation(self, server_round: int, arrays: ArrayRecord) -> None:
         """Start a new accumulator for the round producing the next version."""
         self._use_current(arrays)
-        self._acc = WeightedDeltaSum()
+        self._acc = WeightedDeltaSum(into=self._spent_sums)
         self._held = []
         self._loss_sum, self._loss_weight = 0.0, 0.0
 
@@ -294,17 +307,24 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         content = reply.content
         record, metrics = reply_parts(reply)
         num_examples = check_num_examples(metrics.get(keys.NUM_EXAMPLES))
-        # Decoding the base once per round, not once per reply, keeps the server's cost
-        # per reply at one decode and one multiply-add.
-        base_arrays = self._current if base is self._current_record else record_to_arrays(base)
+        # Decoding the base once per round, not once per reply, and the reply in place,
+        # keeps the server's cost per reply at one subtraction and one multiply-add.
+        base_arrays = self._current if base is self._current_record else record_views(base)
         try:
-            received = record_to_arrays(record)
+            received = record_views(record)
         except Exception as exc:  # not .npy bytes, pickled objects, truncated data
             raise UpdateRejected(f"arrays cannot be decoded: {exc}") from None
         codec = _reply_codec(content)
         if codec is None:  # a whole model, Flower's convention
             check_arrays(received, base_arrays)
-            delta = {k: received[k].astype(np.float64) - base_arrays[k] for k in base_arrays}
+            if base is self._current_record:
+                if self._current64 is None:
+                    self._current64 = float64_model(self._current, into=self._spent64)
+                base_arrays = self._current64
+            spare, self._spare = self._spare, {}
+            delta = {
+                k: model_delta(received[k], base_arrays[k], out=spare.get(k)) for k in base_arrays
+            }
         else:
             delta = self._decode(codec, received)
             self._compressing.add(reply.metadata.src_node_id)
@@ -320,7 +340,10 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         """Add w·s·Δ_n to the round's sum (or hold s·Δ_n for a robust aggregator)."""
         delta: dict[str, np.ndarray] = update.payload
         if self.aggregator == MEAN:
-            self._acc.add(delta, weight, scale=scale)
+            # added, nothing reads Δ again (EngineStrategy.add_update): scaled in place, and
+            # its memory holds the next one
+            self._acc.add(delta, weight, scale=scale, spent=True)
+            self._spare = delta
         else:
             self._held.append({k: v * scale for k, v in delta.items()} if scale != 1 else delta)
         loss = update.contribution.train_loss
@@ -344,19 +367,27 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         count = self._acc.count if self.aggregator == MEAN else len(self._held)
         if count == 0:
             return None, None
-        mean = self._acc.mean() if self.aggregator == MEAN else self._robust_mean()
-        # Free the round's sum before the next round, whether or not the step is taken.
+        mean = self._acc.mean(spent=True) if self.aggregator == MEAN else self._robust_mean()
+        # Free the round's sum before the next round, whether or not the step is taken;
+        # its memory holds the next round's.
         self._acc, self._held = WeightedDeltaSum(), []
+        self._spent_sums = mean if self.aggregator == MEAN else {}
         try:
             new = apply_server_update(
-                self._current, mean, eta=self.eta, beta=self.beta, state=self.state.optimizer
+                self._current,
+                mean,
+                eta=self.eta,
+                beta=self.beta,
+                state=self.state.optimizer,
+                spent=True,
+                x64=self._current64,
             )
         except StepRefused as exc:
             raise StepRefused(f"the server step: {exc.reason}") from None
         metrics = MetricRecord({"num-updates": count})
         if self._loss_weight > 0:
             metrics[keys.TRAIN_LOSS] = self._loss_sum / self._loss_weight
-        return arrays_to_record(new), metrics
+        return arrays_to_record(new), metrics  # a copy: ``new`` may be _spent_sums
 
     def _robust_mean(self) -> dict[str, np.ndarray]:
         """The coordinate-wise median or trimmed mean of the held updates (Flower's maths)."""
@@ -437,7 +468,7 @@ def aggregate_batch(
 
 def _reply_codec(content: RecordDict) -> str | None:
     """The codec a reply says it was compressed with; None for a whole model."""
-    config = content.config_records.get(keys.CONFIG)
+    config = record_of(content, keys.CONFIG, ConfigRecord)
     if config is None or keys.CODEC not in config:
         return None
     name = config[keys.CODEC]
@@ -455,9 +486,9 @@ def state_lost_note(metrics: MetricRecord, consequence: str) -> str | None:
 
 def reject_state_lost(content: RecordDict, resync: str) -> None:
     """Reject a reply that says the site lost its state and so carries no update."""
-    metrics = content.metric_records.get(keys.METRICS)
+    metrics = record_of(content, keys.METRICS, MetricRecord)
     if metrics is not None and metrics.get(keys.STATE_LOST) == 1 and keys.ARRAYS not in content:
-        config = content.config_records.get(keys.CONFIG)
+        config = record_of(content, keys.CONFIG, ConfigRecord)
         what = config.get(keys.STATE_LOST_DETAIL) if config is not None else None
         lacking = f" ({what})" if isinstance(what, str) else ""
         raise UpdateRejected(

@@ -45,6 +45,7 @@ from flplatform import keys
 from flplatform.checkpoint import CheckpointError, StateProblems
 from flplatform.engine import rows
 from flplatform.engine.clock import Clock, Schedule, WallClock, planned_steps
+from flplatform.engine.digest import arrays_digest
 from flplatform.engine.discovery import introduce
 from flplatform.engine.divergence import DivergenceWatch, ReportedLoss
 from flplatform.engine.evaluation import evaluate_round
@@ -948,7 +949,7 @@ class RoundEngine:
                 kind=update.kind,
                 claimed=update.contribution.num_examples,
                 vector=update.vector,
-                fingerprint=fingerprint(reply),
+                fingerprint=fingerprint(reply) if self.guard.options.reject_replays else None,
             )
             if decision.ruling is Ruling.REJECT:
                 raise UpdateRejected(decision.reason or "rejected by the update guard")
@@ -1125,12 +1126,12 @@ def _joined(*notes: str | None) -> str | None:
 
 
 def fingerprint(reply: Message) -> tuple[str, ...]:
-    """The content ids of a reply's arrays: equal for identical arrays (a replay).
+    """A digest of each of a reply's array records: equal for identical arrays (a replay).
 
-    Flower's objects are content-addressed; the ids were computed when the reply's size was
-    measured, so this costs nothing more.
+    Not Flower's object ids: those would hash the whole reply again (``engine.digest``).
     """
-    return tuple(record.object_id for record in reply.content.array_records.values())
+    records = reply.content.values()  # not ``array_records``: see replies.record_of
+    return tuple(arrays_digest(r) for r in records if isinstance(r, ArrayRecord))
 
 
 def _reported_loss(outcome: UpdateOutcome, reply: Message) -> ReportedLoss:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import Any, TypeVar
 
-from flwr.app import Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from flplatform import keys
 from flplatform.engine.events import SiteInfo
@@ -56,12 +56,28 @@ def finite(value: Any, *, minimum: float = -math.inf) -> float | None:
     return number if math.isfinite(number) and number >= minimum else None
 
 
+Record = TypeVar("Record", ArrayRecord, ConfigRecord, MetricRecord)
+
+
+def record_of(content: RecordDict, name: str, kind: type[Record]) -> Record | None:
+    """``content``'s record ``name`` when it is a ``kind``, else None.
+
+    What ``content.metric_records.get(name)`` (and the like) gives, without Flower's typed
+    view: the view refers to itself, so a reply read through one stays in memory, model
+    and all, until Python's cyclic garbage collector happens to run.
+    """
+    record = content.get(name)
+    return record if isinstance(record, kind) else None
+
+
 def site_info(node_id: int, reply: Message | None) -> SiteInfo:
     """What a site's answer to the QUERY says; its node id names it if it said nothing."""
     fallback = f"node-{node_id}"
-    if reply is None or reply.has_error() or keys.SITE_INFO not in reply.content.config_records:
+    info = None
+    if reply is not None and not reply.has_error():
+        info = record_of(reply.content, keys.SITE_INFO, ConfigRecord)
+    if info is None:
         return SiteInfo(node_id=node_id, name=fallback)
-    info = reply.content.config_records[keys.SITE_INFO]
     raw_name = info.get(keys.SITE_NAME)
     name = _UNSAFE_NAME.sub("_", raw_name).strip("_.-")[:64] if isinstance(raw_name, str) else ""
     device = info.get(keys.DEVICE)
@@ -77,10 +93,9 @@ def site_info(node_id: int, reply: Message | None) -> SiteInfo:
 
 def _metrics_and_examples(reply: Message) -> tuple[MetricRecord | None, dict[str, Any]]:
     """The reply's metrics record (None without one) and its example count where valid."""
-    records = reply.content.metric_records if reply.has_content() else {}
-    if keys.METRICS not in records:
+    metrics = record_of(reply.content, keys.METRICS, MetricRecord) if reply.has_content() else None
+    if metrics is None:
         return None, {}
-    metrics = records[keys.METRICS]
     examples = count(metrics.get(keys.NUM_EXAMPLES))
     return metrics, ({} if examples is None else {"num_examples": examples})
 

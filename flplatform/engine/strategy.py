@@ -129,7 +129,8 @@ class EngineStrategy(Protocol):
 
         ``weight`` is the examples it counts for (the claim, or the guard's cap);
         ``scale`` discounts the update itself (staleness, or the guard's clipping) without
-        being renormalised away.
+        being renormalised away. Called at most once per update, after the guard is done
+        with it: neither reads the update again, so a strategy may reuse its memory.
         """
         ...
 

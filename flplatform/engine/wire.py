@@ -38,18 +38,24 @@ approximate, and why (each at most a few bytes per message, or rare):
 * Replies that reach the SuperLink after the ServerApp stopped pulling (the run ended
   with work still out) are in Flower's count and not in the ledger.
 
-Measuring is cheap: one walk over the object tree, each object deflated at most once,
-and an array's chunks (the bulk of a model) never copied: their object ids are those the
-array cached when it was first hashed, and their deflated length is computed from their
-header format (``chunk_bytes``). The same arithmetic in a simulation gives the same
-counts, though Flower's simulation meters nothing.
+Measuring costs next to nothing beside the data it measures: no object is hashed and no
+array data is copied. An object's deflated length follows from Flower's layout of it
+(a header naming its children by id, every id 64 hex digits, then its body), so what
+matters of the ids is only which objects are equal; records and arrays are compared by
+what they are made of, array chunks by their bytes, sampled, then digested and compared
+where they may be equal (``_Objects``). The same arithmetic in a simulation gives the
+same counts, though Flower's simulation meters nothing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from collections.abc import Hashable
+from dataclasses import dataclass, field
 
-from flwr.app import Message, RecordDict
+import flwr.app.message.array as flower_array
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.app.message import remove_content_from_message
 from flwr.app.message.arraychunk import ArrayChunk
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
@@ -67,10 +73,8 @@ from flwr.proto.message_pb2 import ObjectTree
 from flwr.proto.node_pb2 import Node
 from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 from flwr.supercore.constant import HEAD_BODY_DIVIDER, HEAD_VALUE_DIVIDER
-from flwr.supercore.inflatable.inflatable_object import (
-    InflatableObject,
-    no_object_id_recompute,
-)
+
+from flplatform.engine.digest import digest
 
 # Stand-ins of the encoded length of values set after a message is measured.
 _OBJECT_ID = "0" * 64  # a SHA-256 hex digest: message ids and object ids
@@ -113,7 +117,7 @@ class ContentSize:
         record are one child, once).
     tree : ObjectTree
         Its object tree as the Fleet API sends it (an object under two parents appears
-        under both).
+        under both), each id stood in for by a string of its length.
     tree_nodes : int
         Nodes of that tree: a push acknowledgement names one object per node.
     """
@@ -125,54 +129,180 @@ class ContentSize:
 
 
 def measure(content: RecordDict) -> ContentSize:
-    """Walk ``content``'s objects once: their deflated bytes and their object tree."""
-    # Within the context an object's id is hashed once, not once per ancestor.
-    with no_object_id_recompute():
-        return _measured(content)
+    """``content``'s objects, by one walk over them: their deflated bytes and object tree.
 
-
-def _measured(content: RecordDict) -> ContentSize:
-    lengths: dict[str, int] = {}  # object id → deflated length, each object once
-    tree, nodes, node_bytes = _walk(content.object_id, content, lengths)
-    return ContentSize(sum(lengths.values()), node_bytes, tree, nodes)
-
-
-def _walk(
-    object_id: str, obj: InflatableObject, lengths: dict[str, int]
-) -> tuple[ObjectTree, int, int]:
-    """The subtree of ``obj`` (whose id its parent knows), its nodes and their bytes.
-
-    Children come from ``obj.children`` keyed by their ids, as ``get_object_tree`` builds
-    them: an array's chunk ids are the ones it cached when it was first hashed.
+    Hashes nothing and copies no array data (see ``_Objects``).
     """
+    objects = _Objects()
+    tree, nodes, node_bytes = _tree(objects.record_dict(content))
+    return ContentSize(sum(objects.sizes.values()), node_bytes, tree, nodes)
+
+
+@dataclass
+class _Node:
+    """One object: ``key`` is equal exactly where Flower's ids are (where the deflated
+    bytes are), ``size`` is its deflated length, ``children`` its distinct children in the
+    order Flower lists them (first occurrence)."""
+
+    key: Hashable
+    size: int
+    children: list[_Node] = field(default_factory=list)
+
+
+def _tree(node: _Node) -> tuple[ObjectTree, int, int]:
+    """``node``'s object tree as the Fleet API sends it, ids stood in for by strings of
+    their length; its nodes; and the bytes of the object at each node."""
     subtrees = []
-    nodes = 1
-    if object_id not in lengths:
-        lengths[object_id] = deflated_length(obj)
-    node_bytes = lengths[object_id]
-    for child_id, child in (obj.children or {}).items():
-        subtree, count, size = _walk(child_id, child, lengths)
+    nodes, node_bytes = 1, node.size
+    for child in node.children:
+        subtree, count, size = _tree(child)
         subtrees.append(subtree)
         nodes += count
         node_bytes += size
-    return ObjectTree(object_id=object_id, children=subtrees), nodes, node_bytes
+    return ObjectTree(object_id=_OBJECT_ID, children=subtrees), nodes, node_bytes
 
 
-def deflated_length(obj: InflatableObject) -> int:
-    """``len(obj.deflate())``, without copying an array chunk's data to find it."""
-    if isinstance(obj, ArrayChunk):
-        return chunk_bytes(obj)
-    return len(obj.deflate())
+class _Objects:
+    """The distinct objects of one content and their deflated lengths, as Flower deflates
+    them (``flwr/app/message/*.py``, ``add_header_to_object_body``), without their ids.
 
-
-def chunk_bytes(chunk: ArrayChunk) -> int:
-    """A chunk's deflated length: Flower's object header, then the data.
-
-    The header is ``"<type> <child ids> <body length>"`` and a divider
-    (``add_header_to_object_body``); a chunk has no children.
+    Ids enter an object's bytes only in its header, which lists its distinct children's
+    ids (64 hex digits each), and in a container's JSON body: lengths follow from how many
+    children are distinct, and which. So each object is keyed by what its bytes are made
+    of (its children by their keys): records and arrays by their names, metadata and
+    children; a ConfigRecord or MetricRecord by its own bytes (Flower deflates those, they
+    are small); an array chunk by its data, numbered by ``_ChunkClasses``.
     """
-    head = f"{type(chunk).__qualname__}{HEAD_VALUE_DIVIDER}{HEAD_VALUE_DIVIDER}{len(chunk.data)}"
-    return len(head.encode("utf-8")) + len(HEAD_BODY_DIVIDER) + chunk.data.nbytes
+
+    def __init__(self) -> None:
+        self.sizes: dict[Hashable, int] = {}  # key → deflated length: each distinct object once
+        self._chunks = _ChunkClasses()
+        self._arrays: dict[int, _Node] = {}  # id() → node: an Array met twice is read once
+
+    def _add(self, node: _Node) -> _Node:
+        self.sizes.setdefault(node.key, node.size)
+        return node
+
+    def record_dict(self, content: RecordDict) -> _Node:
+        """A RecordDict (Flower allows only the three record types in one)."""
+        return self._container(
+            content,
+            {
+                name: self._array_record(r) if isinstance(r, ArrayRecord) else self._leaf(r)
+                for name, r in content.items()
+            },
+        )
+
+    def _array_record(self, record: ArrayRecord) -> _Node:
+        arrays = {}
+        for name, array in record.items():
+            if id(array) not in self._arrays:
+                self._arrays[id(array)] = self._array(array)
+            arrays[name] = self._arrays[id(array)]
+        return self._container(record, arrays)
+
+    def _container(self, obj: RecordDict | ArrayRecord, named: dict[str, _Node]) -> _Node:
+        """A RecordDict or ArrayRecord: its body is the JSON of {name: child id} (ASCII:
+        ``json.dumps`` escapes the rest)."""
+        children: dict[Hashable, _Node] = {}
+        for node in named.values():
+            children.setdefault(node.key, node)
+        body = len(json.dumps(dict.fromkeys(named, _OBJECT_ID)))
+        key = (type(obj).__qualname__, tuple((name, node.key) for name, node in named.items()))
+        size = _head_bytes(type(obj).__qualname__, len(children), body) + body
+        return self._add(_Node(key, size, list(children.values())))
+
+    def _array(self, array: Array) -> _Node:
+        """An Array: its distinct chunks are its children; its body is the JSON of its
+        dtype, shape, stype and, for each slice of its data, which of those it is."""
+        data = memoryview(array.data)
+        step = flower_array.FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE  # read now: tests change it
+        children: dict[Hashable, _Node] = {}  # distinct chunks, in the order met
+        place: dict[Hashable, int] = {}  # a chunk's place among them
+        indices = []  # each slice's chunk, by its place
+        for start in range(0, len(data), step):
+            chunk = self._chunk(data[start : start + step])
+            children.setdefault(chunk.key, chunk)
+            indices.append(place.setdefault(chunk.key, len(place)))
+        metadata = {"dtype": array.dtype, "shape": array.shape, "stype": array.stype}
+        body = json.dumps({**metadata, "arraychunk_ids": indices})
+        key = (type(array).__qualname__, body, tuple(children))
+        size = _head_bytes(type(array).__qualname__, len(children), len(body)) + len(body)
+        return self._add(_Node(key, size, list(children.values())))
+
+    def _chunk(self, data: memoryview) -> _Node:
+        size = _head_bytes(ArrayChunk.__qualname__, 0, len(data)) + len(data)
+        return self._add(_Node((ArrayChunk.__qualname__, self._chunks.number(data)), size))
+
+    def _leaf(self, record: ConfigRecord | MetricRecord) -> _Node:
+        deflated = record.deflate()
+        return self._add(_Node(deflated, len(deflated)))
+
+
+def _head_bytes(type_name: str, children: int, body: int) -> int:
+    """Length of Flower's object header ``"<type> <child ids> <body length>"`` and the
+    divider after it (``add_header_to_object_body``), for ``children`` distinct children
+    (ids joined by commas) and a body of ``body`` bytes."""
+    ids = children * (len(_OBJECT_ID) + 1) - 1 if children else 0
+    head = len(type_name.encode("utf-8")) + 2 * len(HEAD_VALUE_DIVIDER)
+    return head + ids + len(str(body)) + len(HEAD_BODY_DIVIDER)
+
+
+class _ChunkClasses:
+    """Numbers for array chunks, equal exactly when their data are (when Flower gives them
+    one id), found without hashing every chunk.
+
+    Chunks are told apart by their length and a sample of their bytes first; only chunks
+    that agree on those are digested (``digest``), and equal digests are confirmed byte
+    for byte. A model's distinct chunks seldom share a sample, so they cost a few small
+    slices each; equal ones (all zeros, say) cost a digest and a comparison.
+    """
+
+    SAMPLES = 16  # 8-byte windows, spread over the chunk
+
+    def __init__(self) -> None:
+        self._met: dict[tuple[int, bytes], list[_Chunk]] = {}  # (length, sample) → chunks
+        self._count = 0
+
+    def number(self, data: memoryview) -> int:
+        """The number of ``data``: that of an equal chunk met before, else a new one."""
+        stride = max((len(data) - 8) // (self.SAMPLES - 1), 1)
+        sample = b"".join(data[i : i + 8] for i in range(0, max(len(data) - 7, 1), stride))
+        alike = self._met.setdefault((len(data), sample), [])
+        mine = digest(data) if alike else None
+        for other in alike:
+            if other.digest is None:
+                other.digest = digest(other.data)
+            if other.digest == mine and _same_bytes(other.data, data):
+                return other.number
+        self._count += 1
+        alike.append(_Chunk(self._count, data, mine))
+        return self._count
+
+
+@dataclass
+class _Chunk:
+    number: int
+    data: memoryview
+    digest: bytes | None  # computed once another chunk shares its sample
+
+
+def _same_bytes(a: memoryview, b: memoryview) -> bool:
+    """Byte-for-byte equality (``a == b`` on memoryviews compares element by element in
+    Python's slow way)."""
+    return len(a) == len(b) and bool(
+        np.array_equal(np.frombuffer(a, dtype=np.uint8), np.frombuffer(b, dtype=np.uint8))
+    )
+
+
+def own_bytes(msg: Message, without_content: Message | None = None) -> int:
+    """``len(msg.deflate())``, the message's own object, without hashing its content.
+
+    The object is its metadata and error, headed by its content's id: the same length as
+    the message with an empty content (``remove_content_from_message``) has.
+    """
+    sent = remove_content_from_message(msg) if without_content is None else without_content
+    return len(sent.deflate())
 
 
 def made_by_superlink(reply: Message) -> bool:
@@ -192,10 +322,9 @@ def delivery_bytes(msg: Message, content: ContentSize | None = None) -> int:
 
     ``content``: ``measure(msg.content)``, when a broadcast shares it.
     """
-    with no_object_id_recompute():  # the message's own object names its content's id
-        if content is None:
-            content = _measured(msg.content)
-        own = len(msg.deflate())
+    if content is None:
+        content = measure(msg.content)
+    own = own_bytes(msg)
     metadata = metadata_to_proto(msg.metadata)
     # A SuperLink with a database stores no task ids; it sets the id when it is pushed.
     metadata.ClearField("src_task_id")
@@ -216,10 +345,9 @@ def reply_traffic(reply: Message) -> Traffic:
     if made_by_superlink(reply):
         return Traffic()
     node_id = reply.metadata.src_node_id
-    with no_object_id_recompute():
-        content = _measured(reply.content) if reply.has_content() else None
-        objects = len(reply.deflate()) + (content.object_bytes if content is not None else 0)
+    content = measure(reply.content) if reply.has_content() else None
     sent = remove_content_from_message(reply)  # an error reply is sent as it is
+    objects = own_bytes(reply, sent) + (content.object_bytes if content is not None else 0)
     proto = message_to_proto(sent)
     message_id = proto.metadata.message_id = _OBJECT_ID  # the SuperNode sets it on push
     subtrees = [content.tree] if content is not None else []

@@ -8,9 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from strategies.aggregation import (
+    BLOCK,
     ServerOptimizerState,
     WeightedDeltaSum,
+    add_scaled,
     apply_server_update,
+    float64_model,
+    model_delta,
     weighted_average,
 )
 
@@ -133,6 +137,129 @@ def test_integer_buffers_are_rounded_not_truncated() -> None:
     assert out["count"][0] == 12  # 11.5 rounds half to even → 12
 
 
+def test_zero_dimensional_arrays_are_summed_like_any_other() -> None:
+    """A 0-d array (a BatchNorm counter) gets every site's update, not only the first's."""
+    acc = WeightedDeltaSum()
+    for value, weight in ((1.0, 1.0), (3.0, 1.0), (5.0, 2.0)):
+        acc.add({"n": np.array(value)}, weight)
+    assert acc.mean()["n"] == (1.0 + 3.0 + 2 * 5.0) / 4
+
+
 def test_empty_sum_has_no_mean() -> None:
     with pytest.raises(ValueError):
         WeightedDeltaSum().mean()
+
+
+# ------------------------------------------------- the per-update kernels, bit for bit
+REAL_DTYPES = st.sampled_from([np.float32, np.float16, np.float64, np.int64, np.uint8, np.bool_])
+SHAPES = st.sampled_from([(), (0,), (7,), (3, 5), (BLOCK + 3,), (2, BLOCK // 2 + 1)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=REAL_DTYPES,
+    shape=SHAPES,
+    factor=st.floats(1e-6, 1e6),
+    fortran=st.booleans(),
+    spare=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_the_kernels_give_numpys_numbers_bit_for_bit(
+    dtype: type, shape: tuple[int, ...], factor: float, fortran: bool, spare: bool, seed: int
+) -> None:
+    """model_delta and add_scaled, blocked or not, C or Fortran order, into fresh or spent
+    memory, equal the plain expressions the server used to evaluate
+    (``x.astype(float64) - base``, ``acc += np.multiply(delta, factor, dtype=float64)``)."""
+    rng = np.random.default_rng(seed)
+
+    def draw() -> np.ndarray:
+        values = np.asarray(rng.normal(size=shape) * 100).astype(dtype)
+        return np.asfortranarray(values) if fortran else values
+
+    received, base = draw(), draw()
+    expected = received.astype(np.float64) - base
+    out = np.full(received.shape, np.nan) if spare else None
+    for against in (base, float64_model({"x": base})["x"]):
+        delta = model_delta(received, against, out=out)
+        assert delta.dtype == np.float64 and delta.shape == expected.shape
+        assert delta.tobytes() == expected.tobytes()
+        assert out is None or delta is out
+    acc = draw().astype(np.float64)
+    reference = acc + np.multiply(expected, factor, dtype=np.float64)
+    for spent in (False, True):
+        into, value = acc.copy(), expected.copy()
+        add_scaled(into, value, factor, spent=spent)
+        assert into.tobytes() == reference.tobytes()
+        assert spent or value.tobytes() == expected.tobytes()  # not spent: left as it was
+
+
+def test_a_spent_sum_gives_the_same_mean_in_its_own_memory() -> None:
+    rng = np.random.default_rng(3)
+    acc = WeightedDeltaSum()
+    for weight in (1.0, 2.5, 7.0):
+        acc.add({"w": rng.normal(size=(3, 4)), "n": np.array(rng.normal())}, weight)
+    fresh = acc.mean()
+    sums = dict(acc.sums)
+    spent = acc.mean(spent=True)
+    for key in fresh:
+        assert spent[key].tobytes() == fresh[key].tobytes()
+        assert spent[key] is sums[key]
+
+
+def test_a_complex_base_is_promoted_as_numpy_promotes_it() -> None:
+    received = np.array([1.5, 2.5], np.float32)
+    base = np.array([1 + 1j, 2 - 1j], np.complex64)
+    np.testing.assert_array_equal(model_delta(received, base), received.astype(np.float64) - base)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dtype=REAL_DTYPES,
+    shape=SHAPES,
+    eta=st.sampled_from([1.0, 0.5, 1.7]),
+    beta=st.sampled_from([0.0, 0.9]),
+    seed=st.integers(0, 2**31),
+)
+def test_a_spent_mean_gives_the_same_step_bit_for_bit(
+    dtype: type, shape: tuple[int, ...], eta: float, beta: float, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    x = {"x": np.asarray(rng.normal(size=shape) * 10).astype(dtype)}
+    mean = {"x": np.asarray(rng.normal(size=shape))}
+    velocity = {"x": np.asarray(rng.normal(size=shape))}
+    results = []
+    for spent, x64 in ((False, None), (True, None), (True, float64_model(x))):
+        state = ServerOptimizerState(velocity={k: v.copy() for k, v in velocity.items()})
+        step = {k: v.copy() for k, v in mean.items()}
+        out = apply_server_update(x, step, eta=eta, beta=beta, state=state, spent=spent, x64=x64)
+        results.append((out["x"].dtype, out["x"].tobytes(), state.velocity["x"].tobytes()))
+    plain = np.asarray(x["x"], dtype=np.float64) + eta * (
+        beta * velocity["x"] + mean["x"] if beta else mean["x"]
+    )
+    if np.issubdtype(np.dtype(dtype), np.integer):
+        plain = np.rint(plain)
+    assert results[0] == results[1] == results[2]
+    assert results[0][1] == plain.astype(dtype).tobytes()
+
+
+def test_sums_and_the_float64_model_are_written_into_the_memory_given() -> None:
+    rng = np.random.default_rng(4)
+    memory = {"w": np.full((2, 3), np.nan), "n": np.zeros(5)}
+    acc = WeightedDeltaSum(into=memory)
+    delta = {"w": rng.normal(size=(2, 3)), "n": rng.normal(size=2)}
+    acc.add(delta, 3.0)
+    assert acc.sums["w"] is memory["w"] and acc.sums["n"] is not memory["n"]  # shape changed
+    for key in delta:
+        assert acc.sums[key].tobytes() == (np.asarray(delta[key], np.float64) * 3.0).tobytes()
+    old = {"w": np.zeros((2, 3)), "n": np.zeros(1)}
+    new = {
+        "w": np.ones((2, 3), np.float32),
+        "n": np.ones(2, np.int64),
+        "c": np.ones(1, np.complex64),
+    }
+    cast = float64_model(new, into=old)
+    assert cast["w"] is old["w"] and cast["n"] is not old["n"]
+    assert cast["c"] is new["c"]  # complex: left for numpy's promotion
+    for key in ("w", "n"):
+        assert cast[key].dtype == np.float64
+        np.testing.assert_array_equal(cast[key], new[key])

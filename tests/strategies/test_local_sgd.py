@@ -203,3 +203,82 @@ def test_aggregator_settings_are_checked() -> None:
         LocalSGDAveraging(aggregator="mode")
     with pytest.raises(ConfigError, match="trim-fraction"):
         LocalSGDAveraging(aggregator="trimmed-mean", trim_fraction=0.5)
+
+
+def test_a_spent_update_s_memory_holds_the_next_and_the_sum_is_the_oracle_s() -> None:
+    """The server writes each Δ_n into the memory of the one it added before (fresh pages
+    cost more than the subtraction); the weighted sum is still Σ n_n Δ_n / Σ n_n exactly,
+    and an update not yet added is never overwritten."""
+    rng = np.random.default_rng(0)
+    base = {"w": rng.normal(size=(3, 4)).astype(np.float32), "b": np.zeros(4, np.float32)}
+    models = [
+        {k: rng.normal(size=v.shape).astype(np.float32) for k, v in base.items()} for _ in range(4)
+    ]
+    weights = [3, 1, 4, 1]
+    strategy = LocalSGDAveraging()
+    base_record = record(**base)
+    strategy.begin_aggregation(1, base_record)
+    first = strategy.read_update(reply(record(**models[0]), weights[0]), base=base_record)
+    second = strategy.read_update(reply(record(**models[1]), weights[1]), base=base_record)
+    assert not np.shares_memory(first.payload["w"], second.payload["w"])
+    strategy.add_update(first, weight=weights[0])
+    strategy.add_update(second, weight=weights[1])
+    third = strategy.read_update(reply(record(**models[2]), weights[2]), base=base_record)
+    assert np.shares_memory(third.payload["w"], second.payload["w"])  # reused
+    strategy.add_update(third, weight=weights[2])
+    strategy.add_update(
+        strategy.read_update(reply(record(**models[3]), weights[3]), base=base_record),
+        weight=weights[3],
+    )
+    arrays, _ = strategy.finish_aggregation()
+    assert arrays is not None
+    expected = {
+        k: sum(
+            w * (m[k].astype(np.float64) - base[k]) for m, w in zip(models, weights, strict=True)
+        )
+        / 9
+        + base[k]
+        for k in base
+    }
+    for key, value in record_to_arrays(arrays).items():
+        np.testing.assert_allclose(value, expected[key].astype(np.float32), rtol=0, atol=1e-6)
+
+
+def test_rounds_on_reused_memory_give_the_plain_numpy_models_bit_for_bit() -> None:
+    """Three rounds through one strategy (each Δ, sum and float64 model written into the
+    memory of the last) give exactly what the plain expressions give, round after round."""
+    rng = np.random.default_rng(7)
+    shapes = {"w": (30, 20), "b": (20,), "n": ()}
+    model = {k: np.asarray(rng.normal(size=s)).astype(np.float32) for k, s in shapes.items()}
+    strategy = LocalSGDAveraging()
+    for server_round in (1, 2, 3):
+        sites = [
+            ({k: np.asarray(v + rng.normal(size=v.shape), np.float32) for k, v in model.items()}, n)
+            for n in (3, 1, 4, 1, 5)
+        ]
+        current = record(**model)
+        strategy.begin_aggregation(server_round, current)
+        for site_model, examples in sites:
+            update = strategy.read_update(reply(record(**site_model), examples), base=current)
+            strategy.add_update(update, weight=examples)
+        arrays, _ = strategy.finish_aggregation()
+        assert arrays is not None
+        # the expressions of the plain implementation, in its order
+        sums: dict[str, np.ndarray] = {}
+        for site_model, examples in sites:
+            for k in model:
+                delta = site_model[k].astype(np.float64) - model[k]
+                if k in sums:
+                    sums[k] += np.multiply(delta, examples, dtype=np.float64)
+                else:
+                    sums[k] = np.asarray(delta, dtype=np.float64) * examples
+        total = float(sum(n for _, n in sites))
+        model = {
+            k: np.asarray(np.asarray(model[k], dtype=np.float64) + 1.0 * (sums[k] / total)).astype(
+                np.float32
+            )
+            for k in model
+        }
+        got = record_to_arrays(arrays)
+        for k in model:
+            assert got[k].tobytes() == model[k].tobytes(), (server_round, k)

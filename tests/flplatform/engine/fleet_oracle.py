@@ -1,9 +1,9 @@
 """Flower's own traffic counting, run in-process, and a naive rebuild of what it counts.
 
 ``FleetLink`` drives Flower's Fleet API handlers on a real SQL link state the way a
-SuperNode does; ``naive_delivery`` and ``naive_reply`` build the protobuf messages those
-handlers measure the slow way, with Flower's own functions. Both are oracles for
-``flplatform.engine.wire``.
+SuperNode does; ``naive_measure``, ``naive_delivery`` and ``naive_reply`` build the objects
+and protobuf messages those handlers measure the slow way, with Flower's own functions
+(every object hashed and deflated). Both are oracles for ``flplatform.engine.wire``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from flwr.app import Message
+from flwr.app import Message, RecordDict
 from flwr.app.message import remove_content_from_message
 from flwr.common.constant import NOOP_ACCOUNT_NAME, NOOP_FLWR_AID
 from flwr.common.serde import message_from_proto, message_to_proto
@@ -44,7 +44,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from flwr.superlink.federation.noop_federation_manager import NoOpFederationManager
 from flwr.superlink.servicer.fleet import fleet_handlers
 
-from flplatform.engine.wire import Traffic
+from flplatform.engine.wire import ContentSize, Traffic
 
 
 @contextmanager
@@ -152,6 +152,21 @@ def with_message_id(msg: Message) -> Iterator[None]:
         yield
     finally:
         msg.metadata.__dict__["_message_id"] = saved
+
+
+def naive_measure(content: RecordDict) -> ContentSize:
+    """``wire.measure`` the slow way: Flower's own object walk, hashing every object, and
+    each object deflated (copied) as Flower sends it."""
+    with no_object_id_recompute():
+        tree = get_object_tree(content)
+        objects = get_all_nested_objects(content)
+        nodes = list(iterate_object_tree(tree))
+        return ContentSize(
+            object_bytes=sum(len(o.deflate()) for o in objects.values()),
+            node_bytes=sum(len(objects[node.object_id].deflate()) for node in nodes),
+            tree=tree,
+            tree_nodes=len(nodes),
+        )
 
 
 def naive_delivery(msg: Message) -> int:
