@@ -535,7 +535,11 @@ class UpdateGuard:
         if self.options.min_cosine > -1.0:
             factor = decision.weight * decision.scale
             if state.direction_sum is None:
-                state.direction_sum = [np.asarray(p, np.float64) * factor for p in vector]
+                # np.array, not asarray · factor: a 0-d part times a number is a NumPy scalar,
+                # which the in-place sum below would rebind rather than add to
+                state.direction_sum = [np.array(p, np.float64) for p in vector]
+                for acc in state.direction_sum:
+                    acc *= factor
             else:
                 for acc, part in zip(state.direction_sum, vector, strict=True):
                     acc += np.multiply(part, factor, dtype=np.float64)

@@ -252,3 +252,18 @@ def test_median() -> None:
     assert median([5]) == 5
     with pytest.raises(ValueError):
         median([])
+
+
+def test_a_zero_dimensional_part_of_every_update_joins_the_direction() -> None:
+    # (BatchNorm's counter is a 0-d array.) Each admitted update's 0-d part must be summed,
+    # not only the first one's.
+    guard = UpdateGuard(GuardOptions(norm_ratio=0, min_cosine=0.0))
+    guard.begin_round(1)
+    for site, value in ((1, 1.0), (2, 3.0)):
+        vector = [np.array([value, 0.0], np.float32), np.array(value, np.float32)]
+        guard.consider(site, site=site, kind="delta", claimed=1, vector=vector)
+    guard.round_finished()  # the mean of the two updates: (2, 0) and 2
+    direction = guard._kinds["delta"].direction
+    assert direction is not None
+    np.testing.assert_allclose(direction[0], [2.0, 0.0])
+    assert float(direction[1]) == pytest.approx(2.0)
