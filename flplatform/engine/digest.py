@@ -7,13 +7,16 @@ everything else the server does with a reply. Where the server only needs to kno
 two payloads are the same (identical chunks when metering, a site replaying its own
 reply), this digest does in a tenth of the time.
 
-It is linear, not cryptographic: the little-endian 64-bit words w_i of the data, with
-fixed odd keys k_i (period ``KEY_WORDS``) and r_j (one per block of ``KEY_WORDS`` words),
-give
+It is linear, not cryptographic: the little-endian 32-bit words w_i of the data (each
+taken as a 64-bit number), with fixed odd 64-bit keys k_i (period ``KEY_WORDS``) and r_j
+(one per block of ``KEY_WORDS`` words), give
     h1 = Σ_i k_i w_i,    h2 = Σ_j r_j Σ_{i in block j} k_i w_i      (mod 2^64)
 and the length. Equal bytes give equal digests; bytes that differ give the same one only
 when the difference is in the kernel of both sums, which data nobody built for it does
-not hit (a single changed word never: its key is odd). Someone who wants a collision
+not hit (a single changed word never: its key is odd). Words of 32 bits, not 64: a
+difference of a word is then below 2^32, so the top bits of the keys take part; with
+64-bit words two sign flips of float64s (differences of 2^63, and k·2^63 = 2^63 for every
+odd k) gave one digest. Someone who wants a collision
 can make one, so a digest is never the last word where that would matter: metering
 confirms equal digests byte for byte, and the replay check only ever rejects a site's
 update as a copy of its own.
@@ -34,7 +37,8 @@ if TYPE_CHECKING:  # Flower's records are read, never built, here
     from flwr.app import ArrayRecord
 
 KEY_WORDS = 4096  # 32 KiB of keys: one block of data is multiplied in cache
-_WORD = np.dtype("<u8")
+_WORD = np.dtype("<u4")
+_WORD_BYTES = _WORD.itemsize
 
 
 def _splitmix64(index: np.ndarray) -> np.ndarray:
@@ -59,12 +63,13 @@ def digest(data: bytes | bytearray | memoryview) -> bytes:
     with zeros (the length tells such data apart).
     """
     view = memoryview(data).cast("B")
-    size, words = len(view), len(view) // 8
+    size, words = len(view), len(view) // _WORD_BYTES
     blocks = words // KEY_WORDS
     body = np.frombuffer(view, dtype=_WORD, count=blocks * KEY_WORDS)
     rest = np.frombuffer(view, dtype=_WORD, count=words - body.size, offset=body.nbytes)
-    padded = bytes(view[words * 8 :]).ljust(8, b"\0") if size % 8 else b""
-    last = np.concatenate([rest, np.frombuffer(padded, dtype=_WORD)])
+    tail = size % _WORD_BYTES
+    padded = bytes(view[words * _WORD_BYTES :]).ljust(_WORD_BYTES, b"\0") if tail else b""
+    last = np.concatenate([rest, np.frombuffer(padded, dtype=_WORD)]).astype(np.uint64)
     # Σ_{i in block j} k_i w_i for every block j (uint64 arithmetic wraps mod 2^64)
     per_block = np.append(
         np.einsum("ij,j->i", body.reshape(blocks, KEY_WORDS), _KEYS),

@@ -49,6 +49,7 @@ same counts, though Flower's simulation meters nothing.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -255,28 +256,37 @@ class _ChunkClasses:
     Chunks are told apart by their length and a sample of their bytes first; only chunks
     that agree on those are digested (``digest``), and equal digests are confirmed byte
     for byte. A model's distinct chunks seldom share a sample, so they cost a few small
-    slices each; equal ones (all zeros, say) cost a digest and a comparison.
+    slices each; equal ones (all zeros, say) cost a digest and a comparison. Chunks made
+    to share a digest (it is linear: someone can build a collision) are told apart by
+    SHA-256, once each: a hostile reply costs a hash per chunk, never a comparison per
+    pair of chunks.
     """
 
     SAMPLES = 16  # 8-byte windows, spread over the chunk
 
     def __init__(self) -> None:
-        self._met: dict[tuple[int, bytes], list[_Chunk]] = {}  # (length, sample) → chunks
+        self._met: dict[tuple[int, bytes], _Bucket] = {}  # (length, sample) → its chunks
         self._count = 0
 
     def number(self, data: memoryview) -> int:
         """The number of ``data``: that of an equal chunk met before, else a new one."""
         stride = max((len(data) - 8) // (self.SAMPLES - 1), 1)
         sample = b"".join(data[i : i + 8] for i in range(0, max(len(data) - 7, 1), stride))
-        alike = self._met.setdefault((len(data), sample), [])
-        mine = digest(data) if alike else None
-        for other in alike:
-            if other.digest is None:
-                other.digest = digest(other.data)
-            if other.digest == mine and _same_bytes(other.data, data):
-                return other.number
+        bucket = self._met.get((len(data), sample))
+        if bucket is None:  # the usual case: the first chunk of its length and sample
+            self._count += 1
+            self._met[(len(data), sample)] = _Bucket(first=_Chunk(self._count, data))
+            return self._count
+        if bucket.first is not None:  # a second chunk alike: digest the first one now
+            bucket.add(bucket.first)
+            bucket.first = None
+        chunk = _Chunk(0, data)
+        found = bucket.find(chunk)
+        if found is not None:
+            return found
         self._count += 1
-        alike.append(_Chunk(self._count, data, mine))
+        chunk.number = self._count
+        bucket.add(chunk)
         return self._count
 
 
@@ -284,7 +294,41 @@ class _ChunkClasses:
 class _Chunk:
     number: int
     data: memoryview
-    digest: bytes | None  # computed once another chunk shares its sample
+    weak: bytes | None = None  # its digest, once another chunk shares its sample
+    strong: bytes | None = None  # its SHA-256, once another chunk shares its digest
+
+    def digest(self) -> bytes:
+        if self.weak is None:
+            self.weak = digest(self.data)
+        return self.weak
+
+    def sha256(self) -> bytes:
+        if self.strong is None:
+            self.strong = hashlib.sha256(self.data).digest()
+        return self.strong
+
+
+@dataclass
+class _Bucket:
+    """The chunks of one length and sample: the first alone (not digested until another
+    comes), then by digest."""
+
+    first: _Chunk | None = None
+    by_digest: dict[bytes, list[_Chunk]] = field(default_factory=dict)
+
+    def add(self, chunk: _Chunk) -> None:
+        self.by_digest.setdefault(chunk.digest(), []).append(chunk)
+
+    def find(self, chunk: _Chunk) -> int | None:
+        """The number of a chunk equal to ``chunk``, if one was met; None otherwise."""
+        candidates = self.by_digest.get(chunk.digest(), [])
+        if len(candidates) == 1 and _same_bytes(candidates[0].data, chunk.data):
+            return candidates[0].number
+        if not candidates:
+            return None
+        # A digest shared by different bytes (built to collide): SHA-256 decides.
+        wanted = chunk.sha256()
+        return next((c.number for c in candidates if c.sha256() == wanted), None)
 
 
 def _same_bytes(a: memoryview, b: memoryview) -> bool:
