@@ -49,6 +49,8 @@ def array_view(array: Array) -> np.ndarray:
                 if layout is not None:
                     shape, fortran_order, dtype = layout
                     count = int(np.prod(shape, dtype=np.int64))
+                    if count * dtype.itemsize > len(data) - len(header):
+                        raise ValueError("the .npy data is shorter than its header says")
                     flat = np.frombuffer(data, dtype=dtype, count=count, offset=len(header))
                     if fortran_order:  # as numpy.lib.format.read_array lays it out
                         return flat.reshape(shape[::-1]).transpose()
@@ -75,6 +77,8 @@ def _npy_layout(header: bytes) -> tuple[tuple[int, ...], bool, np.dtype] | None:
     shape, fortran_order, dtype = read_header(stream)
     if stream.tell() != len(header) or dtype.hasobject or dtype.itemsize == 0:
         return None
+    if any(not isinstance(n, int) or n < 0 for n in shape):
+        return None  # numpy refuses a negative dimension: Flower's path says so
     return shape, fortran_order, dtype
 
 

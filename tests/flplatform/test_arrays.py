@@ -61,8 +61,15 @@ def test_a_record_reads_in_place_in_its_order() -> None:
             stype="numpy.ndarray",
             data=Array(np.ones(1)).data.replace(b"'<f8'", b"'|O' "),
         ),
+        # a negative dimension (numpy refuses it; a view would read every value)
+        Array(
+            dtype="float32",
+            shape=(4,),
+            stype="numpy.ndarray",
+            data=Array(np.ones(4, np.float32)).data.replace(b"(4,), }", b"(-1,),}"),
+        ),
     ],
-    ids=["truncated", "not-npy", "object"],
+    ids=["truncated", "not-npy", "object", "negative-dimension"],
 )
 def test_what_flower_cannot_decode_fails_as_flower_fails(array: Array) -> None:
     with pytest.raises(Exception) as flower:
