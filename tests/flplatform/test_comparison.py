@@ -56,9 +56,10 @@ def test_an_unknown_row_names_what_is_allowed() -> None:
 
 
 # ================================================================ summaries of any runs
-@pytest.fixture
-def ledger(tmp_path: Path) -> str:
-    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+@pytest.fixture(scope="module")
+def ledger(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The hand-worked ledger, written once: no test writes to it."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('comparison') / 'ledger.db'}"
     write_comparison_ledger(url)
     return url
 

@@ -22,10 +22,15 @@ from tests.flplatform.comparison_ledger import write_comparison_ledger
 runner = CliRunner()
 
 
-@pytest.fixture
-def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+@pytest.fixture(autouse=True)
+def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(history_command.console, "width", 400)  # every column
-    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+
+
+@pytest.fixture(scope="module")
+def ledger(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The hand-worked ledger, written once: no test writes to it."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('compare') / 'ledger.db'}"
     write_comparison_ledger(url)
     return url
 

@@ -17,18 +17,16 @@ from flplatform.federation import platform_options
 from flplatform.flower_app import OPTIONS_ENV, PlatformOptions, plan_run, read_app
 from flplatform.simulation import run_sweep
 from storage import LedgerRepository
+from tests.flplatform.cli.test_export import invoke, one_error_line
 
 ROOT = Path(__file__).resolve().parents[3]
 runner = CliRunner()
 
 
 def error_line(args: list[str]) -> str:
-    result = runner.invoke(app, args)
-    assert "Traceback" not in result.output
+    result = invoke(args)
     assert result.exit_code == 2, result.output
-    lines = [line for line in result.output.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, result.output
-    return lines[0]
+    return one_error_line(result.output)
 
 
 @pytest.mark.parametrize(

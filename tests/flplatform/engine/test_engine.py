@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, astuple
 from pathlib import Path
 
@@ -81,6 +82,22 @@ def failing(name: str) -> callable:
         if msg.metadata.message_type == MessageType.QUERY:
             return talk(msg)
         return Message(Error(code=2, reason="ValueError: out of memory"), reply_to=msg)
+
+    return behave
+
+
+def slow_first(talk: Callable[[Message], Message | None], kind: str, seconds: float = 0.6):
+    """``talk``, but the first ``kind`` message is answered only after ``seconds``."""
+    first: dict[str, float] = {}
+
+    def behave(msg: Message) -> Message | None:
+        if msg.metadata.message_type != kind:
+            return talk(msg)
+        first.setdefault(msg.metadata.message_id, time.monotonic())
+        is_first = next(iter(first)) == msg.metadata.message_id
+        if is_first and time.monotonic() - first[msg.metadata.message_id] < seconds:
+            return None
+        return talk(msg)
 
     return behave
 
@@ -207,19 +224,7 @@ def test_more_sites_than_a_pull_chunk(ledger) -> None:
 def test_late_reply_frees_the_site_and_its_bytes_count(ledger) -> None:
     # The only site takes 0.6 s the first time, twice the round timeout. Round 1 drops
     # it; round 2 waits (without failing) until the late reply frees it, then uses it.
-    talk = site("slow")
-    first: dict[str, float] = {}
-
-    def slow_once(msg: Message) -> Message | None:
-        if msg.metadata.message_type != MessageType.TRAIN:
-            return talk(msg)
-        first.setdefault(msg.metadata.message_id, time.monotonic())
-        is_first = next(iter(first)) == msg.metadata.message_id
-        if is_first and time.monotonic() - first[msg.metadata.message_id] < 0.6:
-            return None
-        return talk(msg)
-
-    grid = ScriptedGrid({1: slow_once})
+    grid = ScriptedGrid({1: slow_first(site("slow"), MessageType.TRAIN)})
     engine_for(grid, ledger, round_timeout=0.3).run(MODEL, num_rounds=2)
     repo, run_id = ledger
     rows = repo.list_updates(run_id)
@@ -287,19 +292,7 @@ def test_every_byte_that_crossed_is_in_the_ledger(ledger) -> None:
 def test_a_late_evaluation_reply_adds_its_bytes_as_traffic(ledger) -> None:
     # The only site answers its first evaluation after 0.6 s, twice the timeout: round 1
     # drops it; round 2 waits until the late reply frees the site, and counts its bytes.
-    talk = site("slow")
-    first: dict[str, float] = {}
-
-    def slow_once(msg: Message) -> Message | None:
-        if msg.metadata.message_type != MessageType.EVALUATE:
-            return talk(msg)
-        first.setdefault(msg.metadata.message_id, time.monotonic())
-        is_first = next(iter(first)) == msg.metadata.message_id
-        if is_first and time.monotonic() - first[msg.metadata.message_id] < 0.6:
-            return None
-        return talk(msg)
-
-    grid = ScriptedGrid({1: slow_once})
+    grid = ScriptedGrid({1: slow_first(site("slow"), MessageType.EVALUATE)})
     engine_for(grid, ledger, round_timeout=0.3, fraction_evaluate=1.0).run(
         MODEL, num_rounds=2, federated_evaluation=True
     )
