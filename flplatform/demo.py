@@ -343,7 +343,7 @@ def judge(panel: Panel, summaries: Sequence[RunSummary]) -> Verdict:
     # Ties go to the earlier member: the reference comes first where it may tie.
     winner = min(reached, key=lambda row: row.cost or 0.0, default=None)
     (reference,) = [row for row in rows if row.name == panel.reference]
-    factor = None if winner is None or winner is reference else _ratio(reference.cost, winner.cost)
+    factor = None if winner is None or winner is reference else winner.versus_reference
     return Verdict(
         panel=panel,
         rows=tuple(rows),

@@ -643,7 +643,8 @@ def _final_record(process: SimulationProcess, config: RunConfig, run_id: int) ->
 def forget_snapshots(record: RunRecord) -> None:
     """Delete a finished run's site snapshots (only a resume needs them), where its
     simulated sites wrote them: the state root in the environment they ran with."""
-    forget_run(record.tag or "", environ=flower_environment(work_home()))
+    # the sites' environment as flower_environment sets it: the home, the rest inherited
+    forget_run(record.tag or "", environ={**os.environ, "FLPLATFORM_HOME": str(work_home())})
 
 
 def _settled_record(process: SimulationProcess, config: RunConfig, run_id: int) -> RunRecord:

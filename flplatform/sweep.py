@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -203,9 +204,8 @@ def sweep_members(run_config: Mapping[str, Any]) -> list[RunConfig]:
         raise ConfigError(
             f"run config '{SWEEP_KEY}' must be a JSON list of objects (each run's options)"
         )
-    base = {**run_config, SWEEP_KEY: ""}
     members = [
-        RunConfig.from_mapping({**base, **overrides, SWEEP_KEY: ""}, allow_unknown=True)
+        RunConfig.from_mapping({**run_config, **overrides, SWEEP_KEY: ""}, allow_unknown=True)
         for overrides in listed
     ]
     check_members(members)
@@ -268,13 +268,9 @@ def _check_coverage(
     for key, listed in lists.items():
         if len(listed) < 2:
             continue
+        meets = math.prod(len(v) for k, v in lists.items() if k != key)  # combinations per value
         for value in listed:
             refusals = [reason for chosen, reason in skipped if chosen[key] == value]
-            if len(refusals) == len(list(_combinations_with(lists, key))):
+            if len(refusals) == meets:
                 problems.append(f"{key} {value} cannot run in any combination: {refusals[0]}")
     require(problems)
-
-
-def _combinations_with(lists: Mapping[str, Sequence[Any]], key: str) -> Any:
-    """Every combination of the other keys' values (those one value of ``key`` meets)."""
-    return itertools.product(*(v for k, v in lists.items() if k != key))

@@ -222,24 +222,21 @@ def check_metrics(what: str, value: object) -> dict[str, float | None]:
 
 def check_update_statuses(status: str | Iterable[str]) -> list[str]:
     """The statuses an update filter names, each checked against ``UPDATE_STATUSES``."""
-    wanted = [status] if isinstance(status, str) else list(status)
-    unknown = [s for s in wanted if s not in UPDATE_STATUSES]
-    if unknown:
-        raise StorageError(
-            f"unknown update status {', '.join(repr(s) for s in unknown)}; "
-            f"allowed: {', '.join(UPDATE_STATUSES)}"
-        )
-    return wanted
+    return _checked_choices(status, UPDATE_STATUSES, "update status")
 
 
 def check_traffic_kinds(kind: str | Iterable[str]) -> list[str]:
     """The kinds a traffic filter names, each checked against ``TRAFFIC_KINDS``."""
-    wanted = [kind] if isinstance(kind, str) else list(kind)
-    unknown = [k for k in wanted if k not in TRAFFIC_KINDS]
+    return _checked_choices(kind, TRAFFIC_KINDS, "traffic kind")
+
+
+def _checked_choices(value: str | Iterable[str], allowed: Sequence[str], noun: str) -> list[str]:
+    """``value`` (one or several) as a list; ``StorageError`` naming those not ``allowed``."""
+    wanted = [value] if isinstance(value, str) else list(value)
+    unknown = [v for v in wanted if v not in allowed]
     if unknown:
         raise StorageError(
-            f"unknown traffic kind {', '.join(repr(k) for k in unknown)}; "
-            f"allowed: {', '.join(TRAFFIC_KINDS)}"
+            f"unknown {noun} {', '.join(repr(v) for v in unknown)}; allowed: {', '.join(allowed)}"
         )
     return wanted
 

@@ -17,13 +17,13 @@ from rich.table import Table
 from rich.text import Text
 
 from flplatform.cli.errors import handles_errors
-from flplatform.cli.progress import db_argument, display_url, sweep_progress
+from flplatform.cli.progress import db_argument, display_url, follow_sweep
 from flplatform.cli.render import human_bytes, make_console
 from flplatform.cli.simulate import ledger_option
 from flplatform.comparison import RunSummary, plot_runs, summarize_runs
 from flplatform.demo import BYTES, PANEL_KEYS, Panel, Row, Verdict, build_panels, judge
 from flplatform.demo import sweep_members as demo_members
-from flplatform.simulation import SweepFailed, check_ledger, run_sweep, work_home
+from flplatform.simulation import check_ledger, work_home
 from storage import LedgerRepository, RunRecord
 
 console = make_console()
@@ -61,12 +61,7 @@ def cross_silo(
     )
     for panel in chosen:
         console.print(Text(f"  {panel.title}; {panel.setting}"))
-    failed: SweepFailed | None = None
-    with sweep_progress(console, members) as show:
-        try:
-            records: list[RunRecord | None] = list(run_sweep(members, on_progress=show))
-        except SweepFailed as exc:  # the others finished: show them, then say what failed
-            failed, records = exc, exc.records
+    records, failed = follow_sweep(console, members)
     verdicts, summaries = _read_back(chosen, records, url)
     console.print()
     console.print(summary_table(verdicts))

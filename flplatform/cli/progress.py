@@ -21,7 +21,7 @@ from rich.text import Text
 from flplatform.cli.history import failure_note, shown_accuracy
 from flplatform.cli.render import human_bytes
 from flplatform.config import RunConfig
-from flplatform.simulation import ProgressCallback, SweepProgress
+from flplatform.simulation import ProgressCallback, SweepFailed, SweepProgress, run_sweep
 from storage import RUN_FAILED, RoundRecord, RunRecord, UpdateRecord
 from storage.session import mask_db_url, split_password, sqlite_file
 
@@ -182,3 +182,16 @@ def sweep_progress(console: Console, members: Sequence[RunConfig]) -> Iterator[S
 
     with progress:
         yield show
+
+
+def follow_sweep(
+    console: Console, members: Sequence[RunConfig]
+) -> tuple[list[RunRecord | None], SweepFailed | None]:
+    """Run ``members`` in one sweep with a progress line each; every run's record (None for
+    one that never started) and the failure, if some run did not finish (the others did:
+    show them, then raise it)."""
+    with sweep_progress(console, members) as show:
+        try:
+            return list(run_sweep(members, on_progress=show)), None
+        except SweepFailed as exc:
+            return list(exc.records), exc

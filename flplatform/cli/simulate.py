@@ -23,19 +23,17 @@ from flplatform.cli.history import sites as show_sites
 from flplatform.cli.options import config_values, table_options
 from flplatform.cli.progress import (
     db_argument,
+    follow_sweep,
     round_progress,
     say_run_done,
-    sweep_progress,
 )
 from flplatform.cli.render import Column, OutputFormat, emit, make_console
 from flplatform.config import DEFAULT_SITES, SKETCHED, RunConfig
 from flplatform.errors import ConfigError
 from flplatform.simulation import (
-    SweepFailed,
     check_ledger,
     ledger_url,
     run_simulation,
-    run_sweep,
 )
 from flplatform.sweep import SWEEPABLE, Sweep, expand_values
 from storage import RunRecord
@@ -168,12 +166,7 @@ def run_sweep_and_follow(sweep: Sweep, db: str | None) -> list[RunRecord]:
         for chosen, reason in sweep.skipped:
             said = " ".join(f"{key}={value}" for key, value in chosen.items())
             console.print(Text(f"  {said}: {reason}"))
-    failed: SweepFailed | None = None
-    with sweep_progress(console, members) as show:
-        try:
-            records: list[RunRecord | None] = list(run_sweep(members, on_progress=show))
-        except SweepFailed as exc:
-            failed, records = exc, exc.records
+    records, failed = follow_sweep(console, members)
     show_sweep(members, records, db)
     if failed is not None:
         raise failed

@@ -696,8 +696,8 @@ class RoundEngine:
                 continue
             attempted += 1
             if self.run_key:
-                # Its own config record; the arrays it shares were hashed once, when
-                # first measured, so measuring each copy costs little.
+                # Its own config record, measured again per copy: sampling only, nothing
+                # is hashed, so measuring each copy costs little.
                 msg = self._stamp(msg)
                 size = measure(msg.content)
             else:
