@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flplatform.engine.guard import (
+    DIRECTION_MEMORY,
     Decision,
     GuardOptions,
     Ruling,
@@ -152,6 +153,84 @@ def test_the_direction_is_a_moving_average_of_the_round_means() -> None:
     guard.round_finished()  # d = ½·e1 + 3·e2
     assert guard._kinds["delta"].direction is not None
     np.testing.assert_allclose(guard._kinds["delta"].direction[0], [0.5, 3.0])
+
+
+def a_guard_with_direction_e1(min_cosine: float) -> UpdateGuard:
+    """A guard whose direction is e1 (round 1 admitted (1, 0) from sites 100-102)."""
+    return warmed(GuardOptions(norm_ratio=0, min_cosine=min_cosine), [1.0, 1.0, 1.0])
+
+
+def test_a_site_is_judged_by_its_recent_cosines_not_one_round_of_noise() -> None:
+    """Hand-worked, λ = 0.9: cos(u, e1) is u's first coordinate for a unit u."""
+    assert DIRECTION_MEMORY == 0.9
+    guard = a_guard_with_direction_e1(min_cosine=0.0)
+    # The flipper's first judged update: its average is its cosine, −0.6.
+    first = guard.consider(1, site=7, kind="delta", claimed=10, vector=vec(-0.6, 0.8))
+    assert first.ruling is Ruling.REJECT
+    assert first.reason == (
+        "direction: cosine -0.60 with the federation's recent updates, below update-min-cosine 0"
+    )
+    # One update along the direction does not undo it: 0.9·(−0.6) + 0.1·0.8 = −0.46.
+    second = guard.consider(2, site=7, kind="delta", claimed=10, vector=vec(0.8, 0.6))
+    assert second.ruling is Ruling.REJECT
+    assert second.reason == (
+        "direction: cosine 0.80 with the federation's recent updates, "
+        "the site's recent average -0.46, below update-min-cosine 0"
+    )
+    # An honest site that once pointed slightly away stays admitted: 0.9·0.5 + 0.1·(−0.2).
+    assert guard.consider(3, site=8, kind="delta", claimed=10, vector=vec(0.5, 0.866)).ruling is (
+        Ruling.ADMIT
+    )
+    dip = guard.consider(4, site=8, kind="delta", claimed=10, vector=vec(-0.2, 0.98))
+    assert dip.ruling is Ruling.ADMIT
+    assert guard._kinds["delta"].cosines[8] == pytest.approx(0.43, abs=1e-4)
+
+
+def test_a_site_that_stops_pointing_away_is_admitted_once_its_average_recovers() -> None:
+    guard = a_guard_with_direction_e1(min_cosine=0.0)
+    guard.consider(1, site=7, kind="delta", claimed=10, vector=vec(-0.5, 0))  # average −1
+    rulings = [
+        guard.consider(t, site=7, kind="delta", claimed=10, vector=vec(1, 0)).ruling
+        for t in range(2, 12)
+    ]
+    # −1 → 0.9·c̄ + 0.1: −0.8, −0.62, −0.458, −0.312, −0.181, −0.063, +0.043, ...
+    assert rulings == [Ruling.REJECT] * 6 + [Ruling.ADMIT] * 4
+
+
+@given(
+    cosines=st.lists(st.floats(-1, 1), min_size=1, max_size=12),
+    bound=st.floats(-0.99, 1),
+)
+def test_the_direction_ruling_matches_a_naive_running_average(
+    cosines: list[float], bound: float
+) -> None:
+    guard = a_guard_with_direction_e1(min_cosine=bound)
+    average = None
+    for ticket, c in enumerate(cosines):
+        s = math.sqrt(max(0.0, 1 - c * c))
+        average = c if average is None else 0.9 * average + 0.1 * c
+        decision = guard.consider(ticket, site=7, kind="delta", claimed=10, vector=vec(c, s))
+        if abs(average - bound) > 1e-9:  # the exact tie is rounding's to decide
+            assert (decision.ruling is Ruling.REJECT) == (average < bound), (c, average)
+
+
+def test_the_sites_recent_cosines_survive_a_checkpoint_under_new_node_ids() -> None:
+    guard = a_guard_with_direction_e1(min_cosine=0.0)
+    guard.consider(1, site=7, kind="delta", claimed=10, vector=vec(-0.6, 0.8))
+    guard.round_finished()
+    saved = guard.state_dict()
+    restored = UpdateGuard(guard.options)
+    restored.load_state_dict(saved, nodes={100: 1, 101: 2, 102: 3, 7: 70})
+    assert restored._kinds["delta"].cosines == {70: pytest.approx(-0.6)}
+    # The same next update gets the same ruling and reason as it would have had.
+    expected = guard.consider(2, site=7, kind="delta", claimed=10, vector=vec(0.8, 0.6))
+    got = restored.consider(2, site=70, kind="delta", claimed=10, vector=vec(0.8, 0.6))
+    assert got == expected and got.ruling is Ruling.REJECT
+    # A checkpoint written before the averages were kept loads with none known.
+    del saved["kinds"]["delta"]["cosines"]
+    older = UpdateGuard(guard.options)
+    older.load_state_dict(saved)
+    assert older._kinds["delta"].cosines == {}
 
 
 def test_options_off_admit_everything_as_claimed() -> None:
