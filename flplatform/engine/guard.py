@@ -208,6 +208,7 @@ class _Kind:
     direction_sum: list[np.ndarray] | None = None
     direction_weight: float = 0.0
     direction: list[np.ndarray] | None = None
+    direction_norm: float = 0.0  # ‖d‖, computed once per round rather than per update
     # site → its recent cosines with the direction, c̄ ← λ·c̄ + (1−λ)·cos
     cosines: dict[int, float] = field(default_factory=dict)
 
@@ -260,11 +261,17 @@ def vector_norm(parts: Sequence[np.ndarray]) -> float:
 
 def cosine(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> float | None:
     """cos(a, b) over all parts; None when either is zero."""
-    dot = sum(_dot(x, y) for x, y in zip(a, b, strict=True))
-    na, nb = vector_norm(a), vector_norm(b)
-    if na == 0 or nb == 0 or not math.isfinite(dot) or not math.isfinite(na * nb):
+    return _cosine_given_norms(a, vector_norm(a), b, vector_norm(b))
+
+
+def _cosine_given_norms(
+    a: Sequence[np.ndarray], na: float, b: Sequence[np.ndarray], nb: float
+) -> float | None:
+    """cos(a, b) when ‖a‖ and ‖b‖ are known already (one pass over the parts, not three)."""
+    if na == 0 or nb == 0 or not math.isfinite(na * nb):
         return None
-    return dot / (na * nb)
+    dot = sum(_dot(x, y) for x, y in zip(a, b, strict=True))
+    return dot / (na * nb) if math.isfinite(dot) else None
 
 
 class UpdateGuard:
@@ -345,7 +352,7 @@ class UpdateGuard:
             decision = Decision(Ruling.WAIT, weight=weight)
         if decision.ruling is Ruling.REJECT:  # the norm is the more telling reason
             return decision
-        pointing_away = self._direction_problem(vector, state, site)
+        pointing_away = self._direction_problem(vector, norm, state, site)
         if pointing_away is not None:
             return pointing_away
         if decision.ruling is Ruling.WAIT:
@@ -383,6 +390,7 @@ class UpdateGuard:
                     for kept, new in zip(state.direction, mean, strict=True):
                         kept *= 0.5
                         kept += new
+                state.direction_norm = vector_norm(state.direction)
             state.direction_sum, state.direction_weight = None, 0.0
 
     # ------------------------------------------------------------ checkpointing
@@ -451,6 +459,7 @@ class UpdateGuard:
             kinds[name] = _Kind(
                 rounds=window,
                 direction=None if direction is None else [np.array(p) for p in direction],
+                direction_norm=0.0 if direction is None else vector_norm(direction),
                 cosines=cosines,
             )
         seen = {
@@ -531,7 +540,7 @@ class UpdateGuard:
         return Decision(Ruling.ADMIT, weight=weight, reason="; ".join(notes) or None)
 
     def _direction_problem(
-        self, vector: Sequence[np.ndarray], state: _Kind, site: int
+        self, vector: Sequence[np.ndarray], norm: float, state: _Kind, site: int
     ) -> Decision | None:
         """A rejection when the site's recent updates, this one counted, point against the
         recent direction, else None. Every judged update moves the site's average, admitted
@@ -540,7 +549,7 @@ class UpdateGuard:
         bound = self.options.min_cosine
         if bound <= -1.0 or state.direction is None:
             return None
-        cos = cosine(vector, state.direction)
+        cos = _cosine_given_norms(vector, norm, state.direction, state.direction_norm)
         if cos is None:
             return None
         previous = state.cosines.get(site)
