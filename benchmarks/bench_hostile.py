@@ -12,11 +12,11 @@ update) counts with the rounds it recorded.
 
 "With the defence" is the app's own configuration; "without" adds the options that switch
 it off (``--defence-off``, default ``update-norm-ratio=0 max-site-share=1
-detect-replay=false``; ``--defence-on`` adds options to the defended runs, e.g. a robust
-aggregator for the sign flip). Only options the app declares are passed: Flower refuses
-undeclared run-config keys. Until the defence's options exist, none is declared, each
-attack runs once, today's behaviour, reported as ``without_defence`` (``with_defence``
-is null, and ``defence.missing`` names the options).
+reject-replays=false``; ``--defence-on`` adds options to the defended runs, default
+``update-min-cosine=0``: the direction check, off by default, which the sign flip needs).
+Only options the app declares are passed: Flower refuses undeclared run-config keys; an
+option the app does not declare is named in ``defence.missing``, and with none declared
+each attack runs once, reported as ``without_defence`` (``with_defence`` null).
 
 Accuracy: ``final_accuracy`` is the mean of the last 3 rounds' server-side accuracy (one
 round on digits' 360 test images with two non-IID sites moves it by up to 3.6 points),
@@ -25,8 +25,8 @@ round on digits' 360 test images with two non-IID sites moves it by up to 3.6 po
 The cost of the checks: ``check_cost`` times a callable over a 1M-parameter update (the
 four float32 arrays of an MLP 784→1 258→10, 1 000 120 parameters, as a model reply
 holds them)
-and gives the median wall and CPU seconds per call. Until the engine's guard exists it
-times stand-ins: the update's L2 norm (float64 accumulation, which a float32-max
+and gives the median wall and CPU seconds per call, of the engine's guard and, for
+comparison, of stand-ins: the update's L2 norm (float64 accumulation, which a float32-max
 update cannot overflow; and float32, for comparison) and a replay fingerprint of the
 arrays' names, shapes, dtypes and bytes (zlib.crc32 and hashlib.blake2b, 16-byte
 digest). ``guard_default`` and ``guard_with_direction`` time the engine's own
