@@ -278,8 +278,9 @@ class RunConfig:
     update_min_cosine: float = field(
         default=-1.0,
         metadata=about(
-            "Reject an update whose cosine with the recent mean updates is below this "
-            "(-1: no direction check)."
+            "Reject an update when its site's mean cosine with the recent mean updates (over "
+            "its recent updates) is below this, or its own is 0.5 below it (-1: no direction "
+            "check)."
         ),
     )
     aggregator: str = field(

@@ -174,8 +174,9 @@ def start(
     reject_replays : bool
         Reject a reply identical to one the same site sent before.
     update_min_cosine : float
-        Reject an update whose cosine with the federation's recent mean updates is below
-        this; −1 turns the direction check off.
+        Reject an update when its site's mean cosine over its recent updates (this one
+        counted) with the federation's recent mean updates is below this, or its own is
+        0.5 below it; −1 turns the direction check off (flplatform/engine/guard.py).
     checkpoint_every : int
         With a ledger, every round is committed with a checkpoint of the whole run state
         (the resume point; only the latest is kept); every ``checkpoint_every`` rounds

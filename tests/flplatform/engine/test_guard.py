@@ -9,7 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flplatform.checkpoint import CheckpointError
 from flplatform.engine.guard import (
+    CLEARLY_AWAY,
     DIRECTION_MEMORY,
     Decision,
     GuardOptions,
@@ -161,76 +163,142 @@ def a_guard_with_direction_e1(min_cosine: float) -> UpdateGuard:
 
 
 def test_a_site_is_judged_by_its_recent_cosines_not_one_round_of_noise() -> None:
-    """Hand-worked, λ = 0.9: cos(u, e1) is u's first coordinate for a unit u."""
-    assert DIRECTION_MEMORY == 0.9
+    """Hand-worked, λ = 0.9: cos(u, e1) is u's first coordinate for a unit u; a site's
+    mean starts at its first cosine, then c̄ ← 0.9·c̄ + 0.1·cos."""
+    assert DIRECTION_MEMORY == 0.9 and CLEARLY_AWAY == 0.5
     guard = a_guard_with_direction_e1(min_cosine=0.0)
-    # The flipper's first judged update: its average is its cosine, −0.6.
-    first = guard.consider(1, site=7, kind="delta", claimed=10, vector=vec(-0.6, 0.8))
+    # The flipper's first judged update: its mean is its cosine, −0.4.
+    first = guard.consider(1, site=7, kind="delta", claimed=10, vector=vec(-0.4, 0.9165))
     assert first.ruling is Ruling.REJECT
-    assert first.reason == (
-        "direction: cosine -0.60 with the federation's recent updates, below update-min-cosine 0"
+    assert first.reason == "direction: cosine -0.40 with the recent updates < update-min-cosine 0"
+    for ticket in (2, 3):  # the mean stays −0.4
+        guard.consider(ticket, site=7, kind="delta", claimed=10, vector=vec(-0.4, 0.9165))
+    # One update along the direction does not undo them: 0.9·(−0.4) + 0.1·0.8 = −0.28.
+    fourth = guard.consider(4, site=7, kind="delta", claimed=10, vector=vec(0.8, 0.6))
+    assert fourth.ruling is Ruling.REJECT
+    assert fourth.reason == (
+        "direction: its recent mean cosine -0.28 < update-min-cosine 0 (this one: 0.80)"
     )
-    # One update along the direction does not undo it: 0.9·(−0.6) + 0.1·0.8 = −0.46.
-    second = guard.consider(2, site=7, kind="delta", claimed=10, vector=vec(0.8, 0.6))
-    assert second.ruling is Ruling.REJECT
-    assert second.reason == (
-        "direction: cosine 0.80 with the federation's recent updates, "
-        "the site's recent average -0.46, below update-min-cosine 0"
-    )
-    # An honest site that once pointed slightly away stays admitted: 0.9·0.5 + 0.1·(−0.2).
-    assert guard.consider(3, site=8, kind="delta", claimed=10, vector=vec(0.5, 0.866)).ruling is (
-        Ruling.ADMIT
-    )
-    dip = guard.consider(4, site=8, kind="delta", claimed=10, vector=vec(-0.2, 0.98))
+    assert len(fourth.reason) <= 80  # what `history updates` shows of a reason
+    # An honest site that once points slightly away stays admitted: 0.9·0.5 + 0.1·(−0.2).
+    honest = guard.consider(5, site=8, kind="delta", claimed=10, vector=vec(0.5, 0.866))
+    assert honest.ruling is Ruling.ADMIT
+    dip = guard.consider(6, site=8, kind="delta", claimed=10, vector=vec(-0.2, 0.98))
     assert dip.ruling is Ruling.ADMIT
-    assert guard._kinds["delta"].cosines[8] == pytest.approx(0.43, abs=1e-4)
+    mean, judged = guard._kinds["delta"].cosines[8]
+    assert judged == 2 and mean == pytest.approx(0.43, abs=1e-4)
 
 
-def test_a_site_that_stops_pointing_away_is_admitted_once_its_average_recovers() -> None:
+def test_an_update_far_below_the_bound_is_rejected_whatever_its_sites_mean() -> None:
     guard = a_guard_with_direction_e1(min_cosine=0.0)
-    guard.consider(1, site=7, kind="delta", claimed=10, vector=vec(-0.5, 0))  # average −1
+    for ticket in range(10):  # banked credit: mean 1
+        guard.consider(ticket, site=8, kind="delta", claimed=10, vector=vec(1, 0))
+    flip = guard.consider(10, site=8, kind="delta", claimed=10, vector=vec(-0.6, 0.8))
+    assert flip.ruling is Ruling.REJECT
+    assert flip.reason == (
+        "direction: cosine -0.60 with the recent updates < update-min-cosine 0 - 0.5"
+    )
+    # A slight dip within the margin is the mean's to judge: admitted on the credit.
+    slight = guard.consider(11, site=8, kind="delta", claimed=10, vector=vec(-0.3, 0.954))
+    assert slight.ruling is Ruling.ADMIT
+
+
+def test_a_site_that_stops_pointing_away_is_admitted_once_its_mean_recovers() -> None:
+    guard = a_guard_with_direction_e1(min_cosine=0.0)
+    for ticket in range(20):  # mean −0.3
+        guard.consider(ticket, site=7, kind="delta", claimed=10, vector=vec(-0.3, 0.954))
     rulings = [
         guard.consider(t, site=7, kind="delta", claimed=10, vector=vec(1, 0)).ruling
-        for t in range(2, 12)
+        for t in range(20, 24)
     ]
-    # −1 → 0.9·c̄ + 0.1: −0.8, −0.62, −0.458, −0.312, −0.181, −0.063, +0.043, ...
-    assert rulings == [Ruling.REJECT] * 6 + [Ruling.ADMIT] * 4
+    # −0.3 → −0.17, −0.053, +0.052, ...
+    assert rulings == [Ruling.REJECT, Ruling.REJECT, Ruling.ADMIT, Ruling.ADMIT]
+
+
+def naive_mean_cosine(cosines: list[float], memory: float) -> float:
+    """λⁿ⁻¹·cos₁ + Σᵢ₌₂ⁿ λⁿ⁻ⁱ·(1 − λ)·cosᵢ, written out (the guard updates it step by step)."""
+    n = len(cosines)
+    return memory ** (n - 1) * cosines[0] + sum(
+        memory ** (n - i) * (1 - memory) * c for i, c in enumerate(cosines[1:], 2)
+    )
 
 
 @given(
     cosines=st.lists(st.floats(-1, 1), min_size=1, max_size=12),
     bound=st.floats(-0.99, 1),
 )
-def test_the_direction_ruling_matches_a_naive_running_average(
-    cosines: list[float], bound: float
-) -> None:
+def test_the_direction_ruling_matches_a_naive_mean(cosines: list[float], bound: float) -> None:
     guard = a_guard_with_direction_e1(min_cosine=bound)
-    average = None
-    for ticket, c in enumerate(cosines):
-        s = math.sqrt(max(0.0, 1 - c * c))
-        average = c if average is None else 0.9 * average + 0.1 * c
-        decision = guard.consider(ticket, site=7, kind="delta", claimed=10, vector=vec(c, s))
-        if abs(average - bound) > 1e-9:  # the exact tie is rounding's to decide
-            assert (decision.ruling is Ruling.REJECT) == (average < bound), (c, average)
+    for n, c in enumerate(cosines, 1):
+        decision = guard.consider(
+            n, site=7, kind="delta", claimed=10, vector=vec(c, math.sqrt(1 - c * c))
+        )
+        mean = naive_mean_cosine(cosines[:n], DIRECTION_MEMORY)
+        assert guard._kinds["delta"].cosines[7] == (pytest.approx(mean, abs=1e-9), n)
+        if abs(mean - bound) > 1e-9 and abs(c - (bound - CLEARLY_AWAY)) > 1e-9:  # not ties
+            expected = mean < bound or c < bound - CLEARLY_AWAY
+            assert (decision.ruling is Ruling.REJECT) == expected, (c, mean)
 
 
-def test_the_sites_recent_cosines_survive_a_checkpoint_under_new_node_ids() -> None:
+def test_the_direction_and_its_norm_follow_the_rounds_and_a_checkpoint() -> None:
+    guard = a_guard_with_direction_e1(min_cosine=0.5)
+    for r, update in ((2, vec(0.6, 0.8)), (3, vec(0.9, 0.1))):
+        guard.begin_round(r)
+        assert guard.consider(r, site=100, kind="delta", claimed=10, vector=update).ruling is (
+            Ruling.ADMIT
+        )
+        guard.round_finished()
+        kind = guard._kinds["delta"]
+        assert kind.direction is not None
+        assert kind.direction_norm == pytest.approx(vector_norm(kind.direction))
+    # d = ½·(½·e1 + (0.6, 0.8)) + (0.9, 0.1) = (1.45, 0.5); a bound of 0.5 decides by ‖d‖
+    np.testing.assert_allclose(guard._kinds["delta"].direction[0], [1.45, 0.5])
+    # cos((0.1, 1), d) = (0.145 + 0.5) / (1.005·1.534) = 0.418 < 0.5; with a ‖d‖ left at
+    # round 1's (1) it would pass as 0.642
+    below = vec(0.1, 1.0)
+    assert cosine(below, guard._kinds["delta"].direction) == pytest.approx(0.4184, abs=1e-4)
+    assert guard.consider(9, site=9, kind="delta", claimed=10, vector=below).ruling is (
+        Ruling.REJECT
+    )
+    restored = UpdateGuard(guard.options)
+    restored.load_state_dict(guard.state_dict())
+    kind = restored._kinds["delta"]
+    assert kind.direction is not None
+    assert kind.direction_norm == pytest.approx(vector_norm(kind.direction))
+    assert restored.consider(10, site=10, kind="delta", claimed=10, vector=below).ruling is (
+        Ruling.REJECT
+    )
+
+
+def test_the_sites_mean_cosines_survive_a_checkpoint_under_new_node_ids() -> None:
     guard = a_guard_with_direction_e1(min_cosine=0.0)
-    guard.consider(1, site=7, kind="delta", claimed=10, vector=vec(-0.6, 0.8))
+    for ticket in (1, 2, 3):
+        guard.consider(ticket, site=7, kind="delta", claimed=10, vector=vec(-0.4, 0.9165))
     guard.round_finished()
     saved = guard.state_dict()
     restored = UpdateGuard(guard.options)
     restored.load_state_dict(saved, nodes={100: 1, 101: 2, 102: 3, 7: 70})
-    assert restored._kinds["delta"].cosines == {70: pytest.approx(-0.6)}
+    assert restored._kinds["delta"].cosines == {70: (pytest.approx(-0.4, abs=1e-4), 3)}
     # The same next update gets the same ruling and reason as it would have had.
-    expected = guard.consider(2, site=7, kind="delta", claimed=10, vector=vec(0.8, 0.6))
-    got = restored.consider(2, site=70, kind="delta", claimed=10, vector=vec(0.8, 0.6))
+    expected = guard.consider(4, site=7, kind="delta", claimed=10, vector=vec(0.8, 0.6))
+    got = restored.consider(4, site=70, kind="delta", claimed=10, vector=vec(0.8, 0.6))
     assert got == expected and got.ruling is Ruling.REJECT
-    # A checkpoint written before the averages were kept loads with none known.
+    # A checkpoint written before the means were kept loads with none known.
     del saved["kinds"]["delta"]["cosines"]
     older = UpdateGuard(guard.options)
     older.load_state_dict(saved)
     assert older._kinds["delta"].cosines == {}
+
+
+@pytest.mark.parametrize("judged", [[math.nan, 3], [5.0, 3], [0.2, 0], [0.2, True], 0.2, [0.2]])
+def test_a_saved_mean_cosine_out_of_range_is_refused_naming_the_site(judged: object) -> None:
+    guard = a_guard_with_direction_e1(min_cosine=0.0)
+    saved = guard.state_dict()
+    saved["kinds"]["delta"]["cosines"] = {7: judged}
+    fresh = UpdateGuard(guard.options)
+    with pytest.raises(CheckpointError, match=r"mean cosine of site 7 \('delta'\)"):
+        fresh.load_state_dict(saved)
+    assert fresh._kinds == {}  # unchanged
 
 
 def test_options_off_admit_everything_as_claimed() -> None:
