@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 import sys
 import uuid
 from dataclasses import replace
@@ -121,15 +122,25 @@ while not Path(sys.argv[1] + ".ready").exists():
     time.sleep(0.05)
 os.kill(os.getpid(), signal.SIGKILL)
 """
+# Stands in for `flwr run --stream`: it exits as soon as its stream from the SuperLink
+# ends (its standard input, which the SuperLink holds the other end of), with Flower's
+# message.
+FLWR_RUN = """
+import sys
+sys.stdin.read()
+print("Connection to the SuperLink is unavailable.")
+sys.exit(1)
+"""
 
 
 def test_a_superlink_that_dies_fails_the_run_with_its_reason_before_the_serverapp_stops(
     tmp_path: Path,
 ) -> None:
     """``flplatform server`` (and ``simulate``) follow the run: the SuperLink they started
-    dies; the run is failed with the reason the ServerApp's own watch gives, naming it,
-    before its processes are stopped (so that the ServerApp, stopped next, finds the run
-    failed and can write nothing more), and every process is gone."""
+    dies, and `flwr run` with it; the run is failed with the reason the ServerApp's own
+    watch gives, naming the SuperLink, before the processes are stopped (so that the
+    ServerApp, stopped next, finds the run failed and can write nothing more), and every
+    process is gone."""
     db = f"sqlite:///{tmp_path / 'ledger.db'}"
     tag = uuid.uuid4().hex
     with LedgerRepository.open(db) as repo:
@@ -142,15 +153,20 @@ def test_a_superlink_that_dies_fails_the_run_with_its_reason_before_the_serverap
 
     def start(tree: ProcessTree) -> SimulationProcess:
         started.append(tree)
-        serverapp = tree.popen([sys.executable, "-c", SERVERAPP, db, tag, str(seen)], env=env)
-        superlink = tree.popen([sys.executable, "-c", SUPERLINK, str(seen)], env=env)
-        log = tmp_path / "superlink.log"
+        tree.popen([sys.executable, "-c", SERVERAPP, db, tag, str(seen)], env=env)
+        superlink = tree.popen(
+            [sys.executable, "-c", SUPERLINK, str(seen)], env=env, stdout=subprocess.PIPE
+        )
+        log = tmp_path / "run.log"
+        with log.open("wb") as output, superlink.stdout as stream:  # (the children's now)
+            flwr_run = tree.popen([sys.executable, "-c", FLWR_RUN], stdin=stream, stdout=output)
         return SimulationProcess(
-            superlink, serverapp, tmp_path / "run.log", log, tree, superlink_port=4242
+            superlink, flwr_run, log, tmp_path / "superlink.log", tree, superlink_port=4242
         )
 
+    # Polled once a second: by the next poll after the kill, `flwr run` has exited too.
     with pytest.raises(RunFailed) as raised:
-        follow_run(start, replace(RunConfig(), db=db, run_tag=tag), poll_interval=0.05)
+        follow_run(start, replace(RunConfig(), db=db, run_tag=tag), poll_interval=1.0)
 
     reason = gone_reason(("127.0.0.1", 4242), "killed by SIGKILL")
     assert reason == (
