@@ -32,10 +32,11 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import FrameType
 from typing import Any, TypeVar
 
+from flwr.app import Message
 from flwr.serverapp import Grid
 
 from flplatform.engine.strategy import ForwardingGrid
@@ -136,6 +137,20 @@ class SuperLinkWatch:
         # Why the run cannot go on, once the SuperLink is found gone (for good: a run
         # whose SuperLink was gone that long has lost its messages in flight).
         self.gone: str | None = None
+        self._calls = threading.local()  # .depth: Grid calls under way in this thread
+
+    @property
+    def in_call(self) -> bool:
+        """Whether this thread is inside a Grid call (``LinkedGrid``) now."""
+        return bool(getattr(self._calls, "depth", 0))
+
+    def calling(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``call(*args, **kwargs)``, this thread noted as inside a Grid call meanwhile."""
+        self._calls.depth = getattr(self._calls, "depth", 0) + 1
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self._calls.depth -= 1
 
     def poll(self) -> str | None:
         """Probe the SuperLink if it is time; the reason it is gone, once it is."""
@@ -189,7 +204,13 @@ class SuperLinkWatch:
 
 
 class LinkedGrid(ForwardingGrid):
-    """``grid``, each of whose calls first checks that the SuperLink is still there."""
+    """``grid``, each of whose calls first checks that the SuperLink is still there.
+
+    It also notes, per thread, when a call is under way (``SuperLinkWatch.calling``): the
+    only place ``run_watched`` interrupts, as a call waiting on the SuperLink is the only
+    thing that can wait for ever on it, and the Grid's network code is made to be
+    interrupted (Ctrl-C); a ledger write or a checkpoint never is.
+    """
 
     def __init__(self, grid: Grid, watch: SuperLinkWatch) -> None:
         super().__init__(grid)
@@ -197,6 +218,23 @@ class LinkedGrid(ForwardingGrid):
 
     def _before(self) -> None:
         self.watch.check()
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self.watch.calling(super().get_node_ids)
+
+    def get_nodes(self) -> Iterable[Any]:
+        return self.watch.calling(super().get_nodes)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self.watch.calling(super().push_messages, messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self.watch.calling(super().pull_messages, message_ids)
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        return self.watch.calling(super().send_and_receive, messages, timeout=timeout)
 
 
 def superlink_watch(grid: Grid) -> SuperLinkWatch | None:
@@ -224,7 +262,8 @@ def watch_superlink(grid: Grid, argv: Sequence[str] | None = None) -> Grid:
 
 # ====================================================================== the main thread
 class SuperLinkGone(BaseException):
-    """Raised in the main thread, from a signal handler: the SuperLink is gone.
+    """Raised in the main thread, from a signal handler, inside a Grid call: the SuperLink
+    is gone.
 
     A ``BaseException`` (as ``KeyboardInterrupt``), so that nothing on its way that
     handles errors (``except Exception``: a retry, the check of a reply) takes it for
@@ -247,23 +286,15 @@ def run_watched(
     (see the module's notes), and a SIGINT or SIGTERM that finds the SuperLink not
     answering waits for the verdict first.
 
-    If ``body`` raises, ``on_failure`` is called with what to record, once no signal of
-    the watch can interrupt it any more, and that is raised: ``RunFailed`` naming the
-    SuperLink when it is gone (whatever stopped ``body``: the watch, a Grid call, or
-    Flower's SIGINT), else what ``body`` raised.
+    If ``body`` raises, ``on_failure`` is called with what to record, and that is raised:
+    ``RunFailed`` naming the SuperLink when it is gone (whatever stopped ``body``: the
+    watch, a Grid call, or Flower's SIGINT), else what ``body`` raised. The watch's
+    interruptions land inside Grid calls only, so never in ``on_failure``.
     """
     guard = _MainThreadGuard(superlink_watch(grid))
+    guard.arm()
     try:
-        # The handler raises at most once, at any point the main thread reaches, also
-        # at the first line of the handling below: the outer handler is then reached
-        # with it, and nothing interrupts that one.
-        try:
-            guard.arm()
-            result = body()
-            guard.disarm()
-        except BaseException:
-            guard.disarm()
-            raise
+        result = body()
     except BaseException as exc:
         guard.disarm()
         failure = guard.failure(exc)
@@ -338,17 +369,26 @@ class _MainThreadGuard:
 
     # ------------------------------------------------------------------ internals
     def _watch(self) -> None:
+        """Probe every ``interval``; once the SuperLink is gone, signal the main thread
+        (again every ``interval``, until it was interrupted inside a Grid call)."""
         assert self.watch is not None and INTERRUPT_SIGNAL is not None and self._main
         while not self._stop.wait(self.watch.interval):
             if self.watch.poll() is not None and self._armed and not self._raised:
                 signal.pthread_kill(self._main, INTERRUPT_SIGNAL)
 
     def _interrupt(self) -> None:
-        """Raise ``SuperLinkGone`` in the main thread, once, if the SuperLink is gone."""
-        gone = self.watch.gone if self.watch is not None else None
-        if gone is not None and self._armed and not self._raised:
+        """Raise ``SuperLinkGone`` in the main thread, once, if the SuperLink is gone and
+        a Grid call is under way there (else the next call's check raises ``RunFailed``)."""
+        watch = self.watch
+        if (
+            watch is not None
+            and watch.gone is not None
+            and watch.in_call
+            and self._armed
+            and not self._raised
+        ):
             self._raised = True
-            raise SuperLinkGone(gone)
+            raise SuperLinkGone(watch.gone)
 
     def _on_interrupt(self, signum: int, frame: FrameType | None) -> None:
         self._interrupt()
@@ -358,8 +398,9 @@ class _MainThreadGuard:
 
         Flower's parent monitors raise SIGINT when SuperExec exits with its SuperLink:
         that one finds the SuperLink not answering, and waits for the watch's verdict.
-        A signal while the run is already stopping because the SuperLink is gone is
-        dropped: the run is being recorded failed, and the process exits after.
+        Once the SuperLink is gone, the signal is dropped where it cannot interrupt a Grid
+        call: the run stops at the next call, or is being recorded failed already, and
+        the process exits after.
         """
         previous = self._previous.get(signal.Signals(signum))
         if self.watch is not None and not self._settling:

@@ -222,11 +222,17 @@ def flower_stop_handler() -> Iterator[list[int]]:
             signal.signal(signum, handler)
 
 
-def stopped_by(sig: signal.Signals) -> None:
-    """Raise ``sig`` in this process, then wait as a blocked Grid call would."""
-    signal.raise_signal(sig)
-    threading.Event().wait(10)
-    raise AssertionError(f"{sig.name} did not stop the body")
+class StoppedWhileWaiting(ScriptedGrid):
+    """A Grid call waiting on the SuperLink when ``sig`` comes (raised in this process)."""
+
+    def __init__(self, sig: signal.Signals) -> None:
+        super().__init__({})
+        self.sig = sig
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        signal.raise_signal(self.sig)
+        threading.Event().wait(10)
+        raise AssertionError(f"{self.sig.name} did not stop the call")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
@@ -238,12 +244,13 @@ def test_flowers_stop_signal_on_a_dead_superlink_fails_the_run_with_the_superlin
     signal finds the SuperLink not answering and waits for the watch's verdict instead
     (the watch's own thread, probing every 30 s here, has no part in it)."""
     port = superlink.getsockname()[1]
-    grid = LinkedGrid(ScriptedGrid({}), SuperLinkWatch(("127.0.0.1", port), grace=0.3, interval=30))
+    watch = SuperLinkWatch(("127.0.0.1", port), grace=0.3, interval=30)
+    grid = LinkedGrid(StoppedWhileWaiting(sig), watch)
     recorded: list[BaseException] = []
 
     def body() -> None:
         superlink.close()
-        stopped_by(sig)
+        grid.pull_messages([])
 
     began = time.monotonic()
     with pytest.raises(RunFailed) as raised:
@@ -261,17 +268,42 @@ def test_a_stop_signal_while_the_superlink_answers_is_handled_as_before(
     """Ctrl-C, or SIGTERM from whoever stops the run, with the SuperLink there: Flower's
     handler, at once; the handlers are the previous ones afterwards."""
     port = superlink.getsockname()[1]
-    grid = LinkedGrid(ScriptedGrid({}), SuperLinkWatch(("127.0.0.1", port), grace=0.3, interval=30))
+    watch = SuperLinkWatch(("127.0.0.1", port), grace=0.3, interval=30)
+    grid = LinkedGrid(StoppedWhileWaiting(signal.SIGINT), watch)
     recorded: list[BaseException] = []
     handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
 
     began = time.monotonic()
     with pytest.raises(SystemExit):
-        run_watched(grid, lambda: stopped_by(signal.SIGINT), recorded.append)
+        run_watched(grid, lambda: grid.pull_messages([]), recorded.append)
     assert time.monotonic() - began < 1.0
     assert flower_stop_handler == [signal.SIGINT]
     assert [type(e) for e in recorded] == [SystemExit]
     assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers
+    no_handlers_left()
+
+
+def test_nothing_but_a_grid_call_is_interrupted_the_next_call_stops_the_run(
+    superlink: socket.socket,
+) -> None:
+    """The SuperLink found gone while the ServerApp computes (aggregates, writes the
+    ledger): that goes on undisturbed, and the next Grid call raises."""
+    address = superlink.getsockname()
+    grid = LinkedGrid(ScriptedGrid({}), SuperLinkWatch(address, grace=0.3, interval=0.1))
+    steps: list[str] = []
+
+    def body() -> None:
+        superlink.close()
+        deadline = time.monotonic() + 1.5  # the thread signals ~10 times meanwhile
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        steps.append("computed")
+        grid.pull_messages([])
+        steps.append("pulled")
+
+    with pytest.raises(RunFailed, match="is gone"):
+        run_watched(grid, body, lambda exc: None)
+    assert steps == ["computed"]
     no_handlers_left()
 
 
