@@ -17,12 +17,13 @@ rounds, also runs the same watch in a thread when the rounds run in the main thr
 (flwr-serverapp's; flwr-simulation runs its ServerApp in a thread of its own, where the
 checks between calls suffice): once the SuperLink is gone, the thread interrupts the main
 thread with ``INTERRUPT_SIGNAL``, whose handler raises ``SuperLinkGone`` in the blocked
-call, once. And when the SuperLink's death makes Flower's own parent monitors raise
-SIGINT (SuperExec exits when its SuperLink does, and flwr-serverapp when its SuperExec
-does), Flower's handler would exit the process within seconds, the run left "running":
-while the rounds run, a SIGINT or SIGTERM that finds the SuperLink unreachable first waits
-for the watch's verdict, and a SuperLink found gone stops the run with that reason
-instead. The run is recorded failed with it, never "stopped by the user".
+Grid call (only there: never in the ServerApp's own work, a ledger write, say). And when
+the SuperLink's death makes Flower's own parent monitors raise SIGINT (SuperExec exits
+when its SuperLink does, and flwr-serverapp when its SuperExec does), Flower's handler
+would exit the process within seconds, the run left "running": while the rounds run, a
+SIGINT or SIGTERM that finds the SuperLink unreachable first waits for the watch's
+verdict, and a SuperLink found gone stops the run with that reason instead. The run is
+recorded failed with it, never "stopped by the user".
 """
 
 from __future__ import annotations
@@ -316,7 +317,6 @@ class _MainThreadGuard:
     def __init__(self, watch: SuperLinkWatch | None) -> None:
         self.watch = watch
         self._armed = False
-        self._raised = False
         self._settling = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -369,25 +369,19 @@ class _MainThreadGuard:
 
     # ------------------------------------------------------------------ internals
     def _watch(self) -> None:
-        """Probe every ``interval``; once the SuperLink is gone, signal the main thread
-        (again every ``interval``, until it was interrupted inside a Grid call)."""
+        """Probe every ``interval``; once the SuperLink is gone, signal the main thread, and
+        again every ``interval`` until ``run_watched`` is done (an interruption outside a
+        Grid call does nothing; one taken for something to retry is made again)."""
         assert self.watch is not None and INTERRUPT_SIGNAL is not None and self._main
         while not self._stop.wait(self.watch.interval):
-            if self.watch.poll() is not None and self._armed and not self._raised:
+            if self.watch.poll() is not None and self._armed:
                 signal.pthread_kill(self._main, INTERRUPT_SIGNAL)
 
     def _interrupt(self) -> None:
-        """Raise ``SuperLinkGone`` in the main thread, once, if the SuperLink is gone and
-        a Grid call is under way there (else the next call's check raises ``RunFailed``)."""
+        """Raise ``SuperLinkGone`` in the main thread if the SuperLink is gone and a Grid
+        call is under way there (else the next call's check raises ``RunFailed``)."""
         watch = self.watch
-        if (
-            watch is not None
-            and watch.gone is not None
-            and watch.in_call
-            and self._armed
-            and not self._raised
-        ):
-            self._raised = True
+        if watch is not None and watch.gone is not None and watch.in_call and self._armed:
             raise SuperLinkGone(watch.gone)
 
     def _on_interrupt(self, signum: int, frame: FrameType | None) -> None:
