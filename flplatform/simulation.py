@@ -8,6 +8,7 @@ ServerApp writes the ledger; the caller follows progress by reading the ledger.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -170,6 +171,9 @@ class SimulationProcess:
     log_path: Path
     superlink_log: Path
     tree: ProcessTree
+    # Where the SuperLink listens (its Runtime API, on 127.0.0.1): the run's reason names
+    # it as the ServerApp's own watch does (engine/link).
+    superlink_port: int | None = None
     # Why the simulation ended early, when its SuperLink exited on its own (noted when
     # it is seen, before ``stop`` ends the SuperLink too).
     link_lost: str | None = None
@@ -182,10 +186,14 @@ class SimulationProcess:
         """Whether the SuperLink exited on its own; the first time, note why."""
         code = self.superlink.poll()
         if code is not None and self.link_lost is None:
-            self.link_lost = (
-                f"the SuperLink exited ({describe_exit(code)}) while the run was going; "
-                f"see {self.superlink_log}"
-            )
+            from flplatform.engine.link import gone_reason  # (imports Flower: only now)
+
+            how = describe_exit(code)
+            if self.superlink_port is None:
+                self.link_lost = f"the SuperLink exited ({how}) while the run was going"
+            else:
+                self.link_lost = gone_reason(("127.0.0.1", self.superlink_port), how)
+            self.link_lost += f"; see {self.superlink_log}"
         return code is not None
 
     def stop(self) -> None:
@@ -320,7 +328,8 @@ def start_app(
         log_name=log_name,
         tree=tree,
     )
-    return SimulationProcess(superlink, run, log_path, superlink_log, tree)
+    port = int(env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"])  # set by start_superlink
+    return SimulationProcess(superlink, run, log_path, superlink_log, tree, superlink_port=port)
 
 
 def start_flwr_run(
@@ -673,10 +682,14 @@ def _follow(
     with LedgerRepository.open(config.db) as repository:
         while True:
             process.tree.record()
-            exited = process.poll() is not None or process.superlink_exited()
+            # Both asked: when the SuperLink dies, `flwr run` (streaming from it) exits too.
+            link_gone = process.superlink_exited()
+            exited = process.poll() is not None or link_gone
             record = repository.find_run_by_tag(config.run_tag)
             if record is not None:
                 run_id = record.id
+                if link_gone and record.status == "running":
+                    record = _fail_first(repository, record.id, process.link_lost or "")
             if on_progress is not None:
                 done = repository.list_rounds(record.id) if record else []
                 on_progress(record, done, _latest_failures(repository, done))
@@ -690,6 +703,18 @@ def _follow(
             f"{process.last_error()}; log: {process.log_path}"
         )
     return run_id
+
+
+def _fail_first(repository: LedgerRepository, run_id: int, reason: str) -> RunRecord:
+    """Mark the run failed with ``reason`` before its processes are stopped.
+
+    Its SuperLink is gone: the ServerApp, still running until the tree is stopped, can
+    then write nothing more to the run (the ledger refuses rows for a run that is not
+    running), nor record some other reason of its own as it is stopped.
+    """
+    with contextlib.suppress(StorageError):  # it ended meanwhile, as it said itself
+        repository.finish_run(run_id, status="failed", error=reason)
+    return repository.get_run(run_id)
 
 
 # ========================================================================== sweeps

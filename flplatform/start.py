@@ -9,7 +9,7 @@ ledger="default")`` instead and gets, on top of Flower's ``Result``:
 * the ledger: the run's row is written first, each round is committed as it finishes, and
   the run is marked finished, or failed with the reason, at the end (``run_ledger``);
 * a watch on the SuperLink: a ServerApp whose SuperLink exited stops, the run failed with
-  that reason, instead of training on (``engine.link``).
+  that reason, instead of training on or waiting on it for ever (``engine.link``).
 
 Any strategy runs: flplatform's own as they are, Flower's own wrapped, fully synchronously
 (``start_parts``, which also picks the policy and the clock). Command-line overrides:
@@ -40,7 +40,7 @@ from flplatform.engine import (
     RoundSummary,
     UpdateGuard,
 )
-from flplatform.engine.link import watch_superlink
+from flplatform.engine.link import run_watched, watch_superlink
 from flplatform.flower_app import ConfigValue
 from flplatform.network import Network
 from flplatform.run_ledger import open_run
@@ -249,13 +249,16 @@ def start(
     label = strategy_name(engine_strategy)
     policy = choose_policy(engine_strategy, options)
     clock = make_clock(options)
-    # A simulated ServerApp's Grid answers after its SuperLink died: stop then (engine/link).
+    # A simulated ServerApp's Grid answers after its SuperLink died, a deployed one's
+    # retries for ever: stop then, failed with that reason (engine/link).
     grid = watch_superlink(grid)
     run = open_run(options, overrides, label)
     resume = run.resume_state if run is not None else None
     log_start(engine_strategy, label, policy, network_label(options), options.num_rounds)
     engine: RoundEngine | None = None
-    try:
+
+    def run_rounds() -> Result:
+        nonlocal engine
         engine = RoundEngine(
             grid,
             engine_strategy,
@@ -279,7 +282,7 @@ def start(
                 )
             ),
         )
-        result = engine.run(
+        return engine.run(
             initial_arrays,
             num_rounds=options.num_rounds,
             train_config=train_config,
@@ -290,13 +293,20 @@ def start(
             federated_evaluation=True,
             resume=resume,
         )
-    except BaseException as exc:
+
+    def record_failure(exc: BaseException) -> None:
         if run is not None:
             run.fail(exc, simulated_seconds=engine.simulated_seconds if engine else None)
-        raise
+
+    # Whatever stops the rounds (an error, Ctrl-C, a SuperLink found gone: then the error
+    # is RunFailed naming it) is recorded before it is raised.
+    result = run_watched(grid, run_rounds, on_failure=record_failure)
     if run is not None:
         final = result.evaluate_metrics_serverapp.get(options.num_rounds)
-        run.finish(final_metrics=final, simulated_seconds=engine.simulated_seconds)
+        run.finish(
+            final_metrics=final,
+            simulated_seconds=engine.simulated_seconds if engine is not None else None,
+        )
     return result
 
 

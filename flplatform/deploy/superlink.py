@@ -609,7 +609,7 @@ def start_deployment(
         log_name=log_name,
         tree=tree,
     )
-    return SimulationProcess(link, flwr_run, log_path, link_log, tree)
+    return SimulationProcess(link, flwr_run, log_path, link_log, tree, superlink_port=link_port)
 
 
 def run_deployment(

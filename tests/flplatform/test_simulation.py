@@ -1,22 +1,37 @@
-"""What a failed simulation's message quotes from Flower's output; its files' permissions."""
+"""What a failed simulation's message quotes from Flower's output; its files' permissions;
+what the command following a run records when the SuperLink it started dies."""
 
 from __future__ import annotations
 
+import os
 import stat
+import subprocess
+import sys
+import uuid
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from flplatform.config import RunConfig
+from flplatform.engine.link import gone_reason
+from flplatform.errors import RunFailed
+from flplatform.processes import ProcessTree
 from flplatform.simulation import (
+    SimulationProcess,
     flower_environment,
+    follow_run,
     forget_snapshots,
     logs_dir,
     private_file,
     telling_line,
     work_home,
 )
+from storage import LedgerRepository
 from strategies.mods.snapshots import state_root
+
+ROOT = Path(__file__).resolve().parents[2]
 
 FLOWER_PANEL = """\
 Using SuperLink: local (127.0.0.1:43799)
@@ -83,3 +98,85 @@ def test_a_finished_runs_snapshots_are_forgotten_where_its_sites_wrote_them(
     forget_snapshots(SimpleNamespace(tag="run-tag-1"))  # type: ignore[arg-type]
 
     assert sorted(p.name for p in sites_root.iterdir()) == ["run-tag-2"]
+
+
+# Stands in for the ServerApp: when it is stopped (SIGTERM), it notes the run's status.
+SERVERAPP = """
+import signal, sys, time
+from pathlib import Path
+from storage import LedgerRepository
+db, tag, seen = sys.argv[1:]
+def stopped(signum, frame):
+    with LedgerRepository.open(db) as repo:
+        Path(seen).write_text(repo.find_run_by_tag(tag).status)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stopped)
+Path(seen + ".ready").touch()
+time.sleep(60)
+"""
+# Stands in for the SuperLink: killed with SIGKILL once the ServerApp is ready.
+SUPERLINK = """
+import os, signal, sys, time
+from pathlib import Path
+while not Path(sys.argv[1] + ".ready").exists():
+    time.sleep(0.05)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+# Stands in for `flwr run --stream`: it exits as soon as its stream from the SuperLink
+# ends (its standard input, which the SuperLink holds the other end of), with Flower's
+# message.
+FLWR_RUN = """
+import sys
+sys.stdin.read()
+print("Connection to the SuperLink is unavailable.")
+sys.exit(1)
+"""
+
+
+def test_a_superlink_that_dies_fails_the_run_with_its_reason_before_the_serverapp_stops(
+    tmp_path: Path,
+) -> None:
+    """``flplatform server`` (and ``simulate``) follow the run: the SuperLink they started
+    dies, and `flwr run` with it; the run is failed with the reason the ServerApp's own
+    watch gives, naming the SuperLink, before the processes are stopped (so that the
+    ServerApp, stopped next, finds the run failed and can write nothing more), and every
+    process is gone."""
+    db = f"sqlite:///{tmp_path / 'ledger.db'}"
+    tag = uuid.uuid4().hex
+    with LedgerRepository.open(db) as repo:
+        run_id = repo.create_run(
+            name="r", strategy="local-sgd", seed=0, config={}, num_rounds_planned=9, tag=tag
+        )
+    seen = tmp_path / "seen-by-the-serverapp"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    started: list[ProcessTree] = []
+
+    def start(tree: ProcessTree) -> SimulationProcess:
+        started.append(tree)
+        tree.popen([sys.executable, "-c", SERVERAPP, db, tag, str(seen)], env=env)
+        superlink = tree.popen(
+            [sys.executable, "-c", SUPERLINK, str(seen)], env=env, stdout=subprocess.PIPE
+        )
+        log = tmp_path / "run.log"
+        with log.open("wb") as output, superlink.stdout as stream:  # (the children's now)
+            flwr_run = tree.popen([sys.executable, "-c", FLWR_RUN], stdin=stream, stdout=output)
+        return SimulationProcess(
+            superlink, flwr_run, log, tmp_path / "superlink.log", tree, superlink_port=4242
+        )
+
+    # Polled once a second: by the next poll after the kill, `flwr run` has exited too.
+    with pytest.raises(RunFailed) as raised:
+        follow_run(start, replace(RunConfig(), db=db, run_tag=tag), poll_interval=1.0)
+
+    reason = gone_reason(("127.0.0.1", 4242), "killed by SIGKILL")
+    assert reason == (
+        "the SuperLink at 127.0.0.1:4242 is gone (killed by SIGKILL): it has exited, and "
+        "the run cannot go on without it"
+    )
+    assert raised.value.reason.startswith(f"run {run_id} failed: {reason}; see ")
+    with LedgerRepository.open(db) as repo:
+        run = repo.get_run(run_id)
+    assert run.status == "failed"
+    assert run.error == f"{reason}; see {tmp_path / 'superlink.log'}"
+    assert seen.read_text() == "failed"
+    assert started[0].alive() == []
