@@ -7,6 +7,7 @@ keys of its own run config (``site_config``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -24,7 +25,7 @@ from flplatform import keys
 from flplatform.config import RunConfig
 from flplatform.config_rules import strategy_knobs
 from flplatform.engine import AggregationPolicy
-from flplatform.engine.link import watch_superlink
+from flplatform.engine.link import run_watched, superlink_watch, watch_superlink
 from flplatform.engine.mailbox import PULL_CHUNK, TTL_GRACE_SECONDS
 from flplatform.engine.strategy import ForwardingGrid
 from flplatform.errors import FLPlatformError
@@ -194,14 +195,19 @@ def run_members(grid: Grid, members: Sequence[RunConfig]) -> None:
     with them.
     """
     tracked = InFlightGrid(watch_superlink(grid))
+    watch = superlink_watch(tracked)
     for index, member in enumerate(members):
         if index:
-            _drain(tracked, after=members[index - 1])
+            # watched too: a pull from a deployed SuperLink that died waits for ever
+            drain = functools.partial(_drain, tracked, after=members[index - 1])
+            run_watched(tracked, drain, lambda _: None)
         log.info("sweep: run %d of %d, %s", index + 1, len(members), member.run_name)
         try:
             run_federation(tracked, member, site_config=site_config_of(member))
         except FLPlatformError as exc:
             log.error("sweep: run %s failed: %s", member.run_name, exc.reason)
+            if watch is not None and watch.gone is not None:
+                raise  # no later member can run without the SuperLink
 
 
 def _drain(grid: InFlightGrid, *, after: RunConfig) -> None:

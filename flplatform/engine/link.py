@@ -293,8 +293,8 @@ def run_watched(
     interruptions land inside Grid calls only, so never in ``on_failure``.
     """
     guard = _MainThreadGuard(superlink_watch(grid))
-    guard.arm()
     try:
+        guard.arm()  # (inside: a failure to arm is recorded and undone like any other)
         result = body()
     except BaseException as exc:
         guard.disarm()
@@ -305,7 +305,9 @@ def run_watched(
             guard.close()
         if failure is exc:
             raise
-        raise failure from None
+        # an error of its own that the SuperLink's end replaced keeps its traceback
+        interruption = isinstance(exc, (SuperLinkGone, KeyboardInterrupt, SystemExit))
+        raise failure from (None if interruption else exc)
     guard.close()
     return result
 
