@@ -110,7 +110,6 @@ class Row:
     panel: str
     name: str
     run_id: int
-    status: str
     cost: float | None
     versus_reference: float | None
     final_accuracy: float | None
@@ -132,7 +131,11 @@ class Verdict:
     winner: Row | None
     reference: Row
     factor: float | None
-    not_reached: tuple[Row, ...]
+
+    @property
+    def not_reached(self) -> tuple[Row, ...]:
+        """The runs that did not reach the target."""
+        return tuple(row for row in self.rows if row.cost is None)
 
 
 # ================================================================ the panels
@@ -330,7 +333,6 @@ def judge(panel: Panel, summaries: Sequence[RunSummary]) -> Verdict:
                 panel=panel.key,
                 name=summary.name,
                 run_id=summary.run_id,
-                status=summary.status,
                 cost=cost,
                 versus_reference=_ratio(reference_cost, cost),
                 final_accuracy=summary.final_accuracy,
@@ -350,7 +352,6 @@ def judge(panel: Panel, summaries: Sequence[RunSummary]) -> Verdict:
         winner=winner,
         reference=reference,
         factor=factor,
-        not_reached=tuple(row for row in rows if row.cost is None),
     )
 
 

@@ -235,7 +235,7 @@ class InFlightGrid(ForwardingGrid):
         self.unanswered.update(i for i in ids if i)  # (refused ones: "" or None)
         return ids
 
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
         replies = list(super().pull_messages(message_ids))
         self.unanswered.difference_update(r.metadata.reply_to_message_id for r in replies)
         return replies
@@ -251,7 +251,7 @@ class InFlightGrid(ForwardingGrid):
             waiting = sorted(self.unanswered)
             pulled = 0
             for first in range(0, len(waiting), PULL_CHUNK):
-                pulled += len(list(self.pull_messages(waiting[first : first + PULL_CHUNK])))
+                pulled += len(self.pull_messages(waiting[first : first + PULL_CHUNK]))
             if not pulled:
                 time.sleep(poll_interval)
         left = len(self.unanswered)

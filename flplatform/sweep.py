@@ -25,6 +25,7 @@ from flplatform.checks import require
 from flplatform.config import SKETCHED, RunConfig, option_keys
 from flplatform.engine.synchrony import K_MODES
 from flplatform.errors import ConfigError
+from flplatform.flower_app import ConfigValue
 
 # The run-config keys `flplatform simulate` takes lists of.
 SWEEPABLE: tuple[str, ...] = ("strategy", "sync", "k", "seed", "codec", "delay")
@@ -32,8 +33,6 @@ SWEEPABLE: tuple[str, ...] = ("strategy", "sync", "k", "seed", "codec", "delay")
 SHARED = ("sites", "min-sites", "db", "run-tag", "name", "sweep", "resume-run")
 # The key that holds the members in a Flower run config.
 SWEEP_KEY = "sweep"
-
-ConfigValue = str | int | float | bool
 
 
 @dataclass(frozen=True)
@@ -91,8 +90,8 @@ def expand_values(base: Mapping[str, Any], values: Mapping[str, Sequence[Any]]) 
     swept = [key for key, listed in lists.items() if len(listed) > 1]
     members: list[RunConfig] = []
     skipped: list[tuple[dict[str, Any], str]] = []
-    seen: dict[tuple[Any, ...], str] = {}  # what makes a run → the name of the first such
-    seen_choice: dict[tuple[Any, ...], dict[str, Any]] = {}  # ... and its swept values
+    # what makes a run → the name and the swept values of the first such
+    seen: dict[tuple[Any, ...], tuple[str, dict[str, Any]]] = {}
     for combination in itertools.product(*lists.values()):
         chosen = dict(zip(lists, combination, strict=True))
         try:
@@ -103,21 +102,21 @@ def expand_values(base: Mapping[str, Any], values: Mapping[str, Sequence[Any]]) 
         named = _named(config, swept)
         same = _what_runs(named)
         if same in seen:
+            first_name, first_choice = seen[same]
             skipped.append(
                 (
                     chosen,
-                    f"the same run as '{seen[same]}'"
+                    f"the same run as '{first_name}'"
                     + (
                         f": k shapes only the K modes ({', '.join(K_MODES)}) and the "
                         "sketched strategies"
-                        if _differ_only_in_k(chosen, seen_choice[same])
+                        if _differ_only_in_k(chosen, first_choice)
                         else " (the values name the same setting)"
                     ),
                 )
             )
             continue
-        seen[same] = named.name
-        seen_choice[same] = chosen
+        seen[same] = (named.name, chosen)
         members.append(named)
     _check_coverage(lists, members, skipped)
     check_members(members)

@@ -65,6 +65,7 @@ from flplatform.engine import (
     Update,
     Work,
 )
+from flplatform.engine.replies import record_of
 from flplatform.errors import StepRefused, UpdateRejected
 from flplatform.start import PlatformStart
 from strategies.aggregation import (
@@ -495,7 +496,7 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
 
     def _decode(self, content: RecordDict, received: dict[str, np.ndarray]) -> dict:
         """A_{n,q} from the reply's arrays: as sent, or decoded with the run's codec."""
-        config = content.config_records.get(keys.CONFIG)
+        config = record_of(content, keys.CONFIG, ConfigRecord)
         named = None if config is None else config.get(keys.CODEC)
         if isinstance(self.codec, Identity) and named in (None, "none"):
             check_arrays(received, self._current)

@@ -47,6 +47,7 @@ from flplatform import keys
 from flplatform.arrays import arrays_to_record, record_to_arrays
 from flplatform.checks import Problem, integer, require, unit_interval
 from flplatform.engine import Contribution, Update
+from flplatform.engine.replies import record_of
 from flplatform.errors import ConfigError, StepRefused, UpdateRejected
 from strategies.aggregation import eta_problem
 from strategies.count_sketch import CountSketch
@@ -377,7 +378,7 @@ class SketchedSGD(SketchedStrategy):
     def read_update(self, reply: Message, *, base: ArrayRecord) -> Update:
         """Read a site's sketch (sketch round) or its values at the candidates."""
         node_id = reply.metadata.src_node_id
-        said = reply.content.metric_records.get(keys.METRICS)
+        said = record_of(reply.content, keys.METRICS, MetricRecord)
         if said is not None and said.get(keys.STATE_LOST) == 1 and keys.ARRAYS not in reply.content:
             # Its accumulators and model are gone: nothing it owes is pending any more,
             # and its next message carries the whole model.

@@ -75,10 +75,25 @@ def digest(data: bytes | bytearray | memoryview) -> bytes:
         np.einsum("ij,j->i", body.reshape(blocks, KEY_WORDS), _KEYS),
         np.dot(last, _KEYS[: last.size]),
     )
-    block_keys = _splitmix64(np.arange(per_block.size, dtype=np.uint64) + _BLOCK_KEYS_FROM)
+    block_keys = _block_keys(per_block.size)
     h1 = int(per_block.sum(dtype=np.uint64))
     h2 = int(np.dot(per_block, block_keys))
     return b"".join(value.to_bytes(8, "little") for value in (size, h1, h2))
+
+
+# The per-block keys, a fixed function of the block's index: computed once, and again only
+# for longer data (they cost more than half of a small array's digest).
+_block_key_cache = _splitmix64(np.arange(1024, dtype=np.uint64) + _BLOCK_KEYS_FROM)
+
+
+def _block_keys(count: int) -> np.ndarray:
+    """The keys of blocks 0 .. count-1."""
+    global _block_key_cache
+    keys = _block_key_cache
+    if keys.size < count:  # (rebinding is atomic: a concurrent caller sees either array)
+        keys = _splitmix64(np.arange(2 * count, dtype=np.uint64) + _BLOCK_KEYS_FROM)
+        _block_key_cache = keys
+    return keys[:count]
 
 
 def arrays_digest(record: ArrayRecord) -> str:

@@ -74,7 +74,7 @@ from flplatform.engine.mailbox import (
     address,
 )
 from flplatform.engine.policy import AggregationPolicy, EngineView
-from flplatform.engine.replies import finite, reported_losses, reported_metrics
+from flplatform.engine.replies import finite, record_of, reported_losses, reported_metrics
 from flplatform.engine.rows import REFUSED, UNAVAILABLE, no_reply_within, site_error
 from flplatform.engine.sites import Phase, Sites
 from flplatform.engine.stop_rule import DEFAULT_MAX_FAILED_ROUNDS, FailureStreak
@@ -729,7 +729,7 @@ class RoundEngine:
         content = msg.content
         config = ConfigRecord(
             {
-                **content.config_records.get(keys.CONFIG, ConfigRecord()),
+                **(record_of(content, keys.CONFIG, ConfigRecord) or ConfigRecord()),
                 keys.SITE_WORK: work,
                 keys.RUN_KEY: self.run_key,
             }
@@ -751,7 +751,7 @@ class RoundEngine:
         """Local steps a training message asks of its site (what compute time scales with)."""
         info = self.sites.info(msg.metadata.dst_node_id)
         return planned_steps(
-            msg.content.config_records.get(keys.CONFIG, ConfigRecord()),
+            record_of(msg.content, keys.CONFIG, ConfigRecord) or ConfigRecord(),
             info.num_examples if info else None,
         )
 
