@@ -123,11 +123,18 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from flplatform import keys
 from flplatform.arrays import arrays_to_record, record_to_arrays
-from strategies.codecs import Codec, ErrorFeedback, Layout, make_codec
+from strategies.codecs import Codec, ErrorFeedback, Layout, difference, make_codec
 from strategies.compensation import SitePeriods
 from strategies.mods import codec_mod, delayed_mod, fetchsgd_mod, model_mod, sketched_sgd_mod
 from strategies.mods.codec import RESIDUAL
-from strategies.mods.contract import Mod, ModState, TrainFunction, read_trained, sent_model
+from strategies.mods.contract import (
+    Mod,
+    ModState,
+    TrainFunction,
+    read_trained,
+    reuse_freed_memory,
+    sent_model,
+)
 from strategies.mods.delayed import load_site_periods, save_site_periods
 from strategies.mods.fetchsgd import SKETCH, remember_model, sketch_of, synced_model
 from strategies.mods.sketched_sgd import (
@@ -184,11 +191,18 @@ def rounds(
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in calls}
     for round_ in range(repeats + 1):
         restore()
-        gc.disable()
-        try:
-            measured = {name: _seconds(fn) for name, fn in calls.items()}
-        finally:
-            gc.enable()
+        measured = {}
+        for name, fn in calls.items():
+            # Flower's records refer to themselves: what the last call made is freed by
+            # the collector. Collected before each call (untimed), every call starts
+            # with the same free memory; otherwise a call pays the page faults of
+            # fresh memory whenever the one before it still holds its model.
+            gc.collect()
+            gc.disable()
+            try:
+                measured[name] = _seconds(fn)
+            finally:
+                gc.enable()
         if round_:
             for name, seconds in measured.items():
                 times[name].append(seconds)
@@ -264,9 +278,15 @@ def changed(arrays: Mapping[str, np.ndarray], fraction: float, rng: np.random.Ge
     return out
 
 
-def small_like(arrays: Mapping[str, np.ndarray], rng: np.random.Generator) -> Arrays:
-    """float64 arrays shaped like ``arrays``, small values: a kept step or a residual."""
-    return {k: rng.standard_normal(np.shape(v)) * 1e-4 for k, v in arrays.items()}
+def small_like(
+    arrays: Mapping[str, np.ndarray], rng: np.random.Generator, *, own: bool = False
+) -> Arrays:
+    """Arrays shaped like ``arrays``, small values: a residual (float64) or, ``own``, a
+    kept step (in the arrays' own dtypes, as the delayed mod keeps them)."""
+    return {
+        k: (rng.standard_normal(np.shape(v)) * 1e-4).astype(v.dtype if own else np.float64)
+        for k, v in arrays.items()
+    }
 
 
 # ---------------------------------------------------------------- Flower objects
@@ -354,8 +374,8 @@ def codec_parts(context: Context, update: Arrays, codec: Codec) -> dict[str, Cal
 
     def compress() -> ErrorFeedback:
         feedback = ErrorFeedback()
-        feedback.residual = {k: v.astype(np.float64) for k, v in stored.items()}
-        feedback.compress(update, codec, rng=rng)
+        feedback.residual = {k: v.astype(np.float64, copy=False) for k, v in stored.items()}
+        feedback.compress(update, codec, rng=rng, dense=False)
         return feedback
 
     after = compress().residual
@@ -403,9 +423,7 @@ def codec_case(model: Arrays, rng: np.random.Generator, spec: str) -> Case:
         start, trained = seen.start, seen.trained
 
         def delta() -> Arrays:
-            return {
-                k: (trained[k].astype(np.float64) - start[k]).astype(start[k].dtype) for k in start
-            }
+            return difference(trained, start)
 
         wire = codec.encode(delta(), rng=np.random.default_rng(0))
         return {
@@ -421,7 +439,9 @@ def codec_case(model: Arrays, rng: np.random.Generator, spec: str) -> Case:
 def delayed_case(model: Arrays, rng: np.random.Generator, spec: str | None) -> Case:
     """Period 3 of D = 1: version 1 settles period 1 (included); period 2 stays kept."""
     context = site_context()
-    kept = SitePeriods(pending={1: small_like(model, rng), 2: small_like(model, rng)})
+    kept = SitePeriods(
+        pending={1: small_like(model, rng, own=True), 2: small_like(model, rng, own=True)}
+    )
     save_site_periods(context, kept)
     config: dict[str, Any] = {
         keys.SITE_ALGORITHM: keys.DELAYED,
@@ -446,8 +466,7 @@ def delayed_case(model: Arrays, rng: np.random.Generator, spec: str | None) -> C
         global_model = sent_model(msg)
 
         def rebuild() -> Arrays:
-            local = periods.local_model(global_model, compensate=True)
-            return {k: local[k].astype(global_model[k].dtype) for k in global_model}
+            return periods.local_model(global_model, compensate=True)
 
         def delta() -> Arrays:
             return periods.record(3, seen.start, seen.trained, compensate=True)
@@ -492,7 +511,7 @@ def sketch_parts(
     layout = Layout.of(seen.start)
 
     def delta() -> np.ndarray:
-        return layout.flatten(seen.trained) - layout.flatten(seen.start)
+        return layout.flat_difference(seen.trained, seen.start)
 
     flat = delta()
     rows, cols, seed = config[keys.SKETCH_ROWS], config[keys.SKETCH_COLS], config[keys.SKETCH_SEED]
@@ -583,25 +602,18 @@ def sketched_case(model: Arrays, rng: np.random.Generator) -> Case:
         stored = state.groups[ACCUMULATORS]
         zero = torch.from_numpy(sync[SYNC_INDICES].astype(np.int64))
 
-        def accumulators() -> SiteAccumulators:
-            acc = SiteAccumulators(
-                MOMENTUM,
-                torch.from_numpy(stored["u"].copy()),
-                torch.from_numpy(stored["v"].copy()),
-            )
-            acc.zero(zero)
-            return acc
-
-        acc = accumulators()
         layout = Layout.of(seen.start)
-        update = torch.from_numpy(
-            (layout.flatten(seen.trained) - layout.flatten(seen.start)).astype(np.float32)
-        )
+        update = torch.from_numpy(layout.flat_difference(seen.trained, seen.start))
 
         def accumulate() -> bool:
-            acc.add(update)
+            acc = SiteAccumulators(
+                MOMENTUM, torch.from_numpy(stored["u"]), torch.from_numpy(stored["v"])
+            ).stepped(update, zero)
             return bool(torch.isfinite(acc.u).all() and torch.isfinite(acc.v).all())
 
+        acc = SiteAccumulators(
+            MOMENTUM, torch.from_numpy(stored["u"]), torch.from_numpy(stored["v"])
+        ).stepped(update, zero)
         after = ModState(dict(state.meta), {ACCUMULATORS: {"u": acc.u.numpy(), "v": acc.v.numpy()}})
         remember_model(after, seen.start, 1)
         table = sketch_of(acc.v.numpy(), sketch[keys.SKETCH_ROWS], sketch[keys.SKETCH_COLS], 3, CPU)
@@ -611,7 +623,6 @@ def sketched_case(model: Arrays, rng: np.random.Generator) -> Case:
                 "read_message": lambda: sent_model(msg),
                 "state_load": lambda: ModState.load(context, keys.SKETCHED_STATE),
                 "rebuild": lambda: synced_model(msg, state),
-                "accumulators": accumulators,
                 "accumulate": accumulate,
                 "sketch": lambda: sketch_of(
                     acc.v.numpy(), sketch[keys.SKETCH_ROWS], sketch[keys.SKETCH_COLS], 3, CPU
@@ -787,6 +798,7 @@ def main() -> None:
             "delayed": {"delay": 1, "kept_periods": 2},
             "sketched_sgd_momentum": MOMENTUM,
             "torch_threads": torch.get_num_threads(),
+            "reuse_freed_memory": reuse_freed_memory(),
             "cpu_count": os.cpu_count(),
             "python": platform.python_version(),
             "numpy": np.__version__,

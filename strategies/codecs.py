@@ -28,6 +28,7 @@ naming the problem; nothing it returns can be larger than the model or non-finit
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -172,6 +173,55 @@ class Layout:
             out[name] = piece.reshape(self.shapes[j])
         return out
 
+    def assign(
+        self, arrays: Mapping[str, np.ndarray], indices: np.ndarray, values: np.ndarray
+    ) -> Arrays:
+        """New copies of ``arrays`` (this layout's) with ``values`` at the flat ``indices``.
+
+        Each value is cast to its array's dtype as ``scatter`` casts it (integers rounded
+        and range-checked); a repeated index keeps its last value. The same as
+        ``unflatten`` of ``flatten(arrays)`` with the values set, without float64 copies.
+        """
+        if indices.size > 1 and (np.diff(indices) < 0).any():
+            order = np.argsort(indices, kind="stable")  # repeats keep their order
+            indices, values = indices[order], values[order]
+        bounds = np.searchsorted(indices, (*self.offsets, self.size))
+        out: Arrays = {}
+        for j, name in enumerate(self.names):
+            a, b = int(bounds[j]), int(bounds[j + 1])
+            piece = np.array(arrays[name], dtype=self.dtype_of(name)).reshape(-1)  # a copy
+            if b > a:
+                piece[indices[a:b] - self.offsets[j]] = self._cast(name, values[a:b])
+            out[name] = piece.reshape(self.shapes[j])
+        return out
+
+    def flat_difference(
+        self, trained: Mapping[str, np.ndarray], start: Mapping[str, np.ndarray]
+    ) -> np.ndarray:
+        """(trained − start) flattened in layout order, float32: a sketch's input.
+
+        What float32 of the float64 difference gives, to the bit: float32 and float16
+        arrays subtract in float32 (one rounding of the exact difference), others in
+        float64 first (see ``difference``).
+        """
+        self._check_names(trained)
+        out = np.empty(self.size, dtype=np.float32)  # (d,)
+        for name, shape, begin, n in zip(
+            self.names, self.shapes, self.offsets, self.sizes, strict=True
+        ):
+            after, before = np.asarray(trained[name]), np.asarray(start[name])
+            if after.shape != shape or before.shape != shape:
+                raise ValueError(f"array '{name}' does not have the layout's shape {shape}")
+            piece = out[begin : begin + n]
+            if (
+                after.dtype.kind == before.dtype.kind == "f"
+                and max(after.dtype.itemsize, before.dtype.itemsize) <= 4
+            ):
+                np.subtract(after.reshape(-1), before.reshape(-1), out=piece, dtype=np.float32)
+            else:
+                piece[...] = (after.astype(np.float64) - before).reshape(-1)
+        return out
+
     def _cast(self, name: str, piece: np.ndarray) -> np.ndarray:
         """A new array of ``piece``'s values in array ``name``'s dtype (integers rounded)."""
         dtype = self.dtype_of(name)
@@ -203,6 +253,25 @@ class Layout:
             missing = sorted(set(self.names) - set(arrays))
             extra = sorted(set(arrays) - set(self.names))
             raise ValueError(f"arrays do not match the layout: missing {missing}, extra {extra}")
+
+
+def difference(trained: Mapping[str, np.ndarray], start: Mapping[str, np.ndarray]) -> Arrays:
+    """trained − start in each array's dtype, in ``start``'s order: a site's update.
+
+    The float64 difference rounded to the array's dtype, computed without float64
+    copies: for float arrays one subtraction in their own dtype rounds the exact
+    difference once, and rounding it to float64 first changes nothing (double rounding
+    is innocuous when the wider format has at least 2p + 2 bits: 53 >= 2·24 + 2).
+    Integer and bool arrays go through float64, as before.
+    """
+    out: Arrays = {}
+    for name, given in start.items():
+        value = np.asarray(trained[name])
+        if given.dtype.kind == "f" and value.dtype == given.dtype:
+            out[name] = np.subtract(value, given, out=np.empty(given.shape, given.dtype))
+        else:
+            out[name] = np.asarray((value.astype(np.float64) - given).astype(given.dtype))
+    return out
 
 
 # ---------------------------------------------------------------------------- codec protocol
@@ -511,23 +580,53 @@ class ErrorFeedback:
     residual: Arrays = field(default_factory=dict)
 
     def compress(
-        self, update: Mapping[str, np.ndarray], codec: Codec, *, rng: np.random.Generator
-    ) -> tuple[Wire, Arrays]:
+        self,
+        update: Mapping[str, np.ndarray],
+        codec: Codec,
+        *,
+        rng: np.random.Generator,
+        dense: bool = True,
+    ) -> tuple[Wire, Arrays | None]:
         """Encode u + e; return (wire, sent_dense) and keep the new residual.
 
         ``sent_dense`` is exactly what the server decodes (same codec, same layout: the
-        update's), in the update's dtypes. If encoding fails the residual is unchanged.
+        update's), in the update's dtypes; None when ``dense`` is False (the caller only
+        needs the wire). If encoding fails the residual is unchanged.
+
+        Cost: top-k and int8 run on the flat float64 vector v = u + e directly, the same
+        choices and values as ``codec.encode(layout.unflatten(v))`` and ``codec.decode``
+        (tests/strategies/test_codecs.py checks them against that): v, a float32 copy to
+        select from and the residual's new values are the only passes over the model.
         """
         layout = Layout.of(update)
-        v = layout.flatten(update)  # (d,) float64: u
         if self.residual:
             self._check_layout(layout)
-            v += layout.flatten(self.residual)  # u + e
-        wire = codec.encode(layout.unflatten(v), rng=rng)
-        sent = codec.decode(wire, layout)
-        v -= layout.flatten(sent)  # e ← (u + e) − ŝ
+        v = self._plus_residual(update, layout)  # (d,) float64: u + e, a new vector
+        fast = _fast_encoder(codec, layout, v)
+        if fast is None:
+            wire = codec.encode(layout.unflatten(v), rng=rng)
+            sent = codec.decode(wire, layout)
+            v -= layout.flatten(sent)  # e ← (u + e) − ŝ
+        else:
+            wire, sent = fast(v, layout, rng, dense)  # v becomes e
         self.residual = layout._split(v)  # views of v, which no one else holds
         return wire, sent
+
+    def _plus_residual(self, update: Mapping[str, np.ndarray], layout: Layout) -> np.ndarray:
+        """u + e as a new (d,) float64 vector; the residual's arrays are only read."""
+        v = np.empty(layout.size)  # (d,)
+        for name, shape, start, n in zip(
+            layout.names, layout.shapes, layout.offsets, layout.sizes, strict=True
+        ):
+            value = np.asarray(update[name])
+            if value.shape != shape:
+                raise ValueError(f"array '{name}' has shape {value.shape}, layout says {shape}")
+            out = v[start : start + n]
+            if self.residual:
+                np.add(value.reshape(-1), np.asarray(self.residual[name]).reshape(-1), out=out)
+            else:
+                out[...] = value.reshape(-1)
+        return v
 
     def norm(self) -> float:
         """‖e‖₂, a cheap health metric (it should stay bounded)."""
@@ -566,6 +665,96 @@ class ErrorFeedback:
                 "the update's arrays differ from the residual's; call reset() after "
                 "changing the model"
             )
+
+
+# ------------------------------------------------------------- error feedback, flat
+FLOAT32_EXACT = 2**24  # integers up to this magnitude are exact in float32
+_FastEncoder = Any  # (v, layout, rng, dense) -> (wire, sent or None); v becomes e
+
+
+def _fast_encoder(codec: Codec, layout: Layout, v: np.ndarray) -> _FastEncoder | None:
+    """The flat path for ``codec`` and ``layout``, or None for the generic one."""
+    if isinstance(codec, TopK) and _selectable_in_float32(layout, v):
+        return functools.partial(_topk_feedback, codec)
+    if isinstance(codec, StochasticInt8):
+        return _int8_feedback
+    return None
+
+
+def _selectable_in_float32(layout: Layout, v: np.ndarray) -> bool:
+    """Whether the values top-k selects among (v in each array's dtype) are float32s.
+
+    True for float32 arrays and integer arrays within ±2^24: selecting in float32 then
+    picks exactly what selecting in float64 would. Other floats take the generic path.
+    """
+    for name, start, n in zip(layout.names, layout.offsets, layout.sizes, strict=True):
+        dtype = layout.dtype_of(name)
+        if dtype == np.float32 or n == 0:
+            continue
+        if dtype.kind == "f":
+            return False
+        piece = v[start : start + n]
+        if not np.isfinite(piece).all() or np.abs(np.rint(piece)).max() > FLOAT32_EXACT:
+            return False
+    return True
+
+
+def _in_dtypes_float32(v: np.ndarray, layout: Layout) -> np.ndarray:
+    """v as ``layout.unflatten`` gives it (float32 arrays rounded, integers rounded and
+    range-checked), flat in float32: exact, by ``_selectable_in_float32``."""
+    x = np.empty(layout.size, dtype=np.float32)  # (d,)
+    for name, start, n in zip(layout.names, layout.offsets, layout.sizes, strict=True):
+        piece = v[start : start + n]
+        if layout.is_float(name):
+            x[start : start + n] = piece
+        else:
+            x[start : start + n] = layout._cast(name, piece)
+    return x
+
+
+def _topk_feedback(
+    codec: TopK, v: np.ndarray, layout: Layout, rng: np.random.Generator, dense: bool
+) -> tuple[Wire, Arrays | None]:
+    """``TopK.encode`` of v in its dtypes and e ← v − decode, on the flat vector."""
+    x = _in_dtypes_float32(v, layout)  # (d,)
+    if not np.isfinite(x).all():
+        raise ValueError("cannot encode an update with NaN or Inf")
+    idx = top_k_by_magnitude(x, codec.k_for(layout.size))  # (k,) ascending
+    values = x[idx]  # (k,) float32: what the server scatters, in each array's dtype
+    del x
+    v[idx] -= values  # e: v − ŝ, ŝ zero off the k coordinates
+    wire = {TOPK_INDICES: idx.astype(index_dtype(layout.size)), TOPK_VALUES: values}
+    return wire, layout.scatter(idx, values) if dense else None
+
+
+def _int8_feedback(
+    v: np.ndarray, layout: Layout, rng: np.random.Generator, dense: bool
+) -> tuple[Wire, Arrays | None]:
+    """``StochasticInt8.encode`` of v in its dtypes and e ← v − decode, array by array."""
+    StochasticInt8._keys(layout)  # refuse layouts whose wire keys collide
+    wire: Wire = {}
+    sent: Arrays = {}
+    for name, shape, start, n in zip(
+        layout.names, layout.shapes, layout.offsets, layout.sizes, strict=True
+    ):
+        piece = v[start : start + n]
+        value = layout._cast(name, piece)  # (n,) in the array's dtype
+        if not layout.is_float(name):
+            wire[RAW_PREFIX + name] = value.reshape(shape)
+            decoded = value
+        else:
+            q, s = quantize_int8(value, rng)
+            wire[INT8_PREFIX + name] = q.reshape(shape)
+            wire[INT8_PREFIX + name + SCALE_SUFFIX] = np.array([s], dtype=np.float32)
+            decoded = np.empty(n, dtype=value.dtype)
+            # as decode: q·(s/127) with s/127 in float64
+            np.multiply(
+                q, float(s) / INT8_LEVELS, out=decoded, dtype=np.float64, casting="same_kind"
+            )
+        piece -= decoded
+        if dense:
+            sent[name] = decoded.reshape(shape)
+    return wire, sent if dense else None
 
 
 # ---------------------------------------------------------------------------- wire checks

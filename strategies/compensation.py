@@ -42,6 +42,7 @@ import numpy as np
 
 from flplatform.checks import Problem, integer, require
 from flplatform.errors import ConfigError
+from strategies.codecs import difference
 
 Arrays = dict[str, np.ndarray]
 
@@ -90,19 +91,28 @@ class SitePeriods:
             self.carry = _add(self.carry, update)
 
     def local_model(self, global_model: Mapping[str, np.ndarray], *, compensate: bool) -> Arrays:
-        """x_local = x_v + Σ pending A_j + carry; x_v alone without compensation."""
-        model = {k: np.array(v, dtype=np.float64) for k, v in global_model.items()}
+        """x_local = x_v + Σ pending A_j + carry, summed in float64 and rounded to each
+        array's dtype (new arrays); x_v's own arrays without compensation.
+
+        The float64 sum runs over blocks of ``SUM_BLOCK`` coordinates, so no float64 copy
+        of the model exists; each coordinate is summed in the same order as a whole-array
+        sum would, so the result is the same to the bit.
+        """
         if not compensate:
-            return model
-        for update in [*self.pending.values(), *([self.carry] if self.carry else [])]:
-            if set(update) != set(model) or any(update[k].shape != model[k].shape for k in model):
+            return dict(global_model)
+        updates = [*self.pending.values(), *([self.carry] if self.carry else [])]
+        for update in updates:
+            if set(update) != set(global_model) or any(
+                np.shape(update[k]) != np.shape(v) for k, v in global_model.items()
+            ):
                 raise ConfigError(
                     "the site's kept updates do not fit the model the server sent "
                     "(was the model changed mid-run?); restart the site to clear its state"
                 )
-            for k in model:
-                model[k] += update[k]
-        return model
+        return {
+            k: sum_in_float64([v, *(update[k] for update in updates)], np.asarray(v).dtype)
+            for k, v in global_model.items()
+        }
 
     def record(
         self,
@@ -112,19 +122,60 @@ class SitePeriods:
         *,
         compensate: bool,
     ) -> Arrays:
-        """A_{n,period} = (trained − start) + carry, in the model's dtypes: what is sent.
+        """A_{n,period} = (trained − start) + carry, rounded to the model's dtypes: what is
+        sent (the float64 difference rounded, ``strategies.codecs.difference``).
 
         Compensating, it is also kept (exactly as sent, so the site's model is the sum
         of what the server knows) until its average arrives.
         """
-        update = {k: np.asarray(trained[k], dtype=np.float64) - start[k] for k in start}
         if compensate and self.carry is not None:
-            update = {k: update[k] + self.carry[k] for k in update}
-        sent = {k: update[k].astype(np.asarray(trained[k]).dtype) for k in update}
+            carry = self.carry
+            sent = {
+                k: sum_in_float64(
+                    [trained[k], start[k], carry[k]], start[k].dtype, signs=(1, -1, 1)
+                )
+                for k in start
+            }
+        else:
+            sent = difference(trained, start)
         if compensate:
             self.carry = None
-            self.pending[period] = {k: v.astype(np.float64) for k, v in sent.items()}
+            self.pending[period] = sent  # in the model's dtypes: the same values as sent
         return sent
+
+
+SUM_BLOCK = 1 << 16  # coordinates summed in float64 at a time
+
+
+def sum_in_float64(
+    terms: list[np.ndarray], dtype: np.dtype, *, signs: tuple[int, ...] | None = None
+) -> np.ndarray:
+    """Σ ±terms, added left to right in float64 and rounded once to ``dtype`` (a new
+    array; integer dtypes truncate, as ``astype`` does). ``signs``: +1 or −1 per term
+    (all +1 by default); the first term's sign must be +1.
+
+    Block by block, so the float64 temporaries stay small and in cache.
+    """
+    first = np.asarray(terms[0])
+    out = np.empty(first.shape, dtype=dtype)
+    flat_out = out.reshape(-1)
+    flats = [np.asarray(t).reshape(-1) for t in terms]
+    n = flat_out.size
+    total = np.empty(min(n, SUM_BLOCK))  # float64 (block,)
+    for begin in range(0, n, SUM_BLOCK):
+        end = min(begin + SUM_BLOCK, n)
+        acc = total[: end - begin]
+        acc[...] = flats[0][begin:end]
+        for flat, sign in zip(flats[1:], (signs or (1,) * len(flats))[1:], strict=True):
+            if sign < 0:
+                acc -= flat[begin:end]
+            else:
+                acc += flat[begin:end]
+        if dtype.kind == "f":
+            flat_out[begin:end] = acc
+        else:  # integer and bool arrays: as astype from float64
+            flat_out[begin:end] = acc.astype(dtype)
+    return out
 
 
 @dataclass

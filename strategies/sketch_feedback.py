@@ -182,3 +182,19 @@ class SiteAccumulators:
         """The server applied these coordinates with this site's values in them."""
         self.u[indices] = 0.0
         self.v[indices] = 0.0
+
+    def stepped(self, update: torch.Tensor, zero: torch.Tensor | None) -> SiteAccumulators:
+        """New accumulators: ``zero`` (if any) then ``add(update)``; self is only read.
+
+        The same numbers as those two steps on copies, to the bit, in one pass that writes
+        the new u and v: a site's stored accumulators are read-only views of its state.
+        """
+        u = torch.mul(self.u, self.momentum).add_(update)
+        v = torch.add(self.v, u)
+        if zero is not None and zero.numel():
+            # as zero() then add(): u = 0·m + g and v = 0 + u there
+            u[zero] = (
+                torch.zeros(zero.numel(), dtype=u.dtype).mul_(self.momentum).add_(update[zero])
+            )
+            v[zero] = torch.zeros(zero.numel(), dtype=v.dtype).add_(u[zero])
+        return SiteAccumulators(self.momentum, u, v)

@@ -21,7 +21,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord
 
 from flplatform import keys
 from flplatform.seeding import rng_for
-from strategies.codecs import Codec, ErrorFeedback, Identity, make_codec
+from strategies.codecs import Codec, ErrorFeedback, Identity, difference, make_codec
 from strategies.mods.contract import (
     Mod,
     TrainFunction,
@@ -76,11 +76,8 @@ def codec_mod(spec: str | None = None) -> Mod:
         result = call_user(msg, context, call_next, start)
         if not isinstance(result, UserResult):
             return result
-        delta = {
-            k: (result.trained[k].astype(np.float64) - start[k]).astype(start[k].dtype)
-            for k in start
-        }
-        wire, _, lost = compress_upload(msg, context, delta, codec)
+        delta = difference(result.trained, start)
+        wire, _, lost = compress_upload(msg, context, delta, codec, dense=False)
         return compressed_reply(msg, wire, mark_lost(result.metrics, lost), codec, result.extra)
 
     return mod
@@ -98,12 +95,18 @@ def requested_codec(msg: Message) -> Codec | None:
 
 
 def compress_upload(
-    msg: Message, context: Context, update: Mapping[str, np.ndarray], codec: Codec
-) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], bool]:
+    msg: Message,
+    context: Context,
+    update: Mapping[str, np.ndarray],
+    codec: Codec,
+    *,
+    dense: bool = True,
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None, bool]:
     """Encode update + residual and keep the new residual.
 
-    Returns the wire, what the server will decode from it (in the update's order), and
-    whether the site had lost the residual the server expected it to hold.
+    Returns the wire, what the server will decode from it (in the update's order; None
+    unless ``dense``), and whether the site had lost the residual the server expected it
+    to hold.
     """
     config = round_config(msg)
     state = load_state(msg, context, keys.CODEC_STATE)
@@ -114,7 +117,8 @@ def compress_upload(
     if residual is not None and {k: v.shape for k, v in residual.items()} == {
         k: np.shape(v) for k, v in update.items()
     }:
-        feedback.residual = {k: v.astype(np.float64) for k, v in residual.items()}
+        # read, never written: the saved arrays are used as they are (no copy)
+        feedback.residual = {k: v.astype(np.float64, copy=False) for k, v in residual.items()}
     # else: none yet, or a model of another shape (the run changed): e = 0
     calls = next_call(state)
     seed = config.get(keys.SEED, 0)
@@ -126,10 +130,10 @@ def compress_upload(
         calls,
         "codec",
     )
-    wire, sent = feedback.compress(update, codec, rng=rng)
+    wire, sent = feedback.compress(update, codec, rng=rng, dense=dense)
     state.groups[RESIDUAL] = dict(feedback.residual)
     save_state(msg, context, keys.CODEC_STATE, state)
-    return wire, {k: sent[k] for k in update}, lost
+    return wire, None if sent is None else {k: sent[k] for k in update}, lost
 
 
 def compressed_reply(

@@ -91,11 +91,11 @@ def load_site_periods(context: Context, msg: Message | None = None) -> SitePerio
         return None
     periods = SitePeriods()
     for group, arrays in state.groups.items():
-        as_float = {k: v.astype(np.float64) for k, v in arrays.items()}
+        # read-only views as saved: kept steps in the model's dtypes, the carry in float64
         if group == CARRY:
-            periods.carry = as_float
+            periods.carry = {k: v.astype(np.float64, copy=False) for k, v in arrays.items()}
         elif group.startswith(PENDING) and group[len(PENDING) :].isdigit():
-            periods.pending[int(group[len(PENDING) :])] = as_float
+            periods.pending[int(group[len(PENDING) :])] = dict(arrays)
     return periods
 
 
@@ -128,8 +128,7 @@ def delayed_mod() -> Mod:
         # Asked again for a period it already computed: its reply never counted (lost or
         # late), so that work is carried into this update instead of overwritten.
         periods.retry(delayed.period)
-        local = periods.local_model(global_model, compensate=delayed.compensate)
-        start = {k: local[k].astype(global_model[k].dtype) for k in global_model}
+        start = periods.local_model(global_model, compensate=delayed.compensate)
         asked = requested_codec(msg)  # a bad spec fails before the user's training
 
         result = call_user(msg, context, call_next, start)
@@ -143,12 +142,14 @@ def delayed_mod() -> Mod:
         named = result.config.get(keys.CODEC)  # an inner codec_mod's
         codec = make_codec(named) if isinstance(named, str) and asked is not None else asked
         if codec is not None:
-            wire, sent, lost_residual = compress_upload(msg, context, update, codec)
+            wire, sent, lost_residual = compress_upload(
+                msg, context, update, codec, dense=delayed.compensate
+            )
             lost = lost or lost_residual
-            if delayed.compensate:
+            if sent is not None:
                 # Kept as the server will decode it: the model stays the sum of what the
                 # server knows, the residual travels in a later upload.
-                periods.pending[delayed.period] = {k: v.astype(np.float64) for k, v in sent.items()}
+                periods.pending[delayed.period] = sent
             update, config[keys.CODEC] = wire, codec.name
         save_site_periods(context, periods, msg)
         return reply_with(msg, update, mark_lost(metrics, lost), config=config, extra=result.extra)

@@ -74,9 +74,10 @@ def synced_model(msg: Message, state: ModState | None) -> dict[str, np.ndarray] 
         or indices.shape != values.shape
     ):
         raise ConfigError("the server's sparse model update is malformed")
-    flat = layout.flatten(stored)
-    flat[indices] = values
-    model = layout.unflatten(flat)
+    try:
+        model = layout.assign(stored, indices, values)
+    except ValueError as exc:  # a value that does not fit an integer array
+        raise ConfigError(f"the server's sparse model update is malformed: {exc}") from None
     return {name: model[name] for name in stored}  # the stored (server's) order
 
 
@@ -91,7 +92,7 @@ def sketch_of(
 ) -> np.ndarray:
     """S(delta): the r × c count sketch of a flat float vector, computed on ``device``."""
     sketch = CountSketch.from_seed(len(delta), rows=config_rows, cols=config_cols, seed=seed)
-    tensor = torch.from_numpy(delta.astype(np.float32)).to(device)
+    tensor = torch.from_numpy(delta.astype(np.float32, copy=False)).to(device)
     return sketch.sketch(tensor).cpu().numpy()
 
 
@@ -118,8 +119,7 @@ def fetchsgd_mod() -> Mod:
         result = call_user(msg, context, call_next, model)
         if not isinstance(result, UserResult):
             return result
-        layout = Layout.of(model)
-        delta = layout.flatten(result.trained) - layout.flatten(model)  # (d,) float64
+        delta = Layout.of(model).flat_difference(result.trained, model)  # (d,) float32
         table = sketch_of(delta, rows, cols, seed, sketch_device())
         # Only now, with the work done, does the site hold the synced model.
         state = state or new_state()

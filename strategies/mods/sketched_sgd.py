@@ -18,6 +18,7 @@ it no longer holds, or asked for values it no longer has, replies that it lost i
 
 from __future__ import annotations
 
+import warnings
 from enum import StrEnum
 
 import numpy as np
@@ -25,7 +26,7 @@ import torch
 from flwr.app import Context, Message, MetricRecord
 
 from flplatform import keys
-from flplatform.arrays import record_to_arrays
+from flplatform.arrays import record_views
 from flplatform.errors import ConfigError
 from strategies.codecs import Layout
 from strategies.mods.contract import (
@@ -71,6 +72,7 @@ ZEROED_STEP, SKETCHED_ROUND, EXAMPLES = "zeroed-step", "sketched-round", "exampl
 
 
 def _accumulators(state: ModState, d: int, momentum: float) -> SiteAccumulators:
+    """The stored u and v, read in place (``SiteAccumulators.stepped`` never writes them)."""
     stored = state.groups.get(ACCUMULATORS)
     if stored is None:
         return SiteAccumulators.zeros(d, momentum)
@@ -79,16 +81,19 @@ def _accumulators(state: ModState, d: int, momentum: float) -> SiteAccumulators:
         raise ConfigError(
             f"this site's Sketched-SGD accumulators do not fit a model of {d} parameters"
         )
-    return SiteAccumulators(momentum, torch.from_numpy(u.copy()), torch.from_numpy(v.copy()))
+    u, v = u.astype(np.float32, copy=False), v.astype(np.float32, copy=False)
+    with warnings.catch_warnings():  # read-only views of the state: only read
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return SiteAccumulators(momentum, torch.from_numpy(u), torch.from_numpy(v))
 
 
 def _zero_indices(msg: Message, d: int) -> np.ndarray:
     """The coordinates the message says to zero: its own record, else its sync's."""
     if ZERO in msg.content.array_records:
-        indices = record_to_arrays(msg.content.array_records[ZERO]).get(ZERO_INDICES)
+        indices = record_views(msg.content.array_records[ZERO]).get(ZERO_INDICES)
     else:
         sent = msg.content.array_records.get(keys.ARRAYS)
-        indices = None if sent is None else record_to_arrays(sent).get(SYNC_INDICES)
+        indices = None if sent is None else record_views(sent).get(SYNC_INDICES)
     if indices is None or not valid_indices(indices, d):
         raise ConfigError("the server's coordinates to zero are missing or malformed")
     return indices.astype(np.int64)
@@ -132,11 +137,12 @@ def _sketch_reply(msg: Message, context: Context, call_next: TrainFunction) -> M
     lost = kept is None and raw.get(keys.STATE_EXPECTED) is True
     state = kept or new_state()
     layout = Layout.of(model)
-    accumulators = _accumulators(state, layout.size, momentum)
+    stored = _accumulators(state, layout.size, momentum)
     zeroed = state.meta.get(ZEROED_STEP, 0)
+    zero = None
     if zero_step > zeroed:  # once per step, however often the message is sent
         if not lost:  # restarted accumulators are zero everywhere already
-            accumulators.zero(torch.from_numpy(_zero_indices(msg, layout.size)))
+            zero = torch.from_numpy(_zero_indices(msg, layout.size))
         zeroed = zero_step
     # The data order follows the step (version + 1), not the round, as local-SGD
     # averaging's does: a step takes two rounds.
@@ -145,8 +151,8 @@ def _sketch_reply(msg: Message, context: Context, call_next: TrainFunction) -> M
     )
     if not isinstance(result, UserResult):
         return result
-    update = layout.flatten(result.trained) - layout.flatten(model)  # (d,) float64
-    accumulators.add(torch.from_numpy(update.astype(np.float32)))
+    update = layout.flat_difference(result.trained, model)  # (d,) float32
+    accumulators = stored.stepped(torch.from_numpy(update), zero)
     if not (torch.isfinite(accumulators.u).all() and torch.isfinite(accumulators.v).all()):
         # Kept out of u and v: the site's stored accumulators stay as they were, so one
         # diverging local training costs this round, not the rest of the run.
@@ -180,7 +186,7 @@ def _values_reply(msg: Message, context: Context) -> Message:
         )
     v = state.groups[ACCUMULATORS]["v"]
     sent = msg.content.array_records.get(keys.ARRAYS)
-    candidates = None if sent is None else record_to_arrays(sent).get(CANDIDATES)
+    candidates = None if sent is None else record_views(sent).get(CANDIDATES)
     if candidates is None or not valid_indices(candidates, len(v)):
         raise ConfigError("the server's candidate coordinates are missing or malformed")
     # The values count as much as the sketch they belong to.

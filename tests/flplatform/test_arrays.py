@@ -9,7 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from flplatform.arrays import array_view, record_to_arrays, record_views
+from flplatform.arrays import (
+    array_view,
+    arrays_to_record,
+    encode,
+    record_to_arrays,
+    record_views,
+)
 
 DTYPES = st.sampled_from(
     ["<f4", ">f4", "<f2", "<f8", "<i1", ">i8", "<u2", "|b1", "<c8", "<U3", "|S2", "<M8[s]"]
@@ -98,3 +104,55 @@ def test_short_and_odd_headers_take_flowers_path() -> None:
             array_view(minor)
     else:
         np.testing.assert_array_equal(array_view(minor), expected)
+
+
+# ------------------------------------------------------------------ encode
+@settings(max_examples=150, deadline=None)
+@given(
+    values=hnp.arrays(
+        dtype=st.sampled_from(
+            [np.float32, np.float64, np.float16, np.int64, np.int8, np.uint16, np.bool_]
+        ).map(np.dtype)
+        | st.just(np.dtype(">f4")),
+        shape=hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4),
+    ),
+    fortran=st.booleans(),
+)
+def test_encode_writes_the_bytes_flower_writes(values: np.ndarray, fortran: bool) -> None:
+    values = np.asfortranarray(values) if fortran else values
+    ours, flowers = encode(values), Array(np.asarray(values, order="C"))
+    assert ours.data == flowers.data
+    assert (ours.dtype, ours.shape, ours.stype) == (flowers.dtype, flowers.shape, flowers.stype)
+    np.testing.assert_array_equal(ours.numpy(), values)
+
+
+def test_encoding_a_view_of_an_array_gives_that_array_back_uncopied() -> None:
+    original = Array(np.arange(6, dtype=np.float32).reshape(2, 3))
+    view = array_view(original)
+    assert encode(view) is original
+    assert arrays_to_record({"w": view})["w"] is original
+    # anything computed from the view is a new array and is encoded anew
+    again = encode(view + 0)
+    assert again is not original and again.data == original.data
+    # a view of the view is not the view
+    assert encode(view.reshape(-1)) is not original
+
+
+def test_an_encoded_array_keeps_its_values_when_the_source_changes() -> None:
+    source = np.ones(5, dtype=np.float32)
+    encoded = encode(source)
+    source[:] = 7.0
+    np.testing.assert_array_equal(encoded.numpy(), np.ones(5, dtype=np.float32))
+
+
+def test_a_dead_view_is_forgotten() -> None:
+    import gc
+
+    from flplatform import arrays as module
+
+    view = array_view(Array(np.zeros(3, dtype=np.float32)))
+    key = id(view)
+    assert key in module._SOURCES
+    del view
+    gc.collect()
+    assert key not in module._SOURCES

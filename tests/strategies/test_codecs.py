@@ -12,12 +12,15 @@ from hypothesis.extra import numpy as hnp
 
 from flplatform.errors import ConfigError, UpdateRejected
 from strategies.codecs import (
+    TOPK_VALUES,
     Codec,
     ErrorFeedback,
     Identity,
     Layout,
     StochasticInt8,
     TopK,
+    Wire,
+    difference,
     make_codec,
     quantize_int8,
     wire_nbytes,
@@ -690,3 +693,134 @@ def test_make_codec_parses(spec: str, expected: Codec) -> None:
 def test_make_codec_rejects_bad_specs(spec: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         make_codec(spec)
+
+
+# ------------------------------------------------- the flat error-feedback path
+def generic_compress(
+    residual: Arrays, update: Arrays, codec: Codec, generator: np.random.Generator
+) -> tuple[Wire, Arrays, Arrays]:
+    """The reference: v = u + e, then codec.encode(unflatten(v)), decode, e = v − ŝ."""
+    layout = Layout.of(update)
+    v = layout.flatten(update)
+    if residual:
+        v += layout.flatten(residual)
+    wire = codec.encode(layout.unflatten(v), rng=generator)
+    sent = codec.decode(wire, layout)
+    return wire, sent, layout._split(v - layout.flatten(sent))
+
+
+MIXED_DTYPES = st.sampled_from([np.float32, np.float32, np.float16, np.float64, np.int64, np.bool_])
+
+
+@st.composite
+def mixed_sequences(draw: st.DrawFn) -> list[Arrays]:
+    shapes = draw(layouts(buffer=draw(st.booleans())))
+    dtypes = {n: np.dtype(draw(MIXED_DTYPES)) for n in shapes}
+    dtypes.update({n: np.dtype(np.int64) for n in shapes if n.endswith("num_batches_tracked")})
+
+    def one() -> Arrays:
+        out: Arrays = {}
+        for name, shape in shapes.items():
+            dtype = dtypes[name]
+            if dtype.kind == "f":
+                out[name] = draw(hnp.arrays(np.float32, shape, elements=ELEMENTS)).astype(dtype)
+            elif dtype.kind == "b":
+                out[name] = draw(hnp.arrays(np.bool_, shape))
+            else:
+                out[name] = draw(hnp.arrays(dtype, shape, elements=st.integers(-(2**26), 2**26)))
+        return out
+
+    return [one() for _ in range(draw(st.integers(1, 4)))]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    sequence=mixed_sequences(),
+    codec=st.one_of(top_ks(), st.just(StochasticInt8())),
+    seed=st.integers(0, 2**32),
+)
+def test_error_feedback_is_the_generic_encode_decode_to_the_bit(
+    sequence: list[Arrays], codec: Codec, seed: int
+) -> None:
+    feedback, generator, reference = ErrorFeedback(), rng(seed), rng(seed)
+    residual: Arrays = {}
+    for update in sequence:
+        try:
+            expected = generic_compress(residual, update, codec, reference)
+        except (ValueError, ConfigError) as exc:
+            with pytest.raises(type(exc)):
+                feedback.compress(update, codec, rng=generator)
+            return
+        wire, sent = feedback.compress(update, codec, rng=generator)
+        want_wire, want_sent, residual = expected
+        assert list(wire) == list(want_wire)
+        for key, value in want_wire.items():
+            assert wire[key].dtype == value.dtype
+            np.testing.assert_array_equal(wire[key], value)
+        assert sent is not None
+        for name, value in want_sent.items():
+            assert sent[name].dtype == value.dtype
+            np.testing.assert_array_equal(sent[name], value)
+        for name, value in residual.items():
+            np.testing.assert_array_equal(feedback.residual[name], value)
+
+
+def test_error_feedback_without_the_dense_sent_keeps_the_same_residual() -> None:
+    update: Arrays = {"w": rng(1).standard_normal(300).astype(np.float32)}
+    with_sent, without = ErrorFeedback(), ErrorFeedback()
+    for seed in range(3):
+        wire_a, sent = with_sent.compress(update, TopK(k=9), rng=rng(seed))
+        wire_b, none = without.compress(update, TopK(k=9), rng=rng(seed), dense=False)
+        assert sent is not None and none is None
+        np.testing.assert_array_equal(wire_a[TOPK_VALUES], wire_b[TOPK_VALUES])
+        np.testing.assert_array_equal(with_sent.residual["w"], without.residual["w"])
+
+
+def test_error_feedback_reads_a_read_only_residual_without_writing_it() -> None:
+    kept = np.full(4, 0.25)
+    kept.flags.writeable = False
+    feedback = ErrorFeedback(residual={"w": kept})
+    feedback.compress({"w": np.ones(4, np.float32)}, TopK(k=1), rng=rng())
+    np.testing.assert_array_equal(kept, np.full(4, 0.25))
+    np.testing.assert_array_equal(feedback.residual["w"], [0.0, 1.25, 1.25, 1.25])
+
+
+# ------------------------------------------------- differences without float64 copies
+@settings(max_examples=150, deadline=None)
+@given(sequence=mixed_sequences())
+def test_differences_are_the_float64_difference_rounded(sequence: list[Arrays]) -> None:
+    start, trained = sequence[0], sequence[-1]
+    layout = Layout.of(start)
+    got = difference(trained, start)
+    assert list(got) == list(start)
+    for name, before in start.items():
+        if before.dtype.kind == "b":
+            continue  # bool minus bool: float64 route, tested by the sites' tests
+        want = (trained[name].astype(np.float64) - before).astype(before.dtype)
+        assert isinstance(got[name], np.ndarray) and got[name].dtype == before.dtype
+        np.testing.assert_array_equal(got[name], want)
+    want_flat = (layout.flatten(trained) - layout.flatten(start)).astype(np.float32)
+    np.testing.assert_array_equal(layout.flat_difference(trained, start), want_flat)
+
+
+@settings(max_examples=100, deadline=None)
+@given(sequence=mixed_sequences(), data=st.data())
+def test_assign_is_set_values_in_the_flat_float64_model(sequence: list[Arrays], data) -> None:
+    model = sequence[0]
+    layout = Layout.of(model)
+    count = data.draw(st.integers(0, layout.size))
+    indices = np.array(
+        data.draw(st.lists(st.integers(0, layout.size - 1), min_size=count, max_size=count)),
+        dtype=np.int64,
+    )
+    values = np.array(
+        data.draw(st.lists(st.integers(-1000, 1000), min_size=count, max_size=count)),
+        dtype=np.float32,
+    ) / np.float32(8)
+    flat64 = layout.flatten(model)
+    flat64[indices] = values  # numpy: a repeated index keeps its last value
+    want = layout.unflatten(flat64)
+    got = layout.assign(model, indices, values)
+    for name in model:
+        assert got[name].dtype == want[name].dtype
+        np.testing.assert_array_equal(got[name], want[name])
