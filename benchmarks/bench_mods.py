@@ -3,10 +3,9 @@
 What is measured: for each d (default 1M and 10M parameters) and each site half of
 ``strategies/mods``, the seconds a training call spends in the mod itself, everything
 besides the user's train function: reading the server's message, rebuilding the dense
-model, handing it to the user as an ``ArrayRecord`` and reading the user's reply back
-(Flower's ``Array`` serializes with ``np.save`` and ``numpy()`` copies back out: each is a
-copy of the model), the delta, the codec or count sketch, and the state kept in
-``context.state`` (loaded and saved, serialized too, every call).
+model, handing it to the user as an ``ArrayRecord`` and reading the user's reply back,
+the delta, the codec or count sketch, and the state kept in ``context.state`` (loaded
+and saved every call).
 
 How: the model is an MLP 784→h→10 (h sized so it has about d parameters; its
 ``state_dict`` as float32 arrays) plus a BatchNorm-like int64 counter: five arrays, in the
@@ -16,13 +15,15 @@ precomputed, so its own cost is building its reply record (one copy, as a user's
 ``ArrayRecord(model.state_dict())``). Each round restores the site's state to the same
 steady state (untimed), times one full mod call around the no-op and then the no-op alone
 on the message the mod hands it; overhead = median over ``--repeats`` rounds (after one
-warm-up) of the difference. Real Flower ``Message``s and ``Context``s, as in
-tests/strategies/test_mods.py. Steady state per mod:
+warm-up) of the difference. The garbage collector runs before every timed call (untimed):
+Flower's records refer to themselves, so without it a call would pay the page faults of
+fresh memory whenever the call before it still held its model. Real Flower ``Message``s
+and ``Context``s, as in tests/strategies/test_mods.py. Steady state per mod:
 
 - ``model_mod`` (local-SGD): stateless; ``codec_mod int8`` / ``topk:0.01``: a float64
   error-feedback residual held; ``delayed_mod`` (D = 1): period 3 on version 1, two kept
-  float64 periods, one settled by this message; DTS: ``delayed_mod`` outside
-  ``codec_mod("topk:0.01")``, with both states;
+  periods (in the model's dtypes), one settled by this message; DTS: ``delayed_mod``
+  outside ``codec_mod("topk:0.01")``, with both states;
 - ``fetchsgd_mod``: the site holds version 0 and is sent version 1 whole (dense sync of a
   known site: it still loads the model it held) or as k = 0.1% changed coordinates;
   r = 5 rows, c = 5k columns;
@@ -31,62 +32,56 @@ tests/strategies/test_mods.py. Steady state per mod:
   no user call, so its overhead is the whole call.
 
 The breakdown times the functions the mod calls, on the same inputs, one at a time in
-the same rounds (median): ``read_message`` (``sent_model``), ``state_load`` /
+the same rounds (median): ``read_message`` (``sent_model``: views), ``state_load`` /
 ``state_save`` (``ModState``, the delayed kept periods), ``rebuild`` (``synced_model``,
-``SitePeriods.local_model``), ``hand_to_user`` (``arrays_to_record`` of the start),
-``read_reply`` (``read_trained``: deserialize and check), ``delta`` (float64:
-``Layout.flatten`` ×2, or per array), ``error_feedback`` (``ErrorFeedback.compress``: u + e,
-encode, local decode, new residual), ``codec_state_load`` / ``codec_state_save``,
-``accumulators`` / ``accumulate`` (u, v copied and zeroed; u ← m·u + g, v ← v + u,
-finiteness), ``sketch`` (``sketch_of``), ``reply_record`` (the upload's record).
-``unaccounted`` = overhead − their sum: fixed per-call costs and, at 10M, the page faults
-of a call's fresh temporaries (a DTS call at 10M touches ~128 000 new pages, 0.5 GB).
+``SitePeriods.local_model``), ``hand_to_user`` (``arrays_to_record`` of a writable copy of
+the start: an upper bound, since a start that is the message's own model is handed on
+as the same Arrays), ``read_reply`` (``read_trained``: views, checks), ``delta``
+(``difference``, ``Layout.flat_difference``), ``error_feedback`` (``ErrorFeedback.compress``:
+u + e, encode, the new residual), ``codec_state_load`` / ``codec_state_save``,
+``accumulate`` (``SiteAccumulators.stepped`` and finiteness), ``sketch`` (``sketch_of``),
+``reply_record`` (the upload's record). ``unaccounted`` = overhead − their sum.
 
 The training step it wraps: one SGD step (forward, backward, ``optimizer.step``, momentum
 0.9) of the same MLP on a batch of 32 random MNIST-shaped inputs, on CPU, median of
 ``--repeats`` after a warm-up; ``overhead_per_step`` = overhead / step. Torch runs on
 ``--threads`` threads (default 1: on a shared machine two threads made the step erratic,
-5× slower at times); the mods are single-threaded NumPy, so on more cores the step
+5× slower at times); the mods are single-threaded, so on more cores the step
 shrinks and the ratios grow. A round of E local steps pays the overhead once: it costs
 E·step + overhead. Every time is taken twice, wall clock (``*_seconds``, ``breakdown``)
 and this process's CPU time (``*_cpu_seconds``, ``breakdown_cpu``, ``*_per_step_cpu``):
-on a shared machine the CPU time is the steadier of the two (it leaves out the time the
-process waited for a core).
+on a shared machine the CPU time is the steadier of the two. ``peak_rss_mib`` is the
+process's peak resident memory after a size's cases (and every smaller size's).
 
-Goal: know what a mod adds to a site's round next to the training it wraps, and which
-part dominates.
+Goal (issue "Scale"): at d = 10M every mod's own CPU time per call at most 2 SGD steps,
+DTS (delayed + top-k) at most 3.
 
-Measured on this project's 2-core machine while other jobs ran on it (load average 4–5),
-defaults (``--repeats 5``, 1 torch thread, 110 s in all, 2.8 GB peak RSS); overhead per
-call in ms and per SGD step, CPU time (the step: 3.0 ms at 1M, 49 ms at 10M), and wall
-(the step: 3.05 ms, 74 ms):
+Measured on this project's 2-core machine (``--sizes 10000000 --repeats 3``, 1 torch
+thread, idle), CPU ms per call and per SGD step (the step: 49.5 ms), before and after the
+work that made the mods read views, encode once and keep state in the model's dtypes:
 
-                                     d = 1M                  d = 10M
-                                 CPU  /step   wall       CPU  /step   wall
-    model_mod (local-SGD)        5.6   1.9     5.6        83   1.7     171
-    codec_mod int8              22.7   7.6    45.6       314   6.4     557
-    codec_mod topk:0.01         24.5   8.2    48.2       418   8.5     875
-    delayed_mod                 31.0  10.4    63.4       318   6.5     681
-    delayed + codec topk (DTS)  38.4  12.8    84.0       789  16.0     829
-    fetchsgd_mod dense sync     14.7   4.9    36.6       204   4.1     242
-    fetchsgd_mod sparse sync    17.1   5.7    48.7       214   4.3     258
-    sketched_sgd_mod sketch     34.5  11.5    78.9       470   9.5    1072
-    sketched_sgd_mod values      2.9   1.0     7.1        29   0.6      29
+                                       before           after
+                                    ms   /step       ms   /step
+    model_mod (local-SGD)          136    2.3         2.9   0.06
+    codec_mod int8                 390    6.7          98   2.0
+    codec_mod topk:0.01            497    8.5          43   0.9
+    delayed_mod                    368    6.3          31   0.6
+    delayed + codec topk (DTS)     602   10.3          76   1.5
+    fetchsgd_mod dense sync        261    4.5          94   1.9
+    fetchsgd_mod sparse sync       283    4.9          97   2.0
+    sketched_sgd_mod sketch        532    9.1         180   3.6
+    sketched_sgd_mod values         36    0.6         0.7   0.0
 
-Every training call costs more than the SGD step (``model_mod`` about 2 steps, the others
-4–16), and what dominates is moving copies of the model rather than the algorithms'
-maths. Flower's ``Array`` serializes with ``np.save`` into a ``BytesIO`` (about 30 ms per
-40 MB at 10M) and ``numpy()`` copies back out; a call does this to the whole model up to
-four times (the server's message, the hand-over, the user's reply, a whole-model upload):
-that is all of ``model_mod``'s cost. The stateful mods also serialize their
-state every call, in float64: the codec residual (8d bytes: ``codec_state_save`` 52–75 ms
-at 10M) and the delayed mod's two kept periods (16d bytes: ``state_save`` 102 ms,
-``state_load`` 52 ms); ``ErrorFeedback.compress`` (110–130 ms) is mostly float64 flattens.
-FetchSGD's count sketch (88 ms) is its largest part, and a sparse sync costs the site as
-much as a dense one (the rebuild, 21 ms, against reading the dense message, 10 ms; a dense
-sync of a known site still loads the model it held). Sketched-SGD adds the accumulators
-(``accumulate`` 101 ms) and saves model, u and v (113 ms). Its values round trains
-nothing, yet loads the whole state (model, u and v: 29 ms) to read 2k values of v.
+(the "before" step was 58 ms; its ratios are to that step). What is left is the
+algorithms' own work: the count sketch (r = 5 rows: five scatter-adds of d values, about
+80 ms at 10M on one core, up to 120 ms for Sketched-SGD's v) dominates both sketched mods,
+and int8's stochastic rounding draws one float64 uniform per coordinate (most of its
+82 ms). Sketched-SGD's sketch round misses the goal: the sketch alone is 2.4 steps, and
+its accumulators (u ← m·u + g, v ← v + u and their finiteness, 59 ms) another 1.2.
+Flower's ``Array`` holds ``bytes``: a model-sized array a mod creates (the rebuilt model
+it hands on, a new kept state) is one copy into a new ``bytes``, about 4 ms per 40 MB
+once freed memory is reused (``strategies.mods.contract.reuse_freed_memory``; about 25 ms
+when every copy faults in fresh pages, as glibc's default gives for blocks over 32 MiB).
 
     python benchmarks/bench_mods.py [--sizes 1000000 10000000] [--repeats 5] [--threads 1]
         [--only codec fetchsgd] [--out report.json]
@@ -99,6 +94,7 @@ import argparse
 import gc
 import os
 import platform
+import resource
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -760,6 +756,8 @@ def bench_size(d: int, repeats: int, seed: int, only: list[str] | None) -> dict[
         mods[name] = result
     return {
         "d": Layout.of(arrays).size,
+        # the process's peak so far (Linux: KiB): this size's cases, and every smaller one
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "hidden": hidden,
         "arrays": {k: list(np.shape(v)) for k, v in arrays.items()},
         "train_step_seconds": step,
