@@ -9,7 +9,8 @@ export FLWR_HOME ?= $(FLPLATFORM_HOME)/flwr
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
 export FLWR_TELEMETRY_ENABLED := 0
 
-.PHONY: setup setup-dev demo test test-hostile test-resume test-deploy test-all lint bench app-config clean
+# Debian's dataset-fashion-mnist (benchmarks/bench_many_sites.py's data), as root or with sudo.
+.PHONY: setup setup-dev setup-data demo test test-hostile test-resume test-deploy test-all lint bench app-config clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +28,11 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 setup: $(VENV)/.installed
 
 setup-dev: $(VENV)/.installed-dev
+
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+setup-data:
+	dpkg -s dataset-fashion-mnist >/dev/null 2>&1 || \
+		{ $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq dataset-fashion-mnist; }
 
 demo: setup
 	$(BIN)/flplatform demo cross-silo

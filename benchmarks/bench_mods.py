@@ -605,7 +605,7 @@ def sketched_case(model: Arrays, rng: np.random.Generator) -> Case:
             acc = SiteAccumulators(
                 MOMENTUM, torch.from_numpy(stored["u"]), torch.from_numpy(stored["v"])
             ).stepped(update, zero)
-            return bool(torch.isfinite(acc.u).all() and torch.isfinite(acc.v).all())
+            return bool(torch.isfinite(acc.v).all())
 
         acc = SiteAccumulators(
             MOMENTUM, torch.from_numpy(stored["u"]), torch.from_numpy(stored["v"])

@@ -7,8 +7,8 @@ imports neither torch nor numpy.
 
 from __future__ import annotations
 
-MODELS: tuple[str, ...] = ("mlp", "cnn", "wide-mlp")
-BUILTIN_DATASETS: tuple[str, ...] = ("digits", "mnist5k", "fashion-mnist")
+MODELS: tuple[str, ...] = ("mlp", "cnn", "wide-mlp", "resnet")
+BUILTIN_DATASETS: tuple[str, ...] = ("digits", "mnist5k", "fashion-mnist", "synthetic")
 PARTITION_SCHEMES: tuple[str, ...] = ("iid", "dirichlet")
 # The run configuration's partitions: a scheme, or "files" (one file per site, written by
 # `flplatform data split`).

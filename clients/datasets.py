@@ -11,6 +11,10 @@ care where the data came from. Nothing here downloads anything:
 ``"fashion-mnist"``
     Debian's ``dataset-fashion-mnist`` package (70 000 images 28×28, official train/test split),
     read from ``/usr/share/datasets/fashion-mnist`` or from ``$FLPLATFORM_FASHION_MNIST_DIR``.
+``"synthetic"``
+    generated from ``seed``, nothing read: 12 000 images 1×28×28 in 10 classes, each a
+    smooth class prototype plus noise (learnable, not trivially). For cost measurements
+    at any model size and site count where the data only has to be MNIST-shaped.
 a path ending in ``.npz``
     a user's file with arrays ``x`` and ``y`` (optionally ``x_test`` and ``y_test``), see
     :func:`load_npz`.
@@ -168,6 +172,8 @@ def load_dataset(
     if name == "fashion-mnist":
         directory = _fashion_mnist_dir()
         return _load_fashion_mnist(str(directory), _fashion_mnist_signature(directory))
+    if name == "synthetic":
+        return _load_synthetic(seed, test_fraction)
     if name in BUILTIN_DATASETS:
         return _load_builtin(name, seed, test_fraction)
     if name.lower().endswith(".npz"):
@@ -255,6 +261,7 @@ def clear_cache() -> None:
     """Forget every cached load (e.g. after replacing the Fashion-MNIST files in place)."""
     _load_builtin.cache_clear()
     _load_fashion_mnist.cache_clear()
+    _load_synthetic.cache_clear()
     _load_npz_cached.cache_clear()
 
 
@@ -265,6 +272,31 @@ def clear_cache() -> None:
 def _load_builtin(name: str, seed: int, test_fraction: float) -> Dataset:
     x, y = _read_digits() if name == "digits" else _read_mnist5k()
     return _split(name, x, y, seed=seed, test_fraction=test_fraction)
+
+
+SYNTHETIC_EXAMPLES, SYNTHETIC_CLASSES, SYNTHETIC_SIDE = 12_000, 10, 28
+_SYNTHETIC_STREAM = 0x5F27
+
+
+@functools.lru_cache(maxsize=4)
+def _load_synthetic(seed: int, test_fraction: float) -> Dataset:
+    """Class prototypes (white noise smoothed over 5×5, scaled to 1/8) plus unit noise.
+
+    Pixels are about unit scale; at 1/8 of the noise a prototype is visible only over
+    many pixels, so classes overlap and a model learns them over rounds rather than in
+    one step (a logistic regression on 3 000 images reaches about 0.85).
+    """
+    rng = np.random.default_rng([_SYNTHETIC_STREAM, seed])
+    side = SYNTHETIC_SIDE
+    noise = rng.standard_normal((SYNTHETIC_CLASSES, side + 4, side + 4))
+    kernel = np.ones(5) / 5.0
+    smooth = np.apply_along_axis(lambda r: np.convolve(r, kernel, mode="valid"), 2, noise)
+    smooth = np.apply_along_axis(lambda c: np.convolve(c, kernel, mode="valid"), 1, smooth)
+    prototypes = smooth / (8.0 * smooth.std(axis=(1, 2), keepdims=True))  # (classes, side, side)
+    y = rng.integers(0, SYNTHETIC_CLASSES, SYNTHETIC_EXAMPLES).astype(np.int64)
+    x = prototypes[y] + rng.standard_normal((SYNTHETIC_EXAMPLES, side, side))
+    x = x.astype(np.float32)[:, None, :, :]  # (N, 1, 28, 28)
+    return _split("synthetic", x, y, seed=seed, test_fraction=test_fraction)
 
 
 def _read_digits() -> tuple[np.ndarray, np.ndarray]:

@@ -73,6 +73,13 @@ def build_model(
     ``nn.Module`` that maps ``(B, *input_shape)`` to ``(B, num_classes)``, which is checked
     with one forward pass in evaluation mode (BatchNorm statistics are not touched).
 
+    ``"resnet"``: a ResNet for small images: a 3×3 stem (16 channels), then four stages
+    of two basic blocks (3×3 convolutions with BatchNorm and a residual connection;
+    16, 32, 64 and 192 channels, stages 2–4 halving H and W), global average pooling and
+    Linear(192, num_classes): 1 296 378 parameters for one input channel and 10 classes,
+    most of them in the last stage, where the image is smallest, so a step stays cheap on
+    a CPU. ``hidden`` is not used.
+
     ``"cnn"``: two blocks of 3×3 convolution (padding 1; 16 then 32 channels), ReLU and 2×2
     max-pooling, then Linear(·, hidden) → ReLU → Linear(hidden, num_classes). A spatial axis
     shorter than 2 is not pooled, so any ``(C, H, W)`` works: 28×28 pools to 7×7 (105 866
@@ -108,7 +115,7 @@ def build_model(
         return _build_from_spec(name, input_shape=input_shape, num_classes=num_classes, seed=seed)
     if name not in MODELS:
         raise ConfigError(f"unknown model {name!r}; allowed: {', '.join(MODELS)} or {SPEC_HELP}")
-    shape = _check_shape(input_shape, needs_image=name == "cnn")
+    shape = _check_shape(input_shape, needs_image=name in ("cnn", "resnet"))
     num_classes = check_int(num_classes, name="num_classes", minimum=1)
     hidden = check_int(hidden, name="hidden", minimum=1)
     seed = check_seed(seed)
@@ -119,6 +126,8 @@ def build_model(
             return _mlp(shape, num_classes, hidden)
         if name == "wide-mlp":
             return _mlp(shape, num_classes, max(hidden, WIDE_HIDDEN))
+        if name == "resnet":
+            return _resnet(shape, num_classes)
         return _cnn(shape, num_classes, hidden)
 
 
@@ -352,6 +361,50 @@ def _cnn(shape: tuple[int, ...], num_classes: int, hidden: int) -> nn.Module:
     layers["fc1"] = nn.Linear(32 * height * width, hidden)
     layers["relu3"] = nn.ReLU()
     layers["fc2"] = nn.Linear(hidden, num_classes)
+    return nn.Sequential(layers)
+
+
+RESNET_STAGES = (16, 32, 64, 192)  # channels of the four stages of two basic blocks
+
+
+class _BasicBlock(nn.Module):
+    """3×3 conv → BN → ReLU → 3×3 conv → BN, plus the input (1×1 conv + BN when the
+    shape changes), then ReLU: ResNet's basic block (He et al., 2016)."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), nn.BatchNorm2d(c_out)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+def _resnet(shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    channels = shape[0]
+    layers: OrderedDict[str, nn.Module] = OrderedDict(
+        stem=nn.Conv2d(channels, RESNET_STAGES[0], 3, padding=1, bias=False),
+        stem_bn=nn.BatchNorm2d(RESNET_STAGES[0]),
+        stem_relu=nn.ReLU(),
+    )
+    c_in = RESNET_STAGES[0]
+    for stage, c_out in enumerate(RESNET_STAGES, start=1):
+        stride = 1 if stage == 1 else 2  # 28×28 → 28, 14, 7, 4
+        layers[f"stage{stage}"] = nn.Sequential(
+            _BasicBlock(c_in, c_out, stride), _BasicBlock(c_out, c_out, 1)
+        )
+        c_in = c_out
+    layers["pool"] = nn.AdaptiveAvgPool2d(1)
+    layers["flatten"] = nn.Flatten()
+    layers["fc"] = nn.Linear(c_in, num_classes)
     return nn.Sequential(layers)
 
 

@@ -89,7 +89,8 @@ class RunConfig:
     model: str = field(
         default="mlp",
         metadata=about(
-            f"{', '.join(MODELS)} (509k parameters), or MODULE:FACTORY (a zero-argument "
+            f"{', '.join(MODELS)} (wide-mlp: 509k parameters; resnet: 1.3M, with "
+            "BatchNorm), or MODULE:FACTORY (a zero-argument "
             "callable returning your nn.Module, importable from here or the Python path)."
         ),
     )

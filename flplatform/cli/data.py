@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from clients.catalog import BUILTIN_DATASETS
 from flplatform.cli.errors import handles_errors
 from flplatform.cli.render import make_console
 from flplatform.cli.simulate import site_names
@@ -20,7 +21,7 @@ console = make_console()
 def split(
     out: Annotated[Path, typer.Option(help="Directory to write <site>.npz files into.")],
     dataset: Annotated[
-        str, typer.Option(help="digits, mnist5k, fashion-mnist, or a .npz path.")
+        str, typer.Option(help=f"{', '.join(BUILTIN_DATASETS)}, or a .npz path.")
     ] = "digits",
     sites: Annotated[str, typer.Option(help="Number of sites, or comma-separated names.")] = "4",
     partition: Annotated[str, typer.Option(help="iid or dirichlet.")] = "dirichlet",

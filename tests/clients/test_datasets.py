@@ -454,3 +454,23 @@ def test_dataset_rejects_inconsistent_arrays() -> None:
         Dataset("t", x, y[:2], x, y, num_classes=1)
     with pytest.raises(DataError, match="same shape"):
         Dataset("t", x, y, x[:, :, :1], y, num_classes=1)
+
+
+def test_synthetic_is_generated_mnist_shaped_deterministic_and_learnable() -> None:
+    data = load_dataset("synthetic", seed=3)
+    assert data.name == "synthetic" and data.num_classes == 10
+    assert data.x_train.shape == (9600, 1, 28, 28) and data.x_test.shape == (2400, 1, 28, 28)
+    assert data.x_train.dtype == np.float32 and data.y_train.dtype == np.int64
+    assert 0.9 < float(data.x_train.std()) < 1.1  # unit scale: no feature warning
+    assert set(np.unique(data.y_train)) == set(range(10))
+    again, other = load_dataset("synthetic", seed=3), load_dataset("synthetic", seed=4)
+    assert again is data  # cached, read-only
+    assert not data.x_train.flags.writeable
+    assert not np.array_equal(other.x_train[:10], data.x_train[:10])
+    # the classes overlap but are there: nearest class mean does well, not perfectly
+    x = data.x_train.reshape(len(data.x_train), -1).astype(np.float64)
+    means = np.stack([x[data.y_train == c].mean(axis=0) for c in range(10)])
+    test = data.x_test.reshape(len(data.x_test), -1)
+    guess = np.argmin(((test[:, None, :] - means[None]) ** 2).sum(axis=2), axis=1)
+    accuracy = float((guess == data.y_test).mean())
+    assert 0.6 < accuracy < 0.995

@@ -54,6 +54,25 @@ def test_parameter_counts_match_the_hand_computed_ones() -> None:
     assert count_parameters(wide_mlp) == 784 * 640 + 640 + 640 * 10 + 10 == 508_810
 
 
+def test_resnet_parameters_by_hand_and_its_batchnorm_buffers() -> None:
+    def block(c_in: int, c_out: int) -> int:  # two 3×3 convs, two BNs, a 1×1 shortcut
+        shortcut = c_in * c_out + 2 * c_out if c_in != c_out else 0
+        return 9 * c_in * c_out + 9 * c_out * c_out + 4 * c_out + shortcut
+
+    stem = 9 * 16 + 2 * 16
+    stages = sum(block(a, b) + block(b, b) for a, b in [(16, 16), (16, 32), (32, 64), (64, 192)])
+    fc = 192 * 10 + 10
+    model = build_model("resnet", input_shape=(1, 28, 28), num_classes=10)
+    assert count_parameters(model) == stem + stages + fc == 1_296_378
+    state = model.state_dict()
+    counters = [k for k in state if k.endswith("num_batches_tracked")]
+    assert len(counters) == 1 + 2 * 4 * 2 + 3  # the stem's, two per block, one per shortcut
+    assert all(state[k].dtype == torch.int64 and state[k].dim() == 0 for k in counters)
+    # 28×28 is halved three times (28, 14, 7, 4) before the global average pool
+    features = model[:-3](torch.rand(2, 1, 28, 28))
+    assert features.shape == (2, 192, 4, 4)
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_same_seed_same_weights_different_seed_different_weights(name: str) -> None:
     first = build_model(name, input_shape=(1, 8, 8), num_classes=10, seed=11).state_dict()
@@ -61,7 +80,9 @@ def test_same_seed_same_weights_different_seed_different_weights(name: str) -> N
     other = build_model(name, input_shape=(1, 8, 8), num_classes=10, seed=12).state_dict()
     assert first.keys() == again.keys() == other.keys()
     assert all(torch.equal(first[key], again[key]) for key in first)
-    assert all(not torch.equal(first[key], other[key]) for key in first)
+    # every drawn tensor differs (BatchNorm starts at constants: weight 1, bias 0, stats)
+    drawn = [key for key in first if first[key].numel() > 1 and first[key].unique().numel() > 1]
+    assert drawn and all(not torch.equal(first[key], other[key]) for key in drawn)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -75,7 +96,10 @@ def test_global_torch_rng_is_untouched(name: str) -> None:
     assert torch.equal(torch.rand(3), expected_next)
 
 
-@pytest.mark.parametrize("name", MODELS)
+PLAIN = [name for name in MODELS if name != "resnet"]
+
+
+@pytest.mark.parametrize("name", PLAIN)
 def test_no_batchnorm_and_no_buffers(name: str) -> None:
     model = build_model(name, input_shape=(1, 28, 28), num_classes=10)
     assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
@@ -106,8 +130,8 @@ def test_models_learn_digits(name: str) -> None:
 
 
 def test_unknown_model_lists_the_allowed_ones() -> None:
-    with pytest.raises(ConfigError, match="allowed: mlp, cnn"):
-        build_model("resnet", input_shape=(1, 8, 8), num_classes=10)
+    with pytest.raises(ConfigError, match="allowed: mlp, cnn, wide-mlp, resnet"):
+        build_model("vgg", input_shape=(1, 8, 8), num_classes=10)
 
 
 @pytest.mark.parametrize(

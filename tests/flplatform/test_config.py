@@ -102,7 +102,7 @@ def test_the_period_sets_the_local_steps_of_delayed_updates() -> None:
             "unknown strategy 'magic'; allowed: delayed, dga, dts, fedavg, fedavgm, fetchsgd, "
             "local-sgd, sketched-sgd",
         ),
-        ({"model": "resnet"}, "unknown model 'resnet'; allowed: mlp, cnn"),
+        ({"model": "vgg"}, "unknown model 'vgg'; allowed: mlp, cnn"),
         ({"dataset": "imagenet"}, "unknown dataset 'imagenet'; allowed: digits, mnist5k"),
         ({"partition": "zipf"}, "unknown partition 'zipf'; allowed: iid, dirichlet"),
         ({"alpha": 0}, "alpha must be a finite number > 0"),
@@ -182,7 +182,7 @@ def test_model_accepts_an_importable_factory_spec(tmp_path: Path, monkeypatch) -
 @pytest.mark.parametrize(
     ("model", "message"),
     [
-        ("resnet", r"unknown model 'resnet'; allowed: mlp, cnn, wide-mlp, or MODULE:FACTORY"),
+        ("vgg", r"unknown model 'vgg'; allowed: mlp, cnn, wide-mlp, resnet, or MODULE:FACTORY"),
         ("no_such_pkg_q.models:Net", "no module named 'no_such_pkg_q.models'"),
         ("mod:", "is not MODULE:FACTORY"),
     ],

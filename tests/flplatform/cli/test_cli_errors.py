@@ -40,7 +40,7 @@ def one_error_line(output: str) -> str:
             "local-sgd, sketched-sgd",
         ),
         (["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
-        (["--model", "resnet"], "unknown model 'resnet'; allowed: mlp, cnn"),
+        (["--model", "vgg"], "unknown model 'vgg'; allowed: mlp, cnn"),
         (["--partition", "zipf"], "unknown partition 'zipf'; allowed: iid, dirichlet"),
         (["--rounds", "0"], "num-server-rounds must be > 0"),
         (["--rounds", "-3"], "num-server-rounds must be > 0"),
@@ -75,7 +75,7 @@ def one_error_line(output: str) -> str:
         (
             ["--strategy", "fetchsgd", "--k", "5000"],
             "--k 5000 exceeds the 4810 parameters of model 'mlp' on digits; choose k <= 4810 "
-            "or a model with at least k parameters (cnn, wide-mlp)",
+            "or a model with at least k parameters (cnn, wide-mlp, resnet)",
         ),
         (["--strategy", "sketched-sgd", "--k", "4811"], "--k 4811 exceeds the 4810"),
     ],
@@ -92,16 +92,19 @@ def test_top_k_check_names_only_models_large_enough() -> None:
     from flplatform.config import RunConfig
     from flplatform.errors import ConfigError
 
-    digits = {"input_shape": (1, 8, 8), "num_classes": 10}  # mlp 4810, cnn 13706, wide-mlp 48010
+    # mlp 4810, cnn 13706, wide-mlp 48010, resnet 1296378 (its convolutions do not grow with H, W)
+    digits = {"input_shape": (1, 8, 8), "num_classes": 10}
 
     def config(model: str, k: int) -> RunConfig:
         return RunConfig.from_mapping({"strategy": "fetchsgd", "model": model, "k": k})
 
     check_top_k(config("mlp", 4810), **digits)  # k = d is allowed
-    with pytest.raises(ConfigError, match=r"13706 parameters .*\(wide-mlp\)$"):
+    with pytest.raises(ConfigError, match=r"13706 parameters .*\(wide-mlp, resnet\)$"):
         check_top_k(config("cnn", 20000), **digits)
-    with pytest.raises(ConfigError, match=r"choose k <= 48010$"):
+    with pytest.raises(ConfigError, match=r"48010 parameters .*\(resnet\)$"):
         check_top_k(config("wide-mlp", 60000), **digits)
+    with pytest.raises(ConfigError, match=r"choose k <= 1296378$"):
+        check_top_k(config("resnet", 2_000_000), **digits)
 
 
 @pytest.mark.usefixtures("flplatform_home")

@@ -169,7 +169,7 @@ def test_bad_options_are_one_line(tmp_path: Path, args: list[str], expected: str
 @pytest.mark.parametrize(
     ("model", "expected"),
     [
-        ("resnet", "unknown --model 'resnet'; allowed: mlp, cnn, wide-mlp, or MODULE:FACTORY"),
+        ("vgg", "unknown --model 'vgg'; allowed: mlp, cnn, wide-mlp, resnet, or MODULE:FACTORY"),
         ("nosuchmodule_r:Net", "no module named 'nosuchmodule_r'"),
         ("plain_client:load_partition", "calling it with no arguments failed: TypeError"),
         ("plain_client:app", "returned a Message|not a torch.nn.Module|calling it"),
