@@ -36,15 +36,31 @@ def record_views(record: ArrayRecord) -> dict[str, np.ndarray]:
     return {key: array_view(array) for key, array in record.items()}
 
 
-# id(view) -> (a weak reference to the view, the Array it reads): encoding a view of an
-# Array again gives that Array back (``encode``), with no copy. A view cannot be written
-# to and an Array's bytes never change, so the two always hold the same values.
-_SOURCES: dict[int, tuple[weakref.ref[np.ndarray], Array]] = {}
+# id(view) -> (a weak reference to the view, the Array it reads, that Array's bytes):
+# encoding a view of an Array again gives that Array back (``encode``), with no copy. A
+# view cannot be written to and ``bytes`` never change, so while the Array still holds
+# the same bytes object the two hold the same values.
+_SOURCES: dict[int, tuple[weakref.ref[np.ndarray], Array, bytes]] = {}
 
 
-def _remember_source(view: np.ndarray, array: Array) -> np.ndarray:
-    key = id(view)
-    _SOURCES[key] = (weakref.ref(view, lambda _, key=key: _SOURCES.pop(key, None)), array)
+def _remember_source(view: np.ndarray, array: Array, header: bytes) -> np.ndarray:
+    """Register ``view`` as ``array``'s when the Array is exactly what ``encode`` would
+    write for it (a .npy 1.0 header, no bytes beyond the data, metadata that agrees):
+    only then may ``encode`` hand the Array on instead of new bytes."""
+    canonical = (
+        array.data[_PREFIX : _PREFIX + 1] == b"\x01"
+        and len(array.data) == len(header) + view.nbytes
+        and array.dtype == str(view.dtype)
+        and tuple(array.shape) == view.shape
+        and header == _npy_header(view.dtype, view.shape)
+    )
+    if canonical:
+        key = id(view)
+        _SOURCES[key] = (
+            weakref.ref(view, lambda _, key=key: _SOURCES.pop(key, None)),
+            array,
+            array.data,
+        )
     return view
 
 
@@ -68,7 +84,7 @@ def array_view(array: Array) -> np.ndarray:
                     flat = np.frombuffer(data, dtype=dtype, count=count, offset=len(header))
                     if fortran_order:  # as numpy.lib.format.read_array lays it out
                         return flat.reshape(shape[::-1]).transpose()
-                    return _remember_source(flat.reshape(shape), array)
+                    return _remember_source(flat.reshape(shape), array, header)
             except ValueError:
                 pass  # Flower's path raises the error a caller expects
     return array.numpy()
@@ -110,11 +126,12 @@ def encode(value: np.ndarray) -> Array:
     Flower's constructor runs ``np.save`` into a ``BytesIO`` (the data copied three times,
     about 50 ms for 40 MB); here the header is numpy's own (``write_array_header_1_0``,
     what ``np.save`` writes for every array whose header fits version 1.0) and the data is
-    joined to it once. A read-only view of an Array (``array_view``) gives that Array back,
-    uncopied. Anything else (object arrays, a header needing .npy 2.0) takes Flower's path.
+    joined to it once. A read-only view of an Array (``array_view``) whose bytes are
+    exactly these gives that Array back, uncopied. Anything else (object arrays, a header
+    needing .npy 2.0) takes Flower's path.
     """
     source = _SOURCES.get(id(value))
-    if source is not None and source[0]() is value:
+    if source is not None and source[0]() is value and source[1].data is source[2]:
         return source[1]
     # asarray, not ascontiguousarray: that makes a 0-d array (a BatchNorm counter) 1-d.
     array = np.asarray(value, order="C")

@@ -182,7 +182,7 @@ class Layout:
         and range-checked); a repeated index keeps its last value. The same as
         ``unflatten`` of ``flatten(arrays)`` with the values set, without float64 copies.
         """
-        if indices.size > 1 and (np.diff(indices) < 0).any():
+        if indices.size > 1 and (indices[1:] < indices[:-1]).any():  # np.diff wraps unsigned
             order = np.argsort(indices, kind="stable")  # repeats keep their order
             indices, values = indices[order], values[order]
         bounds = np.searchsorted(indices, (*self.offsets, self.size))
@@ -623,7 +623,8 @@ class ErrorFeedback:
                 raise ValueError(f"array '{name}' has shape {value.shape}, layout says {shape}")
             out = v[start : start + n]
             if self.residual:
-                np.add(value.reshape(-1), np.asarray(self.residual[name]).reshape(-1), out=out)
+                residual = np.asarray(self.residual[name]).reshape(-1)
+                np.add(value.reshape(-1), residual, out=out, dtype=np.float64)
             else:
                 out[...] = value.reshape(-1)
         return v
@@ -699,6 +700,11 @@ def _selectable_in_float32(layout: Layout, v: np.ndarray) -> bool:
     return True
 
 
+def _spans(layout: Layout) -> list[tuple[str, int, int]]:
+    """(name, first flat coordinate, size) of each array, in layout order."""
+    return list(zip(layout.names, layout.offsets, layout.sizes, strict=True))
+
+
 def _in_dtypes_float32(v: np.ndarray, layout: Layout) -> np.ndarray:
     """v as ``layout.unflatten`` gives it (float32 arrays rounded, integers rounded and
     range-checked), flat in float32: exact, by ``_selectable_in_float32``."""
@@ -731,14 +737,13 @@ def _int8_feedback(
     v: np.ndarray, layout: Layout, rng: np.random.Generator, dense: bool
 ) -> tuple[Wire, Arrays | None]:
     """``StochasticInt8.encode`` of v in its dtypes and e ← v − decode, array by array."""
+    # as encode(unflatten(v)): every array cast (integers range-checked) before the keys
+    values = [layout._cast(name, v[start : start + n]) for name, start, n in _spans(layout)]
     StochasticInt8._keys(layout)  # refuse layouts whose wire keys collide
     wire: Wire = {}
     sent: Arrays = {}
-    for name, shape, start, n in zip(
-        layout.names, layout.shapes, layout.offsets, layout.sizes, strict=True
-    ):
+    for (name, start, n), shape, value in zip(_spans(layout), layout.shapes, values, strict=True):
         piece = v[start : start + n]
-        value = layout._cast(name, piece)  # (n,) in the array's dtype
         if not layout.is_float(name):
             wire[RAW_PREFIX + name] = value.reshape(shape)
             decoded = value

@@ -159,6 +159,10 @@ def exact_top_k(
 class SiteAccumulators:
     """One Sketched-SGD site's momentum u and error accumulation v (dense, d each).
 
+    The site's mod builds them over its stored state's read-only bytes and only calls
+    ``stepped``; ``add`` and ``zero`` change u and v in place, for accumulators the caller
+    owns.
+
     Each step the site adds its update g (u ← m·u + g; v ← v + u) and sketches v; after the
     server applies a step the site's exact values went into, u and v are zeroed at the
     applied coordinates: what was applied leaves the error, and its momentum stops.

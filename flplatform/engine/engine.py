@@ -975,8 +975,9 @@ class RoundEngine:
         outcome = UpdateOutcome(
             status=APPLIED, reason=_joined(contribution.note, decision.reason), **row
         )
-        if decision.ruling is Ruling.WAIT:  # its row is final when the round closes
+        if decision.ruling is Ruling.WAIT:  # its row is final once the guard judges it
             state.waiting[ticket] = (outcome, update, verdict.weight_scale)
+            outcome = self._settle(state, self.guard.ready()).get(ticket, outcome)
         return outcome
 
     def _add(self, update: Update, decision: Decision, weight_scale: float) -> None:
@@ -984,10 +985,19 @@ class RoundEngine:
         scale = decision.scale * weight_scale
         self.strategy.add_update(update, weight=decision.weight, scale=scale)
 
-    def _settle(self, state: _RoundState) -> None:
-        """Judge the updates the guard held, add those admitted, and make their rows final."""
-        decisions = self.guard.settle()
-        for ticket, (outcome, update, weight_scale) in state.waiting.items():
+    def _settle(
+        self, state: _RoundState, decisions: dict[int, Decision] | None = None
+    ) -> dict[int, UpdateOutcome]:
+        """Judge the updates the guard held (all, at the round's close; or the guard's
+        ``ready`` ``decisions``), add those admitted, and make their rows final: ticket →
+        final row."""
+        if decisions is None:
+            decisions = self.guard.settle()
+        finals: dict[int, UpdateOutcome] = {}
+        for ticket in list(decisions):
+            if ticket not in state.waiting:
+                continue
+            outcome, update, weight_scale = state.waiting.pop(ticket)
             decision = decisions[ticket]
             final = outcome
             if decision.ruling is Ruling.ADMIT:
@@ -1002,7 +1012,8 @@ class RoundEngine:
                 state.failed_replies.append(final)
                 log.warning("rejected update from %s: %s", outcome.site, decision.reason)
             state.outcomes = [final if o is outcome else o for o in state.outcomes]
-        state.waiting.clear()
+            finals[ticket] = final
+        return finals
 
     def _step_refused(
         self, state: _RoundState, exc: StepRefused

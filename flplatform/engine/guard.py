@@ -18,8 +18,9 @@ each with its reason for the ledger:
   update is a hundred medians long, and clipping it would still apply its direction
   (measured: a float32-max update clipped once cost FedAvgM two points of accuracy).
   Until ``min_reference`` norms are known (the first round) updates wait, and
-  are judged together when the round closes (``settle``): a huge update that arrives first
-  cannot become the reference.
+  are judged together once ``min_reference`` of them are there (``ready``) or when the
+  round closes (``settle``): a huge update that arrives first cannot become the
+  reference, and a round never holds more than ``min_reference`` − 1 updates.
 * **Direction** (off by default). A site whose updates point against the federation's
   recent direction (same kind) is rejected: a sign-flipped update points against what the
   other sites agree on. The direction is a moving average of the rounds' accepted means,
@@ -315,8 +316,9 @@ def _cosine_given_norms(
 class UpdateGuard:
     """Decides, update by update, how much each one counts (see the module).
 
-    The engine calls ``consider`` for each update the strategy read, ``settle`` before the
-    strategy finishes the round (for updates that waited), and ``round_finished`` after.
+    The engine calls ``consider`` for each update the strategy read, ``ready`` after one
+    that waited, ``settle`` before the strategy finishes the round (for updates still
+    waiting), and ``round_finished`` after.
     """
 
     def __init__(self, options: GuardOptions | None = None) -> None:
@@ -400,8 +402,34 @@ class UpdateGuard:
 
     def settle(self) -> dict[int, Decision]:
         """Judge the updates that waited, against the round's norms; ticket → decision."""
-        decisions: dict[int, Decision] = {}
         waiting, self._waiting = self._waiting, []
+        return self._judge_waiting(waiting)
+
+    def ready(self) -> dict[int, Decision]:
+        """Judge the waiting updates of every kind that now has ``min_reference`` norms,
+        known or waiting; ticket → decision (the others keep waiting).
+
+        Called after each update that waited, it bounds what a round holds to fewer than
+        ``min_reference`` updates per kind: the first round of a hundred sites is judged
+        against the median of its first norms, not held whole until it closes.
+        """
+        counts: dict[str, int] = {}
+        for item in self._waiting:
+            counts[item.kind] = counts.get(item.kind, 0) + 1
+        full = {
+            kind
+            for kind, count in counts.items()
+            if count + len(self._kind(kind).norms()) >= self.options.min_reference
+        }
+        if not full:
+            return {}
+        judged = [item for item in self._waiting if item.kind in full]
+        self._waiting = [item for item in self._waiting if item.kind not in full]
+        return self._judge_waiting(judged)
+
+    def _judge_waiting(self, waiting: list[_Waiting]) -> dict[int, Decision]:
+        """Judge held updates, each kind against the median of its norms and theirs."""
+        decisions: dict[int, Decision] = {}
         by_kind: dict[str, list[_Waiting]] = {}
         for item in waiting:
             by_kind.setdefault(item.kind, []).append(item)

@@ -65,11 +65,14 @@ def _reuse_freed_memory(wanted: bool) -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, _KEPT_BLOCK) and mallopt(_M_TRIM_THRESHOLD, _KEPT_BLOCK))
+    # Older glibc refuses an mmap threshold above 32 MiB (HEAP_MAX_SIZE / 2): then 32 MiB.
+    mmap = any(mallopt(_M_MMAP_THRESHOLD, size) for size in (_KEPT_BLOCK, _OLD_GLIBC_MAX))
+    trim = bool(mallopt(_M_TRIM_THRESHOLD, _KEPT_BLOCK))
+    return mmap and trim
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
-_KEPT_BLOCK = 1 << 30
+_KEPT_BLOCK, _OLD_GLIBC_MAX = 1 << 30, 1 << 25
 
 
 def is_training(msg: Message) -> bool:

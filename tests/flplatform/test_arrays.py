@@ -156,3 +156,22 @@ def test_a_dead_view_is_forgotten() -> None:
     del view
     gc.collect()
     assert key not in module._SOURCES
+
+
+def test_an_array_encode_would_not_write_is_never_handed_on() -> None:
+    exact = encode(np.arange(4, dtype=np.float32))
+    # bytes beyond the data, and metadata that contradicts the header
+    trailing = Array(
+        dtype=exact.dtype, shape=exact.shape, stype=exact.stype, data=exact.data + b"!"
+    )
+    mislabelled = Array(dtype="int64", shape=(2, 2), stype=exact.stype, data=exact.data)
+    for odd in (trailing, mislabelled):
+        view = array_view(odd)
+        again = encode(view)
+        assert again is not odd and again.data == exact.data
+    # an Array whose bytes were replaced after the view was taken is encoded anew
+    source = encode(np.ones(3, dtype=np.float32))
+    view = array_view(source)
+    source.data = encode(np.zeros(3, dtype=np.float32)).data
+    assert encode(view) is not source
+    np.testing.assert_array_equal(encode(view).numpy(), np.ones(3, dtype=np.float32))

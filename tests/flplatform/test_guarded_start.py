@@ -244,3 +244,28 @@ def test_a_huge_fetchsgd_sketch_is_rejected(db: str) -> None:
     assert len(rows) == 3  # 10^30 times the median: rejected (clipping is for plausible sizes)
     assert all(s == REJECTED and "x the recent median" in (r or "") for _, s, r in rows)
     assert honest_rows_applied(db)
+
+
+def test_the_first_round_is_judged_as_it_arrives_not_held_until_it_closes(
+    db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flplatform.engine.guard import UpdateGuard
+
+    held: list[int] = []
+    ready = UpdateGuard.ready
+
+    def watched(self: UpdateGuard) -> dict:
+        decisions = ready(self)
+        held.append(len(self._waiting))
+        return decisions
+
+    monkeypatch.setattr(UpdateGuard, "ready", watched)
+    goals = [[1.0 + 0.1 * i, 2.0, 1.0, 0.5] for i in range(9)]
+    sites = {i + 1: scripted(f"s{i}", honest(goal)) for i, goal in enumerate(goals)}
+    sites[10] = scripted("evil", huge)
+    result = start(LocalSGDAveraging(), ScriptedGrid(sites), MODEL, num_rounds=2, ledger=db)
+    # at most min_reference − 1 = 2 updates wait at any time (was: all ten of round 1)
+    assert held and max(held) <= 2
+    assert [status for _, status, _ in evil_rows(db)] == [REJECTED] * 2
+    assert honest_rows_applied(db)
+    assert np.isfinite(record_to_arrays(result.arrays)["w"]).all()

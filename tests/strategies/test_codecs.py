@@ -824,3 +824,28 @@ def test_assign_is_set_values_in_the_flat_float64_model(sequence: list[Arrays], 
     for name in model:
         assert got[name].dtype == want[name].dtype
         np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_assign_sorts_unsigned_indices_too() -> None:
+    model = {"w": np.zeros(10, np.float32)}
+    indices = np.array([9, 0, 7, 4], dtype=np.uint32)  # np.diff would wrap, not go negative
+    values = np.array([1, 2, 3, 4], dtype=np.float32)
+    got = Layout.of(model).assign(model, indices, values)
+    np.testing.assert_array_equal(got["w"], [2, 0, 0, 0, 4, 0, 0, 3, 0, 1])
+
+
+def test_a_float32_residual_is_added_in_float64() -> None:
+    residual = {"w": np.array([1.0000000009313226, 0.0], np.float64).astype(np.float32)}
+    u = {"w": np.array([np.float32(1e-9), 0.0], np.float32)}
+    feedback = ErrorFeedback(residual=dict(residual))
+    _, sent = feedback.compress(u, TopK(k=2), rng=rng())
+    want = np.float64(residual["w"][0]) + np.float64(u["w"][0])
+    assert feedback.residual["w"][0] + float(sent["w"][0]) == want
+
+
+def test_int8_reports_the_problems_in_the_generic_order() -> None:
+    # an integer array out of range and NaN in a float array: the range is said first
+    update = {"a": np.array([np.nan], np.float32), "z": np.array([1], np.int8)}
+    feedback = ErrorFeedback(residual={"a": np.zeros(1), "z": np.array([1e6])})
+    with pytest.raises(ValueError, match="outside the range"):
+        feedback.compress(update, StochasticInt8(), rng=rng())

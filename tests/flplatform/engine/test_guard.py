@@ -414,3 +414,30 @@ def test_a_zero_dimensional_part_of_every_update_joins_the_direction() -> None:
     assert direction is not None
     np.testing.assert_allclose(direction[0], [2.0, 0.0])
     assert float(direction[1]) == pytest.approx(2.0)
+
+
+def test_waiting_updates_are_judged_once_min_reference_norms_are_there() -> None:
+    guard = UpdateGuard(GuardOptions(norm_ratio=10, min_reference=3))
+    guard.begin_round(1)
+    first = [
+        guard.consider(t, site=t, kind="delta", claimed=10, vector=vec(n, 0))
+        for t, n in ((1, 1e30), (2, 1.0))
+    ]
+    assert [d.ruling for d in first] == [Ruling.WAIT] * 2
+    assert guard.ready() == {}  # two norms: not enough for a reference yet
+    third = guard.consider(3, site=3, kind="delta", claimed=10, vector=vec(2.0, 0))
+    assert third.ruling is Ruling.WAIT
+    decisions = guard.ready()  # the median of {1e30, 1, 2} = 2, as settle() would judge
+    assert sorted(decisions) == [1, 2, 3]
+    assert decisions[1].ruling is Ruling.REJECT and "beyond 100x" in (decisions[1].reason or "")
+    assert decisions[2].ruling is decisions[3].ruling is Ruling.ADMIT
+    # two norms are known now (the huge one was rejected): the next waits for a third
+    fourth = guard.consider(4, site=4, kind="delta", claimed=10, vector=vec(1.5, 0))
+    assert fourth.ruling is Ruling.WAIT
+    assert list(guard.ready()) == [4]
+    # three known: judged on arrival; another kind still waits for its own norms
+    fifth = guard.consider(5, site=5, kind="delta", claimed=10, vector=vec(40.0, 0))
+    assert fifth.ruling is Ruling.ADMIT and fifth.scale == pytest.approx(1.5 / 40)  # median
+    sketch = guard.consider(6, site=6, kind="sketch", claimed=10, vector=vec(5.0, 0))
+    assert sketch.ruling is Ruling.WAIT and guard.ready() == {}
+    assert list(guard.settle()) == [6]  # the round's close judges what still waits
