@@ -48,8 +48,9 @@ average 1.7 to 2.7 over the runs; 1M parameters, guard off; three invocations of
   Goal met in two invocations of three; the second ran beside another session's
   simulation (load 2.4 to 2.6). Bytes equal to Flower's in every run. Peak
   memory 67, 90 and 93 MiB for 10, 100 and 1000 replies (was 61, 115 and 116). With
-  ``--guard``: the guard adds about 1.1 ms per reply, and holds every update of the first
-  round until the round closes (no reference norms yet): 779 MiB at 100 replies.
+  ``--guard``: the guard adds about 1.1 ms per reply; it held every update of the first
+  round until the round closed (no reference norms yet): 779 MiB at 100 replies. It now
+  judges them once it has ``min_reference`` norms (benchmarks/bench_server_memory.py).
 
     python benchmarks/bench_round.py [--replies 10 100 1000] [--params 1000000] [--repeat 3]
                                      [--guard]

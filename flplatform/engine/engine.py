@@ -805,21 +805,27 @@ class RoundEngine:
 
     # ====================================================================== pull
     def _pull_chunks(self, state: _RoundState) -> int:
-        """Pull every awaited reply, a chunk at a time, judging between chunks.
+        """Pull the awaited replies a chunk at a time, judging before each chunk, until the
+        policy is ready.
 
         A SuperLink hands back each ready reply fully decoded; judging (and so
-        aggregating and freeing) a chunk before pulling the next keeps the server's
-        memory at one chunk of replies, not one reply per site. Returns how many
+        aggregating and freeing) what was pulled before pulling more keeps the server's
+        memory at about one chunk of replies, not one reply per site. Returns how many
         replies came back, late ones included.
         """
         self._release_stuck(state)
         waiting = self.mailbox.waiting_ids()
         pulled = 0
         for start in range(0, len(waiting), PULL_CHUNK):
-            pulled += self._pull(waiting[start : start + PULL_CHUNK], state)
+            # What is pulled already is judged first (a K mode's round leaves the arrivals
+            # beyond its K queued): another chunk only while the policy still wants
+            # replies, or queued replies would pile up by a chunk a round, towards one
+            # per site in flight.
             self._judge_ready(state)
             if self.policy.ready_to_aggregate(self._view(state)):
                 break
+            pulled += self._pull(waiting[start : start + PULL_CHUNK], state)
+        self._judge_ready(state)
         return pulled
 
     def _pull(self, message_ids: list[str], state: _RoundState) -> int:

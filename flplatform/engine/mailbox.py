@@ -260,8 +260,16 @@ class Mailbox:
 
     # ------------------------------------------------------------------- pull
     def waiting_ids(self) -> list[str]:
-        """Every message id a reply may come for: awaited, given up on, cancelled."""
-        return [*self.awaited, *self.given_up, *self.cancelled]
+        """Every message id a reply may come for: awaited (those that can land first on
+        the clock first), given up on, cancelled.
+
+        Pulled in this order, a chunk's arrivals can be judged before the next is pulled
+        (no outstanding message lands earlier), so the replies a simulated round holds
+        stay about one chunk however many sites are in flight. On the wall clock every
+        earliest arrival is −inf and the order is the dispatch order.
+        """
+        awaited = sorted(self.awaited, key=lambda i: self.awaited[i].schedule.earliest_arrival)
+        return [*awaited, *self.given_up, *self.cancelled]
 
     def pull(self, message_ids: list[str]) -> tuple[int, list[Dispatch], list[Late]]:
         """Pull replies to ``message_ids``: awaited ones join the arrivals in clock order.
