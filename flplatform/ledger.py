@@ -99,8 +99,8 @@ class SqlLedger:
         Root of the checkpoint files (default ``$FLPLATFORM_HOME/checkpoints``); a run's go
         in ``<root>/<ledger id>/run-<id>/``.
     checkpoint_every : int
-        Every this many rounds a checkpoint is kept (``>= 1``); the others are deleted once a
-        later round is committed.
+        Every this many rounds a checkpoint is kept (``>= 0``; 0 keeps only the final one);
+        the others are deleted once a later round is committed.
     keep_checkpoints : int
         At most this many kept checkpoints (``>= 0``), the newest; the last checkpoint (the
         resume point) and the final one of a finished run are kept besides.
@@ -122,8 +122,11 @@ class SqlLedger:
     ) -> None:
         if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int):
             raise ConfigError(f"checkpoint-every must be a whole number, got {checkpoint_every!r}")
-        if checkpoint_every < 1:
-            raise ConfigError(f"checkpoint-every must be >= 1, got {checkpoint_every}")
+        if checkpoint_every < 0:
+            raise ConfigError(
+                f"checkpoint-every must be >= 0 (0: keep only the final model), "
+                f"got {checkpoint_every}"
+            )
         if isinstance(keep_checkpoints, bool) or not isinstance(keep_checkpoints, int):
             raise ConfigError(f"keep-checkpoints must be a whole number, got {keep_checkpoints!r}")
         if keep_checkpoints < 0:
@@ -186,7 +189,8 @@ class SqlLedger:
                 f"{path}; each server step is recorded once"
             )
         size = write_state(path, state)
-        kept = step % self.checkpoint_every == 0
+        # 0: no round's checkpoint is kept for good; the final one is (``finish``)
+        kept = self.checkpoint_every > 0 and step % self.checkpoint_every == 0
         try:
             self._record(summary, CheckpointInput(path=str(path), size_bytes=size, kept=kept))
         except BaseException:

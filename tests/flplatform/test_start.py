@@ -157,6 +157,23 @@ def test_start_records_the_run_its_rounds_and_updates(db: str) -> None:
         ]
 
 
+def test_checkpoint_every_zero_keeps_only_the_final_model(db: str, tmp_path: Path) -> None:
+    start(
+        LocalSGDAveraging(),
+        ScriptedGrid(two_sites()),
+        MODEL,
+        num_rounds=6,
+        ledger=db,
+        checkpoint_every=0,
+        checkpoint_dir=str(tmp_path / "checkpoints"),
+        reject_replays=False,
+    )
+    with LedgerRepository.open(db) as repo:
+        (run,) = repo.list_runs()
+        assert run.status == "finished"
+        assert [(c.round, c.kept) for c in repo.list_checkpoints(run.id)] == [(6, True)]
+
+
 def test_the_package_call_runs_without_a_ledger(flplatform_home: Path) -> None:
     import flplatform
 

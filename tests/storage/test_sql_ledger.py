@@ -93,6 +93,19 @@ def test_keep_zero_keeps_only_the_resume_point(repo: LedgerRepository, tmp_path:
     assert files(ledger.directory) == ["round-000003.npz"]
 
 
+def test_checkpoint_every_zero_keeps_only_the_resume_point_and_the_final_model(
+    repo: LedgerRepository, tmp_path: Path
+) -> None:
+    run_id = make_run(repo)
+    ledger = SqlLedger(repo, run_id, checkpoint_dir=tmp_path, checkpoint_every=0)
+    for step in (1, 2, 3, 4, 5, 6):
+        ledger.record_round(summary(step), state(step))
+        assert [(c.round, c.kept) for c in repo.list_checkpoints(run_id)] == [(step, False)]
+    final = ledger.finish()
+    assert final is not None and (final.round, final.kept) == (6, True)
+    assert files(ledger.directory) == ["round-000006.npz"]
+
+
 def test_a_resumed_run_deletes_the_resume_point_once_it_has_a_newer_one(
     repo: LedgerRepository, tmp_path: Path
 ) -> None:
@@ -198,7 +211,7 @@ def test_load_checkpoint_says_which_rounds_have_one(repo: LedgerRepository, tmp_
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"checkpoint_every": 0}, "checkpoint-every must be >= 1"),
+        ({"checkpoint_every": -1}, "checkpoint-every must be >= 0"),
         ({"checkpoint_every": 1.5}, "checkpoint-every must be a whole number"),
         ({"keep_checkpoints": -1}, "keep-checkpoints must be >= 0"),
     ],
