@@ -43,6 +43,7 @@ from typing import Any
 from bench_communication import TARGET_MARGIN, bytes_to_target
 from bench_support import emit, fresh_home
 
+from flplatform.cli.simulate import site_names
 from flplatform.comparison import ModePlan, run_comparison
 from flplatform.config import RunConfig
 from flplatform.simulation import run_simulation
@@ -78,7 +79,8 @@ def one_seed(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     home = fresh_home()
     base = RunConfig.from_mapping(
         {
-            "sites": str(SITES),
+            # RunConfig takes names; a count is expanded as `--sites 100` expands it
+            "sites": site_names(str(SITES)),
             "fraction-train": PER_ROUND / SITES,
             "dataset": args.dataset,
             "model": args.model,
@@ -144,7 +146,8 @@ def main() -> None:
         "benchmark": "100 sites, 10 per round: bytes to local-SGD's final accuracy - 1 point",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "setup": {
-            "sites": SITES,
+            # RunConfig takes names; a count is expanded as `--sites 100` expands it
+            "sites": site_names(str(SITES)),
             "per_round": PER_ROUND,
             "dataset": args.dataset,
             "model": args.model,

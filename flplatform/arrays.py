@@ -56,11 +56,11 @@ def _remember_source(view: np.ndarray, array: Array, header: bytes) -> np.ndarra
     )
     if canonical:
         key = id(view)
-        _SOURCES[key] = (
-            weakref.ref(view, lambda _, key=key: _SOURCES.pop(key, None)),
-            array,
-            array.data,
-        )
+
+        def forget(_: weakref.ref[np.ndarray]) -> None:
+            _SOURCES.pop(key, None)
+
+        _SOURCES[key] = (weakref.ref(view, forget), array, array.data)
     return view
 
 
@@ -138,7 +138,7 @@ def encode(value: np.ndarray) -> Array:
     header = _npy_header(array.dtype, array.shape) if not array.dtype.hasobject else None
     if header is None or array.dtype.itemsize == 0:
         return Array(array)
-    data = b"".join((header, array.reshape(-1).view(np.uint8)))
+    data = b"".join((header, array.reshape(-1).view(np.uint8).data))
     return Array(dtype=str(array.dtype), shape=tuple(array.shape), stype=SType.NUMPY, data=data)
 
 
