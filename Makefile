@@ -67,10 +67,11 @@ test-all: setup-dev
 lint: setup-dev
 	$(BIN)/ruff check flplatform clients strategies storage tests benchmarks examples
 	$(BIN)/mypy flplatform clients strategies storage
+	$(BIN)/lint-imports
 
 # [tool.flwr.app.config] of the Flower apps, written from the options table (RunConfig).
 app-config: setup
-	$(BIN)/python -m flplatform.app_config pyproject.toml examples/plain_flower_client/pyproject.toml \
+	$(BIN)/python -m flplatform.app.app_config pyproject.toml examples/plain_flower_client/pyproject.toml \
 		tests/integration/apps/attack_app/pyproject.toml
 
 bench: setup

@@ -1,6 +1,6 @@
 """Cost of one checkpoint: time and bytes of the state a committed round writes, per strategy.
 
-Every committed round writes the run's state (``flplatform/checkpoint.py``: ``write_state``,
+Every committed round writes the run's state (``flplatform/core/checkpoint.py``: ``write_state``,
 atomic, fsynced, owner-only): ``{"kind": "flplatform-run-state", "server_round",
 "model_version", "model": ArrayRecord, "engine": {"strategy": strategy.state_dict(), ...}}``.
 The engine's own parts are small except the model versions still in use; the tree built
@@ -24,7 +24,7 @@ images, Dirichlet α = 1, the wide MLP with 508 810 parameters, p = 10 local ste
 round). Local-SGD (with server momentum 0.9: the largest local-SGD state; the
 communication benchmark runs it without, which does not change a round's time) and
 FetchSGD (k = 5000, 3 × 2000, ρ = 0.9) each run ``--sim-rounds`` real rounds through
-``flplatform.simulation.run_simulation`` with a fresh ledger; a round's time is the median
+``flplatform.launch.simulation.run_simulation`` with a fresh ledger; a round's time is the median
 of the ledger's per-round ``wall_seconds``. Its checkpoint is measured as in part 1 with
 the same strategy options and 8 scripted sites. When the ledger records checkpoints (it
 does since issue 18), each round's wall time already includes its write, the ledger's
@@ -82,8 +82,8 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
-from flplatform import checkpoint, keys
-from flplatform.arrays import arrays_to_record, record_to_arrays
+from flplatform.core import checkpoint, keys
+from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.engine import EngineStrategy
 from strategies.delayed import DelayedCompensated
 from strategies.fetchsgd import FetchSGD
@@ -320,7 +320,7 @@ import json, os, sys, tempfile
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from bench_support import federation
-from flplatform.simulation import run_simulation
+from flplatform.launch.simulation import run_simulation
 from storage import LedgerRepository
 with tempfile.TemporaryDirectory(prefix="bench-checkpoint-home-") as home:
     os.environ["FLPLATFORM_HOME"] = home

@@ -45,8 +45,8 @@ from typing import Any
 
 from bench_support import SITES, emit, federation
 
-from flplatform.comparison import ModePlan, run_comparison
-from flplatform.simulation import run_simulation
+from flplatform.app.comparison import ModePlan, run_comparison
+from flplatform.launch.simulation import run_simulation
 from storage import LedgerRepository
 
 TARGET_MARGIN = 0.01

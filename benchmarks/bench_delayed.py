@@ -84,10 +84,10 @@ from bench_support import ALPHA, DATASET, SITES, emit, federation, fresh_home
 
 from clients.datasets import load_dataset
 from clients.models import build_model, count_parameters
-from flplatform.comparison import ModePlan, run_comparison, summarize_runs
-from flplatform.config import RunConfig
+from flplatform.app.comparison import ModePlan, run_comparison, summarize_runs
+from flplatform.app.config import RunConfig
+from flplatform.launch.simulation import run_simulation
 from flplatform.network import COMPUTE_MODELS, PRESETS
-from flplatform.simulation import run_simulation
 from storage import LedgerRepository
 
 GOAL_SPEEDUP = 2.5

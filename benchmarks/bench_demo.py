@@ -29,8 +29,8 @@ from typing import Any
 
 from bench_support import emit
 
-from flplatform.comparison import summarize_runs
-from flplatform.demo import build_panels, judge, sweep_members
+from flplatform.app.comparison import summarize_runs
+from flplatform.app.demo import build_panels, judge, sweep_members
 from storage import LedgerRepository
 
 GOAL_RATIO = 1.5

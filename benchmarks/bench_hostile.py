@@ -4,9 +4,9 @@ server's checks cost per 1M-parameter reply, as JSON.
 The federation is the hostile-site suite's (tests/integration/test_hostile.py): the hostile
 app (tests/integration/apps/attack_app), digits, the MLP, three sites (london, ohio,
 california; Dirichlet α = 0.5), sync, 20 rounds; california attacks from round 2 with
-each of ``flplatform.attacks``' kinds. ``silent`` (no update from round 2 on) is each
+each of ``clients.attacks``' kinds. ``silent`` (no update from round 2 on) is each
 federation's baseline: the same run with the attacker silent. Every run is ``flplatform
-run`` of the app (through ``flplatform.flower_app``), read back from its ledger; a run the
+run`` of the app (through ``flplatform.launch.app_directory``), read back from its ledger; a run the
 attack made fail (the engine stops after ``max-failed-rounds`` rounds without an applied
 update) counts with the rounds it recorded.
 
@@ -57,12 +57,12 @@ from typing import Any
 import numpy as np
 from bench_support import emit, fresh_home
 
-from flplatform.arrays import arrays_to_record
-from flplatform.attacks import KINDS, NONE, SILENT
+from clients.attacks import KINDS, NONE, SILENT
+from flplatform.core.arrays import arrays_to_record
+from flplatform.core.errors import RunFailed
 from flplatform.engine.guard import GuardOptions, UpdateGuard
-from flplatform.errors import RunFailed
-from flplatform.flower_app import PlatformOptions, plan_run, read_app
-from flplatform.simulation import run_app
+from flplatform.launch.app_directory import PlatformOptions, plan_run, read_app
+from flplatform.launch.simulation import run_app
 from storage import LedgerRepository
 
 ROOT = Path(__file__).resolve().parents[1]

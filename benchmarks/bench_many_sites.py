@@ -60,10 +60,10 @@ from typing import Any
 from bench_communication import TARGET_MARGIN, bytes_to_target
 from bench_support import emit, fresh_home
 
+from flplatform.app.comparison import ModePlan, run_comparison
+from flplatform.app.config import RunConfig
 from flplatform.cli.simulate import site_names
-from flplatform.comparison import ModePlan, run_comparison
-from flplatform.config import RunConfig
-from flplatform.simulation import run_simulation
+from flplatform.launch.simulation import run_simulation
 from storage import LedgerRepository
 
 SITES, PER_ROUND = 100, 10

@@ -122,8 +122,8 @@ from flwr.app import (
 )
 from flwr.supercore.task_identity import TaskIdentity
 
-from flplatform import keys
-from flplatform.arrays import arrays_to_record, record_to_arrays
+from flplatform.core import keys
+from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from strategies.codecs import Codec, ErrorFeedback, Layout, difference, make_codec
 from strategies.compensation import SitePeriods
 from strategies.mods import codec_mod, delayed_mod, fetchsgd_mod, model_mod, sketched_sgd_mod

@@ -82,12 +82,12 @@ from flwr.supercore.task_identity import TaskIdentity
 import flplatform.engine.engine as engine_module
 import flplatform.engine.mailbox as mailbox_module
 import strategies.local_sgd as local_sgd_module
-from flplatform import keys
+from flplatform.core import keys
 from flplatform.engine import RoundEngine, RoundSummary, Synchrony
 from flplatform.engine.engine import PULL_CHUNK
 from flplatform.engine.guard import GuardOptions, UpdateGuard
 from flplatform.engine.wire import reply_traffic
-from flplatform.ledger import SqlLedger
+from flplatform.run.ledger import SqlLedger
 from storage import LedgerRepository
 from strategies.local_sgd import LocalSGDAveraging
 from tests.flplatform.engine.fleet_oracle import naive_reply

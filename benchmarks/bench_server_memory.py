@@ -68,7 +68,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from flplatform.engine import RoundEngine, RoundSummary, Synchrony
 from flplatform.engine.engine import PULL_CHUNK
 from flplatform.engine.guard import GuardOptions, UpdateGuard
-from flplatform.ledger import SqlLedger
+from flplatform.run.ledger import SqlLedger
 from storage import LedgerRepository
 from strategies.local_sgd import LocalSGDAveraging
 

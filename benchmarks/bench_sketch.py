@@ -55,8 +55,8 @@ from bench_round import ReplayGrid
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
-from flplatform import keys
-from flplatform.arrays import arrays_to_record
+from flplatform.core import keys
+from flplatform.core.arrays import arrays_to_record
 from flplatform.engine import RoundEngine, RoundSummary, Synchrony
 from strategies.count_sketch import CountSketch
 from strategies.fetchsgd import FetchSGD

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from flplatform.config import RunConfig
+from flplatform.app.config import RunConfig
 
 DATASET = "mnist5k"
 ALPHA = 1.0  # Dirichlet concentration of the sites' label mix

@@ -25,8 +25,8 @@ from typing import Any
 
 from bench_support import SITES, emit, federation
 
-from flplatform.comparison import DEMO_MODES, plan_modes, run_comparison, summarize_runs
-from flplatform.simulation import run_simulation
+from flplatform.app.comparison import DEMO_MODES, plan_modes, run_comparison, summarize_runs
+from flplatform.launch.simulation import run_simulation
 from storage import LedgerRepository
 
 GOAL_RATIO = 0.5

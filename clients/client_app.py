@@ -19,9 +19,9 @@ from flwr.clientapp import ClientApp
 from clients.site import LocalSite, load_site, run_config_of
 from clients.training import evaluate as evaluate_model
 from clients.training import train_local
-from flplatform import keys
-from flplatform.errors import ConfigError
-from flplatform.seeding import rng_for
+from flplatform.core import keys
+from flplatform.core.errors import ConfigError
+from flplatform.core.seeding import rng_for
 from strategies.mods import flplatform_mod
 from strategies.mods.snapshots import work_of
 

@@ -44,8 +44,8 @@ import numpy as np
 from numpy.lib.npyio import NpzFile
 
 from clients.catalog import BUILTIN_DATASETS
-from flplatform.checks import check_fraction, check_seed
-from flplatform.errors import ConfigError, DataError
+from flplatform.core.checks import check_fraction, check_seed
+from flplatform.core.errors import ConfigError, DataError
 
 __all__ = [
     "BUILTIN_DATASETS",

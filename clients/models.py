@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from clients.catalog import MODELS
-from flplatform.checks import check_int, check_seed
-from flplatform.errors import ConfigError
+from flplatform.core.checks import check_int, check_seed
+from flplatform.core.errors import ConfigError
 
 __all__ = [
     "MODELS",

@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from clients.catalog import PARTITION_SCHEMES
-from flplatform.checks import check_int, check_positive, check_seed, integer, require
-from flplatform.errors import ConfigError, DataError
+from flplatform.core.checks import check_int, check_positive, check_seed, integer, require
+from flplatform.core.errors import ConfigError, DataError
 
 __all__ = [
     "MAX_DIRICHLET_ATTEMPTS",

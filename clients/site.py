@@ -24,10 +24,10 @@ from clients.partitioning import partition_indices
 from clients.scaling import feature_scale, standardize
 from clients.site_files import read_manifest
 from clients.training import pick_device
-from flplatform import keys
-from flplatform.checks import as_bool
-from flplatform.errors import ConfigError
-from flplatform.seeding import rng_for
+from flplatform.core import keys
+from flplatform.core.checks import as_bool
+from flplatform.core.errors import ConfigError
+from flplatform.core.seeding import rng_for
 
 if TYPE_CHECKING:
     from flwr.app import Context, Message

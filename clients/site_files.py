@@ -27,8 +27,8 @@ import numpy as np
 
 from clients.datasets import load_dataset
 from clients.partitioning import PARTITION_SCHEMES, partition_indices
-from flplatform.checks import SITE_NAME, check_positive, check_seed
-from flplatform.errors import ConfigError, DataError
+from flplatform.core.checks import SITE_NAME, check_positive, check_seed
+from flplatform.core.errors import ConfigError, DataError
 
 __all__ = [
     "MANIFEST_FILE",
@@ -44,7 +44,7 @@ TEST_FILE = "test.npz"
 _FORMAT = "flplatform-site-split"
 _VERSION = 1
 
-# Site names (flplatform.checks.SITE_NAME) are safe as a file name on every platform and
+# Site names (flplatform.core.checks.SITE_NAME) are safe as a file name on every platform and
 # never a hidden file, an option (leading '-') or a path ('/', '..').
 # Compared case-insensitively: on macOS and Windows "Test.npz" is the same file as "test.npz".
 _RESERVED_NAMES = ("test", "manifest")

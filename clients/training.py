@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from flplatform.errors import ConfigError
+from flplatform.core.errors import ConfigError
 
 
 def pick_device() -> torch.device:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from flplatform.config import RunConfig
-from flplatform.simulation import run_simulation, work_home
+from flplatform.app.config import RunConfig
+from flplatform.launch.simulation import run_simulation, work_home
 from storage import LedgerRepository
 
 

@@ -3,7 +3,7 @@
 A Flower app may pair it with its own ClientApp and declare its own run-config keys beside
 ours (``learning-rate`` for its training loop, say): those are not ours and are skipped
 here, named once in the log. A run config holding a sweep (``sweep``, written by
-``flplatform.sweep``) runs each of its members in turn on the same sites.
+``flplatform.app.sweep``) runs each of its members in turn on the same sites.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import logging
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from flplatform.config import RunConfig
-from flplatform.federation import run_federation, run_members
-from flplatform.sweep import sweep_members
+from flplatform.app.config import RunConfig
+from flplatform.app.federation import run_federation, run_members
+from flplatform.app.sweep import sweep_members
 
 log = logging.getLogger("flplatform")
 

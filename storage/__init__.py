@@ -1,9 +1,9 @@
 """The ledger: every run, round, site update, evaluation and byte, in any SQLAlchemy database.
 
 ``LedgerRepository`` is the only way the platform touches the database; it takes the rows
-declared in ``flplatform.ledger_rows`` and returns the frozen records of ``storage.records``.
+declared in ``flplatform.core.ledger_rows`` and returns the frozen records of ``storage.records``.
 This package imports neither Flower nor torch, and the engine never imports it: it writes
-through a ``LedgerSink`` (``flplatform.ledger.SqlLedger`` adapts this repository).
+through a ``LedgerSink`` (``flplatform.run.ledger.SqlLedger`` adapts this repository).
 
 Modules: ``repository`` (the repository), ``records`` (what it takes and returns),
 ``validators`` (every check on what it takes), ``mapping`` (rows in, records out),
@@ -12,7 +12,7 @@ checkpoints and events of runs, 0006 the traffic no update or evaluation row hol
 ``migrations`` (their history), ``session`` (URLs, engines and transactions).
 """
 
-from flplatform.ledger_rows import (
+from flplatform.core.ledger_rows import (
     EVALUATION_DROPPED,
     EVALUATION_EVALUATED,
     EVALUATION_STATUSES,

@@ -1,7 +1,7 @@
 """Rows into the database and records out of it, column by column by name.
 
 The update, evaluation and traffic rows, their SQL tables and their records share their
-column names (all declared in ``flplatform.ledger_rows``), and so do the run, site and round
+column names (all declared in ``flplatform.core.ledger_rows``), and so do the run, site and round
 models and their records; so one function writes a row and one reads any record, and neither
 lists a column.
 """
@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from flplatform.ledger_rows import Kind, columns
+from flplatform.core.ledger_rows import Kind, columns
 
 from .validators import free_text, to_datetime
 

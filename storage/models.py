@@ -14,7 +14,7 @@ Every constraint and index is named through ``NAMING_CONVENTION`` so later migra
 drop or alter them by name on every backend (SQLite's batch mode needs the names).
 
 The ``updates``, ``evaluations`` and ``traffic`` tables are made from the rows declared in
-``flplatform.ledger_rows``: each column's SQL type follows from its ``Kind`` and its
+``flplatform.core.ledger_rows``: each column's SQL type follows from its ``Kind`` and its
 nullability from its default, and a status column gets its check constraint.
 """
 
@@ -45,7 +45,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.sql.schema import SchemaItem
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
-from flplatform.ledger_rows import (
+from flplatform.core.ledger_rows import (
     RUN_STATUSES,
     EvaluationColumns,
     Kind,
@@ -273,7 +273,7 @@ def _row_table(
     )
 
 
-# The SQL type of each kind of row column (see ``flplatform.ledger_rows.Kind``).
+# The SQL type of each kind of row column (see ``flplatform.core.ledger_rows.Kind``).
 _SQL_TYPES: dict[Kind, TypeEngine[Any]] = {
     Kind.STATUS: String(STATUS_LENGTH),
     Kind.COUNT32: Integer(),

@@ -5,7 +5,7 @@ detached from any session, so the CLI, the plots and the tests can hold them as 
 like. Every record has ``to_dict()`` with JSON-ready values (datetimes as ISO-8601 strings in
 UTC), which is what the CLI renders as JSON or CSV.
 
-The update, evaluation and traffic rows are declared once, in ``flplatform.ledger_rows``: the
+The update, evaluation and traffic rows are declared once, in ``flplatform.core.ledger_rows``: the
 inputs here are those rows validated on construction (``storage.validators.check_row``), and
 ``UpdateRecord``, ``EvaluationRecord``, ``TrafficRecord`` are their columns as stored, with
 the keys the ledger adds.
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Final, Literal, cast
 
-from flplatform.errors import StorageError
-from flplatform.ledger_rows import (
+from flplatform.core.errors import StorageError
+from flplatform.core.ledger_rows import (
     EvaluationColumns,
     EvaluationRow,
     RunStatus,
@@ -89,7 +89,7 @@ class UpdateInput(UpdateRow):
     one, so a malformed update is caught where it is built rather than half-way through a
     round's write. Values are normalised: NumPy scalars become ``int``/``float``, a non-finite
     ``train_loss`` or ``compute_seconds`` becomes ``None``. The columns are documented in
-    ``flplatform.ledger_rows.UpdateColumns``; ``site`` names a site added with ``add_site``.
+    ``flplatform.core.ledger_rows.UpdateColumns``; ``site`` names a site added with ``add_site``.
     """
 
     def __post_init__(self) -> None:
@@ -104,7 +104,7 @@ class EvaluationInput(EvaluationRow):
     Recorded at the server step (``round``) that handled it; at most one per site and step.
     The constructor validates every column and raises ``StorageError`` naming the bad one; a
     non-finite ``loss`` or ``accuracy`` becomes ``None``. The columns are documented in
-    ``flplatform.ledger_rows.EvaluationColumns``.
+    ``flplatform.core.ledger_rows.EvaluationColumns``.
     """
 
     def __post_init__(self) -> None:
@@ -116,7 +116,7 @@ class TrafficInput(TrafficRow):
     """Bytes with one site that no update or evaluation row holds, as
     ``LedgerRepository.add_traffic`` takes them: a ``TrafficRow`` (the engine's
     ``TrafficOutcome``) whose every column has been validated (``StorageError`` naming the bad
-    one). The columns are documented in ``flplatform.ledger_rows.TrafficColumns``; ``site``
+    one). The columns are documented in ``flplatform.core.ledger_rows.TrafficColumns``; ``site``
     names a site added with ``add_site``.
     """
 

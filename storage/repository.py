@@ -25,8 +25,8 @@ from sqlalchemy import ColumnElement, Engine, Table, insert, select, text
 from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from flplatform.errors import FLPlatformError, NotFoundError, StorageError
-from flplatform.ledger_rows import (
+from flplatform.core.errors import FLPlatformError, NotFoundError, StorageError
+from flplatform.core.ledger_rows import (
     RUN_FAILED,
     RUN_FINISHED,
     RUN_RUNNING,

@@ -34,7 +34,7 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry, StaticPool
 
-from flplatform.errors import StorageError
+from flplatform.core.errors import StorageError
 
 FLPLATFORM_HOME_ENV: Final = "FLPLATFORM_HOME"
 DEFAULT_HOME_DIRNAME: Final = ".flplatform"

@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import Select, Subquery, case, func, select, union_all
 from sqlalchemy.orm import Session
 
-from flplatform.ledger_rows import (
+from flplatform.core.ledger_rows import (
     TRAFFIC_QUERY,
     UPDATE_APPLIED,
     UPDATE_BUFFERED,

@@ -1,7 +1,7 @@
 """The checks on every value the ledger takes in: each raises ``StorageError`` naming the value.
 
 ``check_row`` validates an update or evaluation row column by column from its declaration in
-``flplatform.ledger_rows`` (one check per ``Kind``); the other functions check the arguments of
+``flplatform.core.ledger_rows`` (one check per ``Kind``); the other functions check the arguments of
 the repository's methods (names, ids, metrics, JSON documents). Values are returned normalised
 to plain ``int``/``float`` (NumPy scalars in, Python numbers out), because database drivers
 cannot bind NumPy types.
@@ -21,8 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, Final, TypeVar, cast
 
-from flplatform.errors import StorageError
-from flplatform.ledger_rows import (
+from flplatform.core.errors import StorageError
+from flplatform.core.ledger_rows import (
     TRAFFIC_KINDS,
     UPDATE_STATUSES,
     Column,

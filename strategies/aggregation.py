@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flplatform.checks import Problem, positive
-from flplatform.errors import StepRefused
+from flplatform.core.checks import Problem, positive
+from flplatform.core.errors import StepRefused
 
 Arrays = dict[str, np.ndarray]
 

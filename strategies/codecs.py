@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from flplatform.errors import ConfigError, UpdateRejected
+from flplatform.core.errors import ConfigError, UpdateRejected
 from strategies.top_k import index_dtype, top_k_by_magnitude
 
 Arrays = dict[str, np.ndarray]

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flplatform.checks import Problem, integer, require
-from flplatform.errors import ConfigError
+from flplatform.core.checks import Problem, integer, require
+from flplatform.core.errors import ConfigError
 from strategies.codecs import difference
 
 Arrays = dict[str, np.ndarray]

@@ -45,9 +45,9 @@ from dataclasses import dataclass
 
 import torch
 
-from flplatform.checks import Problem, integer, require
-from flplatform.errors import ConfigError
-from flplatform.seeding import derive_seed
+from flplatform.core.checks import Problem, integer, require
+from flplatform.core.errors import ConfigError
+from flplatform.core.seeding import derive_seed
 from strategies.top_k import top_k_largest
 
 P = 2**31 - 1  # Mersenne prime; every table entry comes from a value < p

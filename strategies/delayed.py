@@ -52,9 +52,12 @@ from flwr.app import (
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from flplatform import keys
-from flplatform.arrays import arrays_to_record, record_to_arrays
-from flplatform.checks import Problem, integer, require
+from flplatform.core import keys
+from flplatform.core.arrays import arrays_to_record, record_to_arrays
+from flplatform.core.checks import Problem, integer, require
+from flplatform.core.errors import StepRefused, UpdateRejected
+from flplatform.core.reply_checks import check_arrays, check_num_examples, reply_parts
+from flplatform.core.state import StateReader
 from flplatform.engine import (
     AggregationPolicy,
     Contribution,
@@ -65,9 +68,8 @@ from flplatform.engine import (
     Update,
     Work,
 )
-from flplatform.engine.replies import record_of
-from flplatform.errors import StepRefused, UpdateRejected
-from flplatform.start import PlatformStart
+from flplatform.engine.replies import first_number, record_of
+from flplatform.run.start import PlatformStart
 from strategies.aggregation import (
     ServerOptimizerState,
     WeightedDeltaSum,
@@ -79,12 +81,9 @@ from strategies.compensation import ServerPeriods, delay_problem
 from strategies.local_sgd import (
     LocalSGDAveraging,
     aggregate_batch,
-    first_number,
     reject_state_lost,
     state_lost_note,
 )
-from strategies.state import StateReader
-from strategies.validation import check_arrays, check_num_examples, reply_parts
 
 log = logging.getLogger("flplatform.strategies.delayed")
 

@@ -31,20 +31,21 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord
 from flwr.serverapp import Grid
 
-from flplatform import keys
-from flplatform.checks import Problem, require
+from flplatform.core import keys
+from flplatform.core.checks import Problem, require
+from flplatform.core.errors import StepRefused
+from flplatform.core.reply_checks import check_num_examples, reply_parts
+from flplatform.core.state import StateReader
 from flplatform.engine import Contribution, Update
-from flplatform.errors import StepRefused
+from flplatform.engine.replies import first_number
 from strategies.count_sketch import CountSketch
-from strategies.local_sgd import first_number, reject_state_lost
+from strategies.local_sgd import reject_state_lost
 from strategies.sketch_feedback import SketchFeedback, feedback_problems
 from strategies.sketched_common import (
     SketchedStrategy,
     sketch_table,
 )
 from strategies.sparse_sync import SparseModel
-from strategies.state import StateReader
-from strategies.validation import check_num_examples, reply_parts
 
 log = logging.getLogger("flplatform.strategies.fetchsgd")
 

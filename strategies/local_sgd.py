@@ -48,14 +48,16 @@ from flwr.server.strategy.aggregate import aggregate_median, aggregate_trimmed_a
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from flplatform import keys
-from flplatform.arrays import arrays_to_record, record_views
-from flplatform.checks import Problem, number, one_of, require, unit_interval
+from flplatform.core import keys
+from flplatform.core.arrays import arrays_to_record, record_views
+from flplatform.core.checks import Problem, number, one_of, require, unit_interval
+from flplatform.core.errors import StepRefused, UpdateRejected
+from flplatform.core.reply_checks import check_arrays, check_num_examples, reply_parts
+from flplatform.core.seeding import rng_for
+from flplatform.core.state import StateReader
 from flplatform.engine import Contribution, EngineStrategy, Update
-from flplatform.engine.replies import record_of
-from flplatform.errors import StepRefused, UpdateRejected
-from flplatform.seeding import rng_for
-from flplatform.start import PlatformStart
+from flplatform.engine.replies import first_number, record_of
+from flplatform.run.start import PlatformStart
 from strategies.aggregation import (
     ServerOptimizerState,
     WeightedDeltaSum,
@@ -65,8 +67,6 @@ from strategies.aggregation import (
     model_delta,
 )
 from strategies.codecs import Codec, Identity, Layout, make_codec
-from strategies.state import StateReader
-from strategies.validation import check_arrays, check_num_examples, reply_parts
 
 log = logging.getLogger("flplatform.strategies.local_sgd")
 
@@ -494,12 +494,3 @@ def reject_state_lost(content: RecordDict, resync: str) -> None:
         raise UpdateRejected(
             f"site lost its state{lacking[:120]}, a restarted SuperNode?: {resync}"
         )
-
-
-def first_number(metrics: MetricRecord, names: Iterable[str]) -> float | None:
-    """The first of ``names`` that ``metrics`` holds as a finite number, else None."""
-    for name in names:
-        value = metrics.get(name)
-        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-            return float(value)
-    return None

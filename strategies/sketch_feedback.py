@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flplatform.checks import Problem, integer, one_of, require, unit_interval
-from flplatform.errors import ConfigError
+from flplatform.core.checks import Problem, integer, one_of, require, unit_interval
+from flplatform.core.errors import ConfigError
 from strategies.aggregation import eta_problem
 from strategies.count_sketch import CountSketch
 

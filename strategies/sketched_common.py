@@ -18,13 +18,13 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from flplatform import keys
-from flplatform.arrays import record_to_arrays
-from flplatform.checks import Problem, integer, odd, require
+from flplatform.core import keys
+from flplatform.core.arrays import record_to_arrays
+from flplatform.core.checks import Problem, integer, odd, require
+from flplatform.core.errors import UpdateRejected
+from flplatform.core.seeding import derive_seed
 from flplatform.engine import AggregationPolicy, EngineStrategy, Synchrony, SyncOnly, Update
-from flplatform.errors import UpdateRejected
-from flplatform.seeding import derive_seed
-from flplatform.start import PlatformStart
+from flplatform.run.start import PlatformStart
 from strategies.local_sgd import LocalSGDAveraging, aggregate_batch
 from strategies.mods.fetchsgd import SKETCH
 from strategies.sketch_feedback import k_problem

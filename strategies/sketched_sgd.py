@@ -43,15 +43,17 @@ from flwr.app import (
 )
 from flwr.serverapp import Grid
 
-from flplatform import keys
-from flplatform.arrays import arrays_to_record, record_to_arrays
-from flplatform.checks import Problem, integer, require, unit_interval
+from flplatform.core import keys
+from flplatform.core.arrays import arrays_to_record, record_to_arrays
+from flplatform.core.checks import Problem, integer, require, unit_interval
+from flplatform.core.errors import ConfigError, StepRefused, UpdateRejected
+from flplatform.core.reply_checks import check_num_examples, reply_parts
+from flplatform.core.state import MISSING, StateReader
 from flplatform.engine import Contribution, Update
-from flplatform.engine.replies import record_of
-from flplatform.errors import ConfigError, StepRefused, UpdateRejected
+from flplatform.engine.replies import first_number, record_of
 from strategies.aggregation import eta_problem
 from strategies.count_sketch import CountSketch
-from strategies.local_sgd import first_number, reject_state_lost, state_lost_note
+from strategies.local_sgd import reject_state_lost, state_lost_note
 from strategies.mods.sketched_sgd import (
     CANDIDATES,
     VALUES,
@@ -62,9 +64,7 @@ from strategies.mods.sketched_sgd import (
 from strategies.sketch_feedback import candidate_coordinates, exact_top_k
 from strategies.sketched_common import SketchedStrategy, sketch_table
 from strategies.sparse_sync import SparseModel
-from strategies.state import MISSING, StateReader
 from strategies.top_k import index_dtype
-from strategies.validation import check_num_examples, reply_parts
 
 log = logging.getLogger("flplatform.strategies.sketched_sgd")
 

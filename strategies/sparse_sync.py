@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord
 
-from flplatform.arrays import arrays_to_record, record_to_arrays
+from flplatform.core.arrays import arrays_to_record, record_to_arrays
+from flplatform.core.state import MISSING, StateReader
 from strategies.codecs import Layout
-from strategies.state import MISSING, StateReader
 from strategies.top_k import index_dtype
 
 SYNC_INDICES, SYNC_VALUES = "sync.indices", "sync.values"  # a sparse download

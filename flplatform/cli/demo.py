@@ -1,6 +1,6 @@
 """``flplatform demo cross-silo``: the platform's story in three panels and one start-up.
 
-The panels are data (``flplatform.demo``); this module runs every panel's runs in one
+The panels are data (``flplatform.app.demo``); this module runs every panel's runs in one
 sweep (one Flower start-up), then prints one summary table (per panel: which run reached
 the target first, and by how much against the method it claims to beat) and writes one
 plot per panel. Everything printed is read back from the ledger.
@@ -16,14 +16,14 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from flplatform.app.comparison import RunSummary, plot_runs, summarize_runs
+from flplatform.app.demo import BYTES, PANEL_KEYS, Panel, Row, Verdict, build_panels, judge
+from flplatform.app.demo import sweep_members as demo_members
 from flplatform.cli.errors import handles_errors
 from flplatform.cli.progress import db_argument, display_url, follow_sweep
 from flplatform.cli.render import human_bytes, make_console
 from flplatform.cli.simulate import ledger_option
-from flplatform.comparison import RunSummary, plot_runs, summarize_runs
-from flplatform.demo import BYTES, PANEL_KEYS, Panel, Row, Verdict, build_panels, judge
-from flplatform.demo import sweep_members as demo_members
-from flplatform.simulation import check_ledger, work_home
+from flplatform.launch.simulation import check_ledger, work_home
 from storage import LedgerRepository, RunRecord
 
 console = make_console()

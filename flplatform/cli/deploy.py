@@ -19,6 +19,7 @@ import typer
 from rich.text import Text
 
 from clients.catalog import BUILTIN_DATASETS
+from flplatform.app.config import SKETCHED, RunConfig
 from flplatform.cli.errors import handles_errors, stderr
 from flplatform.cli.history import rounds as show_rounds
 from flplatform.cli.history import sites as show_sites
@@ -27,7 +28,7 @@ from flplatform.cli.progress import round_progress, say_run_done
 from flplatform.cli.render import OutputFormat, make_console
 from flplatform.cli.run import APP_OPTIONS
 from flplatform.cli.simulate import check_top_k, ledger_option, network_spec
-from flplatform.config import SKETCHED, RunConfig
+from flplatform.core.errors import ConfigError
 from flplatform.deploy.superlink import (
     DEFAULT_ADDRESS,
     DEFAULT_WAIT_SECONDS,
@@ -36,9 +37,8 @@ from flplatform.deploy.superlink import (
     plan_server,
     run_deployment,
 )
-from flplatform.errors import ConfigError
-from flplatform.flower_app import PlatformOptions, parse_run_config, plan_run, read_app
-from flplatform.simulation import check_ledger, model_dirs, project_dir, work_home
+from flplatform.launch.app_directory import PlatformOptions, parse_run_config, plan_run, read_app
+from flplatform.launch.simulation import check_ledger, model_dirs, project_dir, work_home
 from storage import RunRecord
 from storage.session import detach_password
 

@@ -11,8 +11,8 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from flplatform.errors import FLPlatformError
-from flplatform.processes import StopRequested, stop_signals
+from flplatform.core.errors import FLPlatformError
+from flplatform.launch.processes import StopRequested, stop_signals
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -17,11 +17,11 @@ from typing import Annotated, Any
 import numpy as np
 import typer
 
-from flplatform.checkpoint import CheckpointError
 from flplatform.cli.errors import handles_errors
 from flplatform.cli.history import DbOption, RunArgument, console, resolve_run
-from flplatform.errors import ConfigError, DataError
-from flplatform.ledger import load_checkpoint
+from flplatform.core.checkpoint import CheckpointError
+from flplatform.core.errors import ConfigError, DataError
+from flplatform.run.ledger import load_checkpoint
 from storage import LedgerRepository
 
 FORMATS = (".pt", ".npz")

@@ -24,7 +24,13 @@ from typing import Annotated
 
 import typer
 
-from flplatform import keys
+from flplatform.app.comparison import (
+    CLOCK_SIMULATED,
+    RunSummary,
+    accuracy_metric,
+    run_setup,
+    summarize_runs,
+)
 from flplatform.cli.errors import handles_errors
 from flplatform.cli.render import (
     Column,
@@ -35,14 +41,8 @@ from flplatform.cli.render import (
     say,
     shorten,
 )
-from flplatform.comparison import (
-    CLOCK_SIMULATED,
-    RunSummary,
-    accuracy_metric,
-    run_setup,
-    summarize_runs,
-)
-from flplatform.errors import ConfigError
+from flplatform.core import keys
+from flplatform.core.errors import ConfigError
 from storage import (
     CLOCK_WALL,
     RUN_FAILED,
@@ -600,7 +600,7 @@ def events(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForm
 
 def shown_accuracy(metrics: Mapping[str, float | None]) -> tuple[str, float | None]:
     """The accuracy to show for a round or run, and its label: the server's, else the sites'
-    (``flplatform.comparison.accuracy_metric``)."""
+    (``flplatform.app.comparison.accuracy_metric``)."""
     if accuracy_metric([metrics]) == keys.SITE_ACCURACY:
         return "site accuracy", metrics[keys.SITE_ACCURACY]
     return "accuracy", metrics.get(keys.ACCURACY)

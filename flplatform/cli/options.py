@@ -1,4 +1,4 @@
-"""CLI options made from the options table (``RunConfig``'s fields, flplatform/config.py).
+"""CLI options made from the options table (``RunConfig``'s fields, flplatform/app/config.py).
 
 ``@table_options()`` gives a command one option per run option, with the table's type,
 default and help, in the table's order; the command takes them as ``**options`` and turns
@@ -16,8 +16,8 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from flplatform.config import RunConfig
-from flplatform.config_rules import option_of
+from flplatform.app.config import RunConfig
+from flplatform.app.config_rules import option_of
 
 F = TypeVar("F", bound=Callable[..., Any])
 # What the help of an option that takes several values adds.

@@ -9,17 +9,17 @@ from typing import Annotated
 import typer
 from rich.text import Text
 
+from flplatform.app.comparison import RunSummary, plot_runs, summarize_runs
 from flplatform.cli.errors import handles_errors
 from flplatform.cli.history import DbOption, RunsArgument, resolve_run
 from flplatform.cli.render import make_console
-from flplatform.comparison import RunSummary, plot_runs, summarize_runs
 from storage import LedgerRepository
 
 console = make_console()
 
 
 class XAxis(StrEnum):
-    """``--x`` choices: ``flplatform.comparison.X_AXES``."""
+    """``--x`` choices: ``flplatform.app.comparison.X_AXES``."""
 
     simulated_time = "simulated-time"
     rounds = "rounds"

@@ -18,10 +18,10 @@ from rich.progress import (
 )
 from rich.text import Text
 
+from flplatform.app.config import RunConfig
 from flplatform.cli.history import failure_note, shown_accuracy
 from flplatform.cli.render import human_bytes
-from flplatform.config import RunConfig
-from flplatform.simulation import ProgressCallback, SweepFailed, SweepProgress, run_sweep
+from flplatform.launch.simulation import ProgressCallback, SweepFailed, SweepProgress, run_sweep
 from storage import RUN_FAILED, RoundRecord, RunRecord, UpdateRecord
 from storage.session import mask_db_url, split_password, sqlite_file
 

@@ -1,7 +1,7 @@
 """``flplatform resume RUN``: continue a run that died from its last committed round.
 
 The ledger holds everything: the run's options (its config), and with every committed round
-a checkpoint of the whole run state (``flplatform.checkpoint``). The run is reopened (an
+a checkpoint of the whole run state (``flplatform.core.checkpoint``). The run is reopened (an
 event in the ledger), the same federation is started again with ``resume-run`` set, and the
 ServerApp continues from the round after the checkpoint. Only options that cannot change the
 result may be given again (``--round-timeout``).
@@ -19,19 +19,19 @@ from typing import Annotated
 import typer
 from rich.text import Text
 
-from flplatform.checkpoint import CheckpointError
+from flplatform.app.config import RunConfig
 from flplatform.cli.errors import handles_errors
 from flplatform.cli.history import DbOption, RunArgument, resolve_run
 from flplatform.cli.history import rounds as show_rounds
 from flplatform.cli.progress import round_progress, say_run_done
 from flplatform.cli.render import OutputFormat, make_console
 from flplatform.cli.simulate import ledger_option
-from flplatform.config import RunConfig
-from flplatform.errors import ConfigError
-from flplatform.flower_app import AppRun, relaunch
-from flplatform.ledger import owner_alive, process_owner
-from flplatform.run_ledger import LAUNCH_KEY, refuse_finished
-from flplatform.simulation import resume_simulation, run_app
+from flplatform.core.checkpoint import CheckpointError
+from flplatform.core.errors import ConfigError
+from flplatform.launch.app_directory import AppRun, relaunch
+from flplatform.launch.simulation import resume_simulation, run_app
+from flplatform.run.ledger import owner_alive, process_owner
+from flplatform.run.run_record import LAUNCH_KEY, refuse_finished
 from storage import LedgerRepository, RunRecord
 from storage.repository import checkpointed_rounds
 

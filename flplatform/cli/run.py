@@ -1,7 +1,7 @@
 """``flplatform run APP_DIR``: run a user's own Flower app in a local simulation.
 
 As ``flwr run APP_DIR`` would, with the platform's options on top (see
-flplatform/flower_app.py for how each reaches the app). Everything is checked before any
+flplatform/launch/app_directory.py for how each reaches the app). Everything is checked before any
 process starts; the run is followed through the ledger and its tables printed at the end.
 """
 
@@ -22,13 +22,19 @@ from flplatform.cli.progress import round_progress, say_run_done
 from flplatform.cli.render import OutputFormat, make_console
 from flplatform.cli.simulate import site_names
 from flplatform.engine.guard import GUARD_OPTIONS
-from flplatform.flower_app import CHECKPOINT_OPTIONS, AppRun, PlatformOptions, plan_run, read_app
-from flplatform.simulation import run_app
+from flplatform.launch.app_directory import (
+    CHECKPOINT_OPTIONS,
+    AppRun,
+    PlatformOptions,
+    plan_run,
+    read_app,
+)
+from flplatform.launch.simulation import run_app
 from storage import RunRecord
 
 console = make_console()
 
-# The platform's options a user's app takes (flplatform/flower_app.py says where each goes).
+# The platform's options a user's app takes (launch/app_directory.py says where each goes).
 APP_OPTIONS = (
     "rounds",
     "network",

@@ -2,7 +2,7 @@
 
 Parse and validate everything first (a bad value costs no start-up), open the ledger,
 start Flower's simulation, and follow the run through the ledger the ServerApp writes.
-Comma-separated values of the sweepable options (``flplatform.sweep.SWEEPABLE``) run a
+Comma-separated values of the sweepable options (``flplatform.app.sweep.SWEEPABLE``) run a
 sweep: every combination a run of its own, all in one Flower start-up.
 """
 
@@ -16,6 +16,8 @@ import typer
 from rich.text import Text
 
 from clients.catalog import BUILTIN_DATASETS, MODELS
+from flplatform.app.config import DEFAULT_SITES, SKETCHED, RunConfig
+from flplatform.app.sweep import SWEEPABLE, Sweep, expand_values
 from flplatform.cli.errors import handles_errors
 from flplatform.cli.history import rounds as show_rounds
 from flplatform.cli.history import shown_accuracy
@@ -28,14 +30,12 @@ from flplatform.cli.progress import (
     say_run_done,
 )
 from flplatform.cli.render import Column, OutputFormat, emit, make_console
-from flplatform.config import DEFAULT_SITES, SKETCHED, RunConfig
-from flplatform.errors import ConfigError
-from flplatform.simulation import (
+from flplatform.core.errors import ConfigError
+from flplatform.launch.simulation import (
     check_ledger,
     ledger_url,
     run_simulation,
 )
-from flplatform.sweep import SWEEPABLE, Sweep, expand_values
 from storage import RunRecord
 from storage.session import normalize_db_url
 

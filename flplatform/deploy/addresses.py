@@ -6,7 +6,7 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
-from flplatform.errors import ConfigError
+from flplatform.core.errors import ConfigError
 
 # A DNS name: labels of letters, digits and hyphens, not starting or ending with a hyphen.
 _HOST_NAME = re.compile(

@@ -33,8 +33,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from flplatform.checks import SITE_NAME
-from flplatform.errors import ConfigError
+from flplatform.core.checks import SITE_NAME
+from flplatform.core.errors import ConfigError
 
 DEFAULT_HOSTS = ("127.0.0.1", "localhost", "::1")
 LOOPBACK_HOSTS = ("127.0.0.1",)

@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from flplatform.deploy.registry import SiteRegistry
+from flplatform.core.site_registry import SiteRegistry
 
 FLEET_PREFIX = "/v1/fleet/"
 # The Fleet API's actions, as Flower 1.41's SuperNode calls them (flwr/supernode/

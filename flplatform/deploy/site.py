@@ -23,11 +23,11 @@ from pathlib import Path
 
 from cryptography import x509
 
+from flplatform.core.errors import ConfigError, DataError, RunFailed
 from flplatform.deploy.addresses import Address, parse_address
 from flplatform.deploy.certs import CA_CERT, SiteKey, check_site_name
-from flplatform.errors import ConfigError, DataError, RunFailed
-from flplatform.processes import ProcessTree
-from flplatform.simulation import (
+from flplatform.launch.processes import ProcessTree
+from flplatform.launch.simulation import (
     OWNER_ONLY_UMASK,
     describe_exit,
     flower_command,

@@ -40,15 +40,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flplatform.config import RunConfig
+from flplatform.app.config import RunConfig
+from flplatform.core.errors import ConfigError, FLPlatformError, RunFailed
+from flplatform.core.site_registry import REGISTRY_ENV, RegisteredSite, SiteRegistry
 from flplatform.deploy.addresses import Address, parse_address
 from flplatform.deploy.certs import ServerCerts, check_site_name, fingerprint, site_public_key
 from flplatform.deploy.gateway import READY_LINE
-from flplatform.deploy.registry import REGISTRY_ENV, RegisteredSite, SiteRegistry
-from flplatform.errors import ConfigError, FLPlatformError, RunFailed
-from flplatform.flower_app import ConfigValue
-from flplatform.processes import ProcessTree
-from flplatform.simulation import (
+from flplatform.launch.processes import ProcessTree
+from flplatform.launch.simulation import (
     OWNER_ONLY_UMASK,
     ProgressCallback,
     SimulationProcess,
@@ -63,6 +62,7 @@ from flplatform.simulation import (
     telling_line,
     wait_for_port,
 )
+from flplatform.run.options import ConfigValue
 from storage import RoundRecord, RunRecord, UpdateRecord
 
 DEFAULT_ADDRESS = "0.0.0.0:9092"  # Flower's traditional Fleet API port

@@ -30,11 +30,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from flplatform import keys
-from flplatform.checkpoint import CheckpointError, StateProblems
-from flplatform.checks import positive_count
+from flplatform.core import keys
+from flplatform.core.checkpoint import CheckpointError, StateProblems
+from flplatform.core.checks import positive_count
+from flplatform.core.seeding import rng_for
 from flplatform.network import Network, SiteProfile, compute_seconds
-from flplatform.seeding import rng_for
 
 
 @dataclass(frozen=True)

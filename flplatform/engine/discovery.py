@@ -8,15 +8,15 @@ from dataclasses import replace
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
-from flplatform import keys
-from flplatform.deploy.registry import SiteRegistry
+from flplatform.core import keys
+from flplatform.core.ledger_rows import TRAFFIC_QUERY
+from flplatform.core.site_registry import SiteRegistry
 from flplatform.engine.clock import Clock
 from flplatform.engine.events import Dispatch, LedgerSink, SiteInfo, TrafficOutcome
 from flplatform.engine.mailbox import TTL_GRACE_SECONDS, Mailbox
 from flplatform.engine.replies import site_info
 from flplatform.engine.sites import Sites
 from flplatform.engine.wire import Traffic, reply_traffic
-from flplatform.ledger_rows import TRAFFIC_QUERY
 
 log = logging.getLogger("flplatform.engine")
 

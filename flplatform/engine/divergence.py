@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flplatform.checkpoint import StateProblems
+from flplatform.core.checkpoint import StateProblems
 
 # A round's train loss above this many times the run's first loss is divergence.
 FACTOR = 10.0

@@ -41,8 +41,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result
 
-from flplatform import keys
-from flplatform.checkpoint import CheckpointError, StateProblems
+from flplatform.core import keys
+from flplatform.core.checkpoint import CheckpointError, StateProblems
+from flplatform.core.errors import ConfigError, NoProgress, RunFailed, StepRefused, UpdateRejected
 from flplatform.engine import rows
 from flplatform.engine.clock import Clock, Schedule, WallClock, planned_steps
 from flplatform.engine.digest import arrays_digest
@@ -82,7 +83,6 @@ from flplatform.engine.strategy import EngineStrategy, SubsetGrid, Update, Work
 from flplatform.engine.synchrony import Synchrony
 from flplatform.engine.versions import ModelVersions
 from flplatform.engine.wire import ContentSize, delivery_bytes, measure, reply_traffic
-from flplatform.errors import ConfigError, NoProgress, RunFailed, StepRefused, UpdateRejected
 
 log = logging.getLogger("flplatform.engine")
 
@@ -153,7 +153,7 @@ class RoundEngine:
         A stable id of the run (the same after a resume). When given, every training
         message's ``config`` carries it (``run-key``) and the message's 1-based index
         among those sent to its site (``site-work``), so that a site can restore the
-        state it had before that work (see ``flplatform.keys``).
+        state it had before that work (see ``flplatform.core.keys``).
     site_config : ConfigRecord, optional
         Sent with every message under ``keys.RUN_CONFIG`` (see ``Mailbox.stamp``).
     """

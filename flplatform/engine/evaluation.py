@@ -7,7 +7,7 @@ import time
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 
-from flplatform import keys
+from flplatform.core import keys
 from flplatform.engine import rows
 from flplatform.engine.events import EvaluationOutcome
 from flplatform.engine.mailbox import TTL_GRACE_SECONDS, Mailbox, address

@@ -2,10 +2,10 @@
 
 A training message's fate is an ``UpdateOutcome``, an evaluation's an ``EvaluationOutcome``,
 and the bytes of any other message (a site's query, a reply that came too late) a
-``TrafficOutcome``: the ledger's own rows (``flplatform.ledger_rows``), so their columns
+``TrafficOutcome``: the ledger's own rows (``flplatform.core.ledger_rows``), so their columns
 are declared once for the engine and the ledger alike. The engine writes through
 ``LedgerSink``, an interface it is given, and never imports ``storage``;
-``flplatform.ledger.SqlLedger`` is the sink backed by the SQL repository.
+``flplatform.run.ledger.SqlLedger`` is the sink backed by the SQL repository.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from flplatform.engine.clock import Schedule
-from flplatform.ledger_rows import (
+from flplatform.core.ledger_rows import (
     EVALUATION_EVALUATED,
     UPDATE_APPLIED,
     UPDATE_BUFFERED,
@@ -27,6 +26,7 @@ from flplatform.ledger_rows import (
     TrafficRow,
     UpdateRow,
 )
+from flplatform.engine.clock import Schedule
 
 # The statuses of ledger rows; DROPPED is also an evaluation's when no usable reply came.
 APPLIED = UPDATE_APPLIED

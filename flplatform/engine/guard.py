@@ -69,8 +69,8 @@ from typing import Any
 
 import numpy as np
 
-from flplatform.checkpoint import StateProblems
-from flplatform.checks import Problem, holds, is_number, number, one_of, require
+from flplatform.core.checkpoint import StateProblems
+from flplatform.core.checks import Problem, holds, is_number, number, one_of, require
 
 CLIP = "clip"
 REJECT = "reject"

@@ -40,8 +40,8 @@ from typing import Any, TypeVar
 from flwr.app import Message
 from flwr.serverapp import Grid
 
+from flplatform.core.errors import RunFailed
 from flplatform.engine.strategy import ForwardingGrid
-from flplatform.errors import RunFailed
 
 # Seconds nothing may listen at the SuperLink's address before the run stops: long enough
 # for a probe that failed by chance, far shorter than a round.

@@ -28,8 +28,8 @@ from typing import Any
 from flwr.app import ConfigRecord, Error, Message, MessageType, Metadata, RecordDict
 from flwr.serverapp import Grid
 
-from flplatform import keys
-from flplatform.checkpoint import StateProblems
+from flplatform.core import keys
+from flplatform.core.checkpoint import StateProblems
 from flplatform.engine.clock import Clock, Landing, Schedule
 from flplatform.engine.events import Dispatch
 from flplatform.engine.replies import reported_metrics

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from flplatform import keys
+from flplatform.core import keys
 from flplatform.engine.events import SiteInfo
 
 MAX_COUNT = 2**62  # fits the ledger's signed 64-bit columns with room to sum
@@ -160,3 +161,12 @@ def evaluation_metrics(reply: Message) -> dict[str, Any]:
                 out[field] = value
                 break
     return out
+
+
+def first_number(metrics: MetricRecord, names: Iterable[str]) -> float | None:
+    """The first of ``names`` that ``metrics`` holds as a finite number, else None."""
+    for name in names:
+        value = metrics.get(name)
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+    return None

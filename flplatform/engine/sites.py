@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from typing import Any
 
-from flplatform.checkpoint import StateProblems
+from flplatform.core.checkpoint import StateProblems
 from flplatform.engine.events import Dispatch, SiteInfo
 
 

@@ -10,9 +10,9 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from flplatform.checkpoint import StateProblems
+from flplatform.core.checkpoint import StateProblems
+from flplatform.core.errors import ConfigError, NoProgress
 from flplatform.engine.events import UpdateOutcome
-from flplatform.errors import ConfigError, NoProgress
 
 # Rounds in a row that may fail the same way before the run stops (0: never stop).
 DEFAULT_MAX_FAILED_ROUNDS = 3

@@ -181,7 +181,7 @@ class EngineStrategy(Protocol):
 
         Called by the engine between rounds (after ``finish_aggregation`` and after the
         messages of the next round's work, if any, were drafted and sent); plain
-        checkpoint data (``flplatform.checkpoint``), node ids as they are. The strategy's
+        checkpoint data (``flplatform.core.checkpoint``), node ids as they are. The strategy's
         configuration is not in it: a resumed run builds the strategy from the same
         options. Default: nothing (a strategy that keeps no state across rounds).
         """
@@ -194,11 +194,11 @@ class EngineStrategy(Protocol):
 
         ``nodes`` maps the node ids the state names to this run's (a resumed run's sites
         join with new node ids; None: the same ids). Raises ``CheckpointError`` listing
-        every problem (``flplatform.checkpoint.StateProblems``), leaving the strategy as
+        every problem (``flplatform.core.checkpoint.StateProblems``), leaving the strategy as
         it was.
         """
         if state:
-            from flplatform.checkpoint import CheckpointError
+            from flplatform.core.checkpoint import CheckpointError
 
             raise CheckpointError(
                 f"{type(self).__name__} keeps no state, but the checkpoint holds {sorted(state)}"

@@ -35,12 +35,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from flplatform.checkpoint import StateProblems
+from flplatform.core.checkpoint import StateProblems
+from flplatform.core.errors import ConfigError
+from flplatform.core.seeding import rng_for
 from flplatform.engine.events import APPLIED, DROPPED, Dispatch
 from flplatform.engine.policy import EngineView, Verdict
 from flplatform.engine.staleness import WEIGHTINGS, adasync_k, staleness_weight
-from flplatform.errors import ConfigError
-from flplatform.seeding import rng_for
 
 SYNC_MODES = ("sync", "k-sync", "k-batch-sync", "async", "k-async", "k-batch-async", "buffered")
 CANCELLING_MODES = ("sync", "k-sync", "k-batch-sync")

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord
 
-from flplatform.arrays import record_to_arrays
-from flplatform.checkpoint import StateProblems
+from flplatform.core.arrays import record_to_arrays
+from flplatform.core.checkpoint import StateProblems
 
 
 class ModelVersions:

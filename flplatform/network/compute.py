@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from flplatform.errors import ConfigError
+from flplatform.core.errors import ConfigError
 from flplatform.network._values import fmt, is_number
 
 COMPUTE_MODELS = ("fixed", "exponential", "shifted-exponential", "pareto", "measured")

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from flplatform.errors import ConfigError
+from flplatform.core.errors import ConfigError
 from flplatform.network._values import fmt, is_number, mbps_to_bps, ms_to_seconds, problem_line
 from flplatform.network.compute import COMPUTE_MODELS, ComputeModel
 from flplatform.network.presets import PRESETS

@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from flplatform.errors import ConfigError
+from flplatform.core.errors import ConfigError
+from flplatform.core.seeding import rng_for
 from flplatform.network._values import fmt, is_number, problem_line
 from flplatform.network.compute import ComputeModel
 from flplatform.network.compute import compute_seconds as _compute_seconds
-from flplatform.seeding import rng_for
 
 SITE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 RANDOM_SPEED = "random"  # the TOML (and to_dict) spelling of speed=None
@@ -62,7 +62,7 @@ def transfer_seconds(nbytes: int, *, bandwidth_bps: float, rtt_seconds: float) -
 def random_speed(seed: int, site_name: str) -> float:
     """Return the seeded random relative speed of ``site_name``, log-uniform in [0.5, 2].
 
-    It depends only on ``(seed, site_name)`` (see :func:`flplatform.seeding.rng_for`), so
+    It depends only on ``(seed, site_name)`` (see :func:`flplatform.core.seeding.rng_for`), so
     every process of a run, and a resumed run, gives a site the same speed.
     """
     u = float(rng_for(seed, "speed", site_name).uniform(-1.0, 1.0))

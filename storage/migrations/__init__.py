@@ -22,7 +22,7 @@ from sqlalchemy import Engine, inspect, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
-from flplatform.errors import StorageError
+from flplatform.core.errors import StorageError
 
 from ..session import SQLITE_BEGIN_OPTION
 

@@ -30,7 +30,7 @@ Every mod here, for a training message of its algorithm:
    Flower's convention), the delta compressed with error feedback (``codec_mod``), the
    accumulated period step (``delayed_mod``), the count sketch (``fetchsgd_mod``,
    ``sketched_sgd_mod``); a delta is marked ``update = "delta"`` in the reply's config.
-5. **Keeps its state under one ``context.state`` key** (``flplatform.keys.*_STATE``).
+5. **Keeps its state under one ``context.state`` key** (``flplatform.core.keys.*_STATE``).
    When it is missing although the server says it relies on it (``state-expected``; a
    restarted SuperNode starts empty), the mod says so in its reply (``state-lost``) and
    the server resyncs the site: a dense download, unsettled periods dropped, momentum
@@ -59,7 +59,7 @@ from __future__ import annotations
 
 from flwr.app import Context, Message
 
-from flplatform import keys
+from flplatform.core import keys
 from strategies.mods.codec import codec_mod, requested_codec
 from strategies.mods.contract import (
     Mod,

@@ -19,8 +19,8 @@ from collections.abc import Mapping
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MetricRecord
 
-from flplatform import keys
-from flplatform.seeding import rng_for
+from flplatform.core import keys
+from flplatform.core.seeding import rng_for
 from strategies.codecs import Codec, ErrorFeedback, Identity, difference, make_codec
 from strategies.mods.contract import (
     Mod,

@@ -27,10 +27,10 @@ from flwr.app import (
     RecordDict,
 )
 
-from flplatform import keys
-from flplatform.arrays import arrays_to_record, record_views
-from flplatform.errors import ConfigError, UpdateRejected
-from strategies.validation import check_num_examples
+from flplatform.core import keys
+from flplatform.core.arrays import arrays_to_record, record_views
+from flplatform.core.errors import ConfigError, UpdateRejected
+from flplatform.core.reply_checks import check_num_examples
 
 # A ClientApp function and a mod, as Flower's ``make_ffn`` chains them.
 TrainFunction = Callable[[Message, Context], Message]
@@ -295,7 +295,7 @@ class ModState:
         meta: dict[str, int] = {}
         groups: dict[str, dict[str, np.ndarray]] = {}
         # read-only views: a mod computes its new state into new arrays, and state it
-        # keeps unchanged is saved again without a copy (flplatform.arrays.encode)
+        # keeps unchanged is saved again without a copy (flplatform.core.arrays.encode)
         for full, array in record_views(record).items():
             group, _, name = full.partition(_SEP)
             if group == _META:

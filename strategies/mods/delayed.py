@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MetricRecord
 
-from flplatform import keys
-from flplatform.errors import ConfigError
+from flplatform.core import keys
+from flplatform.core.errors import ConfigError
 from strategies.codecs import make_codec
 from strategies.compensation import SitePeriods
 from strategies.mods.codec import compress_upload, requested_codec

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from flwr.app import Context, Message
 
-from flplatform import keys
-from flplatform.errors import ConfigError
+from flplatform.core import keys
+from flplatform.core.errors import ConfigError
 from strategies.codecs import Layout
 from strategies.count_sketch import CountSketch
 from strategies.mods.contract import (

@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from flwr.app import Context, Message, MetricRecord
 
-from flplatform import keys
-from flplatform.arrays import record_views
-from flplatform.errors import ConfigError
+from flplatform.core import keys
+from flplatform.core.arrays import record_views
+from flplatform.core.errors import ConfigError
 from strategies.codecs import Layout
 from strategies.mods.contract import (
     Mod,

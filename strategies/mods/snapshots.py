@@ -14,7 +14,7 @@ repeats the uninterrupted one bit for bit:
   the state after n − 1.
 
 After work n changes a state, it is written as snapshot n (owner-only, atomic;
-``flplatform.checkpoint.write_state``) and the newest ``KEEP`` are kept: a resume re-sends
+``flplatform.core.checkpoint.write_state``) and the newest ``KEEP`` are kept: a resume re-sends
 at most the work in flight at the last committed round, a step or two behind. Receiving
 work n rewinds the site: snapshots of work n or later belong to a timeline the server
 abandoned and are deleted, so a failure of the repeated work cannot leave a stale one.
@@ -47,9 +47,9 @@ from typing import Any
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message
 
-from flplatform import keys
-from flplatform.checkpoint import CheckpointError, read_state, write_state
-from flplatform.errors import ConfigError
+from flplatform.core import keys
+from flplatform.core.checkpoint import CheckpointError, read_state, write_state
+from flplatform.core.errors import ConfigError
 from strategies.mods.contract import ModState, round_config
 
 log = logging.getLogger("flplatform.strategies.mods.snapshots")

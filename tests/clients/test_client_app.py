@@ -13,9 +13,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # loads the engine), the ledger, and the strategies' server classes.
 SERVER_MODULES = (
     "flplatform.engine",
-    "flplatform.config",
-    "flplatform.start",
-    "flplatform.federation",
+    "flplatform.app.config",
+    "flplatform.run.start",
+    "flplatform.app.federation",
     "storage",
     "sqlalchemy",
     "strategies.local_sgd",
@@ -42,7 +42,7 @@ def test_the_apps_train_runs_the_algorithm_the_server_names(task_identity: None)
 
     from clients import client_app
     from clients.site import load_site
-    from flplatform import keys
+    from flplatform.core import keys
 
     run_config = {"dataset": "digits", "model": "mlp", "seed": 0}
     node_config = {keys.PARTITION_ID: 0, keys.NUM_PARTITIONS: 2}
@@ -80,7 +80,7 @@ def test_a_message_run_config_chooses_the_data_the_site_loads(task_identity: Non
 
     from clients import client_app
     from clients.site import load_site, run_config_of
-    from flplatform import keys
+    from flplatform.core import keys
 
     node_config = {keys.PARTITION_ID: 1, keys.NUM_PARTITIONS: 3}
     own = {"dataset": "digits", "model": "mlp", "seed": 0, "alpha": 0.5}

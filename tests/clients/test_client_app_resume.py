@@ -15,8 +15,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, R
 
 from clients import client_app
 from clients.site import load_site
-from flplatform import keys
-from flplatform.arrays import record_to_arrays
+from flplatform.core import keys
+from flplatform.core.arrays import record_to_arrays
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 

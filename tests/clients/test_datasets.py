@@ -19,7 +19,7 @@ from clients.datasets import (
     load_npz,
     load_site_file,
 )
-from flplatform.errors import ConfigError, DataError
+from flplatform.core.errors import ConfigError, DataError
 from tests.clients._helpers import sorted_rows, write_idx
 
 

@@ -18,7 +18,7 @@ from clients.models import (
     load_model_factory,
     model_import_dir,
 )
-from flplatform.errors import ConfigError
+from flplatform.core.errors import ConfigError
 
 SHAPES = [(1, 8, 8), (1, 28, 28)]
 

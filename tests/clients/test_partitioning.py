@@ -13,7 +13,7 @@ from clients.partitioning import (
     partition_iid,
     partition_indices,
 )
-from flplatform.errors import ConfigError, DataError
+from flplatform.core.errors import ConfigError, DataError
 
 
 @st.composite

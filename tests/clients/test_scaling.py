@@ -9,8 +9,8 @@ import pytest
 
 from clients.scaling import feature_scale, standardize
 from clients.site import load_site
-from flplatform import keys
-from flplatform.errors import ConfigError
+from flplatform.core import keys
+from flplatform.core.errors import ConfigError
 
 
 def test_standardize_uses_the_training_statistics_alone_golden() -> None:

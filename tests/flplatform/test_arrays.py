@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from flplatform.arrays import (
+from flplatform.core.arrays import (
     array_view,
     arrays_to_record,
     encode,
@@ -148,7 +148,7 @@ def test_an_encoded_array_keeps_its_values_when_the_source_changes() -> None:
 def test_a_dead_view_is_forgotten() -> None:
     import gc
 
-    from flplatform import arrays as module
+    from flplatform.core import arrays as module
 
     view = array_view(Array(np.zeros(3, dtype=np.float32)))
     key = id(view)

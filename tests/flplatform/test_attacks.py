@@ -1,4 +1,4 @@
-"""The red-team mod (flplatform/attacks.py): each attack rewrites what it says, only at the
+"""The red-team mod (clients/attacks.py): each attack rewrites what it says, only at the
 chosen site and only from the chosen round. Real Flower messages and contexts; the real
 simulations, one per attack, are tests/integration/test_hostile.py."""
 
@@ -12,9 +12,7 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
-from flplatform import keys
-from flplatform.arrays import arrays_to_record, record_to_arrays
-from flplatform.attacks import (
+from clients.attacks import (
     CLAIMED_EXAMPLES,
     HUGE_VALUE,
     AttackPlan,
@@ -24,7 +22,9 @@ from flplatform.attacks import (
     sign_flipped_model,
     site_labels,
 )
-from flplatform.errors import ConfigError
+from flplatform.core import keys
+from flplatform.core.arrays import arrays_to_record, record_to_arrays
+from flplatform.core.errors import ConfigError
 from strategies.codecs import Layout, make_codec
 from strategies.mods import flplatform_mod
 from strategies.sparse_sync import DENSE

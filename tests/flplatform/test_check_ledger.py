@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from flplatform.config import RunConfig
-from flplatform.errors import StorageError
-from flplatform.simulation import check_ledger
+from flplatform.app.config import RunConfig
+from flplatform.core.errors import StorageError
+from flplatform.launch.simulation import check_ledger
 from storage import LedgerRepository
 
 

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from flplatform.checkpoint import (
+from flplatform.core.checkpoint import (
     FORMAT,
     TREE_ENTRY,
     CheckpointError,
@@ -221,7 +221,7 @@ def test_a_rewrite_replaces_the_file_and_leaves_no_temporary(tmp_path: Path) -> 
 _TOO_BIG = """
 import resource, signal, sys
 import numpy as np
-from flplatform.checkpoint import CheckpointError, write_state
+from flplatform.core.checkpoint import CheckpointError, write_state
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
 try:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-from flplatform.comparison import (
+from flplatform.app.comparison import (
     DEMO_MODES,
     CurvePoint,
     RunSummary,
@@ -20,8 +20,8 @@ from flplatform.comparison import (
     runs_figure,
     summarize_runs,
 )
-from flplatform.config import RunConfig
-from flplatform.errors import ConfigError, NotFoundError
+from flplatform.app.config import RunConfig
+from flplatform.core.errors import ConfigError, NotFoundError
 from storage import LedgerRepository
 from tests.flplatform.comparison_ledger import write_comparison_ledger
 

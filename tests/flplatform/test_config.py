@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from flplatform.config import RunConfig
-from flplatform.errors import ConfigError
-from flplatform.seeding import derive_seed, rng_for
+from flplatform.app.config import RunConfig
+from flplatform.core.errors import ConfigError
+from flplatform.core.seeding import derive_seed, rng_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,9 +40,9 @@ def test_every_flower_app_declares_every_config_key(app: str) -> None:
 @pytest.mark.parametrize("app", GENERIC_APPS)
 def test_pyproject_app_config_is_written_from_the_options_table(app: str) -> None:
     """Flower reads the static file: it must say what RunConfig's fields say (regenerate
-    with `python -m flplatform.app_config pyproject.toml examples/plain_flower_client/...
+    with `python -m flplatform.app.app_config pyproject.toml examples/plain_flower_client/...
     tests/integration/apps/attack_app/pyproject.toml`)."""
-    from flplatform.app_config import rewrite_app_config
+    from flplatform.app.app_config import rewrite_app_config
 
     path = ROOT / app / "pyproject.toml"
     assert rewrite_app_config(path) == path.read_text()
@@ -82,7 +82,7 @@ def test_strategy_aliases_name_one_algorithm() -> None:
 
 
 def test_the_period_sets_the_local_steps_of_delayed_updates() -> None:
-    from flplatform.federation import build_policy, build_strategy, train_config_for
+    from flplatform.app.federation import build_policy, build_strategy, train_config_for
 
     config = RunConfig.from_mapping(
         {"strategy": "delayed", "delay": 3, "period": 20, "compensation": False}
@@ -144,8 +144,8 @@ def test_derived_seeds_are_stable_and_distinct() -> None:
 
 
 def test_batch_modes_refuse_a_sampling_fraction() -> None:
-    from flplatform.config import RunConfig
-    from flplatform.errors import ConfigError
+    from flplatform.app.config import RunConfig
+    from flplatform.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="concurrency instead"):
         RunConfig.from_mapping({"sync": "k-batch-async", "fraction-train": 0.5})

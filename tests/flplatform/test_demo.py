@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from flplatform.app.comparison import X_AXES, summarize_runs
+from flplatform.app.config import DEFAULT_SITES, RunConfig
+from flplatform.app.demo import BYTES, PANEL_KEYS, TIME, Panel, build_panels, judge, sweep_members
+from flplatform.app.sweep import check_members
 from flplatform.cli.demo import headline
-from flplatform.comparison import X_AXES, summarize_runs
-from flplatform.config import DEFAULT_SITES, RunConfig
-from flplatform.demo import BYTES, PANEL_KEYS, TIME, Panel, build_panels, judge, sweep_members
-from flplatform.errors import ConfigError
-from flplatform.sweep import check_members
+from flplatform.core.errors import ConfigError
 from storage import LedgerRepository, UpdateInput
 
 

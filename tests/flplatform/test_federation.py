@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Message, MessageType, MetricRecord, RecordDict
 
-from flplatform import keys
-from flplatform.config import RunConfig
+from flplatform.app.config import RunConfig
+from flplatform.app.federation import SITE_KEYS, InFlightGrid, run_members, site_config_of
+from flplatform.core import keys
 from flplatform.engine import RoundEngine, Synchrony
-from flplatform.federation import SITE_KEYS, InFlightGrid, run_members, site_config_of
 from storage import LedgerRepository
 from strategies.local_sgd import LocalSGDAveraging
 from tests.flplatform.engine.scripted_grid import ScriptedGrid

@@ -18,11 +18,11 @@ from flwr.app import (
     RecordDict,
 )
 
-from flplatform import keys
-from flplatform.arrays import record_to_arrays
+from flplatform.core import keys
+from flplatform.core.arrays import record_to_arrays
 from flplatform.engine import APPLIED, REJECTED
-from flplatform.start import start
-from flplatform.start_options import OPTIONS_ENV
+from flplatform.run.options import OPTIONS_ENV
+from flplatform.run.start import start
 from storage import LedgerRepository
 from strategies.fetchsgd import FetchSGD
 from strategies.local_sgd import LocalSGDAveraging

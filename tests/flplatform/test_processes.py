@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from flplatform.processes import (
+from flplatform.launch.processes import (
     ListeningSocket,
     ProcessTree,
     StopRequested,

@@ -14,11 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from flplatform.config import RunConfig
+from flplatform.app.config import RunConfig
+from flplatform.core.errors import RunFailed
 from flplatform.engine.link import gone_reason
-from flplatform.errors import RunFailed
-from flplatform.processes import ProcessTree
-from flplatform.simulation import (
+from flplatform.launch.processes import ProcessTree
+from flplatform.launch.simulation import (
     SimulationProcess,
     flower_environment,
     follow_run,

@@ -27,22 +27,22 @@ from flwr.app import (
 from flwr.serverapp.exception import InconsistentMessageReplies
 from flwr.serverapp.strategy import FedAvg
 
-from flplatform import keys
-from flplatform.arrays import record_to_arrays
+from flplatform.core import keys
+from flplatform.core.arrays import record_to_arrays
+from flplatform.core.errors import ConfigError, DataError, NoProgress, UpdateRejected
 from flplatform.engine import APPLIED, REJECTED, RoundEngine, RoundSummary, Synchrony
-from flplatform.errors import ConfigError, DataError, NoProgress, UpdateRejected
-from flplatform.run_ledger import LAUNCH_KEY, record_failed_start
-from flplatform.start import options_environment, start
-from flplatform.start_options import (
+from flplatform.run.flower_adapter import FlowerStrategyAdapter
+from flplatform.run.options import (
     OPTION_NAMES,
     OPTIONS_ENV,
     PlatformOptions,
     options_from_environment,
 )
+from flplatform.run.run_record import LAUNCH_KEY, record_failed_start
+from flplatform.run.start import options_environment, start
 from storage import LedgerRepository
 from strategies.delayed import DelayedCompensated
 from strategies.fetchsgd import FetchSGD
-from strategies.flower_adapter import FlowerStrategyAdapter
 from strategies.local_sgd import LocalSGDAveraging
 from tests.flplatform.engine.scripted_grid import Behaviour, ScriptedGrid
 
@@ -177,10 +177,7 @@ def test_checkpoint_every_zero_keeps_only_the_final_model(db: str, tmp_path: Pat
 def test_the_package_call_runs_without_a_ledger(flplatform_home: Path) -> None:
     import flplatform
 
-    # mypy sees the module flplatform.start here; at run time it is callable (it calls start).
-    result = flplatform.start(  # type: ignore[operator]
-        LocalSGDAveraging(), ScriptedGrid(two_sites()), MODEL, num_rounds=1
-    )
+    result = flplatform.start(LocalSGDAveraging(), ScriptedGrid(two_sites()), MODEL, num_rounds=1)
     np.testing.assert_allclose(model_of(result.arrays), WEIGHTED_MEAN)
     assert not (flplatform_home / "ledger.db").exists()
 
@@ -519,11 +516,11 @@ def _flat(arrays: ArrayRecord) -> np.ndarray:
 # ============================================================ the package
 def test_importing_the_package_stays_light_and_start_is_callable() -> None:
     code = (
-        "import sys, flplatform, flplatform.keys, flplatform.errors\n"
+        "import sys, flplatform, flplatform.core.keys, flplatform.core.errors\n"
         "assert 'flplatform.engine' not in sys.modules, 'the engine was imported'\n"
         "assert 'flwr.serverapp' not in sys.modules, 'the ServerApp was imported'\n"
-        "from flplatform.start import start\n"  # binds the module to flplatform.start
-        "assert callable(flplatform.start) and flplatform.start.start is start\n"
+        "from flplatform.run.start import start\n"
+        "assert flplatform.start is start\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

@@ -10,10 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flplatform.config import RunConfig
-from flplatform.engine.synchrony import SYNC_MODES
-from flplatform.errors import ConfigError
-from flplatform.sweep import (
+from flplatform.app.config import RunConfig
+from flplatform.app.sweep import (
     SWEEP_KEY,
     Sweep,
     check_members,
@@ -22,6 +20,8 @@ from flplatform.sweep import (
     sweep_members,
     sweep_run_config,
 )
+from flplatform.core.errors import ConfigError
+from flplatform.engine.synchrony import SYNC_MODES
 
 BASE = RunConfig.from_mapping({"sites": "a,b,c", "num-server-rounds": 2, "local-steps": 1})
 

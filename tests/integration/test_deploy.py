@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy.engine import make_url
 
-from flplatform.processes import ProcessTree
-from flplatform.simulation import flower_environment, free_port
+from flplatform.launch.processes import ProcessTree
+from flplatform.launch.simulation import flower_environment, free_port
 from storage import LedgerRepository
 
 pytestmark = [pytest.mark.slow, pytest.mark.deploy]

@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from flplatform.cli.app import app
-from flplatform.simulation import flower_environment, free_port, wait_for_port
+from flplatform.launch.simulation import flower_environment, free_port, wait_for_port
 from storage import LedgerRepository
 
 pytestmark = pytest.mark.slow

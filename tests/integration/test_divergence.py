@@ -15,8 +15,8 @@ from sklearn.datasets import load_wine
 from typer.testing import CliRunner
 
 from clients.site_files import write_site_files
-from flplatform import keys
 from flplatform.cli.app import app
+from flplatform.core import keys
 from storage import LedgerRepository
 
 pytestmark = pytest.mark.slow

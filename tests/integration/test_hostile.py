@@ -1,7 +1,7 @@
 """The hostile-site suite: one real Flower simulation per attack, against the attacker silent.
 
 Each test runs the attack app (tests/integration/apps/attack_app: flplatform's
-ServerApp and the built-in site behind ``flplatform.attacks.attack_mod``) with
+ServerApp and the built-in site behind ``clients.attacks.attack_mod``) with
 ``flplatform run``: digits, the MLP, three sites (london, ohio, california; Dirichlet
 α = 0.5), sync, 20 rounds, the platform's site defaults (2 local epochs, lr 0.1, site
 momentum 0.9). California attacks from round 2; round 1 is honest in every run. The
@@ -37,7 +37,7 @@ import pytest
 from typer.testing import CliRunner
 
 from flplatform.cli.app import app
-from flplatform.flower_app import read_app
+from flplatform.launch.app_directory import read_app
 from storage import LedgerRepository, RoundRecord, RunRecord, UpdateRecord
 
 ATTACK_APP = Path(__file__).parent / "apps" / "attack_app"

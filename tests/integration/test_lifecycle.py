@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from flplatform.config import RunConfig
-from flplatform.processes import ProcessTree
-from flplatform.simulation import run_simulation, start_simulation, work_home
+from flplatform.app.config import RunConfig
+from flplatform.launch.processes import ProcessTree
+from flplatform.launch.simulation import run_simulation, start_simulation, work_home
 from storage import LedgerRepository, RunRecord
 
 ROOT = Path(__file__).resolve().parents[2]

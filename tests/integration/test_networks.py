@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from flplatform.app.demo import build_panels, sweep_members
 from flplatform.cli.app import app
 from flplatform.cli.render import human_bytes
-from flplatform.demo import build_panels, sweep_members
 from storage import LedgerRepository
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("flplatform_home")]

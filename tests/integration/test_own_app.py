@@ -18,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from flplatform.cli.app import app
-from flplatform.simulation import flower_environment, start_superlink, stop_process
+from flplatform.launch.simulation import flower_environment, start_superlink, stop_process
 from storage import LedgerRepository, RoundRecord, RunRecord, UpdateRecord
 
 ROOT = Path(__file__).resolve().parents[2]

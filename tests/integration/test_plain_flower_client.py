@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from flplatform.config import RunConfig
-from flplatform.simulation import run_simulation
+from flplatform.app.config import RunConfig
+from flplatform.launch.simulation import run_simulation
 from storage import LedgerRepository
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from flplatform.ledger_rows import Kind, UpdateColumns, columns
+from flplatform.core.ledger_rows import Kind, UpdateColumns, columns
 from storage import LedgerRepository
 from tests.integration.test_lifecycle import Leftovers
 

@@ -20,7 +20,7 @@ from sqlalchemy.engine import make_url
 from typer.testing import CliRunner
 
 from flplatform.cli.app import app
-from flplatform.errors import StorageError
+from flplatform.core.errors import StorageError
 from storage import LedgerRepository
 from storage.session import PASSWORD_ENV, split_password
 from tests.integration.test_resume import _cli, _kill_after, _wait

@@ -15,11 +15,11 @@ from typer.testing import CliRunner
 
 from clients.datasets import load_dataset
 from clients.models import build_model, count_parameters
-from flplatform import keys
+from flplatform.app.config import RunConfig
 from flplatform.cli.app import app
-from flplatform.config import RunConfig
-from flplatform.processes import ListeningSocket, ProcessTree, listening_sockets
-from flplatform.simulation import run_simulation, start_simulation, work_home
+from flplatform.core import keys
+from flplatform.launch.processes import ListeningSocket, ProcessTree, listening_sockets
+from flplatform.launch.simulation import run_simulation, start_simulation, work_home
 from storage import LedgerRepository
 
 pytestmark = pytest.mark.slow

@@ -24,8 +24,8 @@ import pytest
 from typer.testing import CliRunner
 
 from flplatform.cli.app import app
-from flplatform.processes import ProcessTree
-from flplatform.simulation import flower_environment, free_port, wait_for_port
+from flplatform.launch.processes import ProcessTree
+from flplatform.launch.simulation import flower_environment, free_port, wait_for_port
 from storage import LedgerRepository, RunRecord
 from tests.integration.test_deploy import Machine, wait_for_text
 from tests.integration.test_lifecycle import Leftovers

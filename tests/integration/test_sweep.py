@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from flplatform.app.config import RunConfig
 from flplatform.cli.export import model_arrays
-from flplatform.config import RunConfig
-from flplatform.ledger import load_checkpoint
-from flplatform.simulation import run_simulation, run_sweep
+from flplatform.launch.simulation import run_simulation, run_sweep
+from flplatform.run.ledger import load_checkpoint
 from storage import LedgerRepository
 from strategies.mods.snapshots import safe_name, state_root
 

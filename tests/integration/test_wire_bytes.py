@@ -21,8 +21,8 @@ import pytest
 from typer.testing import CliRunner
 
 from flplatform.cli.app import app
-from flplatform.processes import ProcessTree
-from flplatform.simulation import flower_environment, free_port, wait_for_port
+from flplatform.launch.processes import ProcessTree
+from flplatform.launch.simulation import flower_environment, free_port, wait_for_port
 
 pytestmark = [pytest.mark.deploy, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from sqlalchemy import event, text
 
-from flplatform.errors import NotFoundError, StorageError
+from flplatform.core.errors import NotFoundError, StorageError
 from storage import (
     CheckpointInput,
     CheckpointRecord,

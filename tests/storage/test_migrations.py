@@ -23,7 +23,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import JSON, column, create_engine, insert, inspect, table, text
 from sqlalchemy.engine import Connection, make_url
 
-from flplatform.errors import StorageError
+from flplatform.core.errors import StorageError
 from storage import CheckpointInput, EvaluationInput, LedgerRepository, TrafficInput
 from storage.migrations import (
     _POSTGRES_LOCK_KEY,

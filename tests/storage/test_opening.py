@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, inspect, text
 
-from flplatform.errors import StorageError
+from flplatform.core.errors import StorageError
 from storage import LedgerRepository, mask_db_url
 from storage.migrations import VERSION_TABLE, current_revisions, head_revision
 

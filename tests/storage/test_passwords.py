@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy.engine import make_url
 
-from flplatform.errors import StorageError
+from flplatform.core.errors import StorageError
 from storage import LedgerRepository, ledger_id, mask_db_url
 from storage.session import PASSWORD_ENV, detach_password, split_password
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from flplatform.errors import StorageError
+from flplatform.core.errors import StorageError
 from storage import (
     EVALUATION_DROPPED,
     EVALUATION_EVALUATED,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from flplatform.errors import StorageError
+from flplatform.core.errors import StorageError
 from storage import LedgerRepository, default_db_url, mask_db_url, normalize_db_url
 from storage.session import SQLITE_BUSY_TIMEOUT_MS
 from tests.postgres import free_port

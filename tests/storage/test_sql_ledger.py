@@ -10,10 +10,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from flplatform.checkpoint import CheckpointError
+from flplatform.core.checkpoint import CheckpointError
+from flplatform.core.errors import ConfigError, NotFoundError, StorageError
 from flplatform.engine.events import RoundSummary, SiteInfo
-from flplatform.errors import ConfigError, NotFoundError, StorageError
-from flplatform.ledger import SqlLedger, load_checkpoint, process_owner, run_checkpoint_directory
+from flplatform.run.ledger import (
+    SqlLedger,
+    load_checkpoint,
+    process_owner,
+    run_checkpoint_directory,
+)
 from storage import LedgerRepository, ledger_id
 from tests.storage.helpers import T0, make_run
 

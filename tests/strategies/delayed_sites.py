@@ -27,7 +27,7 @@ from flwr.app import (
 
 from clients import client_app
 from clients.site import load_site
-from flplatform import keys
+from flplatform.core import keys
 from strategies.mods import delayed_mod, flplatform_mod
 from tests.flplatform.engine.scripted_grid import Behaviour
 

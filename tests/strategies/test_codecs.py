@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from flplatform.errors import ConfigError, UpdateRejected
+from flplatform.core.errors import ConfigError, UpdateRejected
 from strategies.codecs import (
     TOPK_VALUES,
     Codec,

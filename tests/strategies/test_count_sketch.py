@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flplatform.errors import ConfigError
-from flplatform.seeding import derive_seed
+from flplatform.core.errors import ConfigError
+from flplatform.core.seeding import derive_seed
 from strategies.count_sketch import (
     BLOCK,
     CountSketch,

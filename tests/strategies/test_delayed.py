@@ -14,8 +14,10 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from clients.site import load_site
-from flplatform import keys
-from flplatform.arrays import arrays_to_record, record_to_arrays
+from flplatform.core import keys
+from flplatform.core.arrays import arrays_to_record, record_to_arrays
+from flplatform.core.errors import ConfigError, UpdateRejected
+from flplatform.core.seeding import rng_for
 from flplatform.engine import (
     APPLIED,
     REJECTED,
@@ -25,9 +27,7 @@ from flplatform.engine import (
     Synchrony,
     VirtualClock,
 )
-from flplatform.errors import ConfigError, UpdateRejected
 from flplatform.network import ComputeModel
-from flplatform.seeding import rng_for
 from strategies.compensation import ServerPeriods, SitePeriods
 from strategies.delayed import DelayedCompensated
 from strategies.local_sgd import LocalSGDAveraging

@@ -17,11 +17,11 @@ from flwr.app import (
     RecordDict,
 )
 
-from flplatform import keys
-from flplatform.arrays import arrays_to_record, record_to_arrays
-from flplatform.config import RunConfig
+from flplatform.app.config import RunConfig
+from flplatform.core import keys
+from flplatform.core.arrays import arrays_to_record, record_to_arrays
+from flplatform.core.errors import ConfigError, UpdateRejected
 from flplatform.engine import APPLIED, RoundEngine, RoundSummary
-from flplatform.errors import ConfigError, UpdateRejected
 from strategies.codecs import Layout
 from strategies.count_sketch import CountSketch
 from strategies.fetchsgd import FetchSGD

@@ -14,8 +14,8 @@ from flwr.app import (
     RecordDict,
 )
 
-from flplatform.arrays import record_to_arrays
-from flplatform.errors import ConfigError, UpdateRejected
+from flplatform.core.arrays import record_to_arrays
+from flplatform.core.errors import ConfigError, UpdateRejected
 from strategies.local_sgd import LocalSGDAveraging
 
 pytestmark = pytest.mark.usefixtures("task_identity")
@@ -178,7 +178,7 @@ def test_robust_aggregators_match_numpy_and_ignore_one_outlier(aggregator: str) 
 
 
 def test_a_step_that_overflows_is_refused_and_the_velocity_kept() -> None:
-    from flplatform.errors import StepRefused
+    from flplatform.core.errors import StepRefused
 
     strategy = LocalSGDAveraging(beta=0.9)
     top = np.finfo(np.float32).max

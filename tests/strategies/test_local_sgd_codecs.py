@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
-from flplatform import keys
-from flplatform.arrays import arrays_to_record, record_to_arrays
-from flplatform.config import RunConfig
+from flplatform.app.config import RunConfig
+from flplatform.core import keys
+from flplatform.core.arrays import arrays_to_record, record_to_arrays
+from flplatform.core.errors import ConfigError, UpdateRejected
 from flplatform.engine import APPLIED, REJECTED, RoundEngine, RoundSummary
-from flplatform.errors import ConfigError, UpdateRejected
 from strategies.codecs import Layout, TopK
 from strategies.local_sgd import LocalSGDAveraging
 from tests.flplatform.engine.scripted_grid import ScriptedGrid

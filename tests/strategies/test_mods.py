@@ -21,8 +21,9 @@ from flwr.app import (
     RecordDict,
 )
 
-from flplatform import keys
-from flplatform.arrays import arrays_to_record, record_to_arrays
+from flplatform.core import keys
+from flplatform.core.arrays import arrays_to_record, record_to_arrays
+from flplatform.core.errors import UpdateRejected
 from flplatform.engine import (
     APPLIED,
     REJECTED,
@@ -31,7 +32,6 @@ from flplatform.engine import (
     RoundSummary,
     Synchrony,
 )
-from flplatform.errors import UpdateRejected
 from strategies.codecs import Layout, make_codec
 from strategies.delayed import DelayedCompensated
 from strategies.fetchsgd import FetchSGD

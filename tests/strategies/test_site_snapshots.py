@@ -25,10 +25,10 @@ from flwr.app import (
 )
 
 from clients.site import load_site
-from flplatform import keys
-from flplatform.arrays import arrays_to_record, record_to_arrays
+from flplatform.core import keys
+from flplatform.core.arrays import arrays_to_record, record_to_arrays
+from flplatform.core.errors import ConfigError
 from flplatform.engine import APPLIED, PeriodSync, RoundEngine, RoundSummary, Synchrony
-from flplatform.errors import ConfigError
 from strategies.codecs import Layout
 from strategies.delayed import DelayedCompensated
 from strategies.mods import codec_mod, delayed_mod, fetchsgd_mod, sketched_sgd_mod

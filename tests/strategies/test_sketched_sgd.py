@@ -18,11 +18,11 @@ from flwr.app import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flplatform import keys
-from flplatform.arrays import arrays_to_record, record_to_arrays
-from flplatform.config import RunConfig
+from flplatform.app.config import RunConfig
+from flplatform.core import keys
+from flplatform.core.arrays import arrays_to_record, record_to_arrays
+from flplatform.core.errors import ConfigError, StepRefused, UpdateRejected
 from flplatform.engine import APPLIED, RoundEngine, RoundSummary
-from flplatform.errors import ConfigError, StepRefused, UpdateRejected
 from strategies.local_sgd import LocalSGDAveraging
 from strategies.mods.contract import ModState
 from strategies.mods.fetchsgd import MODEL

@@ -2,7 +2,7 @@
 
 Each test plays the engine for a strategy (begin → configure_train → work_for → scripted
 replies → finish) for k rounds, writes ``state_dict()`` to a checkpoint file and reads it
-back (``flplatform.checkpoint``), loads it into a fresh strategy built with the same
+back (``flplatform.core.checkpoint``), loads it into a fresh strategy built with the same
 options whose sites have NEW node ids (as a resumed simulation's do), and continues both
 the uninterrupted strategy and the restored one with the same replies. The messages they
 send, the models they form and their final states must be identical.
@@ -27,16 +27,16 @@ from flwr.serverapp.strategy import FedAdam, FedAvgM
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flplatform import keys
-from flplatform.arrays import arrays_to_record, record_to_arrays
-from flplatform.checkpoint import CheckpointError, read_state, write_state
+from flplatform.core import keys
+from flplatform.core.arrays import arrays_to_record, record_to_arrays
+from flplatform.core.checkpoint import CheckpointError, read_state, write_state
+from flplatform.core.seeding import derive_seed
 from flplatform.engine import EngineStrategy
-from flplatform.seeding import derive_seed
+from flplatform.run.flower_adapter import FlowerStrategyAdapter
 from strategies.codecs import make_codec
 from strategies.count_sketch import CountSketch
 from strategies.delayed import DelayedCompensated
 from strategies.fetchsgd import FetchSGD
-from strategies.flower_adapter import FlowerStrategyAdapter
 from strategies.local_sgd import LocalSGDAveraging
 from strategies.mods.fetchsgd import SKETCH
 from strategies.mods.sketched_sgd import CANDIDATES, VALUES, StepPhase

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flplatform.errors import UpdateRejected
-from strategies.validation import MAX_EXAMPLES, check_arrays, check_num_examples
+from flplatform.core.errors import UpdateRejected
+from flplatform.core.reply_checks import MAX_EXAMPLES, check_arrays, check_num_examples
 
 EXPECTED = {"w": np.zeros((2, 3), np.float32), "b": np.zeros(3, np.float32)}
 

@@ -88,9 +88,9 @@ def test_simulate_rejects_bad_input(args: list[str], expected: str) -> None:
 
 @pytest.mark.usefixtures("flplatform_home")
 def test_top_k_check_names_only_models_large_enough() -> None:
+    from flplatform.app.config import RunConfig
     from flplatform.cli.simulate import check_top_k
-    from flplatform.config import RunConfig
-    from flplatform.errors import ConfigError
+    from flplatform.core.errors import ConfigError
 
     # mlp 4810, cnn 13706, wide-mlp 48010, resnet 1296378 (its convolutions do not grow with H, W)
     digits = {"input_shape": (1, 8, 8), "num_classes": 10}

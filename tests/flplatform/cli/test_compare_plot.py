@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from flplatform.app.comparison import X_AXES, RunSummary
 from flplatform.cli import history as history_command
 from flplatform.cli import plot as plot_command
 from flplatform.cli.app import app
-from flplatform.comparison import X_AXES, RunSummary
 from tests.flplatform.cli.test_history import _table
 from tests.flplatform.comparison_ledger import write_comparison_ledger
 

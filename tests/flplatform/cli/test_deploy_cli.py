@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from flplatform.cli.deploy import INSECURE_SERVER_WARNING, INSECURE_SITE_WARNING
+from flplatform.core.errors import ConfigError
 from flplatform.deploy.certs import init_certs, make_site_key
 from flplatform.deploy.site import plan_site, probe_server
-from flplatform.errors import ConfigError
-from flplatform.simulation import free_port
+from flplatform.launch.simulation import free_port
 from tests.flplatform.cli.test_export import invoke, one_error_line
 
 

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from flplatform.cli.app import app
 from flplatform.engine.events import RoundSummary
-from flplatform.ledger import SqlLedger
+from flplatform.run.ledger import SqlLedger
 from storage import LedgerRepository
 
 runner = CliRunner()
@@ -172,7 +172,7 @@ def test_export_names_a_missing_file_and_a_bad_extension(ledger: Any, tmp_path: 
 
 def test_export_refuses_a_checkpoint_without_a_model(ledger: Any, tmp_path: Path) -> None:
     url, _ = ledger
-    from flplatform.checkpoint import write_state
+    from flplatform.core.checkpoint import write_state
 
     with LedgerRepository.open(url) as repo:
         write_state(repo.list_checkpoints(1)[0].path, {"kind": "something else"})

@@ -20,7 +20,7 @@ from flplatform.cli.history import (
     human_seconds,
     staleness_counts,
 )
-from flplatform.errors import StorageError
+from flplatform.core.errors import StorageError
 from storage import (
     FinalRunStatus,
     LedgerRepository,

@@ -23,11 +23,11 @@ import pytest
 from click.testing import Result
 from typer.testing import CliRunner
 
+from flplatform.app.config import RunConfig
 from flplatform.cli import history as history_command
 from flplatform.cli import simulate as simulate_command
 from flplatform.cli.app import app
-from flplatform.config import RunConfig
-from flplatform.errors import ConfigError
+from flplatform.core.errors import ConfigError
 from storage import LedgerRepository, UpdateInput
 
 runner = CliRunner()
@@ -75,8 +75,8 @@ def no_start(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         started.append("flower")
         raise RuntimeError("a Flower process was started")
 
-    monkeypatch.setattr("flplatform.simulation.start_app", refuse)
-    monkeypatch.setattr("flplatform.simulation.start_superlink", refuse)
+    monkeypatch.setattr("flplatform.launch.simulation.start_app", refuse)
+    monkeypatch.setattr("flplatform.launch.simulation.start_superlink", refuse)
     return started
 
 

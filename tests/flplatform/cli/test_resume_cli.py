@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord
 
-from flplatform.config import RunConfig
+from flplatform.app.config import RunConfig
 from flplatform.engine.events import RoundSummary
-from flplatform.ledger import SqlLedger, process_owner
-from flplatform.run_ledger import LAUNCH_KEY
+from flplatform.run.ledger import SqlLedger, process_owner
+from flplatform.run.run_record import LAUNCH_KEY
 from storage import LedgerRepository
 from tests.flplatform.cli.test_export import invoke
 
@@ -172,7 +172,7 @@ def test_an_unknown_run_and_a_missing_ledger_are_one_line(url: str, tmp_path: Pa
 
 
 def test_the_dead_owner_check_reads_the_process_table() -> None:
-    from flplatform.ledger import owner_alive
+    from flplatform.run.ledger import owner_alive
 
     host = process_owner().rpartition(":")[0]
     assert owner_alive(process_owner()) is True

@@ -13,17 +13,15 @@ import pytest
 from typer.testing import CliRunner
 
 from flplatform.cli.app import app
-from flplatform.errors import ConfigError
-from flplatform.flower_app import (
-    OPTIONS_ENV,
+from flplatform.core.errors import ConfigError
+from flplatform.launch.app_directory import (
     PlatformOptions,
     options_environment,
     plan_run,
     read_app,
     relaunch,
 )
-from flplatform.start_options import OPTIONS_ENV as START_OPTIONS_ENV
-from flplatform.start_options import options_from_environment
+from flplatform.run.options import OPTIONS_ENV, options_from_environment
 from storage.session import PASSWORD_ENV, split_password
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -233,7 +231,7 @@ def test_only_given_options_are_sent(tmp_path: Path) -> None:
     }
     assert plan.num_sites == 3 and plan.num_rounds == 4
     env = plan.environment()
-    assert OPTIONS_ENV == START_OPTIONS_ENV and set(env) == {OPTIONS_ENV}
+    assert set(env) == {OPTIONS_ENV}
     sent = json.loads(env[OPTIONS_ENV])
     assert sent == {
         "num_rounds": 4,

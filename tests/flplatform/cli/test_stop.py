@@ -15,7 +15,7 @@ import typer
 from typer.testing import CliRunner
 
 from flplatform.cli.errors import handles_errors
-from flplatform.errors import RunStopped
+from flplatform.core.errors import RunStopped
 
 
 def command_app(action: str) -> typer.Typer:

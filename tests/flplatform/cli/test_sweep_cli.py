@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from flplatform.app.config import RunConfig
+from flplatform.app.federation import platform_options
 from flplatform.cli.app import app
 from flplatform.cli.simulate import console, show_sweep
-from flplatform.config import RunConfig
-from flplatform.errors import ConfigError
-from flplatform.federation import platform_options
-from flplatform.flower_app import OPTIONS_ENV, PlatformOptions, plan_run, read_app
-from flplatform.simulation import run_sweep
+from flplatform.core.errors import ConfigError
+from flplatform.launch.app_directory import PlatformOptions, plan_run, read_app
+from flplatform.launch.simulation import run_sweep
+from flplatform.run.options import OPTIONS_ENV
 from storage import LedgerRepository
 from tests.flplatform.cli.test_export import invoke, one_error_line
 

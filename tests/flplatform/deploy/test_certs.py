@@ -15,6 +15,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
+from flplatform.core.errors import ConfigError
 from flplatform.deploy.certs import (
     DEFAULT_HOSTS,
     ServerCerts,
@@ -25,7 +26,6 @@ from flplatform.deploy.certs import (
     make_site_key,
     site_public_key,
 )
-from flplatform.errors import ConfigError
 from tests.flplatform.cli.test_export import invoke, one_error_line
 
 

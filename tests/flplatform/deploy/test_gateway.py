@@ -22,6 +22,7 @@ import httpx
 import pytest
 from cryptography.hazmat.primitives import serialization
 
+from flplatform.core.site_registry import RegisteredSite, SiteRegistry
 from flplatform.deploy.certs import fingerprint, init_certs, make_site_key
 from flplatform.deploy.gateway import (
     PUBLIC_KEY_HEADER,
@@ -30,8 +31,7 @@ from flplatform.deploy.gateway import (
     Reports,
     TlsFiles,
 )
-from flplatform.deploy.registry import RegisteredSite, SiteRegistry
-from flplatform.simulation import free_port
+from flplatform.launch.simulation import free_port
 
 
 class Collected(Reports):

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from flplatform.deploy.registry import REGISTRY_ENV, RegisteredSite, SiteRegistry
-from flplatform.errors import ConfigError
+from flplatform.core.errors import ConfigError
+from flplatform.core.site_registry import REGISTRY_ENV, RegisteredSite, SiteRegistry
 
 LONDON = RegisteredSite("london", 18446744073709551615, "SHA256:aaa")  # the largest uint64
 OHIO = RegisteredSite("ohio", 7, "SHA256:bbb")

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from flplatform import keys
+from flplatform.core import keys
 from flplatform.engine import Contribution, EngineStrategy, Update
 from flplatform.network import ComputeModel, Network, SiteProfile
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
-from flplatform import keys
+from flplatform.core import keys
 from flplatform.engine import RoundEngine, Synchrony, VirtualClock, WallClock
 from flplatform.engine.clock import Schedule, planned_steps
-from flplatform.ledger import SqlLedger
 from flplatform.network import ComputeModel, Network, SiteProfile
+from flplatform.run.ledger import SqlLedger
 from storage import LedgerRepository
 from strategies.local_sgd import LocalSGDAveraging
 

@@ -23,11 +23,11 @@ from flwr.app import (
     RecordDict,
 )
 
-from flplatform import keys
+from flplatform.core import keys
 from flplatform.engine import RoundEngine, RoundSummary
 from flplatform.engine.divergence import FACTOR, Divergence, DivergenceWatch, ReportedLoss
 from flplatform.engine.replies import reported_losses
-from flplatform.ledger import SqlLedger
+from flplatform.run.ledger import SqlLedger
 from storage import LedgerRepository
 from strategies.local_sgd import LocalSGDAveraging
 

@@ -20,11 +20,11 @@ from flwr.app import (
     RecordDict,
 )
 
-from flplatform import keys
-from flplatform.arrays import record_to_arrays
+from flplatform.core import keys
+from flplatform.core.arrays import record_to_arrays
 from flplatform.engine import APPLIED, DROPPED, REJECTED, RoundEngine, Synchrony
 from flplatform.engine.engine import REFUSED
-from flplatform.ledger import SqlLedger
+from flplatform.run.ledger import SqlLedger
 from storage import LedgerRepository
 from strategies.local_sgd import LocalSGDAveraging
 
@@ -355,7 +355,7 @@ def test_each_arrival_can_be_its_own_step_with_staleness(ledger) -> None:
 
 
 def test_update_outcome_fields_match_the_ledger_input() -> None:
-    # The engine's rows and storage's input are adapted field by field (flplatform/ledger.py).
+    # The engine's rows and storage's input are adapted field by field (flplatform/run/ledger.py).
     from flplatform.engine import UpdateOutcome
     from storage import UpdateInput
 

@@ -1,7 +1,7 @@
 """Resuming the round engine from a checkpoint: the same run, bit for bit, on the virtual clock.
 
 A run is cut after round k (its ``on_round`` raises, as a SIGKILL right after the commit
-would leave it), its last state goes through ``flplatform.checkpoint`` to disk and back,
+would leave it), its last state goes through ``flplatform.core.checkpoint`` to disk and back,
 and a fresh engine, strategy, policy, guard and clock, over sites that come back with NEW
 node ids, resumes from it. The oracle is the same seeded run uninterrupted: the final
 model must be bit-identical and every ledger row equal but for wall times.
@@ -35,9 +35,10 @@ from flwr.app import (
     RecordDict,
 )
 
-from flplatform import keys
-from flplatform.arrays import record_to_arrays
-from flplatform.checkpoint import CheckpointError, read_state, write_state
+from flplatform.core import keys
+from flplatform.core.arrays import record_to_arrays
+from flplatform.core.checkpoint import CheckpointError, read_state, write_state
+from flplatform.core.errors import RunFailed
 from flplatform.engine import (
     GuardOptions,
     RoundEngine,
@@ -48,7 +49,6 @@ from flplatform.engine import (
     VirtualClock,
     WallClock,
 )
-from flplatform.errors import RunFailed
 from flplatform.network import ComputeModel, Network, SiteProfile
 from strategies.local_sgd import LocalSGDAveraging
 

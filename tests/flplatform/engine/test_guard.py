@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flplatform.checkpoint import CheckpointError
+from flplatform.core.checkpoint import CheckpointError
+from flplatform.core.errors import ConfigError
 from flplatform.engine.guard import (
     CLEARLY_AWAY,
     DIRECTION_MEMORY,
@@ -21,7 +22,6 @@ from flplatform.engine.guard import (
     median,
     vector_norm,
 )
-from flplatform.errors import ConfigError
 
 
 def vec(*values: float) -> list[np.ndarray]:

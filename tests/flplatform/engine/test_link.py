@@ -22,7 +22,8 @@ import pytest
 from flwr.app import Message
 from flwr.serverapp import Grid
 
-from flplatform import keys
+from flplatform.core import keys
+from flplatform.core.errors import RunFailed
 from flplatform.engine import link
 from flplatform.engine.link import (
     LinkedGrid,
@@ -33,8 +34,7 @@ from flplatform.engine.link import (
     watch_superlink,
 )
 from flplatform.engine.strategy import ForwardingGrid
-from flplatform.errors import RunFailed
-from flplatform.start import start
+from flplatform.run.start import start
 from storage import LedgerRepository
 from strategies.local_sgd import LocalSGDAveraging
 from tests.flplatform.engine.scripted_grid import ScriptedGrid

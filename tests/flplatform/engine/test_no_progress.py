@@ -22,12 +22,12 @@ from flwr.app import (
     RecordDict,
 )
 
-from flplatform import keys
+from flplatform.core import keys
+from flplatform.core.errors import ConfigError, NoProgress, RunFailed
 from flplatform.engine import DROPPED, REJECTED, RoundEngine
 from flplatform.engine.events import UpdateOutcome
 from flplatform.engine.stop_rule import FailureStreak, reason_key
-from flplatform.errors import ConfigError, NoProgress, RunFailed
-from flplatform.ledger import SqlLedger
+from flplatform.run.ledger import SqlLedger
 from storage import LedgerRepository
 from strategies.local_sgd import LocalSGDAveraging
 

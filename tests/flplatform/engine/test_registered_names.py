@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord
 
-from flplatform.deploy.registry import REGISTRY_ENV, RegisteredSite, SiteRegistry
+from flplatform.core.site_registry import REGISTRY_ENV, RegisteredSite, SiteRegistry
 from storage import LedgerRepository
 
 from .scripted_grid import ScriptedGrid

@@ -17,7 +17,7 @@ from flwr.app import (
     RecordDict,
 )
 
-from flplatform import keys
+from flplatform.core import keys
 from flplatform.engine.engine import fingerprint
 from flplatform.engine.replies import record_of, reported_losses, reported_metrics, site_info
 from strategies.local_sgd import LocalSGDAveraging

@@ -21,7 +21,7 @@ import math
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord
 
-from flplatform import keys
+from flplatform.core import keys
 from flplatform.engine import RoundEngine, Synchrony, VirtualClock
 from flplatform.network import ComputeModel
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
-from flplatform import keys
+from flplatform.core import keys
 from storage import LedgerRepository
 
 from .scripted_grid import ScriptedGrid

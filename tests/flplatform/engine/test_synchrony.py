@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, MessageType
 
-from flplatform import keys
+from flplatform.core import keys
+from flplatform.core.errors import ConfigError
 from flplatform.engine import (
     APPLIED,
     CANCELLED,
@@ -24,9 +25,8 @@ from flplatform.engine import (
 from flplatform.engine.engine import UNAVAILABLE
 from flplatform.engine.events import Dispatch
 from flplatform.engine.staleness import adasync_k, staleness_weight
-from flplatform.errors import ConfigError
-from flplatform.ledger import SqlLedger
 from flplatform.network import ComputeModel, Network, SiteProfile
+from flplatform.run.ledger import SqlLedger
 from storage import LedgerRepository
 from strategies.local_sgd import LocalSGDAveraging
 

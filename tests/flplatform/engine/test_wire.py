@@ -35,7 +35,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from flplatform.arrays import arrays_to_record, record_to_arrays
+from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.engine import wire
 from flplatform.engine.wire import Traffic, delivery_bytes, measure, reply_traffic
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flplatform.errors import ConfigError
+from flplatform.core.errors import ConfigError
 from flplatform.network import COMPUTE_MODELS, ComputeModel, compute_seconds
 
 N = 20_000

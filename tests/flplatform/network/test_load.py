@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flplatform.errors import ConfigError
+from flplatform.core.errors import ConfigError
 from flplatform.network import (
     PRESETS,
     ComputeModel,

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flplatform.errors import ConfigError
+from flplatform.core.errors import ConfigError
 from flplatform.network import (
     PRESETS,
     ComputeModel,

@@ -2,7 +2,7 @@
 
 The built-in train, query and evaluate functions (clients/client_app.py), with
 ``attack_mod()`` in front of ``flplatform_mod()``: the run config's ``attack.kind``,
-``attack.site`` and ``attack.round`` pick the attack (flplatform/attacks.py).
+``attack.site`` and ``attack.round`` pick the attack (clients/attacks.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from clients import client_app as builtin
-from flplatform.attacks import attack_mod
+from clients.attacks import attack_mod
 from strategies.mods import flplatform_mod
 
 app = ClientApp()

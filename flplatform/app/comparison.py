@@ -22,11 +22,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flplatform import keys
-from flplatform.checks import integer, require
-from flplatform.config import SKETCHED, RunConfig
+from flplatform.app.config import SKETCHED, RunConfig
+from flplatform.core import keys
+from flplatform.core.checks import integer, require
+from flplatform.core.errors import ConfigError, NotFoundError
 from flplatform.engine.synchrony import K_MODES, SYNC_MODES
-from flplatform.errors import ConfigError, NotFoundError
 from storage import LedgerRepository, RunRecord
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 # The modes ``plan_modes`` knows (benchmarks/bench_synchrony.py runs them): local-SGD
 # averaging (sync) and delayed updates beside it, then Dutta et al.'s table in order. (The
-# demo's panels are flplatform/demo.py.)
+# demo's panels are flplatform/app/demo.py.)
 DELAYED_MODE = "delayed"
 DEMO_MODES = (
     "sync",

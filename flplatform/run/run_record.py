@@ -2,7 +2,7 @@
 
 ``start`` opens the run (:func:`open_run`) before the first round, with the options that
 shape it as its config; the engine commits each round through the run's ``sink``
-(``flplatform.ledger.SqlLedger``); the run is marked finished, or failed with the reason, at
+(``flplatform.run.ledger.SqlLedger``); the run is marked finished, or failed with the reason, at
 the end. A run that fails before it can start is recorded too (:func:`record_failed_start`).
 
 ``storage`` (SQLAlchemy) is imported only when a ledger is asked for.
@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 from flwr.app import MetricRecord
 
+from flplatform.core.errors import ConfigError, FLPlatformError, StorageError
 from flplatform.engine import LedgerSink
-from flplatform.errors import ConfigError, FLPlatformError, StorageError
 from flplatform.network import Network
-from flplatform.start_options import OPTION_NAMES, PlatformOptions, resolve_options
-from flplatform.start_parts import network_label
+from flplatform.run.options import OPTION_NAMES, PlatformOptions, resolve_options
+from flplatform.run.parts import network_label
 
 if TYPE_CHECKING:
     from storage import LedgerRepository, RunRecord
@@ -155,7 +155,7 @@ class LedgerRun:
         checkpointing: Checkpointing | None = None,
         resume_state: dict[str, Any] | None = None,
     ) -> None:
-        from flplatform.ledger import SqlLedger
+        from flplatform.run.ledger import SqlLedger
 
         checkpointing = checkpointing or Checkpointing()
         self.repository = repository
@@ -216,7 +216,7 @@ class LedgerRun:
         StorageError
             If the ledger cannot be opened or the run not recorded (a taken tag, ...).
         """
-        from flplatform.ledger import process_owner
+        from flplatform.run.ledger import process_owner
         from storage import LedgerRepository
 
         repository = LedgerRepository.open(None if ledger in DEFAULT_LEDGER else ledger)
@@ -261,8 +261,8 @@ class LedgerRun:
             If it cannot be resumed (finished, another strategy, no checkpoint, the file
             missing or unreadable), saying why.
         """
-        from flplatform.checkpoint import CheckpointError
-        from flplatform.ledger import load_checkpoint, owner_alive, process_owner
+        from flplatform.core.checkpoint import CheckpointError
+        from flplatform.run.ledger import load_checkpoint, owner_alive, process_owner
         from storage import LedgerRepository
 
         repository = LedgerRepository.open(None if ledger in DEFAULT_LEDGER else ledger)

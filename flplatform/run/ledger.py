@@ -1,11 +1,11 @@
 """The engine's ``LedgerSink`` backed by the SQL repository of ``storage``, with checkpoints.
 
 The only module that imports both the engine and ``storage``. The engine's outcomes are the
-ledger's rows (``flplatform.ledger_rows``); here they become storage's validated inputs.
+ledger's rows (``flplatform.core.ledger_rows``); here they become storage's validated inputs.
 
 A round handed in with the run's state is committed with its checkpoint: the state is
 written to ``<checkpoint dir>/<ledger id>/run-<id>/round-<NNNNNN>.npz`` first
-(``flplatform.checkpoint.write_state``: atomic, owner-only), then the round and the file's
+(``flplatform.core.checkpoint.write_state``: atomic, owner-only), then the round and the file's
 row are committed in one transaction. A committed round therefore always has its file, and
 a file without a row (the process died in between) is never taken for a resume point.
 Only then are older files deleted (retention): the last checkpoint is always kept (it is
@@ -24,9 +24,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from flplatform.checkpoint import CheckpointError, read_state, write_state
+from flplatform.core.checkpoint import CheckpointError, read_state, write_state
+from flplatform.core.errors import ConfigError, FLPlatformError, NotFoundError, StorageError
 from flplatform.engine.events import RoundSummary, SiteInfo, TrafficOutcome
-from flplatform.errors import ConfigError, FLPlatformError, NotFoundError, StorageError
 from storage import (
     CheckpointInput,
     CheckpointRecord,

@@ -1,7 +1,7 @@
 """Run federations on a Grid: the body of the ServerApp, as library functions.
 
 :func:`run_federation` runs one; :func:`run_members` runs a sweep's members one after
-another on the same Grid (``flplatform.sweep``), each sending its sites the data and model
+another on the same Grid (``flplatform.app.sweep``), each sending its sites the data and model
 keys of its own run config (``site_config``).
 """
 
@@ -21,19 +21,18 @@ from flwr.serverapp.strategy import Result
 from clients.models import build_model
 from clients.site import SiteDataConfig, TestSet, load_test_set
 from clients.training import evaluate, pick_device
-from flplatform import keys
-from flplatform.config import RunConfig
-from flplatform.config_rules import strategy_knobs
+from flplatform.app.config import RunConfig
+from flplatform.app.config_rules import strategy_knobs
+from flplatform.core import keys
+from flplatform.core.errors import FLPlatformError
 from flplatform.engine import AggregationPolicy
 from flplatform.engine.link import run_watched, superlink_watch, watch_superlink
 from flplatform.engine.mailbox import PULL_CHUNK, TTL_GRACE_SECONDS
 from flplatform.engine.strategy import ForwardingGrid
-from flplatform.errors import FLPlatformError
-from flplatform.flower_app import ConfigValue
-from flplatform.run_ledger import record_failed_start
-from flplatform.start import start
-from flplatform.start_options import PlatformOptions
-from flplatform.start_parts import choose_policy
+from flplatform.run.options import ConfigValue, PlatformOptions
+from flplatform.run.parts import choose_policy
+from flplatform.run.run_record import record_failed_start
+from flplatform.run.start import start
 from strategies.delayed import DelayedCompensated
 from strategies.fetchsgd import FetchSGD
 from strategies.local_sgd import LocalSGDAveraging

@@ -25,11 +25,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
-from flplatform.config import RunConfig
-from flplatform.errors import ConfigError, RunFailed, RunStopped, StorageError
-from flplatform.flower_app import OPTIONS_ENV, AppRun, ConfigValue
-from flplatform.processes import ProcessTree, StopRequested, stop_reason
-from flplatform.sweep import check_members, sweep_run_config
+from flplatform.app.config import RunConfig
+from flplatform.app.sweep import check_members, sweep_run_config
+from flplatform.core.errors import ConfigError, RunFailed, RunStopped, StorageError
+from flplatform.launch.app_directory import AppRun
+from flplatform.launch.processes import ProcessTree, StopRequested, stop_reason
+from flplatform.run.options import OPTIONS_ENV, ConfigValue
 from storage import (
     UPDATE_DROPPED,
     UPDATE_REJECTED,
@@ -53,10 +54,13 @@ OWNER_ONLY_UMASK = 0o077
 # far, and the dropped and rejected updates of the latest round (so a display can say why).
 ProgressCallback = Callable[[RunRecord | None, list[RoundRecord], list[UpdateRecord]], None]
 
+# The source tree's root: the directory above the flplatform package.
+_PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
 
 def project_dir() -> Path:
     """The directory holding this project's pyproject.toml with ``[tool.flwr.app]``."""
-    root = Path(__file__).resolve().parents[1]
+    root = _PROJECT_ROOT
     pyproject = root / "pyproject.toml"
     try:
         data = tomllib.loads(pyproject.read_text())
@@ -116,7 +120,7 @@ def flower_environment(home: Path, *, python_path: Sequence[Path] = ()) -> dict[
 
 
 def _simulation_script_dir(home: Path) -> Path:
-    """A directory holding our ``flwr-simulation`` (``flplatform.simulation_runtime``).
+    """A directory holding our ``flwr-simulation`` (``flplatform.launch.simulation_runtime``).
 
     SuperExec starts the simulation process by that name; ours runs Flower's with the
     Ray actors of dead sites replaced (see that module for why).
@@ -127,11 +131,11 @@ def _simulation_script_dir(home: Path) -> Path:
     # installed one is found first, as in the CLI.
     script = (
         f"#!{sys.executable}\n"
-        "# Written by flplatform (flplatform/simulation.py): Flower's flwr-simulation with\n"
-        "# flplatform's adaptations (flplatform/simulation_runtime.py).\n"
+        "# Written by flplatform (flplatform/launch/simulation.py): Flower's flwr-simulation with\n"
+        "# flplatform's adaptations (flplatform/launch/simulation_runtime.py).\n"
         "import sys\n"
-        f"sys.path.append({str(Path(__file__).resolve().parents[1])!r})\n"
-        "from flplatform.simulation_runtime import main\n"
+        f"sys.path.append({str(_PROJECT_ROOT)!r})\n"
+        "from flplatform.launch.simulation_runtime import main\n"
         "main()\n"
     )
     path = directory / "flwr-simulation"

@@ -4,7 +4,7 @@
 process in the environment variable ``FLPLATFORM_OPTIONS``, a JSON object of ``start()``
 keyword names and values (build it with :func:`options_environment`). They override the
 keyword arguments the ServerApp's code passed (:func:`resolve_options`). Every option is
-checked by one rule of :mod:`flplatform.checks`, wherever it comes from; an unknown name or
+checked by one rule of :mod:`flplatform.core.checks`, wherever it comes from; an unknown name or
 a bad value is a ``ConfigError`` naming it, all of them in one.
 """
 
@@ -16,14 +16,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from flplatform.checks import Problem, holds, integer, number, require
+from flplatform.core.checks import Problem, holds, integer, number, require
+from flplatform.core.errors import ConfigError
 from flplatform.engine.guard import GUARD_OPTIONS, guard_problems
 from flplatform.engine.synchrony import SYNC_MODES
-from flplatform.errors import ConfigError
 from flplatform.network import Network
 
 # The environment variable through which ``flplatform run`` passes its options.
 OPTIONS_ENV = "FLPLATFORM_OPTIONS"
+# A run-config value, as Flower's run config holds it.
+ConfigValue = str | int | float | bool
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flplatform.checks import require
-from flplatform.config import SKETCHED, RunConfig, option_keys
+from flplatform.app.config import SKETCHED, RunConfig, option_keys
+from flplatform.core.checks import require
+from flplatform.core.errors import ConfigError
 from flplatform.engine.synchrony import K_MODES
-from flplatform.errors import ConfigError
-from flplatform.flower_app import ConfigValue
+from flplatform.run.options import ConfigValue
 
 # The run-config keys `flplatform simulate` takes lists of.
 SWEEPABLE: tuple[str, ...] = ("strategy", "sync", "k", "seed", "codec", "delay")

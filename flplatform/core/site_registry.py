@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from flplatform.errors import ConfigError
+from flplatform.core.errors import ConfigError
 
 REGISTRY_ENV = "FLPLATFORM_SITE_REGISTRY"
 _FORMAT = "flplatform-site-registry"

@@ -1,6 +1,6 @@
 """Reading a strategy's saved server state back: every problem collected, node ids remapped.
 
-A strategy's ``state_dict()`` is plain checkpoint data (``flplatform.checkpoint``); its
+A strategy's ``state_dict()`` is plain checkpoint data (``flplatform.core.checkpoint``); its
 ``load_state_dict(state, nodes=...)`` reads it with a ``StateReader``, which checks each
 value where it is read and notes what is wrong instead of raising, so one
 ``CheckpointError`` lists every problem (Opacus' validators). Values are parsed into new
@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from flplatform.checkpoint import StateProblems
+from flplatform.core.checkpoint import StateProblems
 
 T = TypeVar("T")
 # A field the state lacks: noted once by ``fields``; every read of it then yields None quietly,

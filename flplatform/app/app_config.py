@@ -1,7 +1,7 @@
 """``[tool.flwr.app.config]`` written from the options table (``RunConfig``'s fields).
 
 Flower reads a Flower app's run-config keys from its static ``pyproject.toml``, so the
-table is written there: ``python -m flplatform.app_config [pyproject.toml ...]`` rewrites
+table is written there: ``python -m flplatform.app.app_config [pyproject.toml ...]`` rewrites
 the table of each file (default: ``pyproject.toml``), keeping the values a file sets (an
 example app's own choices). ``tests/flplatform/test_config.py`` fails when they disagree.
 """
@@ -16,8 +16,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from flplatform.config import RunConfig, option_keys
-from flplatform.config_rules import option_of
+from flplatform.app.config import RunConfig, option_keys
+from flplatform.app.config_rules import option_of
 
 
 def app_config_table(values: Mapping[str, Any] | None = None) -> str:
@@ -28,8 +28,8 @@ def app_config_table(values: Mapping[str, Any] | None = None) -> str:
     given = dict(values or {})
     lines = [
         "[tool.flwr.app.config]",
-        "# Written from the options table, RunConfig in flplatform/config.py, by",
-        "# `python -m flplatform.app_config <pyproject.toml>`: edit the table there, not here.",
+        "# Written from the options table, RunConfig in flplatform/app/config.py, by",
+        "# `python -m flplatform.app.app_config <pyproject.toml>`: edit the table there, not here.",
         "# Flower reads this file, and refuses a run-config key that is not declared in it.",
     ]
     for f in fields(RunConfig):

@@ -1,7 +1,7 @@
 """The run options' vocabulary and the rules across them.
 
 What an option is (:class:`Option`, the metadata of each of ``RunConfig``'s fields in
-``flplatform/config.py``), the strategies' names, and :func:`problems`: every reason a
+``flplatform/app/config.py``), the strategies' names, and :func:`problems`: every reason a
 configuration cannot run, gathered before anything is raised. A strategy's own knobs are
 asked of the strategy (its ``knob_problems``), so each rule is written once, beside its use.
 """
@@ -13,7 +13,8 @@ from dataclasses import Field, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from clients.catalog import BUILTIN_DATASETS, MODELS
-from flplatform.checks import Problem, integer, number, one_of, positive, unit_interval
+from flplatform.core.checks import Problem, integer, number, one_of, positive, unit_interval
+from flplatform.core.errors import ConfigError
 from flplatform.engine.guard import guard_problems
 from flplatform.engine.synchrony import (
     BATCH_MODES,
@@ -21,7 +22,6 @@ from flplatform.engine.synchrony import (
     k_sites_problem,
     synchrony_problems,
 )
-from flplatform.errors import ConfigError
 from strategies.codecs import make_codec
 from strategies.delayed import SYNC_ONLY as DELAYED_SYNC_ONLY
 from strategies.delayed import DelayedCompensated
@@ -31,7 +31,7 @@ from strategies.sketched_common import sync_only as sketched_sync_only
 from strategies.sketched_sgd import SketchedSGD
 
 if TYPE_CHECKING:
-    from flplatform.config import RunConfig
+    from flplatform.app.config import RunConfig
 
 LOCAL_SGD = "local-sgd"
 DELAYED = "delayed"
@@ -173,7 +173,7 @@ def _misused(config: RunConfig) -> list[Problem]:
 
 def strategy_knobs(config: RunConfig) -> tuple[Any, dict[str, Any]]:
     """The strategy class ``config`` names and its knobs, keyed as its ``knob_problems`` takes
-    them; its constructor takes the same (``flplatform.federation.build_strategy``)."""
+    them; its constructor takes the same (``flplatform.app.federation.build_strategy``)."""
     if config.strategy == DELAYED:
         return DelayedCompensated, dict(
             delay=config.delay,

@@ -1,7 +1,7 @@
 """The round engine's parts that ``start`` makes from its arguments: strategy, policy, clock.
 
 Any strategy runs: flplatform's own (each an ``EngineStrategy``) as they are, Flower's own
-(FedAvg, FedProx, FedAdam, ...) wrapped in ``strategies.flower_adapter.FlowerStrategyAdapter``,
+(FedAvg, FedProx, FedAdam, ...) wrapped in ``flplatform.run.flower_adapter.FlowerStrategyAdapter``,
 fully synchronously. A strategy chooses the policy it runs the requested mode with
 (``EngineStrategy.engine_policy``). A network, named or given, puts the run on its virtual
 clock; without one the run keeps the wall clock.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from flwr.serverapp.strategy import Strategy
 
+from flplatform.core.errors import ConfigError
 from flplatform.engine import (
     AggregationPolicy,
     Clock,
@@ -19,9 +20,8 @@ from flplatform.engine import (
     VirtualClock,
     WallClock,
 )
-from flplatform.errors import ConfigError
 from flplatform.network import Network, load_network
-from flplatform.start_options import PlatformOptions
+from flplatform.run.options import PlatformOptions
 
 # The engine's hooks a strategy of its own has (Flower's strategies lack them, and are wrapped).
 STREAMING_HOOKS = ("begin_aggregation", "accumulate", "finish_aggregation")
@@ -55,7 +55,7 @@ def as_engine_strategy(strategy: object) -> EngineStrategy:
         )
     if isinstance(strategy, Strategy):
         # Imported here: the adapter imports strategies.local_sgd, which imports flplatform.start.
-        from strategies.flower_adapter import FlowerStrategyAdapter
+        from flplatform.run.flower_adapter import FlowerStrategyAdapter
 
         return FlowerStrategyAdapter(strategy)
     raise ConfigError(

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 
-from flplatform import keys
-from flplatform.errors import UpdateRejected
+from flplatform.core import keys
+from flplatform.core.errors import UpdateRejected
 
 # A site claiming more examples than this is treated as hostile: its weight would swamp
 # every other site's. Far above any real cross-silo dataset.

@@ -16,7 +16,7 @@ import numbers
 import re
 from collections.abc import Iterable, Sequence
 
-from flplatform.errors import ConfigError
+from flplatform.core.errors import ConfigError
 
 Problem = str | None
 

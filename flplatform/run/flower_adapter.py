@@ -35,13 +35,13 @@ from flwr.serverapp.exception import InconsistentMessageReplies
 from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.strategy_utils import validate_message_reply_consistency
 
-from flplatform import keys
-from flplatform.arrays import arrays_to_record, record_to_arrays
+from flplatform.core import keys
+from flplatform.core.arrays import arrays_to_record, record_to_arrays
+from flplatform.core.errors import ConfigError, RunFailed, StepRefused, UpdateRejected
+from flplatform.core.reply_checks import check_arrays, check_num_examples
+from flplatform.core.state import MISSING, StateReader
 from flplatform.engine import AggregationPolicy, Contribution, EngineStrategy, Synchrony, Update
-from flplatform.errors import ConfigError, RunFailed, StepRefused, UpdateRejected
-from strategies.local_sgd import first_number
-from strategies.state import MISSING, StateReader
-from strategies.validation import check_arrays, check_num_examples
+from flplatform.engine.replies import first_number
 
 log = logging.getLogger("flplatform.strategies.flower_adapter")
 

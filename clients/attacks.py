@@ -5,7 +5,7 @@ front of your algorithm's mod on your ClientApp's train function; one chosen sit
 rewrites what it sends the server from a chosen round on, and ``flplatform history
 updates`` shows what the server made of it::
 
-    from flplatform.attacks import AttackPlan, attack_mod
+    from clients.attacks import AttackPlan, attack_mod
 
     @app.train(mods=[attack_mod(AttackPlan("sign-flip", site="california", start_round=2)),
                      flplatform_mod()])
@@ -62,10 +62,10 @@ from typing import Any
 import numpy as np
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 
-from flplatform import keys
-from flplatform.arrays import arrays_to_record, record_to_arrays
-from flplatform.checks import integer, one_of, require
-from flplatform.errors import ConfigError
+from flplatform.core import keys
+from flplatform.core.arrays import arrays_to_record, record_to_arrays
+from flplatform.core.checks import integer, one_of, require
+from flplatform.core.errors import ConfigError
 from strategies.codecs import INT8_PREFIX, SCALE_SUFFIX
 from strategies.mods.contract import Mod, TrainFunction, is_training, round_config, sent_model
 from strategies.mods.fetchsgd import SKETCH

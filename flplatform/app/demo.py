@@ -43,7 +43,7 @@ machine or its load):
   (``benchmarks/bench_communication.py``: 27× fewer bytes up).
 
 No Flower imports: the CLI runs every panel's members in one sweep and reads them back
-through ``flplatform.comparison.summarize_runs``.
+through ``flplatform.app.comparison.summarize_runs``.
 """
 
 from __future__ import annotations
@@ -53,12 +53,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from flplatform.checks import integer, one_of, require
-from flplatform.config import DEFAULT_SITES, RunConfig
-from flplatform.errors import ConfigError
+from flplatform.app.config import DEFAULT_SITES, RunConfig
+from flplatform.core.checks import integer, one_of, require
+from flplatform.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from flplatform.comparison import RunSummary
+    from flplatform.app.comparison import RunSummary
 
 # What a panel's runs race for: simulated seconds, or upload bytes, until the target.
 TIME = "time"

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from flplatform.errors import FLPlatformError
+from flplatform.core.errors import FLPlatformError
 
 FORMAT = "flplatform-checkpoint/1"
 TREE_ENTRY = "__tree__"

@@ -24,8 +24,6 @@ package's ``__getattr__``), and this module, once loaded, is itself callable, so
 
 from __future__ import annotations
 
-import sys
-import types
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
@@ -41,18 +39,22 @@ from flplatform.engine import (
     UpdateGuard,
 )
 from flplatform.engine.link import run_watched, watch_superlink
-from flplatform.flower_app import ConfigValue
 from flplatform.network import Network
-from flplatform.run_ledger import open_run
-from flplatform.run_log import log_start, round_reporter
-from flplatform.start_options import PlatformOptions, options_environment, resolve_options
-from flplatform.start_parts import (
+from flplatform.run.log import log_start, round_reporter
+from flplatform.run.options import (
+    ConfigValue,
+    PlatformOptions,
+    options_environment,
+    resolve_options,
+)
+from flplatform.run.parts import (
     as_engine_strategy,
     choose_policy,
     make_clock,
     network_label,
     strategy_name,
 )
+from flplatform.run.run_record import open_run
 
 # What users call: ``flplatform.start(...)``, ``PlatformStart`` (a strategy's base) and
 # ``options_environment`` (the environment ``flplatform run`` hands a ServerApp).
@@ -342,18 +344,3 @@ class PlatformStart:
             evaluate_config=evaluate_config,
             evaluate_fn=evaluate_fn,
         )
-
-
-# ============================================= ``flplatform.start(...)`` is callable
-class _CallableModule(types.ModuleType):
-    """This module's type: calling ``flplatform.start`` (the module) calls ``start``.
-
-    Importing ``flplatform.start`` binds the module to the package's ``start`` attribute,
-    whichever import came first; this keeps ``flplatform.start(...)`` the function call.
-    """
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Result:
-        return start(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -34,14 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from clients.catalog import MODELS
-from flplatform.checks import integer, one_of, require
+from flplatform.core.checks import integer, one_of, require
+from flplatform.core.errors import ConfigError
 from flplatform.engine.guard import GUARD_OPTIONS, guard_problems
-from flplatform.errors import ConfigError
+from flplatform.run.options import ConfigValue
 
-ConfigValue = str | int | float | bool
-
-# start()'s environment variable; kept equal to flplatform.start_options.OPTIONS_ENV.
-OPTIONS_ENV = "FLPLATFORM_OPTIONS"
 GENERIC_SERVERAPP = "flplatform.server_app:app"
 # Sites when neither --sites nor the app's `sites` key says (Flower's default is 2).
 DEFAULT_NUM_SITES = 2
@@ -149,7 +146,7 @@ class AppRun:
 
 def options_environment(options: Mapping[str, Any]) -> dict[str, str]:
     """``{FLPLATFORM_OPTIONS: json}`` for ``options``, checked as ``start()`` checks them."""
-    from flplatform.start_options import options_environment as start_environment  # the engine
+    from flplatform.run.options import options_environment as start_environment  # the engine
 
     return start_environment(**options)
 
@@ -527,7 +524,7 @@ def _python_path(model: str | None) -> tuple[Path, ...]:
 
 
 def _checked_sites(names: Sequence[str]) -> tuple[str, ...]:
-    from flplatform.config import as_site_names
+    from flplatform.app.config import as_site_names
 
     return as_site_names("--sites", list(names))
 
@@ -540,7 +537,7 @@ def _declared_sites(app: FlowerApp, overrides: Mapping[str, ConfigValue]) -> tup
         if names:
             return names
     if app.uses_generic_serverapp:  # it waits for one node per name in RunConfig.sites
-        from flplatform.config import DEFAULT_SITES
+        from flplatform.app.config import DEFAULT_SITES
 
         return DEFAULT_SITES
     return tuple(f"site-{i + 1}" for i in range(DEFAULT_NUM_SITES))
@@ -560,7 +557,7 @@ def _ledger_url(db: str | None) -> str:
 
 def _check_generic(app: FlowerApp, overrides: Mapping[str, ConfigValue]) -> None:
     """flplatform's ServerApp parses the fused run config: do it now, in one line."""
-    from flplatform.config import RunConfig
+    from flplatform.app.config import RunConfig
 
     fused = {**app.config, **overrides}
     with _importable_from(app.path):

@@ -98,7 +98,7 @@ FETCHSGD_STATE = "flplatform-fetchsgd"  # the model a FetchSGD site holds, and i
 SKETCHED_STATE = "flplatform-sketched-sgd"  # model, version, u, v and progress
 # which work (SITE_WORK) of which run (RUN_KEY) wrote each record above (ConfigRecord)
 WORK_TAGS = "flplatform-work"
-ATTACK_STATE = "flplatform-attack"  # flplatform.attacks (red-team tool): prefix of its records
+ATTACK_STATE = "flplatform-attack"  # clients.attacks (red-team tool): prefix of its records
 
 # ---- global metrics written to the ledger
 ACCURACY = "accuracy"

@@ -1,15 +1,15 @@
 """The run's options, said once: ``RunConfig``'s fields are the table.
 
 Each field is one option: its name (kebab-case in a Flower run config and on the CLI), its
-type and default, and in its metadata an :class:`~flplatform.config_rules.Option`: the help
+type and default, and in its metadata an :class:`~flplatform.app.config_rules.Option`: the help
 text, the values allowed and the strategies it shapes. From that table follow
 
 * the Flower run-config keys, ``[tool.flwr.app.config]`` of ``pyproject.toml``, written by
-  ``python -m flplatform.app_config`` (Flower reads the static file; a test fails when the
+  ``python -m flplatform.app.app_config`` (Flower reads the static file; a test fails when the
   file and the table disagree);
 * the CLI options of ``flplatform simulate`` and ``flplatform run`` (``flplatform/cli/options.py``);
 * the checks: :meth:`RunConfig.from_mapping` parses once at the edge, resolves aliases and
-  raises one ``ConfigError`` listing every problem (``flplatform/config_rules.py``).
+  raises one ``ConfigError`` listing every problem (``flplatform/app/config_rules.py``).
 
 Components receive explicit keyword arguments taken from this object, never the mapping.
 """
@@ -21,8 +21,7 @@ from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any
 
 from clients.catalog import BUILTIN_DATASETS, MODELS, PARTITIONS
-from flplatform.checks import Problem, as_bool, require, site_names
-from flplatform.config_rules import (
+from flplatform.app.config_rules import (
     CODEC_MISUSE,
     DEFAULT_SITES,
     DELAYED,
@@ -36,9 +35,10 @@ from flplatform.config_rules import (
     about,
     problems,
 )
+from flplatform.core.checks import Problem, as_bool, require, site_names
+from flplatform.core.errors import ConfigError
 from flplatform.engine.guard import NORM_ACTIONS
 from flplatform.engine.synchrony import SYNC_MODES
-from flplatform.errors import ConfigError
 from flplatform.network import Network, load_network
 
 __all__ = [
@@ -146,14 +146,14 @@ class RunConfig:
         default="",
         metadata=about(
             "Several runs in this one Flower run: a JSON list of each run's options that "
-            "differ from these (flplatform/sweep.py writes it; empty: one run).",
+            "differ from these (flplatform/app/sweep.py writes it; empty: one run).",
             cli=None,
         ),
     )
     round_timeout: float = field(
         default=600.0, metadata=about("Seconds a site may take per message.")
     )
-    # ---- checkpoints and resume (flplatform/checkpoint.py, `flplatform resume`)
+    # ---- checkpoints and resume (flplatform/core/checkpoint.py, `flplatform resume`)
     checkpoint_every: int = field(
         default=5,
         metadata=about(
