@@ -10,7 +10,7 @@ export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
 export FLWR_TELEMETRY_ENABLED := 0
 
 # Debian's dataset-fashion-mnist (benchmarks/bench_many_sites.py's data), as root or with sudo.
-.PHONY: setup setup-dev setup-data demo test test-hostile test-resume test-deploy test-all lint bench app-config clean
+.PHONY: setup setup-dev setup-data demo test test-fast test-hostile test-resume test-deploy lint bench app-config clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,20 +37,28 @@ setup-data:
 demo: setup
 	$(BIN)/flplatform demo cross-silo
 
+# Every test, markers included (hostile, resume, deploy, thorough): a guarantee CI does not
+# run can break unseen. One pytest-xdist worker per core, four at most (each starts Flower and
+# Ray), the longest tests first (tests/conftest.py); a worker takes one test at a time.
 # The PostgreSQL contract tests run against a server the tests start (tests/postgres.py):
 # FLPLATFORM_REQUIRE_POSTGRES=1 makes them fail, not skip, if it cannot be started.
+PYTEST_WORKERS := -n auto --maxprocesses 4 --maxschedchunk 1
 test: setup-dev
-	FLPLATFORM_REQUIRE_POSTGRES=1 $(BIN)/python -m pytest -q
+	FLPLATFORM_REQUIRE_POSTGRES=1 $(BIN)/python -m pytest -q $(PYTEST_WORKERS)
+
+# The fast loop: no Flower processes.
+test-fast: setup-dev
+	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m "not slow"
 
 # One real simulation per attack against the attacker silent (tests/integration/test_hostile.py),
 # and the faults: SIGTERM, a dead SuperLink, a dying site (tests/integration/test_lifecycle.py).
 test-hostile: setup-dev
-	$(BIN)/python -m pytest -q -m hostile
+	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m hostile
 
 # Every strategy and mode killed with SIGKILL at three committed rounds and resumed, compared
 # bit for bit with the run left alone (tests/integration/test_resume.py).
 test-resume: setup-dev
-	$(BIN)/python -m pytest -q -m resume
+	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m resume
 
 # Real deployments on 127.0.0.1: `flplatform certs`, `server` and two `site`s with TLS and
 # registered keys, and the nodes that must be refused (tests/integration/test_deploy.py); raw
@@ -58,16 +66,12 @@ test-resume: setup-dev
 # (tests/integration/test_wire_bytes.py); a SuperLink killed mid-run, under `server` and with
 # nobody following the run (tests/integration/test_superlink_death.py).
 test-deploy: setup-dev
-	$(BIN)/python -m pytest -q -m deploy
-
-# Everything: the default suite, the thorough cases, hostile, resume and deploy (~45 min).
-test-all: setup-dev
-	FLPLATFORM_REQUIRE_POSTGRES=1 $(BIN)/python -m pytest -q -m ''
+	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m deploy
 
 lint: setup-dev
 	$(BIN)/ruff check flplatform clients strategies storage tests benchmarks examples
 	$(BIN)/mypy flplatform clients strategies storage
-	$(BIN)/lint-imports
+	$(BIN)/lint-imports  # the layers (pyproject.toml's [tool.importlinter])
 
 # [tool.flwr.app.config] of the Flower apps, written from the options table (RunConfig).
 app-config: setup
@@ -78,4 +82,4 @@ bench: setup
 	$(BIN)/python benchmarks/bench_round.py
 
 clean:
-	rm -rf $(VENV) .flplatform .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .flplatform .pytest_cache .mypy_cache .ruff_cache .hypothesis .grimp_cache .import_linter_cache

@@ -300,7 +300,7 @@ def train_message(arrays: Mapping[str, np.ndarray], **config: Any) -> Message:
 
 
 def site_context() -> Context:
-    """A site's Flower context (tests/strategies/delayed_sites.py)."""
+    """A site's Flower context (tests/helpers/delayed_sites.py)."""
     return Context(
         run_id=1,
         node_id=1,

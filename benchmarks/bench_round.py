@@ -26,7 +26,7 @@ for the inner one), the round's fixed costs (the server step) included:
 Goal: metering + decoding + aggregation at most 2 ms per reply of a 1M-parameter model
 (``goal_ms_per_1m_params``, for every reply count: ``goal_met``), with the bytes recorded
 equal to Flower's own measure (checked on each run's first reply against the slow
-reference, ``tests/flplatform/engine/fleet_oracle.naive_reply``: every object hashed and
+reference, ``tests.helpers.fleet_oracle.naive_reply``: every object hashed and
 deflated by Flower's own functions). Also: peak memory independent of the number of
 replies (streaming aggregation), from a separate run under ``tracemalloc``: it may grow up
 to one pull chunk of replies (PULL_CHUNK, 16) and must stay flat beyond that.
@@ -90,7 +90,7 @@ from flplatform.engine.wire import reply_traffic
 from flplatform.run.ledger import SqlLedger
 from storage import LedgerRepository
 from strategies.local_sgd import LocalSGDAveraging
-from tests.flplatform.engine.fleet_oracle import naive_reply
+from tests.helpers.fleet_oracle import naive_reply
 
 ROUNDS = 2  # the first pays the server's one-time costs (its model-sized memory): not timed
 GOAL_MS_PER_1M = 2.0  # metering + decoding + aggregation, per reply of a 1M-parameter model

@@ -1,14 +1,21 @@
 """Shared fixtures: Flower's task identity for tests that build messages, isolated homes,
-and a PostgreSQL server with fresh databases (``tests/postgres.py``)."""
+migrated empty SQLite ledgers copied from one template (``tests/helpers/ledgers.py``), and a
+PostgreSQL server with fresh databases (``tests/postgres.py``).
+
+Code the tests share other than fixtures is in tests/helpers/.
+"""
 
 from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from storage import LedgerRepository
+from tests.helpers.ledgers import copy_ledger, make_template
 
 # Any test may take `postgres_database` or `password_database`.
 pytest_plugins = ["tests.postgres"]
@@ -50,6 +57,40 @@ def flplatform_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return home
 
 
+@pytest.fixture(scope="session")
+def ledger_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A migrated, empty SQLite ledger file, made once per session (per pytest-xdist worker:
+    each has its own temporary directory). Tests never open it: they take a copy."""
+    return make_template(tmp_path_factory.mktemp("ledger-template"))
+
+
+@pytest.fixture
+def new_sqlite_ledger(ledger_template: Path, tmp_path: Path) -> Callable[[str], str]:
+    """Makes this test's own migrated, empty SQLite ledgers: ``new_sqlite_ledger(NAME)`` is
+    the URL of a new one at ``tmp_path/NAME``."""
+    return lambda name: copy_ledger(ledger_template, tmp_path / name)
+
+
+@pytest.fixture
+def sqlite_ledger(new_sqlite_ledger: Callable[[str], str]) -> str:
+    """The URL of this test's own migrated, empty SQLite ledger (``tmp_path/ledger.db``)."""
+    return new_sqlite_ledger("ledger.db")
+
+
+@pytest.fixture
+def ledger(sqlite_ledger: str) -> Iterator[tuple[LedgerRepository, int]]:
+    """An open repository on this test's own ledger, and the id of the one run in it.
+
+    Modules that need another kind of ledger (one written with runs, a URL) define their
+    own ``ledger`` fixture, which takes precedence in them.
+    """
+    with LedgerRepository.open(sqlite_ledger) as repo:
+        run_id = repo.create_run(
+            name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=3
+        )
+        yield repo, run_id
+
+
 @pytest.fixture
 def live_sigint() -> Iterator[None]:
     """SIGINT handled as in a terminal (Python's KeyboardInterrupt) for the test's duration.
@@ -63,3 +104,18 @@ def live_sigint() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+# The longest tests first (each marker's tests are minutes: real Flower start-ups), so that
+# with several workers (`make test` runs pytest-xdist) none is left to run alone at the end.
+_LONGEST_FIRST = ("resume", "deploy", "hostile", "slow")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        marks = {m.name for m in item.iter_markers()}
+        return next(
+            (i for i, name in enumerate(_LONGEST_FIRST) if name in marks), len(_LONGEST_FIRST)
+        )
+
+    items.sort(key=rank)  # stable: each group keeps its own order

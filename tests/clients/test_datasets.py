@@ -20,7 +20,7 @@ from clients.datasets import (
     load_site_file,
 )
 from flplatform.core.errors import ConfigError, DataError
-from tests.clients._helpers import sorted_rows, write_idx
+from tests.helpers.data_files import sorted_rows, write_idx
 
 
 def check_stratified(data: Dataset, test_fraction: float) -> None:

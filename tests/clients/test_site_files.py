@@ -12,7 +12,7 @@ from clients.datasets import load_dataset, load_site_file
 from clients.partitioning import partition_indices
 from clients.site_files import MANIFEST_FILE, TEST_FILE, read_manifest, write_site_files
 from flplatform.core.errors import ConfigError, DataError
-from tests.clients._helpers import sorted_rows
+from tests.helpers.data_files import sorted_rows
 
 SITES = ["london", "ohio", "california", "tokyo"]
 

@@ -23,7 +23,7 @@ from flplatform.app.comparison import (
 from flplatform.app.config import RunConfig
 from flplatform.core.errors import ConfigError, NotFoundError
 from storage import LedgerRepository
-from tests.flplatform.comparison_ledger import write_comparison_ledger
+from tests.helpers.comparison_ledger import write_comparison_ledger
 
 
 def test_every_mode_gets_the_same_number_of_site_updates() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
 
@@ -145,7 +144,7 @@ def verdict_of(panel: Panel, curves: Sequence[Sequence[tuple[float, int, float]]
         return judge(panel, summarize_runs(repo, ids, target=panel.target)), ids
 
 
-def test_a_time_panel_ranks_runs_by_simulated_seconds_to_its_target(tmp_path: Path) -> None:
+def test_a_time_panel_ranks_runs_by_simulated_seconds_to_its_target(sqlite_ledger: str) -> None:
     (delayed,) = build_panels(keys=("delayed",))
     assert delayed.target == 0.92
     verdict, ids = verdict_of(
@@ -156,7 +155,7 @@ def test_a_time_panel_ranks_runs_by_simulated_seconds_to_its_target(tmp_path: Pa
             [(0.5, 5, 0.6), (2.0, 5, 0.95), (2.5, 5, 0.99)],  # DTS: 2 s
             [(1.6, 5, 0.92), (1.8, 5, 0.5)],  # DTS + top-k: 1.6 s (exactly the target)
         ],
-        f"sqlite:///{tmp_path / 'ledger.db'}",
+        sqlite_ledger,
     )
     sgd, local, dts, dts_top_k = verdict.rows
     assert [r.run_id for r in verdict.rows] == ids
@@ -179,7 +178,7 @@ def test_a_time_panel_ranks_runs_by_simulated_seconds_to_its_target(tmp_path: Pa
 
 
 def test_a_bytes_panel_counts_upload_bytes_up_to_the_first_step_at_its_target(
-    tmp_path: Path,
+    sqlite_ledger: str,
 ) -> None:
     (compression,) = build_panels(keys=("compression",))
     verdict, _ = verdict_of(
@@ -191,7 +190,7 @@ def test_a_bytes_panel_counts_upload_bytes_up_to_the_first_step_at_its_target(
             [(1.0, 50, 0.2), (2.0, 50, 0.3)],  # FetchSGD: not reached
             [(1.0, 3000, 0.9)],  # Sketched-SGD: as much as the reference
         ],
-        f"sqlite:///{tmp_path / 'ledger.db'}",
+        sqlite_ledger,
     )
     assert [r.cost for r in verdict.rows] == [3000.0, 200.0, 250.0, None, 3000.0]
     assert [r.versus_reference for r in verdict.rows] == [1.0, 15.0, 12.0, None, 1.0]
@@ -203,9 +202,9 @@ def test_a_bytes_panel_counts_upload_bytes_up_to_the_first_step_at_its_target(
     )
 
 
-def test_a_reference_that_wins_or_misses_the_target_is_said_as_it_is(tmp_path: Path) -> None:
+def test_a_reference_that_wins_or_misses_the_target_is_said_as_it_is(sqlite_ledger: str) -> None:
     (stragglers,) = build_panels(keys=("stragglers",))
-    db = f"sqlite:///{tmp_path / 'ledger.db'}"
+    db = sqlite_ledger
     won, _ = verdict_of(
         stragglers,
         [[(1.0, 5, 0.95)], [(2.0, 5, 0.95)], [(1.0, 5, 0.95)], [(3.0, 5, 0.5)]],
@@ -225,10 +224,10 @@ def test_a_reference_that_wins_or_misses_the_target_is_said_as_it_is(tmp_path: P
 
 
 def test_summaries_read_at_another_target_or_without_the_reference_are_refused(
-    tmp_path: Path,
+    sqlite_ledger: str,
 ) -> None:
     (stragglers,) = build_panels(keys=("stragglers",))
-    with LedgerRepository.open(f"sqlite:///{tmp_path / 'ledger.db'}") as repo:
+    with LedgerRepository.open(sqlite_ledger) as repo:
         ids = [write_run(repo, m.run_name, [(1.0, 5, 0.95)]) for m in stragglers.members]
         with pytest.raises(ConfigError, match="summarised at another target than 0.9"):
             judge(stragglers, summarize_runs(repo, ids, target=0.5))

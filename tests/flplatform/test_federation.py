@@ -19,8 +19,8 @@ from flplatform.core import keys
 from flplatform.engine import RoundEngine, Synchrony
 from storage import LedgerRepository
 from strategies.local_sgd import LocalSGDAveraging
-from tests.flplatform.engine.scripted_grid import ScriptedGrid
-from tests.flplatform.engine.test_engine import site
+from tests.helpers.scripted_grid import ScriptedGrid
+from tests.helpers.sites import site
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 

@@ -4,7 +4,6 @@ strategies and ledger (scripted sites; the real simulations are in tests/integra
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,7 +25,7 @@ from flplatform.run.start import start
 from storage import LedgerRepository
 from strategies.fetchsgd import FetchSGD
 from strategies.local_sgd import LocalSGDAveraging
-from tests.flplatform.engine.scripted_grid import Behaviour, ScriptedGrid
+from tests.helpers.scripted_grid import Behaviour, ScriptedGrid
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -75,8 +74,8 @@ def federation(attacker: Train, *, declared: int = 10) -> ScriptedGrid:
 
 
 @pytest.fixture
-def db(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'ledger.db'}"
+def db(sqlite_ledger: str) -> str:
+    return sqlite_ledger
 
 
 @pytest.fixture(autouse=True)
@@ -212,7 +211,7 @@ def test_a_step_that_would_overflow_float32_is_not_taken(db: str) -> None:
 def test_a_huge_fetchsgd_sketch_is_rejected(db: str) -> None:
     """FetchSGD's replies are sketches; the guard judges the tables (kind 'sketch')."""
     from strategies.sketched_common import SKETCH
-    from tests.strategies.delayed_sites import context, digits_site
+    from tests.helpers.delayed_sites import context, digits_site
 
     sites = {n: digits_site(n - 1, 4, context(n)) for n in range(1, 5)}
     inner = sites[4]
@@ -229,12 +228,12 @@ def test_a_huge_fetchsgd_sketch_is_rejected(db: str) -> None:
         return reply
 
     sites[4] = evil
-    from tests.strategies.test_fetchsgd import _digits_model
+    from tests.helpers.sites import digits_model
 
     result = start(
         FetchSGD(k=200, seed=1),
         ScriptedGrid(sites),
-        _digits_model(),
+        digits_model(),
         num_rounds=3,
         ledger=db,
         train_config=ConfigRecord({keys.LOCAL_STEPS: 5, keys.LR: 0.1}),

@@ -25,6 +25,7 @@ from flplatform.launch.simulation import (
     forget_snapshots,
     logs_dir,
     private_file,
+    staged_app,
     telling_line,
     work_home,
 )
@@ -180,3 +181,53 @@ def test_a_superlink_that_dies_fails_the_run_with_its_reason_before_the_serverap
     assert run.error == f"{reason}; see {tmp_path / 'superlink.log'}"
     assert seen.read_text() == "failed"
     assert started[0].alive() == []
+
+
+# ===================================================== the app directory flwr run walks
+def _fab_names(app_dir: Path) -> set[str]:
+    """The files Flower's own `flwr run` packs from ``app_dir``."""
+    import io
+    import zipfile
+
+    from flwr.cli.build import build_fab_from_disk
+
+    with zipfile.ZipFile(io.BytesIO(build_fab_from_disk(app_dir))) as fab:
+        return set(fab.namelist())
+
+
+def test_the_staged_app_packs_as_the_app_without_its_venv_data_or_home(tmp_path: Path) -> None:
+    app = tmp_path / "app"
+    (app / "pkg").mkdir(parents=True)
+    (app / "pyproject.toml").write_text((ROOT / "examples/own_app/pyproject.toml").read_text())
+    (app / "pkg" / "__init__.py").write_text("")
+    (app / "pkg" / "task.py").write_text("X = 1\n")
+    (app / "pkg" / "notes.md").write_text("kept\n")
+    (app / "pkg" / "ignored.py").write_text("")
+    (app / ".gitignore").write_text("pkg/ignored.py\n")
+    (app / "data").mkdir()
+    (app / "data" / "images.bin").write_bytes(b"\0" * 1000)  # not packed: never copied
+    venv = app / "my-env"  # a virtualenv, whatever its name
+    (venv / "lib").mkdir(parents=True)
+    (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (venv / "lib" / "site.py").write_text("")
+    (app / ".cache").mkdir()
+    (app / ".cache" / "junk.json").write_text("{}")  # hidden: left out
+    home = app / ".flplatform"  # the platform's home inside the app
+    (home / "logs").mkdir(parents=True)
+    (home / "logs" / "run.json").write_text("{}")
+
+    unstaged = _fab_names(app)  # what Flower packs walking the app directory itself
+    staged = staged_app(app, home)
+
+    assert staged.parent == home / "apps"
+    packed = _fab_names(staged)
+    left_out = {".cache/junk.json", "my-env/lib/site.py", ".flplatform/logs/run.json"}
+    assert left_out <= unstaged and packed == unstaged - left_out
+    assert {"pkg/task.py", "pkg/notes.md"} <= packed and "pkg/ignored.py" not in packed
+    assert not (staged / "data").exists() and not (staged / ".flplatform").exists()
+    # Named by its contents: the same app stages to the same copy, a change to a new one.
+    assert staged_app(app, home) == staged
+    (app / "pkg" / "task.py").write_text("X = 2\n")
+    changed = staged_app(app, home)
+    assert changed != staged and (changed / "pkg" / "task.py").read_text() == "X = 2\n"
+    assert (staged / "pkg" / "task.py").read_text() == "X = 1\n"  # never changed once made

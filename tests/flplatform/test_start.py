@@ -20,7 +20,6 @@ from flwr.app import (
     ArrayRecord,
     ConfigRecord,
     Message,
-    MessageType,
     MetricRecord,
     RecordDict,
 )
@@ -44,49 +43,16 @@ from storage import LedgerRepository
 from strategies.delayed import DelayedCompensated
 from strategies.fetchsgd import FetchSGD
 from strategies.local_sgd import LocalSGDAveraging
-from tests.flplatform.engine.scripted_grid import Behaviour, ScriptedGrid
+from tests.helpers.scripted_grid import Behaviour, ScriptedGrid
+from tests.helpers.sites import MODEL, Reply, digits_model, replying_site, trained
 
 pytestmark = pytest.mark.usefixtures("task_identity")
-
-MODEL = ArrayRecord({"w": Array(np.zeros(4, np.float32))})
-Reply = Callable[[Message, np.ndarray], RecordDict]
-
-
-def trained(value: float, examples: int, loss: float) -> Reply:
-    """A well-formed training reply: the model set to ``value``, Flower's metrics."""
-
-    def content(msg: Message, sent: np.ndarray) -> RecordDict:
-        arrays = ArrayRecord({"w": Array(np.full_like(sent, value))})
-        metrics = MetricRecord({keys.NUM_EXAMPLES: examples, keys.TRAIN_LOSS: loss})
-        return RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics})
-
-    return content
-
-
-def site(name: str, reply: Reply, *, accuracy: float = 0.5, extra: bool = False) -> Behaviour:
-    """Introduces itself, evaluates (5 examples, ``accuracy``; ``extra``: a second metrics
-    record) and trains as ``reply`` says."""
-
-    def behave(msg: Message) -> Message:
-        if msg.metadata.message_type == MessageType.QUERY:
-            info = ConfigRecord({keys.SITE_NAME: name})
-            return Message(RecordDict({keys.SITE_INFO: info}), reply_to=msg)
-        if msg.metadata.message_type == MessageType.EVALUATE:
-            evaluated = MetricRecord({keys.NUM_EXAMPLES: 5, keys.EVAL_ACCURACY: accuracy})
-            content = RecordDict({keys.METRICS: evaluated})
-            if extra:
-                content["more-metrics"] = MetricRecord({"x": 1.0})
-            return Message(content, reply_to=msg)
-        sent = record_to_arrays(msg.content.array_records[keys.ARRAYS])["w"]
-        return Message(reply(msg, sent), reply_to=msg)
-
-    return behave
 
 
 def two_sites() -> dict[int, Behaviour]:
     return {
-        1: site("a", trained(1.0, examples=10, loss=1.0)),
-        2: site("b", trained(4.0, examples=30, loss=0.0)),
+        1: replying_site("a", trained(1.0, examples=10, loss=1.0)),
+        2: replying_site("b", trained(4.0, examples=30, loss=0.0)),
     }
 
 
@@ -105,8 +71,8 @@ class FlowerGrid(ScriptedGrid):
 
 
 @pytest.fixture
-def db(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'ledger.db'}"
+def db(sqlite_ledger: str) -> str:
+    return sqlite_ledger
 
 
 @pytest.fixture(autouse=True)
@@ -187,7 +153,7 @@ def test_a_run_that_stops_early_is_recorded_failed_with_the_reason(db: str) -> N
         arrays = ArrayRecord({"w": Array(np.ones_like(sent))})
         return RecordDict({keys.ARRAYS: arrays, keys.METRICS: MetricRecord({"loss": 1.0})})
 
-    grid = ScriptedGrid({1: site("a", no_weight), 2: site("b", no_weight)})
+    grid = ScriptedGrid({1: replying_site("a", no_weight), 2: replying_site("b", no_weight)})
     with pytest.raises(NoProgress) as raised:
         start(LocalSGDAveraging(), grid, MODEL, num_rounds=5, ledger=db, max_failed_rounds=2)
     with LedgerRepository.open(db) as repo:
@@ -410,7 +376,7 @@ def wrong_shape(msg: Message, sent: np.ndarray) -> RecordDict:
 def test_a_reply_flower_would_refuse_is_rejected_and_the_round_goes_on(
     db: str, odd: Reply, reason: str
 ) -> None:
-    grid = ScriptedGrid({**two_sites(), 3: site("odd", odd)})
+    grid = ScriptedGrid({**two_sites(), 3: replying_site("odd", odd)})
     result = start(FedAvg(), grid, MODEL, num_rounds=1, ledger=db)
     np.testing.assert_allclose(model_of(result.arrays), WEIGHTED_MEAN)  # without the odd one
     with LedgerRepository.open(db) as repo:
@@ -442,8 +408,8 @@ def test_fedavg_itself_refuses_the_round_the_adapter_saves() -> None:
 
 
 def test_an_evaluation_reply_flower_would_refuse_is_left_out(db: str) -> None:
-    odd = site("odd", trained(4.0, examples=30, loss=0.0), accuracy=0.9, extra=True)
-    grid = ScriptedGrid({1: site("a", trained(1.0, examples=10, loss=1.0)), 2: odd})
+    odd = replying_site("odd", trained(4.0, examples=30, loss=0.0), accuracy=0.9, extra=True)
+    grid = ScriptedGrid({1: replying_site("a", trained(1.0, examples=10, loss=1.0)), 2: odd})
     result = start(FedAvg(), grid, MODEL, num_rounds=1, ledger=db)
     # Flower's FedAvg alone would refuse the round's evaluation (two MetricRecords) and
     # end the run; here the odd reply is left out and the other one counts.
@@ -477,10 +443,10 @@ def test_modes_a_strategy_cannot_run_are_refused(
 
 # ============================================================ our strategies
 def test_fetchsgd_runs_through_flowers_own_start_signature() -> None:
-    from tests.strategies.delayed_sites import context, digits_site
+    from tests.helpers.delayed_sites import context, digits_site
 
     grid = ScriptedGrid({n: digits_site(n - 1, 2, context(n)) for n in (1, 2)})
-    initial = _digits_model()
+    initial = digits_model(num_partitions=2)
     calls: list[int] = []
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
@@ -497,16 +463,6 @@ def test_fetchsgd_runs_through_flowers_own_start_signature() -> None:
     assert calls == [0, 1, 2]  # before the first round and after each, as Flower's start
     assert result.evaluate_metrics_serverapp[2]["changed"] == 1.0
     assert sorted(result.train_metrics_clientapp) == [1, 2]
-
-
-def _digits_model() -> ArrayRecord:
-    from clients.site import load_site
-
-    site = load_site(
-        {keys.PARTITION_ID: 0, keys.NUM_PARTITIONS: 2},
-        {"dataset": "digits", "partition": "dirichlet", "alpha": 1.0, "model": "mlp"},
-    )
-    return ArrayRecord(site.build_model(num_classes=10, seed=0).state_dict())
 
 
 def _flat(arrays: ArrayRecord) -> np.ndarray:

@@ -13,7 +13,6 @@ database whose password, given in the URL, must appear in no file and no output.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -27,60 +26,12 @@ from sqlalchemy.engine import make_url
 from flplatform.launch.processes import ProcessTree
 from flplatform.launch.simulation import flower_environment, free_port
 from storage import LedgerRepository
+from tests.helpers.processes import Machine, wait_for_text
 
 pytestmark = [pytest.mark.slow, pytest.mark.deploy]
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 ROUNDS = 3
-
-
-class Machine:
-    """A home of its own and the ``flplatform`` command run there."""
-
-    def __init__(self, home: Path) -> None:
-        home.mkdir(parents=True)
-        self.home = home
-        self.env = {
-            **os.environ,
-            "FLPLATFORM_HOME": str(home),
-            "FLWR_HOME": str(home / "flwr"),
-            "PYTHONPATH": str(ROOT),
-        }
-
-    def command(self, *args: str) -> list[str]:
-        return [sys.executable, "-c", "from flplatform.cli.app import main; main()", *args]
-
-    def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            self.command(*args),
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            stdin=subprocess.DEVNULL,
-        )
-
-    def start(self, tree: ProcessTree, log: Path, *args: str) -> subprocess.Popen[bytes]:
-        return tree.popen(
-            self.command(*args),
-            env=self.env,
-            stdout=log.open("wb"),
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-
-
-def wait_for_text(log: Path, text: str, proc: subprocess.Popen[bytes], tree: ProcessTree,
-                  timeout: float) -> str:  # fmt: skip
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        tree.record()  # every process the commands start is known, to check none is left
-        output = log.read_text(errors="replace")
-        if text in output:
-            return output
-        assert proc.poll() is None, output[-3000:]
-        time.sleep(0.5)
-    raise AssertionError(f"no {text!r} within {timeout} s:\n{log.read_text()[-3000:]}")
 
 
 def test_a_deployment_with_tls_and_registered_sites(tmp_path: Path, password_database: str) -> None:

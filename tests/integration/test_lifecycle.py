@@ -26,6 +26,7 @@ from flplatform.app.config import RunConfig
 from flplatform.launch.processes import ProcessTree
 from flplatform.launch.simulation import run_simulation, start_simulation, work_home
 from storage import LedgerRepository, RunRecord
+from tests.helpers.processes import Leftovers
 
 ROOT = Path(__file__).resolve().parents[2]
 APPS = Path(__file__).parent / "apps"
@@ -37,62 +38,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds processes in /proc (Linux)"),
 ]
-
-
-class Leftovers:
-    """Every process seen below ``root`` (pid → start time) and the sessions they are in."""
-
-    def __init__(self, root: int) -> None:
-        self.root = root
-        self.seen: dict[int, int] = {}
-        self.sessions: set[int] = set()
-
-    def record(self) -> None:
-        table = _processes()
-        children: dict[int, list[int]] = {}
-        for pid, (ppid, _, _, _) in table.items():
-            children.setdefault(ppid, []).append(pid)
-        todo = list(children.get(self.root, []))
-        while todo:
-            pid = todo.pop()
-            _, sid, start, _ = table[pid]
-            self.seen[pid] = start
-            self.sessions.add(sid)
-            todo.extend(children.get(pid, []))
-
-    def alive(self) -> list[str]:
-        """The recorded processes still running, with their command lines."""
-        table = _processes()
-        left = [
-            pid
-            for pid, (_, sid, start, state) in table.items()
-            if state != "Z" and (self.seen.get(pid) == start or sid in self.sessions)
-        ]
-        return [f"{pid} {_cmdline(pid)}" for pid in left if pid != os.getpid()]
-
-    def named(self, text: str) -> int:
-        [pid] = [pid for pid in self.seen if text in _cmdline(pid)]
-        return pid
-
-
-def _processes() -> dict[int, tuple[int, int, int, str]]:
-    """pid → (ppid, session, start time, state) of every process."""
-    table = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            table[int(entry.name)] = (int(fields[1]), int(fields[3]), int(fields[19]), fields[0])
-    return table
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
-    except OSError:
-        return "?"
 
 
 def _run(repo: LedgerRepository) -> RunRecord | None:

@@ -14,116 +14,63 @@ One kill in the default suite; every strategy and mode, three kills each, with
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from flplatform.cli.app import app
 from flplatform.core.ledger_rows import Kind, UpdateColumns, columns
 from storage import LedgerRepository
-from tests.integration.test_lifecycle import Leftovers
+from tests.helpers.processes import flplatform_cli, kill_after, wait_ok
 
 ROOT = Path(__file__).resolve().parents[2]
-STARTUP_SECONDS = 300.0
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds processes in /proc (Linux)"),
 ]
 
-BASE = [
-    "--sites",
-    "3",
-    "--dataset",
-    "digits",
-    "--local-steps",
-    "3",
-    "--network",
-    "world",
-    "--compute-model",
-    "exponential",
-    "--seed",
-    "7",
-]
+BASE = {
+    "sites": "london,ohio,california",
+    "dataset": "digits",
+    "local-steps": 3,
+    "network": "world",
+    "compute-model": "exponential",
+    "seed": 7,
+}
 ROUNDS = 7
-# (id, options, kill after these committed rounds, in the default suite)
+# (id, options, kill after these committed rounds); options are run-config keys, given to
+# `flplatform simulate` as the options of the same names.
 CASES = [
-    ("local-sgd-momentum-sync", ["--server-momentum", "0.9"], (2, 4, 5)),
+    ("local-sgd-momentum-sync", {"server-momentum": 0.9}, (2, 4, 5)),
     (
         "local-sgd-momentum-topk-k-async",
-        ["--server-momentum", "0.9", "--sync", "k-async", "--k", "2", "--codec", "topk:0.1"],
+        {"server-momentum": 0.9, "sync": "k-async", "k": 2, "codec": "topk:0.1"},
         (2, 4, 5),
     ),
-    ("delayed-d2", ["--strategy", "delayed", "--delay", "2"], (2, 3, 5)),
-    ("fetchsgd", ["--strategy", "fetchsgd", "--k", "200", "--sketch-momentum", "0.9"], (1, 3, 5)),
-    (
-        "sketched-sgd",
-        ["--strategy", "sketched-sgd", "--k", "200", "--step-momentum", "0.9"],
-        (2, 3, 5),
-    ),
+    ("delayed-d2", {"strategy": "delayed", "delay": 2}, (2, 3, 5)),
+    ("fetchsgd", {"strategy": "fetchsgd", "k": 200, "sketch-momentum": 0.9}, (1, 3, 5)),
+    ("sketched-sgd", {"strategy": "sketched-sgd", "k": 200, "step-momentum": 0.9}, (2, 3, 5)),
 ]
 # The default suite's case: one kill of the k-async run with compressed uploads (stale work
 # in flight, site residuals, server momentum); `make test-resume` runs every case above.
-DEFAULT_CASE = ("k-async-one-kill", CASES[1][1], (3,))
+DEFAULT_CASE = ("k-async-one-kill", CASES[1][0], (3,))
+runner = CliRunner()
 
 
-def _cli(args: list[str], cwd: Path, log: Path) -> subprocess.Popen[bytes]:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    return subprocess.Popen(
-        [sys.executable, "-c", "from flplatform.cli.app import main; main()", *args],
-        env=env,
-        cwd=cwd,
-        stdout=log.open("ab"),
-        stderr=subprocess.STDOUT,
-    )
+def _options(options: dict[str, object]) -> list[str]:
+    return [item for key, value in options.items() for item in (f"--{key}", str(value))]
 
 
-def _kill_after(cli: subprocess.Popen[bytes], db: str, run_id: int | None, rounds: int) -> int:
-    """SIGKILL the command and everything below it once the run has ``rounds`` rounds."""
-    leftovers = Leftovers(cli.pid)
-    deadline = time.monotonic() + STARTUP_SECONDS
-    with LedgerRepository.open(db) as repository:
-        while True:
-            leftovers.record()
-            runs = repository.list_runs()
-            run = next((r for r in runs if run_id is None or r.id == run_id), None)
-            if run is not None and run.rounds_completed >= rounds:
-                break
-            assert cli.poll() is None, "the command ended before the kill"
-            assert time.monotonic() < deadline, "the round did not come"
-            time.sleep(0.05)
-    cli.kill()
-    for line in leftovers.alive():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(int(line.split()[0]), signal.SIGKILL)
-    cli.wait()
-    time.sleep(1.0)
-    assert leftovers.alive() == []
-    return run.id
-
-
-def _wait(cli: subprocess.Popen[bytes], log: Path) -> None:
-    code = cli.wait(timeout=STARTUP_SECONDS * 3)
-    text = log.read_text(errors="replace")
-    assert code == 0, text[-3000:]
-    assert "Traceback" not in text
-
-
-def _model(db: str, run_id: int, out: Path, cwd: Path, log: Path) -> dict[str, torch.Tensor]:
-    cli = _cli(["export", str(run_id), "--db", db, "--out", str(out)], cwd, log)
-    _wait(cli, log)
+def _model(db: str, run_id: int, out: Path) -> dict[str, torch.Tensor]:
+    """The run's final model as `flplatform export` writes it."""
+    result = runner.invoke(app, ["export", str(run_id), "--db", db, "--out", str(out)])
+    assert result.exit_code == 0 and "Traceback" not in result.output, result.output
     return torch.load(out, weights_only=True)
 
 
@@ -167,39 +114,43 @@ def _rows(db: str, run_id: int) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "options,kills",
+    "case,kills",
     [
         pytest.param(DEFAULT_CASE[1], DEFAULT_CASE[2], id=DEFAULT_CASE[0]),
-        *(pytest.param(o, k, id=name, marks=pytest.mark.resume) for name, o, k in CASES),
+        *(pytest.param(name, k, id=name, marks=pytest.mark.resume) for name, _, k in CASES),
     ],
 )
 @pytest.mark.usefixtures("flplatform_home")
 def test_a_run_killed_and_resumed_ends_bit_for_bit_as_the_uninterrupted_run(
-    tmp_path: Path, options: list[str], kills: tuple[int, ...]
+    tmp_path: Path,
+    case: str,
+    kills: tuple[int, ...],
 ) -> None:
+    options = next(o for name, o, _ in CASES if name == case)
     log = tmp_path / "output.txt"
-    args = ["simulate", *BASE, *options, "--rounds", str(ROUNDS)]
+    args = ["simulate", *_options({**BASE, **options}), "--rounds", str(ROUNDS)]
     reference_db = f"sqlite:///{tmp_path / 'reference.db'}"
-    _wait(_cli([*args, "--db", reference_db], tmp_path, log), log)
+    wait_ok(flplatform_cli([*args, "--db", reference_db], tmp_path, log), log)
+    with LedgerRepository.open(reference_db) as repository:
+        [reference] = repository.list_runs()
+    reference_id = reference.id
 
     db = f"sqlite:///{tmp_path / 'ledger.db'}"
     LedgerRepository.open(db).close()  # created first, so that both processes find it
-    run_id = _kill_after(_cli([*args, "--db", db], tmp_path, log), db, None, kills[0])
+    run_id = kill_after(flplatform_cli([*args, "--db", db], tmp_path, log), db, None, kills[0])
     for rounds in kills[1:]:
-        cli = _cli(["resume", str(run_id), "--db", db], tmp_path, log)
-        _kill_after(cli, db, run_id, rounds)
-    _wait(_cli(["resume", str(run_id), "--db", db], tmp_path, log), log)
+        cli = flplatform_cli(["resume", str(run_id), "--db", db], tmp_path, log)
+        kill_after(cli, db, run_id, rounds)
+    wait_ok(flplatform_cli(["resume", str(run_id), "--db", db], tmp_path, log), log)
 
-    with LedgerRepository.open(reference_db) as repository:
-        [reference] = repository.list_runs()
-    resumed_model = _model(db, run_id, tmp_path / "resumed.pt", tmp_path, log)
-    reference_model = _model(reference_db, reference.id, tmp_path / "reference.pt", tmp_path, log)
+    resumed_model = _model(db, run_id, tmp_path / "resumed.pt")
+    reference_model = _model(reference_db, reference_id, tmp_path / "reference.pt")
     assert list(resumed_model) == list(reference_model)
     for name, tensor in reference_model.items():
         assert torch.equal(resumed_model[name], tensor), name
     assert np.isfinite(sum(float(t.float().sum()) for t in reference_model.values()))
 
-    resumed_rows, reference_rows = _rows(db, run_id), _rows(reference_db, reference.id)
+    resumed_rows, reference_rows = _rows(db, run_id), _rows(reference_db, reference_id)
     assert len(resumed_rows) == len(reference_rows)
     for resumed, reference_row in zip(resumed_rows, reference_rows, strict=True):
         _assert_same_row(resumed, reference_row)
@@ -218,12 +169,12 @@ def test_sites_that_lost_their_snapshots_are_resynced_and_the_run_finishes(
     log = tmp_path / "output.txt"
     db = f"sqlite:///{tmp_path / 'ledger.db'}"
     LedgerRepository.open(db).close()
-    args = ["simulate", *BASE, "--strategy", "delayed", "--delay", "2", "--rounds", "5"]
-    run_id = _kill_after(_cli([*args, "--db", db], tmp_path, log), db, None, 2)
+    args = ["simulate", *_options({**BASE, "strategy": "delayed", "delay": 2}), "--rounds", "5"]
+    run_id = kill_after(flplatform_cli([*args, "--db", db], tmp_path, log), db, None, 2)
     assert any(site_state_dir.iterdir())  # the sites kept snapshots, under the test's dir
     shutil.rmtree(site_state_dir)  # a site machine that lost its disk
 
-    _wait(_cli(["resume", str(run_id), "--db", db], tmp_path, log), log)
+    wait_ok(flplatform_cli(["resume", str(run_id), "--db", db], tmp_path, log), log)
 
     with LedgerRepository.open(db) as repository:
         run = repository.get_run(run_id)
@@ -247,12 +198,12 @@ def test_a_run_of_an_own_app_killed_and_resumed_ends_as_the_uninterrupted_run(
     args = ["run", str(app_dir), "--sites", "2", "--rounds", "5", "--seed", "3"]
     args += ["--network", "world", "--checkpoint-every", "2"]
     reference_db = f"sqlite:///{tmp_path / 'reference.db'}"
-    _wait(_cli([*args, "--db", reference_db], tmp_path, log), log)
+    wait_ok(flplatform_cli([*args, "--db", reference_db], tmp_path, log), log)
 
     db = f"sqlite:///{tmp_path / 'ledger.db'}"
     LedgerRepository.open(db).close()
-    run_id = _kill_after(_cli([*args, "--db", db], tmp_path, log), db, None, 2)
-    _wait(_cli(["resume", str(run_id), "--db", db], tmp_path, log), log)
+    run_id = kill_after(flplatform_cli([*args, "--db", db], tmp_path, log), db, None, 2)
+    wait_ok(flplatform_cli(["resume", str(run_id), "--db", db], tmp_path, log), log)
 
     with LedgerRepository.open(reference_db) as repository:
         [reference] = repository.list_runs()
@@ -262,8 +213,8 @@ def test_a_run_of_an_own_app_killed_and_resumed_ends_as_the_uninterrupted_run(
         kept = [c.round for c in repository.list_checkpoints(run_id)]
     assert run.status == "finished" and [e.kind for e in events] == ["resumed"]
     assert 2 in kept and 4 in kept  # --checkpoint-every reached the app's start()
-    resumed_model = _model(db, run_id, tmp_path / "resumed.pt", tmp_path, log)
-    reference_model = _model(reference_db, reference.id, tmp_path / "reference.pt", tmp_path, log)
+    resumed_model = _model(db, run_id, tmp_path / "resumed.pt")
+    reference_model = _model(reference_db, reference.id, tmp_path / "reference.pt")
     assert list(resumed_model) == list(reference_model)
     for name, tensor in reference_model.items():
         assert torch.equal(resumed_model[name], tensor), name

@@ -23,7 +23,7 @@ from flplatform.cli.app import app
 from flplatform.core.errors import StorageError
 from storage import LedgerRepository
 from storage.session import PASSWORD_ENV, split_password
-from tests.integration.test_resume import _cli, _kill_after, _wait
+from tests.helpers.processes import flplatform_cli, kill_after, wait_ok
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 runner = CliRunner()
@@ -113,12 +113,12 @@ def test_a_run_recorded_without_its_password_resumes_with_it_from_the_environmen
     assert password
     log = tmp_path / "cli.log"
     simulate = ["simulate", "--sites", "2", "--rounds", "3", "--local-steps", "2"]
-    cli = _cli([*simulate, "--db", password_database], tmp_path, log)
-    run_id = _kill_after(cli, password_database, None, 1)
+    cli = flplatform_cli([*simulate, "--db", password_database], tmp_path, log)
+    run_id = kill_after(cli, password_database, None, 1)
 
     # The ledger names the database without the password; the user gives it as PGPASSWORD.
     monkeypatch.setenv(PASSWORD_ENV, password)
-    _wait(_cli(["resume", str(run_id), "--db", public], tmp_path, log), log)
+    wait_ok(flplatform_cli(["resume", str(run_id), "--db", public], tmp_path, log), log)
 
     with LedgerRepository.open(public) as repository:
         run = repository.get_run(run_id)

@@ -27,8 +27,7 @@ from flplatform.cli.app import app
 from flplatform.launch.processes import ProcessTree
 from flplatform.launch.simulation import flower_environment, free_port, wait_for_port
 from storage import LedgerRepository, RunRecord
-from tests.integration.test_deploy import Machine, wait_for_text
-from tests.integration.test_lifecycle import Leftovers
+from tests.helpers.processes import Leftovers, Machine, wait_for_text
 
 pytestmark = [
     pytest.mark.slow,

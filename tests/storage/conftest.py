@@ -62,10 +62,11 @@ def new_ledger_urls(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[
 
 
 @pytest.fixture(params=BACKENDS)
-def repo(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LedgerRepository]:
-    """An open repository over an empty, migrated ledger on each backend."""
+def repo(request: pytest.FixtureRequest) -> Iterator[LedgerRepository]:
+    """An open repository over an empty, migrated ledger on each backend (SQLite: a copy of
+    the session's template, tests/conftest.py's ``sqlite_ledger``)."""
     if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'ledger.db'}"
+        url = str(request.getfixturevalue("sqlite_ledger"))
     else:
         url = str(request.getfixturevalue("postgres_ledger"))
     with LedgerRepository.open(url) as repository:

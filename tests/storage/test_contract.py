@@ -25,7 +25,7 @@ from storage import (
     UpdateInput,
     UpdateStatus,
 )
-from tests.storage.helpers import (
+from tests.helpers.ledger_records import (
     T0,
     assert_summary_matches,
     evaluation,

@@ -35,7 +35,7 @@ from storage.migrations import (
 )
 from storage.models import UInt64, UTCDateTime, metadata
 from storage.session import create_ledger_engine
-from tests.storage.helpers import T0, evaluation, make_run, record, update
+from tests.helpers.ledger_records import T0, evaluation, make_run, record, update
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LEDGER_TABLES = {

@@ -17,7 +17,7 @@ from storage import (
     UpdateInput,
 )
 from storage.summaries import nearest_rank_p90, waiting_and_busy
-from tests.storage.helpers import (
+from tests.helpers.ledger_records import (
     T0,
     assert_summary_matches,
     make_run,

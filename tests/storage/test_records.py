@@ -23,7 +23,7 @@ from storage import (
     RoundRecord,
     SiteSummary,
 )
-from tests.storage.helpers import evaluation, update
+from tests.helpers.ledger_records import evaluation, update
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

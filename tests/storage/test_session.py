@@ -15,8 +15,8 @@ from sqlalchemy import text
 from flplatform.core.errors import StorageError
 from storage import LedgerRepository, default_db_url, mask_db_url, normalize_db_url
 from storage.session import SQLITE_BUSY_TIMEOUT_MS
+from tests.helpers.ledger_records import make_run
 from tests.postgres import free_port
-from tests.storage.helpers import make_run
 
 
 # ---------------------------------------------------------------------------- URLs

@@ -20,7 +20,7 @@ from flplatform.run.ledger import (
     run_checkpoint_directory,
 )
 from storage import LedgerRepository, ledger_id
-from tests.storage.helpers import T0, make_run
+from tests.helpers.ledger_records import T0, make_run
 
 
 def summary(step: int) -> RoundSummary:
@@ -40,8 +40,8 @@ def state(step: int) -> dict[str, Any]:
 
 
 @pytest.fixture
-def repo(tmp_path: Path) -> Any:
-    with LedgerRepository.open(f"sqlite:///{tmp_path / 'ledger.db'}") as repository:
+def repo(sqlite_ledger: str) -> Any:
+    with LedgerRepository.open(sqlite_ledger) as repository:
         yield repository
 
 

@@ -1,7 +1,7 @@
 """Delayed compensated updates: oracles, the invariant, pipelining, and bad input.
 
 Everything runs through the real engine, strategy and site mod over an in-process grid
-(``delayed_sites``); the Flower simulation path is in tests/integration.
+(``tests/helpers/delayed_sites.py``); the Flower simulation path is in tests/integration.
 """
 
 from __future__ import annotations
@@ -32,10 +32,9 @@ from strategies.compensation import ServerPeriods, SitePeriods
 from strategies.delayed import DelayedCompensated
 from strategies.local_sgd import LocalSGDAveraging
 from strategies.mods.delayed import DelayedSiteConfig, load_site_periods
-from tests.flplatform.engine.idle_sites import network
-from tests.flplatform.engine.scripted_grid import ScriptedGrid
-
-from .delayed_sites import QuadraticSite, context, digits_site
+from tests.helpers.delayed_sites import QuadraticSite, context, digits_site
+from tests.helpers.idle_sites import network
+from tests.helpers.scripted_grid import ScriptedGrid
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 

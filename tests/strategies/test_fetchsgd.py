@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import (
-    ArrayRecord,
     ConfigRecord,
     Context,
     Message,
@@ -23,27 +22,17 @@ from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.core.errors import ConfigError, UpdateRejected
 from flplatform.engine import APPLIED, RoundEngine, RoundSummary
 from strategies.codecs import Layout
-from strategies.count_sketch import CountSketch
 from strategies.fetchsgd import FetchSGD
 from strategies.mods.contract import ModState
 from strategies.mods.fetchsgd import synced_model
 from strategies.sketch_feedback import SketchFeedback
 from strategies.sparse_sync import DENSE, ChangeLog, SparseModel
-from tests.flplatform.engine.scripted_grid import ScriptedGrid
-
-from .delayed_sites import context, digits_site
+from tests.helpers.algorithms import collision_free_sketch
+from tests.helpers.delayed_sites import context, digits_site
+from tests.helpers.scripted_grid import ScriptedGrid
+from tests.helpers.sites import digits_model
 
 pytestmark = pytest.mark.usefixtures("task_identity")
-
-
-def collision_free_sketch(d: int, rows: int = 3) -> CountSketch:
-    """A sketch so wide that no two of the d coordinates share a bucket in any row."""
-    for seed in range(100):
-        sketch = CountSketch.from_seed(d, rows=rows, cols=200 * d, seed=seed)
-        buckets = sketch.buckets_of(torch.arange(d))
-        if all(len(set(row.tolist())) == d for row in buckets):
-            return sketch
-    raise AssertionError("no collision-free seed found")
 
 
 @pytest.mark.parametrize("removal", ["zero", "subtract"])
@@ -80,16 +69,6 @@ def test_the_change_log_knows_what_a_site_that_missed_rounds_needs() -> None:
     assert log.changed_since(0, 4) is None and log.changed_since(1, 4) is not None
 
 
-def _digits_model() -> ArrayRecord:
-    from clients.site import load_site
-
-    site = load_site(
-        {keys.PARTITION_ID: 0, keys.NUM_PARTITIONS: 4},
-        {"dataset": "digits", "partition": "dirichlet", "alpha": 1.0, "model": "mlp"},
-    )
-    return ArrayRecord(site.build_model(num_classes=10, seed=0).state_dict())
-
-
 def run_fetchsgd(
     rounds: int = 4, contexts: dict[int, Context] | None = None, **kwargs: object
 ) -> tuple[FetchSGD, ScriptedGrid, list[RoundSummary]]:
@@ -103,7 +82,7 @@ def run_fetchsgd(
         grid, strategy, poll_interval=0.0, required_sites=4, on_round=summaries.append
     )
     engine.run(
-        _digits_model(),
+        digits_model(),
         num_rounds=rounds,
         train_config=ConfigRecord({keys.LOCAL_STEPS: 5, keys.LR: 0.1}),
     )
@@ -149,7 +128,7 @@ def test_every_site_rebuilds_exactly_the_servers_model() -> None:
     assert any(m.content[keys.CONFIG][keys.SYNC_FROM] >= 0 for m in messages)
     server = record_to_arrays(strategy.model.record)
     # The model keeps its own key order through sparse steps (fc1.weight before fc1.bias).
-    assert list(server) == list(_digits_model().keys()) != sorted(server)
+    assert list(server) == list(digits_model().keys()) != sorted(server)
     for msg in messages:
         held = ModState.load(contexts[msg.metadata.dst_node_id], keys.FETCHSGD_STATE)
         rebuilt = synced_model(msg, held)
@@ -204,7 +183,7 @@ def test_sites_drawn_as_away_keep_their_sparse_downloads() -> None:
     the whole model next time (one dense download per site, at first contact)."""
     from flplatform.engine.clock import VirtualClock
     from flplatform.network import ComputeModel
-    from tests.flplatform.engine.idle_sites import network
+    from tests.helpers.idle_sites import network
 
     clock = VirtualClock(network(4, ComputeModel("fixed", mean_seconds=1.0), availability=0.6))
     grid = ScriptedGrid({n: digits_site(n - 1, 4, context(n)) for n in range(1, 5)})
@@ -214,7 +193,7 @@ def test_sites_drawn_as_away_keep_their_sparse_downloads() -> None:
         grid, strategy, clock=clock, poll_interval=0.0, required_sites=4, on_round=summaries.append
     )
     engine.run(
-        _digits_model(),
+        digits_model(),
         num_rounds=8,
         train_config=ConfigRecord({keys.LOCAL_STEPS: 1, keys.LR: 0.1}),
     )
@@ -284,5 +263,5 @@ def test_fetchsgd_settings_are_checked() -> None:
 
 
 def test_layout_order_is_shared_by_site_and_server() -> None:
-    model = record_to_arrays(_digits_model())
+    model = record_to_arrays(digits_model())
     assert Layout.of(model).names == Layout.of(dict(reversed(model.items()))).names

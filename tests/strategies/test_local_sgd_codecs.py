@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 
 from flplatform.app.config import RunConfig
 from flplatform.core import keys
@@ -13,9 +13,9 @@ from flplatform.core.errors import ConfigError, UpdateRejected
 from flplatform.engine import APPLIED, REJECTED, RoundEngine, RoundSummary
 from strategies.codecs import Layout, TopK
 from strategies.local_sgd import LocalSGDAveraging
-from tests.flplatform.engine.scripted_grid import ScriptedGrid
-
-from .delayed_sites import digits_site
+from tests.helpers.delayed_sites import digits_site
+from tests.helpers.scripted_grid import ScriptedGrid
+from tests.helpers.sites import digits_model
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -116,7 +116,7 @@ def test_sites_upload_compressed_updates_and_keep_their_residual() -> None:
             required_sites=3,
             on_round=lambda s, c=codec: rounds.setdefault(c, []).append(s),
         )
-        model = record_to_arrays(_digits_model())
+        model = record_to_arrays(digits_model(num_partitions=3))
         engine.run(
             arrays_to_record(model),
             num_rounds=2,
@@ -143,13 +143,3 @@ def test_a_bad_codec_is_refused_where_it_is_configured() -> None:
         LocalSGDAveraging(codec="gzip")
     assert RunConfig.from_mapping({"codec": "topk:0.01"}).codec == "topk:0.01"
     assert Layout.of(BASE).size == 8
-
-
-def _digits_model() -> ArrayRecord:
-    from clients.site import load_site
-
-    site = load_site(
-        {keys.PARTITION_ID: 0, keys.NUM_PARTITIONS: 3},
-        {"dataset": "digits", "partition": "dirichlet", "alpha": 1.0, "model": "mlp"},
-    )
-    return ArrayRecord(site.build_model(num_classes=10, seed=0).state_dict())

@@ -48,9 +48,10 @@ from strategies.mods.contract import Mod
 from strategies.mods.sketched_sgd import CANDIDATES, VALUES, StepPhase
 from strategies.sketched_sgd import SketchedSGD
 from strategies.sparse_sync import DENSE
-from tests.flplatform.engine.scripted_grid import ScriptedGrid
-
-from .delayed_sites import QuadraticSite, context, digits_site
+from tests.helpers.algorithms import ALGORITHMS
+from tests.helpers.delayed_sites import QuadraticSite, context, digits_site
+from tests.helpers.scripted_grid import ScriptedGrid
+from tests.helpers.sites import digits_model, restart_before_round
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -365,15 +366,6 @@ def _run(strategy: Any, mod: Mod, rounds: int, **run_config: Any) -> tuple[dict,
     return record_to_arrays(result.arrays), summaries
 
 
-ALGORITHMS: dict[str, tuple[Callable[[], Any], Mod]] = {
-    "local-sgd": (lambda: LocalSGDAveraging(seed=1), model_mod()),
-    "topk": (lambda: LocalSGDAveraging(seed=1, codec="topk:0.05"), codec_mod("topk:0.05")),
-    "delayed": (lambda: DelayedCompensated(delay=1, num_rounds=4), delayed_mod()),
-    "fetchsgd": (lambda: FetchSGD(k=300, sketch_cols=2000, seed=1), fetchsgd_mod()),
-    "sketched-sgd": (lambda: SketchedSGD(k=300, sketch_cols=2000, seed=1), sketched_sgd_mod()),
-}
-
-
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_the_builtin_app_and_a_mod_wrapped_train_function_agree_bit_for_bit(algorithm: str) -> None:
     make, mod = ALGORITHMS[algorithm]
@@ -405,36 +397,17 @@ def test_dts_recipe_matches_the_servers_codec_bit_for_bit_and_sends_fewer_bytes(
 
 
 # ============================================================== state loss
-def _restart_before(
-    round_: int, contexts: dict[int, Context], node: int, behave: Callable[[Message], Message]
-) -> Callable[[Message], Message]:
-    """A site whose SuperNode restarts (empty context.state) before it handles ``round_``."""
-
-    def restarted(msg: Message) -> Message:
-        config = msg.content.config_records.get(keys.CONFIG, ConfigRecord())
-        if (
-            msg.metadata.message_type == MessageType.TRAIN
-            and config.get(keys.SERVER_ROUND) == round_
-        ):
-            contexts[node].state = RecordDict()
-        return behave(msg)
-
-    return restarted
-
-
 def test_fetchsgd_resyncs_a_site_that_lost_its_model() -> None:
     contexts = {n: context(n) for n in range(1, 4)}
     sites = {n: digits_site(n - 1, 3, contexts[n]) for n in range(1, 4)}
-    sites[2] = _restart_before(3, contexts, 2, sites[2])
+    sites[2] = restart_before_round(3, contexts, 2, sites[2])
     grid = ScriptedGrid(sites)
     summaries: list[RoundSummary] = []
     strategy = FetchSGD(k=300, sketch_cols=2000, seed=1)
     engine = RoundEngine(
         grid, strategy, poll_interval=0.0, required_sites=3, on_round=summaries.append
     )
-    from tests.strategies.test_fetchsgd import _digits_model
-
-    engine.run(_digits_model(), num_rounds=4, train_config=ConfigRecord({keys.LOCAL_STEPS: 2}))
+    engine.run(digits_model(), num_rounds=4, train_config=ConfigRecord({keys.LOCAL_STEPS: 2}))
     lost = [u for u in summaries[2].updates if u.status == REJECTED]
     assert len(lost) == 1 and "lost its state" in (lost[0].reason or "")
     assert "whole model next time" in (lost[0].reason or "")
@@ -452,16 +425,14 @@ def test_sketched_sgd_restarts_the_accumulators_of_a_site_that_lost_them() -> No
     contexts = {n: context(n) for n in range(1, 4)}
     sites = {n: digits_site(n - 1, 3, contexts[n]) for n in range(1, 4)}
     # Round 3 is a sketch round with a sparse sync: the site cannot even rebuild x.
-    sites[1] = _restart_before(3, contexts, 1, sites[1])
+    sites[1] = restart_before_round(3, contexts, 1, sites[1])
     grid = ScriptedGrid(sites)
     summaries: list[RoundSummary] = []
     strategy = SketchedSGD(k=300, sketch_cols=2000, seed=1)
     engine = RoundEngine(
         grid, strategy, poll_interval=0.0, required_sites=3, on_round=summaries.append
     )
-    from tests.strategies.test_fetchsgd import _digits_model
-
-    engine.run(_digits_model(), num_rounds=6, train_config=ConfigRecord({keys.LOCAL_STEPS: 2}))
+    engine.run(digits_model(), num_rounds=6, train_config=ConfigRecord({keys.LOCAL_STEPS: 2}))
     (lost,) = [u for u in summaries[2].updates if u.status == REJECTED]
     assert "lost its state" in (lost.reason or "") and "u = v = 0" in (lost.reason or "")
     # Round 5: the whole model, state expected no longer; the site sketches again.
@@ -521,16 +492,14 @@ def test_delayed_drops_the_unsettled_periods_of_a_site_that_lost_them() -> None:
 def test_a_codec_site_that_lost_its_residual_says_so_and_is_recorded() -> None:
     contexts = {n: context(n) for n in range(1, 4)}
     sites = {n: digits_site(n - 1, 3, contexts[n]) for n in range(1, 4)}
-    sites[3] = _restart_before(3, contexts, 3, sites[3])
+    sites[3] = restart_before_round(3, contexts, 3, sites[3])
     grid = ScriptedGrid(sites)
     summaries: list[RoundSummary] = []
     strategy = LocalSGDAveraging(seed=1, codec="topk:0.05")
     engine = RoundEngine(
         grid, strategy, poll_interval=0.0, required_sites=3, on_round=summaries.append
     )
-    from tests.strategies.test_fetchsgd import _digits_model
-
-    engine.run(_digits_model(), num_rounds=3, train_config=ConfigRecord({keys.LOCAL_STEPS: 2}))
+    engine.run(digits_model(), num_rounds=3, train_config=ConfigRecord({keys.LOCAL_STEPS: 2}))
     assert all(u.status == APPLIED for s in summaries for u in s.updates)
     notes = [u.reason for u in summaries[2].updates if u.reason]
     assert notes == [

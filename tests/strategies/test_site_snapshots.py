@@ -43,11 +43,10 @@ from strategies.mods.snapshots import (
     work_of,
 )
 from strategies.sparse_sync import DENSE, SYNC_INDICES, SYNC_VALUES
-from tests.flplatform.engine.scripted_grid import ScriptedGrid
-from tests.strategies.test_mods import ALGORITHMS
-from tests.strategies.test_mods import _restart_before as restart_before_round
-
-from .delayed_sites import context, digits_site
+from tests.helpers.algorithms import ALGORITHMS
+from tests.helpers.delayed_sites import context, digits_site
+from tests.helpers.scripted_grid import ScriptedGrid
+from tests.helpers.sites import restart_before_round
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 

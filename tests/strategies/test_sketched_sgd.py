@@ -29,10 +29,10 @@ from strategies.mods.fetchsgd import MODEL
 from strategies.mods.sketched_sgd import ACCUMULATORS, CANDIDATES, VALUES, ZERO, StepPhase
 from strategies.sketch_feedback import SiteAccumulators, candidate_coordinates, exact_top_k
 from strategies.sketched_sgd import SketchedSGD
-from tests.flplatform.engine.scripted_grid import Behaviour, ScriptedGrid
-
-from .delayed_sites import builtin_train, context, digits_site
-from .test_fetchsgd import _digits_model, collision_free_sketch
+from tests.helpers.algorithms import collision_free_sketch
+from tests.helpers.delayed_sites import builtin_train, context, digits_site
+from tests.helpers.scripted_grid import Behaviour, ScriptedGrid
+from tests.helpers.sites import digits_model
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -133,7 +133,7 @@ def run_engine(
 
     engine = RoundEngine(grid, strategy, poll_interval=0.0, required_sites=4, on_round=record)
     result = engine.run(
-        _digits_model(),
+        digits_model(),
         num_rounds=rounds,
         train_config=ConfigRecord({keys.LOCAL_STEPS: local_steps, keys.LR: 0.1}),
     )
@@ -143,7 +143,7 @@ def run_engine(
 @pytest.mark.parametrize("local_steps", [1, 5])
 def test_k_equal_to_d_is_uncompressed_local_sgd(local_steps: int) -> None:
     """k = d: every coordinate a candidate and applied, u and v zeroed whole each step."""
-    d = sum(a.numel() for a in _digits_model().to_torch_state_dict().values())
+    d = sum(a.numel() for a in digits_model().to_torch_state_dict().values())
     sketched = SketchedSGD(k=d, sketch_cols=7, momentum=0.9, seed=1)
     _, summaries, arrays = run_engine(sketched, 6, local_steps=local_steps)
     _, _, reference = run_engine(LocalSGDAveraging(seed=1), 3, local_steps=local_steps)
@@ -329,7 +329,7 @@ def test_a_values_round_asks_again_when_its_sites_were_away() -> None:
     """Availability draws sites as away: an unanswered contributor is asked again later."""
     from flplatform.engine.clock import VirtualClock
     from flplatform.network import ComputeModel
-    from tests.flplatform.engine.idle_sites import network
+    from tests.helpers.idle_sites import network
 
     compute = ComputeModel("fixed", mean_seconds=1.0)
     clock = VirtualClock(network(4, compute, availability=0.6), seed=2)
@@ -338,7 +338,7 @@ def test_a_values_round_asks_again_when_its_sites_were_away() -> None:
     engine = RoundEngine(grid, strategy, clock=clock, poll_interval=0.0, required_sites=4)
     engine.round_timeout = 3.0  # a stuck round fails fast instead of after 600 s
     engine.run(
-        _digits_model(),
+        digits_model(),
         num_rounds=16,
         train_config=ConfigRecord({keys.LOCAL_STEPS: 1, keys.LR: 0.1}),
     )

@@ -9,25 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
-from flplatform.cli.app import app
 from flplatform.cli.progress import db_argument
-
-runner = CliRunner()
-
-
-def invoke(args: list[str]):
-    result = runner.invoke(app, args)
-    assert "Traceback" not in result.output
-    assert result.exception is None or isinstance(result.exception, SystemExit)
-    return result
-
-
-def one_error_line(output: str) -> str:
-    lines = [line for line in output.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, output
-    return lines[0]
+from tests.helpers.cli import invoke, one_error_line
 
 
 @pytest.mark.usefixtures("flplatform_home")

@@ -1,5 +1,5 @@
 """`flplatform history compare` and `flplatform plot` on a SQLite ledger written by hand
-(tests/flplatform/comparison_ledger.py has the numbers)."""
+(tests/helpers/comparison_ledger.py has the numbers)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from flplatform.app.comparison import X_AXES, RunSummary
 from flplatform.cli import history as history_command
 from flplatform.cli import plot as plot_command
 from flplatform.cli.app import app
-from tests.flplatform.cli.test_history import _table
-from tests.flplatform.comparison_ledger import write_comparison_ledger
+from tests.helpers.cli import output_of, read_table
+from tests.helpers.comparison_ledger import write_comparison_ledger
 
 runner = CliRunner()
 
@@ -35,16 +35,10 @@ def ledger(tmp_path_factory: pytest.TempPathFactory) -> str:
     return url
 
 
-def invoke(*args: str) -> str:
-    result = runner.invoke(app, list(args))
-    assert result.exit_code == 0, result.output
-    return result.output
-
-
 def test_compare_shows_one_row_per_run(ledger: str) -> None:
-    output = invoke("history", "compare", "1", "2", "3", "--db", ledger)
+    output = output_of("history", "compare", "1", "2", "3", "--db", ledger)
     assert "target accuracy 0.9" in output and "simulated clock (sim)" in output
-    header, rows = _table(output)
+    header, rows = read_table(output)
     assert header == [
         "run",
         "name",
@@ -88,7 +82,9 @@ def test_compare_shows_one_row_per_run(ledger: str) -> None:
 
 def test_compare_json_has_every_field_and_the_curve(ledger: str) -> None:
     rows = json.loads(
-        invoke("history", "compare", "latest", "1", "--target", "0.5", "-f", "json", "--db", ledger)
+        output_of(
+            "history", "compare", "latest", "1", "--target", "0.5", "-f", "json", "--db", ledger
+        )
     )
     assert [r["run_id"] for r in rows] == [4, 1]  # latest: the newest run
     assert list(rows[1]) == [f.name for f in fields(RunSummary)]
@@ -97,7 +93,7 @@ def test_compare_json_has_every_field_and_the_curve(ledger: str) -> None:
 
 
 def test_compare_csv_has_every_field_but_the_curve(ledger: str) -> None:
-    out = invoke("history", "compare", "1", "2", "--format", "csv", "--db", ledger)
+    out = output_of("history", "compare", "1", "2", "--format", "csv", "--db", ledger)
     records = list(csv.DictReader(io.StringIO(out)))
     assert list(records[0]) == [f.name for f in fields(RunSummary) if f.name != "curve"]
     assert [(r["clock"], r["time_to_target"]) for r in records] == [
@@ -126,11 +122,11 @@ def test_compare_names_what_is_wrong(ledger: str) -> None:
 def test_plot_writes_a_png_of_the_runs(ledger: str, tmp_path: Path) -> None:
     out = tmp_path / "plots" / "runs.png"
     args = ["plot", "1", "2", "--x", "rounds", "--target", "0.9", "--db", ledger]
-    output = invoke(*args, "--out", str(out), "--title", "Mine [bold]")
+    output = output_of(*args, "--out", str(out), "--title", "Mine [bold]")
     assert f"Plot: {out}" in output
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for x in X_AXES:  # simulated time: run 1 only (run 2 ran on the wall clock)
-        invoke("plot", "1", "--x", x, "--out", str(tmp_path / f"{x}.png"), "--db", ledger)
+        output_of("plot", "1", "--x", x, "--out", str(tmp_path / f"{x}.png"), "--db", ledger)
         assert (tmp_path / f"{x}.png").stat().st_size > 0
 
 

@@ -22,7 +22,7 @@ from flplatform.core.errors import ConfigError
 from flplatform.deploy.certs import init_certs, make_site_key
 from flplatform.deploy.site import plan_site, probe_server
 from flplatform.launch.simulation import free_port
-from tests.flplatform.cli.test_export import invoke, one_error_line
+from tests.helpers.cli import invoke, one_error_line
 
 
 @pytest.fixture

@@ -14,27 +14,11 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
-from typer.testing import CliRunner
 
-from flplatform.cli.app import app
 from flplatform.engine.events import RoundSummary
 from flplatform.run.ledger import SqlLedger
 from storage import LedgerRepository
-
-runner = CliRunner()
-
-
-def invoke(args: list[str]) -> Any:
-    result = runner.invoke(app, args)
-    assert "Traceback" not in result.output
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
-    return result
-
-
-def one_error_line(output: str) -> str:
-    lines = [line for line in output.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, output
-    return lines[0]
+from tests.helpers.cli import invoke, one_error_line
 
 
 def small_model(seed: int) -> torch.nn.Module:
@@ -50,9 +34,11 @@ def small_model(seed: int) -> torch.nn.Module:
 
 
 @pytest.fixture
-def ledger(tmp_path: Path) -> Iterator[tuple[str, dict[int, dict[str, torch.Tensor]]]]:
+def ledger(
+    sqlite_ledger: str, tmp_path: Path
+) -> Iterator[tuple[str, dict[int, dict[str, torch.Tensor]]]]:
     """Run 1: four rounds with checkpoints (kept every 2, at most 2), finished; run 2: none."""
-    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    url = sqlite_ledger
     models: dict[int, dict[str, torch.Tensor]] = {}
     t0 = time.time()
     with LedgerRepository.open(url) as repo:

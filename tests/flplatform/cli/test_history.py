@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from storage import (
     UpdateRecord,
     UpdateStatus,
 )
+from tests.helpers.cli import read_table
 
 runner = CliRunner()
 
@@ -41,9 +43,9 @@ def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def ledger(tmp_path: Path) -> str:
+def ledger(sqlite_ledger: str) -> str:
     """A run with two sites and two rounds, one update rejected."""
-    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    url = sqlite_ledger
     t0 = time.time()
     with LedgerRepository.open(url) as repo:
         run_id = repo.create_run(
@@ -185,9 +187,9 @@ def test_missing_run_is_one_line(ledger: str) -> None:
 
 
 @pytest.fixture
-def simulated_ledger(tmp_path: Path) -> str:
+def simulated_ledger(new_sqlite_ledger: Callable[[str], str]) -> str:
     """A run on the 'mobile' network: two rounds with virtual times, one site stale once."""
-    url = f"sqlite:///{tmp_path / 'simulated.db'}"
+    url = new_sqlite_ledger("simulated.db")
     t0 = time.time()
     with LedgerRepository.open(url) as repo:
         run_id = repo.create_run(
@@ -308,10 +310,10 @@ def test_sites_show_staleness_distribution_and_waiting(simulated_ledger: str, le
 
 
 @pytest.fixture
-def delayed_ledger(tmp_path: Path) -> str:
+def delayed_ledger(new_sqlite_ledger: Callable[[str], str]) -> str:
     """A delayed run: london applies with delays 0 then 1; tokyo's only delayed update is
     rejected, so it has no mean delay; paris applies without delay fields."""
-    url = f"sqlite:///{tmp_path / 'delayed.db'}"
+    url = new_sqlite_ledger("delayed.db")
     t0 = time.time()
     with LedgerRepository.open(url) as repo:
         run_id = repo.create_run(
@@ -359,30 +361,12 @@ def delayed_ledger(tmp_path: Path) -> str:
     return url
 
 
-def _table(output: str) -> tuple[list[str], dict[str, list[str]]]:
-    """A rich table's header (each column's wrapped header lines joined) and its body rows,
-    keyed by their first cell."""
-    header: list[str] = []
-    rows: dict[str, list[str]] = {}
-    for line in output.splitlines():
-        if line.startswith("┃"):
-            parts = [part.strip() for part in line.split("┃")[1:-1]]
-            header = [
-                " ".join(filter(None, pair))
-                for pair in zip(header or [""] * len(parts), parts, strict=True)
-            ]
-        elif line.startswith("│"):
-            cells = [cell.strip() for cell in line.split("│")[1:-1]]
-            rows[cells[0]] = cells
-    return header, rows
-
-
 def test_sites_show_a_delay_column_only_for_delayed_runs(
     delayed_ledger: str, ledger: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Wide enough that no header or cell is cut short, whatever terminal runs the tests.
     monkeypatch.setattr(history_command.console, "width", 220)
-    header, rows = _table(history("sites", "1", "--db", delayed_ledger))
+    header, rows = read_table(history("sites", "1", "--db", delayed_ledger))
     assert header[:2] == ["site", "examples"]
     at = header.index("delay")
     # london: (0 + 1) / 2; tokyo's delayed update was rejected; paris had no delays.
@@ -398,7 +382,7 @@ def test_sites_show_a_delay_column_only_for_delayed_runs(
     assert (csv_rows["london"]["mean_delay"], csv_rows["paris"]["mean_delay"]) == ("0.5", "")
 
     # A run without delays looks as before: no column, but JSON still carries the field.
-    header, rows = _table(history("sites", "1", "--db", ledger))
+    header, rows = read_table(history("sites", "1", "--db", ledger))
     assert "delay" not in header and len(rows["london"]) == len(header)
     assert {
         r["mean_delay"] for r in json.loads(history("sites", "1", "--db", ledger, "-f", "json"))
@@ -436,10 +420,10 @@ def test_data_split_writes_one_file_per_site(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ history updates
 @pytest.fixture
-def failing_ledger(tmp_path: Path) -> str:
+def failing_ledger(new_sqlite_ledger: Callable[[str], str]) -> str:
     """Three rounds of two sites: round 1 applies both; in round 2 london's update is
     rejected (a reason quoting brackets) and tokyo's dropped; in round 3 both are rejected."""
-    url = f"sqlite:///{tmp_path / 'failing.db'}"
+    url = new_sqlite_ledger("failing.db")
     t0 = time.time()
     missing = "missing arrays: [conv1.weight] " + "x" * 200
     # (site, status, reason) per round
@@ -539,7 +523,7 @@ def test_updates_table_shows_reasons_cut_short_with_their_brackets(
     monkeypatch.setattr(history_command.console, "width", 400)
     output = history("updates", "1", "--db", failing_ledger, "--status", "rejected,dropped")
     assert "updates (status rejected, dropped)" in output
-    header, _ = _table(output)
+    header, _ = read_table(output)
     assert header[:3] == ["round", "site", "status"] and header[-1] == "reason"
     reasons = [line.split("│")[-2].strip() for line in output.splitlines() if "│" in line]
     # The table keeps the brackets (not read as markup) and cuts the reason to 80 characters.
@@ -578,7 +562,7 @@ def test_rounds_name_why_updates_were_not_applied(
     failing_ledger: str, simulated_ledger: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(history_command.console, "width", 400)
-    header, rows = _table(history("rounds", "1", "--db", failing_ledger))
+    header, rows = read_table(history("rounds", "1", "--db", failing_ledger))
     counts = header.index("applied/ dropped/ rejected")
     assert [rows[r][counts] for r in ("1", "2", "3")] == ["2/0/0", "0/1/1", "0/0/2"]
     at = header.index("why not applied")
@@ -589,7 +573,7 @@ def test_rounds_name_why_updates_were_not_applied(
     assert len(rows["2"][at]) == history_command.REASON_CELL
     assert rows["3"][at].startswith("missing arrays:") and "other" not in rows["3"][at]
     # A run whose every update was applied has no such column.
-    clean_header, _ = _table(history("rounds", "1", "--db", simulated_ledger))
+    clean_header, _ = read_table(history("rounds", "1", "--db", simulated_ledger))
     assert "why not applied" not in clean_header
 
 

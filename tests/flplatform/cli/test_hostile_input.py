@@ -20,17 +20,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from click.testing import Result
-from typer.testing import CliRunner
 
 from flplatform.app.config import RunConfig
 from flplatform.cli import history as history_command
 from flplatform.cli import simulate as simulate_command
-from flplatform.cli.app import app
 from flplatform.core.errors import ConfigError
 from storage import LedgerRepository, UpdateInput
-
-runner = CliRunner()
+from tests.helpers.cli import invoke, one_error_line
 
 # Closes a tag that was never opened (rich raised MarkupError), opens a style (rich ate it),
 # and is an emoji code (rich drew a face).
@@ -51,19 +47,6 @@ clientapp = "tiny_client:app"
 [tool.flwr.app.config]
 num-server-rounds = 3
 """
-
-
-def invoke(args: list[str]) -> Result:
-    result = runner.invoke(app, args)
-    assert "Traceback" not in result.output
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
-    return result
-
-
-def error_line(result: Result) -> str:
-    lines = [line for line in result.output.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, result.output
-    return lines[0]
 
 
 @pytest.fixture
@@ -170,7 +153,9 @@ def test_markup_in_a_db_path_is_printed_literally(
     missing = f"sqlite:///{tmp_path / 'nowhere' / MARKUP / 'ledger.db'}"
     result = invoke(["history", "runs", "--db", missing])
     assert result.exit_code == 4
-    assert f"no ledger at {tmp_path / 'nowhere' / MARKUP / 'ledger.db'}" in error_line(result)
+    assert f"no ledger at {tmp_path / 'nowhere' / MARKUP / 'ledger.db'}" in one_error_line(
+        result.output
+    )
 
 
 @pytest.mark.usefixtures("flplatform_home")
@@ -178,7 +163,7 @@ def test_markup_in_a_dataset_path_is_printed_literally(tmp_path: Path) -> None:
     missing = tmp_path / MARKUP / "data.npz"
     result = invoke(["simulate", "--dataset", str(missing)])
     assert result.exit_code == 3
-    assert f"error: {missing}: no such file" in error_line(result)
+    assert f"error: {missing}: no such file" in one_error_line(result.output)
 
 
 def test_a_simulation_prints_a_dataset_path_ledger_and_reasons_literally(
@@ -221,12 +206,12 @@ def test_bracketed_text_is_kept_in_error_messages(tmp_path: Path) -> None:
     make_ledger(url)
     result = invoke(["history", "rounds", "[b]x[/b] :smile:", "--db", url])
     assert result.exit_code == 2
-    assert error_line(result) == (
+    assert one_error_line(result.output) == (
         "error: RUN must be a run id (an integer) or 'latest', got '[b]x[/b] :smile:'"
     )
     result = invoke(["simulate", "--sites", "a,[b]b[/b],a"])
     assert result.exit_code == 2
-    assert "[b]b[/b]" in error_line(result)
+    assert "[b]b[/b]" in one_error_line(result.output)
 
 
 # ================================================================ the ledger, checked up front
@@ -247,7 +232,7 @@ def test_a_read_only_ledger_is_refused_before_anything_starts(
         started = time.monotonic()
         result = invoke(args)
         assert result.exit_code == 4, result.output
-        assert error_line(result) == (
+        assert one_error_line(result.output) == (
             f"error: cannot record runs in {read_only}: attempt to write a readonly database; "
             "make it writable or pass --db with a SQLAlchemy URL such as sqlite:///runs.db"
         ), args
@@ -272,10 +257,10 @@ def test_a_ledger_file_or_directory_without_write_permission_is_refused(
     try:
         result = invoke(["simulate", "--db", f"sqlite:///{locked_file}"])
         assert result.exit_code == 4
-        assert f"the file {locked_file} is read-only" in error_line(result)
+        assert f"the file {locked_file} is read-only" in one_error_line(result.output)
         result = invoke(["simulate", "--db", f"sqlite:///{locked_dir}"])
         assert result.exit_code == 4
-        assert f"directory {locked_dir.parent} is not writable" in error_line(result)
+        assert f"directory {locked_dir.parent} is not writable" in one_error_line(result.output)
     finally:
         locked_dir.parent.chmod(0o755)
         locked_file.chmod(0o644)
@@ -315,7 +300,7 @@ def test_another_applications_database_is_refused_and_left_unchanged(
     ):
         result = invoke(args)
         assert result.exit_code == 4, result.output
-        assert error_line(result) == expected, args
+        assert one_error_line(result.output) == expected, args
         # Not migrated, not switched to WAL, no journal left beside it: byte for byte.
         assert snapshot(folder) == before, args
     assert no_start == []
@@ -328,19 +313,21 @@ def test_history_does_not_create_a_missing_or_empty_ledger(
     missing = tmp_path / "typo.db"
     result = invoke(["history", "runs", "--db", f"sqlite:///{missing}"])
     assert result.exit_code == 4
-    assert error_line(result).startswith(f"error: no ledger at {missing}: the file does not exist")
+    assert one_error_line(result.output).startswith(
+        f"error: no ledger at {missing}: the file does not exist"
+    )
     assert not missing.exists()
 
     result = invoke(["history", "runs"])  # the default ledger, before any run
     assert result.exit_code == 4
-    assert f"no ledger at {flplatform_home / 'ledger.db'}" in error_line(result)
+    assert f"no ledger at {flplatform_home / 'ledger.db'}" in one_error_line(result.output)
     assert list(flplatform_home.iterdir()) == []
 
     empty = tmp_path / "empty.db"
     empty.touch()
     result = invoke(["history", "rounds", "latest", "--db", f"sqlite:///{empty}"])
     assert result.exit_code == 4
-    assert "the database is empty" in error_line(result)
+    assert "the database is empty" in one_error_line(result.output)
     assert empty.read_bytes() == b""
 
 
@@ -356,7 +343,7 @@ def test_an_empty_db_option_is_refused(
     ):
         result = invoke(args)
         assert result.exit_code == 4, args
-        assert "empty database URL" in error_line(result), args
+        assert "empty database URL" in one_error_line(result.output), args
     assert no_start == []
     assert not (flplatform_home / "ledger.db").exists()  # not taken for the default ledger
 
@@ -375,7 +362,7 @@ def test_k_beyond_the_sites_is_refused(
 ) -> None:
     result = invoke(["simulate", *args])
     assert result.exit_code == 2
-    assert f"error: k {k} is more than the {sites} sites" in error_line(result)
+    assert f"error: k {k} is more than the {sites} sites" in one_error_line(result.output)
     assert no_start == []
     assert not (flplatform_home / "ledger.db").exists()
 
@@ -395,7 +382,7 @@ def test_k_beyond_the_sites_of_an_app_run_is_refused(
 ) -> None:
     result = invoke(["run", str(tiny_app), "--sync", "k-sync", "--k", "5", "--sites", "4"])
     assert result.exit_code == 2
-    assert "k 5 is more than the 4 sites" in error_line(result)
+    assert "k 5 is more than the 4 sites" in one_error_line(result.output)
     assert no_start == [] and not (flplatform_home / "ledger.db").exists()
 
 
@@ -417,7 +404,7 @@ def test_the_demo_refuses_what_it_cannot_run_before_anything_starts(
     started = time.monotonic()
     result = invoke(["demo", "cross-silo", *args])
     assert result.exit_code == 2
-    assert expected in error_line(result)
+    assert expected in one_error_line(result.output)
     assert time.monotonic() - started < 30  # it used to run 2.5 minutes first
     assert no_start == [] and not (flplatform_home / "ledger.db").exists()
 
@@ -480,7 +467,7 @@ def test_a_flower_home_inside_the_app_directory_is_refused(
     monkeypatch.setenv("FLWR_HOME", str(inside / "flwr"))
     result = invoke(["run", str(tiny_app)])
     assert result.exit_code == 2
-    assert error_line(result) == (
+    assert one_error_line(result.output) == (
         f"error: FLPLATFORM_HOME {inside} (which holds Flower's home, FLWR_HOME, and the run "
         f"logs) lies inside the app directory {tiny_app}, which flwr run packs into the app: "
         "set FLPLATFORM_HOME to a directory outside it (unset, it is .flplatform in the "
@@ -491,5 +478,5 @@ def test_a_flower_home_inside_the_app_directory_is_refused(
     monkeypatch.chdir(tiny_app)
     result = invoke(["run", "."])
     assert result.exit_code == 2
-    assert "lies inside the app directory" in error_line(result)
+    assert "lies inside the app directory" in one_error_line(result.output)
     assert no_start == [] and not inside.exists()

@@ -16,12 +16,7 @@ from flplatform.engine.events import RoundSummary
 from flplatform.run.ledger import SqlLedger, process_owner
 from flplatform.run.run_record import LAUNCH_KEY
 from storage import LedgerRepository
-from tests.flplatform.cli.test_export import invoke
-
-
-def error_line(output: str) -> str:
-    [line] = [line for line in output.splitlines() if line.startswith("error:")]
-    return line
+from tests.helpers.cli import invoke, one_error_line
 
 
 def simulate_config(tag: str) -> dict[str, Any]:
@@ -66,8 +61,8 @@ def record_run(
 
 
 @pytest.fixture
-def url(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'ledger.db'}"
+def url(sqlite_ledger: str) -> str:
+    return sqlite_ledger
 
 
 def test_a_finished_run_is_refused(url: str, tmp_path: Path) -> None:
@@ -78,7 +73,7 @@ def test_a_finished_run_is_refused(url: str, tmp_path: Path) -> None:
     result = invoke(["resume", str(run_id), "--db", url])
 
     assert result.exit_code == 2
-    assert "finished; there is nothing to resume" in error_line(result.output)
+    assert "finished; there is nothing to resume" in one_error_line(result.output)
 
 
 def test_a_run_without_a_checkpoint_is_refused_with_what_to_do(url: str, tmp_path: Path) -> None:
@@ -89,7 +84,7 @@ def test_a_run_without_a_checkpoint_is_refused_with_what_to_do(url: str, tmp_pat
     result = invoke(["resume", str(run_id), "--db", url])
 
     assert result.exit_code != 0
-    assert "has no checkpoint" in error_line(result.output)
+    assert "has no checkpoint" in one_error_line(result.output)
     assert "start it again" in result.output
 
 
@@ -102,7 +97,7 @@ def test_a_run_whose_process_is_alive_is_refused_unless_forced(url: str, tmp_pat
     result = invoke(["resume", str(run_id), "--db", url])
 
     assert result.exit_code == 2
-    line = error_line(result.output)
+    line = one_error_line(result.output)
     assert f"process {process_owner()}, which is alive" in line
     assert "--force" in line
     with LedgerRepository.open(url) as repo:
@@ -120,7 +115,7 @@ def test_a_run_of_an_own_serverapp_is_refused_with_how_to_resume_it(
     result = invoke(["resume", str(run_id), "--db", url])
 
     assert result.exit_code == 2
-    assert "resume_run=" in error_line(result.output)
+    assert "resume_run=" in one_error_line(result.output)
 
 
 def test_a_flplatform_run_whose_app_directory_is_gone_is_refused_in_one_line(
@@ -133,7 +128,7 @@ def test_a_flplatform_run_whose_app_directory_is_gone_is_refused_in_one_line(
     result = invoke(["resume", str(run_id), "--db", url])
 
     assert result.exit_code == 2
-    assert "moved-away does not exist" in error_line(result.output)
+    assert "moved-away does not exist" in one_error_line(result.output)
     with LedgerRepository.open(url) as repo:
         assert repo.list_events(run_id) == []  # refused before the run was reopened
         assert repo.get_run(run_id).status == "failed"
@@ -157,7 +152,7 @@ def test_a_malformed_recorded_launch_is_one_line(
     result = invoke(["resume", str(run_id), "--db", url])
 
     assert result.exit_code == 2
-    assert says in error_line(result.output)
+    assert says in one_error_line(result.output)
 
 
 def test_an_unknown_run_and_a_missing_ledger_are_one_line(url: str, tmp_path: Path) -> None:
@@ -166,8 +161,8 @@ def test_an_unknown_run_and_a_missing_ledger_are_one_line(url: str, tmp_path: Pa
     unknown = invoke(["resume", "99", "--db", url])
     missing = invoke(["resume", "1", "--db", f"sqlite:///{tmp_path / 'nothing.db'}"])
 
-    assert unknown.exit_code == 5 and "99" in error_line(unknown.output)
-    assert missing.exit_code != 0 and error_line(missing.output)
+    assert unknown.exit_code == 5 and "99" in one_error_line(unknown.output)
+    assert missing.exit_code != 0 and one_error_line(missing.output)
     assert not (tmp_path / "nothing.db").exists()
 
 

@@ -10,9 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from flplatform.cli.app import app
 from flplatform.core.errors import ConfigError
 from flplatform.launch.app_directory import (
     PlatformOptions,
@@ -23,26 +21,12 @@ from flplatform.launch.app_directory import (
 )
 from flplatform.run.options import OPTIONS_ENV, options_from_environment
 from storage.session import PASSWORD_ENV, split_password
+from tests.helpers.cli import invoke, one_error_line
 
 ROOT = Path(__file__).resolve().parents[3]
 NETWORK_FILE = "two-labs.toml"  # a profile of examples/networks
 OWN_APP = ROOT / "examples" / "own_app"
 PLAIN_APP = ROOT / "examples" / "plain_flower_client"
-
-runner = CliRunner()
-
-
-def invoke(args: list[str]):
-    result = runner.invoke(app, ["run", *args])
-    assert "Traceback" not in result.output
-    assert result.exception is None or isinstance(result.exception, SystemExit)
-    return result
-
-
-def one_error_line(output: str) -> str:
-    lines = [line for line in output.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, output
-    return lines[0]
 
 
 def write_app(directory: Path, pyproject: str, modules: dict[str, str] | None = None) -> Path:
@@ -77,7 +61,7 @@ TINY_MODULES = {"tiny_server.py": "app = None\n", "tiny_client.py": "app = None\
 # ============================================================ errors, before any start-up
 @pytest.mark.usefixtures("flplatform_home")
 def test_a_missing_app_directory_is_one_line(tmp_path: Path) -> None:
-    result = invoke([str(tmp_path / "nowhere")])
+    result = invoke(["run", str(tmp_path / "nowhere")])
     assert result.exit_code == 2
     assert (
         one_error_line(result.output)
@@ -88,14 +72,14 @@ def test_a_missing_app_directory_is_one_line(tmp_path: Path) -> None:
 @pytest.mark.usefixtures("flplatform_home")
 def test_a_file_is_not_an_app_directory(tmp_path: Path) -> None:
     (tmp_path / "app.py").write_text("")
-    result = invoke([str(tmp_path / "app.py")])
+    result = invoke(["run", str(tmp_path / "app.py")])
     assert result.exit_code == 2
     assert "is not a directory" in one_error_line(result.output)
 
 
 @pytest.mark.usefixtures("flplatform_home")
 def test_a_directory_without_pyproject_is_one_line(tmp_path: Path) -> None:
-    result = invoke([str(tmp_path)])
+    result = invoke(["run", str(tmp_path)])
     assert result.exit_code == 2
     assert "has no pyproject.toml" in one_error_line(result.output)
 
@@ -103,7 +87,7 @@ def test_a_directory_without_pyproject_is_one_line(tmp_path: Path) -> None:
 @pytest.mark.usefixtures("flplatform_home")
 def test_a_pyproject_without_flower_app_is_one_line(tmp_path: Path) -> None:
     write_app(tmp_path, '[project]\nname = "lib"\nversion = "1"\n')
-    result = invoke([str(tmp_path)])
+    result = invoke(["run", str(tmp_path)])
     assert result.exit_code == 2
     assert "has no tool.flwr.app table: not a Flower app" in one_error_line(result.output)
 
@@ -111,7 +95,7 @@ def test_a_pyproject_without_flower_app_is_one_line(tmp_path: Path) -> None:
 @pytest.mark.usefixtures("flplatform_home")
 def test_a_component_that_is_not_there_is_flowers_reason(tmp_path: Path) -> None:
     write_app(tmp_path, TINY_APP, {"tiny_server.py": "app = None\n"})  # no tiny_client.py
-    result = invoke([str(tmp_path)])
+    result = invoke(["run", str(tmp_path)])
     assert result.exit_code == 2
     assert "Unable to load module tiny_client" in one_error_line(result.output)
 
@@ -119,7 +103,7 @@ def test_a_component_that_is_not_there_is_flowers_reason(tmp_path: Path) -> None
 @pytest.mark.usefixtures("flplatform_home")
 def test_invalid_toml_is_one_line(tmp_path: Path) -> None:
     write_app(tmp_path, "[project\nname=")
-    result = invoke([str(tmp_path)])
+    result = invoke(["run", str(tmp_path)])
     assert result.exit_code == 2
     assert "cannot read" in one_error_line(result.output)
 
@@ -158,7 +142,7 @@ def test_invalid_toml_is_one_line(tmp_path: Path) -> None:
 )
 def test_bad_options_are_one_line(tmp_path: Path, args: list[str], expected: str) -> None:
     write_app(tmp_path / "tiny", TINY_APP, TINY_MODULES)
-    result = invoke([str(tmp_path / "tiny"), *args])
+    result = invoke(["run", str(tmp_path / "tiny"), *args])
     assert result.exit_code in (2, 4), result.output
     assert expected in one_error_line(result.output)
 
@@ -179,22 +163,22 @@ def test_a_bad_model_spec_is_one_line(model: str, expected: str) -> None:
     directory is importable, as it is in Flower's processes."""
     import re
 
-    result = invoke([str(PLAIN_APP), "--model", model])
+    result = invoke(["run", str(PLAIN_APP), "--model", model])
     assert result.exit_code == 2
     assert re.search(expected, one_error_line(result.output))
 
 
 @pytest.mark.usefixtures("flplatform_home")
 def test_the_generic_serverapp_checks_its_run_config_up_front() -> None:
-    result = invoke([str(PLAIN_APP), "--strategy", "magic"])
+    result = invoke(["run", str(PLAIN_APP), "--strategy", "magic"])
     assert result.exit_code == 2
     assert "unknown strategy 'magic'" in one_error_line(result.output)
-    result = invoke([str(PLAIN_APP), "-c", "strategy=delayed", "--sync", "k-async"])
+    result = invoke(["run", str(PLAIN_APP), "-c", "strategy=delayed", "--sync", "k-async"])
     assert "runs with sync mode 'sync' only" in one_error_line(result.output)
     # Where the run is recorded and its tag are flplatform run's, to follow it.
-    result = invoke([str(PLAIN_APP), "-c", "db=sqlite:///x.db"])
+    result = invoke(["run", str(PLAIN_APP), "-c", "db=sqlite:///x.db"])
     assert one_error_line(result.output) == "error: -c db: use --db"
-    result = invoke([str(PLAIN_APP), "-c", "run-tag=mine"])
+    result = invoke(["run", str(PLAIN_APP), "-c", "run-tag=mine"])
     assert "-c run-tag: flplatform run sets it" in one_error_line(result.output)
 
 
@@ -360,7 +344,7 @@ def test_bad_checkpoint_options_are_one_line(
     tmp_path: Path, args: list[str], expected: str
 ) -> None:
     tiny = write_app(tmp_path / "tiny", TINY_APP, TINY_MODULES)
-    result = invoke([str(tiny), *args])
+    result = invoke(["run", str(tiny), *args])
     assert result.exit_code == 2
     assert expected in one_error_line(result.output)
 

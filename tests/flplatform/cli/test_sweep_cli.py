@@ -18,7 +18,7 @@ from flplatform.launch.app_directory import PlatformOptions, plan_run, read_app
 from flplatform.launch.simulation import run_sweep
 from flplatform.run.options import OPTIONS_ENV
 from storage import LedgerRepository
-from tests.flplatform.cli.test_export import invoke, one_error_line
+from tests.helpers.cli import invoke, one_error_line
 
 ROOT = Path(__file__).resolve().parents[3]
 runner = CliRunner()
@@ -93,8 +93,8 @@ def test_run_hands_its_name_to_start_and_to_the_generic_serverapp(tmp_path: Path
     assert "error: --name must not be empty" in result.output
 
 
-def test_the_closing_table_lists_every_run_and_how_to_compare_them(tmp_path: Path) -> None:
-    db = f"sqlite:///{tmp_path / 'ledger.db'}"
+def test_the_closing_table_lists_every_run_and_how_to_compare_them(sqlite_ledger: str) -> None:
+    db = sqlite_ledger
     members = [RunConfig.from_mapping({"name": name}) for name in ("one [a]", "two", "three")]
     with LedgerRepository.open(db) as repository:
         ids = [

@@ -1,6 +1,6 @@
 """Every history table fits 100 columns and cuts nothing, and JSON and CSV keep their fields.
 
-The busiest ledger we can think of (tests/flplatform/cli/busy_ledger.py) is rendered by each
+The busiest ledger we can think of (tests/helpers/busy_ledger.py) is rendered by each
 table command twice: on a 100-column console, and on one wide enough that nothing wraps.
 At 100 columns no line may be longer, every column shown must hold the same values as the
 wide table (wrapped or folded, never cut: the only '…' are those ``shorten`` wrote, which the
@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from flplatform.cli import history as history_command
 from flplatform.cli.app import app
 from flplatform.cli.render import Column, fitting_columns, make_console
-from tests.flplatform.cli.busy_ledger import write_busy_ledger
+from tests.helpers.busy_ledger import write_busy_ledger
 
 runner = CliRunner()
 NARROW = 100

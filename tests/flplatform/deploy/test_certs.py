@@ -26,7 +26,7 @@ from flplatform.deploy.certs import (
     make_site_key,
     site_public_key,
 )
-from tests.flplatform.cli.test_export import invoke, one_error_line
+from tests.helpers.cli import invoke, one_error_line
 
 
 def mode(path: Path) -> int:

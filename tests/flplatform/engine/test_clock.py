@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,9 +15,8 @@ from flplatform.network import ComputeModel, Network, SiteProfile
 from flplatform.run.ledger import SqlLedger
 from storage import LedgerRepository
 from strategies.local_sgd import LocalSGDAveraging
-
-from .scripted_grid import ScriptedGrid
-from .test_engine import site
+from tests.helpers.scripted_grid import ScriptedGrid
+from tests.helpers.sites import site
 
 MBIT = 1e6
 
@@ -128,9 +126,9 @@ def test_planned_steps(config, examples, steps) -> None:
 
 
 @pytest.mark.usefixtures("task_identity")
-def test_a_hand_computed_run_of_two_sites(tmp_path: Path) -> None:
+def test_a_hand_computed_run_of_two_sites(sqlite_ledger: str) -> None:
     """Two sync rounds of a 1 MB model: every time is L/2 + 8B/b each way plus compute."""
-    repo = LedgerRepository.open(f"sqlite:///{tmp_path / 'l.db'}")
+    repo = LedgerRepository.open(sqlite_ledger)
     run_id = repo.create_run(name="t", strategy="x", seed=0, config={}, num_rounds_planned=2)
     grid = ScriptedGrid({1: site("a", value=1.0), 2: site("b", value=3.0)})
     engine = RoundEngine(

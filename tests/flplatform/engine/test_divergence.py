@@ -8,8 +8,6 @@ run's note, kept when the run finishes.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,8 +28,7 @@ from flplatform.engine.replies import reported_losses
 from flplatform.run.ledger import SqlLedger
 from storage import LedgerRepository
 from strategies.local_sgd import LocalSGDAveraging
-
-from .scripted_grid import Behaviour, ScriptedGrid
+from tests.helpers.scripted_grid import Behaviour, ScriptedGrid
 
 
 def said(site: str, train: float | None, first: float | None = None, n: int = 10) -> ReportedLoss:
@@ -175,16 +172,6 @@ def site(name: str, losses: list[float], *, scale: float | None = None) -> Behav
     return behave
 
 
-@pytest.fixture
-def ledger(tmp_path: Path, task_identity: None) -> Iterator[tuple[LedgerRepository, int]]:
-    repo = LedgerRepository.open(f"sqlite:///{tmp_path / 'l.db'}")
-    run_id = repo.create_run(
-        name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=4
-    )
-    yield repo, run_id
-    repo.close()
-
-
 def run(grid: ScriptedGrid, ledger: tuple[LedgerRepository, int]) -> list[RoundSummary]:
     repo, run_id = ledger
     seen: list[RoundSummary] = []
@@ -199,6 +186,7 @@ def run(grid: ScriptedGrid, ledger: tuple[LedgerRepository, int]) -> list[RoundS
     return seen
 
 
+@pytest.mark.usefixtures("task_identity")
 def test_a_site_reporting_nan_is_reported_once_with_the_fix_and_kept_in_the_ledger(
     ledger: tuple[LedgerRepository, int],
 ) -> None:
@@ -224,6 +212,7 @@ def test_a_site_reporting_nan_is_reported_once_with_the_fix_and_kept_in_the_ledg
     assert (record.status, record.error) == ("finished", warning)
 
 
+@pytest.mark.usefixtures("task_identity")
 def test_a_plain_client_gets_the_report_without_the_hint(
     ledger: tuple[LedgerRepository, int],
 ) -> None:

@@ -5,85 +5,34 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import asdict, astuple
-from pathlib import Path
 
 import numpy as np
 import pytest
 from flwr.app import (
     Array,
     ArrayRecord,
-    ConfigRecord,
-    Error,
     Message,
     MessageType,
-    MetricRecord,
-    RecordDict,
 )
 
 from flplatform.core import keys
 from flplatform.core.arrays import record_to_arrays
-from flplatform.engine import APPLIED, DROPPED, REJECTED, RoundEngine, Synchrony
+from flplatform.engine import APPLIED, DROPPED, REJECTED, Synchrony
 from flplatform.engine.engine import REFUSED
-from flplatform.run.ledger import SqlLedger
-from storage import LedgerRepository
-from strategies.local_sgd import LocalSGDAveraging
-
-from .fleet_oracle import naive_delivery, naive_reply
-from .scripted_grid import ScriptedGrid
+from tests.helpers.engine import engine_for, wire_bytes
+from tests.helpers.fleet_oracle import naive_delivery, naive_reply
+from tests.helpers.scripted_grid import ScriptedGrid
+from tests.helpers.sites import failing, site
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
 MODEL = ArrayRecord({"w": Array(np.zeros(4, np.float32))})
 
 
-def wire_bytes(pushed: list[Message], replies: list[Message]) -> list[tuple[int, int]]:
-    """``(up, down)`` of each message with its reply, as Flower's SuperLink counts them."""
-    reply_to = {r.metadata.reply_to_message_id: naive_reply(r) for r in replies}
-    answers = [reply_to[m.metadata.message_id] for m in pushed]
-    return [(a.up, naive_delivery(m) + a.down) for m, a in zip(pushed, answers, strict=True)]
-
-
-def site(
-    name: str,
-    *,
-    value: float = 1.0,
-    examples: object = 10,
-    loss: float = 0.5,
-    info: dict | None = None,
-    metrics: dict | None = None,
-) -> callable:
-    """A site that introduces itself and replies with its model set to ``value``."""
-
-    def behave(msg: Message) -> Message:
-        if msg.metadata.message_type == MessageType.QUERY:
-            record = ConfigRecord({keys.SITE_NAME: name, **(info or {})})
-            return Message(RecordDict({keys.SITE_INFO: record}), reply_to=msg)
-        if msg.metadata.message_type == MessageType.EVALUATE:
-            evaluated = MetricRecord({"num-examples": 5, "eval_acc": 0.5})
-            return Message(RecordDict({"metrics": evaluated}), reply_to=msg)
-        sent = record_to_arrays(msg.content["arrays"])["w"]
-        arrays = ArrayRecord({"w": Array(np.full_like(sent, value))})
-        reported = MetricRecord({"num-examples": examples, "train_loss": loss, **(metrics or {})})
-        return Message(RecordDict({"arrays": arrays, "metrics": reported}), reply_to=msg)
-
-    return behave
-
-
 def silent(name: str) -> callable:
     """Introduces itself, then never answers a training message."""
     talk = site(name)
     return lambda msg: talk(msg) if msg.metadata.message_type == MessageType.QUERY else None
-
-
-def failing(name: str) -> callable:
-    talk = site(name)
-
-    def behave(msg: Message) -> Message:
-        if msg.metadata.message_type == MessageType.QUERY:
-            return talk(msg)
-        return Message(Error(code=2, reason="ValueError: out of memory"), reply_to=msg)
-
-    return behave
 
 
 def slow_first(talk: Callable[[Message], Message | None], kind: str, seconds: float = 0.6):
@@ -100,28 +49,6 @@ def slow_first(talk: Callable[[Message], Message | None], kind: str, seconds: fl
         return talk(msg)
 
     return behave
-
-
-@pytest.fixture
-def ledger(tmp_path: Path):
-    repo = LedgerRepository.open(f"sqlite:///{tmp_path / 'l.db'}")
-    run_id = repo.create_run(
-        name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=3
-    )
-    yield repo, run_id
-    repo.close()
-
-
-def engine_for(grid, ledger, *, fraction_evaluate: float = 0.0, **kwargs) -> RoundEngine:
-    repo, run_id = ledger
-    kwargs.setdefault("required_sites", len(grid.behaviours))
-    return RoundEngine(
-        grid,
-        LocalSGDAveraging(fraction_evaluate=fraction_evaluate),
-        ledger=SqlLedger(repo, run_id),
-        poll_interval=0.0,
-        **kwargs,
-    )
 
 
 def test_sync_round_applies_everything_and_records_exact_bytes(ledger) -> None:

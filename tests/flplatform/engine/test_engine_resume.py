@@ -51,10 +51,9 @@ from flplatform.engine import (
 )
 from flplatform.network import ComputeModel, Network, SiteProfile
 from strategies.local_sgd import LocalSGDAveraging
-
-from .fleet_oracle import naive_delivery, naive_reply
-from .idle_sites import network
-from .scripted_grid import ScriptedGrid
+from tests.helpers.fleet_oracle import naive_delivery, naive_reply
+from tests.helpers.idle_sites import network
+from tests.helpers.scripted_grid import ScriptedGrid
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 

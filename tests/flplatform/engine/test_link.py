@@ -37,8 +37,8 @@ from flplatform.engine.strategy import ForwardingGrid
 from flplatform.run.start import start
 from storage import LedgerRepository
 from strategies.local_sgd import LocalSGDAveraging
-from tests.flplatform.engine.scripted_grid import ScriptedGrid
-from tests.flplatform.test_start import MODEL, site, trained
+from tests.helpers.scripted_grid import ScriptedGrid
+from tests.helpers.sites import MODEL, replying_site, trained
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -119,7 +119,7 @@ def test_a_run_whose_superlink_dies_mid_round_stops_failed_with_the_reason(
     )
     monkeypatch.setattr(link, "LINK_GRACE_SECONDS", 0.3)
     monkeypatch.setattr(link, "PROBE_INTERVAL_SECONDS", 0.1)
-    honest = site("a", trained(1.0, examples=10, loss=1.0))
+    honest = replying_site("a", trained(1.0, examples=10, loss=1.0))
 
     def dies_in_round_2(msg: Message) -> Message | None:
         config = msg.content.config_records.get(keys.CONFIG)
@@ -179,7 +179,7 @@ def test_a_call_waiting_for_ever_on_a_dead_superlink_is_interrupted_and_the_run_
     )
     monkeypatch.setattr(link, "LINK_GRACE_SECONDS", 0.3)
     monkeypatch.setattr(link, "PROBE_INTERVAL_SECONDS", 0.1)
-    honest = site("a", trained(1.0, examples=10, loss=1.0))
+    honest = replying_site("a", trained(1.0, examples=10, loss=1.0))
     killed: list[float] = []
 
     def dies_in_round_2(msg: Message) -> Message | None:

@@ -7,7 +7,6 @@ ledger, so the tests also see that the round that trips the rule is recorded.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,9 +29,8 @@ from flplatform.engine.stop_rule import FailureStreak, reason_key
 from flplatform.run.ledger import SqlLedger
 from storage import LedgerRepository
 from strategies.local_sgd import LocalSGDAveraging
-
-from .idle_sites import CountingStrategy, idle_site
-from .scripted_grid import Behaviour, ScriptedGrid
+from tests.helpers.idle_sites import CountingStrategy, idle_site
+from tests.helpers.scripted_grid import Behaviour, ScriptedGrid
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -80,8 +78,8 @@ def scripted(name: str, *replies: Reply) -> Behaviour:
 
 
 @pytest.fixture
-def repository(tmp_path: Path) -> Iterator[LedgerRepository]:
-    with LedgerRepository.open(f"sqlite:///{tmp_path / 'ledger.db'}") as repo:
+def repository(sqlite_ledger: str) -> Iterator[LedgerRepository]:
+    with LedgerRepository.open(sqlite_ledger) as repo:
         yield repo
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -11,23 +10,13 @@ from flwr.app import Array, ArrayRecord
 
 from flplatform.core.site_registry import REGISTRY_ENV, RegisteredSite, SiteRegistry
 from storage import LedgerRepository
-
-from .scripted_grid import ScriptedGrid
-from .test_engine import engine_for, site
+from tests.helpers.engine import engine_for
+from tests.helpers.scripted_grid import ScriptedGrid
+from tests.helpers.sites import site
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
 MODEL = ArrayRecord({"w": Array(np.zeros(4, np.float32))})
-
-
-@pytest.fixture
-def ledger(tmp_path: Path) -> Iterator[tuple[LedgerRepository, int]]:
-    repo = LedgerRepository.open(f"sqlite:///{tmp_path / 'l.db'}")
-    run_id = repo.create_run(
-        name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=1
-    )
-    yield repo, run_id
-    repo.close()
 
 
 def test_registered_names_win_over_claims_and_the_claim_is_kept(

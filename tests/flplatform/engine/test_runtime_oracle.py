@@ -24,9 +24,8 @@ from flwr.app import ArrayRecord, ConfigRecord
 from flplatform.core import keys
 from flplatform.engine import RoundEngine, Synchrony, VirtualClock
 from flplatform.network import ComputeModel
-
-from .idle_sites import CountingStrategy, idle_site, network
-from .scripted_grid import ScriptedGrid
+from tests.helpers.idle_sites import CountingStrategy, idle_site, network
+from tests.helpers.scripted_grid import ScriptedGrid
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 

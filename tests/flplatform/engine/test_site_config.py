@@ -3,32 +3,16 @@ without one sends exactly what it sent before."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 
 from flplatform.core import keys
-from storage import LedgerRepository
-
-from .scripted_grid import ScriptedGrid
-from .test_engine import engine_for, site, wire_bytes
+from tests.helpers.engine import engine_for, wire_bytes
+from tests.helpers.scripted_grid import ScriptedGrid
+from tests.helpers.sites import site
 
 pytestmark = pytest.mark.usefixtures("task_identity")
-
-
-@pytest.fixture
-def ledger(tmp_path: Path) -> Iterator[tuple[LedgerRepository, int]]:
-    """A ledger with one run (as test_engine's ``ledger``)."""
-    with LedgerRepository.open(f"sqlite:///{tmp_path / 'l.db'}") as repo:
-        yield (
-            repo,
-            repo.create_run(
-                name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=3
-            ),
-        )
 
 
 MODEL = ArrayRecord({"w": Array(np.zeros(4, np.float32))})

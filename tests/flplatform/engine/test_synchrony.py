@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,24 +26,14 @@ from flplatform.engine.events import Dispatch
 from flplatform.engine.staleness import adasync_k, staleness_weight
 from flplatform.network import ComputeModel, Network, SiteProfile
 from flplatform.run.ledger import SqlLedger
-from storage import LedgerRepository
 from strategies.local_sgd import LocalSGDAveraging
-
-from .idle_sites import CountingStrategy, idle_site, network
-from .scripted_grid import ScriptedGrid
-from .test_engine import failing, site
+from tests.helpers.idle_sites import CountingStrategy, idle_site, network
+from tests.helpers.scripted_grid import ScriptedGrid
+from tests.helpers.sites import failing, site
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
 STEP = ConfigRecord({keys.LOCAL_STEPS: 1})
-
-
-@pytest.fixture
-def ledger(tmp_path: Path):
-    repo = LedgerRepository.open(f"sqlite:///{tmp_path / 'l.db'}")
-    run_id = repo.create_run(name="t", strategy="x", seed=0, config={}, num_rounds_planned=1)
-    yield repo, run_id
-    repo.close()
 
 
 def run(

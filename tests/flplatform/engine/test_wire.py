@@ -38,8 +38,7 @@ from hypothesis.extra import numpy as hnp
 from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.engine import wire
 from flplatform.engine.wire import Traffic, delivery_bytes, measure, reply_traffic
-
-from .fleet_oracle import (
+from tests.helpers.fleet_oracle import (
     FleetLink,
     naive_delivery,
     naive_measure,

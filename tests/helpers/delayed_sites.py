@@ -29,7 +29,7 @@ from clients import client_app
 from clients.site import load_site
 from flplatform.core import keys
 from strategies.mods import delayed_mod, flplatform_mod
-from tests.flplatform.engine.scripted_grid import Behaviour
+from tests.helpers.scripted_grid import Behaviour
 
 
 def _introduce(msg: Message, name: str, examples: int) -> Message:

@@ -1,4 +1,4 @@
-"""Small builders and the naive oracle shared by the storage tests."""
+"""Small builders of ledger rows and the naive summary oracle shared by the storage tests."""
 
 from __future__ import annotations
 

@@ -17,8 +17,7 @@ from flwr.serverapp import Grid
 from flplatform.core import keys
 from flplatform.engine import Contribution, EngineStrategy, Update
 from flplatform.network import ComputeModel, Network, SiteProfile
-
-from .scripted_grid import Behaviour
+from tests.helpers.scripted_grid import Behaviour
 
 
 def idle_site(name: str) -> Behaviour:

@@ -1,4 +1,4 @@
-"""Small helpers shared by the ``clients`` tests."""
+"""Data files as the ``clients`` tests write and compare them: IDX files, rows as multisets."""
 
 from __future__ import annotations
 

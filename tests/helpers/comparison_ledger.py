@@ -1,4 +1,5 @@
-"""A small ledger whose run summaries are worked out by hand (see test_comparison.py).
+"""A small ledger whose run summaries are worked out by hand (see
+tests/flplatform/test_comparison.py).
 
 Run 1, simulated on the world network (k-async, K=2, cnn, int8), two sites:
 

@@ -1,0 +1,173 @@
+"""Real processes in the integration tests: what a command left running, the ``flplatform``
+command in a subprocess, killed or waited for, and a deployment machine's home.
+
+Processes are found the way a user would look for leftovers: every process seen below the
+command while it ran (``/proc``, recorded beforehand, with its start time so that a reused
+pid does not count) and every process in their sessions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from flplatform.launch.processes import ProcessTree
+from storage import LedgerRepository
+
+ROOT = Path(__file__).resolve().parents[2]
+STARTUP_SECONDS = 300.0  # Flower and Ray starting on a busy 2-core machine
+
+
+class Leftovers:
+    """Every process seen below ``root`` (pid → start time) and the sessions they are in."""
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self.seen: dict[int, int] = {}
+        self.sessions: set[int] = set()
+
+    def record(self) -> None:
+        table = processes()
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _, _, _) in table.items():
+            children.setdefault(ppid, []).append(pid)
+        todo = list(children.get(self.root, []))
+        while todo:
+            pid = todo.pop()
+            _, sid, start, _ = table[pid]
+            self.seen[pid] = start
+            self.sessions.add(sid)
+            todo.extend(children.get(pid, []))
+
+    def alive(self) -> list[str]:
+        """The recorded processes still running, with their command lines."""
+        table = processes()
+        left = [
+            pid
+            for pid, (_, sid, start, state) in table.items()
+            if state != "Z" and (self.seen.get(pid) == start or sid in self.sessions)
+        ]
+        return [f"{pid} {cmdline(pid)}" for pid in left if pid != os.getpid()]
+
+    def named(self, text: str) -> int:
+        [pid] = [pid for pid in self.seen if text in cmdline(pid)]
+        return pid
+
+
+def processes() -> dict[int, tuple[int, int, int, str]]:
+    """pid → (ppid, session, start time, state) of every process."""
+    table = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            table[int(entry.name)] = (int(fields[1]), int(fields[3]), int(fields[19]), fields[0])
+    return table
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+    except OSError:
+        return "?"
+
+
+def flplatform_cli(args: list[str], cwd: Path, log: Path) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-c", "from flplatform.cli.app import main; main()", *args],
+        env=env,
+        cwd=cwd,
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+    )
+
+
+def kill_after(cli: subprocess.Popen[bytes], db: str, run_id: int | None, rounds: int) -> int:
+    """SIGKILL the command and everything below it once the run has ``rounds`` rounds."""
+    leftovers = Leftovers(cli.pid)
+    deadline = time.monotonic() + STARTUP_SECONDS
+    with LedgerRepository.open(db) as repository:
+        while True:
+            leftovers.record()
+            runs = repository.list_runs()
+            run = next((r for r in runs if run_id is None or r.id == run_id), None)
+            if run is not None and run.rounds_completed >= rounds:
+                break
+            assert cli.poll() is None, "the command ended before the kill"
+            assert time.monotonic() < deadline, "the round did not come"
+            time.sleep(0.05)
+    cli.kill()
+    for line in leftovers.alive():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+    cli.wait()
+    time.sleep(1.0)
+    assert leftovers.alive() == []
+    return run.id
+
+
+def wait_ok(cli: subprocess.Popen[bytes], log: Path) -> None:
+    code = cli.wait(timeout=STARTUP_SECONDS * 3)
+    text = log.read_text(errors="replace")
+    assert code == 0, text[-3000:]
+    assert "Traceback" not in text
+
+
+class Machine:
+    """A home of its own and the ``flplatform`` command run there."""
+
+    def __init__(self, home: Path) -> None:
+        home.mkdir(parents=True)
+        self.home = home
+        self.env = {
+            **os.environ,
+            "FLPLATFORM_HOME": str(home),
+            "FLWR_HOME": str(home / "flwr"),
+            "PYTHONPATH": str(ROOT),
+        }
+
+    def command(self, *args: str) -> list[str]:
+        return [sys.executable, "-c", "from flplatform.cli.app import main; main()", *args]
+
+    def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            self.command(*args),
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def start(self, tree: ProcessTree, log: Path, *args: str) -> subprocess.Popen[bytes]:
+        return tree.popen(
+            self.command(*args),
+            env=self.env,
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+
+
+def wait_for_text(log: Path, text: str, proc: subprocess.Popen[bytes], tree: ProcessTree,
+                  timeout: float) -> str:  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        tree.record()  # every process the commands start is known, to check none is left
+        output = log.read_text(errors="replace")
+        if text in output:
+            return output
+        assert proc.poll() is None, output[-3000:]
+        time.sleep(0.5)
+    raise AssertionError(f"no {text!r} within {timeout} s:\n{log.read_text()[-3000:]}")
