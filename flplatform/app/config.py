@@ -40,6 +40,7 @@ from flplatform.core.errors import ConfigError
 from flplatform.engine.guard import NORM_ACTIONS
 from flplatform.engine.synchrony import SYNC_MODES
 from flplatform.network import Network, load_network
+from flplatform.run.options import DEFAULT_OPTIONS
 
 __all__ = [
     "DEFAULT_SITES",
@@ -67,7 +68,7 @@ class RunConfig:
         ),
     )
     sync: str = field(
-        default="sync",
+        default=DEFAULT_OPTIONS.sync,
         metadata=about(
             "sync, k-sync, k-batch-sync, async, k-async, k-batch-async or buffered.",
             allowed=SYNC_MODES,
@@ -124,7 +125,7 @@ class RunConfig:
     fraction_evaluate: float = field(
         default=0.0, metadata=about("Fraction of sites evaluating each round.")
     )
-    seed: int = field(default=0, metadata=about("Seed of every random choice."))
+    seed: int = field(default=DEFAULT_OPTIONS.seed, metadata=about("Seed of every random choice."))
     # ---- the federation
     sites: tuple[str, ...] = field(
         default=DEFAULT_SITES,
@@ -155,14 +156,15 @@ class RunConfig:
     )
     # ---- checkpoints and resume (flplatform/core/checkpoint.py, `flplatform resume`)
     checkpoint_every: int = field(
-        default=5,
+        default=DEFAULT_OPTIONS.checkpoint_every,
         metadata=about(
             "Keep the run's checkpoint every N rounds for `flplatform export` (0: only the "
             "final one); the latest round's is always kept for `flplatform resume`."
         ),
     )
     keep_checkpoints: int = field(
-        default=3, metadata=about("Most kept checkpoints of a run, besides the final one.")
+        default=DEFAULT_OPTIONS.keep_checkpoints,
+        metadata=about("Most kept checkpoints of a run, besides the final one."),
     )
     checkpoint_dir: str = field(
         default="",
@@ -173,7 +175,7 @@ class RunConfig:
         metadata=about("Continue this run from its last checkpoint (0: a new run).", cli=None),
     )
     max_failed_rounds: int = field(
-        default=3,
+        default=DEFAULT_OPTIONS.max_failed_rounds,
         metadata=about(
             "Stop the run after this many rounds in a row applied no update, every reply "
             "failing for the same reason (0: never stop)."
@@ -181,7 +183,7 @@ class RunConfig:
     )
     # ---- synchrony (flplatform/engine/synchrony.py)
     k: int = field(
-        default=2,
+        default=DEFAULT_OPTIONS.k,
         metadata=about("K of the K modes; for fetchsgd/sketched-sgd, coordinates per step."),
     )
     staleness_bound: int = field(
@@ -192,11 +194,15 @@ class RunConfig:
         metadata=about("Async modes: none, sqrt (1/√(1+s)) or step (Dutta et al.)."),
     )
     staleness_step_c: float = field(
-        default=1.0, metadata=about("C of the staleness-dependent step size.")
+        default=DEFAULT_OPTIONS.staleness_step_c,
+        metadata=about("C of the staleness-dependent step size."),
     )
-    adasync: bool = field(default=False, metadata=about("Grow K as the training loss falls."))
+    adasync: bool = field(
+        default=DEFAULT_OPTIONS.adasync, metadata=about("Grow K as the training loss falls.")
+    )
     concurrency: int = field(
-        default=0, metadata=about("Async modes: most sites training at once (0: all).")
+        default=DEFAULT_OPTIONS.concurrency,
+        metadata=about("Async modes: most sites training at once (0: all)."),
     )
     # ---- simulated network (flplatform/network/); "" runs on the wall clock
     network: str = field(
@@ -207,14 +213,15 @@ class RunConfig:
         ),
     )
     compute_model: str = field(
-        default="",
+        default=DEFAULT_OPTIONS.compute_model,
         metadata=about(
             "Override the sites' compute model: fixed, exponential, shifted-exponential, "
             "pareto, measured."
         ),
     )
     step_seconds: float = field(
-        default=0.0, metadata=about("Override the mean compute seconds per local step.")
+        default=DEFAULT_OPTIONS.step_seconds,
+        metadata=about("Override the mean compute seconds per local step."),
     )
     # ---- delayed compensated updates (strategies/delayed.py)
     delay: int = field(
@@ -253,31 +260,31 @@ class RunConfig:
     )
     # ---- robust aggregation: the update guard (flplatform/engine/guard.py), every strategy
     update_norm_ratio: float = field(
-        default=10.0,
+        default=DEFAULT_OPTIONS.update_norm_ratio,
         metadata=about(
             "Clip or reject an update whose norm exceeds this many times the recent median "
             "(0: no norm check)."
         ),
     )
     update_norm_action: str = field(
-        default="clip",
+        default=DEFAULT_OPTIONS.update_norm_action,
         metadata=about(
             "What an update beyond the norm ratio gets: clip (scaled to the median) or reject.",
             allowed=NORM_ACTIONS,
         ),
     )
     max_site_share: float = field(
-        default=1.0,
+        default=DEFAULT_OPTIONS.max_site_share,
         metadata=about(
             "Largest share of the federation's examples one site's weight may claim (1: no cap)."
         ),
     )
     reject_replays: bool = field(
-        default=True,
+        default=DEFAULT_OPTIONS.reject_replays,
         metadata=about("Reject a reply identical to one the site sent before."),
     )
     update_min_cosine: float = field(
-        default=-1.0,
+        default=DEFAULT_OPTIONS.update_min_cosine,
         metadata=about(
             "Reject an update when its site's mean cosine with the recent mean updates (over "
             "its recent updates) is below this, or its own is 0.5 below it (-1: no direction "

@@ -22,6 +22,7 @@ from flplatform.engine.synchrony import (
     k_sites_problem,
     synchrony_problems,
 )
+from flplatform.run.options import option_problem
 from strategies.codecs import make_codec
 from strategies.delayed import SYNC_ONLY as DELAYED_SYNC_ONLY
 from strategies.delayed import DelayedCompensated
@@ -270,19 +271,11 @@ def _edge_problems(config: RunConfig) -> list[Problem]:
         )
         if config.round_timeout > 0
         else None,
-        integer(
-            config.max_failed_rounds,
-            "max-failed-rounds",
-            minimum=0,
-            says=">= 0 (rounds in a row that fail alike before the run stops; 0 never stops)",
+        # start()'s own rules for the options it shares (flplatform/run/options.py)
+        *(
+            option_problem(name, getattr(config, name), name.replace("_", "-"))
+            for name in ("seed", "max_failed_rounds", "checkpoint_every", "keep_checkpoints")
         ),
-        integer(
-            config.checkpoint_every,
-            "checkpoint-every",
-            minimum=0,
-            says=">= 0 (0: keep only the final model)",
-        ),
-        integer(config.keep_checkpoints, "keep-checkpoints", minimum=1, says=">= 1"),
         integer(config.resume_run, "resume-run", minimum=0, says="a run id, or 0 (a new run)"),
         *guard_problems(
             update_norm_ratio=config.update_norm_ratio,

@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from clients.catalog import MODELS
-from flplatform.core.checks import integer, one_of, require
+from flplatform.core.checks import one_of, require
 from flplatform.core.errors import ConfigError
 from flplatform.engine.guard import GUARD_OPTIONS, guard_problems
-from flplatform.run.options import ConfigValue
+from flplatform.run.options import ConfigValue, option_problem
 
 GENERIC_SERVERAPP = "flplatform.server_app:app"
 # Sites when neither --sites nor the app's `sites` key says (Flower's default is 2).
@@ -414,18 +414,11 @@ def _checked_values(app: FlowerApp, given: PlatformOptions) -> dict[str, Any]:
         if not given.sites:
             raise ConfigError("--sites must be a positive count or a list of names")
         out["sites"] = _checked_sites(given.sites)
-    # option → minimum
-    counts = {
-        "rounds": 1,
-        "seed": 0,
-        "max_failed_rounds": 0,
-        "k": 1,
-        "checkpoint_every": 0,
-        "keep_checkpoints": 1,
-    }
+    # Checked by start()'s own rule for each (flplatform/run/options.py), named as given.
+    counts = ("rounds", "seed", "max_failed_rounds", "k", "checkpoint_every", "keep_checkpoints")
     require(
-        integer(getattr(given, name), f"--{name.replace('_', '-')}", minimum=minimum)
-        for name, minimum in counts.items()
+        option_problem(START_KEYWORDS[name], getattr(given, name), f"--{name.replace('_', '-')}")
+        for name in counts
         if getattr(given, name) is not None
     )
     out.update((name, getattr(given, name)) for name in counts if getattr(given, name) is not None)

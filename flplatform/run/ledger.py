@@ -27,6 +27,7 @@ from typing import Any
 from flplatform.core.checkpoint import CheckpointError, read_state, write_state
 from flplatform.core.errors import ConfigError, FLPlatformError, NotFoundError, StorageError
 from flplatform.engine.events import RoundSummary, SiteInfo, TrafficOutcome
+from flplatform.run.options import DEFAULT_OPTIONS
 from storage import (
     CheckpointInput,
     CheckpointRecord,
@@ -41,10 +42,6 @@ from storage.repository import checkpointed_rounds
 log = logging.getLogger("flplatform")
 
 CHECKPOINTS_DIRNAME = "checkpoints"
-# Cross-silo rounds are long (minutes): a kept model every 5 rounds costs little disk, and
-# the last 3 of them are what a user compares or rolls back to.
-DEFAULT_CHECKPOINT_EVERY = 5
-DEFAULT_KEEP_CHECKPOINTS = 3
 # Only files named like ours are ever deleted, whatever path a ledger row names.
 _CHECKPOINT_FILE = re.compile(r"round-\d{6,}\.npz")
 
@@ -117,8 +114,8 @@ class SqlLedger:
         run_id: int,
         *,
         checkpoint_dir: str | Path | None = None,
-        checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY,
-        keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS,
+        checkpoint_every: int = DEFAULT_OPTIONS.checkpoint_every,
+        keep_checkpoints: int = DEFAULT_OPTIONS.keep_checkpoints,
     ) -> None:
         if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int):
             raise ConfigError(f"checkpoint-every must be a whole number, got {checkpoint_every!r}")

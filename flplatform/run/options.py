@@ -18,7 +18,8 @@ from typing import Any
 
 from flplatform.core.checks import Problem, holds, integer, number, require
 from flplatform.core.errors import ConfigError
-from flplatform.engine.guard import GUARD_OPTIONS, guard_problems
+from flplatform.engine.guard import GUARD_OPTIONS, GuardOptions, guard_problems
+from flplatform.engine.stop_rule import DEFAULT_MAX_FAILED_ROUNDS
 from flplatform.engine.synchrony import SYNC_MODES
 from flplatform.network import Network
 
@@ -28,11 +29,16 @@ OPTIONS_ENV = "FLPLATFORM_OPTIONS"
 ConfigValue = str | int | float | bool
 
 
+_GUARD = GuardOptions()  # the guard's own defaults
+
+
 @dataclass(frozen=True)
 class PlatformOptions:
     """The keyword arguments of ``start`` that are plain data (and may come from the CLI).
 
-    Their meaning is documented on ``start``; the defaults are its defaults.
+    Their meaning is documented on ``start``. Every default is said here, once:
+    ``start``'s signature, the ledger, and the run options' table (``RunConfig``) take
+    theirs from :data:`DEFAULT_OPTIONS`.
     """
 
     num_rounds: int = 3
@@ -53,12 +59,14 @@ class PlatformOptions:
     run_config: Mapping[str, Any] | None = None
     tag: str | None = None
     required_sites: int = 0
-    max_failed_rounds: int = 3
-    update_norm_ratio: float = 10.0
-    update_norm_action: str = "clip"
-    max_site_share: float = 1.0
-    reject_replays: bool = True
-    update_min_cosine: float = -1.0
+    max_failed_rounds: int = DEFAULT_MAX_FAILED_ROUNDS
+    update_norm_ratio: float = _GUARD.norm_ratio
+    update_norm_action: str = _GUARD.norm_action
+    max_site_share: float = _GUARD.max_share
+    reject_replays: bool = _GUARD.reject_replays
+    update_min_cosine: float = _GUARD.min_cosine
+    # Cross-silo rounds are long (minutes): a kept model every 5 rounds costs little disk,
+    # and the last 3 of them are what a user compares or rolls back to.
     checkpoint_every: int = 5
     keep_checkpoints: int = 3
     checkpoint_dir: str | None = None
@@ -68,6 +76,7 @@ class PlatformOptions:
     launched_by: Mapping[str, Any] | None = None
 
 
+DEFAULT_OPTIONS = PlatformOptions()
 OPTION_NAMES = tuple(f.name for f in fields(PlatformOptions))
 
 
@@ -136,6 +145,17 @@ def options_from_environment(environ: Mapping[str, str] | None = None) -> dict[s
             f"{OPTIONS_ENV} must be a JSON object of start() options, got {type(values).__name__}"
         )
     return _checked(values, source=OPTIONS_ENV)
+
+
+def option_problem(option: str, value: Any, label: str) -> Problem:
+    """What is wrong with ``value`` for ``start()``'s ``option``, said of ``label``.
+
+    The one rule per option, for callers that name options their own way (the CLI's
+    ``--rounds`` for ``num_rounds``).
+    """
+    if _unset_or_object(option, value, objects=False):
+        return None
+    return _RULES[option](value, label)
 
 
 def _checked(values: Mapping[str, Any], *, source: str) -> dict[str, Any]:
@@ -211,7 +231,7 @@ _RULES: dict[str, Callable[[Any, str], Problem]] = {
     "step_seconds": lambda v, n: number(
         v, n, at_least=0, says="a number >= 0 (0: keep the profiles')"
     ),
-    "seed": lambda v, n: integer(v, n),
+    "seed": lambda v, n: integer(v, n, minimum=0),
     "ledger": _text("a database URL, 'default' or null (no ledger)"),
     "name": _text("a text or null"),
     "run_config": _text_keys,

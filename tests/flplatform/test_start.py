@@ -300,6 +300,33 @@ def test_a_bad_environment_is_a_config_error_before_anything_is_recorded(
         assert repo.list_runs() == []
 
 
+def test_each_default_is_the_options_one_in_start_the_ledger_and_the_run_options() -> None:
+    import inspect
+    from dataclasses import fields
+
+    from flplatform.app.config import RunConfig
+    from flplatform.engine.guard import GuardOptions
+    from flplatform.run.ledger import SqlLedger
+    from flplatform.run.options import DEFAULT_OPTIONS
+
+    given = inspect.signature(start).parameters
+    for option in fields(DEFAULT_OPTIONS):
+        if option.name in given:
+            assert given[option.name].default == getattr(DEFAULT_OPTIONS, option.name), option
+    ledger = inspect.signature(SqlLedger.__init__).parameters
+    assert ledger["checkpoint_every"].default == DEFAULT_OPTIONS.checkpoint_every == 5
+    assert ledger["keep_checkpoints"].default == DEFAULT_OPTIONS.keep_checkpoints == 3
+    guard = GuardOptions()
+    assert (guard.norm_ratio, guard.min_cosine) == (
+        DEFAULT_OPTIONS.update_norm_ratio,
+        DEFAULT_OPTIONS.update_min_cosine,
+    )
+    table = {f.name: f.default for f in fields(RunConfig)}
+    for name in ("k", "sync", "seed", "max_failed_rounds", "checkpoint_every", "keep_checkpoints"):
+        assert table[name] == getattr(DEFAULT_OPTIONS, name), name
+    assert table["update_norm_action"] == DEFAULT_OPTIONS.update_norm_action == "clip"
+
+
 def test_options_environment_round_trips_and_refuses_what_start_would() -> None:
     environment = options_environment(sync="buffered", k=4, network="world", ledger=None)
     assert options_from_environment(environment) == {

@@ -33,7 +33,7 @@ def _stop_local_superlink(port: int) -> None:
     [
         ("local-sgd", "num-server-rounds=2"),
         # `flwr run .` is the same path for every strategy; the mod paths are
-        # test_own_app's (make test-all runs these two as well).
+        # test_own_app's (marked thorough).
         pytest.param("delayed", "num-server-rounds=2", marks=pytest.mark.thorough),
         pytest.param("sketched-sgd", "num-server-rounds=4 k=500", marks=pytest.mark.thorough),
     ],

@@ -88,7 +88,7 @@ def test_local_sgd_k_async_on_the_world_network(own_app: Path, tmp_path: Path) -
     [
         ("delayed", (), None),
         # The codec mod of the next two also runs in test_compression's top-k run (the
-        # built-in app uses the same mod), so they run in make test-all only.
+        # built-in app uses the same mod), so they are marked thorough.
         # delayed + top-1% uploads (index + value per coordinate)
         pytest.param("dts", (), 0.1, marks=pytest.mark.thorough),
         # 1 byte a weight, plus Flower's framing
