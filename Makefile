@@ -39,10 +39,11 @@ demo: setup
 
 # Every test, markers included (hostile, resume, deploy, thorough): a guarantee CI does not
 # run can break unseen. One pytest-xdist worker per core, four at most (each starts Flower and
-# Ray), the longest tests first (tests/conftest.py); a worker takes one test at a time.
+# Ray), the longest tests first (tests/conftest.py), a few queued per worker at a time; tests
+# that share a module's costly baseline keep to one worker (xdist_group).
 # The PostgreSQL contract tests run against a server the tests start (tests/postgres.py):
 # FLPLATFORM_REQUIRE_POSTGRES=1 makes them fail, not skip, if it cannot be started.
-PYTEST_WORKERS := -n auto --maxprocesses 4 --maxschedchunk 1
+PYTEST_WORKERS := -n auto --maxprocesses 4 --maxschedchunk 1 --dist loadgroup
 test: setup-dev
 	FLPLATFORM_REQUIRE_POSTGRES=1 $(BIN)/python -m pytest -q $(PYTEST_WORKERS)
 

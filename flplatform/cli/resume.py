@@ -8,7 +8,8 @@ result may be given again (``--round-timeout``).
 
 A run of ``flplatform simulate`` (or the demo) is started again from its recorded options; a
 run of ``flplatform run APP_DIR`` from the app directory and options its launch recorded
-(``flower_app.launch_record``), with ``resume_run`` handed to the app's ``flplatform.start``.
+(``launch.app_directory.launch_record``), with ``resume_run`` handed to the app's
+``flplatform.start``.
 """
 
 from __future__ import annotations

@@ -382,63 +382,82 @@ def start_flwr_run(
     return run, log_path
 
 
-# What `flwr run` can pack into a FAB (Flower's include patterns), and the directories it
-# never packs but would still walk, file by file: a virtual environment inside an app
-# directory (the README's set-up makes .venv there) is some 50,000 files and 3.5 s of CPU
-# per start-up.
-FAB_SUFFIXES = (".py", ".toml", ".md", ".yaml", ".yml", ".json", ".jsonl")
-FAB_NAMES = ("LICENSE", ".gitignore")
-SKIPPED_DIRS = frozenset(
-    {".git", ".flwr", "__pycache__", "build", "eggs", ".eggs", "lib", "lib64", "parts",
-     "env", "venv", "ENV", "node_modules"}
-)  # fmt: skip
+# Directories Flower would walk file by file and pack nothing from: a virtual environment
+# inside the app directory (the README's set-up makes .venv there: some 50,000 files, 3.5 s
+# of CPU per start-up), git's store, bytecode caches.
+NEVER_PACKED = frozenset({".git", "__pycache__"})
+STAGED_KEPT_SECONDS = 7 * 24 * 3600  # a staged copy unused this long is removed
 
 
 def staged_app(app_dir: Path, home: Path) -> Path:
-    """A copy of ``app_dir`` holding only what ``flwr run`` may pack, for it to walk.
+    """A copy of what ``flwr run`` packs from ``app_dir``, for it to walk instead.
 
     Flower builds the FAB by walking every file under the app directory and filtering
-    afterwards; the copy leaves out virtual environments (any directory with a
-    ``pyvenv.cfg``), hidden directories, this platform's home and files Flower never
-    packs (data, checkpoints), so the FAB holds what it held, bar caches. It is named by
-    its contents (``home/apps/<hash>``): made once per version of the app, shared by
-    concurrent runs, never changed once made.
+    afterwards. The copy holds the files Flower's own filter keeps (its include and exclude
+    patterns, the app's ``.gitignore``), found without entering virtual environments (any
+    directory with a ``pyvenv.cfg``), git's store or this platform's home: the FAB holds
+    what it held. The copy is named by its contents (``home/apps/<hash>``), made once per
+    version of the app and shared by concurrent runs; copies unused for a week are removed.
     """
+    from flwr.cli.utils import filter_paths_for_publish  # the filter `flwr run` applies
+
     root = app_dir.resolve()
     skip = {home.resolve(), flplatform_home().resolve()}
-    files: dict[str, bytes] = {}
+    found: dict[str, Path] = {}
     for directory, subdirs, names in os.walk(root):
         here = Path(directory)
-        subdirs[:] = sorted(
+        subdirs[:] = [
             d
             for d in subdirs
-            if d not in SKIPPED_DIRS
-            and not d.startswith(".")
+            if d not in NEVER_PACKED
             and (here / d).resolve() not in skip
             and not (here / d / "pyvenv.cfg").exists()
-            and not (here / d).is_symlink()
-        )
-        for name in sorted(names):
+        ]
+        for name in names:
             path = here / name
-            if (name.endswith(FAB_SUFFIXES) or name in FAB_NAMES) and not path.is_symlink():
-                files[path.relative_to(root).as_posix()] = path.read_bytes()
+            if not path.is_symlink():  # Flower skips symlinks too
+                found[path.relative_to(root).as_posix()] = path
+    try:
+        kept = filter_paths_for_publish(found)
+        contents = {
+            name: path.read_bytes() if isinstance(path, Path) else path
+            for name, path in sorted(kept.items())
+        }
+    except OSError as exc:
+        raise RunFailed(f"cannot read the app directory {root}: {exc}") from exc
+    except Exception as exc:  # Flower's own refusal (a path nested too deep, ...)
+        raise RunFailed(f"flwr run cannot pack {root}: {exc}") from exc
     digest = hashlib.sha256()
-    for name, content in files.items():
+    for name, content in contents.items():
         digest.update(f"{name}\0{len(content)}\0".encode())
         digest.update(content)
-    staged = home / "apps" / digest.hexdigest()[:16]
+    apps = home / "apps"
+    staged = apps / digest.hexdigest()[:16]
     if not staged.is_dir():
-        staged.parent.mkdir(parents=True, exist_ok=True)
-        building = Path(tempfile.mkdtemp(dir=staged.parent, prefix=".staging-"))
-        for name, content in files.items():
-            target = building / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(content)
+        apps.mkdir(parents=True, exist_ok=True)
+        building = Path(tempfile.mkdtemp(dir=apps, prefix=".staging-"))
         try:
+            for name, content in contents.items():
+                target = building / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(content)
             building.rename(staged)
-        except OSError:  # a concurrent run made the same copy first
+        except OSError as exc:
             shutil.rmtree(building, ignore_errors=True)
+            if not staged.is_dir():  # not a concurrent run that made the same copy first
+                raise RunFailed(f"cannot stage the app {root} in {apps}: {exc}") from exc
+    os.utime(staged)  # in use: kept
+    _remove_unused(apps, keep=staged)
     return staged
+
+
+def _remove_unused(apps: Path, *, keep: Path) -> None:
+    """Staged copies (and half-made ones) nobody used for ``STAGED_KEPT_SECONDS``."""
+    cutoff = time.time() - STAGED_KEPT_SECONDS
+    for entry in apps.iterdir():
+        with contextlib.suppress(OSError):
+            if entry != keep and entry.stat().st_mtime < cutoff:
+                shutil.rmtree(entry)
 
 
 def logs_dir(home: Path) -> Path:

@@ -43,7 +43,7 @@ from flplatform.core.state import MISSING, StateReader
 from flplatform.engine import AggregationPolicy, Contribution, EngineStrategy, Synchrony, Update
 from flplatform.engine.replies import first_number
 
-log = logging.getLogger("flplatform.strategies.flower_adapter")
+log = logging.getLogger("flplatform.run.flower_adapter")
 
 
 class FlowerStrategyAdapter(EngineStrategy):

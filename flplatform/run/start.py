@@ -7,14 +7,14 @@ ledger="default")`` instead and gets, on top of Flower's ``Result``:
 * a synchrony mode (``flplatform.engine.synchrony``): sync, K-sync, K-async, buffered, ...;
 * a simulated network on a virtual clock (``flplatform.network``), or the wall clock;
 * the ledger: the run's row is written first, each round is committed as it finishes, and
-  the run is marked finished, or failed with the reason, at the end (``run_ledger``);
+  the run is marked finished, or failed with the reason, at the end (``run_record``);
 * a watch on the SuperLink: a ServerApp whose SuperLink exited stops, the run failed with
   that reason, instead of training on or waiting on it for ever (``engine.link``).
 
 Any strategy runs: flplatform's own as they are, Flower's own wrapped, fully synchronously
-(``start_parts``, which also picks the policy and the clock). Command-line overrides:
+(``parts``, which also picks the policy and the clock). Command-line overrides:
 ``flplatform run APP_DIR --network world --sync k-async`` hands its options to the
-ServerApp process in ``FLPLATFORM_OPTIONS`` (``start_options``; build it with
+ServerApp process in ``FLPLATFORM_OPTIONS`` (``options``; build it with
 ``options_environment``); they override the keyword arguments the ServerApp's code passed.
 
 Importing the package stays light: ``flplatform.start`` is loaded on first use (the
@@ -148,7 +148,8 @@ def start(
     step_seconds : float
         Override every site's mean seconds per local step (0: keep the profiles').
     seed : int
-        Seeds the policy's sampling and the network's speeds and compute times.
+        Seeds the policy's sampling and the network's speeds and compute times; >= 0 (the
+        built-in sites refuse a negative seed, so every entry point does).
     ledger : str, optional
         A SQLAlchemy URL of the ledger to record the run in; ``""`` or ``"default"`` for
         ``$FLPLATFORM_HOME/ledger.db``; None to record nothing.

@@ -7,6 +7,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
@@ -195,7 +196,7 @@ def _fab_names(app_dir: Path) -> set[str]:
         return set(fab.namelist())
 
 
-def test_the_staged_app_packs_as_the_app_without_its_venv_data_or_home(tmp_path: Path) -> None:
+def test_the_staged_app_packs_as_the_app_but_its_venv_git_store_and_home(tmp_path: Path) -> None:
     app = tmp_path / "app"
     (app / "pkg").mkdir(parents=True)
     (app / "pyproject.toml").write_text((ROOT / "examples/own_app/pyproject.toml").read_text())
@@ -211,7 +212,11 @@ def test_the_staged_app_packs_as_the_app_without_its_venv_data_or_home(tmp_path:
     (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
     (venv / "lib" / "site.py").write_text("")
     (app / ".cache").mkdir()
-    (app / ".cache" / "junk.json").write_text("{}")  # hidden: left out
+    (app / ".cache" / "kept.json").write_text("{}")  # hidden, not ignored: Flower packs it
+    (app / "pkg" / "env").mkdir()
+    (app / "pkg" / "env" / "world.py").write_text("")  # `env/` is excluded at the root only
+    (app / ".git" / "objects").mkdir(parents=True)
+    (app / ".git" / "objects" / "x.json").write_text("{}")  # git's store: never walked
     home = app / ".flplatform"  # the platform's home inside the app
     (home / "logs").mkdir(parents=True)
     (home / "logs" / "run.json").write_text("{}")
@@ -221,8 +226,9 @@ def test_the_staged_app_packs_as_the_app_without_its_venv_data_or_home(tmp_path:
 
     assert staged.parent == home / "apps"
     packed = _fab_names(staged)
-    left_out = {".cache/junk.json", "my-env/lib/site.py", ".flplatform/logs/run.json"}
+    left_out = {"my-env/lib/site.py", ".flplatform/logs/run.json", ".git/objects/x.json"}
     assert left_out <= unstaged and packed == unstaged - left_out
+    assert {".cache/kept.json", "pkg/env/world.py"} <= packed
     assert {"pkg/task.py", "pkg/notes.md"} <= packed and "pkg/ignored.py" not in packed
     assert not (staged / "data").exists() and not (staged / ".flplatform").exists()
     # Named by its contents: the same app stages to the same copy, a change to a new one.
@@ -231,3 +237,7 @@ def test_the_staged_app_packs_as_the_app_without_its_venv_data_or_home(tmp_path:
     changed = staged_app(app, home)
     assert changed != staged and (changed / "pkg" / "task.py").read_text() == "X = 2\n"
     assert (staged / "pkg" / "task.py").read_text() == "X = 1\n"  # never changed once made
+    # A copy nobody used for more than a week goes when another is staged.
+    week_ago = time.time() - 8 * 24 * 3600
+    os.utime(staged, (week_ago, week_ago))
+    assert staged_app(app, home) == changed and not staged.exists()

@@ -22,7 +22,8 @@ keeps its honest update (``examples``) trains on three sites' data and may beat 
 two-site silent run (the honest three-site run ends 2.5 points above it).
 
 Each silent baseline runs once per federation (plain; server momentum 0.9; FetchSGD),
-cached for the module. Simulations take 30-60 s each on a 2-core machine.
+cached for the module; a federation's attacks share one pytest-xdist worker. Simulations
+take 30-60 s each on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -181,8 +182,12 @@ def silent_baseline(
 
 @pytest.mark.parametrize(
     "case",
-    CASES,
-    ids=[c.kind for c in CASES],
+    # The attacks of one federation on one pytest-xdist worker (`--dist loadgroup`), so
+    # that its silent baseline runs once.
+    [
+        pytest.param(c, id=c.kind, marks=pytest.mark.xdist_group(f"hostile {c.federation}"))
+        for c in CASES
+    ],
 )
 def test_an_attacker_cannot_hurt_the_honest_sites(
     case: Case,
