@@ -83,8 +83,8 @@ import flplatform.engine.engine as engine_module
 import flplatform.engine.mailbox as mailbox_module
 import strategies.local_sgd as local_sgd_module
 from flplatform.core import keys
-from flplatform.engine import RoundEngine, RoundSummary, Synchrony
-from flplatform.engine.engine import PULL_CHUNK
+from flplatform.engine import RoundSummary, Synchrony
+from flplatform.engine.engine import PULL_CHUNK, RoundEngine
 from flplatform.engine.guard import GuardOptions, UpdateGuard
 from flplatform.engine.wire import reply_traffic
 from flplatform.run.ledger import SqlLedger

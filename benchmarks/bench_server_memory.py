@@ -65,8 +65,8 @@ from bench_round import ReplayGrid, model_shapes
 from flwr.app import Array, ArrayRecord
 from flwr.supercore.task_identity import TaskIdentity
 
-from flplatform.engine import RoundEngine, RoundSummary, Synchrony
-from flplatform.engine.engine import PULL_CHUNK
+from flplatform.engine import RoundSummary, Synchrony
+from flplatform.engine.engine import PULL_CHUNK, RoundEngine
 from flplatform.engine.guard import GuardOptions, UpdateGuard
 from flplatform.run.ledger import SqlLedger
 from storage import LedgerRepository

@@ -57,7 +57,8 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from flplatform.core import keys
 from flplatform.core.arrays import arrays_to_record
-from flplatform.engine import RoundEngine, RoundSummary, Synchrony
+from flplatform.engine import RoundSummary, Synchrony
+from flplatform.engine.engine import RoundEngine
 from strategies.count_sketch import CountSketch
 from strategies.fetchsgd import FetchSGD
 from strategies.sketched_common import SKETCH

@@ -6,10 +6,13 @@ asks of a synchrony policy (``synchrony``: the modes); ``sites`` one state per s
 ledger rows; ``evaluation`` federated evaluation; ``versions`` the model versions in use;
 ``stop_rule`` when a run that keeps failing stops; ``divergence`` when training diverges;
 ``clock`` wall or simulated time.
+
+The package itself exports what a strategy and a policy are written against (the strategy
+and policy protocols, the synchrony modes, the ledger's rows and sink), not the loop:
+importing it for a strategy does not load the round loop, the mailbox or the guard
+(``RoundEngine`` is in ``flplatform.engine.engine``, the clocks in ``clock``).
 """
 
-from flplatform.engine.clock import Clock, Landing, Schedule, VirtualClock, WallClock
-from flplatform.engine.engine import RoundEngine
 from flplatform.engine.events import (
     APPLIED,
     BUFFERED,
@@ -25,7 +28,6 @@ from flplatform.engine.events import (
     SiteInfo,
     UpdateOutcome,
 )
-from flplatform.engine.guard import GuardOptions, UpdateGuard
 from flplatform.engine.policy import AggregationPolicy, EngineView, Verdict
 from flplatform.engine.strategy import Contribution, EngineStrategy, SubsetGrid, Update, Work
 from flplatform.engine.synchrony import SYNC_MODES, PeriodSync, Synchrony, SyncOnly
@@ -38,16 +40,13 @@ __all__ = [
     "EVALUATED",
     "REJECTED",
     "AggregationPolicy",
-    "Clock",
     "Contribution",
     "Dispatch",
     "EngineStrategy",
     "EngineView",
     "EvaluationOutcome",
-    "GuardOptions",
     "LedgerSink",
     "NullLedger",
-    "RoundEngine",
     "RoundSummary",
     "SiteInfo",
     "SubsetGrid",
@@ -55,13 +54,8 @@ __all__ = [
     "Synchrony",
     "SYNC_MODES",
     "SyncOnly",
-    "Schedule",
-    "Landing",
-    "VirtualClock",
-    "UpdateGuard",
     "UpdateOutcome",
     "Verdict",
-    "WallClock",
     "Update",
     "Work",
 ]

@@ -12,14 +12,8 @@ from __future__ import annotations
 from flwr.serverapp.strategy import Strategy
 
 from flplatform.core.errors import ConfigError
-from flplatform.engine import (
-    AggregationPolicy,
-    Clock,
-    EngineStrategy,
-    Synchrony,
-    VirtualClock,
-    WallClock,
-)
+from flplatform.engine import AggregationPolicy, EngineStrategy, Synchrony
+from flplatform.engine.clock import Clock, VirtualClock, WallClock
 from flplatform.network import Network, load_network
 from flplatform.run.options import PlatformOptions
 

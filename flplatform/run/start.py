@@ -31,13 +31,9 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
-from flplatform.engine import (
-    EngineStrategy,
-    GuardOptions,
-    RoundEngine,
-    RoundSummary,
-    UpdateGuard,
-)
+from flplatform.engine import EngineStrategy, RoundSummary
+from flplatform.engine.engine import RoundEngine
+from flplatform.engine.guard import GuardOptions, UpdateGuard
 from flplatform.engine.link import run_watched, watch_superlink
 from flplatform.network import Network
 from flplatform.run.log import log_start, round_reporter

@@ -16,7 +16,8 @@ from flwr.app import Array, ArrayRecord, Message, MessageType, MetricRecord, Rec
 from flplatform.app.config import RunConfig
 from flplatform.app.federation import SITE_KEYS, InFlightGrid, run_members, site_config_of
 from flplatform.core import keys
-from flplatform.engine import RoundEngine, Synchrony
+from flplatform.engine import Synchrony
+from flplatform.engine.engine import RoundEngine
 from storage import LedgerRepository
 from strategies.local_sgd import LocalSGDAveraging
 from tests.helpers.scripted_grid import ScriptedGrid

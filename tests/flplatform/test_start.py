@@ -29,7 +29,8 @@ from flwr.serverapp.strategy import FedAvg
 from flplatform.core import keys
 from flplatform.core.arrays import record_to_arrays
 from flplatform.core.errors import ConfigError, DataError, NoProgress, UpdateRejected
-from flplatform.engine import APPLIED, REJECTED, RoundEngine, RoundSummary, Synchrony
+from flplatform.engine import APPLIED, REJECTED, RoundSummary, Synchrony
+from flplatform.engine.engine import RoundEngine
 from flplatform.run.flower_adapter import FlowerStrategyAdapter
 from flplatform.run.options import (
     OPTION_NAMES,
@@ -497,6 +498,17 @@ def _flat(arrays: ArrayRecord) -> np.ndarray:
 
 
 # ============================================================ the package
+def test_the_engine_package_gives_the_protocols_without_the_loop() -> None:
+    code = (
+        "import sys\n"
+        "from flplatform.engine import EngineStrategy, AggregationPolicy, Synchrony\n"
+        "loop = ['flplatform.engine.' + m for m in ('engine', 'mailbox', 'guard')]\n"
+        "assert not [m for m in loop if m in sys.modules], sorted(sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
 def test_importing_the_package_stays_light_and_start_is_callable() -> None:
     code = (
         "import sys, flplatform, flplatform.core.keys, flplatform.core.errors\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from flwr.app import Message
 
-from flplatform.engine import RoundEngine
+from flplatform.engine.engine import RoundEngine
 from flplatform.run.ledger import SqlLedger
 from strategies.local_sgd import LocalSGDAveraging
 from tests.helpers.fleet_oracle import naive_delivery, naive_reply

@@ -18,15 +18,9 @@ from flplatform.core import keys
 from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.core.errors import ConfigError, UpdateRejected
 from flplatform.core.seeding import rng_for
-from flplatform.engine import (
-    APPLIED,
-    REJECTED,
-    PeriodSync,
-    RoundEngine,
-    RoundSummary,
-    Synchrony,
-    VirtualClock,
-)
+from flplatform.engine import APPLIED, REJECTED, PeriodSync, RoundSummary, Synchrony
+from flplatform.engine.clock import VirtualClock
+from flplatform.engine.engine import RoundEngine
 from flplatform.network import ComputeModel
 from strategies.compensation import ServerPeriods, SitePeriods
 from strategies.delayed import DelayedCompensated

@@ -20,7 +20,8 @@ from flplatform.app.config import RunConfig
 from flplatform.core import keys
 from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.core.errors import ConfigError, UpdateRejected
-from flplatform.engine import APPLIED, RoundEngine, RoundSummary
+from flplatform.engine import APPLIED, RoundSummary
+from flplatform.engine.engine import RoundEngine
 from strategies.codecs import Layout
 from strategies.fetchsgd import FetchSGD
 from strategies.mods.contract import ModState

@@ -10,7 +10,8 @@ from flplatform.app.config import RunConfig
 from flplatform.core import keys
 from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.core.errors import ConfigError, UpdateRejected
-from flplatform.engine import APPLIED, REJECTED, RoundEngine, RoundSummary
+from flplatform.engine import APPLIED, REJECTED, RoundSummary
+from flplatform.engine.engine import RoundEngine
 from strategies.codecs import Layout, TopK
 from strategies.local_sgd import LocalSGDAveraging
 from tests.helpers.delayed_sites import digits_site

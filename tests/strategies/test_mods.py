@@ -24,14 +24,8 @@ from flwr.app import (
 from flplatform.core import keys
 from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.core.errors import UpdateRejected
-from flplatform.engine import (
-    APPLIED,
-    REJECTED,
-    PeriodSync,
-    RoundEngine,
-    RoundSummary,
-    Synchrony,
-)
+from flplatform.engine import APPLIED, REJECTED, PeriodSync, RoundSummary, Synchrony
+from flplatform.engine.engine import RoundEngine
 from strategies.codecs import Layout, make_codec
 from strategies.delayed import DelayedCompensated
 from strategies.fetchsgd import FetchSGD

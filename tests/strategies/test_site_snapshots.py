@@ -28,7 +28,8 @@ from clients.site import load_site
 from flplatform.core import keys
 from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.core.errors import ConfigError
-from flplatform.engine import APPLIED, PeriodSync, RoundEngine, RoundSummary, Synchrony
+from flplatform.engine import APPLIED, PeriodSync, RoundSummary, Synchrony
+from flplatform.engine.engine import RoundEngine
 from strategies.codecs import Layout
 from strategies.delayed import DelayedCompensated
 from strategies.mods import codec_mod, delayed_mod, fetchsgd_mod, sketched_sgd_mod

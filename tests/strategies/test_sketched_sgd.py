@@ -22,7 +22,8 @@ from flplatform.app.config import RunConfig
 from flplatform.core import keys
 from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.core.errors import ConfigError, StepRefused, UpdateRejected
-from flplatform.engine import APPLIED, RoundEngine, RoundSummary
+from flplatform.engine import APPLIED, RoundSummary
+from flplatform.engine.engine import RoundEngine
 from strategies.local_sgd import LocalSGDAveraging
 from strategies.mods.contract import ModState
 from strategies.mods.fetchsgd import MODEL

@@ -9,8 +9,9 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from flplatform.core import keys
-from flplatform.engine import RoundEngine, Synchrony, VirtualClock, WallClock
-from flplatform.engine.clock import Schedule, planned_steps
+from flplatform.engine import Synchrony
+from flplatform.engine.clock import Schedule, VirtualClock, WallClock, planned_steps
+from flplatform.engine.engine import RoundEngine
 from flplatform.network import ComputeModel, Network, SiteProfile
 from flplatform.run.ledger import SqlLedger
 from storage import LedgerRepository

@@ -22,8 +22,9 @@ from flwr.app import (
 )
 
 from flplatform.core import keys
-from flplatform.engine import RoundEngine, RoundSummary
+from flplatform.engine import RoundSummary
 from flplatform.engine.divergence import FACTOR, Divergence, DivergenceWatch, ReportedLoss
+from flplatform.engine.engine import RoundEngine
 from flplatform.engine.replies import reported_losses
 from flplatform.run.ledger import SqlLedger
 from storage import LedgerRepository

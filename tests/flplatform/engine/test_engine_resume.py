@@ -39,16 +39,10 @@ from flplatform.core import keys
 from flplatform.core.arrays import record_to_arrays
 from flplatform.core.checkpoint import CheckpointError, read_state, write_state
 from flplatform.core.errors import RunFailed
-from flplatform.engine import (
-    GuardOptions,
-    RoundEngine,
-    RoundSummary,
-    SiteInfo,
-    Synchrony,
-    UpdateGuard,
-    VirtualClock,
-    WallClock,
-)
+from flplatform.engine import RoundSummary, SiteInfo, Synchrony
+from flplatform.engine.clock import VirtualClock, WallClock
+from flplatform.engine.engine import RoundEngine
+from flplatform.engine.guard import GuardOptions, UpdateGuard
 from flplatform.network import ComputeModel, Network, SiteProfile
 from strategies.local_sgd import LocalSGDAveraging
 from tests.helpers.fleet_oracle import naive_delivery, naive_reply

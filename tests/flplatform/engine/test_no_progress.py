@@ -23,7 +23,8 @@ from flwr.app import (
 
 from flplatform.core import keys
 from flplatform.core.errors import ConfigError, NoProgress, RunFailed
-from flplatform.engine import DROPPED, REJECTED, RoundEngine
+from flplatform.engine import DROPPED, REJECTED
+from flplatform.engine.engine import RoundEngine
 from flplatform.engine.events import UpdateOutcome
 from flplatform.engine.stop_rule import FailureStreak, reason_key
 from flplatform.run.ledger import SqlLedger

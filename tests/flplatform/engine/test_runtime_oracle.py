@@ -22,7 +22,9 @@ import pytest
 from flwr.app import ArrayRecord, ConfigRecord
 
 from flplatform.core import keys
-from flplatform.engine import RoundEngine, Synchrony, VirtualClock
+from flplatform.engine import Synchrony
+from flplatform.engine.clock import VirtualClock
+from flplatform.engine.engine import RoundEngine
 from flplatform.network import ComputeModel
 from tests.helpers.idle_sites import CountingStrategy, idle_site, network
 from tests.helpers.scripted_grid import ScriptedGrid

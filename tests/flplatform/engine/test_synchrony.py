@@ -11,17 +11,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MessageType
 
 from flplatform.core import keys
 from flplatform.core.errors import ConfigError
-from flplatform.engine import (
-    APPLIED,
-    CANCELLED,
-    DROPPED,
-    EngineView,
-    RoundEngine,
-    Synchrony,
-    VirtualClock,
-    WallClock,
-)
-from flplatform.engine.engine import UNAVAILABLE
+from flplatform.engine import APPLIED, CANCELLED, DROPPED, EngineView, Synchrony
+from flplatform.engine.clock import VirtualClock, WallClock
+from flplatform.engine.engine import UNAVAILABLE, RoundEngine
 from flplatform.engine.events import Dispatch
 from flplatform.engine.staleness import adasync_k, staleness_weight
 from flplatform.network import ComputeModel, Network, SiteProfile
