@@ -470,7 +470,20 @@ def _as_float(name: str, value: Any) -> float:
 
 
 def as_site_names(name: str, value: Any) -> tuple[str, ...]:
-    """Site names from a list or comma-separated text; ``ConfigError`` naming every bad one."""
+    """Site names from a count, a list or comma-separated text; ``ConfigError`` naming every
+    bad one. A count n (``4``, ``"100"``) names the first n default sites, then ``site-5``,
+    ``site-6``, ...: ``--sites 100`` and the run-config ``sites = 100`` mean 100 sites."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be a positive count or a list of names, got {value!r}")
+    count = value if isinstance(value, int) else None
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        count = int(value.strip())
+    if count is not None:
+        if count <= 0:
+            raise ConfigError(f"{name} must be a positive count or a list of names, got {value}")
+        return tuple(
+            DEFAULT_SITES[i] if i < len(DEFAULT_SITES) else f"site-{i + 1}" for i in range(count)
+        )
     items = value if isinstance(value, list | tuple) else str(value).split(",")
     names = tuple(str(item).strip() for item in items if str(item).strip())
     require(site_names(names, name))

@@ -23,13 +23,6 @@ from flplatform.engine.synchrony import (
     synchrony_problems,
 )
 from flplatform.run.options import option_problem
-from strategies.codecs import make_codec
-from strategies.delayed import SYNC_ONLY as DELAYED_SYNC_ONLY
-from strategies.delayed import DelayedCompensated
-from strategies.fetchsgd import FetchSGD
-from strategies.local_sgd import LocalSGDAveraging
-from strategies.sketched_common import sync_only as sketched_sync_only
-from strategies.sketched_sgd import SketchedSGD
 
 if TYPE_CHECKING:
     from flplatform.app.config import RunConfig
@@ -175,6 +168,12 @@ def _misused(config: RunConfig) -> list[Problem]:
 def strategy_knobs(config: RunConfig) -> tuple[Any, dict[str, Any]]:
     """The strategy class ``config`` names and its knobs, keyed as its ``knob_problems`` takes
     them; its constructor takes the same (``flplatform.app.federation.build_strategy``)."""
+    # The strategies load torch: imported when a config is checked, not when the CLI starts.
+    from strategies.delayed import DelayedCompensated
+    from strategies.fetchsgd import FetchSGD
+    from strategies.local_sgd import LocalSGDAveraging
+    from strategies.sketched_sgd import SketchedSGD
+
     if config.strategy == DELAYED:
         return DelayedCompensated, dict(
             delay=config.delay,
@@ -216,6 +215,9 @@ def strategy_knobs(config: RunConfig) -> tuple[Any, dict[str, Any]]:
 
 def _strategy_problems(config: RunConfig) -> list[Problem]:
     """The strategy's own knobs, asked of the strategy, and what the edge adds to them."""
+    from strategies.delayed import SYNC_ONLY as DELAYED_SYNC_ONLY
+    from strategies.sketched_common import sync_only as sketched_sync_only
+
     problems: list[Problem] = []
     if config.strategy in SKETCHED:
         problems.append(sketched_sync_only(config.strategy).problem(config.sync))
@@ -238,6 +240,8 @@ def _strategy_problems(config: RunConfig) -> list[Problem]:
 
 def _edge_problems(config: RunConfig) -> list[Problem]:
     """What only the run configuration knows: data, model, sites, rounds, network."""
+    from strategies.codecs import make_codec
+
     problems: list[Problem] = [
         _raised(make_codec, config.codec),  # a bad spec names what is allowed
         _network_problem(config),

@@ -16,7 +16,7 @@ import typer
 from rich.text import Text
 
 from clients.catalog import BUILTIN_DATASETS, MODELS
-from flplatform.app.config import DEFAULT_SITES, SKETCHED, RunConfig
+from flplatform.app.config import DEFAULT_SITES, SKETCHED, RunConfig, as_site_names
 from flplatform.app.sweep import SWEEPABLE, Sweep, expand_values
 from flplatform.cli.errors import handles_errors
 from flplatform.cli.history import rounds as show_rounds
@@ -44,17 +44,7 @@ console = make_console()
 
 def site_names(sites: str) -> tuple[str, ...]:
     """``--sites 4`` (the first 4 default names, then site-5, ...) or ``--sites a,b,c``."""
-    text = sites.strip()
-    if text.isdigit():
-        count = int(text)
-        if count <= 0:
-            raise ConfigError(f"--sites must be a positive count or a list of names, got {sites}")
-        return tuple(
-            DEFAULT_SITES[i] if i < len(DEFAULT_SITES) else f"site-{i + 1}" for i in range(count)
-        )
-    if text.lstrip("-").isdigit():
-        raise ConfigError(f"--sites must be a positive count or a list of names, got {sites}")
-    return tuple(name.strip() for name in text.split(",") if name.strip())
+    return as_site_names("--sites", sites)
 
 
 def run_and_follow(config: RunConfig) -> RunRecord:

@@ -42,7 +42,6 @@ from storage import (
     UpdateRecord,
 )
 from storage.session import default_db_url, detach_password, flplatform_home, normalize_db_url
-from strategies.mods.snapshots import forget_run
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b:")
@@ -737,6 +736,9 @@ def _final_record(process: SimulationProcess, config: RunConfig, run_id: int) ->
 def forget_snapshots(record: RunRecord) -> None:
     """Delete a finished run's site snapshots (only a resume needs them), where its
     simulated sites wrote them: the state root in the environment they ran with."""
+    # The mods load torch: imported here, so the CLI starts without it.
+    from strategies.mods.snapshots import forget_run
+
     # the sites' environment as flower_environment sets it: the home, the rest inherited
     forget_run(record.tag or "", environ={**os.environ, "FLPLATFORM_HOME": str(work_home())})
 

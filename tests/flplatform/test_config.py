@@ -76,6 +76,14 @@ def test_round_trip_through_run_config() -> None:
     assert RunConfig.from_mapping(config.to_run_config()) == config
 
 
+@pytest.mark.parametrize("count", [6, "6", " 6 "])
+def test_a_count_of_sites_means_that_many_sites_as_on_the_command_line(count: object) -> None:
+    # `flwr run --run-config sites=6` and `flplatform simulate --sites 6` mean the same
+    config = RunConfig.from_mapping({"sites": count})
+    assert config.sites == ("london", "ohio", "california", "tokyo", "site-5", "site-6")
+    assert RunConfig.from_mapping(config.to_run_config()) == config
+
+
 def test_strategy_aliases_name_one_algorithm() -> None:
     assert RunConfig.from_mapping({"strategy": "fedavg"}).strategy == "local-sgd"
     assert RunConfig.from_mapping({"strategy": "dts"}).strategy == "delayed"
@@ -116,6 +124,9 @@ def test_the_period_sets_the_local_steps_of_delayed_updates() -> None:
         ({"local-steps": 0, "local-epochs": 0}, "set local-steps"),
         ({"sites": "a,a"}, "duplicate names"),
         ({"sites": "ok,../etc"}, "bad site name"),
+        ({"sites": 0}, "sites must be a positive count or a list of names, got 0"),
+        ({"sites": "-3"}, "sites must be a positive count or a list of names, got -3"),
+        ({"sites": True}, "sites must be a positive count or a list of names, got True"),
         ({"no-such-key": 1}, "unknown config key 'no-such-key'"),
         ({"strategy": "fedavgm"}, "fedavgm needs server-momentum > 0"),
         ({"round-timeout": 1e12}, "round-timeout must be at most"),

@@ -5,6 +5,8 @@ All of these fail before Flower starts, so they are fast.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -138,3 +140,15 @@ def test_bad_option_type_is_a_usage_error_not_a_traceback() -> None:
     result = invoke(["simulate", "--rounds", "three"])
     assert result.exit_code == 2
     assert "three" in result.output
+
+
+def test_the_cli_starts_without_torch() -> None:
+    """``flplatform --help``, ``history``, ``plot``: torch (2–3 s to import) loads only when a
+    run's configuration is checked or a model is built."""
+    code = (
+        "import sys\n"
+        "import flplatform.cli.app\n"
+        "assert 'torch' not in sys.modules, 'the CLI imported torch'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
