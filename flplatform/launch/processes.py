@@ -208,7 +208,11 @@ class ProcessTree:
             self._seen[proc.pid] = proc.start
         # A session none of whose processes lives is gone for good (no process can join
         # it), and forgetting it keeps a later process that reuses its id out of reach.
-        self._sessions = {p.sid for p in members} | {p.pid for p in self.started if _running(p)}
+        # Never our own session: it holds the user's shell (a child that did not start a
+        # session of its own is found below the started ones, by pid).
+        self._sessions = (
+            {p.sid for p in members} | {p.pid for p in self.started if _running(p)}
+        ) - {os.getsid(0)}
 
     def alive(self) -> list[int]:
         """Pids of the tree's processes still running (zombies excluded)."""

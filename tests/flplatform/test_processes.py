@@ -10,6 +10,7 @@ import ipaddress
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -82,6 +83,36 @@ def test_stop_ends_orphans_and_processes_that_left_for_a_session_of_their_own() 
         assert tree.stop() == []  # again: nothing to do
     finally:
         tree.stop(grace=0)
+
+
+def test_a_child_adopted_in_our_own_session_does_not_put_that_session_in_the_tree() -> None:
+    """A process the command started without a session of its own shares the caller's
+    session (the user's shell): stopping the tree ends that process and what it started,
+    never the rest of the session. Run in a session of its own, so that a regression
+    stops that session, not pytest's."""
+    code = (
+        "import os, subprocess, time\n"
+        "from flplatform.launch.processes import ProcessTree\n"
+        "bystander = subprocess.Popen(['sleep', '303.2'])  # our session, not the tree's\n"
+        "tree = ProcessTree()\n"
+        "adopted = tree.adopt(subprocess.Popen(['sh', '-c', 'sleep 303.1 & exec sleep 303.3']))\n"
+        "time.sleep(0.5)\n"
+        "assert os.getsid(adopted.pid) == os.getsid(0) == os.getsid(bystander.pid)\n"
+        "tree.record()\n"
+        "assert tree.stop() == []\n"
+        "assert bystander.poll() is None, 'a process of our own session was stopped'\n"
+        "bystander.kill()\n"
+        "print('bystander kept')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        start_new_session=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "bystander kept"), done.stderr
+    assert pids_running("sleep 303.1") == pids_running("sleep 303.3") == []
 
 
 def test_a_process_that_ignores_sigterm_is_killed_after_the_grace() -> None:

@@ -3,7 +3,7 @@ command in a subprocess, killed or waited for, and a deployment machine's home.
 
 Processes are found the way a user would look for leftovers: every process seen below the
 command while it ran (``/proc``, recorded beforehand, with its start time so that a reused
-pid does not count) and every process in their sessions.
+pid does not count) and every process in their sessions, except the tests' own session.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ class Leftovers:
         self.sessions: set[int] = set()
 
     def record(self) -> None:
+        # A child the command started without a new session shares the tests' own session:
+        # that session is pytest's (its controller, the other xdist workers, the shell that
+        # started it), never a leftover, so only the pids seen count there.
+        own_session = os.getsid(0)
         table = processes()
         children: dict[int, list[int]] = {}
         for pid, (ppid, _, _, _) in table.items():
@@ -41,7 +45,8 @@ class Leftovers:
             pid = todo.pop()
             _, sid, start, _ = table[pid]
             self.seen[pid] = start
-            self.sessions.add(sid)
+            if sid != own_session:
+                self.sessions.add(sid)
             todo.extend(children.get(pid, []))
 
     def alive(self) -> list[str]:
