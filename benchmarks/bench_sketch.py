@@ -59,10 +59,9 @@ from flplatform.core import keys
 from flplatform.core.arrays import arrays_to_record
 from flplatform.engine import RoundSummary, Synchrony
 from flplatform.engine.engine import RoundEngine
-from strategies.count_sketch import CountSketch
+from strategies.count_sketch import CountSketch, top_k_largest
 from strategies.fetchsgd import FetchSGD
 from strategies.sketched_common import SKETCH
-from strategies.top_k import top_k_largest
 
 ROWS = 5
 SKETCH_GOAL = 1.2

@@ -17,15 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flplatform.core.checks import Problem, positive
 from flplatform.core.errors import StepRefused
 
 Arrays = dict[str, np.ndarray]
-
-
-def eta_problem(eta: object) -> Problem:
-    """What is wrong with a server learning rate η (``server-lr``), the same for every strategy."""
-    return positive(eta, "server-lr", says="> 0 (the server learning rate η)")
 
 
 @dataclass

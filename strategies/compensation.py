@@ -40,9 +40,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flplatform.core.checks import Problem, integer, require
+from flplatform.core.checks import require
 from flplatform.core.errors import ConfigError
 from strategies.codecs import difference
+from strategies.knobs import delay_problem
 
 Arrays = dict[str, np.ndarray]
 
@@ -51,11 +52,6 @@ def _add(total: Arrays | None, update: Mapping[str, np.ndarray]) -> Arrays:
     if total is None:
         return {k: np.array(v, dtype=np.float64) for k, v in update.items()}
     return {k: total[k] + update[k] for k in total}
-
-
-def delay_problem(delay: object) -> Problem:
-    """What is wrong with a delay D (``delay``): rounds until a period's average arrives."""
-    return integer(delay, "delay", minimum=0, says="an integer >= 0 rounds")
 
 
 @dataclass

@@ -28,7 +28,7 @@ so q_j is the fixed index vector L_j shifted by H_j. Sketching a block into row 
 back into the row as T = Q0 − Q1 + Q2 − Q3 (quarters 1 and 3 hold the negative signs). No
 per-coordinate hash arithmetic remains, and no r × d index table is stored: the index memory
 is r·(B + d/B) integers. Estimation gathers from the same windows of [T, −T, T, −T], and
-``strategies.top_k.top_k_largest`` finds the k largest estimates without sorting or
+``top_k_largest`` (below) finds the k largest estimates without sorting or
 heap-selecting all d.
 
 Determinism: on CPU every operation is sequential and exact given the inputs. On CUDA
@@ -48,13 +48,13 @@ import torch
 from flplatform.core.checks import Problem, integer, require
 from flplatform.core.errors import ConfigError
 from flplatform.core.seeding import derive_seed
-from strategies.top_k import top_k_largest
 
 P = 2**31 - 1  # Mersenne prime; every table entry comes from a value < p
 MAX_DIM = 2**31  # coordinates below 2^31: H has fewer than 2^14 entries per row
 MAX_COLS = 2**30  # signed buckets (< 2c) fit int32 indices
 LOW_BITS = 17  # B = 131,072 coordinates per block: one row's B int32 indices take 512 KiB
 BLOCK = 1 << LOW_BITS
+LARGEST_SAMPLE = 1 << 16  # entries in top_k_largest's threshold sample
 DEFAULT_CHUNK = 1 << 20  # coordinates per pass: estimation's votes are r × chunk floats
 HASH_TAG = "count-sketch"
 
@@ -516,3 +516,27 @@ class CountSketch:
         if vector.device != device:
             raise ValueError(f"vector is on {vector.device} but the table is on {device}")
         return vector.to(torch.float32)
+
+
+def top_k_largest(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest entries of a 1-D tensor, largest first (as ``torch.topk``).
+
+    ``torch.topk`` over millions of entries on CPU takes as long as sketching them. Like
+    ``strategies.top_k.top_k_by_magnitude``, it guesses a threshold from a sample first. Here a
+    strided sample sets a threshold with about 2k entries above it; one comparison pass keeps
+    those, and ``torch.topk`` runs on them only. Exact: when at least k entries reach the
+    threshold, every entry of the true top k is among them; otherwise (an unlucky sample)
+    it falls back to ``torch.topk`` over everything. NaN entries never pass the threshold,
+    so callers keep tables finite (the strategies reject non-finite uploads).
+    """
+    n = values.numel()
+    if n <= LARGEST_SAMPLE or 4 * k > n:
+        return torch.topk(values, k, sorted=True).indices
+    sample = values[:: n // LARGEST_SAMPLE]  # strided view, deterministic
+    m = sample.numel()
+    expected_above = min(m - 1, 2 * k * m // n + 8)  # sample entries above the threshold
+    threshold = torch.kthvalue(sample, m - expected_above).values
+    candidates = torch.nonzero(values >= threshold).view(-1)  # (≈2k,) ascending
+    if candidates.numel() < k:
+        return torch.topk(values, k, sorted=True).indices
+    return candidates[torch.topk(values[candidates], k, sorted=True).indices]

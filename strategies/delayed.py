@@ -54,7 +54,7 @@ from flwr.serverapp.strategy import Strategy
 
 from flplatform.core import keys
 from flplatform.core.arrays import arrays_to_record, record_to_arrays
-from flplatform.core.checks import Problem, integer, require
+from flplatform.core.checks import require
 from flplatform.core.errors import StepRefused, UpdateRejected
 from flplatform.core.reply_checks import check_arrays, check_num_examples, reply_parts
 from flplatform.core.state import StateReader
@@ -64,7 +64,6 @@ from flplatform.engine import (
     EngineStrategy,
     PeriodSync,
     Synchrony,
-    SyncOnly,
     Update,
     Work,
 )
@@ -74,10 +73,10 @@ from strategies.aggregation import (
     ServerOptimizerState,
     WeightedDeltaSum,
     apply_server_update,
-    eta_problem,
 )
 from strategies.codecs import Codec, Identity, Layout, make_codec
-from strategies.compensation import ServerPeriods, delay_problem
+from strategies.compensation import ServerPeriods
+from strategies.knobs import DELAYED_SYNC_ONLY, DelayedKnobs
 from strategies.local_sgd import (
     LocalSGDAveraging,
     aggregate_batch,
@@ -88,15 +87,9 @@ from strategies.local_sgd import (
 log = logging.getLogger("flplatform.strategies.delayed")
 
 SITE_ALGORITHM = keys.DELAYED
+
+
 # The synchrony modes delayed updates run with (asked here and by the run configuration).
-SYNC_ONLY = SyncOnly(
-    "strategy 'delayed'",
-    "every site's period-r update forms the round-r average and fast sites run up to delay "
-    "rounds ahead instead of waiting; dropping or cancelling stragglers (k-sync, async "
-    "modes) would take updates out of the swap",
-)
-
-
 @dataclass
 class DelayedState:
     """Server state that outlives a round.
@@ -313,9 +306,14 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         codec: str = "none",
     ) -> None:
         require(
-            self.knob_problems(
-                delay=delay, num_rounds=num_rounds, eta=eta, fraction_evaluate=fraction_evaluate
-            )
+            DelayedKnobs(
+                delay=delay,
+                num_rounds=num_rounds,
+                compensate=compensate,
+                eta=eta,
+                fraction_evaluate=fraction_evaluate,
+                codec=codec,
+            ).problems()
         )
         self.delay = delay
         self.num_rounds = num_rounds
@@ -329,18 +327,6 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         self._current_record: ArrayRecord | None = None
         # Evaluation and sampling are local-SGD averaging's; only training differs.
         self._evaluation = LocalSGDAveraging(fraction_evaluate=fraction_evaluate, seed=seed)
-
-    @staticmethod
-    def knob_problems(
-        *, delay: int, num_rounds: int, eta: float = 1.0, fraction_evaluate: float = 0.0
-    ) -> list[Problem]:
-        """Every problem with these knobs; the run configuration asks too, at the edge."""
-        return [
-            delay_problem(delay),
-            integer(num_rounds, "num-rounds", minimum=1),
-            eta_problem(eta),
-            *LocalSGDAveraging.knob_problems(fraction_evaluate=fraction_evaluate),
-        ]
 
     def summary(self) -> None:
         """Log the configuration."""
@@ -565,7 +551,7 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
 
     def engine_policy(self, requested: Synchrony, *, num_rounds: int) -> AggregationPolicy:
         """``PeriodSync`` (sites working ahead) for ``num_rounds`` rounds; sync mode only."""
-        SYNC_ONLY.check(requested.name)
+        DELAYED_SYNC_ONLY.check(requested.name)
         self.num_rounds = num_rounds  # no site is given a period beyond the last
         return PeriodSync()
 

@@ -32,15 +32,16 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 
 from flplatform.core import keys
-from flplatform.core.checks import Problem, require
+from flplatform.core.checks import require
 from flplatform.core.errors import StepRefused
 from flplatform.core.reply_checks import check_num_examples, reply_parts
 from flplatform.core.state import StateReader
 from flplatform.engine import Contribution, Update
 from flplatform.engine.replies import first_number
 from strategies.count_sketch import CountSketch
+from strategies.knobs import FetchSGDKnobs
 from strategies.local_sgd import reject_state_lost
-from strategies.sketch_feedback import SketchFeedback, feedback_problems
+from strategies.sketch_feedback import SketchFeedback
 from strategies.sketched_common import (
     SketchedStrategy,
     sketch_table,
@@ -87,16 +88,16 @@ class FetchSGD(SketchedStrategy):
         seed: int = 0,
     ) -> None:
         require(
-            self.knob_problems(
+            FetchSGDKnobs(
                 k=k,
                 sketch_rows=sketch_rows,
                 sketch_cols=sketch_cols,
+                fraction_train=fraction_train,
+                fraction_evaluate=fraction_evaluate,
                 rho=rho,
                 eta=eta,
                 removal=removal,
-                fraction_train=fraction_train,
-                fraction_evaluate=fraction_evaluate,
-            )
+            ).problems()
         )
         super().__init__(  # its own checks pass: asked above, all at once
             site_algorithm=SITE_ALGORITHM,
@@ -114,31 +115,6 @@ class FetchSGD(SketchedStrategy):
         self._weight = 0.0
         self._count = 0
         self._loss = (0.0, 0.0)
-
-    @classmethod
-    def knob_problems(
-        cls,
-        *,
-        k: int,
-        sketch_rows: int,
-        sketch_cols: int,
-        rho: float,
-        eta: float,
-        removal: str,
-        fraction_train: float = 1.0,
-        fraction_evaluate: float = 0.0,
-    ) -> list[Problem]:
-        """Every problem with FetchSGD's knobs; the run configuration asks too, at the edge."""
-        return [
-            *cls.sketch_problems(
-                k=k,
-                sketch_rows=sketch_rows,
-                sketch_cols=sketch_cols,
-                fraction_train=fraction_train,
-                fraction_evaluate=fraction_evaluate,
-            ),
-            *feedback_problems(rho=rho, eta=eta, removal=removal),
-        ]
 
     def summary(self) -> None:
         """Log the configuration."""

@@ -50,7 +50,7 @@ from flwr.serverapp.strategy import Strategy
 
 from flplatform.core import keys
 from flplatform.core.arrays import arrays_to_record, record_views
-from flplatform.core.checks import Problem, number, one_of, require, unit_interval
+from flplatform.core.checks import require
 from flplatform.core.errors import StepRefused, UpdateRejected
 from flplatform.core.reply_checks import check_arrays, check_num_examples, reply_parts
 from flplatform.core.seeding import rng_for
@@ -62,18 +62,16 @@ from strategies.aggregation import (
     ServerOptimizerState,
     WeightedDeltaSum,
     apply_server_update,
-    eta_problem,
     float64_model,
     model_delta,
 )
 from strategies.codecs import Codec, Identity, Layout, make_codec
+from strategies.knobs import MEAN, MEDIAN, LocalSGDKnobs
 
 log = logging.getLogger("flplatform.strategies.local_sgd")
 
 SITE_ALGORITHM = keys.LOCAL_SGD
 # How the round's updates are combined: the weighted mean (FedAvg), or a robust one.
-MEAN, MEDIAN, TRIMMED_MEAN = "mean", "median", "trimmed-mean"
-AGGREGATORS = (MEAN, MEDIAN, TRIMMED_MEAN)
 # Flower's quickstarts report eval_acc / eval_loss; the ledger speaks accuracy / loss.
 _EVAL_NAMES = {keys.EVAL_ACCURACY: keys.ACCURACY, keys.EVAL_LOSS: keys.LOSS}
 
@@ -127,14 +125,15 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         trim_fraction: float = 0.2,
     ) -> None:
         require(
-            self.knob_problems(
+            LocalSGDKnobs(
                 eta=eta,
                 beta=beta,
                 fraction_train=fraction_train,
                 fraction_evaluate=fraction_evaluate,
+                codec=codec,
                 aggregator=aggregator,
                 trim_fraction=trim_fraction,
-            )
+            ).problems()
         )
         self.aggregator = aggregator
         self.trim_fraction = trim_fraction
@@ -161,26 +160,6 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         self._loss_sum = 0.0
         self._loss_weight = 0.0
         self._compressing: set[int] = set()  # sites whose compressed uploads were taken
-
-    @staticmethod
-    def knob_problems(
-        *,
-        eta: float = 1.0,
-        beta: float = 0.0,
-        fraction_train: float = 1.0,
-        fraction_evaluate: float = 0.0,
-        aggregator: str = MEAN,
-        trim_fraction: float = 0.2,
-    ) -> list[Problem]:
-        """Every problem with these knobs; the run configuration asks too, at the edge."""
-        return [
-            eta_problem(eta),
-            unit_interval(beta, "server-momentum", says="in [0, 1) (the server momentum β)"),
-            number(fraction_train, "fraction-train", above=0.0, at_most=1.0),
-            number(fraction_evaluate, "fraction-evaluate", at_least=0.0, at_most=1.0),
-            one_of(aggregator, "aggregator", AGGREGATORS),
-            number(trim_fraction, "trim-fraction", at_least=0.0, below=0.5),
-        ]
 
     def summary(self) -> None:
         """Log the configuration."""

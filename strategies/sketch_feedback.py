@@ -31,26 +31,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flplatform.core.checks import Problem, integer, one_of, require, unit_interval
+from flplatform.core.checks import require
 from flplatform.core.errors import ConfigError
-from strategies.aggregation import eta_problem
 from strategies.count_sketch import CountSketch
-
-REMOVALS = ("zero", "subtract")
-
-
-def k_problem(k: object) -> Problem:
-    """What is wrong with k, the coordinates a sketched strategy applies per step."""
-    return integer(k, "k", minimum=1, says="an integer >= 1 coordinates")
-
-
-def feedback_problems(*, rho: object, eta: object, removal: object) -> list[Problem]:
-    """Every problem with FetchSGD's knobs ρ (``sketch-momentum``), η and the removal."""
-    return [
-        unit_interval(rho, "sketch-momentum", says="in [0, 1) (FetchSGD's sketch momentum ρ)"),
-        eta_problem(eta),
-        one_of(removal, "sketch-removal", REMOVALS),
-    ]
+from strategies.knobs import feedback_problems, k_problem
 
 
 @dataclass

@@ -20,24 +20,14 @@ from flwr.serverapp.strategy import Strategy
 
 from flplatform.core import keys
 from flplatform.core.arrays import record_to_arrays
-from flplatform.core.checks import Problem, integer, odd, require
 from flplatform.core.errors import UpdateRejected
 from flplatform.core.seeding import derive_seed
-from flplatform.engine import AggregationPolicy, EngineStrategy, Synchrony, SyncOnly, Update
+from flplatform.engine import AggregationPolicy, EngineStrategy, Synchrony, Update
 from flplatform.run.start import PlatformStart
+from strategies.knobs import sketched_sync_only
 from strategies.local_sgd import LocalSGDAveraging, aggregate_batch
 from strategies.mods.fetchsgd import SKETCH
-from strategies.sketch_feedback import k_problem
 from strategies.sparse_sync import SparseModel
-
-
-def sync_only(site_algorithm: str) -> SyncOnly:
-    """The synchrony modes a sketched strategy runs with (asked here and by the run config)."""
-    return SyncOnly(
-        f"strategy '{site_algorithm}'",
-        "each step merges the sketches of the sites it synced, and a stale sketch would be of "
-        "another model; sample sites with fraction-train instead",
-    )
 
 
 class SketchedStrategy(PlatformStart, Strategy, EngineStrategy):
@@ -68,15 +58,7 @@ class SketchedStrategy(PlatformStart, Strategy, EngineStrategy):
         fraction_evaluate: float,
         seed: int,
     ) -> None:
-        require(
-            self.sketch_problems(
-                k=k,
-                sketch_rows=sketch_rows,
-                sketch_cols=sketch_cols,
-                fraction_train=fraction_train,
-                fraction_evaluate=fraction_evaluate,
-            )
-        )
+        # the subclass checked every knob, these included, all at once
         self.site_algorithm = site_algorithm
         self.k, self.rows, self.cols = k, sketch_rows, sketch_cols or 5 * k
         self.sketch_seed = derive_seed(seed, f"{site_algorithm}-sketch")
@@ -84,25 +66,6 @@ class SketchedStrategy(PlatformStart, Strategy, EngineStrategy):
             fraction_train=fraction_train, fraction_evaluate=fraction_evaluate, seed=seed
         )
         self.model = SparseModel()  # x, its versions, and what each site holds
-
-    @staticmethod
-    def sketch_problems(
-        *,
-        k: int,
-        sketch_rows: int,
-        sketch_cols: int,
-        fraction_train: float = 1.0,
-        fraction_evaluate: float = 0.0,
-    ) -> list[Problem]:
-        """Every problem with the knobs both sketched strategies share (and sample by)."""
-        return [
-            k_problem(k),
-            odd(sketch_rows, "sketch-rows"),
-            integer(sketch_cols, "sketch-cols", minimum=0, says=">= 0 (0: 5·k)"),
-            *LocalSGDAveraging.knob_problems(
-                fraction_train=fraction_train, fraction_evaluate=fraction_evaluate
-            ),
-        ]
 
     def _sketch_content(
         self, node_id: int, server_round: int, config: ConfigRecord, **extra: Any
@@ -174,7 +137,7 @@ class SketchedStrategy(PlatformStart, Strategy, EngineStrategy):
 
     def engine_policy(self, requested: Synchrony, *, num_rounds: int) -> AggregationPolicy:
         """The requested policy, which must be sync mode ``sync``."""
-        sync_only(self.site_algorithm).check(requested.name)
+        sketched_sync_only(self.site_algorithm).check(requested.name)
         return requested
 
     @property

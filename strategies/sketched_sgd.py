@@ -45,14 +45,14 @@ from flwr.serverapp import Grid
 
 from flplatform.core import keys
 from flplatform.core.arrays import arrays_to_record, record_to_arrays
-from flplatform.core.checks import Problem, integer, require, unit_interval
+from flplatform.core.checks import require
 from flplatform.core.errors import ConfigError, StepRefused, UpdateRejected
 from flplatform.core.reply_checks import check_num_examples, reply_parts
 from flplatform.core.state import MISSING, StateReader
 from flplatform.engine import Contribution, Update
 from flplatform.engine.replies import first_number, record_of
-from strategies.aggregation import eta_problem
 from strategies.count_sketch import CountSketch
+from strategies.knobs import SketchedSGDKnobs
 from strategies.local_sgd import reject_state_lost, state_lost_note
 from strategies.mods.sketched_sgd import (
     CANDIDATES,
@@ -188,16 +188,16 @@ class SketchedSGD(SketchedStrategy):
         seed: int = 0,
     ) -> None:
         require(
-            self.knob_problems(
+            SketchedSGDKnobs(
                 k=k,
                 sketch_rows=sketch_rows,
                 sketch_cols=sketch_cols,
+                fraction_train=fraction_train,
+                fraction_evaluate=fraction_evaluate,
                 candidate_factor=candidate_factor,
                 momentum=momentum,
                 eta=eta,
-                fraction_train=fraction_train,
-                fraction_evaluate=fraction_evaluate,
-            )
+            ).problems()
         )
         super().__init__(  # its own checks pass: asked above, all at once
             site_algorithm=SITE_ALGORITHM,
@@ -218,38 +218,6 @@ class SketchedSGD(SketchedStrategy):
         self._sum: torch.Tensor | None = None  # Σ w·S(v) or Σ w·v[candidates]
         self._weight = 0.0
         self._loss = (0.0, 0.0)
-
-    @classmethod
-    def knob_problems(
-        cls,
-        *,
-        k: int,
-        sketch_rows: int,
-        sketch_cols: int,
-        candidate_factor: int,
-        momentum: float,
-        eta: float,
-        fraction_train: float = 1.0,
-        fraction_evaluate: float = 0.0,
-    ) -> list[Problem]:
-        """Every problem with Sketched-SGD's knobs; the run configuration asks too."""
-        return [
-            *cls.sketch_problems(
-                k=k,
-                sketch_rows=sketch_rows,
-                sketch_cols=sketch_cols,
-                fraction_train=fraction_train,
-                fraction_evaluate=fraction_evaluate,
-            ),
-            integer(
-                candidate_factor,
-                "candidate-factor P",
-                minimum=1,
-                says=">= 1 (the values round asks for P·k coordinates)",
-            ),
-            unit_interval(momentum, "step-momentum", says="in [0, 1) (Sketched-SGD's momentum m)"),
-            eta_problem(eta),
-        ]
 
     def summary(self) -> None:
         """Log the configuration."""

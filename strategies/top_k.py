@@ -1,15 +1,13 @@
 """Top-k selection and the integer type of coordinate indices on the wire.
 
-Pure NumPy and torch; imports no Flower. Two selections, for two callers with different needs:
+Pure NumPy; imports no Flower and no torch (the top-k codec's spec is parsed where torch is
+not loaded). ``top_k_by_magnitude`` selects by |x_i|, indices sorted ascending, ties to the
+lower index: deterministic across platforms, for the top-k codec's wire format. (Its torch
+sibling on any device, by value, is ``strategies.count_sketch.top_k_largest``.)
 
-``top_k_by_magnitude``  NumPy, by |x_i|, indices sorted ascending, ties to the lower index:
-                        deterministic across platforms, for the top-k codec's wire format.
-``top_k_largest``       torch, by value, largest first (as ``torch.topk``): the k coordinates of
-                        largest estimate in FetchSGD and Sketched-SGD, on any device.
-
-Both first guess a threshold from a strided sample so that only about 2k candidates are
-partitioned or sorted, and fall back to the whole vector when the guess is unsure; the result
-never depends on the sample.
+It first guesses a threshold from a strided sample so that only about 2k candidates are
+partitioned, and falls back to the whole vector when the guess is unsure; the result never
+depends on the sample.
 """
 
 from __future__ import annotations
@@ -17,11 +15,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 
 INT32_LIMIT = 2**31  # indices into d >= 2^31 coordinates need int64
 MAGNITUDE_SAMPLE = 1 << 16  # entries in top_k_by_magnitude's threshold sample
-LARGEST_SAMPLE = 1 << 16  # entries in top_k_largest's threshold sample
 
 
 def index_dtype(d: int) -> np.dtype[np.signedinteger]:
@@ -78,26 +74,3 @@ def _magnitude_candidates(a: np.ndarray, k: int, sample: int) -> np.ndarray | No
     guess = np.partition(s, m - r)[m - r]
     cand = np.flatnonzero(a >= guess)
     return cand if k <= cand.size <= d // 2 else None
-
-
-def top_k_largest(values: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest entries of a 1-D tensor, largest first (as ``torch.topk``).
-
-    ``torch.topk`` over millions of entries on CPU takes as long as sketching them. Here a
-    strided sample sets a threshold with about 2k entries above it; one comparison pass keeps
-    those, and ``torch.topk`` runs on them only. Exact: when at least k entries reach the
-    threshold, every entry of the true top k is among them; otherwise (an unlucky sample)
-    it falls back to ``torch.topk`` over everything. NaN entries never pass the threshold,
-    so callers keep tables finite (the strategies reject non-finite uploads).
-    """
-    n = values.numel()
-    if n <= LARGEST_SAMPLE or 4 * k > n:
-        return torch.topk(values, k, sorted=True).indices
-    sample = values[:: n // LARGEST_SAMPLE]  # strided view, deterministic
-    m = sample.numel()
-    expected_above = min(m - 1, 2 * k * m // n + 8)  # sample entries above the threshold
-    threshold = torch.kthvalue(sample, m - expected_above).values
-    candidates = torch.nonzero(values >= threshold).view(-1)  # (≈2k,) ascending
-    if candidates.numel() < k:
-        return torch.topk(values, k, sorted=True).indices
-    return candidates[torch.topk(values[candidates], k, sorted=True).indices]

@@ -3,7 +3,8 @@
 What an option is (:class:`Option`, the metadata of each of ``RunConfig``'s fields in
 ``flplatform/app/config.py``), the strategies' names, and :func:`problems`: every reason a
 configuration cannot run, gathered before anything is raised. A strategy's own knobs are
-asked of the strategy (its ``knob_problems``), so each rule is written once, beside its use.
+asked of its knobs object (``strategies/knobs.py``), as its constructor asks them, so each
+rule is written once; that module loads no torch, so neither does checking a configuration.
 """
 
 from __future__ import annotations
@@ -23,6 +24,16 @@ from flplatform.engine.synchrony import (
     synchrony_problems,
 )
 from flplatform.run.options import option_problem
+from strategies.knobs import (
+    DELAYED_SYNC_ONLY,
+    DelayedKnobs,
+    FetchSGDKnobs,
+    LocalSGDKnobs,
+    SketchedSGDKnobs,
+    StrategyKnobs,
+    codec_problem,
+    sketched_sync_only,
+)
 
 if TYPE_CHECKING:
     from flplatform.app.config import RunConfig
@@ -165,66 +176,59 @@ def _misused(config: RunConfig) -> list[Problem]:
     ]
 
 
-def strategy_knobs(config: RunConfig) -> tuple[Any, dict[str, Any]]:
-    """The strategy class ``config`` names and its knobs, keyed as its ``knob_problems`` takes
-    them; its constructor takes the same (``flplatform.app.federation.build_strategy``)."""
-    # The strategies load torch: imported when a config is checked, not when the CLI starts.
-    from strategies.delayed import DelayedCompensated
-    from strategies.fetchsgd import FetchSGD
-    from strategies.local_sgd import LocalSGDAveraging
-    from strategies.sketched_sgd import SketchedSGD
-
+def strategy_knobs(config: RunConfig) -> StrategyKnobs:
+    """The knobs of the strategy ``config`` names (``flplatform.app.federation.build_strategy``
+    passes them to its constructor, which asks them the same questions)."""
     if config.strategy == DELAYED:
-        return DelayedCompensated, dict(
+        return DelayedKnobs(
             delay=config.delay,
             num_rounds=config.num_server_rounds,
+            compensate=config.compensation,
             eta=config.server_lr,
             fraction_evaluate=config.fraction_evaluate,
+            codec=config.codec,
         )
     if config.strategy == FETCHSGD:
-        return FetchSGD, dict(
+        return FetchSGDKnobs(
             k=config.k,
             sketch_rows=config.sketch_rows,
             sketch_cols=config.sketch_cols,
+            fraction_train=config.fraction_train,
+            fraction_evaluate=config.fraction_evaluate,
             rho=config.sketch_momentum,
             eta=config.server_lr,
             removal=config.sketch_removal,
-            fraction_train=config.fraction_train,
-            fraction_evaluate=config.fraction_evaluate,
         )
     if config.strategy == SKETCHED_SGD:
-        return SketchedSGD, dict(
+        return SketchedSGDKnobs(
             k=config.k,
             sketch_rows=config.sketch_rows,
             sketch_cols=config.sketch_cols,
+            fraction_train=config.fraction_train,
+            fraction_evaluate=config.fraction_evaluate,
             candidate_factor=config.candidate_factor,
             momentum=config.step_momentum,
             eta=config.server_lr,
-            fraction_train=config.fraction_train,
-            fraction_evaluate=config.fraction_evaluate,
         )
-    return LocalSGDAveraging, dict(
+    return LocalSGDKnobs(
         eta=config.server_lr,
         beta=config.server_momentum,
         fraction_train=config.fraction_train,
         fraction_evaluate=config.fraction_evaluate,
+        codec=config.codec,
         aggregator=config.aggregator,
         trim_fraction=config.trim_fraction,
     )
 
 
 def _strategy_problems(config: RunConfig) -> list[Problem]:
-    """The strategy's own knobs, asked of the strategy, and what the edge adds to them."""
-    from strategies.delayed import SYNC_ONLY as DELAYED_SYNC_ONLY
-    from strategies.sketched_common import sync_only as sketched_sync_only
-
+    """The strategy's own knobs, asked of its knobs object, and what the edge adds to them."""
     problems: list[Problem] = []
     if config.strategy in SKETCHED:
         problems.append(sketched_sync_only(config.strategy).problem(config.sync))
     elif config.strategy == DELAYED:
         problems.append(DELAYED_SYNC_ONLY.problem(config.sync))
-    strategy_class, knobs = strategy_knobs(config)
-    problems += strategy_class.knob_problems(**knobs)
+    problems += strategy_knobs(config).problems()
     if config.strategy == DELAYED:
         problems.append(
             integer(
@@ -240,10 +244,9 @@ def _strategy_problems(config: RunConfig) -> list[Problem]:
 
 def _edge_problems(config: RunConfig) -> list[Problem]:
     """What only the run configuration knows: data, model, sites, rounds, network."""
-    from strategies.codecs import make_codec
-
     problems: list[Problem] = [
-        _raised(make_codec, config.codec),  # a bad spec names what is allowed
+        # a bad spec names what is allowed (for local-SGD and delayed, their knobs say it)
+        None if config.strategy in (LOCAL_SGD, DELAYED) else codec_problem(config.codec),
         _network_problem(config),
         _raised(_check_model, config.model),
         _dataset_problem(config),

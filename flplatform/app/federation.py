@@ -11,7 +11,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import fields
+from dataclasses import asdict, fields
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -35,6 +35,7 @@ from flplatform.run.run_record import record_failed_start
 from flplatform.run.start import start
 from strategies.delayed import DelayedCompensated
 from strategies.fetchsgd import FetchSGD
+from strategies.knobs import DelayedKnobs, FetchSGDKnobs, LocalSGDKnobs, SketchedSGDKnobs
 from strategies.local_sgd import LocalSGDAveraging
 from strategies.sketched_sgd import SketchedSGD
 
@@ -49,14 +50,14 @@ def build_strategy(
     config: RunConfig,
 ) -> LocalSGDAveraging | DelayedCompensated | FetchSGD | SketchedSGD:
     """The strategy named in ``config``, with its knobs (RunConfig validated them)."""
-    strategy_class, knobs = strategy_knobs(config)
-    if strategy_class in (LocalSGDAveraging, DelayedCompensated):
-        knobs["codec"] = config.codec
-    if strategy_class is DelayedCompensated:
-        knobs["compensate"] = config.compensation
-    strategy: LocalSGDAveraging | DelayedCompensated | FetchSGD | SketchedSGD
-    strategy = strategy_class(**knobs, seed=config.seed)
-    return strategy
+    knobs = strategy_knobs(config)
+    strategy_class = {
+        LocalSGDKnobs: LocalSGDAveraging,
+        DelayedKnobs: DelayedCompensated,
+        FetchSGDKnobs: FetchSGD,
+        SketchedSGDKnobs: SketchedSGD,
+    }[type(knobs)]
+    return strategy_class(**asdict(knobs), seed=config.seed)
 
 
 def platform_options(config: RunConfig) -> dict[str, Any]:

@@ -20,8 +20,8 @@ from strategies.count_sketch import (
     P,
     SketchHashes,
     _fold_quarters,
+    top_k_largest,
 )
-from strategies.top_k import top_k_largest
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from strategies.count_sketch import CountSketch
+from strategies.count_sketch import CountSketch, top_k_largest
 from strategies.mods.fetchsgd import sketch_device, sketch_of
 from strategies.sketch_feedback import SketchFeedback
-from strategies.top_k import top_k_largest
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA (a GPU machine); CI has none"

@@ -142,12 +142,16 @@ def test_bad_option_type_is_a_usage_error_not_a_traceback() -> None:
     assert "three" in result.output
 
 
-def test_the_cli_starts_without_torch() -> None:
-    """``flplatform --help``, ``history``, ``plot``: torch (2–3 s to import) loads only when a
-    run's configuration is checked or a model is built."""
+def test_the_cli_starts_and_checks_a_configuration_without_torch() -> None:
+    """``flplatform --help``, ``history``, a bad option: torch (2–3 s to import) loads only
+    when a run starts (the strategies' knobs are checked in strategies/knobs.py)."""
     code = (
         "import sys\n"
         "import flplatform.cli.app\n"
+        "from flplatform.app.config import RunConfig\n"
+        "for strategy in ('local-sgd', 'delayed', 'fetchsgd', 'sketched-sgd'):\n"
+        "    RunConfig.from_mapping({'strategy': strategy, 'k': 10})\n"
+        "RunConfig.from_mapping({'codec': 'topk:0.01'})\n"
         "assert 'torch' not in sys.modules, 'the CLI imported torch'\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

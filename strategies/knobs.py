@@ -1,0 +1,205 @@
+"""Each strategy's knobs: one frozen dataclass per strategy, and the rules that check them.
+
+Imports no Flower strategy code and no torch, so the command line and a run's configuration
+check a strategy's knobs without loading either (``flplatform.app.config_rules``). A
+strategy's constructor takes the same names as keyword arguments (Flower's convention) with
+its defaults, builds its knobs object and refuses it with every problem at once; the
+configuration builds the same object, so each rule is written once, here.
+
+The dataclasses have no defaults on purpose: the constructor's signature says a strategy's
+defaults, ``flplatform.app.config.RunConfig`` the command line's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flplatform.core.checks import (
+    Problem,
+    integer,
+    number,
+    odd,
+    one_of,
+    positive,
+    unit_interval,
+)
+from flplatform.core.errors import ConfigError
+from flplatform.engine.synchrony import SyncOnly
+from strategies.codecs import make_codec  # the one parser of a spec (no torch)
+
+MEAN, MEDIAN, TRIMMED_MEAN = "mean", "median", "trimmed-mean"
+AGGREGATORS = (MEAN, MEDIAN, TRIMMED_MEAN)  # local-SGD averaging's ways to combine updates
+REMOVALS = ("zero", "subtract")  # how FetchSGD's applied step leaves its error sketch
+
+DELAYED_SYNC_ONLY = SyncOnly(
+    "strategy 'delayed'",
+    "every site's period-r update forms the round-r average and fast sites run up to delay "
+    "rounds ahead instead of waiting; dropping or cancelling stragglers (k-sync, async "
+    "modes) would take updates out of the swap",
+)
+
+
+def sketched_sync_only(site_algorithm: str) -> SyncOnly:
+    """The synchrony modes a sketched strategy runs with."""
+    return SyncOnly(
+        f"strategy '{site_algorithm}'",
+        "each step merges the sketches of the sites it synced, and a stale sketch would be of "
+        "another model; sample sites with fraction-train instead",
+    )
+
+
+# ------------------------------------------------------------- one knob, for every strategy
+def eta_problem(eta: object) -> Problem:
+    """What is wrong with a server learning rate η (``server-lr``), the same for every strategy."""
+    return positive(eta, "server-lr", says="> 0 (the server learning rate η)")
+
+
+def delay_problem(delay: object) -> Problem:
+    """What is wrong with a delay D (``delay``): rounds until a period's average arrives."""
+    return integer(delay, "delay", minimum=0, says="an integer >= 0 rounds")
+
+
+def k_problem(k: object) -> Problem:
+    """What is wrong with k, the coordinates a sketched strategy applies per step."""
+    return integer(k, "k", minimum=1, says="an integer >= 1 coordinates")
+
+
+def feedback_problems(*, rho: object, eta: object, removal: object) -> list[Problem]:
+    """Every problem with FetchSGD's server step: ρ (``sketch-momentum``), η and the removal."""
+    return [
+        unit_interval(rho, "sketch-momentum", says="in [0, 1) (FetchSGD's sketch momentum ρ)"),
+        eta_problem(eta),
+        one_of(removal, "sketch-removal", REMOVALS),
+    ]
+
+
+def sampling_problems(*, fraction_train: object, fraction_evaluate: object) -> list[Problem]:
+    """Every problem with the fractions of sites sampled to train and to evaluate."""
+    return [
+        number(fraction_train, "fraction-train", above=0.0, at_most=1.0),
+        number(fraction_evaluate, "fraction-evaluate", at_least=0.0, at_most=1.0),
+    ]
+
+
+def codec_problem(codec: object) -> Problem:
+    """What is wrong with an upload codec spec (``none``, ``int8``, ``topk:<k or fraction>``)."""
+    try:
+        make_codec(codec)  # type: ignore[arg-type]
+    except ConfigError as exc:
+        return exc.reason
+    return None
+
+
+# ------------------------------------------------------------------ one object per strategy
+@dataclass(frozen=True)
+class LocalSGDKnobs:
+    """``LocalSGDAveraging``'s knobs (FedAvg, FedAvgM, median, trimmed mean)."""
+
+    eta: float
+    beta: float
+    fraction_train: float
+    fraction_evaluate: float
+    codec: str
+    aggregator: str
+    trim_fraction: float
+
+    def problems(self) -> list[Problem]:
+        """Every problem with these knobs (``None`` entries: no problem)."""
+        return [
+            eta_problem(self.eta),
+            unit_interval(self.beta, "server-momentum", says="in [0, 1) (the server momentum β)"),
+            *sampling_problems(
+                fraction_train=self.fraction_train, fraction_evaluate=self.fraction_evaluate
+            ),
+            codec_problem(self.codec),
+            one_of(self.aggregator, "aggregator", AGGREGATORS),
+            number(self.trim_fraction, "trim-fraction", at_least=0.0, below=0.5),
+        ]
+
+
+@dataclass(frozen=True)
+class DelayedKnobs:
+    """``DelayedCompensated``'s knobs (DTS, DGA)."""
+
+    delay: int
+    num_rounds: int
+    compensate: bool
+    eta: float
+    fraction_evaluate: float
+    codec: str
+
+    def problems(self) -> list[Problem]:
+        """Every problem with these knobs (``None`` entries: no problem)."""
+        return [
+            delay_problem(self.delay),
+            integer(self.num_rounds, "num-rounds", minimum=1),
+            eta_problem(self.eta),
+            *sampling_problems(fraction_train=1.0, fraction_evaluate=self.fraction_evaluate),
+            codec_problem(self.codec),
+        ]
+
+
+@dataclass(frozen=True)
+class SketchKnobs:
+    """What both sketched strategies share: k, the sketch's shape and the sampling."""
+
+    k: int
+    sketch_rows: int
+    sketch_cols: int
+    fraction_train: float
+    fraction_evaluate: float
+
+    def problems(self) -> list[Problem]:
+        """Every problem with these knobs (``None`` entries: no problem)."""
+        return [
+            k_problem(self.k),
+            odd(self.sketch_rows, "sketch-rows"),
+            integer(self.sketch_cols, "sketch-cols", minimum=0, says=">= 0 (0: 5·k)"),
+            *sampling_problems(
+                fraction_train=self.fraction_train, fraction_evaluate=self.fraction_evaluate
+            ),
+        ]
+
+
+@dataclass(frozen=True)
+class FetchSGDKnobs(SketchKnobs):
+    """``FetchSGD``'s knobs: the sketch's, and its server step's ρ, η and removal."""
+
+    rho: float
+    eta: float
+    removal: str
+
+    def problems(self) -> list[Problem]:
+        """Every problem with these knobs (``None`` entries: no problem)."""
+        return [
+            *super().problems(),
+            *feedback_problems(rho=self.rho, eta=self.eta, removal=self.removal),
+        ]
+
+
+@dataclass(frozen=True)
+class SketchedSGDKnobs(SketchKnobs):
+    """``SketchedSGD``'s knobs: the sketch's, P, the sites' momentum m and η."""
+
+    candidate_factor: int
+    momentum: float
+    eta: float
+
+    def problems(self) -> list[Problem]:
+        """Every problem with these knobs (``None`` entries: no problem)."""
+        return [
+            *super().problems(),
+            integer(
+                self.candidate_factor,
+                "candidate-factor P",
+                minimum=1,
+                says=">= 1 (the values round asks for P·k coordinates)",
+            ),
+            unit_interval(
+                self.momentum, "step-momentum", says="in [0, 1) (Sketched-SGD's momentum m)"
+            ),
+            eta_problem(self.eta),
+        ]
+
+
+StrategyKnobs = LocalSGDKnobs | DelayedKnobs | FetchSGDKnobs | SketchedSGDKnobs
