@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from flplatform.core.checks import (
     Problem,
+    SyncOnly,
     integer,
     number,
     odd,
@@ -24,7 +25,6 @@ from flplatform.core.checks import (
     unit_interval,
 )
 from flplatform.core.errors import ConfigError
-from flplatform.engine.synchrony import SyncOnly
 from strategies.codecs import make_codec  # the one parser of a spec (no torch)
 
 MEAN, MEDIAN, TRIMMED_MEAN = "mean", "median", "trimmed-mean"

@@ -15,6 +15,7 @@ import math
 import numbers
 import re
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from flplatform.core.errors import ConfigError
 
@@ -218,3 +219,34 @@ def as_bool(value: object, name: str) -> bool:
     if text in ("0", "false", "no", "off"):
         return False
     raise ConfigError(f"{name} must be true or false, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SyncOnly:
+    """A strategy that runs with sync mode ``sync`` only, and why: its pairing, said once.
+
+    The strategy's ``engine_policy`` and the run configuration both ask it; ``sync`` is
+    ``flplatform.engine.synchrony``'s fully synchronous mode.
+
+    Parameters
+    ----------
+    who : str
+        The strategy as the error names it (``"strategy 'delayed'"``).
+    why : str
+        Why the other modes are refused.
+    """
+
+    who: str
+    why: str
+
+    def problem(self, mode: str) -> str | None:
+        """What is wrong with running under ``mode`` (None: nothing)."""
+        if mode == "sync":
+            return None
+        return f"{self.who} runs with sync mode 'sync' only, got {mode!r}: {self.why}"
+
+    def check(self, mode: str) -> None:
+        """Refuse any mode but ``sync`` with ``ConfigError``."""
+        problem = self.problem(mode)
+        if problem is not None:
+            raise ConfigError(problem)

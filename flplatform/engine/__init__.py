@@ -30,7 +30,7 @@ from flplatform.engine.events import (
 )
 from flplatform.engine.policy import AggregationPolicy, EngineView, Verdict
 from flplatform.engine.strategy import Contribution, EngineStrategy, SubsetGrid, Update, Work
-from flplatform.engine.synchrony import SYNC_MODES, PeriodSync, Synchrony, SyncOnly
+from flplatform.engine.synchrony import SYNC_MODES, PeriodSync, Synchrony
 
 __all__ = [
     "APPLIED",
@@ -53,7 +53,6 @@ __all__ = [
     "PeriodSync",
     "Synchrony",
     "SYNC_MODES",
-    "SyncOnly",
     "UpdateOutcome",
     "Verdict",
     "Update",

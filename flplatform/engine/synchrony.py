@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from flplatform.core.checkpoint import StateProblems
@@ -398,33 +397,3 @@ class PeriodSync:
         if problems.require(state, "mode", "pipelined") and not state["pipelined"]:
             problems.add(f"the checkpoint ran sync mode {state['mode']!r}, not a pipelined one")
         problems.raise_if_any()
-
-
-@dataclass(frozen=True)
-class SyncOnly:
-    """A strategy that runs with sync mode ``sync`` only, and why: its pairing, said once.
-
-    The strategy's ``engine_policy`` and the run configuration both ask it.
-
-    Parameters
-    ----------
-    who : str
-        The strategy as the error names it (``"strategy 'delayed'"``).
-    why : str
-        Why the other modes are refused.
-    """
-
-    who: str
-    why: str
-
-    def problem(self, mode: str) -> str | None:
-        """What is wrong with running under ``mode`` (None: nothing)."""
-        if mode == "sync":
-            return None
-        return f"{self.who} runs with sync mode 'sync' only, got {mode!r}: {self.why}"
-
-    def check(self, mode: str) -> None:
-        """Refuse any mode but ``sync`` with ``ConfigError``."""
-        problem = self.problem(mode)
-        if problem is not None:
-            raise ConfigError(problem)

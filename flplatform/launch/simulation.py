@@ -256,15 +256,33 @@ def telling_line(output: str) -> str:
     return tail[-1] if tail else "no output"
 
 
+ACTORS_ENV = "FLPLATFORM_SIMULATION_ACTORS"
+
+
 def federation_options(num_sites: int) -> str:
     """Flower's simulation federation: one SuperNode per site, one CPU per actor.
 
-    Two to four actors fit a 2-core machine (each imports torch); more are started when
-    asked, but each simulated site runs whenever an actor is free.
+    The actors are the processes the simulated sites train in, one site at a time each:
+    ``FLPLATFORM_SIMULATION_ACTORS`` of them when set, else one per core, at most 4 and at
+    most one per site (each imports torch; on 2 cores, two fit). Results on the simulated
+    clock do not depend on it (each site's work is seeded by (seed, round, site)); a site
+    slow in real time keeps the others of its actor waiting, against the real round timeout.
     """
-    cpus = os.cpu_count() or 2
-    actors = max(1, min(num_sites, cpus, 4))
+    actors = simulation_actors(num_sites)
     return f"num-supernodes={num_sites} client-resources-num-cpus=1 init-args-num-cpus={actors}"
+
+
+def simulation_actors(num_sites: int) -> int:
+    """How many simulated sites train at once (see ``federation_options``)."""
+    given = os.environ.get(ACTORS_ENV, "").strip()
+    if not given:
+        return max(1, min(num_sites, os.cpu_count() or 2, 4))
+    if not given.isdigit() or int(given) < 1:
+        raise ConfigError(
+            f"{ACTORS_ENV} must be a whole number >= 1 (simulated sites training at once), "
+            f"got {given!r}"
+        )
+    return min(int(given), num_sites)
 
 
 def start_simulation(

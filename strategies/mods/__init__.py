@@ -57,6 +57,9 @@ rounds (autocast for speed).
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from flwr.app import Context, Message
 
 from flplatform.core import keys
@@ -72,8 +75,24 @@ from strategies.mods.contract import (
     site_algorithm,
 )
 from strategies.mods.delayed import delayed_mod
-from strategies.mods.fetchsgd import fetchsgd_mod
-from strategies.mods.sketched_sgd import sketched_sgd_mod
+
+if TYPE_CHECKING:
+    from strategies.mods.fetchsgd import fetchsgd_mod
+    from strategies.mods.sketched_sgd import sketched_sgd_mod
+
+# The sketched mods load torch: imported on first use, so a process that only needs the
+# package's light parts (a simulation forgetting a run's snapshots) starts without it.
+_LAZY = {
+    "fetchsgd_mod": "strategies.mods.fetchsgd",
+    "sketched_sgd_mod": "strategies.mods.sketched_sgd",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "codec_mod",
@@ -113,6 +132,9 @@ def flplatform_mod() -> Mod:
     Local-SGD with a codec the server asked for compresses (``codec_mod``); without one
     the model goes back whole (``model_mod``).
     """
+    from strategies.mods.fetchsgd import fetchsgd_mod
+    from strategies.mods.sketched_sgd import sketched_sgd_mod
+
     handlers = {
         keys.DELAYED: delayed_mod(),
         keys.FETCHSGD: fetchsgd_mod(),

@@ -16,11 +16,13 @@ from types import SimpleNamespace
 import pytest
 
 from flplatform.app.config import RunConfig
-from flplatform.core.errors import RunFailed
+from flplatform.core.errors import ConfigError, RunFailed
 from flplatform.engine.link import gone_reason
 from flplatform.launch.processes import ProcessTree
 from flplatform.launch.simulation import (
+    ACTORS_ENV,
     SimulationProcess,
+    federation_options,
     flower_environment,
     follow_run,
     forget_snapshots,
@@ -43,6 +45,24 @@ Using SuperLink: local (127.0.0.1:43799)
 │ maximum directory depth of 10.               │
 ╰──────────────────────────────────────────────╯
 """
+
+
+def test_the_simulation_has_one_actor_per_core_unless_told(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(ACTORS_ENV)
+    cores = os.cpu_count() or 2
+    assert f"init-args-num-cpus={min(3, cores, 4)}" in federation_options(3)
+    assert "init-args-num-cpus=1" in federation_options(1)  # never more than the sites
+    monkeypatch.setenv(ACTORS_ENV, "8")
+    assert federation_options(12) == (
+        "num-supernodes=12 client-resources-num-cpus=1 init-args-num-cpus=8"
+    )
+    assert "init-args-num-cpus=3" in federation_options(3)
+    for bad in ("0", "-1", "two", "1.5"):
+        monkeypatch.setenv(ACTORS_ENV, bad)
+        with pytest.raises(ConfigError, match=f"{ACTORS_ENV} must be a whole number >= 1"):
+            federation_options(3)
 
 
 def test_a_flower_error_box_is_quoted_whole_on_one_line() -> None:

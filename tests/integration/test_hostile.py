@@ -39,6 +39,7 @@ from typer.testing import CliRunner
 
 from flplatform.cli.app import app
 from flplatform.launch.app_directory import read_app
+from flplatform.launch.simulation import ACTORS_ENV
 from storage import LedgerRepository, RoundRecord, RunRecord, UpdateRecord
 
 ATTACK_APP = Path(__file__).parent / "apps" / "attack_app"
@@ -194,7 +195,10 @@ def test_an_attacker_cannot_hurt_the_honest_sites(
     flplatform_home: Path,
     silent_runs: dict[tuple[str, ...], Outcome],
     tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    if case.kind == "suicide":  # the honest sites train in another actor, as for a user
+        monkeypatch.setenv(ACTORS_ENV, "2")
     attacked = run_hostile(flplatform_home, case.kind, case.federation + case.defence)
     silent = silent_baseline(silent_runs, case.federation, tmp_path_factory)
     # Recorded for the report whatever the checks below find (run with -s to see it).

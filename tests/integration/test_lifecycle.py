@@ -24,7 +24,12 @@ import pytest
 
 from flplatform.app.config import RunConfig
 from flplatform.launch.processes import ProcessTree
-from flplatform.launch.simulation import run_simulation, start_simulation, work_home
+from flplatform.launch.simulation import (
+    ACTORS_ENV,
+    run_simulation,
+    start_simulation,
+    work_home,
+)
 from storage import LedgerRepository, RunRecord
 from tests.helpers.processes import Leftovers
 
@@ -158,8 +163,12 @@ def test_a_serverapp_whose_superlink_died_stops_and_marks_the_run_failed(tmp_pat
 # ============================================================== a site that dies
 @pytest.mark.hostile
 @pytest.mark.usefixtures("flplatform_home")
-def test_a_site_whose_process_dies_is_replaced_and_the_others_go_on(tmp_path: Path) -> None:
-    """Partition 1 kills its own ClientApp process (the Ray actor) in round 2."""
+def test_a_site_whose_process_dies_is_replaced_and_the_others_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Partition 1 kills its own ClientApp process (the Ray actor) in round 2; the others
+    train in another actor meanwhile, as on a user's machine."""
+    monkeypatch.setenv(ACTORS_ENV, "2")
     app_dir = tmp_path / "dying-app"
     app_dir.mkdir()
     text = (ROOT / "pyproject.toml").read_text()
