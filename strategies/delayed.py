@@ -78,11 +78,11 @@ from strategies.codecs import Codec, Identity, Layout, make_codec
 from strategies.compensation import ServerPeriods
 from strategies.knobs import DELAYED_SYNC_ONLY, DelayedKnobs
 from strategies.local_sgd import (
-    LocalSGDAveraging,
     aggregate_batch,
     reject_state_lost,
     state_lost_note,
 )
+from strategies.sampling import evaluation_messages, mean_evaluation
 
 log = logging.getLogger("flplatform.strategies.delayed")
 
@@ -325,8 +325,7 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         self._round = 0
         self._current: dict[str, np.ndarray] = {}
         self._current_record: ArrayRecord | None = None
-        # Evaluation and sampling are local-SGD averaging's; only training differs.
-        self._evaluation = LocalSGDAveraging(fraction_evaluate=fraction_evaluate, seed=seed)
+        self.fraction_evaluate = fraction_evaluate
 
     def summary(self) -> None:
         """Log the configuration."""
@@ -398,13 +397,15 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """As local-SGD averaging: a seeded sample of idle sites evaluates x_r."""
-        return self._evaluation.configure_evaluate(server_round, arrays, config, grid)
+        return evaluation_messages(
+            self.seed, server_round, arrays, config, grid.get_node_ids(), self.fraction_evaluate
+        )
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         """Example-weighted mean of the sites' evaluation metrics."""
-        return self._evaluation.aggregate_evaluate(server_round, replies)
+        return mean_evaluation(replies)
 
     # ------------------------------------------------- streaming aggregation
     def begin_aggregation(self, server_round: int, arrays: ArrayRecord) -> None:

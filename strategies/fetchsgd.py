@@ -41,6 +41,7 @@ from flplatform.engine.replies import first_number
 from strategies.count_sketch import CountSketch
 from strategies.knobs import FetchSGDKnobs
 from strategies.local_sgd import reject_state_lost
+from strategies.sampling import sample_sites
 from strategies.sketch_feedback import SketchFeedback
 from strategies.sketched_common import (
     SketchedStrategy,
@@ -203,9 +204,7 @@ class FetchSGD(SketchedStrategy):
     ) -> Iterable[Message]:
         """Send each sampled site the coordinates it lacks and the sketch to use."""
         self._use(arrays)
-        nodes = self._sampling.sample(
-            server_round, grid.get_node_ids(), self._sampling.fraction_train
-        )
+        nodes = sample_sites(self.seed, server_round, grid.get_node_ids(), self.fraction_train)
         return [
             Message(
                 self._sketch_content(node_id, server_round, config)[0],

@@ -30,7 +30,6 @@ codec and replies with its model, which is averaged as usual, so it still takes 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +52,6 @@ from flplatform.core.arrays import arrays_to_record, record_views
 from flplatform.core.checks import require
 from flplatform.core.errors import StepRefused, UpdateRejected
 from flplatform.core.reply_checks import check_arrays, check_num_examples, reply_parts
-from flplatform.core.seeding import rng_for
 from flplatform.core.state import StateReader
 from flplatform.engine import Contribution, EngineStrategy, Update
 from flplatform.engine.replies import first_number, record_of
@@ -67,13 +65,13 @@ from strategies.aggregation import (
 )
 from strategies.codecs import Codec, Identity, Layout, make_codec
 from strategies.knobs import MEAN, MEDIAN, LocalSGDKnobs
+from strategies.sampling import evaluation_messages, mean_evaluation, sample_sites
 
 log = logging.getLogger("flplatform.strategies.local_sgd")
 
 SITE_ALGORITHM = keys.LOCAL_SGD
 # How the round's updates are combined: the weighted mean (FedAvg), or a robust one.
 # Flower's quickstarts report eval_acc / eval_loss; the ledger speaks accuracy / loss.
-_EVAL_NAMES = {keys.EVAL_ACCURACY: keys.ACCURACY, keys.EVAL_LOSS: keys.LOSS}
 
 
 @dataclass
@@ -175,17 +173,6 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         )
 
     # ---------------------------------------------------------------- sampling
-    def sample(self, server_round: int, node_ids: Iterable[int], fraction: float) -> list[int]:
-        """Seeded sample of ``fraction`` of ``node_ids`` (at least one), by (seed, round)."""
-        nodes = sorted(node_ids)
-        if not nodes:
-            return []
-        size = max(1, int(round(fraction * len(nodes))))
-        if size >= len(nodes):
-            return nodes
-        picked = rng_for(self.seed, server_round, "sample").choice(len(nodes), size, replace=False)
-        return sorted(nodes[i] for i in picked)
-
     # ------------------------------------------------------------ Flower hooks
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -195,7 +182,7 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         config = ConfigRecord(dict(config))  # never write into the caller's record
         config[keys.SERVER_ROUND] = server_round
         config[keys.SITE_ALGORITHM] = SITE_ALGORITHM
-        nodes = self.sample(server_round, grid.get_node_ids(), self.fraction_train)
+        nodes = sample_sites(self.seed, server_round, grid.get_node_ids(), self.fraction_train)
         if isinstance(self.codec, Identity):
             content = RecordDict({keys.ARRAYS: arrays, keys.CONFIG: config})
             return [Message(content, dst_node_id=n, message_type=MessageType.TRAIN) for n in nodes]
@@ -226,39 +213,15 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Ask a seeded sample of sites to evaluate the global model on local data."""
-        if self.fraction_evaluate == 0.0:
-            return []
-        config = ConfigRecord(dict(config))
-        config[keys.SERVER_ROUND] = server_round
-        content = RecordDict({keys.ARRAYS: arrays, keys.CONFIG: config})
-        nodes = self.sample(-server_round, grid.get_node_ids(), self.fraction_evaluate)
-        return [Message(content, dst_node_id=n, message_type=MessageType.EVALUATE) for n in nodes]
+        return evaluation_messages(
+            self.seed, server_round, arrays, config, grid.get_node_ids(), self.fraction_evaluate
+        )
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         """Example-weighted mean of the sites' evaluation metrics."""
-        sums: dict[str, float] = {}
-        total = 0
-        for reply in replies:
-            if reply.has_error() or keys.METRICS not in reply.content:
-                continue
-            metrics = reply.content[keys.METRICS]
-            try:
-                weight = check_num_examples(metrics.get(keys.NUM_EXAMPLES))
-            except UpdateRejected:
-                continue
-            values = {
-                _EVAL_NAMES.get(k, k): float(v)
-                for k, v in metrics.items()
-                if k != keys.NUM_EXAMPLES and isinstance(v, int | float) and math.isfinite(v)
-            }
-            for key, value in values.items():
-                sums[key] = sums.get(key, 0.0) + weight * value
-            total += weight
-        if total == 0:
-            return None
-        return MetricRecord({k: v / total for k, v in sums.items()})
+        return mean_evaluation(replies)
 
     # ------------------------------------------------- streaming aggregation
     def _use_current(self, arrays: ArrayRecord) -> None:

@@ -25,8 +25,9 @@ from flplatform.core.seeding import derive_seed
 from flplatform.engine import AggregationPolicy, EngineStrategy, Synchrony, Update
 from flplatform.run.start import PlatformStart
 from strategies.knobs import sketched_sync_only
-from strategies.local_sgd import LocalSGDAveraging, aggregate_batch
+from strategies.local_sgd import aggregate_batch
 from strategies.mods.fetchsgd import SKETCH
+from strategies.sampling import evaluation_messages, mean_evaluation
 from strategies.sparse_sync import SparseModel
 
 
@@ -62,9 +63,8 @@ class SketchedStrategy(PlatformStart, Strategy, EngineStrategy):
         self.site_algorithm = site_algorithm
         self.k, self.rows, self.cols = k, sketch_rows, sketch_cols or 5 * k
         self.sketch_seed = derive_seed(seed, f"{site_algorithm}-sketch")
-        self._sampling = LocalSGDAveraging(
-            fraction_train=fraction_train, fraction_evaluate=fraction_evaluate, seed=seed
-        )
+        self.seed = seed
+        self.fraction_train, self.fraction_evaluate = fraction_train, fraction_evaluate
         self.model = SparseModel()  # x, its versions, and what each site holds
 
     def _sketch_content(
@@ -127,13 +127,15 @@ class SketchedStrategy(PlatformStart, Strategy, EngineStrategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """As local-SGD averaging: a seeded sample of sites evaluates the whole model."""
-        return self._sampling.configure_evaluate(server_round, arrays, config, grid)
+        return evaluation_messages(
+            self.seed, server_round, arrays, config, grid.get_node_ids(), self.fraction_evaluate
+        )
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         """Example-weighted mean of the sites' evaluation metrics."""
-        return self._sampling.aggregate_evaluate(server_round, replies)
+        return mean_evaluation(replies)
 
     def engine_policy(self, requested: Synchrony, *, num_rounds: int) -> AggregationPolicy:
         """The requested policy, which must be sync mode ``sync``."""

@@ -61,6 +61,7 @@ from strategies.mods.sketched_sgd import (
     ZERO_INDICES,
     StepPhase,
 )
+from strategies.sampling import sample_sites
 from strategies.sketch_feedback import candidate_coordinates, exact_top_k
 from strategies.sketched_common import SketchedStrategy, sketch_table
 from strategies.sparse_sync import SparseModel
@@ -291,7 +292,7 @@ class SketchedSGD(SketchedStrategy):
             )
             self._round_phase = self.state.phase = StepPhase.SKETCH
             self.state.contributors = {}
-        sampled = self._sampling.sample(server_round, nodes, self._sampling.fraction_train)
+        sampled = sample_sites(self.seed, server_round, nodes, self.fraction_train)
         return [self._sketch_request(n, server_round, config) for n in sampled]
 
     def _sketch_request(self, node_id: int, server_round: int, config: ConfigRecord) -> Message:

@@ -124,7 +124,7 @@ def test_every_site_rebuilds_exactly_the_servers_model() -> None:
 
     # Offer every site the next round: from its stored copy and what it is sent (dense
     # or the changes since the version it holds) it must rebuild x bit for bit.
-    strategy._sampling.fraction_train = 1.0
+    strategy.fraction_train = 1.0
     messages = list(strategy.configure_train(5, strategy.model.record, ConfigRecord(), Grid()))  # type: ignore[arg-type]
     assert any(m.content[keys.CONFIG][keys.SYNC_FROM] >= 0 for m in messages)
     server = record_to_arrays(strategy.model.record)

@@ -17,6 +17,7 @@ from flwr.app import (
 from flplatform.core.arrays import record_to_arrays
 from flplatform.core.errors import ConfigError, UpdateRejected
 from strategies.local_sgd import LocalSGDAveraging
+from strategies.sampling import sample_sites
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -87,13 +88,17 @@ def test_malformed_replies_are_rejected_and_leave_no_trace(message, reason: str)
 
 
 def test_sampling_depends_only_on_seed_and_round() -> None:
-    a = LocalSGDAveraging(fraction_train=0.5, seed=1)
-    b = LocalSGDAveraging(fraction_train=0.5, seed=1)
     nodes = list(range(10, 30))
-    assert a.sample(3, nodes, 0.5) == b.sample(3, reversed(nodes), 0.5)
-    assert len(a.sample(3, nodes, 0.5)) == 10
-    assert {tuple(a.sample(r, nodes, 0.5)) for r in range(1, 6)} != {tuple(a.sample(1, nodes, 0.5))}
-    assert a.sample(1, [7], 0.01) == [7]  # at least one site
+    assert sample_sites(1, 3, nodes, 0.5) == sample_sites(1, 3, reversed(nodes), 0.5)
+    assert len(sample_sites(1, 3, nodes, 0.5)) == 10
+    rounds = {tuple(sample_sites(1, r, nodes, 0.5)) for r in range(1, 6)}
+    assert rounds != {tuple(sample_sites(1, 1, nodes, 0.5))}
+    assert sample_sites(1, 1, [7], 0.01) == [7]  # at least one site
+    assert sample_sites(2, 3, nodes, 0.5) != sample_sites(1, 3, nodes, 0.5)
+    # the strategy trains exactly that sample
+    strategy = LocalSGDAveraging(fraction_train=0.5, seed=1)
+    sent = strategy.configure_train(3, BASE, ConfigRecord(), _NodesGrid(nodes))
+    assert sorted(m.metadata.dst_node_id for m in sent) == sample_sites(1, 3, nodes, 0.5)
 
 
 def test_configure_train_does_not_write_into_callers_config() -> None:
@@ -141,11 +146,18 @@ def test_stale_update_is_measured_against_the_version_it_was_trained_on() -> Non
     np.testing.assert_allclose(record_to_arrays(arrays)["w"], np.full((2, 2), 12.0))
 
 
-class _OneNodeGrid:
+class _NodesGrid:
     """Only ``get_node_ids`` is used by the strategy's configure hooks."""
 
+    def __init__(self, nodes: list[int]) -> None:
+        self.nodes = nodes
+
     def get_node_ids(self) -> list[int]:
-        return [4]
+        return list(self.nodes)
+
+
+def _OneNodeGrid() -> _NodesGrid:  # noqa: N802 - reads as the grid it builds
+    return _NodesGrid([4])
 
 
 def test_site_config_reads_defaults_and_refuses_wrong_types() -> None:
