@@ -140,7 +140,7 @@ def deployment(tmp_path: Path) -> Iterator[Deployment]:
 
 def test_fleet_requests_reach_the_superlink_unchanged(deployment: Deployment) -> None:
     body = bytes(range(256)) * 1000
-    with httpx.Client(verify=str(deployment.ca_cert)) as client:
+    with httpx.Client(verify=ssl.create_default_context(cafile=str(deployment.ca_cert))) as client:
         for _ in range(2):  # the second over the same kept-alive connection
             reply = client.post(f"{deployment.url}/v1/fleet/pull-messages", content=body)
             assert reply.status_code == 200
@@ -152,7 +152,7 @@ def test_fleet_requests_reach_the_superlink_unchanged(deployment: Deployment) ->
 def test_the_control_api_is_not_served_and_the_attempt_is_reported(
     deployment: Deployment,
 ) -> None:
-    with httpx.Client(verify=str(deployment.ca_cert)) as client:
+    with httpx.Client(verify=ssl.create_default_context(cafile=str(deployment.ca_cert))) as client:
         reply = client.post(f"{deployment.url}/v1/control/register-node", content=b"key")
         assert reply.status_code == 404
         assert client.get(f"{deployment.url}/docs").status_code == 404
@@ -161,7 +161,7 @@ def test_the_control_api_is_not_served_and_the_attempt_is_reported(
 
 
 def test_refused_nodes_are_reported_by_site_or_key(deployment: Deployment) -> None:
-    with httpx.Client(verify=str(deployment.ca_cert)) as client:
+    with httpx.Client(verify=ssl.create_default_context(cafile=str(deployment.ca_cert))) as client:
         for header in (deployment.london_header, deployment.stranger_header):
             reply = client.post(
                 f"{deployment.url}/v1/fleet/activate-node",
@@ -179,7 +179,10 @@ def test_plain_http_and_a_foreign_ca_are_reported(deployment: Deployment) -> Non
         plain.recv(100)
     assert "spoke plain HTTP" in deployment.reports.wait_for("refused 127.0.0.1")
     with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
-        httpx.post(f"{deployment.url}/v1/fleet/pull-messages", verify=str(deployment.other_ca))
+        httpx.post(
+            f"{deployment.url}/v1/fleet/pull-messages",
+            verify=ssl.create_default_context(cafile=str(deployment.other_ca)),
+        )
     assert "does not trust this server's certificate" in deployment.reports.wait_for("trust")
 
 
@@ -238,7 +241,7 @@ def test_bad_lengths_and_oversized_bodies_are_refused_before_reading(
 
 
 def test_forwarding_headers_are_the_gateways_own(deployment: Deployment) -> None:
-    with httpx.Client(verify=str(deployment.ca_cert)) as client:
+    with httpx.Client(verify=ssl.create_default_context(cafile=str(deployment.ca_cert))) as client:
         reply = client.post(
             f"{deployment.url}/v1/fleet/get-run",
             content=b"x",
