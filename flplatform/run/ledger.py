@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from flplatform.core.checkpoint import CheckpointError, read_state, write_state
-from flplatform.core.errors import ConfigError, FLPlatformError, NotFoundError, StorageError
+from flplatform.core.checks import require
+from flplatform.core.errors import FLPlatformError, NotFoundError, StorageError
 from flplatform.engine.events import RoundSummary, SiteInfo, TrafficOutcome
-from flplatform.run.options import DEFAULT_OPTIONS
+from flplatform.run.options import DEFAULT_OPTIONS, option_problem
 from storage import (
     CheckpointInput,
     CheckpointRecord,
@@ -117,17 +118,11 @@ class SqlLedger:
         checkpoint_every: int = DEFAULT_OPTIONS.checkpoint_every,
         keep_checkpoints: int = DEFAULT_OPTIONS.keep_checkpoints,
     ) -> None:
-        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int):
-            raise ConfigError(f"checkpoint-every must be a whole number, got {checkpoint_every!r}")
-        if checkpoint_every < 0:
-            raise ConfigError(
-                f"checkpoint-every must be >= 0 (0: keep only the final model), "
-                f"got {checkpoint_every}"
-            )
-        if isinstance(keep_checkpoints, bool) or not isinstance(keep_checkpoints, int):
-            raise ConfigError(f"keep-checkpoints must be a whole number, got {keep_checkpoints!r}")
-        if keep_checkpoints < 0:
-            raise ConfigError(f"keep-checkpoints must be >= 0, got {keep_checkpoints}")
+        # start()'s rules for the same options, said once (flplatform/run/options.py)
+        require(
+            option_problem("checkpoint_every", checkpoint_every, "checkpoint-every"),
+            option_problem("keep_checkpoints", keep_checkpoints, "keep-checkpoints"),
+        )
         self.repository = repository
         self.run_id = run_id
         self.checkpoint_every = checkpoint_every

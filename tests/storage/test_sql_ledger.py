@@ -87,15 +87,17 @@ def test_retention_keeps_every_nth_up_to_the_limit_plus_the_last_and_the_final(
     assert load_checkpoint(repo, run_id, 4)[1]["server_round"] == 4
 
 
-def test_keep_zero_keeps_only_the_resume_point(repo: LedgerRepository, tmp_path: Path) -> None:
+def test_keep_one_keeps_the_last_periodic_checkpoint_and_the_resume_point(
+    repo: LedgerRepository, tmp_path: Path
+) -> None:
     run_id = make_run(repo)
     ledger = SqlLedger(
-        repo, run_id, checkpoint_dir=tmp_path, checkpoint_every=1, keep_checkpoints=0
+        repo, run_id, checkpoint_dir=tmp_path, checkpoint_every=2, keep_checkpoints=1
     )
-    for step in (1, 2, 3):
+    for step in (1, 2, 3, 4, 5):
         ledger.record_round(summary(step), state(step))
-    assert [c.round for c in repo.list_checkpoints(run_id)] == [3]
-    assert files(ledger.directory) == ["round-000003.npz"]
+    assert [c.round for c in repo.list_checkpoints(run_id)] == [4, 5]
+    assert files(ledger.directory) == ["round-000004.npz", "round-000005.npz"]
 
 
 def test_checkpoint_every_zero_keeps_only_the_resume_point_and_the_final_model(
@@ -216,9 +218,10 @@ def test_load_checkpoint_says_which_rounds_have_one(repo: LedgerRepository, tmp_
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"checkpoint_every": -1}, "checkpoint-every must be >= 0"),
-        ({"checkpoint_every": 1.5}, "checkpoint-every must be a whole number"),
-        ({"keep_checkpoints": -1}, "keep-checkpoints must be >= 0"),
+        ({"checkpoint_every": -1}, r"checkpoint-every must be an integer >= 0 \(0: keep only"),
+        ({"checkpoint_every": 1.5}, "checkpoint-every must be an integer"),
+        ({"keep_checkpoints": 0}, "keep-checkpoints must be an integer >= 1, got 0"),
+        ({"keep_checkpoints": -1}, "keep-checkpoints must be an integer >= 1"),
     ],
 )
 def test_retention_options_are_checked(
