@@ -61,7 +61,13 @@ def delay_problem(delay: object) -> Problem:
 
 def k_problem(k: object) -> Problem:
     """What is wrong with k, the coordinates a sketched strategy applies per step."""
-    return integer(k, "k", minimum=1, says="an integer >= 1 coordinates")
+    return integer(
+        k,
+        "k",
+        minimum=1,
+        says="an integer >= 1: the coordinates applied per step (about 1% of the model's "
+        "parameters is typical)",
+    )
 
 
 def feedback_problems(*, rho: object, eta: object, removal: object) -> list[Problem]:

@@ -183,8 +183,11 @@ class RunConfig:
     )
     # ---- synchrony (flplatform/engine/synchrony.py)
     k: int = field(
-        default=DEFAULT_OPTIONS.k,
-        metadata=about("K of the K modes; for fetchsgd/sketched-sgd, coordinates per step."),
+        default=0,
+        metadata=about(
+            f"K of the K modes (0: {DEFAULT_OPTIONS.k}); for fetchsgd/sketched-sgd, the "
+            "coordinates per step (required there)."
+        ),
     )
     staleness_bound: int = field(
         default=-1, metadata=about("Async modes: most versions an update may lag (-1: none).")
@@ -413,6 +416,11 @@ class RunConfig:
     def run_name(self) -> str:
         """The run's name in the ledger: ``name``, else ``<strategy>-<dataset>``."""
         return self.name or f"{self.strategy}-{self.dataset}"
+
+    @property
+    def sync_k(self) -> int:
+        """K of the K modes: ``k``, or start()'s default when k is 0 (not set)."""
+        return self.k or DEFAULT_OPTIONS.k
 
     @property
     def num_sites(self) -> int:

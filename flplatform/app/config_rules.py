@@ -128,7 +128,7 @@ def problems(config: RunConfig) -> list[str]:
     if config.sync in SYNC_MODES:
         problems += synchrony_problems(
             config.sync,
-            k=config.k,
+            k=config.sync_k,
             staleness_bound=config.staleness_bound,
             weighting=config.staleness_weighting,
             adasync=config.adasync,
@@ -136,7 +136,7 @@ def problems(config: RunConfig) -> list[str]:
             step_c=config.staleness_step_c,
         )
         if config.strategy not in SKETCHED:  # their k counts coordinates, not updates
-            problems.append(k_sites_problem(config.sync, config.k, config.num_sites))
+            problems.append(k_sites_problem(config.sync, config.sync_k, config.num_sites))
         if config.sync in BATCH_MODES and config.fraction_train < 1.0:
             # Batch modes offer work again at every arrival: a per-offer fraction would
             # not bound how many sites train; concurrency does.

@@ -66,7 +66,7 @@ def platform_options(config: RunConfig) -> dict[str, Any]:
         num_rounds=config.num_server_rounds,
         timeout=config.round_timeout,
         sync=config.sync,
-        k=config.k,
+        k=config.sync_k,
         staleness_bound=None if config.staleness_bound < 0 else config.staleness_bound,
         staleness_weighting=config.staleness_weighting or None,
         staleness_step_c=config.staleness_step_c,

@@ -49,7 +49,7 @@ def site_names(sites: str) -> tuple[str, ...]:
 
 def run_and_follow(config: RunConfig) -> RunRecord:
     """Run with a live progress display, then print the round and site tables."""
-    sync = config.sync if config.sync in ("sync", "async") else f"{config.sync}, K={config.k}"
+    sync = config.sync if config.sync in ("sync", "async") else f"{config.sync}, K={config.sync_k}"
     if config.strategy == "delayed":
         sync = f"D={config.delay}{'' if config.compensation else ', no compensation'}"
     network = f" on the {config.network} network" if config.network else ""

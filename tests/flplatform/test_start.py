@@ -323,8 +323,10 @@ def test_each_default_is_the_options_one_in_start_the_ledger_and_the_run_options
         DEFAULT_OPTIONS.update_min_cosine,
     )
     table = {f.name: f.default for f in fields(RunConfig)}
-    for name in ("k", "sync", "seed", "max_failed_rounds", "checkpoint_every", "keep_checkpoints"):
+    for name in ("sync", "seed", "max_failed_rounds", "checkpoint_every", "keep_checkpoints"):
         assert table[name] == getattr(DEFAULT_OPTIONS, name), name
+    # k 0 is "not set": start()'s K for the K modes; the sketched strategies require one
+    assert table["k"] == 0 and RunConfig().sync_k == DEFAULT_OPTIONS.k == 2
     assert table["update_norm_action"] == DEFAULT_OPTIONS.update_norm_action == "clip"
 
 

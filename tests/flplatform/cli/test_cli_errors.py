@@ -46,7 +46,10 @@ from tests.helpers.cli import invoke, one_error_line
         (["--partition", "files"], "set dataset to the directory written by"),
         (["--partition", "files", "--dataset", "/nonexistent/split"], "/nonexistent/split"),
         (["--sync", "eventually"], "unknown sync 'eventually'; allowed: sync, k-sync"),
-        (["--sync", "k-async", "--k", "0"], "k must be a whole number"),
+        (["--sync", "k-async", "--k", "-1"], "k must be a whole number"),  # 0: the default K
+        # a sketched strategy's k counts coordinates: K's default would apply two a step
+        (["--strategy", "fetchsgd"], "k must be an integer >= 1: the coordinates applied"),
+        (["--strategy", "sketched-sgd"], "k must be an integer >= 1: the coordinates applied"),
         (["--sync", "k-sync", "--staleness-bound", "2"], "applies to the async modes"),
         (["--sync", "async", "--staleness-weighting", "cubic"], "staleness weighting 'cubic'"),
         (["--sync", "async", "--adasync"], "adasync grows K"),
