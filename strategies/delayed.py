@@ -89,7 +89,6 @@ log = logging.getLogger("flplatform.strategies.delayed")
 SITE_ALGORITHM = keys.DELAYED
 
 
-# The synchrony modes delayed updates run with (asked here and by the run configuration).
 @dataclass
 class DelayedState:
     """Server state that outlives a round.

@@ -70,8 +70,6 @@ from strategies.sampling import evaluation_messages, mean_evaluation, sample_sit
 log = logging.getLogger("flplatform.strategies.local_sgd")
 
 SITE_ALGORITHM = keys.LOCAL_SGD
-# How the round's updates are combined: the weighted mean (FedAvg), or a robust one.
-# Flower's quickstarts report eval_acc / eval_loss; the ledger speaks accuracy / loss.
 
 
 @dataclass
@@ -172,7 +170,6 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
             self.aggregator,
         )
 
-    # ---------------------------------------------------------------- sampling
     # ------------------------------------------------------------ Flower hooks
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

@@ -200,7 +200,7 @@ class SketchedSGD(SketchedStrategy):
                 eta=eta,
             ).problems()
         )
-        super().__init__(  # its own checks pass: asked above, all at once
+        super().__init__(  # the knobs were checked above, all at once
             site_algorithm=SITE_ALGORITHM,
             k=k,
             sketch_rows=sketch_rows,

@@ -27,6 +27,7 @@ from flplatform.core import keys
 from flplatform.core.checks import integer, require
 from flplatform.core.errors import ConfigError, NotFoundError
 from flplatform.engine.synchrony import K_MODES, SYNC_MODES
+from flplatform.run.options import DEFAULT_OPTIONS
 from storage import LedgerRepository, RunRecord
 
 if TYPE_CHECKING:
@@ -263,6 +264,8 @@ def run_setup(record: RunRecord) -> RunSetup:
     sync = _text(config.get("sync"))
     strategy = _text(config.get("strategy")) or record.strategy
     k = config.get("k")
+    if k == 0 and sync in K_MODES and strategy not in SKETCHED:
+        k = DEFAULT_OPTIONS.k  # 0: not set, start()'s K
     shaped_by_k = sync in K_MODES or strategy in SKETCHED
     return RunSetup(
         strategy=strategy,

@@ -484,8 +484,9 @@ def as_site_names(name: str, value: Any) -> tuple[str, ...]:
     if isinstance(value, bool):
         raise ConfigError(f"{name} must be a positive count or a list of names, got {value!r}")
     count = value if isinstance(value, int) else None
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        count = int(value.strip())
+    text = value.strip() if isinstance(value, str) else ""
+    if text.lstrip("-").isascii() and text.lstrip("-").isdecimal():
+        count = int(text)
     if count is not None:
         if count <= 0:
             raise ConfigError(f"{name} must be a positive count or a list of names, got {value}")

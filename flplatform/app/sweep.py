@@ -249,8 +249,11 @@ def _what_runs(config: RunConfig) -> tuple[Any, ...]:
     """What makes ``config``'s run: its options but its name, K where K changes nothing."""
     values = config.to_run_config()
     values.pop("name")
-    if config.sync not in K_MODES and config.strategy not in SKETCHED:
-        values.pop("k")
+    if config.strategy not in SKETCHED:  # theirs counts coordinates
+        if config.sync in K_MODES:
+            values["k"] = config.sync_k  # k 0 is the default K
+        else:
+            values.pop("k")
     return tuple(sorted(values.items()))
 
 

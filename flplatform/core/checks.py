@@ -142,6 +142,12 @@ def site_names(names: Sequence[str], name: str) -> list[str]:
         for site in names
         if not SITE_NAME.fullmatch(site)
     ]
+    problems += [
+        f"site name '{site}' in {name} is only digits, which reads as a count of sites: "
+        "give the name a letter"
+        for site in names
+        if site.isdecimal()
+    ]
     if len(set(names)) != len(names):
         problems.append(f"{name} has duplicate names: {', '.join(names)}")
     return problems

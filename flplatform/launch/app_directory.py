@@ -413,7 +413,7 @@ def _checked_values(app: FlowerApp, given: PlatformOptions) -> dict[str, Any]:
     if given.sites is not None:
         if not given.sites:
             raise ConfigError("--sites must be a positive count or a list of names")
-        out["sites"] = _checked_sites(given.sites)
+        out["sites"] = _checked_sites(list(given.sites))
     # Checked by start()'s own rule for each (flplatform/run/options.py), named as given.
     counts = ("rounds", "seed", "max_failed_rounds", "k", "checkpoint_every", "keep_checkpoints")
     require(
@@ -516,17 +516,18 @@ def _python_path(model: str | None) -> tuple[Path, ...]:
     return (directory,) if directory is not None else ()
 
 
-def _checked_sites(names: Sequence[str]) -> tuple[str, ...]:
+def _checked_sites(names: object) -> tuple[str, ...]:
+    """A count or names, read as the generic ServerApp reads its run config's ``sites``."""
     from flplatform.app.config import as_site_names
 
-    return as_site_names("--sites", list(names))
+    return as_site_names("--sites", names)
 
 
 def _declared_sites(app: FlowerApp, overrides: Mapping[str, ConfigValue]) -> tuple[str, ...]:
     """Sites from the app's `sites` key (as overridden), else the default count."""
     declared = overrides.get("sites", app.config.get("sites"))
-    if isinstance(declared, str) and declared.strip():
-        names = _checked_sites(declared.split(","))
+    if declared is not None and str(declared).strip():
+        names = _checked_sites(declared)
         if names:
             return names
     if app.uses_generic_serverapp:  # it waits for one node per name in RunConfig.sites

@@ -208,11 +208,14 @@ class ProcessTree:
             self._seen[proc.pid] = proc.start
         # A session none of whose processes lives is gone for good (no process can join
         # it), and forgetting it keeps a later process that reuses its id out of reach.
-        # Never our own session: it holds the user's shell (a child that did not start a
-        # session of its own is found below the started ones, by pid).
+        # Never the session we were started in: it holds the user's shell (a child that
+        # did not start a session of its own is found below the started ones, by pid).
+        # A session we lead (setsid flplatform ...) holds only what we started.
+        own = os.getsid(0)
+        foreign = set() if own == os.getpid() else {own}
         self._sessions = (
             {p.sid for p in members} | {p.pid for p in self.started if _running(p)}
-        ) - {os.getsid(0)}
+        ) - foreign
 
     def alive(self) -> list[int]:
         """Pids of the tree's processes still running (zombies excluded)."""

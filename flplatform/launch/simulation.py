@@ -277,7 +277,7 @@ def simulation_actors(num_sites: int) -> int:
     given = os.environ.get(ACTORS_ENV, "").strip()
     if not given:
         return max(1, min(num_sites, os.cpu_count() or 2, 4))
-    if not given.isdigit() or int(given) < 1:
+    if not (given.isascii() and given.isdecimal()) or int(given) < 1:
         raise ConfigError(
             f"{ACTORS_ENV} must be a whole number >= 1 (simulated sites training at once), "
             f"got {given!r}"
@@ -338,10 +338,11 @@ def start_app(
     them (through SuperExec) with its own environment. Every process is started in
     ``tree``: whoever made it stops them (``tree.stop()``), also when this raises.
     """
+    federation = federation_options(num_sites)  # a bad actor count fails before anything starts
     env = flower_environment(home, python_path=python_path)
     env.update(extra_env or {})
     superlink, superlink_log = start_superlink(env, home=home, log_name=log_name, tree=tree)
-    extra = ["--federation-config", federation_options(num_sites)]
+    extra = ["--federation-config", federation]
     run, log_path = start_flwr_run(
         app_dir,
         "local",

@@ -100,7 +100,7 @@ class SqlLedger:
         Every this many rounds a checkpoint is kept (``>= 0``; 0 keeps only the final one);
         the others are deleted once a later round is committed.
     keep_checkpoints : int
-        At most this many kept checkpoints (``>= 0``), the newest; the last checkpoint (the
+        At most this many kept checkpoints (``>= 1``), the newest; the last checkpoint (the
         resume point) and the final one of a finished run are kept besides.
 
     Raises

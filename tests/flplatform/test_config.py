@@ -127,6 +127,7 @@ def test_the_period_sets_the_local_steps_of_delayed_updates() -> None:
         ({"sites": 0}, "sites must be a positive count or a list of names, got 0"),
         ({"sites": "-3"}, "sites must be a positive count or a list of names, got -3"),
         ({"sites": True}, "sites must be a positive count or a list of names, got True"),
+        ({"sites": "a,7"}, "site name '7' in sites is only digits, which reads as a count"),
         ({"no-such-key": 1}, "unknown config key 'no-such-key'"),
         ({"strategy": "fedavgm"}, "fedavgm needs server-momentum > 0"),
         ({"round-timeout": 1e12}, "round-timeout must be at most"),

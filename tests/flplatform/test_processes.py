@@ -97,15 +97,17 @@ def test_a_child_adopted_in_our_own_session_does_not_put_that_session_in_the_tre
         "tree = ProcessTree()\n"
         "adopted = tree.adopt(subprocess.Popen(['sh', '-c', 'sleep 303.1 & exec sleep 303.3']))\n"
         "time.sleep(0.5)\n"
-        "assert os.getsid(adopted.pid) == os.getsid(0) == os.getsid(bystander.pid)\n"
+        "assert os.getsid(adopted.pid) == os.getsid(0) == os.getsid(bystander.pid) != os.getpid()\n"
         "tree.record()\n"
         "assert tree.stop() == []\n"
         "assert bystander.poll() is None, 'a process of our own session was stopped'\n"
         "bystander.kill()\n"
         "print('bystander kept')\n"
     )
+    # sh leads the new session and Python runs below it, as a command below a user's shell
+    # (a command that leads its session holds only what it started: all of it is its tree)
     done = subprocess.run(
-        [sys.executable, "-c", code],
+        ["sh", "-c", '"$0" -c "$1"; exit $?', sys.executable, code],
         capture_output=True,
         text=True,
         start_new_session=True,

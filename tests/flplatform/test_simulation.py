@@ -59,7 +59,7 @@ def test_the_simulation_has_one_actor_per_core_unless_told(
         "num-supernodes=12 client-resources-num-cpus=1 init-args-num-cpus=8"
     )
     assert "init-args-num-cpus=3" in federation_options(3)
-    for bad in ("0", "-1", "two", "1.5"):
+    for bad in ("0", "-1", "two", "1.5", "²"):
         monkeypatch.setenv(ACTORS_ENV, bad)
         with pytest.raises(ConfigError, match=f"{ACTORS_ENV} must be a whole number >= 1"):
             federation_options(3)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from flplatform.app.config import RunConfig
 from flplatform.core.errors import ConfigError
 from flplatform.launch.app_directory import (
     PlatformOptions,
@@ -273,6 +274,12 @@ def test_the_generic_serverapp_gets_its_own_keys(tmp_path: Path) -> None:
         "california",
         "tokyo",
     )
+    # A count, as text or a number, means as many sites to the launcher as to the
+    # generic ServerApp (RunConfig.sites), which waits for one node per name.
+    for count in ("6", 6):
+        plan = plan_run(plain, PlatformOptions(run_config=(f"sites={count!r}",)), tag="t5")
+        assert plan.site_names == RunConfig.from_mapping({"sites": count}).sites
+        assert len(plan.site_names) == 6
 
 
 @pytest.mark.postgres
