@@ -117,6 +117,30 @@ def test_a_child_adopted_in_our_own_session_does_not_put_that_session_in_the_tre
     assert pids_running("sleep 303.1") == pids_running("sleep 303.3") == []
 
 
+def test_a_command_that_leads_its_session_stops_all_of_it() -> None:
+    """``setsid flplatform ...``: every process of the session came from the command, so an
+    orphan a child left there (not below us any more, never recorded) is stopped too."""
+    code = (
+        "import os, subprocess, time\n"
+        "from flplatform.launch.processes import ProcessTree\n"
+        "assert os.getsid(0) == os.getpid()\n"
+        "tree = ProcessTree()\n"
+        "tree.adopt(subprocess.Popen(['sh', '-c', '(sleep 304.1 &); exec sleep 304.2']))\n"
+        "time.sleep(0.5)  # the subshell has exited: sleep 304.1 is an orphan in our session\n"
+        "assert tree.stop() == []\n"
+        "print('stopped')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        start_new_session=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "stopped"), done.stderr
+    assert pids_running("sleep 304.1") == pids_running("sleep 304.2") == []
+
+
 def test_a_process_that_ignores_sigterm_is_killed_after_the_grace() -> None:
     tree = ProcessTree()
     proc = tree.popen(["sh", "-c", "trap '' TERM; exec sleep 302.1"])
