@@ -164,6 +164,11 @@ class ProcessTree:
 
     def __init__(self) -> None:
         self.started: list[subprocess.Popen[bytes]] = []
+        # Never the session we were started in: it holds the user's shell (a child that
+        # did not start a session of its own is found below the started ones, by pid).
+        # A session we lead (setsid flplatform ...) holds only what we started.
+        own = os.getsid(0)
+        self._foreign_sessions: frozenset[int] = frozenset(() if own == os.getpid() else (own,))
         self._sessions: set[int] = set()
         self._seen: dict[int, int] = {}  # pid -> start time of every process recorded
 
@@ -208,14 +213,9 @@ class ProcessTree:
             self._seen[proc.pid] = proc.start
         # A session none of whose processes lives is gone for good (no process can join
         # it), and forgetting it keeps a later process that reuses its id out of reach.
-        # Never the session we were started in: it holds the user's shell (a child that
-        # did not start a session of its own is found below the started ones, by pid).
-        # A session we lead (setsid flplatform ...) holds only what we started.
-        own = os.getsid(0)
-        foreign = set() if own == os.getpid() else {own}
         self._sessions = (
             {p.sid for p in members} | {p.pid for p in self.started if _running(p)}
-        ) - foreign
+        ) - self._foreign_sessions
 
     def alive(self) -> list[int]:
         """Pids of the tree's processes still running (zombies excluded)."""
