@@ -79,9 +79,22 @@ def owner_alive(owner: str | None) -> bool | None:
         os.kill(int(pid), 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
+    except PermissionError:  # there, another user's
+        pass
+    return not _ended(int(pid))
+
+
+def _ended(pid: int) -> bool:
+    """Whether ``pid``, which signal 0 still reaches, has ended: a zombie not yet reaped. A
+    killed run's server process stays one where nothing reaps orphans (a container whose PID 1
+    is not an init), yet it will never write to the run again."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:  # reaped meanwhile, or no /proc at all (macOS: signal 0 says)
+        return Path("/proc/self/stat").exists()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[:1] == ["Z"]
 
 
 class SqlLedger:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -175,3 +177,23 @@ def test_the_dead_owner_check_reads_the_process_table() -> None:
     assert owner_alive(f"{host}:{dead}") is False
     assert owner_alive(f"another-host:{os.getpid()}") is None
     assert owner_alive(None) is None
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
+def test_a_killed_owner_not_yet_reaped_is_dead() -> None:
+    """Where nothing reaps orphans (a container's PID 1), a killed run's server process stays
+    a zombie: signal 0 reaches it, yet resume must not call it alive (CI hit this)."""
+    from flplatform.run.ledger import owner_alive
+
+    host = process_owner().rpartition(":")[0]
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the child did not end"
+            time.sleep(0.01)
+        os.kill(child.pid, 0)  # the zombie still answers signal 0
+        assert owner_alive(f"{host}:{child.pid}") is False
+    finally:
+        child.wait()
+    assert owner_alive(f"{host}:{child.pid}") is False
