@@ -8,8 +8,7 @@ after the ledger shows the round it was aimed at; the next resume is killed the 
 later round, and the last one runs to the end. The sites die with everything else: they
 find their state in their snapshots on disk (``strategies/mods/contract.py``).
 
-One kill in the default suite; every strategy and mode, three kills each, with
-``make test-resume``.
+Every strategy and mode, three kills each (``make test-resume`` runs them alone).
 """
 
 from __future__ import annotations
@@ -57,9 +56,6 @@ CASES = [
     ("fetchsgd", {"strategy": "fetchsgd", "k": 200, "sketch-momentum": 0.9}, (1, 3, 5)),
     ("sketched-sgd", {"strategy": "sketched-sgd", "k": 200, "step-momentum": 0.9}, (2, 3, 5)),
 ]
-# The default suite's case: one kill of the k-async run with compressed uploads (stale work
-# in flight, site residuals, server momentum); `make test-resume` runs every case above.
-DEFAULT_CASE = ("k-async-one-kill", CASES[1][0], (3,))
 runner = CliRunner()
 
 
@@ -115,10 +111,7 @@ def _rows(db: str, run_id: int) -> list[dict]:
 
 @pytest.mark.parametrize(
     "case,kills",
-    [
-        pytest.param(DEFAULT_CASE[1], DEFAULT_CASE[2], id=DEFAULT_CASE[0]),
-        *(pytest.param(name, k, id=name, marks=pytest.mark.resume) for name, _, k in CASES),
-    ],
+    [pytest.param(name, k, id=name, marks=pytest.mark.resume) for name, _, k in CASES],
 )
 @pytest.mark.usefixtures("flplatform_home")
 def test_a_run_killed_and_resumed_ends_bit_for_bit_as_the_uninterrupted_run(
