@@ -37,7 +37,7 @@ from flplatform.deploy.superlink import (
     plan_server,
     run_deployment,
 )
-from flplatform.launch.app_directory import PlatformOptions, parse_run_config, plan_run, read_app
+from flplatform.launch.app_directory import RunOverrides, parse_run_config, plan_run, read_app
 from flplatform.launch.simulation import check_ledger, model_dirs, project_dir, work_home
 from storage import RunRecord
 from storage.session import detach_password
@@ -221,7 +221,7 @@ def _app_run(
         )
     app = read_app(app_dir)
     planned = plan_run(
-        app, PlatformOptions(sites=plan.sites, db=db, run_config=tuple(items), **given), tag=tag
+        app, RunOverrides(sites=plan.sites, db=db, run_config=tuple(items), **given), tag=tag
     )
     run = DeployedRun(
         app_dir=app.path,

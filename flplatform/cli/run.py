@@ -21,11 +21,10 @@ from flplatform.cli.options import table_options
 from flplatform.cli.progress import round_progress, say_run_done
 from flplatform.cli.render import OutputFormat, make_console
 from flplatform.cli.simulate import site_names
-from flplatform.engine.guard import GUARD_OPTIONS
 from flplatform.launch.app_directory import (
-    CHECKPOINT_OPTIONS,
+    RUN_CONFIG_KEYS,
     AppRun,
-    PlatformOptions,
+    RunOverrides,
     plan_run,
     read_app,
 )
@@ -34,20 +33,9 @@ from storage import RunRecord
 
 console = make_console()
 
-# The platform's options a user's app takes (launch/app_directory.py says where each goes).
-APP_OPTIONS = (
-    "rounds",
-    "network",
-    "sync",
-    "k",
-    "seed",
-    "max_failed_rounds",
-    "strategy",
-    "model",
-    "name",
-    *GUARD_OPTIONS,
-    *CHECKPOINT_OPTIONS,
-)
+# The platform's options a user's app takes from the run options' table (launch/
+# app_directory.py's RunOverrides says where each goes); --sites is this command's own.
+APP_OPTIONS = tuple(name for name in RUN_CONFIG_KEYS if name != "sites")
 APP_OPTION_HELPS = {
     "rounds": "Server rounds (the app's num-server-rounds and start's num_rounds).",
     "k": "K of the K synchrony modes.",
@@ -94,7 +82,7 @@ def run(
 ) -> None:
     """Run your own Flower app directory in a local simulation, with the platform's options."""
     app = read_app(app_dir)
-    given = PlatformOptions(
+    given = RunOverrides(
         sites=site_names(sites) if sites is not None else None,
         db=db,
         **options,

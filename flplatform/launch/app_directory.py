@@ -42,34 +42,6 @@ from flplatform.run.options import ConfigValue, option_problem
 GENERIC_SERVERAPP = "flplatform.server_app:app"
 # Sites when neither --sites nor the app's `sites` key says (Flower's default is 2).
 DEFAULT_NUM_SITES = 2
-# How many checkpoints are kept, and where (start()'s options of the same names).
-CHECKPOINT_OPTIONS = ("checkpoint_every", "keep_checkpoints", "checkpoint_dir")
-
-# Platform option → the run-config key it also sets when the app declares that key.
-RUN_CONFIG_KEYS = {
-    "rounds": "num-server-rounds",
-    "sites": "sites",
-    "network": "network",
-    "sync": "sync",
-    "k": "k",
-    "seed": "seed",
-    "max_failed_rounds": "max-failed-rounds",
-    "strategy": "strategy",
-    "model": "model",
-    "name": "name",
-    **{name: name.replace("_", "-") for name in (*GUARD_OPTIONS, *CHECKPOINT_OPTIONS)},
-}
-# Platform option → flplatform.start() keyword (FLPLATFORM_OPTIONS).
-START_KEYWORDS = {
-    "rounds": "num_rounds",
-    "network": "network",
-    "sync": "sync",
-    "k": "k",
-    "seed": "seed",
-    "max_failed_rounds": "max_failed_rounds",
-    "name": "name",
-    **{name: name for name in (*GUARD_OPTIONS, *CHECKPOINT_OPTIONS)},
-}
 
 
 @dataclass(frozen=True)
@@ -92,30 +64,58 @@ class FlowerApp:
         return ", ".join(sorted(self.config)) or "none"
 
 
-@dataclass(frozen=True)
-class PlatformOptions:
-    """What ``flplatform run`` was given; None: not given, so not sent."""
+def _given(*, key: str | None = "", start: str | None = "") -> Any:
+    """A ``RunOverrides`` field, None (not given) by default, and where it goes: ``key`` is
+    the app's run-config key it sets where the app declares one, ``start`` the
+    ``flplatform.start()`` keyword it sets in ``FLPLATFORM_OPTIONS``; "" means the option's
+    own name (kebab-case for a key), None nowhere."""
+    return field(default=None, metadata={"key": key, "start": start})
 
-    sites: tuple[str, ...] | None = None  # site names (the CLI parses a count into names)
-    rounds: int | None = None
-    network: str | None = None
-    sync: str | None = None
-    k: int | None = None
-    seed: int | None = None
-    db: str | None = None
-    max_failed_rounds: int | None = None
-    strategy: str | None = None
-    model: str | None = None
-    name: str | None = None  # the run's name in the ledger
-    update_norm_ratio: float | None = None
-    update_norm_action: str | None = None
-    max_site_share: float | None = None
-    reject_replays: bool | None = None
-    update_min_cosine: float | None = None
-    checkpoint_every: int | None = None
-    keep_checkpoints: int | None = None
-    checkpoint_dir: str | None = None
+
+@dataclass(frozen=True)
+class RunOverrides:
+    """What ``flplatform run`` was given over the app's own choices; None: not given, so
+    not sent. Each field's metadata say where it goes (``RUN_CONFIG_KEYS``,
+    ``START_KEYWORDS``)."""
+
+    sites: tuple[str, ...] | None = _given(start=None)  # names (the CLI parses a count)
+    rounds: int | None = _given(key="num-server-rounds", start="num_rounds")
+    network: str | None = _given()
+    sync: str | None = _given()
+    k: int | None = _given()
+    seed: int | None = _given()
+    db: str | None = _given(key=None, start=None)  # the ledger, sent on its own (plan_run)
+    max_failed_rounds: int | None = _given()
+    strategy: str | None = _given(start=None)
+    model: str | None = _given(start=None)
+    name: str | None = _given()  # the run's name in the ledger
+    # The update guard's options (flplatform/engine/guard.py: GUARD_OPTIONS).
+    update_norm_ratio: float | None = _given()
+    update_norm_action: str | None = _given()
+    max_site_share: float | None = _given()
+    reject_replays: bool | None = _given()
+    update_min_cosine: float | None = _given()
+    # How many checkpoints are kept, and where.
+    checkpoint_every: int | None = _given()
+    keep_checkpoints: int | None = _given()
+    checkpoint_dir: str | None = _given()
     run_config: Sequence[str] = ()  # -c key=value, the app's own keys
+
+
+def _where(part: str) -> dict[str, str]:
+    """Option → its run-config key (``part="key"``) or start() keyword (``"start"``)."""
+    out = {}
+    for f in fields(RunOverrides):
+        target = f.metadata.get(part)
+        if target is not None:
+            out[f.name] = target or (f.name.replace("_", "-") if part == "key" else f.name)
+    return out
+
+
+# Option → the run-config key it also sets when the app declares that key.
+RUN_CONFIG_KEYS = _where("key")
+# Option → the flplatform.start() keyword it sets (FLPLATFORM_OPTIONS).
+START_KEYWORDS = _where("start")
 
 
 @dataclass(frozen=True)
@@ -244,7 +244,7 @@ def _typed(key: str, text: str, default: ConfigValue, label: str = "") -> Config
 
 
 # ====================================================================== planning a run
-def plan_run(app: FlowerApp, given: PlatformOptions, *, tag: str) -> AppRun:
+def plan_run(app: FlowerApp, given: RunOverrides, *, tag: str) -> AppRun:
     """Check every option and build the run: overrides, FLPLATFORM_OPTIONS, sites, ledger.
 
     Raises ``ConfigError`` (or ``StorageError`` for a ledger that cannot be opened) before
@@ -320,7 +320,7 @@ def plan_run(app: FlowerApp, given: PlatformOptions, *, tag: str) -> AppRun:
 
 
 # ====================================================================== launching it again
-def launch_record(app: FlowerApp, given: PlatformOptions) -> dict[str, Any]:
+def launch_record(app: FlowerApp, given: RunOverrides) -> dict[str, Any]:
     """How ``flplatform run`` launched a run, recorded with it (``start``'s ``launched_by``).
 
     The app directory, the directory the command ran in (relative paths in the options, a
@@ -348,7 +348,7 @@ def relaunch(launch: Any, *, run_id: int, db: str | None, tag: str) -> AppRun:
     if not isinstance(launch, Mapping) or not isinstance(launch.get("app"), str):
         raise ConfigError(f"{where} names no app directory; it cannot be launched again")
     recorded = launch.get("options", {})
-    known = {f.name for f in fields(PlatformOptions)} - {"db"}
+    known = {f.name for f in fields(RunOverrides)} - {"db"}
     if not isinstance(recorded, Mapping) or not set(recorded) <= known:
         unknown = sorted(set(recorded) - known) if isinstance(recorded, Mapping) else recorded
         raise ConfigError(f"{where} holds options this version does not know: {unknown}")
@@ -359,7 +359,7 @@ def relaunch(launch: Any, *, run_id: int, db: str | None, tag: str) -> AppRun:
         values[name] = tuple(value) if isinstance(value, list) else value
     # The ledger as the resuming command means it (a relative path, the default ledger),
     # before the options are read from the directory the run was started in.
-    given = PlatformOptions(**values, db=_ledger_url(db))  # plan_run checks each value
+    given = RunOverrides(**values, db=_ledger_url(db))  # plan_run checks each value
     cwd = launch.get("cwd")
     if not isinstance(cwd, str) or not Path(cwd).is_dir():
         raise ConfigError(
@@ -372,8 +372,8 @@ def relaunch(launch: Any, *, run_id: int, db: str | None, tag: str) -> AppRun:
 
 
 def _of_recorded_type(name: str, value: Any) -> bool:
-    """Whether a recorded option has its ``PlatformOptions`` field's type (JSON spelling)."""
-    kind = {f.name: str(f.type) for f in fields(PlatformOptions)}[name]
+    """Whether a recorded option has its ``RunOverrides`` field's type (JSON spelling)."""
+    kind = {f.name: str(f.type) for f in fields(RunOverrides)}[name]
     if kind.startswith(("tuple", "Sequence")):
         return isinstance(value, list) and all(isinstance(v, str) for v in value)
     if isinstance(value, bool):
@@ -405,7 +405,7 @@ def _check_home_outside(app: FlowerApp) -> None:
         )
 
 
-def _checked_values(app: FlowerApp, given: PlatformOptions) -> dict[str, Any]:
+def _checked_values(app: FlowerApp, given: RunOverrides) -> dict[str, Any]:
     """The options given, each checked; sites as names, network as a preset or full path."""
     from flplatform.engine.synchrony import SYNC_MODES, synchrony_problems
 

@@ -14,7 +14,7 @@ import pytest
 from flplatform.app.config import RunConfig
 from flplatform.core.errors import ConfigError
 from flplatform.launch.app_directory import (
-    PlatformOptions,
+    RunOverrides,
     options_environment,
     plan_run,
     read_app,
@@ -187,7 +187,7 @@ def test_the_generic_serverapp_checks_its_run_config_up_front() -> None:
 @pytest.mark.usefixtures("flplatform_home")
 def test_only_given_options_are_sent(tmp_path: Path) -> None:
     tiny = read_app(write_app(tmp_path / "tiny", TINY_APP, TINY_MODULES))
-    plan = plan_run(tiny, PlatformOptions(), tag="t1")
+    plan = plan_run(tiny, RunOverrides(), tag="t1")
     # Nothing given: the app's own config as declared; start() told only where to record.
     assert plan.run_config == {}
     assert set(plan.options) == {"ledger", "tag", "launched_by", "required_sites"}
@@ -197,7 +197,7 @@ def test_only_given_options_are_sent(tmp_path: Path) -> None:
     assert plan.options["launched_by"] == launched
     assert plan.num_sites == 2 and plan.num_rounds == 3
 
-    given = PlatformOptions(
+    given = RunOverrides(
         sites=("a", "b", "c"),
         rounds=4,
         sync="k-async",
@@ -256,7 +256,7 @@ def test_the_generic_serverapp_gets_its_own_keys(tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path / 'l.db'}"
     plan = plan_run(
         plain,
-        PlatformOptions(sites=("x", "y"), rounds=2, strategy="fedavg", db=db, k=3),
+        RunOverrides(sites=("x", "y"), rounds=2, strategy="fedavg", db=db, k=3),
         tag="t3",
     )
     assert plan.run_config == {
@@ -268,7 +268,7 @@ def test_the_generic_serverapp_gets_its_own_keys(tmp_path: Path) -> None:
         "run-tag": "t3",
     }
     # Its declared sites decide the number of SuperNodes when --sites is not given.
-    assert plan_run(plain, PlatformOptions(), tag="t4").site_names == (
+    assert plan_run(plain, RunOverrides(), tag="t4").site_names == (
         "london",
         "ohio",
         "california",
@@ -277,7 +277,7 @@ def test_the_generic_serverapp_gets_its_own_keys(tmp_path: Path) -> None:
     # A count, as text or a number, means as many sites to the launcher as to the
     # generic ServerApp (RunConfig.sites), which waits for one node per name.
     for count in ("6", 6):
-        plan = plan_run(plain, PlatformOptions(run_config=(f"sites={count!r}",)), tag="t5")
+        plan = plan_run(plain, RunOverrides(run_config=(f"sites={count!r}",)), tag="t5")
         assert plan.site_names == RunConfig.from_mapping({"sites": count}).sites
         assert len(plan.site_names) == 6
 
@@ -289,7 +289,7 @@ def test_the_ledger_password_reaches_the_app_in_its_environment_only(
 ) -> None:
     public, password = split_password(password_database)
     assert password
-    plan = plan_run(read_app(PLAIN_APP), PlatformOptions(db=password_database), tag="t5")
+    plan = plan_run(read_app(PLAIN_APP), RunOverrides(db=password_database), tag="t5")
 
     assert plan.db_url == password_database  # this process follows the run with it
     assert plan.run_config["db"] == public  # Flower's run config, stored by the SuperLink
@@ -309,7 +309,7 @@ def test_a_recorded_launch_plans_the_same_run_again_to_resume_it(
     started_in.mkdir()
     shutil.copy(ROOT / "examples" / "networks" / NETWORK_FILE, started_in / "links.toml")
     monkeypatch.chdir(started_in)
-    given = PlatformOptions(
+    given = RunOverrides(
         sites=("a", "b"),
         rounds=5,
         sync="k-async",
@@ -362,3 +362,22 @@ def test_the_own_app_example_is_a_valid_flower_app() -> None:
     assert {"num-server-rounds", "strategy", "learning-rate", "seed"} <= set(own.config)
     # Its own keys only: none of the platform's (start() gets those from FLPLATFORM_OPTIONS).
     assert not {"sync", "network", "db", "run-tag", "k"} & set(own.config)
+
+
+def test_every_override_goes_to_a_start_option_or_a_key_the_table_knows() -> None:
+    """RunOverrides is the one list of `flplatform run`'s options: each start() keyword it
+    sets is one of start()'s, and each of the guard's options is among them."""
+    from dataclasses import fields
+
+    from flplatform.engine.guard import GUARD_OPTIONS
+    from flplatform.launch.app_directory import RUN_CONFIG_KEYS, START_KEYWORDS
+    from flplatform.run.options import OPTION_NAMES
+
+    assert set(START_KEYWORDS.values()) <= set(OPTION_NAMES)
+    assert set(GUARD_OPTIONS) <= set(START_KEYWORDS) <= set(RUN_CONFIG_KEYS)
+    assert {"db", "run_config"}.isdisjoint(RUN_CONFIG_KEYS)
+    assert set(RUN_CONFIG_KEYS) | {"db", "run_config"} == {f.name for f in fields(RunOverrides)}
+    assert (RUN_CONFIG_KEYS["rounds"], START_KEYWORDS["rounds"]) == (
+        "num-server-rounds",
+        "num_rounds",
+    )

@@ -14,7 +14,7 @@ from flplatform.app.federation import platform_options
 from flplatform.cli.app import app
 from flplatform.cli.simulate import console, show_sweep
 from flplatform.core.errors import ConfigError
-from flplatform.launch.app_directory import PlatformOptions, plan_run, read_app
+from flplatform.launch.app_directory import RunOverrides, plan_run, read_app
 from flplatform.launch.simulation import run_sweep
 from flplatform.run.options import OPTIONS_ENV
 from storage import LedgerRepository
@@ -86,7 +86,7 @@ def test_a_name_names_the_run_and_the_default_is_strategy_and_dataset() -> None:
 @pytest.mark.usefixtures("flplatform_home")
 def test_run_hands_its_name_to_start_and_to_the_generic_serverapp(tmp_path: Path) -> None:
     plain = read_app(ROOT / "examples" / "plain_flower_client")
-    plan = plan_run(plain, PlatformOptions(name="mine  "), tag="t1")
+    plan = plan_run(plain, RunOverrides(name="mine  "), tag="t1")
     assert json.loads(plan.environment()[OPTIONS_ENV])["name"] == "mine"
     assert plan.run_config["name"] == "mine"
     result = runner.invoke(app, ["run", str(ROOT / "examples" / "own_app"), "--name", " "])
