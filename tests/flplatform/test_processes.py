@@ -76,8 +76,8 @@ def test_stop_ends_orphans_and_processes_that_left_for_a_session_of_their_own() 
         assert os.getsid(left) == left and os.getsid(stayed) != left
 
         started = time.monotonic()
-        assert tree.stop() == []
-        assert time.monotonic() - started < 2.0  # sleep exits on SIGTERM: no grace spent
+        assert tree.stop(grace=30) == []
+        assert time.monotonic() - started < 10  # sleep exits on SIGTERM: no grace spent
         assert pids_running(stay) == pids_running(leave) == pids_running(root) == []
         assert tree.alive() == []
         assert tree.stop() == []  # again: nothing to do
@@ -148,7 +148,7 @@ def test_a_process_that_ignores_sigterm_is_killed_after_the_grace() -> None:
         wait_for(lambda: pids_running("sleep 302.1"))
         started = time.monotonic()
         assert tree.stop(grace=0.5) == []
-        assert 0.5 <= time.monotonic() - started < 3.0
+        assert 0.5 <= time.monotonic() - started < 10
         assert proc.returncode == -signal.SIGKILL
     finally:
         tree.stop(grace=0)

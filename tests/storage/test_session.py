@@ -176,7 +176,7 @@ def test_readers_are_not_blocked_by_an_open_write(tmp_path: Path) -> None:
         try:
             started = time.monotonic()
             assert [r.name for r in repo.list_runs()] == ["committed"]
-            assert time.monotonic() - started < 1.0
+            assert time.monotonic() - started < 10  # the busy timeout is 30 s
         finally:
             writer.execute("ROLLBACK")
             writer.close()
@@ -249,7 +249,7 @@ def test_an_unreachable_postgres_server_fails_fast_without_leaking_the_password(
     started = time.monotonic()
     with pytest.raises(StorageError, match="cannot open database 'postgresql") as info:
         LedgerRepository.open(url)
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 15  # no retries until a long timeout
     assert "s3cret" not in info.value.reason and "***" in info.value.reason
     assert "refused" in info.value.reason.lower()
     assert info.value.__cause__ is not None  # the driver error stays available for debugging

@@ -195,7 +195,7 @@ def test_a_call_waiting_for_ever_on_a_dead_superlink_is_interrupted_and_the_run_
     with pytest.raises(RunFailed, match="is gone") as raised:
         start(LocalSGDAveraging(), grid, MODEL, num_rounds=5, ledger=db)
     took = time.monotonic() - killed[0]
-    assert took < 3.0, f"stopped {took:.1f} s after the SuperLink died"
+    assert took < 10, f"stopped {took:.1f} s after the SuperLink died"  # not the 20 s retry
     with LedgerRepository.open(db) as repo:
         (run,) = repo.list_runs()
         assert (run.status, run.error) == ("failed", raised.value.reason)
@@ -255,7 +255,7 @@ def test_flowers_stop_signal_on_a_dead_superlink_fails_the_run_with_the_superlin
     began = time.monotonic()
     with pytest.raises(RunFailed) as raised:
         run_watched(grid, body, recorded.append)
-    assert time.monotonic() - began < 2.0
+    assert time.monotonic() - began < 10  # not the watch's 30 s probe
     assert f"SuperLink at 127.0.0.1:{port} is gone (connection refused" in raised.value.reason
     assert recorded == [raised.value]
     assert flower_stop_handler == []  # Flower's exit never ran
@@ -276,7 +276,7 @@ def test_a_stop_signal_while_the_superlink_answers_is_handled_as_before(
     began = time.monotonic()
     with pytest.raises(SystemExit):
         run_watched(grid, lambda: grid.pull_messages([]), recorded.append)
-    assert time.monotonic() - began < 1.0
+    assert time.monotonic() - began < 10  # not the watch's 30 s probe
     assert flower_stop_handler == [signal.SIGINT]
     assert [type(e) for e in recorded] == [SystemExit]
     assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers
