@@ -30,15 +30,16 @@ Every mod here, for a training message of its algorithm:
    Flower's convention), the delta compressed with error feedback (``codec_mod``), the
    accumulated period step (``delayed_mod``), the count sketch (``fetchsgd_mod``,
    ``sketched_sgd_mod``); a delta is marked ``update = "delta"`` in the reply's config.
-5. **Keeps its state under one ``context.state`` key** (``flplatform.core.keys.*_STATE``).
-   When it is missing although the server says it relies on it (``state-expected``; a
-   restarted SuperNode starts empty), the mod says so in its reply (``state-lost``) and
-   the server resyncs the site: a dense download, unsettled periods dropped, momentum
-   and error restarted at zero, recorded in the ledger. A message of our engine names
-   its work (``site-work`` n, ``run-key``): the mod then acts on the state after work
-   n − 1, from ``context.state`` or, in a resumed run or for work sent again, from the
-   site's snapshots on its own disk, and snapshots what work n leaves
-   (``strategies.mods.snapshots``: ``load_state``/``save_state``).
+5. **Keeps its state under one key** (``flplatform.core.keys.*_STATE``). A message of our
+   engine names its work (``site-work`` n, ``run-key``): the mod then acts on the state
+   after work n − 1, read from the site's snapshots on its own disk, and snapshots what
+   work n leaves; ``context.state`` holds only the tag of that snapshot, because Flower
+   copies the context to the process handling each message and back
+   (``strategies.mods.snapshots``: ``load_state``/``save_state``). Under a server that is
+   not ours the state lives in ``context.state``. When it is missing although the server
+   says it relies on it (``state-expected``; a fresh machine), the mod says so in its
+   reply (``state-lost``) and the server resyncs the site: a dense download, unsettled
+   periods dropped, momentum and error restarted at zero, recorded in the ledger.
 6. **Answers protocol stages that need no training** without calling the user
    (Sketched-SGD's values round), as Flower's ``secaggplus_mod`` answers its stages.
 7. **Passes every other message through untouched**: queries, evaluation, and training

@@ -5,8 +5,13 @@ and names the run with a key that survives a resume (``run-key``). A site handli
 must act with exactly the state it had after work n − 1 of that run, so that a resumed run
 repeats the uninterrupted one bit for bit:
 
-* normally Flower's ``context.state`` holds it: each state record is tagged with the work
-  that wrote it (``keys.WORK_TAGS``), and a tag below n is the site's latest state;
+* normally the site's newest snapshot holds it, and ``context.state`` only the tag of the
+  work that wrote it (``keys.WORK_TAGS``): a tag below n names the site's latest state.
+  The state itself stays out of ``context.state``, which Flower copies to the process
+  handling each message and back (a simulation's Ray actor, a deployment's ClientApp
+  process): at 10M parameters a DTS site's state is about 200 MB, copied twice per call.
+  A process keeps the last state it read or wrote per site and key (``_RECENT``), so a
+  simulation's actor reads it from memory; a new process reads the file;
 * a resumed run is a new Flower run (``context.state`` starts empty), and a server may
   re-send work the site already did: then the state comes from the newest snapshot of a
   work below n. Work that wrote no state (a training that failed, Sketched-SGD's values
@@ -22,7 +27,8 @@ When neither holds the state (snapshots deleted, a fresh machine), the mod is to
 and its existing state-lost path runs: the server resyncs the site.
 
 A message without ``site-work`` and ``run-key`` (a server that is not ours, Flower's own
-strategies) uses ``context.state`` alone, as before.
+strategies), a site without a stable id, or a snapshot that could not be written keeps
+the state in ``context.state`` itself.
 
 Where: node config ``state-dir``, else ``$FLPLATFORM_SITE_STATE``, else
 ``$FLPLATFORM_HOME/site-state``, else ``~/.flplatform/site-state``; then
@@ -39,6 +45,7 @@ import logging
 import os
 import re
 import shutil
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,10 +104,15 @@ def load_state(msg: Message, context: Context, key: str) -> ModState | None:
     if work is None:
         return ModState.load(context, key)
     held = held_work(context, key, work.run_key)
-    if held is not None and held < work.index:
-        return ModState.load(context, key)  # the normal case: the state after the last work
-    # A new Flower run (resumed) or work the site did already (re-sent): from the disk.
     store = SiteSnapshots.of(context, work.run_key)
+    if held is not None and held < work.index:  # the normal case: the state after the last work
+        if key in context.state:  # kept there: its snapshot could not be written
+            return ModState.load(context, key)
+        state = store.read(key, held) if store is not None else None
+        if state is None:  # the snapshot went away under the site: lost, as a restart
+            _hold(context, key, work.run_key, None, 0)
+        return state
+    # A new Flower run (resumed) or work the site did already (re-sent): from the disk.
     state, found = None, 0
     if store is not None and work.index > 1:
         state, found = store.latest_before(key, work.index)
@@ -111,28 +123,34 @@ def load_state(msg: Message, context: Context, key: str) -> ModState | None:
 
 
 def save_state(msg: Message, context: Context, key: str, state: ModState) -> None:
-    """Keep ``state`` under ``key`` in ``context.state`` and, for our engine's work, on disk."""
-    state.save(context, key)
+    """Keep ``state`` under ``key``: for our engine's work as its snapshot on disk (with
+    its tag in ``context.state``), otherwise in ``context.state``."""
     work = work_of(msg)
-    if work is None:
-        return
-    _tag(context, key, work.run_key, work.index)
-    store = SiteSnapshots.of(context, work.run_key)
-    if store is None:
+    store = SiteSnapshots.of(context, work.run_key) if work is not None else None
+    if work is None or store is None:
+        state.save(context, key)
+        if work is not None:
+            _tag(context, key, work.run_key, work.index)
         return
     try:
         store.write(key, work.index, state)
     except (CheckpointError, OSError) as exc:
         # The reply is still good; only a resume needs the snapshot. Without it the newest
-        # earlier one would pass for the state after this work, so none may stay.
+        # earlier one would pass for the state after this work, so none may stay; the
+        # state stays in context.state instead.
         log.warning("cannot snapshot this site's state (%s); a resume will resync it", exc)
         store.forget_from(key, 0)
+        state.save(context, key)
+    else:
+        if key in context.state:
+            del context.state[key]
+    _tag(context, key, work.run_key, work.index)
 
 
 def held_work(context: Context, key: str, run_key: str) -> int | None:
     """The work whose state ``context.state`` holds under ``key`` for ``run_key``; None if none."""
     tags = context.state.config_records.get(keys.WORK_TAGS)
-    if tags is None or tags.get(_RUN_KEY_TAG) != run_key or key not in context.state:
+    if tags is None or tags.get(_RUN_KEY_TAG) != run_key:
         return None
     index = tags.get(key)
     return index if isinstance(index, int) and not isinstance(index, bool) else None
@@ -144,14 +162,21 @@ def _tag(context: Context, key: str, run_key: str, index: int) -> None:
     context.state[keys.WORK_TAGS] = ConfigRecord({**kept, _RUN_KEY_TAG: run_key, key: index})
 
 
+def _untag(context: Context, key: str) -> None:
+    tags = context.state.config_records.get(keys.WORK_TAGS)
+    if tags is not None and key in tags:
+        context.state[keys.WORK_TAGS] = ConfigRecord({k: v for k, v in tags.items() if k != key})
+
+
 def _hold(context: Context, key: str, run_key: str, state: ModState | None, work: int) -> None:
-    """Make ``context.state`` hold what the site now has under ``key`` (restored, or nothing)."""
+    """Make ``context.state`` say what the site now has under ``key``: the snapshot of
+    ``work`` it was restored from, or nothing."""
+    if key in context.state:
+        del context.state[key]
     if state is None:
-        if key in context.state:
-            del context.state[key]
-        return
-    state.save(context, key)
-    _tag(context, key, run_key, work)
+        _untag(context, key)
+    else:
+        _tag(context, key, run_key, work)
 
 
 # ================================================================== the files
@@ -259,9 +284,27 @@ class SiteSnapshots:
         path = self.path(key, index)
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         size = write_state(path, tree)
+        _remember(path, state)
         for old in self.works(key)[: -self.keep]:
             self.path(key, old).unlink(missing_ok=True)
         return size
+
+    def read(self, key: str, work: int) -> ModState | None:
+        """The snapshot of ``key`` after ``work``: from this process's memory when it is the
+        one it last read or wrote, else from the file; None when missing or unusable."""
+        path = self.path(key, work)
+        recent = _recalled(path)
+        if recent is not None:
+            return recent
+        try:
+            state = _state_from_tree(read_state(path), key, work)
+        except CheckpointError as exc:
+            if path.exists():
+                log.warning("site snapshot %s is unusable, state treated as lost: %s", path, exc)
+            return None
+        # The arrays the mod sees are read-only, as from the memory: a mod computes its new
+        # state into new arrays (strategies/mods/contract.py's ModState.load says the same).
+        return _copy(_remember(path, state))
 
     def latest_before(self, key: str, index: int) -> tuple[ModState | None, int]:
         """The newest snapshot of ``key`` from a work before ``index``, and that work (0: none).
@@ -273,13 +316,8 @@ class SiteSnapshots:
         if not earlier:
             return None, 0
         work = earlier[-1]
-        path = self.path(key, work)
-        try:
-            state = _state_from_tree(read_state(path), key, work)
-        except CheckpointError as exc:
-            log.warning("site snapshot %s is unusable, state treated as lost: %s", path, exc)
-            return None, 0
-        return state, work
+        state = self.read(key, work)
+        return (state, work) if state is not None else (None, 0)
 
     def forget_from(self, key: str, index: int) -> None:
         """Delete snapshots of work ``index`` and later: the server is redoing that work."""
@@ -289,6 +327,73 @@ class SiteSnapshots:
                     self.path(key, work).unlink(missing_ok=True)
                 except OSError as exc:  # unreadable later: lost state, never a wrong one
                     log.warning("cannot delete site snapshot %s: %s", self.path(key, work), exc)
+
+
+# The state each snapshot directory (a site's state key) last had in this process: its
+# file, the file's identity when it was written or read, and the state, arrays read-only.
+# A file is never changed once written (write_state replaces it whole), so a file of the
+# same identity holds the same state; anything else is read from the disk. The least
+# recently used go first beyond RECENT_BYTES: a simulation's actor serves many sites, and
+# a site it no longer holds costs one read of its file (from the page cache, as a rule).
+RECENT_BYTES = 1 << 30
+_RECENT: OrderedDict[Path, tuple[Path, tuple[int, int, int], ModState]] = OrderedDict()
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
+def _copy(state: ModState) -> ModState:
+    """New dictionaries over the same read-only arrays: a mod may change the dictionaries
+    it is given, never what this process remembers."""
+    return ModState(dict(state.meta), {g: dict(arrays) for g, arrays in state.groups.items()})
+
+
+def _remember(path: Path, state: ModState) -> ModState:
+    """Remember ``state`` as ``path``'s; return it with read-only arrays."""
+    kept = ModState(
+        dict(state.meta),
+        {
+            group: {name: _read_only(np.asarray(a)) for name, a in arrays.items()}
+            for group, arrays in state.groups.items()
+        },
+    )
+    identity = _identity(path)
+    if identity is None:
+        _RECENT.pop(path.parent, None)
+        return kept
+    _RECENT[path.parent] = (path, identity, kept)
+    _RECENT.move_to_end(path.parent)
+    total = sum(_nbytes(entry[2]) for entry in _RECENT.values())
+    while total > RECENT_BYTES and len(_RECENT) > 1:
+        _, (_, _, dropped) = _RECENT.popitem(last=False)
+        total -= _nbytes(dropped)
+    return kept
+
+
+def _nbytes(state: ModState) -> int:
+    return sum(a.nbytes for arrays in state.groups.values() for a in arrays.values())
+
+
+def _recalled(path: Path) -> ModState | None:
+    recent = _RECENT.get(path.parent)
+    if recent is None or recent[0] != path:
+        return None
+    if _identity(path) != recent[1]:
+        del _RECENT[path.parent]
+        return None
+    _RECENT.move_to_end(path.parent)
+    return _copy(recent[2])
 
 
 def _state_from_tree(tree: Mapping[str, Any], key: str, work: int) -> ModState:

@@ -7,6 +7,7 @@ uninterrupted site: one Flower context that handles every work in order.
 
 from __future__ import annotations
 
+import shutil
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +33,7 @@ from flplatform.engine import APPLIED, PeriodSync, RoundSummary, Synchrony
 from flplatform.engine.engine import RoundEngine
 from strategies.codecs import Layout
 from strategies.delayed import DelayedCompensated
-from strategies.mods import codec_mod, delayed_mod, fetchsgd_mod, sketched_sgd_mod
+from strategies.mods import codec_mod, delayed_mod, fetchsgd_mod, sketched_sgd_mod, snapshots
 from strategies.mods.contract import Mod, ModState
 from strategies.mods.sketched_sgd import CANDIDATES, StepPhase
 from strategies.mods.snapshots import (
@@ -346,10 +347,15 @@ def test_a_snapshot_that_cannot_be_written_costs_the_resume_not_the_reply(
     # Work 3's file cannot be put in place (a directory stands there).
     (tmp_path / RUN / "london" / keys.CODEC_STATE / "work-000000003.npz" / "x").mkdir(parents=True)
     reply = as_plain(mod(script(3, ours(3)), ctx, user_train))
-    assert reply == uninterrupted(tmp_path / "reference", "codec", works=3)[2]
+    assert reply == uninterrupted(tmp_path / "reference", "codec", works=4)[2]
+    assert keys.CODEC_STATE in ctx.state  # kept in Flower's context instead
     # Snapshot 2 must not pass for the state after work 3: a resume finds the state lost.
     resumed = as_plain(mod(script(4, ours(4)), site(tmp_path, node_id=3), user_train))
     assert resumed == _today(mod, script(4, {}))
+    # The site itself carries on from the state in its context, as if nothing happened.
+    shutil.rmtree(tmp_path / RUN / "london" / keys.CODEC_STATE / "work-000000003.npz")
+    going_on = as_plain(mod(script(4, ours(4)), ctx, user_train))
+    assert going_on == uninterrupted(tmp_path / "reference4", "codec", works=4)[3]
     # A state directory that is not one: the site still trains.
     (tmp_path / "file").write_text("not a directory")
     other = context(4, {keys.SITE_NAME: "ohio", keys.STATE_DIR: str(tmp_path / "file")})
@@ -377,6 +383,57 @@ def test_messages_without_site_work_keep_todays_behaviour_and_write_nothing(
     assert keys.WORK_TAGS not in ctx.state
     # The same state as the tagged run: only the bookkeeping differs.
     assert replies == uninterrupted(tmp_path / "reference", case)
+
+
+# ================================ (e) the state lives on the disk, not in the context
+@pytest.mark.parametrize("case", sorted(SCRIPTS))
+def test_flowers_context_carries_only_the_tag_of_the_state_on_disk(
+    tmp_path: Path, case: str
+) -> None:
+    """Flower copies context.state to the process handling each message and back: the
+    state (hundreds of MB at 10M parameters) stays in the snapshot, the context holds its
+    work's tag, and a process that never saw the site reads the file (same replies)."""
+    mod, script, state_keys = SCRIPTS[case]
+    reference = uninterrupted(tmp_path / "reference", case)
+    ctx = site(tmp_path)
+    replies = []
+    for n in range(1, WORKS + 1):
+        replies.append(as_plain(mod(script(n, ours(n)), ctx, user_train)))
+        assert not any(key in ctx.state for key in state_keys), list(ctx.state)
+        tags = ctx.state.config_records[keys.WORK_TAGS]
+        # (Sketched-SGD's values round writes no state: its tag stays the sketch's)
+        assert all(n - 1 <= tags[key] <= n for key in state_keys if key in tags)
+        if n == 3:  # as a new process would: nothing remembered, the files read
+            snapshots._RECENT.clear()
+    assert replies == reference
+
+
+def test_a_process_remembers_states_within_its_budget_and_reads_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two sites in one process (a simulation's actor) with room for one state: each reads
+    its own file when the other's is the one remembered, and replies as if alone."""
+    mod, script, _ = SCRIPTS["delayed+codec"]
+    reference = uninterrupted(tmp_path / "reference", "delayed+codec")
+    monkeypatch.setattr(snapshots, "RECENT_BYTES", 1)
+    monkeypatch.setattr(snapshots, "_RECENT", snapshots.OrderedDict())
+    london = site(tmp_path / "shared")
+    ohio = context(2, {keys.SITE_NAME: "ohio", keys.STATE_DIR: str(tmp_path / "shared")})
+    for n in range(1, WORKS + 1):
+        for ctx in (london, ohio):
+            assert as_plain(mod(script(n, ours(n)), ctx, user_train)) == reference[n - 1]
+            assert len(snapshots._RECENT) == 1
+
+
+def test_a_snapshot_deleted_under_a_running_site_is_lost_state(tmp_path: Path) -> None:
+    mod, script, _ = SCRIPTS["codec"]
+    ctx = site(tmp_path)
+    for n in (1, 2):
+        mod(script(n, ours(n)), ctx, user_train)
+    (tmp_path / RUN / "london" / keys.CODEC_STATE / "work-000000002.npz").unlink()
+    reply = as_plain(mod(script(3, ours(3)), ctx, user_train))
+    assert reply == _today(mod, script(3, {}))
+    assert reply[keys.METRICS][keys.STATE_LOST] == 1
 
 
 def test_malformed_site_work_is_refused(tmp_path: Path) -> None:
