@@ -44,6 +44,7 @@ import hashlib
 import logging
 import os
 import re
+import secrets
 import shutil
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -66,6 +67,10 @@ KIND = "flplatform-site-snapshot"
 _FILE = re.compile(r"work-(\d{9,})\.npz")
 _SAFE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _RUN_KEY_TAG = "run-key"  # in the WORK_TAGS record: the run its tags belong to
+# In the WORK_TAGS record, after a state key: the write that made its snapshot, a random
+# token also in the file. A site acts on a snapshot only if it wrote it: two nodes under
+# one site name and state directory would otherwise read each other's state every call.
+_WRITER = "#writer"
 
 
 @dataclass(frozen=True)
@@ -108,32 +113,46 @@ def load_state(msg: Message, context: Context, key: str) -> ModState | None:
     if held is not None and held < work.index:  # the normal case: the state after the last work
         if key in context.state:  # kept there: its snapshot could not be written
             return ModState.load(context, key)
-        state = store.read(key, held) if store is not None else None
-        if state is None:  # the snapshot went away under the site: lost, as a restart
-            _hold(context, key, work.run_key, None, 0)
-        return state
+        if store is None:
+            return None
+        # A snapshot of a later work is one whose reply never left (Flower kept the context
+        # of before): it must not pass for a later state on a resume.
+        store.forget_from(key, held + 1)
+        recent = store.read(key, held, writer=_writer(context, key))
+        if recent is None:
+            # Gone, unreadable or another node's: lost, as on a fresh machine, and every
+            # older snapshot with it, so that none passes for the state later on.
+            store.forget_from(key, 0)
+            _hold(context, key, work.run_key, None)
+            return None
+        return recent[0]
     # A new Flower run (resumed) or work the site did already (re-sent): from the disk.
-    state, found = None, 0
+    found = None
     if store is not None and work.index > 1:
-        state, found = store.latest_before(key, work.index)
+        found = store.latest_before(key, work.index)
     if store is not None:
         store.forget_from(key, work.index)
-    _hold(context, key, work.run_key, state, found)
-    return state
+    _hold(context, key, work.run_key, found)
+    return found[0] if found is not None else None
 
 
 def save_state(msg: Message, context: Context, key: str, state: ModState) -> None:
     """Keep ``state`` under ``key``: for our engine's work as its snapshot on disk (with
-    its tag in ``context.state``), otherwise in ``context.state``."""
+    its tag in ``context.state``), otherwise in ``context.state``.
+
+    The process remembers the snapshot's arrays as they are: the mod must not change them
+    afterwards (a mod computes each new state into new arrays).
+    """
     work = work_of(msg)
     store = SiteSnapshots.of(context, work.run_key) if work is not None else None
     if work is None or store is None:
         state.save(context, key)
         if work is not None:
-            _tag(context, key, work.run_key, work.index)
+            _tag(context, key, work.run_key, work.index, "")
         return
+    writer = secrets.token_hex(8)
     try:
-        store.write(key, work.index, state)
+        store.write(key, work.index, state, writer=writer)
     except (CheckpointError, OSError) as exc:
         # The reply is still good; only a resume needs the snapshot. Without it the newest
         # earlier one would pass for the state after this work, so none may stay; the
@@ -141,10 +160,11 @@ def save_state(msg: Message, context: Context, key: str, state: ModState) -> Non
         log.warning("cannot snapshot this site's state (%s); a resume will resync it", exc)
         store.forget_from(key, 0)
         state.save(context, key)
+        writer = ""
     else:
         if key in context.state:
             del context.state[key]
-    _tag(context, key, work.run_key, work.index)
+    _tag(context, key, work.run_key, work.index, writer)
 
 
 def held_work(context: Context, key: str, run_key: str) -> int | None:
@@ -156,27 +176,42 @@ def held_work(context: Context, key: str, run_key: str) -> int | None:
     return index if isinstance(index, int) and not isinstance(index, bool) else None
 
 
-def _tag(context: Context, key: str, run_key: str, index: int) -> None:
+def _tag(context: Context, key: str, run_key: str, index: int, writer: str) -> None:
+    """Say in ``context.state`` that the state under ``key`` is work ``index``'s, and which
+    write made its snapshot (``writer``; "" when the state is in ``context.state``)."""
     tags = context.state.config_records.get(keys.WORK_TAGS)
     kept = dict(tags) if tags is not None and tags.get(_RUN_KEY_TAG) == run_key else {}
-    context.state[keys.WORK_TAGS] = ConfigRecord({**kept, _RUN_KEY_TAG: run_key, key: index})
+    context.state[keys.WORK_TAGS] = ConfigRecord(
+        {**kept, _RUN_KEY_TAG: run_key, key: index, key + _WRITER: writer}
+    )
+
+
+def _writer(context: Context, key: str) -> str | None:
+    tags = context.state.config_records.get(keys.WORK_TAGS)
+    writer = None if tags is None else tags.get(key + _WRITER)
+    return writer if isinstance(writer, str) and writer else None
 
 
 def _untag(context: Context, key: str) -> None:
     tags = context.state.config_records.get(keys.WORK_TAGS)
     if tags is not None and key in tags:
-        context.state[keys.WORK_TAGS] = ConfigRecord({k: v for k, v in tags.items() if k != key})
+        gone = (key, key + _WRITER)
+        context.state[keys.WORK_TAGS] = ConfigRecord(
+            {k: v for k, v in tags.items() if k not in gone}
+        )
 
 
-def _hold(context: Context, key: str, run_key: str, state: ModState | None, work: int) -> None:
-    """Make ``context.state`` say what the site now has under ``key``: the snapshot of
-    ``work`` it was restored from, or nothing."""
+def _hold(
+    context: Context, key: str, run_key: str, found: tuple[ModState, int, str | None] | None
+) -> None:
+    """Make ``context.state`` say what the site now has under ``key``: the snapshot it was
+    restored from (state, work, writer), or nothing."""
     if key in context.state:
         del context.state[key]
-    if state is None:
+    if found is None:
         _untag(context, key)
     else:
-        _tag(context, key, run_key, work)
+        _tag(context, key, run_key, found[1], found[2] or "")
 
 
 # ================================================================== the files
@@ -268,12 +303,16 @@ class SiteSnapshots:
         found = (_FILE.fullmatch(entry.name) for entry in folder.iterdir())
         return sorted(int(m.group(1)) for m in found if m)
 
-    def write(self, key: str, index: int, state: ModState) -> int:
-        """Write ``state`` as work ``index``'s snapshot, keep the newest; return its bytes."""
+    def write(self, key: str, index: int, state: ModState, *, writer: str = "") -> int:
+        """Write ``state`` as work ``index``'s snapshot, keep the newest; return its bytes.
+
+        ``writer``: a token of this write, kept in the file (``read`` can require it).
+        """
         tree = {
             "kind": KIND,
             "state-key": key,
             "work": index,
+            "writer": writer,
             "meta": dict(state.meta),
             # np.asarray: a 0-d step may be a NumPy scalar, which would be saved as a float
             "groups": {
@@ -284,29 +323,44 @@ class SiteSnapshots:
         path = self.path(key, index)
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         size = write_state(path, tree)
-        _remember(path, state)
+        _remember(path, state, writer)
         for old in self.works(key)[: -self.keep]:
-            self.path(key, old).unlink(missing_ok=True)
+            try:  # the new snapshot is in place: an old one left over costs only disk
+                self.path(key, old).unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("cannot delete site snapshot %s: %s", self.path(key, old), exc)
         return size
 
-    def read(self, key: str, work: int) -> ModState | None:
-        """The snapshot of ``key`` after ``work``: from this process's memory when it is the
-        one it last read or wrote, else from the file; None when missing or unusable."""
+    def read(
+        self, key: str, work: int, *, writer: str | None = None
+    ) -> tuple[ModState, str | None] | None:
+        """The snapshot of ``key`` after ``work`` and its writer: from this process's memory
+        when it is the one it last read or wrote, else from the file; None when missing,
+        unusable, or (given ``writer``) written by another.
+
+        The state's arrays are read-only, from the memory as from the file: a mod computes
+        its new state into new arrays (``ModState.load`` gives read-only views too).
+        """
         path = self.path(key, work)
         recent = _recalled(path)
-        if recent is not None:
-            return recent
-        try:
-            state = _state_from_tree(read_state(path), key, work)
-        except CheckpointError as exc:
-            if path.exists():
-                log.warning("site snapshot %s is unusable, state treated as lost: %s", path, exc)
+        if recent is None:
+            try:
+                tree = read_state(path)
+                state = _state_from_tree(tree, key, work)
+            except CheckpointError as exc:
+                if path.exists():
+                    log.warning(
+                        "site snapshot %s is unusable, state treated as lost: %s", path, exc
+                    )
+                return None
+            found = str(tree.get("writer") or "") or None
+            recent = (_copy(_remember(path, state, found or "")), found)
+        if writer is not None and recent[1] != writer:
+            log.warning("site snapshot %s was written by another node: state treated as lost", path)
             return None
-        # The arrays the mod sees are read-only, as from the memory: a mod computes its new
-        # state into new arrays (strategies/mods/contract.py's ModState.load says the same).
-        return _copy(_remember(path, state))
+        return recent
 
-    def latest_before(self, key: str, index: int) -> tuple[ModState | None, int]:
+    def latest_before(self, key: str, index: int) -> tuple[ModState, int, str | None] | None:
         """The newest snapshot of ``key`` from a work before ``index``, and that work (0: none).
 
         An unreadable newest snapshot is lost state, never a reason to use an older one
@@ -314,10 +368,10 @@ class SiteSnapshots:
         """
         earlier = [n for n in self.works(key) if n < index]
         if not earlier:
-            return None, 0
+            return None
         work = earlier[-1]
-        state = self.read(key, work)
-        return (state, work) if state is not None else (None, 0)
+        found = self.read(key, work)
+        return (found[0], work, found[1]) if found is not None else None
 
     def forget_from(self, key: str, index: int) -> None:
         """Delete snapshots of work ``index`` and later: the server is redoing that work."""
@@ -336,7 +390,7 @@ class SiteSnapshots:
 # recently used go first beyond RECENT_BYTES: a simulation's actor serves many sites, and
 # a site it no longer holds costs one read of its file (from the page cache, as a rule).
 RECENT_BYTES = 1 << 30
-_RECENT: OrderedDict[Path, tuple[Path, tuple[int, int, int], ModState]] = OrderedDict()
+_RECENT: OrderedDict[Path, tuple[Path, tuple[int, int, int], ModState, str]] = OrderedDict()
 
 
 def _identity(path: Path) -> tuple[int, int, int] | None:
@@ -359,8 +413,8 @@ def _copy(state: ModState) -> ModState:
     return ModState(dict(state.meta), {g: dict(arrays) for g, arrays in state.groups.items()})
 
 
-def _remember(path: Path, state: ModState) -> ModState:
-    """Remember ``state`` as ``path``'s; return it with read-only arrays."""
+def _remember(path: Path, state: ModState, writer: str) -> ModState:
+    """Remember ``state`` as ``path``'s (written by ``writer``); return it, arrays read-only."""
     kept = ModState(
         dict(state.meta),
         {
@@ -372,11 +426,11 @@ def _remember(path: Path, state: ModState) -> ModState:
     if identity is None:
         _RECENT.pop(path.parent, None)
         return kept
-    _RECENT[path.parent] = (path, identity, kept)
+    _RECENT[path.parent] = (path, identity, kept, writer)
     _RECENT.move_to_end(path.parent)
     total = sum(_nbytes(entry[2]) for entry in _RECENT.values())
     while total > RECENT_BYTES and len(_RECENT) > 1:
-        _, (_, _, dropped) = _RECENT.popitem(last=False)
+        _, (_, _, dropped, _) = _RECENT.popitem(last=False)
         total -= _nbytes(dropped)
     return kept
 
@@ -385,7 +439,7 @@ def _nbytes(state: ModState) -> int:
     return sum(a.nbytes for arrays in state.groups.values() for a in arrays.values())
 
 
-def _recalled(path: Path) -> ModState | None:
+def _recalled(path: Path) -> tuple[ModState, str | None] | None:
     recent = _RECENT.get(path.parent)
     if recent is None or recent[0] != path:
         return None
@@ -393,7 +447,7 @@ def _recalled(path: Path) -> ModState | None:
         del _RECENT[path.parent]
         return None
     _RECENT.move_to_end(path.parent)
-    return _copy(recent[2])
+    return _copy(recent[2]), recent[3] or None
 
 
 def _state_from_tree(tree: Mapping[str, Any], key: str, work: int) -> ModState:

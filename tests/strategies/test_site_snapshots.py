@@ -425,15 +425,90 @@ def test_a_process_remembers_states_within_its_budget_and_reads_the_rest(
             assert len(snapshots._RECENT) == 1
 
 
-def test_a_snapshot_deleted_under_a_running_site_is_lost_state(tmp_path: Path) -> None:
-    mod, script, _ = SCRIPTS["codec"]
+def fresh_machine_from(tmp_path: Path, case: str, first: int, last: int) -> list[dict[str, Any]]:
+    """The replies of a site that meets works ``first``..``last`` with nothing kept."""
+    mod, script, _ = SCRIPTS[case]
+    ctx = site(tmp_path / "fresh-machine")
+    return [as_plain(mod(script(n, ours(n)), ctx, user_train)) for n in range(first, last + 1)]
+
+
+@pytest.mark.parametrize("case", sorted(SCRIPTS))
+def test_a_snapshot_deleted_under_a_running_site_stays_lost(tmp_path: Path, case: str) -> None:
+    """The site goes on as a fresh machine would: an older snapshot never passes for the
+    lost state, in this work or the next (a mod that saves nothing on a lost state)."""
+    mod, script, state_keys = SCRIPTS[case]
     ctx = site(tmp_path)
-    for n in (1, 2):
+    for n in (1, 2, 3):
         mod(script(n, ours(n)), ctx, user_train)
-    (tmp_path / RUN / "london" / keys.CODEC_STATE / "work-000000002.npz").unlink()
-    reply = as_plain(mod(script(3, ours(3)), ctx, user_train))
-    assert reply == _today(mod, script(3, {}))
+    for key in state_keys:  # the newest goes; older ones stay on the disk
+        (tmp_path / RUN / "london" / key / "work-000000003.npz").unlink(missing_ok=True)
+    replies = [as_plain(mod(script(n, ours(n)), ctx, user_train)) for n in (4, 5, 6)]
+    assert replies == fresh_machine_from(tmp_path, case, 4, 6)
+
+
+def test_another_nodes_snapshot_under_the_same_name_is_never_this_sites_state(
+    tmp_path: Path,
+) -> None:
+    """Two nodes misconfigured with one site name and state directory: each acts only on
+    snapshots it wrote itself, and the overwritten one finds its state lost."""
+    mod, script, _ = SCRIPTS["fetchsgd"]
+    mine, other = site(tmp_path, node_id=1), site(tmp_path, node_id=2)
+    for n in (1, 2):
+        mod(script(n, ours(n)), mine, user_train)
+    other_first = user_train
+
+    def others_train(msg: Message, ctx: Context) -> Message:  # another node's data
+        reply = other_first(msg, ctx)
+        arrays = {
+            k: v * 2 if v.dtype.kind == "f" else v
+            for k, v in record_to_arrays(reply.content[keys.ARRAYS]).items()
+        }
+        reply.content[keys.ARRAYS] = arrays_to_record(arrays)
+        return reply
+
+    for n in (1, 2):
+        mod(script(n, ours(n)), other, others_train)
+    snapshots._RECENT.clear()  # the other node is another process
+    reply = as_plain(mod(script(3, ours(3)), mine, user_train))
+    assert reply == fresh_machine_from(tmp_path, "fetchsgd", 3, 3)[0]
     assert reply[keys.METRICS][keys.STATE_LOST] == 1
+
+
+def test_a_running_site_reads_its_state_from_memory_and_a_new_process_from_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mod, script, _ = SCRIPTS["delayed+codec"]
+    reads: list[Path] = []
+    original = snapshots.read_state
+
+    def counted(path: Path) -> Any:
+        reads.append(path)
+        return original(path)
+
+    monkeypatch.setattr(snapshots, "read_state", counted)
+    ctx = site(tmp_path)
+    for n in range(1, 4):
+        mod(script(n, ours(n)), ctx, user_train)
+    assert reads == []
+    snapshots._RECENT.clear()
+    mod(script(4, ours(4)), ctx, user_train)
+    assert sorted(p.parent.name for p in reads) == sorted((keys.CODEC_STATE, keys.DELAYED_STATE))
+    assert all(p.name == "work-000000003.npz" for p in reads)
+
+
+def test_the_state_a_site_is_given_is_read_only_from_memory_and_from_the_file(
+    tmp_path: Path,
+) -> None:
+    store = SiteSnapshots(tmp_path)
+    store.write("k", 1, ModState({"calls": 1}, {"g": {"x": np.arange(3.0)}}), writer="w1")
+    for forget in (False, True):
+        if forget:
+            snapshots._RECENT.clear()
+        found = store.read("k", 1, writer="w1")
+        assert found is not None and found[1] == "w1"
+        assert not found[0].groups["g"]["x"].flags.writeable
+        assert found[0].meta == {"calls": 1}
+    assert store.read("k", 1, writer="w2") is None  # another writer's
 
 
 def test_malformed_site_work_is_refused(tmp_path: Path) -> None:
