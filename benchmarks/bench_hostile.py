@@ -61,7 +61,7 @@ from clients.attacks import KINDS, NONE, SILENT
 from flplatform.core.arrays import arrays_to_record
 from flplatform.core.errors import RunFailed
 from flplatform.engine.guard import GuardOptions, UpdateGuard
-from flplatform.launch.app_directory import PlatformOptions, plan_run, read_app
+from flplatform.launch.app_directory import RunOverrides, plan_run, read_app
 from flplatform.launch.simulation import run_app
 from storage import LedgerRepository
 
@@ -240,7 +240,7 @@ def run_attack(
 ) -> dict[str, Any]:
     """One ``flplatform run`` of the attack app with ``kind`` attacking; its ledger's story."""
     app = read_app(app_dir)
-    given = PlatformOptions(rounds=rounds, db=db, run_config=(f"attack.kind={kind}", *items))
+    given = RunOverrides(rounds=rounds, db=db, run_config=(f"attack.kind={kind}", *items))
     plan = plan_run(app, given, tag=uuid.uuid4().hex)
     began = time.perf_counter()
     with contextlib.suppress(RunFailed):  # an attack may fail the run: its ledger tells

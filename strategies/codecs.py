@@ -213,16 +213,16 @@ class Layout:
             if after.shape != shape or before.shape != shape:
                 raise ValueError(f"array '{name}' does not have the layout's shape {shape}")
             piece = out[begin : begin + n]
-            # A diverged training (inf − inf) gives NaN here, silently: the caller's
-            # finiteness check says what went wrong, not a NumPy warning.
-            with np.errstate(invalid="ignore", over="ignore"):
-                if (
-                    after.dtype.kind == before.dtype.kind == "f"
-                    and max(after.dtype.itemsize, before.dtype.itemsize) <= 4
-                ):
+            if (
+                after.dtype.kind == before.dtype.kind == "f"
+                and max(after.dtype.itemsize, before.dtype.itemsize) <= 4
+            ):
+                # A float difference may overflow to inf (or meet one): the caller's
+                # finiteness check says what went wrong, not a NumPy warning.
+                with np.errstate(invalid="ignore", over="ignore"):
                     np.subtract(after.reshape(-1), before.reshape(-1), out=piece, dtype=np.float32)
-                else:
-                    piece[...] = (after.astype(np.float64) - before).reshape(-1)
+            else:
+                piece[...] = (after.astype(np.float64) - before).reshape(-1)
         return out
 
     def _cast(self, name: str, piece: np.ndarray) -> np.ndarray:
@@ -270,11 +270,11 @@ def difference(trained: Mapping[str, np.ndarray], start: Mapping[str, np.ndarray
     out: Arrays = {}
     for name, given in start.items():
         value = np.asarray(trained[name])
-        with np.errstate(invalid="ignore", over="ignore"):  # non-finite: the caller judges
-            if given.dtype.kind == "f" and value.dtype == given.dtype:
+        if given.dtype.kind == "f" and value.dtype == given.dtype:
+            with np.errstate(invalid="ignore", over="ignore"):  # non-finite: the caller judges
                 out[name] = np.subtract(value, given, out=np.empty(given.shape, given.dtype))
-            else:
-                out[name] = np.asarray((value.astype(np.float64) - given).astype(given.dtype))
+        else:
+            out[name] = np.asarray((value.astype(np.float64) - given).astype(given.dtype))
     return out
 
 

@@ -35,8 +35,9 @@ Every mod here, for a training message of its algorithm:
    after work n − 1, read from the site's snapshots on its own disk, and snapshots what
    work n leaves; ``context.state`` holds only the tag of that snapshot, because Flower
    copies the context to the process handling each message and back
-   (``strategies.mods.snapshots``: ``load_state``/``save_state``). Under a server that is
-   not ours the state lives in ``context.state``. When it is missing although the server
+   (``strategies.mods.snapshots``: ``load_state``/``save_state``). Where no snapshot can
+   be kept (a server that is not ours, a site without a stable name, a failed write) the
+   state lives in ``context.state``. When it is missing although the server
    says it relies on it (``state-expected``; a fresh machine), the mod says so in its
    reply (``state-lost``) and the server resyncs the site: a dense download, unsettled
    periods dropped, momentum and error restarted at zero, recorded in the ledger.

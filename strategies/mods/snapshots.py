@@ -111,13 +111,14 @@ def load_state(msg: Message, context: Context, key: str) -> ModState | None:
     held = held_work(context, key, work.run_key)
     store = SiteSnapshots.of(context, work.run_key)
     if held is not None and held < work.index:  # the normal case: the state after the last work
+        if store is not None:
+            # A snapshot of a later work is one whose reply never left (Flower kept the
+            # context of before): it must not pass for a later state on a resume.
+            store.forget_from(key, held + 1)
         if key in context.state:  # kept there: its snapshot could not be written
             return ModState.load(context, key)
         if store is None:
             return None
-        # A snapshot of a later work is one whose reply never left (Flower kept the context
-        # of before): it must not pass for a later state on a resume.
-        store.forget_from(key, held + 1)
         recent = store.read(key, held, writer=_writer(context, key))
         if recent is None:
             # Gone, unreadable or another node's: lost, as on a fresh machine, and every

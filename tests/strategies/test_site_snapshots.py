@@ -7,6 +7,7 @@ uninterrupted site: one Flower context that handles every work in order.
 
 from __future__ import annotations
 
+import copy
 import shutil
 import stat
 from collections.abc import Callable
@@ -360,6 +361,27 @@ def test_a_snapshot_that_cannot_be_written_costs_the_resume_not_the_reply(
     (tmp_path / "file").write_text("not a directory")
     other = context(4, {keys.SITE_NAME: "ohio", keys.STATE_DIR: str(tmp_path / "file")})
     assert not mod(script(1, ours(1)), other, user_train).has_error()
+
+
+def test_a_snapshot_whose_reply_never_left_is_dropped_while_the_state_is_in_the_context(
+    tmp_path: Path,
+) -> None:
+    """Work 2's snapshot failed (the state is in the context); work 3 wrote one but its
+    context was lost with its reply. Snapshot 3 must go when work 4 comes: a re-sent work 4
+    would take it for the state after work 3."""
+    mod, script, _ = SCRIPTS["codec"]
+    ctx = site(tmp_path)
+    mod(script(1, ours(1)), ctx, user_train)
+    blocker = tmp_path / RUN / "london" / keys.CODEC_STATE / "work-000000002.npz" / "x"
+    blocker.mkdir(parents=True)
+    mod(script(2, ours(2)), ctx, user_train)
+    assert keys.CODEC_STATE in ctx.state
+    shutil.rmtree(blocker.parent)
+    mod(script(3, ours(3)), copy.deepcopy(ctx), user_train)  # its context is thrown away
+    third = tmp_path / RUN / "london" / keys.CODEC_STATE / "work-000000003.npz"
+    assert third.exists()
+    mod(script(4, ours(4)), ctx, user_train)
+    assert not third.exists()
 
 
 def test_another_runs_state_is_not_this_runs(tmp_path: Path) -> None:

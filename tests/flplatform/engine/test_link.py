@@ -231,7 +231,7 @@ class StoppedWhileWaiting(ScriptedGrid):
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         signal.raise_signal(self.sig)
-        threading.Event().wait(10)
+        threading.Event().wait(60)
         raise AssertionError(f"{self.sig.name} did not stop the call")
 
 
@@ -255,7 +255,7 @@ def test_flowers_stop_signal_on_a_dead_superlink_fails_the_run_with_the_superlin
     began = time.monotonic()
     with pytest.raises(RunFailed) as raised:
         run_watched(grid, body, recorded.append)
-    assert time.monotonic() - began < 10  # not the watch's 30 s probe
+    assert time.monotonic() - began < 10  # not a call the signal left waiting 60 s
     assert f"SuperLink at 127.0.0.1:{port} is gone (connection refused" in raised.value.reason
     assert recorded == [raised.value]
     assert flower_stop_handler == []  # Flower's exit never ran
@@ -276,7 +276,7 @@ def test_a_stop_signal_while_the_superlink_answers_is_handled_as_before(
     began = time.monotonic()
     with pytest.raises(SystemExit):
         run_watched(grid, lambda: grid.pull_messages([]), recorded.append)
-    assert time.monotonic() - began < 10  # not the watch's 30 s probe
+    assert time.monotonic() - began < 10  # not a call the signal left waiting 60 s
     assert flower_stop_handler == [signal.SIGINT]
     assert [type(e) for e in recorded] == [SystemExit]
     assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers
