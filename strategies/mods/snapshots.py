@@ -169,7 +169,8 @@ def save_state(msg: Message, context: Context, key: str, state: ModState) -> Non
 
 
 def held_work(context: Context, key: str, run_key: str) -> int | None:
-    """The work whose state ``context.state`` holds under ``key`` for ``run_key``; None if none."""
+    """The work after which the site's state under ``key`` was kept for ``run_key`` (its
+    snapshot, or ``context.state`` itself), as ``context.state``'s tags say; None if none."""
     tags = context.state.config_records.get(keys.WORK_TAGS)
     if tags is None or tags.get(_RUN_KEY_TAG) != run_key:
         return None
