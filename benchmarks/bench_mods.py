@@ -610,7 +610,7 @@ def sketched_case(model: Arrays, rng: np.random.Generator) -> Case:
             acc = SiteAccumulators(
                 MOMENTUM, torch.from_numpy(stored["u"]), torch.from_numpy(stored["v"])
             ).stepped(update, zero)
-            return bool(torch.isfinite(acc.v).all())
+            return acc.is_finite()
 
         acc = SiteAccumulators(
             MOMENTUM, torch.from_numpy(stored["u"]), torch.from_numpy(stored["v"])

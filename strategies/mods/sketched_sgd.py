@@ -153,8 +153,7 @@ def _sketch_reply(msg: Message, context: Context, call_next: TrainFunction) -> M
         return result
     update = layout.flat_difference(result.trained, model)  # (d,) float32
     accumulators = stored.stepped(torch.from_numpy(update), zero)
-    # v = v_old + u with v_old finite: a NaN or Inf in u shows in v, so v alone is checked
-    if not torch.isfinite(accumulators.v).all():
+    if not accumulators.is_finite():
         # Kept out of u and v: the site's stored accumulators stay as they were, so one
         # diverging local training costs this round, not the rest of the run.
         raise ConfigError(
