@@ -32,9 +32,9 @@ from flplatform.launch.simulation import (
     describe_exit,
     flower_command,
     flower_environment,
-    free_port,
     logs_dir,
     private_file,
+    start_on_free_port,
     telling_line,
 )
 
@@ -239,25 +239,38 @@ def run_site(plan: SitePlan, *, home: Path, say: Say) -> None:
         ]
     )
     with ProcessTree() as tree:
-        node = tree.popen(
-            [
-                flower_command("flower-supernode"),
-                *security,
-                "--superlink",
-                str(plan.server),
-                # The SuperNode's own API for its ClientApp processes, on loopback.
-                "--port",
-                str(free_port()),
-                "--node-config",
-                plan.node_config(),
-            ],
-            env=env,
-            cwd=str(home),
-            stdout=private_file(log),
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            umask=OWNER_ONLY_UMASK,  # what the site's ClientApps write stays the site's
-        )
+
+        def start(port: int) -> subprocess.Popen[bytes]:
+            started.append(
+                tree.popen(
+                    [
+                        flower_command("flower-supernode"),
+                        *security,
+                        "--superlink",
+                        str(plan.server),
+                        # The SuperNode's own API for its ClientApp processes, on loopback.
+                        "--port",
+                        str(port),
+                        "--node-config",
+                        plan.node_config(),
+                    ],
+                    env=env,
+                    cwd=str(home),
+                    stdout=private_file(log),
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    umask=OWNER_ONLY_UMASK,  # what the site's ClientApps write stays the site's
+                )
+            )
+            return started[-1]
+
+        started: list[subprocess.Popen[bytes]] = []
+        try:
+            node, _ = start_on_free_port(start, log, what=f"site {plan.name}'s SuperNode")
+        except RunFailed:
+            if not started or started[-1].poll() is None:
+                raise
+            node = started[-1]  # it exited before it listened: say why, as below
         try:
             _watch(node, tree, log, plan, say)
         except KeyboardInterrupt:

@@ -55,12 +55,11 @@ from flplatform.launch.simulation import (
     flower_command,
     flower_environment,
     follow_run,
-    free_port,
     logs_dir,
     private_file,
     start_flwr_run,
+    start_on_free_port,
     telling_line,
-    wait_for_port,
 )
 from flplatform.run.options import ConfigValue
 from storage import RoundRecord, RunRecord, UpdateRecord
@@ -404,7 +403,6 @@ def start_superlink(
     plan: ServerPlan, *, env: dict[str, str], state: Path, log: Path, tree: ProcessTree
 ) -> tuple[subprocess.Popen[bytes], int]:
     """Start the SuperLink on a free loopback port; return it and the port."""
-    port = free_port()
     security = (
         ["--insecure"]
         if plan.certs is None
@@ -418,27 +416,29 @@ def start_superlink(
             "--enable-supernode-auth",
         ]
     )
-    link = tree.popen(
-        [
-            flower_command("flower-superlink"),
-            *security,
-            "--database",
-            str(state / "superlink.db"),
-            "--disable-runtime-dependency-installation",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        env=env,
-        cwd=str(state),
-        stdout=private_file(log),
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        umask=OWNER_ONLY_UMASK,  # its state database among what it writes
-    )
-    wait_for_port(port, link, log)
-    return link, port
+
+    def start(port: int) -> subprocess.Popen[bytes]:
+        return tree.popen(
+            [
+                flower_command("flower-superlink"),
+                *security,
+                "--database",
+                str(state / "superlink.db"),
+                "--disable-runtime-dependency-installation",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
+            env=env,
+            cwd=str(state),
+            stdout=private_file(log),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            umask=OWNER_ONLY_UMASK,  # its state database among what it writes
+        )
+
+    return start_on_free_port(start, log)
 
 
 def start_gateway(

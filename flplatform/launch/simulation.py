@@ -31,7 +31,12 @@ from flplatform.app.config import RunConfig
 from flplatform.app.sweep import check_members, sweep_run_config
 from flplatform.core.errors import ConfigError, RunFailed, RunStopped, StorageError
 from flplatform.launch.app_directory import AppRun
-from flplatform.launch.processes import ProcessTree, StopRequested, stop_reason
+from flplatform.launch.processes import (
+    ProcessTree,
+    StopRequested,
+    listening_sockets,
+    stop_reason,
+)
 from flplatform.run.options import OPTIONS_ENV, ConfigValue
 from storage import (
     UPDATE_DROPPED,
@@ -504,40 +509,39 @@ def start_superlink(
     run with ``env`` uses this SuperLink. It is started in ``tree`` (a tree of its own
     when None: stop it with :func:`stop_process`).
     """
-    http_port, control_port = free_port(), free_port()
-    # `flwr run APP local` uses a SuperLink on these ports; we start it ourselves so that
-    # it runs with our flags and stops with the run.
-    env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(http_port)
-    env["FLWR_LOCAL_CONTROL_API_PORT"] = str(control_port)
     logs = logs_dir(home)
     superlink_log = logs / f"{log_name}.superlink.log"
-    superlink = (tree or ProcessTree()).popen(
-        [
-            flower_command("flower-superlink"),
-            "--insecure",
-            "--simulation",
-            "--isolation",
-            "subprocess",
-            "--disable-runtime-dependency-installation",
-            "--control-api-address",
-            f"127.0.0.1:{control_port}",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(http_port),
-            "--database",
-            str(logs / f"{log_name}.superlink.db"),
-        ],
-        env=env,
-        stdout=private_file(superlink_log),
-        stderr=subprocess.STDOUT,
-        umask=OWNER_ONLY_UMASK,  # its state database among what it writes
-    )
-    try:
-        wait_for_port(http_port, superlink, superlink_log)
-    except BaseException:  # Ctrl-C while it starts, too: nothing is left behind
-        stop_process(superlink)
-        raise
+
+    def start(http_port: int) -> subprocess.Popen[bytes]:
+        control_port = free_port()
+        # `flwr run APP local` uses a SuperLink on these ports; we start it ourselves so
+        # that it runs with our flags and stops with the run.
+        env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"] = str(http_port)
+        env["FLWR_LOCAL_CONTROL_API_PORT"] = str(control_port)
+        return (tree or ProcessTree()).popen(
+            [
+                flower_command("flower-superlink"),
+                "--insecure",
+                "--simulation",
+                "--isolation",
+                "subprocess",
+                "--disable-runtime-dependency-installation",
+                "--control-api-address",
+                f"127.0.0.1:{control_port}",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(http_port),
+                "--database",
+                str(logs / f"{log_name}.superlink.db"),
+            ],
+            env=env,
+            stdout=private_file(superlink_log),
+            stderr=subprocess.STDOUT,
+            umask=OWNER_ONLY_UMASK,  # its state database among what it writes
+        )
+
+    superlink, _ = start_on_free_port(start, superlink_log)
     return superlink, superlink_log
 
 
@@ -548,19 +552,81 @@ def stop_process(proc: subprocess.Popen[bytes]) -> None:
     tree.stop()
 
 
-def wait_for_port(port: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 30) -> None:
-    """Return once something listens on 127.0.0.1:``port``; fail if ``proc`` exits first."""
+def wait_for_port(
+    port: int,
+    proc: subprocess.Popen[bytes],
+    log: Path,
+    timeout: float = 30,
+    *,
+    what: str = "the SuperLink",
+) -> None:
+    """Return once ``proc`` listens on 127.0.0.1:``port``; fail if it exits first.
+
+    Where ``/proc`` tells which process listens, another process that took the port
+    meanwhile does not count (see :func:`start_on_free_port`).
+    """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RunFailed(f"the SuperLink exited with code {proc.returncode}; see {log}")
+            raise RunFailed(f"{what} exited with code {proc.returncode}; see {log}")
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.settimeout(0.2)
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
+            if sock.connect_ex(("127.0.0.1", port)) == 0 and _listens_on(proc, port):
                 return
         time.sleep(0.1)
     stop_process(proc)
-    raise RunFailed(f"the SuperLink did not start within {timeout:.0f} s; see {log}")
+    raise RunFailed(f"{what} did not start within {timeout:.0f} s; see {log}")
+
+
+PORT_ATTEMPTS = 5
+_PORT_TAKEN = re.compile(r"address already in use", re.IGNORECASE)
+
+
+def start_on_free_port(
+    start: Callable[[int], subprocess.Popen[bytes]],
+    log: Path,
+    *,
+    what: str = "the SuperLink",
+    attempts: int = PORT_ATTEMPTS,
+    timeout: float = 30,
+) -> tuple[subprocess.Popen[bytes], int]:
+    """Start a process listening on a loopback port chosen here; return it and the port.
+
+    ``start(port)`` starts it, writing its output to ``log``. A port is free only when
+    :func:`free_port` looks: another process (Ray opens dozens of ports) can bind it before
+    ours does, and ours then exits with "address already in use". Such a process is started
+    again on another port, ``attempts`` times in all; any other failure fails at once.
+    A process that is still starting when this is interrupted is stopped.
+    """
+    attempt = 1
+    while True:
+        port = free_port()
+        proc = start(port)
+        try:
+            wait_for_port(port, proc, log, timeout, what=what)
+        except RunFailed:
+            if attempt < attempts and proc.poll() is not None and _port_was_taken(log):
+                attempt += 1
+                continue
+            raise
+        except BaseException:  # Ctrl-C while it starts, too: nothing is left behind
+            stop_process(proc)
+            raise
+        return proc, port
+
+
+def _listens_on(proc: subprocess.Popen[bytes], port: int) -> bool:
+    """Whether ``proc`` itself holds the socket listening on ``port`` (Flower's servers
+    listen in their main process); True where ``/proc`` cannot tell."""
+    if not Path("/proc/net").is_dir():
+        return True
+    return any(found.port == port for found in listening_sockets([proc.pid]))
+
+
+def _port_was_taken(log: Path) -> bool:
+    with contextlib.suppress(OSError):
+        return _PORT_TAKEN.search(log.read_text(errors="replace")) is not None
+    return False
 
 
 def run_config_toml(values: Mapping[str, ConfigValue]) -> str:

@@ -4,6 +4,7 @@ what the command following a run records when the SuperLink it started dies."""
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 from flplatform.app.config import RunConfig
 from flplatform.core.errors import ConfigError, RunFailed
 from flplatform.engine.link import gone_reason
+from flplatform.launch import simulation
 from flplatform.launch.processes import ProcessTree
 from flplatform.launch.simulation import (
     ACTORS_ENV,
@@ -29,6 +31,7 @@ from flplatform.launch.simulation import (
     logs_dir,
     private_file,
     staged_app,
+    start_on_free_port,
     telling_line,
     work_home,
 )
@@ -261,3 +264,88 @@ def test_the_staged_app_packs_as_the_app_but_its_venv_git_store_and_home(tmp_pat
     week_ago = time.time() - 8 * 24 * 3600
     os.utime(staged, (week_ago, week_ago))
     assert staged_app(app, home) == changed and not staged.exists()
+
+
+# ====================================== a port taken between choosing it and binding it
+def _http_server(log: Path, started: list[int]):  # type: ignore[no-untyped-def]
+    """A real server process on the port given, its output in ``log`` (Python's own:
+    'Address already in use' when the port is taken, as Flower's servers say)."""
+
+    def start(port: int) -> subprocess.Popen[bytes]:
+        started.append(port)
+        return subprocess.Popen(
+            [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)],
+            stdout=private_file(log),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    return start
+
+
+def _taken_ports(count: int) -> list[socket.socket]:
+    held = []
+    for _ in range(count):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        held.append(sock)
+    return held
+
+
+def test_a_server_whose_port_was_taken_meanwhile_starts_on_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    taken = _taken_ports(2)
+    chosen = [sock.getsockname()[1] for sock in taken]
+    real_free_port = simulation.free_port
+    monkeypatch.setattr(
+        simulation, "free_port", lambda: chosen.pop(0) if chosen else real_free_port()
+    )
+    started: list[int] = []
+    try:
+        proc, port = start_on_free_port(
+            _http_server(tmp_path / "server.log", started), tmp_path / "server.log"
+        )
+        try:
+            assert started[:2] == [sock.getsockname()[1] for sock in taken]
+            assert port == started[-1] and len(started) == 3
+            assert proc.poll() is None
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
+                pass
+        finally:
+            proc.kill()
+            proc.wait()
+    finally:
+        for sock in taken:
+            sock.close()
+
+
+def test_a_server_failing_otherwise_or_too_often_fails_with_its_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = tmp_path / "server.log"
+    taken = _taken_ports(2)
+    ports = [sock.getsockname()[1] for sock in taken]
+    try:
+        monkeypatch.setattr(simulation, "free_port", lambda: ports[0])
+        started: list[int] = []
+        with pytest.raises(RunFailed, match="the web server exited with code 1; see .*server.log"):
+            start_on_free_port(_http_server(log, started), log, what="the web server", attempts=3)
+        assert started == [ports[0]] * 3  # three tries, all on a taken port
+
+        def broken(port: int) -> subprocess.Popen[bytes]:
+            started.append(port)
+            return subprocess.Popen(
+                [sys.executable, "-c", "raise SystemExit('bad certificate')"],
+                stdout=private_file(log),
+                stderr=subprocess.STDOUT,
+            )
+
+        started.clear()
+        with pytest.raises(RunFailed, match="exited with code 1"):
+            start_on_free_port(broken, log)
+        assert started == [ports[0]]  # not a taken port: no second try
+    finally:
+        for sock in taken:
+            sock.close()

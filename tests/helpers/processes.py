@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from flplatform.launch.processes import ProcessTree
+from flplatform.launch.simulation import start_on_free_port
 from storage import LedgerRepository
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -176,3 +177,37 @@ def wait_for_text(log: Path, text: str, proc: subprocess.Popen[bytes], tree: Pro
         assert proc.poll() is None, output[-3000:]
         time.sleep(0.5)
     raise AssertionError(f"no {text!r} within {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def start_flower_server(
+    command: list[str],
+    *,
+    env: dict[str, str],
+    log: Path,
+    tree: ProcessTree | None = None,
+    timeout: float = 60,
+) -> tuple[subprocess.Popen[bytes], int]:
+    """Start a SuperLink or SuperNode with ``--port`` chosen here; return it and the port.
+
+    Started again on another port when the one chosen was taken meanwhile (the other
+    tests' Ray instances open dozens of ports): ``start_on_free_port``. Its output goes to
+    ``log``; outside a ``tree`` it runs in a session of its own.
+    """
+
+    def start(port: int) -> subprocess.Popen[bytes]:
+        args = [*command, "--port", str(port)]
+        output = log.open("wb")
+        if tree is not None:
+            return tree.popen(
+                args, env=env, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT
+            )
+        return subprocess.Popen(
+            args,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    return start_on_free_port(start, log, what=Path(command[0]).name, timeout=timeout)

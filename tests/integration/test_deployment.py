@@ -13,18 +13,13 @@ import pytest
 from typer.testing import CliRunner
 
 from flplatform.cli.app import app
-from flplatform.launch.simulation import flower_environment, free_port, wait_for_port
+from flplatform.launch.simulation import flower_environment
 from storage import LedgerRepository
+from tests.helpers.processes import start_flower_server
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-
-
-def _start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        args, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
-    )
 
 
 def test_sites_read_only_their_own_files(tmp_path: Path, flplatform_home: Path) -> None:
@@ -34,46 +29,39 @@ def test_sites_read_only_their_own_files(tmp_path: Path, flplatform_home: Path) 
     assert split.exit_code == 0, split.output
 
     env = flower_environment(flplatform_home)
-    link_port, control_port = free_port(), free_port()
-    (flplatform_home / "flwr" / "config.toml").write_text(
-        f'[superlink]\ndefault = "lab"\n[superlink.lab]\n'
-        f'address = "127.0.0.1:{link_port}"\ninsecure = true\n'
-    )
-    processes = [
-        _start(
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        superlink, link_port = start_flower_server(
             [
                 str(BIN / "flower-superlink"),
                 "--insecure",
                 "--disable-runtime-dependency-installation",
-                "--port",
-                str(link_port),
-                "--control-api-address",
-                f"127.0.0.1:{control_port}",
+                "--host",
+                "127.0.0.1",
             ],
-            env,
-            tmp_path / "superlink.log",
+            env=env,
+            log=tmp_path / "superlink.log",
         )
-    ]
-    try:
-        wait_for_port(link_port, processes[0], tmp_path / "superlink.log")
+        processes.append(superlink)
+        (flplatform_home / "flwr" / "config.toml").write_text(
+            f'[superlink]\ndefault = "lab"\n[superlink.lab]\n'
+            f'address = "127.0.0.1:{link_port}"\ninsecure = true\n'
+        )
         for site in ("london", "tokyo"):
             node_config = f'data-path="{tmp_path / "sites" / f"{site}.npz"}" site-name="{site}"'
-            processes.append(
-                _start(
-                    [
-                        str(BIN / "flower-supernode"),
-                        "--insecure",
-                        "--superlink",
-                        f"127.0.0.1:{link_port}",
-                        "--port",
-                        str(free_port()),
-                        "--node-config",
-                        node_config,
-                    ],
-                    env,
-                    tmp_path / f"{site}.log",
-                )
+            node, _ = start_flower_server(
+                [
+                    str(BIN / "flower-supernode"),
+                    "--insecure",
+                    "--superlink",
+                    f"127.0.0.1:{link_port}",
+                    "--node-config",
+                    node_config,
+                ],
+                env=env,
+                log=tmp_path / f"{site}.log",
             )
+            processes.append(node)
         done = subprocess.run(
             [
                 str(BIN / "flwr"),

@@ -25,9 +25,9 @@ from typer.testing import CliRunner
 
 from flplatform.cli.app import app
 from flplatform.launch.processes import ProcessTree
-from flplatform.launch.simulation import flower_environment, free_port, wait_for_port
+from flplatform.launch.simulation import flower_environment, free_port
 from storage import LedgerRepository, RunRecord
-from tests.helpers.processes import Leftovers, Machine, wait_for_text
+from tests.helpers.processes import Leftovers, Machine, start_flower_server, wait_for_text
 
 pytestmark = [
     pytest.mark.slow,
@@ -90,51 +90,36 @@ def test_a_deployed_serverapp_whose_superlink_died_stops_and_marks_the_run_faile
 ) -> None:
     _split(tmp_path / "sites")
     env = flower_environment(flplatform_home)
-    port = free_port()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    superlink, port = start_flower_server(
+        [str(BIN / "flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
+         "--host", "127.0.0.1"],
+        env=env, log=logs / "superlink.log",
+    )  # fmt: skip
     (flplatform_home / "flwr" / "config.toml").write_text(
         f'[superlink]\ndefault = "lab"\n[superlink.lab]\naddress = "127.0.0.1:{port}"\n'
         "insecure = true\n"
     )
-    logs = tmp_path / "logs"
-    logs.mkdir()
-
-    def start(args: list[str], log: str) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            args,
-            env=env,
-            stdout=(logs / log).open("wb"),
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-
-    superlink = start(
-        [str(BIN / "flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
-         "--host", "127.0.0.1", "--port", str(port)],
-        "superlink.log",
-    )  # fmt: skip
     leftovers = Leftovers(superlink.pid)  # SuperExec and flwr-serverapp, below it
     sites: list[subprocess.Popen[bytes]] = []
     repo = LedgerRepository.open(f"sqlite:///{flplatform_home / 'ledger.db'}")
     try:
-        wait_for_port(port, superlink, logs / "superlink.log", timeout=60)
         for name in SITES:
             node_config = f'data-path="{tmp_path / "sites" / f"{name}.npz"}" site-name="{name}"'
-            sites.append(
-                start(
-                    [
-                        str(BIN / "flower-supernode"),
-                        "--insecure",
-                        "--superlink",
-                        f"127.0.0.1:{port}",
-                        "--port",
-                        str(free_port()),
-                        "--node-config",
-                        node_config,
-                    ],
-                    f"{name}.log",
-                )
+            node, _ = start_flower_server(
+                [
+                    str(BIN / "flower-supernode"),
+                    "--insecure",
+                    "--superlink",
+                    f"127.0.0.1:{port}",
+                    "--node-config",
+                    node_config,
+                ],
+                env=env,
+                log=logs / f"{name}.log",
             )
+            sites.append(node)
         # Detached (no --stream): nothing but the ServerApp follows the run.
         started = subprocess.run(
             [str(BIN / "flwr"), "run", str(ROOT), "lab", "-c",

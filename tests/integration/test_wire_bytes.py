@@ -22,7 +22,8 @@ from typer.testing import CliRunner
 
 from flplatform.cli.app import app
 from flplatform.launch.processes import ProcessTree
-from flplatform.launch.simulation import flower_environment, free_port, wait_for_port
+from flplatform.launch.simulation import flower_environment
+from tests.helpers.processes import start_flower_server
 
 pytestmark = [pytest.mark.deploy, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,13 +53,8 @@ def test_ledger_totals_agree_with_flowers_traffic_count(
     tmp_path: Path, flplatform_home: Path
 ) -> None:
     env = flower_environment(flplatform_home)  # FLWR_HOME is flplatform_home/flwr
-    link_port = free_port()
     flwr_home = Path(env["FLWR_HOME"])
     flwr_home.mkdir(parents=True, exist_ok=True)
-    (flwr_home / "config.toml").write_text(
-        f'[superlink]\ndefault = "{CONNECTION}"\n[superlink.{CONNECTION}]\n'
-        f'address = "127.0.0.1:{link_port}"\ninsecure = true\n'
-    )
     logs = tmp_path / "logs"
     logs.mkdir()
 
@@ -67,36 +63,37 @@ def test_ledger_totals_agree_with_flowers_traffic_count(
 
     with ProcessTree() as tree:
         try:
-            superlink = tree.popen(
+            _, link_port = start_flower_server(
                 [
                     str(BIN / "flower-superlink"),
                     "--insecure",
                     "--database",
                     str(tmp_path / "superlink.db"),
                     "--disable-runtime-dependency-installation",
-                    "--port",
-                    str(link_port),
+                    "--host",
+                    "127.0.0.1",
                 ],
                 env=env,
-                stdout=log("superlink"),
-                stderr=subprocess.STDOUT,
+                log=logs / "superlink.log",
+                tree=tree,
             )
-            wait_for_port(link_port, superlink, logs / "superlink.log")
+            (flwr_home / "config.toml").write_text(
+                f'[superlink]\ndefault = "{CONNECTION}"\n[superlink.{CONNECTION}]\n'
+                f'address = "127.0.0.1:{link_port}"\ninsecure = true\n'
+            )
             for partition in range(2):
-                tree.popen(
+                start_flower_server(
                     [
                         str(BIN / "flower-supernode"),
                         "--insecure",
                         "--superlink",
                         f"127.0.0.1:{link_port}",
-                        "--port",
-                        str(free_port()),
                         "--node-config",
                         f"partition-id={partition} num-partitions=2",
                     ],
                     env=env,
-                    stdout=log(f"supernode-{partition}"),
-                    stderr=subprocess.STDOUT,
+                    log=logs / f"supernode-{partition}.log",
+                    tree=tree,
                 )
             config = (
                 f"num-server-rounds={ROUNDS} local-epochs=1 min-sites=2 "
