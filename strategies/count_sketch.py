@@ -520,6 +520,12 @@ class CountSketch:
         return vector.to(torch.float32)
 
 
+def sketch_device() -> torch.device:
+    """CUDA when present, else the CPU: where sites sketch and servers query their tables
+    (sketching or estimating d coordinates is each side's heavy step)."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
 def top_k_largest(values: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest entries of a 1-D tensor, largest first (as ``torch.topk``).
 

@@ -38,7 +38,7 @@ from flplatform.core.reply_checks import check_num_examples, reply_parts
 from flplatform.core.state import StateReader
 from flplatform.engine import Contribution, Update
 from flplatform.engine.replies import first_number
-from strategies.count_sketch import CountSketch
+from strategies.count_sketch import CountSketch, sketch_device
 from strategies.knobs import FetchSGDKnobs
 from strategies.local_sgd import reject_state_lost
 from strategies.sampling import sample_sites
@@ -148,8 +148,8 @@ class FetchSGD(SketchedStrategy):
         """
         tables = {} if self.feedback is None else self.feedback.state_dict()
         return {
-            "momentum": None if "momentum" not in tables else tables["momentum"].numpy(),
-            "error": None if "error" not in tables else tables["error"].numpy(),
+            "momentum": None if "momentum" not in tables else tables["momentum"].cpu().numpy(),
+            "error": None if "error" not in tables else tables["error"].cpu().numpy(),
             "model": self.model.state_dict(),
         }
 
@@ -259,7 +259,9 @@ class FetchSGD(SketchedStrategy):
         if not torch.isfinite(mean).all():
             raise StepRefused("the sketches' mean overflows float32")
         before = self.feedback.state_dict()
-        indices, values = self.feedback.step(mean)
+        # S_u, S_e and the estimate of every coordinate on the GPU when there is one
+        indices, values = self.feedback.step(mean.to(sketch_device()))
+        indices, values = indices.cpu(), values.cpu()
         if not (
             torch.isfinite(values).all()
             and torch.isfinite(self.model.flat[indices] + values.to(self.model.flat.dtype)).all()

@@ -79,6 +79,9 @@ class SketchFeedback:
         if self.momentum is None or self.error is None:
             self.momentum = self.sketch.zeros(mean_table.device)
             self.error = self.sketch.zeros(mean_table.device)
+        elif self.momentum.device != mean_table.device:  # restored from a checkpoint
+            self.momentum = self.momentum.to(mean_table.device)
+            self.error = self.error.to(mean_table.device)
         self.momentum.mul_(self.rho).add_(mean_table)
         self.error.add_(self.momentum, alpha=self.eta)
         indices, values = self.sketch.top_k(self.error, self.k)

@@ -51,7 +51,7 @@ from flplatform.core.reply_checks import check_num_examples, reply_parts
 from flplatform.core.state import MISSING, StateReader
 from flplatform.engine import Contribution, Update
 from flplatform.engine.replies import first_number, record_of
-from strategies.count_sketch import CountSketch
+from strategies.count_sketch import CountSketch, sketch_device
 from strategies.knobs import SketchedSGDKnobs
 from strategies.local_sgd import reject_state_lost, state_lost_note
 from strategies.mods.sketched_sgd import (
@@ -434,7 +434,9 @@ class SketchedSGD(SketchedStrategy):
             if not torch.isfinite(mean).all():
                 self.state.phase = StepPhase.SKETCH  # (it was) the next round sketches again
                 raise StepRefused("the sketches' mean overflows float32")
-            self.state.candidates = candidate_coordinates(self.sketch, mean, count).cpu()
+            self.state.candidates = candidate_coordinates(
+                self.sketch, mean.to(sketch_device()), count
+            ).cpu()
             self.state.phase, self.state.sketch_round = StepPhase.VALUES, self._round
             metrics = MetricRecord(
                 {

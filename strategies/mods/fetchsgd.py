@@ -24,7 +24,7 @@ from flwr.app import Context, Message
 from flplatform.core import keys
 from flplatform.core.errors import ConfigError
 from strategies.codecs import Layout
-from strategies.count_sketch import CountSketch
+from strategies.count_sketch import CountSketch, sketch_device
 from strategies.mods.contract import (
     Mod,
     ModState,
@@ -94,11 +94,6 @@ def sketch_of(
     sketch = CountSketch.from_seed(len(delta), rows=config_rows, cols=config_cols, seed=seed)
     tensor = torch.from_numpy(delta.astype(np.float32, copy=False)).to(device)
     return sketch.sketch(tensor).cpu().numpy()
-
-
-def sketch_device() -> torch.device:
-    """CUDA when present: sketching d coordinates is the site's own heavy step."""
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 def fetchsgd_mod() -> Mod:

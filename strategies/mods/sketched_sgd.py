@@ -29,6 +29,7 @@ from flplatform.core import keys
 from flplatform.core.arrays import record_views
 from flplatform.core.errors import ConfigError
 from strategies.codecs import Layout
+from strategies.count_sketch import sketch_device
 from strategies.mods.contract import (
     Mod,
     ModState,
@@ -44,13 +45,7 @@ from strategies.mods.contract import (
     site_algorithm,
     state_lost_reply,
 )
-from strategies.mods.fetchsgd import (
-    SKETCH,
-    remember_model,
-    sketch_device,
-    sketch_of,
-    synced_model,
-)
+from strategies.mods.fetchsgd import SKETCH, remember_model, sketch_of, synced_model
 from strategies.mods.snapshots import load_state, save_state
 from strategies.sketch_feedback import SiteAccumulators
 from strategies.sparse_sync import SYNC_INDICES, valid_indices

@@ -1,7 +1,8 @@
 """The sketched algorithms' tensor work on a GPU: the same results as on the CPU.
 
-The site mods sketch on CUDA whenever it is present (``strategies.mods.fetchsgd.sketch_device``)
-and the sketch maths runs on the device of its tensors. Integer-valued inputs keep every
+The site mods sketch, and the FetchSGD and Sketched-SGD servers query their tables, on CUDA
+whenever it is present (``strategies.count_sketch.sketch_device``); the sketch maths runs on
+the device of its tensors. Integer-valued inputs keep every
 float sum exact, so CUDA's atomic additions (whose order varies) give the CPU's tables to
 the bit. These tests skip on a machine without CUDA (this project's CI); run them on a GPU
 machine with ``pytest tests/strategies/test_cuda.py``.
@@ -12,10 +13,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from flwr.app import ConfigRecord
 
-from strategies.count_sketch import CountSketch, top_k_largest
-from strategies.mods.fetchsgd import sketch_device, sketch_of
+import strategies.fetchsgd
+import strategies.mods.fetchsgd
+from flplatform.core import keys
+from flplatform.core.arrays import record_to_arrays
+from flplatform.engine.engine import RoundEngine
+from strategies.count_sketch import CountSketch, sketch_device, top_k_largest
+from strategies.fetchsgd import FetchSGD
+from strategies.mods.fetchsgd import sketch_of
 from strategies.sketch_feedback import SketchFeedback
+from tests.helpers.delayed_sites import context, digits_site
+from tests.helpers.scripted_grid import ScriptedGrid
+from tests.helpers.sites import digits_model
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA (a GPU machine); CI has none"
@@ -63,3 +74,34 @@ def test_fetchsgd_server_steps_on_the_gpu_as_on_the_cpu() -> None:
         assert torch.equal(got_indices.cpu(), want_indices)
         torch.testing.assert_close(got_values.cpu(), want_values)
     assert gpu.error is not None and gpu.error.device.type == "cuda"
+
+
+def _fetchsgd_run(monkeypatch: pytest.MonkeyPatch, server: str) -> FetchSGD:
+    """Three rounds of FetchSGD on digits; the server's tables on ``server``, the sites
+    sketching on the CPU in both runs (so that both servers get the same tables)."""
+    monkeypatch.setattr(strategies.fetchsgd, "sketch_device", lambda: torch.device(server))
+    monkeypatch.setattr(strategies.mods.fetchsgd, "sketch_device", lambda: torch.device("cpu"))
+    contexts = {n: context(n) for n in range(1, 5)}
+    grid = ScriptedGrid({n: digits_site(n - 1, 4, contexts[n]) for n in range(1, 5)})
+    strategy = FetchSGD(k=200, fraction_train=0.5, seed=1)
+    RoundEngine(grid, strategy, poll_interval=0.0, required_sites=4).run(
+        digits_model(), num_rounds=3, train_config=ConfigRecord({keys.LOCAL_STEPS: 5, keys.LR: 0.1})
+    )
+    return strategy
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_the_fetchsgd_server_steps_on_the_gpu_to_the_cpus_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    on_cpu = _fetchsgd_run(monkeypatch, "cpu")
+    on_gpu = _fetchsgd_run(monkeypatch, "cuda")
+    assert on_gpu.feedback is not None and on_gpu.feedback.error is not None
+    assert on_gpu.feedback.error.device.type == "cuda"
+    # η = 1 and separate multiply and add kernels: the same float32 roundings as the CPU's
+    assert on_cpu.model.record is not None and on_gpu.model.record is not None
+    want, got = record_to_arrays(on_cpu.model.record), record_to_arrays(on_gpu.model.record)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+    saved = on_gpu.state_dict()  # a checkpoint holds host arrays
+    assert isinstance(saved["error"], np.ndarray) and saved["error"].dtype == np.float32
