@@ -120,7 +120,9 @@ def bench_one(d: int, device: torch.device, repeats: int, seed: int) -> dict[str
     est = sketch.estimate(table)
     est_abs = est.abs()
     hashes = sketch._tables(table.device)
-    hash_table_bytes = sum(t.numel() * t.element_size() for t in (hashes.low, hashes.high))
+    hash_table_bytes = sum(
+        t.numel() * t.element_size() for t in (hashes.low, hashes.low64, hashes.high)
+    )
     sketch_peak = (
         torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     )  # bytes, CUDA only
@@ -134,11 +136,17 @@ def bench_one(d: int, device: torch.device, repeats: int, seed: int) -> dict[str
         for j in range(ROWS):
             flat.index_add_(0, index[j], g)
 
+    def five_scatter_add() -> None:  # the kernel the CPU sketch uses, on stored indices
+        flat = torch.zeros(ROWS * cols, device=device)
+        for j in range(ROWS):
+            flat.scatter_add_(0, index[j], g)
+
     out = torch.empty_like(g)
     times = interleaved(
         {
             "sketch": lambda: sketch.sketch(g),
             "ref_five_index_add": five_index_add,
+            "ref_five_scatter_add": five_scatter_add,
             "estimate_all": lambda: sketch.estimate(table),
             "topk_of_estimates": lambda: top_k_largest(est_abs, k),
             "top_k_method": lambda: sketch.top_k(table, k),
@@ -161,6 +169,7 @@ def bench_one(d: int, device: torch.device, repeats: int, seed: int) -> dict[str
         "seconds": median,
         "ratios": {
             "sketch_over_index_add": sketch_over_index_add,
+            "sketch_over_scatter_add": paired_ratio(times["sketch"], times["ref_five_scatter_add"]),
             "estimate_plus_topk_over_sketch": query_over_sketch,
             "sketch_over_dense_copy": paired_ratio(times["sketch"], times["ref_dense_copy"]),
         },

@@ -52,7 +52,7 @@ from flplatform.core.seeding import derive_seed
 P = 2**31 - 1  # Mersenne prime; every table entry comes from a value < p
 MAX_DIM = 2**31  # coordinates below 2^31: H has fewer than 2^14 entries per row
 MAX_COLS = 2**30  # signed buckets (< 2c) fit int32 indices
-LOW_BITS = 17  # B = 131,072 coordinates per block: one row's B int32 indices take 512 KiB
+LOW_BITS = 17  # B = 131,072 coordinates per block: one row's L takes 512 KiB in int32
 BLOCK = 1 << LOW_BITS
 LARGEST_SAMPLE = 1 << 16  # entries in top_k_largest's threshold sample
 DEFAULT_CHUNK = 1 << 20  # coordinates per pass: estimation's votes are r × chunk floats
@@ -148,7 +148,8 @@ class _HashTables:
         # are < 2c <= 2^31 − 2 since cols < 2^30 is checked); scatter_add_ takes int64 only
         # and is a third faster on CPU than index_add_ with either (the same serial sums)
         self.low = low.to(torch.int32).to(device)
-        self.low64 = low  # CPU only: the other devices' path computes positions
+        # CPU only: the other devices' path computes positions from ``low`` and ``high``
+        self.low64 = low if device.type == "cpu" else low[:, :0]
         self.high = high.to(device)
         self.high_list: list[list[int]] = high.tolist()  # window offsets for the CPU loops
         # row j of the flattened 4c-wide scratch table starts at j·4c

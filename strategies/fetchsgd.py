@@ -259,8 +259,11 @@ class FetchSGD(SketchedStrategy):
         if not torch.isfinite(mean).all():
             raise StepRefused("the sketches' mean overflows float32")
         before = self.feedback.state_dict()
-        # S_u, S_e and the estimate of every coordinate on the GPU when there is one
-        indices, values = self.feedback.step(mean.to(sketch_device()))
+        # S_u, S_e and the estimate of every coordinate on the GPU when there is one. Not
+        # for "subtract": sketching S(Δ) there adds with CUDA's atomics, in no fixed order,
+        # and a resumed run must end bit for bit as the uninterrupted one.
+        device = sketch_device() if self.removal == "zero" else torch.device("cpu")
+        indices, values = self.feedback.step(mean.to(device))
         indices, values = indices.cpu(), values.cpu()
         if not (
             torch.isfinite(values).all()

@@ -29,6 +29,7 @@ from flplatform.deploy.certs import CA_CERT, SiteKey, check_site_name
 from flplatform.launch.processes import ProcessTree
 from flplatform.launch.simulation import (
     OWNER_ONLY_UMASK,
+    StartTimedOut,
     describe_exit,
     flower_command,
     flower_environment,
@@ -39,6 +40,9 @@ from flplatform.launch.simulation import (
 )
 
 PROBE_SECONDS = 10.0
+# Seconds a SuperNode has to listen on its own port (it does before dialling the server):
+# importing Flower takes a few seconds, more on a busy machine.
+START_SECONDS = 120.0
 # Seconds a SuperNode has to deregister after SIGTERM: the server then counts it gone at
 # once; a SuperNode killed outright is counted connected for up to a minute, and
 # refused if it comes back within that minute.
@@ -266,7 +270,11 @@ def run_site(plan: SitePlan, *, home: Path, say: Say) -> None:
 
         started: list[subprocess.Popen[bytes]] = []
         try:
-            node, _ = start_on_free_port(start, log, what=f"site {plan.name}'s SuperNode")
+            node, _ = start_on_free_port(
+                start, log, what=f"site {plan.name}'s SuperNode", timeout=START_SECONDS
+            )
+        except StartTimedOut:
+            raise
         except RunFailed:
             if not started or started[-1].poll() is None:
                 raise

@@ -440,3 +440,24 @@ def _socket_inodes(proc: Path) -> set[int]:
         if target.startswith("socket:["):
             inodes.add(int(target[len("socket:[") : -1]))
     return inodes
+
+
+def listens_on(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` holds the TCP socket listening on ``port``.
+
+    None where ``/proc`` cannot tell: no listener on that port in the network namespace's
+    tables (as on WSL 1, whose tables are empty), or the process's files unreadable.
+    """
+    proc = _PROC / str(pid)
+    try:
+        listeners = [
+            entry
+            for protocol, entry in _listening_entries(proc / "net")
+            if protocol == "tcp" and entry.port == port
+        ]
+        if not listeners:
+            return None
+        inodes = _socket_inodes(proc)
+    except OSError:
+        return None
+    return any(entry.inode in inodes for entry in listeners)

@@ -34,7 +34,7 @@ from flplatform.launch.app_directory import AppRun
 from flplatform.launch.processes import (
     ProcessTree,
     StopRequested,
-    listening_sockets,
+    listens_on,
     stop_reason,
 )
 from flplatform.run.options import OPTIONS_ENV, ConfigValue
@@ -575,7 +575,11 @@ def wait_for_port(
                 return
         time.sleep(0.1)
     stop_process(proc)
-    raise RunFailed(f"{what} did not start within {timeout:.0f} s; see {log}")
+    raise StartTimedOut(f"{what} did not start within {timeout:.0f} s; see {log}")
+
+
+class StartTimedOut(RunFailed):
+    """A server process did not listen in time (and was stopped)."""
 
 
 PORT_ATTEMPTS = 5
@@ -618,9 +622,7 @@ def start_on_free_port(
 def _listens_on(proc: subprocess.Popen[bytes], port: int) -> bool:
     """Whether ``proc`` itself holds the socket listening on ``port`` (Flower's servers
     listen in their main process); True where ``/proc`` cannot tell."""
-    if not Path("/proc/net").is_dir():
-        return True
-    return any(found.port == port for found in listening_sockets([proc.pid]))
+    return listens_on(proc.pid, port) is not False
 
 
 def _port_was_taken(log: Path) -> bool:

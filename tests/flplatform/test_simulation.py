@@ -19,11 +19,12 @@ import pytest
 from flplatform.app.config import RunConfig
 from flplatform.core.errors import ConfigError, RunFailed
 from flplatform.engine.link import gone_reason
-from flplatform.launch import simulation
-from flplatform.launch.processes import ProcessTree
+from flplatform.launch import processes, simulation
+from flplatform.launch.processes import ProcessTree, listens_on
 from flplatform.launch.simulation import (
     ACTORS_ENV,
     SimulationProcess,
+    StartTimedOut,
     federation_options,
     flower_environment,
     follow_run,
@@ -349,3 +350,52 @@ def test_a_server_failing_otherwise_or_too_often_fails_with_its_log(
     finally:
         for sock in taken:
             sock.close()
+
+
+def test_proc_tells_which_process_listens_on_a_port() -> None:
+    (mine,) = _taken_ports(1)
+    free = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    free.bind(("127.0.0.1", 0))  # bound, not listening
+    try:
+        port = mine.getsockname()[1]
+        assert listens_on(os.getpid(), port) is True
+        assert listens_on(os.getppid(), port) is False  # another process
+        assert listens_on(os.getpid(), free.getsockname()[1]) is None  # nobody listens there
+    finally:
+        mine.close()
+        free.close()
+
+
+def test_where_proc_lists_no_listener_a_connection_is_enough(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(processes, "_listening_entries", lambda net: [])  # as on WSL 1
+    log, started = tmp_path / "server.log", []
+    proc, port = start_on_free_port(_http_server(log, started), log)
+    try:
+        assert started == [port]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_server_that_never_listens_is_stopped_and_said_to_be_late(tmp_path: Path) -> None:
+    log, started = tmp_path / "server.log", []
+
+    def silent(port: int) -> subprocess.Popen[bytes]:
+        started.append(
+            subprocess.Popen(
+                [sys.executable, "-c", "import time; time.sleep(60)"],
+                stdout=private_file(log),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
+        return started[-1]
+
+    began = time.monotonic()
+    with pytest.raises(StartTimedOut, match="the SuperLink did not start within 2 s"):
+        start_on_free_port(silent, log, timeout=2)
+    assert time.monotonic() - began < 30  # not the sleeper's 60 s
+    (sleeper,) = started
+    assert sleeper.wait(10) is not None  # stopped, not left behind
