@@ -242,6 +242,7 @@ def run_site(plan: SitePlan, *, home: Path, say: Say) -> None:
             str(plan.private_key),
         ]
     )
+    started: list[subprocess.Popen[bytes]] = []
     with ProcessTree() as tree:
 
         def start(port: int) -> subprocess.Popen[bytes]:
@@ -268,7 +269,6 @@ def run_site(plan: SitePlan, *, home: Path, say: Say) -> None:
             )
             return started[-1]
 
-        started: list[subprocess.Popen[bytes]] = []
         try:
             node, _ = start_on_free_port(
                 start, log, what=f"site {plan.name}'s SuperNode", timeout=START_SECONDS

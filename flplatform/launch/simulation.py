@@ -571,7 +571,11 @@ def wait_for_port(
             raise RunFailed(f"{what} exited with code {proc.returncode}; see {log}")
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.settimeout(0.2)
-            if sock.connect_ex(("127.0.0.1", port)) == 0 and _listens_on(proc, port):
+            # Flower's servers listen in their main process; not False: /proc cannot tell
+            if (
+                sock.connect_ex(("127.0.0.1", port)) == 0
+                and listens_on(proc.pid, port) is not False
+            ):
                 return
         time.sleep(0.1)
     stop_process(proc)
@@ -617,12 +621,6 @@ def start_on_free_port(
             stop_process(proc)
             raise
         return proc, port
-
-
-def _listens_on(proc: subprocess.Popen[bytes], port: int) -> bool:
-    """Whether ``proc`` itself holds the socket listening on ``port`` (Flower's servers
-    listen in their main process); True where ``/proc`` cannot tell."""
-    return listens_on(proc.pid, port) is not False
 
 
 def _port_was_taken(log: Path) -> bool:

@@ -179,6 +179,19 @@ def wait_for_text(log: Path, text: str, proc: subprocess.Popen[bytes], tree: Pro
     raise AssertionError(f"no {text!r} within {timeout} s:\n{log.read_text()[-3000:]}")
 
 
+def supernode(link_port: int, node_config: str) -> list[str]:
+    """An insecure SuperNode of the SuperLink on 127.0.0.1:``link_port`` (no ``--port``:
+    ``start_flower_server`` adds it)."""
+    return [
+        str(Path(sys.executable).parent / "flower-supernode"),
+        "--insecure",
+        "--superlink",
+        f"127.0.0.1:{link_port}",
+        "--node-config",
+        node_config,
+    ]
+
+
 def start_flower_server(
     command: list[str],
     *,

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from flplatform.cli.app import app
 from flplatform.launch.simulation import flower_environment
 from storage import LedgerRepository
-from tests.helpers.processes import start_flower_server
+from tests.helpers.processes import start_flower_server, supernode
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,14 +50,7 @@ def test_sites_read_only_their_own_files(tmp_path: Path, flplatform_home: Path) 
         for site in ("london", "tokyo"):
             node_config = f'data-path="{tmp_path / "sites" / f"{site}.npz"}" site-name="{site}"'
             node, _ = start_flower_server(
-                [
-                    str(BIN / "flower-supernode"),
-                    "--insecure",
-                    "--superlink",
-                    f"127.0.0.1:{link_port}",
-                    "--node-config",
-                    node_config,
-                ],
+                supernode(link_port, node_config),
                 env=env,
                 log=tmp_path / f"{site}.log",
             )

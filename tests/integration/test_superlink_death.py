@@ -27,7 +27,13 @@ from flplatform.cli.app import app
 from flplatform.launch.processes import ProcessTree
 from flplatform.launch.simulation import flower_environment, free_port
 from storage import LedgerRepository, RunRecord
-from tests.helpers.processes import Leftovers, Machine, start_flower_server, wait_for_text
+from tests.helpers.processes import (
+    Leftovers,
+    Machine,
+    start_flower_server,
+    supernode,
+    wait_for_text,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -108,14 +114,7 @@ def test_a_deployed_serverapp_whose_superlink_died_stops_and_marks_the_run_faile
         for name in SITES:
             node_config = f'data-path="{tmp_path / "sites" / f"{name}.npz"}" site-name="{name}"'
             node, _ = start_flower_server(
-                [
-                    str(BIN / "flower-supernode"),
-                    "--insecure",
-                    "--superlink",
-                    f"127.0.0.1:{port}",
-                    "--node-config",
-                    node_config,
-                ],
+                supernode(port, node_config),
                 env=env,
                 log=logs / f"{name}.log",
             )

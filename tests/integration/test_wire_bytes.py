@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 from flplatform.cli.app import app
 from flplatform.launch.processes import ProcessTree
 from flplatform.launch.simulation import flower_environment
-from tests.helpers.processes import start_flower_server
+from tests.helpers.processes import start_flower_server, supernode
 
 pytestmark = [pytest.mark.deploy, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,14 +83,7 @@ def test_ledger_totals_agree_with_flowers_traffic_count(
             )
             for partition in range(2):
                 start_flower_server(
-                    [
-                        str(BIN / "flower-supernode"),
-                        "--insecure",
-                        "--superlink",
-                        f"127.0.0.1:{link_port}",
-                        "--node-config",
-                        f"partition-id={partition} num-partitions=2",
-                    ],
+                    supernode(link_port, f"partition-id={partition} num-partitions=2"),
                     env=env,
                     log=logs / f"supernode-{partition}.log",
                     tree=tree,
