@@ -122,6 +122,11 @@ class Layout:
     def _position(self) -> dict[str, int]:
         return {name: j for j, name in enumerate(self.names)}
 
+    def span(self, name: str) -> tuple[int, int]:
+        """Flat coordinates ``[start, stop)`` of array ``name``."""
+        j = self._position[name]
+        return self.offsets[j], self.offsets[j] + self.sizes[j]
+
     def dtype_of(self, name: str) -> np.dtype[Any]:
         """Dtype of array ``name``."""
         return np.dtype(self.dtypes[self._position[name]])

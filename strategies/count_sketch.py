@@ -40,7 +40,7 @@ estimation and top-k never use ``torch.median`` along a dim (not deterministic o
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -485,9 +485,15 @@ class CountSketch:
         return _median_over_rows(per_row.view(-1, 1)).view(())
 
     def top_k(
-        self, table: torch.Tensor, k: int, chunk: int | None = None
+        self,
+        table: torch.Tensor,
+        k: int,
+        chunk: int | None = None,
+        excluded: Sequence[tuple[int, int]] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k coordinates with the largest estimated magnitude.
+        """The k coordinates with the largest estimated magnitude, none in the ``excluded``
+        ranges ``[start, stop)`` (their estimates count as 0; picked, with value 0, only
+        when fewer than k others are nonzero).
 
         Returns
         -------
@@ -500,6 +506,8 @@ class CountSketch:
         if k > self.d:
             raise ConfigError(f"top-k needs k <= d = {self.d}, got k = {k}")
         est = self.estimate(table, chunk=chunk)  # (d,)
+        for start, stop in excluded:
+            est[start:stop] = 0.0
         indices = top_k_largest(est.abs(), k)  # (k,)
         return indices, est[indices]
 

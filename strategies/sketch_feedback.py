@@ -54,6 +54,9 @@ class SketchFeedback:
         Server learning rate η > 0.
     removal : {"zero", "subtract"}
         How the applied step leaves the error (see the module docstring).
+    excluded : tuple of (start, stop)
+        Coordinate ranges never picked: arrays the sites leave out of their sketches
+        (``strategies.averaged_arrays``), whose estimates are only other coordinates' noise.
     """
 
     sketch: CountSketch
@@ -61,6 +64,7 @@ class SketchFeedback:
     rho: float = 0.9
     eta: float = 1.0
     removal: str = "zero"
+    excluded: tuple[tuple[int, int], ...] = ()
     momentum: torch.Tensor | None = field(default=None, repr=False)  # S_u
     error: torch.Tensor | None = field(default=None, repr=False)  # S_e
 
@@ -84,7 +88,7 @@ class SketchFeedback:
             self.error = self.error.to(mean_table.device)
         self.momentum.mul_(self.rho).add_(mean_table)
         self.error.add_(self.momentum, alpha=self.eta)
-        indices, values = self.sketch.top_k(self.error, self.k)
+        indices, values = self.sketch.top_k(self.error, self.k, excluded=self.excluded)
         order = torch.argsort(indices)
         indices, values = indices[order], values[order]
         if self.removal == "subtract":

@@ -10,7 +10,7 @@ and ``start`` hooks run by the round engine (fully synchronous). Checks on a ske
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,14 +19,15 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from flplatform.core import keys
-from flplatform.core.arrays import record_to_arrays
 from flplatform.core.errors import UpdateRejected
 from flplatform.core.seeding import derive_seed
 from flplatform.engine import AggregationPolicy, EngineStrategy, Synchrony, Update
 from flplatform.run.start import PlatformStart
+from strategies.averaged_arrays import packed_sizes, unpack
+from strategies.codecs import Layout
 from strategies.knobs import sketched_sync_only
 from strategies.local_sgd import aggregate_batch
-from strategies.mods.fetchsgd import SKETCH
+from strategies.mods.fetchsgd import AVERAGED, SKETCH
 from strategies.sampling import evaluation_messages, mean_evaluation
 from strategies.sparse_sync import SparseModel
 
@@ -149,16 +150,25 @@ class SketchedStrategy(PlatformStart, Strategy, EngineStrategy):
 
 
 # ================================================================ replies
-def sketch_table(record: ArrayRecord, shape: tuple[int, int], algorithm: str) -> np.ndarray:
-    """The one finite float32 r × c table a sketch reply carries; ``UpdateRejected`` if not."""
-    if list(record.keys()) != [SKETCH]:
+def sketch_table(
+    record: ArrayRecord, shape: tuple[int, int], algorithm: str, averaged: Sequence[str] = ()
+) -> np.ndarray:
+    """The finite float32 r × c table a sketch reply carries; ``UpdateRejected`` if not.
+
+    Beside it the reply holds the vectors the ``averaged`` arrays travel in, and nothing
+    else (``averaged_values`` reads them)."""
+    others = [key for key in record if key != SKETCH]
+    if SKETCH not in record or any(not (averaged and k.startswith(AVERAGED)) for k in others):
+        wanted = f"one '{SKETCH}' array"
+        if averaged:
+            wanted += f" and its {len(averaged)} averaged arrays"
         raise UpdateRejected(
-            f"sketch replies carry one '{SKETCH}' array, got {sorted(record.keys())}: "
+            f"sketch replies carry {wanted}, got {sorted(record.keys())!r:.200}: "
             f"does the site's ClientApp train with strategies.mods' "
             f"{algorithm.replace('-', '_')}_mod() (or flplatform_mod())?"
         )
     try:
-        table = record_to_arrays(record)[SKETCH]
+        table = record[SKETCH].numpy()
     except Exception as exc:
         raise UpdateRejected(f"sketch cannot be decoded: {exc}") from None
     if table.shape != shape or table.dtype != np.float32:
@@ -168,3 +178,38 @@ def sketch_table(record: ArrayRecord, shape: tuple[int, int], algorithm: str) ->
     if not np.isfinite(table).all():
         raise UpdateRejected("sketch contains NaN or Inf")
     return table
+
+
+def averaged_values(
+    record: ArrayRecord, layout: Layout, averaged: Sequence[str]
+) -> dict[str, np.ndarray]:
+    """The ``averaged`` arrays a sketch reply carries whole, each a flat float64 piece;
+    ``UpdateRejected`` unless they come as ``strategies.averaged_arrays.pack`` makes them
+    (one vector per carrier dtype, of the right length, finite)."""
+    dtypes = {name: layout.dtype_of(name) for name in averaged}
+    sizes = {name: layout.span(name)[1] - layout.span(name)[0] for name in averaged}
+    expected = packed_sizes(dtypes, sizes, averaged)
+    packed = {}
+    for kind, length in expected.items():
+        if AVERAGED + kind not in record:
+            raise UpdateRejected(
+                f"the averaged arrays' {kind} vector '{AVERAGED}{kind}' is missing"
+            )
+        try:
+            vector = record[AVERAGED + kind].numpy()
+        except Exception as exc:
+            raise UpdateRejected(f"'{AVERAGED}{kind}' cannot be decoded: {exc}") from None
+        if vector.shape != (length,) or vector.dtype != np.dtype(kind):
+            raise UpdateRejected(
+                f"'{AVERAGED}{kind}' must be {kind} of shape ({length},), "
+                f"got {vector.dtype} {vector.shape}"
+            )
+        if not np.isfinite(vector).all():
+            raise UpdateRejected(f"'{AVERAGED}{kind}' contains NaN or Inf")
+        packed[kind] = vector
+    unexpected = [
+        k for k in record if k.startswith(AVERAGED) and k[len(AVERAGED) :] not in expected
+    ]
+    if unexpected:
+        raise UpdateRejected(f"unexpected arrays {unexpected!r:.200} beside the sketch")
+    return unpack(packed, dtypes, sizes, averaged)

@@ -14,6 +14,7 @@ its own key order on the wire.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,14 +181,32 @@ class SparseModel:
         model.synced, model._sent = synced, sent
         return model
 
-    def apply(self, indices: torch.Tensor, values: torch.Tensor) -> ArrayRecord:
-        """x[indices] += values as the next version; return the new x as a record."""
+    def apply(
+        self,
+        indices: torch.Tensor,
+        values: torch.Tensor,
+        assign: Mapping[str, np.ndarray] | None = None,
+    ) -> ArrayRecord:
+        """x[indices] += values, and each array named in ``assign`` set to its value, as the
+        next version; return the new x as a record.
+
+        ``ValueError`` (x unchanged) when a value does not fit its array's dtype."""
         if self.layout is None:
             raise RuntimeError("SparseModel.adopt runs before the first step")
-        self.flat[indices] += values.to(self.flat.dtype)
+        flat = self.flat.clone()  # x stays as it was if the new version cannot be cast
+        flat[indices] += values.to(flat.dtype)
+        changed = [indices.to(torch.int64)]
+        for name, value in (assign or {}).items():
+            begin, end = self.layout.span(name)
+            flat[begin:end] = torch.from_numpy(np.asarray(value, dtype=np.float32).reshape(-1))
+            changed.append(torch.arange(begin, end))
+        arrays = self.layout.unflatten(flat.numpy())  # raises before anything is kept
+        for name in assign or {}:  # x holds an assigned array as its dtype holds it
+            begin, end = self.layout.span(name)
+            flat[begin:end] = torch.from_numpy(arrays[name].reshape(-1).astype(np.float32))
+        self.flat = flat
         self.version += 1
-        self.changes.record(self.version, indices)
-        arrays = self.layout.unflatten(self.flat.numpy())
+        self.changes.record(self.version, torch.unique(torch.cat(changed)) if assign else indices)
         # The model's own key order, not the layout's sorted one: users load by position.
         self.record = arrays_to_record({name: arrays[name] for name in self.order})
         return self.record

@@ -44,6 +44,8 @@ CODEC = "codec"
 SKETCH_SEED = "sketch-seed"
 SKETCH_ROWS = "sketch-rows"
 SKETCH_COLS = "sketch-cols"
+# arrays a sketched site sends whole beside its table (strategies/averaged_arrays.py)
+AVERAGED_ARRAYS = "averaged-arrays"
 SYNC_FROM = "sync-from"
 # Sketched-SGD (strategies/sketched_sgd.py): which of a step's two rounds, the round whose
 # sketches chose the candidates, the step momentum, the step whose coordinates to zero

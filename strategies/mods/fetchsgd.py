@@ -5,10 +5,10 @@ since the version this site holds, or the whole model), hand it to the user's fu
 and reply with the count sketch S(x_n − x) (r × c float32, whatever d is). The site keeps
 no optimiser state between rounds, only the model it was synced to.
 
-Every coordinate goes through the sketch, whatever its array: integer counters (a
-BatchNorm's ``num_batches_tracked``) and running statistics are deltas like weights,
-and the server rounds integer coordinates when it applies a step. float16 arrays are
-sketched in float32 and stored back in float16.
+The arrays the server names in ``averaged-arrays`` (running statistics, integer counters:
+``strategies.averaged_arrays``) stay out of the sketch: their trained values travel whole
+beside the table, concatenated (``averaged/float32``, ``averaged/float64``). float16
+arrays are sketched in float32 and stored back in float16.
 
 A site told to apply changes to a model it no longer holds (a restarted SuperNode)
 replies that it lost its state, without training; the server sends it the whole model
@@ -17,12 +17,15 @@ next time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
-from flwr.app import Context, Message
+from flwr.app import ConfigRecord, Context, Message
 
 from flplatform.core import keys
 from flplatform.core.errors import ConfigError
+from strategies.averaged_arrays import pack
 from strategies.codecs import Layout
 from strategies.count_sketch import CountSketch, sketch_device
 from strategies.mods.contract import (
@@ -43,7 +46,10 @@ from strategies.mods.contract import (
 from strategies.mods.snapshots import load_state, save_state
 from strategies.sparse_sync import DENSE, SYNC_INDICES, SYNC_VALUES, valid_indices
 
-SKETCH = "sketch"  # a sketch reply's one array
+SKETCH = "sketch"  # a sketch reply's table
+# + a dtype name: the averaged arrays' trained values, concatenated in that dtype
+# (strategies.averaged_arrays.pack), sent whole beside the table
+AVERAGED = "averaged/"
 MODEL = "model"  # the state group holding the model the site was synced to
 VERSION = "version"
 
@@ -87,6 +93,34 @@ def remember_model(state: ModState, model: dict[str, np.ndarray], version: int) 
     state.meta[VERSION] = version
 
 
+def averaged_names(config: ConfigRecord, model: dict[str, np.ndarray]) -> list[str]:
+    """The arrays the server averages whole (``averaged-arrays``; none if it names none)."""
+    names = config.get(keys.AVERAGED_ARRAYS, [])
+    if not isinstance(names, list) or not all(isinstance(n, str) and n in model for n in names):
+        raise ConfigError(
+            f"round config '{keys.AVERAGED_ARRAYS}' must list arrays of the model, "
+            f"got {names!r:.120}"
+        )
+    return [str(name) for name in names]
+
+
+def sketched_upload(
+    layout: Layout,
+    trained: dict[str, np.ndarray],
+    start: dict[str, np.ndarray],
+    averaged: list[str],
+    sketch: Callable[[np.ndarray], np.ndarray],
+) -> dict[str, np.ndarray]:
+    """The reply's arrays: S(trained − start) without the ``averaged`` arrays' coordinates,
+    and those arrays' trained values whole."""
+    delta = layout.flat_difference(trained, start)  # (d,) float32, a new array
+    for name in averaged:
+        begin, end = layout.span(name)
+        delta[begin:end] = 0.0
+    packed = pack(trained, averaged)
+    return {SKETCH: sketch(delta), **{AVERAGED + kind: v for kind, v in packed.items()}}
+
+
 def sketch_of(
     delta: np.ndarray, config_rows: int, config_cols: int, seed: int, device: torch.device
 ) -> np.ndarray:
@@ -111,15 +145,22 @@ def fetchsgd_mod() -> Mod:
         model = synced_model(msg, state)
         if model is None:
             return state_lost_reply(msg, "the model this site was synced to")
+        averaged = averaged_names(raw, model)
         result = call_user(msg, context, call_next, model)
         if not isinstance(result, UserResult):
             return result
-        delta = Layout.of(model).flat_difference(result.trained, model)  # (d,) float32
-        table = sketch_of(delta, rows, cols, seed, sketch_device())
+        device = sketch_device()
+        upload = sketched_upload(
+            Layout.of(model),
+            result.trained,
+            model,
+            averaged,
+            lambda delta: sketch_of(delta, rows, cols, seed, device),
+        )
         # Only now, with the work done, does the site hold the synced model.
         state = state or new_state()
         remember_model(state, model, version)
         save_state(msg, context, keys.FETCHSGD_STATE, state)
-        return reply_with(msg, {SKETCH: table}, result.metrics, extra=result.extra)
+        return reply_with(msg, upload, result.metrics, extra=result.extra)
 
     return mod

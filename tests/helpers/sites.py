@@ -105,13 +105,13 @@ def replying_site(
 
 
 # ================================================================ real models, lost state
-def digits_model(num_partitions: int = 4) -> ArrayRecord:
-    """The initial mlp of partition 0 of ``num_partitions`` of digits (seed 0)."""
+def digits_model(num_partitions: int = 4, model: str = "mlp") -> ArrayRecord:
+    """The initial ``model`` of partition 0 of ``num_partitions`` of digits (seed 0)."""
     from clients.site import load_site
 
     loaded = load_site(
         {keys.PARTITION_ID: 0, keys.NUM_PARTITIONS: num_partitions},
-        {"dataset": "digits", "partition": "dirichlet", "alpha": 1.0, "model": "mlp"},
+        {"dataset": "digits", "partition": "dirichlet", "alpha": 1.0, "model": model},
     )
     return ArrayRecord(loaded.build_model(num_classes=10, seed=0).state_dict())
 

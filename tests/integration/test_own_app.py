@@ -120,7 +120,7 @@ def test_every_algorithm_through_the_mod(
         )
     if strategy in ("fetchsgd", "sketched-sgd"):
         sketch = 5 * 1000 * 4
-        assert any(sketch <= u.bytes_up < sketch + 4096 for u in applied)
+        assert any(sketch <= u.bytes_up < sketch + 4096 for u in applied), [u.bytes_up for u in applied]
 
 
 @pytest.mark.slow

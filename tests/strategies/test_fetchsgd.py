@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -15,6 +17,8 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flplatform.app.config import RunConfig
 from flplatform.core import keys
@@ -22,12 +26,14 @@ from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.core.errors import ConfigError, UpdateRejected
 from flplatform.engine import APPLIED, RoundSummary
 from flplatform.engine.engine import RoundEngine
+from strategies.averaged_arrays import averaged_arrays, pack, packed_sizes, unpack
 from strategies.codecs import Layout
 from strategies.fetchsgd import FetchSGD
 from strategies.mods.contract import ModState
-from strategies.mods.fetchsgd import synced_model
+from strategies.mods.fetchsgd import sketched_upload, synced_model
 from strategies.sketch_feedback import SketchFeedback
 from strategies.sparse_sync import DENSE, ChangeLog, SparseModel
+from tests.helpers import norm_model
 from tests.helpers.algorithms import collision_free_sketch
 from tests.helpers.delayed_sites import context, digits_site
 from tests.helpers.scripted_grid import ScriptedGrid
@@ -71,23 +77,174 @@ def test_the_change_log_knows_what_a_site_that_missed_rounds_needs() -> None:
 
 
 def run_fetchsgd(
-    rounds: int = 4, contexts: dict[int, Context] | None = None, **kwargs: object
+    rounds: int = 4,
+    contexts: dict[int, Context] | None = None,
+    model: str = "mlp",
+    after_round: Callable[[FetchSGD], None] | None = None,
+    **kwargs: object,
 ) -> tuple[FetchSGD, ScriptedGrid, list[RoundSummary]]:
     contexts = contexts if contexts is not None else {}
     for n in range(1, 5):
         contexts.setdefault(n, context(n))
-    grid = ScriptedGrid({n: digits_site(n - 1, 4, contexts[n]) for n in range(1, 5)})
-    strategy = FetchSGD(k=200, fraction_train=0.5, seed=1, **kwargs)  # type: ignore[arg-type]
+    grid = ScriptedGrid({n: digits_site(n - 1, 4, contexts[n], model=model) for n in range(1, 5)})
+    strategy = FetchSGD(**{"k": 200, "fraction_train": 0.5, "seed": 1, **kwargs})  # type: ignore[arg-type]
     summaries: list[RoundSummary] = []
-    engine = RoundEngine(
-        grid, strategy, poll_interval=0.0, required_sites=4, on_round=summaries.append
-    )
+
+    def record(summary: RoundSummary) -> None:
+        summaries.append(summary)
+        if after_round is not None:
+            after_round(strategy)
+
+    engine = RoundEngine(grid, strategy, poll_interval=0.0, required_sites=4, on_round=record)
     engine.run(
-        digits_model(),
+        digits_model(model=model),
         num_rounds=rounds,
         train_config=ConfigRecord({keys.LOCAL_STEPS: 5, keys.LR: 0.1}),
     )
     return strategy, grid, summaries
+
+
+def test_running_statistics_and_counters_are_averaged_whole_not_sketched() -> None:
+    """A BatchNorm's running mean, variance and counter travel whole beside the sketch and
+    become the sites' example-weighted mean, as FedAvg would make them; the sketch, narrow
+    enough here that most estimates are other coordinates' noise, never touches them."""
+    models = [record_to_arrays(digits_model(model=norm_model.SPEC))]
+    strategy, grid, summaries = run_fetchsgd(
+        rounds=4,
+        model=norm_model.SPEC,
+        after_round=lambda s: models.append(record_to_arrays(s.model.record)),
+        k=20,
+        sketch_cols=60,
+        fraction_train=1.0,
+    )
+    averaged = ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
+    assert list(strategy.averaged) == averaged
+    assert all(u.status == APPLIED for s in summaries for u in s.updates)
+    replies = [r for r in grid.replies if keys.METRICS in r.content.metric_records]
+    assert len(replies) == 4 * 4
+    assert len(models) == 1 + 4
+    layout = Layout.of(models[0])
+    dtypes = {n: layout.dtype_of(n) for n in averaged}
+    sizes = {n: int(models[0][n].size) for n in averaged}
+    for round_, (before, now) in enumerate(pairwise(models)):
+        round_replies = replies[4 * round_ : 4 * round_ + 4]
+        weights = np.array(
+            [r.content[keys.METRICS][keys.NUM_EXAMPLES] for r in round_replies], np.float64
+        )
+        uploads = [
+            unpack(
+                {
+                    k: r.content[keys.ARRAYS][f"averaged/{k}"].numpy()
+                    for k in ("float32", "float64")
+                },
+                dtypes,
+                sizes,
+                averaged,
+            )
+            for r in round_replies
+        ]
+        for name in averaged:
+            sent = [upload[name] for upload in uploads]
+            mean = sum(w * v for w, v in zip(weights, sent, strict=True)) / weights.sum()
+            if now[name].dtype.kind == "f":
+                np.testing.assert_allclose(now[name].reshape(-1), mean, rtol=1e-5, atol=1e-6)
+            else:  # the counter: every site took the same steps
+                assert now[name] == np.rint(mean) == before[name] + 5
+        assert (now["1.running_var"] > 0).all()
+        changed = sum(int((now[n] != before[n]).sum()) for n in now if n not in averaged)
+        assert 0 < changed <= strategy.k
+    # Up: the table, and the three arrays whole (8 + 8 floats and a counter, a few hundred bytes)
+    table_bytes = strategy.rows * strategy.cols * 4
+    assert all(table_bytes < u.bytes_up < table_bytes + 4096 for s in summaries for u in s.updates)
+
+
+def test_the_site_leaves_averaged_arrays_out_of_its_sketch() -> None:
+    start = {"w": np.zeros(3, np.float32), "bn.running_var": np.ones(2, np.float32)}
+    trained = {"w": np.array([1, 2, 3], np.float32), "bn.running_var": np.full(2, 4, np.float32)}
+    upload = sketched_upload(
+        Layout.of(start), trained, start, ["bn.running_var"], lambda delta: delta.copy()
+    )
+    # Layout order: bn.running_var (coordinates 0, 1) before w (2, 3, 4)
+    np.testing.assert_array_equal(upload["sketch"], [0, 0, 1, 2, 3])
+    np.testing.assert_array_equal(upload["averaged/float32"], [4, 4])
+    assert list(upload) == ["sketch", "averaged/float32"]
+
+
+def test_averaged_arrays_travel_in_one_vector_per_carrier_and_come_back_hand_computed() -> None:
+    arrays = {
+        "a.running_mean": np.array([1.5, -2], np.float32),
+        "a.num_batches_tracked": np.array(2**40 + 3, np.int64),  # exact in float64
+        "b.running_var": np.array([[0.25]], np.float16),
+        "mask": np.array([True, False]),
+    }
+    names = list(arrays)
+    packed = pack(arrays, names)
+    assert {k: (v.dtype.name, v.tolist()) for k, v in packed.items()} == {
+        "float32": ("float32", [1.5, -2.0, 0.25]),
+        "float64": ("float64", [2.0**40 + 3, 1.0, 0.0]),
+    }
+    dtypes = {n: v.dtype for n, v in arrays.items()}
+    sizes = {n: v.size for n, v in arrays.items()}
+    assert packed_sizes(dtypes, sizes, names) == {"float32": 3, "float64": 3}
+    pieces = unpack(packed, dtypes, sizes, names)
+    for name, value in arrays.items():
+        np.testing.assert_array_equal(pieces[name], value.reshape(-1).astype(np.float64))
+
+
+def test_averaged_arrays_are_the_integer_ones_and_running_statistics() -> None:
+    dtypes = {
+        "conv.weight": np.dtype(np.float32),
+        "bn.weight": np.dtype(np.float32),
+        "bn.running_mean": np.dtype(np.float32),
+        "bn.running_var": np.dtype(np.float16),
+        "bn.num_batches_tracked": np.dtype(np.int64),
+        "mask": np.dtype(np.bool_),
+        "running_var_scale": np.dtype(np.float32),  # not a norm layer's statistic
+    }
+    assert averaged_arrays(dtypes) == (
+        "bn.running_mean",
+        "bn.running_var",
+        "bn.num_batches_tracked",
+        "mask",
+    )
+
+
+def test_a_step_that_adds_and_assigns_is_one_version_hand_computed() -> None:
+    model = SparseModel()
+    model.adopt(arrays_to_record({"a": np.zeros(3, np.float32), "n": np.array(2, np.int64)}))
+    record = model.apply(torch.tensor([1]), torch.tensor([0.5]), {"n": np.array(3.6)})
+    arrays = record_to_arrays(record)
+    np.testing.assert_array_equal(arrays["a"], [0, 0.5, 0])
+    assert arrays["n"] == 4 and arrays["n"].dtype == np.int64
+    assert model.version == 1 and model.changes.changed_since(0, 1).tolist() == [1, 3]
+    # A value its dtype cannot hold: refused, x and its version as they were.
+    with pytest.raises(ValueError):
+        model.apply(torch.tensor([0]), torch.tensor([1.0]), {"n": np.array(1e30)})
+    assert model.version == 1 and model.flat.tolist() == [0, 0.5, 0, 4]
+
+
+@given(
+    st.integers(0, 2**31),
+    st.lists(st.tuples(st.integers(0, 39), st.integers(1, 8)), max_size=3),
+    st.integers(1, 10),
+)
+@settings(max_examples=30, deadline=None)
+def test_excluded_coordinates_are_never_picked(
+    seed: int, ranges: list[tuple[int, int]], k: int
+) -> None:
+    d = 40
+    excluded = tuple((start, min(d, start + n)) for start, n in ranges)
+    vector = np.random.default_rng(seed).normal(size=d).astype(np.float32)
+    sketch = collision_free_sketch(d)
+    indices, values = sketch.top_k(sketch.sketch(torch.from_numpy(vector)), k, excluded=excluded)
+    masked = vector.copy()
+    for start, stop in excluded:
+        masked[start:stop] = 0.0
+    allowed = int((masked != 0).sum())
+    expected = np.argsort(-np.abs(masked), kind="stable")[: min(k, allowed)]
+    assert sorted(indices.tolist()[: min(k, allowed)]) == sorted(expected.tolist())
+    picked = indices.numpy()[: len(expected)]
+    np.testing.assert_allclose(values.numpy()[: len(expected)], masked[picked], atol=1e-6)
 
 
 def test_sites_that_missed_rounds_receive_every_coordinate_changed_since() -> None:
@@ -237,6 +394,45 @@ def test_malformed_sketches_are_rejected(arrays: dict, reason: str) -> None:
     with pytest.raises(UpdateRejected, match=reason):
         strategy.accumulate(sketch_reply(arrays), base=base)
     assert strategy.finish_aggregation() == (None, None)
+
+
+NORM_MODEL = {"w": np.zeros(10, np.float32), "bn.running_var": np.ones(2, np.float32)}
+TABLE = np.zeros((5, 50), np.float32)
+
+
+@pytest.mark.parametrize(
+    ("arrays", "reason"),
+    [
+        ({"sketch": TABLE}, "'averaged/float32' is missing"),
+        ({"sketch": TABLE, "averaged/float32": np.ones(3, np.float32)}, "shape"),
+        ({"sketch": TABLE, "averaged/float32": np.ones(2, np.float64)}, "float32"),
+        ({"sketch": TABLE, "averaged/float32": np.array([1, np.inf], np.float32)}, "Inf"),
+        (
+            {"sketch": TABLE, "averaged/float32": np.ones(2, np.float32), "averaged/x": TABLE},
+            "unexpected",
+        ),
+        ({"sketch": TABLE, "w": np.ones(2, np.float32)}, r"fetchsgd_mod\(\)"),
+    ],
+)
+def test_malformed_averaged_arrays_are_rejected(arrays: dict, reason: str) -> None:
+    strategy = FetchSGD(k=3, sketch_cols=50)
+    base = arrays_to_record(NORM_MODEL)
+    strategy.begin_aggregation(1, base)
+    with pytest.raises(UpdateRejected, match=reason):
+        strategy.accumulate(sketch_reply(arrays), base=base)
+    assert strategy.finish_aggregation() == (None, None)
+
+
+def test_the_guard_sees_what_training_did_to_the_averaged_arrays() -> None:
+    strategy = FetchSGD(k=3, sketch_cols=50)
+    base = arrays_to_record(NORM_MODEL)
+    strategy.begin_aggregation(1, base)
+    trained = np.array([3, 0.5], np.float32)
+    reply = sketch_reply({"sketch": TABLE, "averaged/float32": trained})
+    update = strategy.read_update(reply, base=base)
+    assert len(update.vector) == 2
+    np.testing.assert_array_equal(update.vector[0], TABLE)
+    np.testing.assert_array_equal(update.vector[1], [2, -0.5])  # value − x
 
 
 def test_fetchsgd_settings_are_checked() -> None:

@@ -1,0 +1,93 @@
+"""Arrays that training sets rather than learns: averaged whole, never sketched.
+
+A model's state dict holds, beside its weights, buffers: a BatchNorm's ``running_mean``
+and ``running_var`` (moving averages of batch statistics), its integer
+``num_batches_tracked``, integer and bool arrays in general. Recovered from a count sketch
+they go wrong. An estimate carries the noise of every coordinate that shares its buckets,
+so a recovered variance can turn negative, and the BatchNorm that divides by its square
+root then makes every prediction NaN. FetchSGD's 100-site benchmark fell to chance
+accuracy for pairs of rounds this way: its final model held a ``running_var`` of −0.0007.
+
+So FetchSGD leaves them out of the sketch. Each site sends their trained values whole
+beside its table (a few thousand numbers for a ResNet's BatchNorms), and the server sets
+them to the example-weighted mean of the sites' values, as FedAvg would. It never picks
+their coordinates from the sketch.
+
+Which arrays is decided by the server, from the model it starts with
+(:func:`averaged_arrays`), and sent to the sites with every training message. On the wire
+they travel concatenated (:func:`pack`): every Flower array costs several hundred bytes
+of framing, more than a BatchNorm's statistics themselves. No Flower imports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+# PyTorch's norm layers (BatchNorm*, InstanceNorm* tracking running statistics) name
+# their float buffers so; their integer counter is caught by its dtype.
+RUNNING_STATISTICS = ("running_mean", "running_var")
+
+
+def averaged_arrays(dtypes: Mapping[str, np.dtype[Any]]) -> tuple[str, ...]:
+    """Names of a model's arrays (name → dtype) that are averaged whole, in its order.
+
+    Integer and bool arrays (counters, masks), and float arrays whose name ends in
+    ``running_mean`` or ``running_var`` (a norm layer's running statistics).
+    """
+    return tuple(
+        name
+        for name, dtype in dtypes.items()
+        if np.dtype(dtype).kind != "f" or name.rsplit(".", 1)[-1] in RUNNING_STATISTICS
+    )
+
+
+def carrier(dtype: np.dtype[Any]) -> type[np.floating[Any]]:
+    """The float type an averaged array travels in: float32 for float16 and float32 arrays,
+    float64 (exact for integers up to 2^53) for the rest."""
+    dtype = np.dtype(dtype)
+    return np.float32 if dtype.kind == "f" and dtype.itemsize <= 4 else np.float64
+
+
+def pack(arrays: Mapping[str, np.ndarray], names: Sequence[str]) -> dict[str, np.ndarray]:
+    """The ``names`` arrays flattened and concatenated, in order, one vector per carrier
+    (dtype name → vector; a carrier no array uses is left out)."""
+    parts: dict[type[np.floating[Any]], list[np.ndarray]] = {}
+    for name in names:
+        value = np.asarray(arrays[name])
+        parts.setdefault(carrier(value.dtype), []).append(value.reshape(-1))
+    return {
+        np.dtype(kind).name: np.concatenate(pieces).astype(kind, copy=False)
+        for kind, pieces in parts.items()
+    }
+
+
+def packed_sizes(
+    dtypes: Mapping[str, np.dtype[Any]], sizes: Mapping[str, int], names: Sequence[str]
+) -> dict[str, int]:
+    """The length of each vector :func:`pack` makes of ``names`` (dtype name → length)."""
+    out: dict[str, int] = {}
+    for name in names:
+        kind = np.dtype(carrier(dtypes[name])).name
+        out[kind] = out.get(kind, 0) + sizes[name]
+    return out
+
+
+def unpack(
+    packed: Mapping[str, np.ndarray],
+    dtypes: Mapping[str, np.dtype[Any]],
+    sizes: Mapping[str, int],
+    names: Sequence[str],
+) -> dict[str, np.ndarray]:
+    """Each of ``names`` as a flat float64 piece of the vectors :func:`pack` made (their
+    lengths already checked against :func:`packed_sizes`)."""
+    at: dict[str, int] = {}
+    out = {}
+    for name in names:
+        kind = np.dtype(carrier(dtypes[name])).name
+        start = at.get(kind, 0)
+        at[kind] = start + sizes[name]
+        out[name] = packed[kind][start : at[kind]].astype(np.float64)
+    return out
