@@ -39,8 +39,8 @@ from typing import Any
 
 from bench_support import emit
 
+from flplatform.launch.flower import federation_options, flower_environment, start_superlink
 from flplatform.launch.processes import ProcessTree
-from flplatform.launch.simulation import federation_options, flower_environment, start_superlink
 
 APP = Path(__file__).resolve().parent / "apps" / "big_app"
 SITES = 4

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from flplatform.app.config import RunConfig
-from flplatform.launch.simulation import run_simulation, work_home
+from flplatform.launch.flower import work_home
+from flplatform.launch.simulation import run_simulation
 from storage import LedgerRepository
 
 

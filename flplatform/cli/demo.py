@@ -23,7 +23,8 @@ from flplatform.cli.errors import handles_errors
 from flplatform.cli.progress import db_argument, display_url, follow_sweep
 from flplatform.cli.render import human_bytes, make_console
 from flplatform.cli.simulate import ledger_option
-from flplatform.launch.simulation import check_ledger, work_home
+from flplatform.launch.flower import work_home
+from flplatform.launch.simulation import check_ledger
 from storage import LedgerRepository, RunRecord
 
 console = make_console()

@@ -38,7 +38,8 @@ from flplatform.deploy.superlink import (
     run_deployment,
 )
 from flplatform.launch.app_directory import RunOverrides, parse_run_config, plan_run, read_app
-from flplatform.launch.simulation import check_ledger, model_dirs, project_dir, work_home
+from flplatform.launch.flower import model_dirs, project_dir, work_home
+from flplatform.launch.simulation import check_ledger
 from storage import RunRecord
 from storage.session import detach_password
 

@@ -31,11 +31,7 @@ from flplatform.cli.progress import (
 )
 from flplatform.cli.render import Column, OutputFormat, emit, make_console
 from flplatform.core.errors import ConfigError
-from flplatform.launch.simulation import (
-    check_ledger,
-    ledger_url,
-    run_simulation,
-)
+from flplatform.launch.simulation import check_ledger, ledger_url, run_simulation
 from storage import RunRecord
 from storage.session import normalize_db_url
 

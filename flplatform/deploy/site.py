@@ -26,8 +26,7 @@ from cryptography import x509
 from flplatform.core.errors import ConfigError, DataError, RunFailed
 from flplatform.deploy.addresses import Address, parse_address
 from flplatform.deploy.certs import CA_CERT, SiteKey, check_site_name
-from flplatform.launch.processes import ProcessTree
-from flplatform.launch.simulation import (
+from flplatform.launch.flower import (
     OWNER_ONLY_UMASK,
     StartTimedOut,
     describe_exit,
@@ -38,6 +37,7 @@ from flplatform.launch.simulation import (
     start_on_free_port,
     telling_line,
 )
+from flplatform.launch.processes import ProcessTree
 
 PROBE_SECONDS = 10.0
 # Seconds a SuperNode has to listen on its own port (it does before dialling the server):

@@ -46,21 +46,20 @@ from flplatform.core.site_registry import REGISTRY_ENV, RegisteredSite, SiteRegi
 from flplatform.deploy.addresses import Address, parse_address
 from flplatform.deploy.certs import ServerCerts, check_site_name, fingerprint, site_public_key
 from flplatform.deploy.gateway import READY_LINE
-from flplatform.launch.processes import ProcessTree
-from flplatform.launch.simulation import (
+from flplatform.launch.flower import (
     OWNER_ONLY_UMASK,
-    ProgressCallback,
     SimulationProcess,
     describe_exit,
     flower_command,
     flower_environment,
-    follow_run,
     logs_dir,
     private_file,
     start_flwr_run,
     start_on_free_port,
     telling_line,
 )
+from flplatform.launch.processes import ProcessTree
+from flplatform.launch.simulation import ProgressCallback, follow_run
 from flplatform.run.options import ConfigValue
 from storage import RoundRecord, RunRecord, UpdateRecord
 

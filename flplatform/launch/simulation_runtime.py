@@ -93,9 +93,22 @@ def keep_ray_on_loopback() -> None:
     os.environ["RAY_ADDRESS"] = "local"
 
 
+def start_no_idle_worker() -> None:
+    """Keep Ray from starting a worker process nobody uses. Call it before Ray is imported.
+
+    When the driver connects, Ray starts an idle worker per CPU in advance. The ClientApp
+    actors cannot use it (Flower gives them a runtime environment, and a worker serves one
+    environment only), so each simulation started one more Python process for nothing,
+    and, Ray starting as many workers at once as there are CPUs, the first actor waited
+    for it on a small machine.
+    """
+    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+
+
 def main() -> None:
     """``flwr-simulation``, with Ray on loopback only and dead actors replaced."""
     keep_ray_on_loopback()
+    start_no_idle_worker()
     # Flower's module first: it sets Ray's environment before anything imports Ray.
     from flwr.simulation.app import flwr_simulation
 

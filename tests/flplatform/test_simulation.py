@@ -19,23 +19,22 @@ import pytest
 from flplatform.app.config import RunConfig
 from flplatform.core.errors import ConfigError, RunFailed
 from flplatform.engine.link import gone_reason
-from flplatform.launch import processes, simulation
-from flplatform.launch.processes import ProcessTree, listens_on
-from flplatform.launch.simulation import (
+from flplatform.launch import flower, processes
+from flplatform.launch.flower import (
     ACTORS_ENV,
     SimulationProcess,
     StartTimedOut,
     federation_options,
     flower_environment,
-    follow_run,
-    forget_snapshots,
     logs_dir,
     private_file,
-    staged_app,
     start_on_free_port,
     telling_line,
     work_home,
 )
+from flplatform.launch.processes import ProcessTree, listens_on
+from flplatform.launch.simulation import follow_run, forget_snapshots
+from flplatform.launch.staging import staged_app
 from storage import LedgerRepository
 from strategies.mods.snapshots import state_root
 
@@ -299,9 +298,9 @@ def test_a_server_whose_port_was_taken_meanwhile_starts_on_another(
 ) -> None:
     taken = _taken_ports(2)
     chosen = [sock.getsockname()[1] for sock in taken]
-    real_free_port = simulation.free_port
+    real_free_port = flower.free_port
     monkeypatch.setattr(
-        simulation, "free_port", lambda: chosen.pop(0) if chosen else real_free_port()
+        flower, "free_port", lambda: chosen.pop(0) if chosen else real_free_port()
     )
     started: list[int] = []
     try:
@@ -329,7 +328,7 @@ def test_a_server_failing_otherwise_or_too_often_fails_with_its_log(
     taken = _taken_ports(2)
     ports = [sock.getsockname()[1] for sock in taken]
     try:
-        monkeypatch.setattr(simulation, "free_port", lambda: ports[0])
+        monkeypatch.setattr(flower, "free_port", lambda: ports[0])
         started: list[int] = []
         with pytest.raises(RunFailed, match="the web server exited with code 1; see .*server.log"):
             start_on_free_port(_http_server(log, started), log, what="the web server", attempts=3)

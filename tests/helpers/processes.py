@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from flplatform.launch.flower import start_on_free_port
 from flplatform.launch.processes import ProcessTree
-from flplatform.launch.simulation import start_on_free_port
 from storage import LedgerRepository
 
 ROOT = Path(__file__).resolve().parents[2]

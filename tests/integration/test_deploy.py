@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy.engine import make_url
 
+from flplatform.launch.flower import flower_environment, free_port
 from flplatform.launch.processes import ProcessTree
-from flplatform.launch.simulation import flower_environment, free_port
 from storage import LedgerRepository
 from tests.helpers.processes import Machine, wait_for_text
 

@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from flplatform.cli.app import app
-from flplatform.launch.simulation import flower_environment
+from flplatform.launch.flower import flower_environment
 from storage import LedgerRepository
 from tests.helpers.processes import start_flower_server, supernode
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flplatform.launch.simulation import flower_environment, free_port
+from flplatform.launch.flower import flower_environment, free_port
 from storage import LedgerRepository
 
 pytestmark = pytest.mark.slow

@@ -39,7 +39,7 @@ from typer.testing import CliRunner
 
 from flplatform.cli.app import app
 from flplatform.launch.app_directory import read_app
-from flplatform.launch.simulation import ACTORS_ENV
+from flplatform.launch.flower import ACTORS_ENV
 from storage import LedgerRepository, RoundRecord, RunRecord, UpdateRecord
 
 ATTACK_APP = Path(__file__).parent / "apps" / "attack_app"

@@ -23,13 +23,9 @@ from pathlib import Path
 import pytest
 
 from flplatform.app.config import RunConfig
+from flplatform.launch.flower import ACTORS_ENV, start_simulation, work_home
 from flplatform.launch.processes import ProcessTree
-from flplatform.launch.simulation import (
-    ACTORS_ENV,
-    run_simulation,
-    start_simulation,
-    work_home,
-)
+from flplatform.launch.simulation import run_simulation
 from storage import LedgerRepository, RunRecord
 from tests.helpers.processes import Leftovers
 

@@ -18,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from flplatform.cli.app import app
-from flplatform.launch.simulation import flower_environment, start_superlink, stop_process
+from flplatform.launch.flower import flower_environment, start_superlink, stop_process
 from storage import LedgerRepository, RoundRecord, RunRecord, UpdateRecord
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,7 +120,9 @@ def test_every_algorithm_through_the_mod(
         )
     if strategy in ("fetchsgd", "sketched-sgd"):
         sketch = 5 * 1000 * 4
-        assert any(sketch <= u.bytes_up < sketch + 4096 for u in applied), [u.bytes_up for u in applied]
+        assert any(sketch <= u.bytes_up < sketch + 4096 for u in applied), [
+            u.bytes_up for u in applied
+        ]
 
 
 @pytest.mark.slow

@@ -18,8 +18,9 @@ from clients.models import build_model, count_parameters
 from flplatform.app.config import RunConfig
 from flplatform.cli.app import app
 from flplatform.core import keys
+from flplatform.launch.flower import ACTORS_ENV, start_simulation, work_home
 from flplatform.launch.processes import ListeningSocket, ProcessTree, listening_sockets
-from flplatform.launch.simulation import ACTORS_ENV, run_simulation, start_simulation, work_home
+from flplatform.launch.simulation import run_simulation
 from storage import LedgerRepository
 
 pytestmark = pytest.mark.slow

@@ -24,8 +24,8 @@ import pytest
 from typer.testing import CliRunner
 
 from flplatform.cli.app import app
+from flplatform.launch.flower import flower_environment, free_port
 from flplatform.launch.processes import ProcessTree
-from flplatform.launch.simulation import flower_environment, free_port
 from storage import LedgerRepository, RunRecord
 from tests.helpers.processes import (
     Leftovers,

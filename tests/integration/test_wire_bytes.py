@@ -21,8 +21,8 @@ import pytest
 from typer.testing import CliRunner
 
 from flplatform.cli.app import app
+from flplatform.launch.flower import flower_environment
 from flplatform.launch.processes import ProcessTree
-from flplatform.launch.simulation import flower_environment
 from tests.helpers.processes import start_flower_server, supernode
 
 pytestmark = [pytest.mark.deploy, pytest.mark.slow]

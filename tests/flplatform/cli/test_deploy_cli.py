@@ -21,7 +21,7 @@ from flplatform.cli.deploy import INSECURE_SERVER_WARNING, INSECURE_SITE_WARNING
 from flplatform.core.errors import ConfigError
 from flplatform.deploy.certs import init_certs, make_site_key
 from flplatform.deploy.site import plan_site, probe_server
-from flplatform.launch.simulation import free_port
+from flplatform.launch.flower import free_port
 from tests.helpers.cli import invoke, one_error_line
 
 

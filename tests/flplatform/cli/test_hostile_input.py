@@ -58,8 +58,9 @@ def no_start(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         started.append("flower")
         raise RuntimeError("a Flower process was started")
 
-    monkeypatch.setattr("flplatform.launch.simulation.start_app", refuse)
-    monkeypatch.setattr("flplatform.launch.simulation.start_superlink", refuse)
+    monkeypatch.setattr("flplatform.launch.flower.start_app", refuse)
+    monkeypatch.setattr("flplatform.launch.simulation.start_app", refuse)  # run_app's
+    monkeypatch.setattr("flplatform.launch.flower.start_superlink", refuse)
     return started
 
 

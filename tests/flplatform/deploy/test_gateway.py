@@ -31,7 +31,7 @@ from flplatform.deploy.gateway import (
     Reports,
     TlsFiles,
 )
-from flplatform.launch.simulation import free_port
+from flplatform.launch.flower import free_port
 
 
 class Collected(Reports):
