@@ -1,4 +1,4 @@
-"""Arrays that training sets rather than learns: averaged whole, never sketched.
+"""Arrays that training sets rather than learns: sent exactly, never sketched or compressed.
 
 A model's state dict holds, beside its weights, buffers: a BatchNorm's ``running_mean``
 and ``running_var`` (moving averages of batch statistics), its integer
@@ -11,12 +11,14 @@ accuracy for pairs of rounds this way: its final model held a ``running_var`` of
 So FetchSGD leaves them out of the sketch. Each site sends their trained values whole
 beside its table (a few thousand numbers for a ResNet's BatchNorms), and the server sets
 them to the example-weighted mean of the sites' values, as FedAvg would. It never picks
-their coordinates from the sketch.
+their coordinates from the sketch. The codecs (``strategies.codecs``: top-k, int8) leave
+them out of what they compress in the same way: their deltas travel exactly beside it.
 
-Which arrays is decided by the server, from the model it starts with
-(:func:`averaged_arrays`), and sent to the sites with every training message. On the wire
-they travel concatenated (:func:`pack`): every Flower array costs several hundred bytes
-of framing, more than a BatchNorm's statistics themselves. No Flower imports.
+Which arrays: :func:`averaged_arrays`, from the model's names and dtypes. FetchSGD's
+server applies it and names them in every training message; a codec applies it to the
+update's layout on both sides. On the wire they travel concatenated (:func:`pack`): every
+Flower array costs several hundred bytes of framing, more than a BatchNorm's statistics
+themselves. No Flower imports.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+# + a carrier dtype's name ("float32", "float64"): the averaged arrays in that dtype,
+# concatenated (``pack``), as an upload's wire array
+AVERAGED = "averaged/"
 
 # PyTorch's norm layers (BatchNorm*, InstanceNorm* tracking running statistics) name
 # their float buffers so; their integer counter is caught by its dtype.
@@ -52,26 +58,27 @@ def carrier(dtype: np.dtype[Any]) -> type[np.floating[Any]]:
 
 
 def pack(arrays: Mapping[str, np.ndarray], names: Sequence[str]) -> dict[str, np.ndarray]:
-    """The ``names`` arrays flattened and concatenated, in order, one vector per carrier
-    (dtype name → vector; a carrier no array uses is left out)."""
+    """The ``names`` arrays flattened and concatenated, in order, one vector per carrier:
+    wire key (``averaged/float32``, ``averaged/float64``) → vector; a carrier no array
+    uses is left out."""
     parts: dict[type[np.floating[Any]], list[np.ndarray]] = {}
     for name in names:
         value = np.asarray(arrays[name])
         parts.setdefault(carrier(value.dtype), []).append(value.reshape(-1))
     return {
-        np.dtype(kind).name: np.concatenate(pieces).astype(kind, copy=False)
+        _key(kind): np.concatenate(pieces).astype(kind, copy=False)
         for kind, pieces in parts.items()
     }
 
 
-def packed_sizes(
+def packed_keys(
     dtypes: Mapping[str, np.dtype[Any]], sizes: Mapping[str, int], names: Sequence[str]
 ) -> dict[str, int]:
-    """The length of each vector :func:`pack` makes of ``names`` (dtype name → length)."""
+    """The wire key of each vector :func:`pack` makes of ``names`` → its length."""
     out: dict[str, int] = {}
     for name in names:
-        kind = np.dtype(carrier(dtypes[name])).name
-        out[kind] = out.get(kind, 0) + sizes[name]
+        key = _key(carrier(dtypes[name]))
+        out[key] = out.get(key, 0) + sizes[name]
     return out
 
 
@@ -82,12 +89,16 @@ def unpack(
     names: Sequence[str],
 ) -> dict[str, np.ndarray]:
     """Each of ``names`` as a flat float64 piece of the vectors :func:`pack` made (their
-    lengths already checked against :func:`packed_sizes`)."""
+    lengths already checked against :func:`packed_keys`)."""
     at: dict[str, int] = {}
     out = {}
     for name in names:
-        kind = np.dtype(carrier(dtypes[name])).name
-        start = at.get(kind, 0)
-        at[kind] = start + sizes[name]
-        out[name] = packed[kind][start : at[kind]].astype(np.float64)
+        key = _key(carrier(dtypes[name]))
+        start = at.get(key, 0)
+        at[key] = start + sizes[name]
+        out[name] = packed[key][start : at[key]].astype(np.float64)
     return out
+
+
+def _key(kind: type[np.floating[Any]]) -> str:
+    return AVERAGED + np.dtype(kind).name

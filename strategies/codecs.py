@@ -14,6 +14,11 @@ Codecs
                     unbiased: E[û] = x.
 ``Identity``        the arrays themselves.
 
+Top-k and int8 compress the weights only: a layout's running statistics and integer
+arrays (``Layout.averaged``, by ``strategies.averaged_arrays``' rule) travel exactly,
+concatenated per carrier dtype (``averaged/float32``, ``averaged/float64``), and their
+residual stays zero. A compressed running variance can turn negative on the server.
+
 Error feedback (Seide et al. 2014; Stich et al., "Sparsified SGD with Memory", 2018; Karimireddy
 et al., "Error Feedback Fixes SignSGD", 2019) keeps what the codec dropped and sends it later::
 
@@ -39,6 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from flplatform.core.errors import ConfigError, UpdateRejected
+from strategies.averaged_arrays import AVERAGED, averaged_arrays, pack, packed_keys, unpack
 from strategies.top_k import index_dtype, top_k_by_magnitude
 
 Arrays = dict[str, np.ndarray]
@@ -121,6 +127,11 @@ class Layout:
     @cached_property
     def _position(self) -> dict[str, int]:
         return {name: j for j, name in enumerate(self.names)}
+
+    @cached_property
+    def averaged(self) -> tuple[str, ...]:
+        """Arrays a codec sends exactly, not compressed (``strategies.averaged_arrays``)."""
+        return averaged_arrays({name: self.dtype_of(name) for name in self.names})
 
     def span(self, name: str) -> tuple[int, int]:
         """Flat coordinates ``[start, stop)`` of array ``name``."""
@@ -345,9 +356,11 @@ class TopK:
     -----
     Wire: ``topk.indices`` (k,) int32 (int64 when d >= 2^31), strictly increasing, and
     ``topk.values`` (k,) float32, the update at those indices. Coordinates run over the
-    arrays in ``Layout`` order (sorted names), integer buffers included. Selection is
-    deterministic (``strategies.top_k.top_k_by_magnitude``); ``rng`` is unused. Biased: use
-    with ``ErrorFeedback``.
+    arrays in ``Layout`` order (sorted names); the ``Layout.averaged`` arrays are never
+    selected (a zero there is picked only when fewer than k others are nonzero) and travel
+    exactly beside (``averaged/<dtype>``). Selection is deterministic
+    (``strategies.top_k.top_k_by_magnitude``); ``rng`` is unused. Biased: use with
+    ``ErrorFeedback``.
     """
 
     k: int | None = None
@@ -387,15 +400,17 @@ class TopK:
         x = layout.flatten(update, dtype=np.float32 if single else np.float64)  # (d,)
         if not np.isfinite(x).all():
             raise ValueError("cannot encode an update with NaN or Inf")
+        _zero_averaged(x, layout)
         idx = top_k_by_magnitude(x, self.k_for(layout.size))  # (k,)
         return {
             TOPK_INDICES: idx.astype(index_dtype(layout.size)),
             TOPK_VALUES: x[idx].astype(np.float32),
+            **pack(update, layout.averaged),
         }
 
     def decode(self, wire: Mapping[str, np.ndarray], layout: Layout) -> Arrays:
         """Scatter the k values into a dense update of ``layout``; reject malformed input."""
-        _check_keys(wire, {TOPK_INDICES, TOPK_VALUES}, self.name)
+        _check_keys(wire, {TOPK_INDICES, TOPK_VALUES, *_averaged_keys(layout)}, self.name)
         d, k = layout.size, self.k_for(layout.size)
         idx = _wire_array(wire, TOPK_INDICES, index_dtype(d), (k,))
         values = _wire_array(wire, TOPK_VALUES, np.dtype(np.float32), (k,))
@@ -413,9 +428,11 @@ class TopK:
         if not np.isfinite(values).all():
             raise UpdateRejected(f"{TOPK_VALUES} contains NaN or Inf")
         try:
-            return layout.scatter(idx, values)
+            out = layout.scatter(idx, values)
         except ValueError as exc:  # a value that does not fit an integer buffer
             raise UpdateRejected(str(exc)) from None
+        out.update(_averaged_from_wire(wire, layout))
+        return out
 
 
 # ---------------------------------------------------------------------------- int8
@@ -473,9 +490,10 @@ class StochasticInt8:
     -----
     Wire per float array ``n``: ``int8.<n>`` (int8, n's shape, values in [−127, 127]) and
     ``int8.<n>.scale`` ((1,) float32, s >= 0); decode gives q·s/127, so E[decode] = x (up
-    to the rounding of the result to the array's dtype) and |decode − x| <= s/127. Integer
-    and bool arrays (buffers) pass through exactly as ``raw.<n>``. Arrays are visited in
-    ``Layout`` order, each drawing its uniforms from ``rng`` in turn (see ``quantize_int8``).
+    to the rounding of the result to the array's dtype) and |decode − x| <= s/127. The
+    ``Layout.averaged`` arrays (integer and bool ones, running statistics) pass through
+    exactly, concatenated (``averaged/<dtype>``). Arrays are visited in ``Layout`` order,
+    each drawing its uniforms from ``rng`` in turn (see ``quantize_int8``).
     """
 
     @property
@@ -484,26 +502,25 @@ class StochasticInt8:
         return "int8"
 
     def encode(self, update: Mapping[str, np.ndarray], *, rng: np.random.Generator) -> Wire:
-        """Quantize every float array; copy the others."""
+        """Quantize every float array but the averaged ones; send those exactly."""
         layout = Layout.of(update)
         self._keys(layout)  # refuse layouts whose wire keys collide
+        _require_finite({n: update[n] for n in layout.averaged})
         wire: Wire = {}
         for n in layout.names:
-            if layout.is_float(n):
+            if n not in layout.averaged:
                 q, s = quantize_int8(update[n], rng)
                 wire[INT8_PREFIX + n] = q
                 wire[INT8_PREFIX + n + SCALE_SUFFIX] = np.array([s], dtype=np.float32)
-            else:
-                wire[RAW_PREFIX + n] = np.array(update[n])
+        wire.update(pack(update, layout.averaged))
         return wire
 
     def decode(self, wire: Mapping[str, np.ndarray], layout: Layout) -> Arrays:
-        """Dequantize q·s/127 into each float array's dtype; check the raw arrays."""
+        """Dequantize q·s/127 into each float array's dtype; check the exact ones."""
         _check_keys(wire, self._keys(layout), self.name)
-        out: Arrays = {}
+        out: Arrays = _averaged_from_wire(wire, layout)
         for n, shape, dtype in zip(layout.names, layout.shapes, layout.dtypes, strict=True):
-            if not layout.is_float(n):
-                out[n] = _raw_array(wire, n, layout).copy()
+            if n in out:
                 continue
             key = INT8_PREFIX + n
             q = _wire_array(wire, key, np.dtype(np.int8), shape)
@@ -524,12 +541,10 @@ class StochasticInt8:
     @staticmethod
     def _keys(layout: Layout) -> set[str]:
         """The wire keys of ``layout``; a float array 'x' beside a float 'x.scale' collide."""
-        keys: list[str] = []
+        keys: list[str] = list(_averaged_keys(layout))
         for n in layout.names:
-            if layout.is_float(n):
+            if n not in layout.averaged:
                 keys += [INT8_PREFIX + n, INT8_PREFIX + n + SCALE_SUFFIX]
-            else:
-                keys.append(RAW_PREFIX + n)
         unique = set(keys)
         if len(unique) != len(keys):
             clash = sorted(k for k in unique if keys.count(k) > 1)
@@ -734,12 +749,19 @@ def _topk_feedback(
     x = _in_dtypes_float32(v, layout)  # (d,)
     if not np.isfinite(x).all():
         raise ValueError("cannot encode an update with NaN or Inf")
+    _zero_averaged(x, layout)
     idx = top_k_by_magnitude(x, codec.k_for(layout.size))  # (k,) ascending
     values = x[idx]  # (k,) float32: what the server scatters, in each array's dtype
     del x
+    exact = _send_averaged_exactly(v, layout)  # their residual: v − ŝ is 0
     v[idx] -= values  # e: v − ŝ, ŝ zero off the k coordinates
     wire = {TOPK_INDICES: idx.astype(index_dtype(layout.size)), TOPK_VALUES: values}
-    return wire, layout.scatter(idx, values) if dense else None
+    wire.update(pack(exact, layout.averaged))
+    if not dense:
+        return wire, None
+    sent = layout.scatter(idx, values)
+    sent.update({name: value.reshape(sent[name].shape) for name, value in exact.items()})
+    return wire, sent
 
 
 def _int8_feedback(
@@ -753,8 +775,9 @@ def _int8_feedback(
     sent: Arrays = {}
     for (name, start, n), shape, value in zip(_spans(layout), layout.shapes, values, strict=True):
         piece = v[start : start + n]
-        if not layout.is_float(name):
-            wire[RAW_PREFIX + name] = value.reshape(shape)
+        if name in layout.averaged:
+            if not np.isfinite(value).all():
+                raise ValueError(f"cannot encode array '{name}': it contains NaN or Inf")
             decoded = value
         else:
             q, s = quantize_int8(value, rng)
@@ -768,7 +791,66 @@ def _int8_feedback(
         piece -= decoded
         if dense:
             sent[name] = decoded.reshape(shape)
+    wire.update(
+        pack({name: values[layout.names.index(name)] for name in layout.averaged}, layout.averaged)
+    )
     return wire, sent if dense else None
+
+
+# ------------------------------------------------------------- arrays sent exactly
+def _zero_averaged(x: np.ndarray, layout: Layout) -> None:
+    """Zero the ``Layout.averaged`` arrays' coordinates of a flat vector: never selected."""
+    for name in layout.averaged:
+        start, stop = layout.span(name)
+        x[start:stop] = 0
+
+
+def _send_averaged_exactly(v: np.ndarray, layout: Layout) -> Arrays:
+    """The ``Layout.averaged`` arrays of flat v in their dtypes (flat), what the server
+    gets; v's coordinates become what rounding to those dtypes left (the residual)."""
+    exact: Arrays = {}
+    for name in layout.averaged:
+        start, stop = layout.span(name)
+        exact[name] = layout._cast(name, v[start:stop])
+        v[start:stop] -= exact[name]
+    return exact
+
+
+def _averaged_keys(layout: Layout) -> dict[str, int]:
+    """The wire keys the ``Layout.averaged`` arrays travel under → each vector's length."""
+    names = layout.averaged
+    return packed_keys(
+        {n: layout.dtype_of(n) for n in names},
+        {n: layout.sizes[layout._position[n]] for n in names},
+        names,
+    )
+
+
+def _averaged_from_wire(wire: Mapping[str, np.ndarray], layout: Layout) -> Arrays:
+    """The ``Layout.averaged`` arrays of a wire (its keys already checked), each in its
+    dtype and shape; ``UpdateRejected`` for a vector of the wrong dtype or length, a
+    non-finite value or one its array's dtype cannot hold."""
+    names = layout.averaged
+    if not names:
+        return {}
+    packed = {}
+    for key, length in _averaged_keys(layout).items():
+        value = _wire_array(wire, key, np.dtype(key.removeprefix(AVERAGED)), (length,))
+        if not np.isfinite(value).all():
+            raise UpdateRejected(f"wire '{key}' contains NaN or Inf")
+        packed[key] = value
+    dtypes = {n: layout.dtype_of(n) for n in names}
+    sizes = {n: layout.sizes[layout._position[n]] for n in names}
+    out: Arrays = {}
+    for name, piece in unpack(packed, dtypes, sizes, names).items():
+        try:
+            value = layout._cast(name, piece)
+        except ValueError as exc:
+            raise UpdateRejected(str(exc)) from None
+        if value.dtype.kind == "f" and not np.isfinite(value).all():  # float64 → float16
+            raise UpdateRejected(f"array '{name}' overflows its dtype {value.dtype}")
+        out[name] = value.reshape(layout.shapes[layout._position[name]])
+    return out
 
 
 # ---------------------------------------------------------------------------- wire checks

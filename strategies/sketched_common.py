@@ -23,11 +23,11 @@ from flplatform.core.errors import UpdateRejected
 from flplatform.core.seeding import derive_seed
 from flplatform.engine import AggregationPolicy, EngineStrategy, Synchrony, Update
 from flplatform.run.start import PlatformStart
-from strategies.averaged_arrays import packed_sizes, unpack
+from strategies.averaged_arrays import AVERAGED, packed_keys, unpack
 from strategies.codecs import Layout
 from strategies.knobs import sketched_sync_only
 from strategies.local_sgd import aggregate_batch
-from strategies.mods.fetchsgd import AVERAGED, SKETCH
+from strategies.mods.fetchsgd import SKETCH
 from strategies.sampling import evaluation_messages, mean_evaluation
 from strategies.sparse_sync import SparseModel
 
@@ -188,28 +188,24 @@ def averaged_values(
     (one vector per carrier dtype, of the right length, finite)."""
     dtypes = {name: layout.dtype_of(name) for name in averaged}
     sizes = {name: layout.span(name)[1] - layout.span(name)[0] for name in averaged}
-    expected = packed_sizes(dtypes, sizes, averaged)
+    expected = packed_keys(dtypes, sizes, averaged)
     packed = {}
-    for kind, length in expected.items():
-        if AVERAGED + kind not in record:
-            raise UpdateRejected(
-                f"the averaged arrays' {kind} vector '{AVERAGED}{kind}' is missing"
-            )
+    for key, length in expected.items():
+        if key not in record:
+            raise UpdateRejected(f"the averaged arrays' vector '{key}' is missing")
         try:
-            vector = record[AVERAGED + kind].numpy()
+            vector = record[key].numpy()
         except Exception as exc:
-            raise UpdateRejected(f"'{AVERAGED}{kind}' cannot be decoded: {exc}") from None
+            raise UpdateRejected(f"'{key}' cannot be decoded: {exc}") from None
+        kind = key.removeprefix(AVERAGED)
         if vector.shape != (length,) or vector.dtype != np.dtype(kind):
             raise UpdateRejected(
-                f"'{AVERAGED}{kind}' must be {kind} of shape ({length},), "
-                f"got {vector.dtype} {vector.shape}"
+                f"'{key}' must be {kind} of shape ({length},), got {vector.dtype} {vector.shape}"
             )
         if not np.isfinite(vector).all():
-            raise UpdateRejected(f"'{AVERAGED}{kind}' contains NaN or Inf")
-        packed[kind] = vector
-    unexpected = [
-        k for k in record if k.startswith(AVERAGED) and k[len(AVERAGED) :] not in expected
-    ]
+            raise UpdateRejected(f"'{key}' contains NaN or Inf")
+        packed[key] = vector
+    unexpected = [k for k in record if k.startswith(AVERAGED) and k not in expected]
     if unexpected:
         raise UpdateRejected(f"unexpected arrays {unexpected!r:.200} beside the sketch")
     return unpack(packed, dtypes, sizes, averaged)

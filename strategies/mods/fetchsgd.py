@@ -47,9 +47,6 @@ from strategies.mods.snapshots import load_state, save_state
 from strategies.sparse_sync import DENSE, SYNC_INDICES, SYNC_VALUES, valid_indices
 
 SKETCH = "sketch"  # a sketch reply's table
-# + a dtype name: the averaged arrays' trained values, concatenated in that dtype
-# (strategies.averaged_arrays.pack), sent whole beside the table
-AVERAGED = "averaged/"
 MODEL = "model"  # the state group holding the model the site was synced to
 VERSION = "version"
 
@@ -117,8 +114,7 @@ def sketched_upload(
     for name in averaged:
         begin, end = layout.span(name)
         delta[begin:end] = 0.0
-    packed = pack(trained, averaged)
-    return {SKETCH: sketch(delta), **{AVERAGED + kind: v for kind, v in packed.items()}}
+    return {SKETCH: sketch(delta), **pack(trained, averaged)}
 
 
 def sketch_of(

@@ -61,6 +61,8 @@ def layouts(draw: st.DrawFn, *, buffer: bool = False) -> dict[str, tuple[int, ..
     shapes = {n: draw(SHAPES) for n in names}
     if buffer:
         shapes["norm.num_batches_tracked"] = ()  # a 0-d int64 buffer, like BatchNorm's
+        if draw(st.booleans()):  # a float one, sent exactly like the counter
+            shapes["norm.running_var"] = draw(SHAPES)
     return shapes
 
 
@@ -164,14 +166,25 @@ def test_topk_matches_naive_oracle(update: Arrays, codec: TopK) -> None:
     x = flat(update)
     k = codec.k_for(x.size)
     wire = codec.encode(update, rng=rng())
-    expected = naive_top_k(x.tolist(), k)
+    # A BatchNorm's counter and running variance, when drawn, are never selected: they
+    # travel exactly beside the selection.
+    exact = [n for n in update if n.startswith("norm.")]
+    selectable = x.copy()
+    for name in exact:
+        start, stop = Layout.of(update).span(name)
+        selectable[start:stop] = 0
+    expected = naive_top_k(selectable.tolist(), k)
     assert wire["topk.indices"].tolist() == expected
-    np.testing.assert_array_equal(wire["topk.values"], x[expected].astype(np.float32))
+    np.testing.assert_array_equal(wire["topk.values"], selectable[expected].astype(np.float32))
     decoded = codec.decode(wire, Layout.of(update))
     assert all(isinstance(v, np.ndarray) for v in decoded.values())
     dense = flat(decoded)
     want = np.zeros_like(x)
-    want[expected] = x[expected].astype(np.float32)
+    want[expected] = selectable[expected].astype(np.float32)
+    for name in exact:
+        start, stop = Layout.of(update).span(name)
+        want[start:stop] = x[start:stop]
+        assert decoded[name].dtype == update[name].dtype
     np.testing.assert_array_equal(dense, want)
 
 
@@ -304,8 +317,9 @@ def test_int8_error_is_below_one_level(update: Arrays, seed: int) -> None:
     dense = codec.decode(wire, Layout.of(update))
     for name, x in update.items():
         assert isinstance(dense[name], np.ndarray) and dense[name].shape == x.shape
-        if x.dtype.kind != "f":
-            assert f"raw.{name}" in wire
+        if name.startswith("norm."):  # the counter and the running variance: exactly
+            carrier = "averaged/float64" if x.dtype.kind != "f" else "averaged/float32"
+            assert carrier in wire and f"int8.{name}" not in wire
             np.testing.assert_array_equal(dense[name], x)
             continue
         s = float(wire[f"int8.{name}.scale"][0])
@@ -347,7 +361,9 @@ def test_int8_passes_integer_and_bool_buffers_exactly() -> None:
         "w": np.array([0.1, -0.2], dtype=np.float32),
     }
     wire = StochasticInt8().encode(update, rng=rng())
-    assert set(wire) == {"raw.n", "raw.m", "raw.flag", "int8.w", "int8.w.scale"}
+    # one float64 vector for the three, exact (n needs more than float32's 24 bits)
+    assert set(wire) == {"averaged/float64", "int8.w", "int8.w.scale"}
+    assert wire["averaged/float64"].tolist() == [1, 0, -7, 9, 2**40 + 3]  # flag, m, n
     dense = StochasticInt8().decode(wire, Layout.of(update))
     for name in ("n", "m", "flag"):
         assert dense[name].dtype == update[name].dtype
@@ -367,7 +383,7 @@ def test_int8_refuses_models_whose_wire_keys_collide() -> None:
         StochasticInt8().encode(model, rng=rng())
     with pytest.raises(ConfigError, match="collide"):
         StochasticInt8().decode({}, Layout.of(model))
-    # an integer 'x.scale' travels as raw.x.scale: no clash
+    # an integer 'x.scale' travels exactly, in averaged/float64: no clash
     model["x.scale"] = np.ones(1, np.int64)
     wire = StochasticInt8().encode(model, rng=rng())
     StochasticInt8().decode(wire, Layout.of(model))
@@ -575,7 +591,7 @@ TOPK_ATTACKS: list[tuple[str, Mutation, str]] = [
     ("index = d", _edit("topk.indices", _index(-1, 13)), "out of range \\[0, 13\\): 13"),
     ("huge index", _edit("topk.indices", _index(-1, 2**31 - 1)), "out of range"),
     ("negative index", _edit("topk.indices", _index(0, -1)), "negative index"),
-    ("duplicate", _edit("topk.indices", _index(1, 0)), "duplicate index"),
+    ("duplicate", _edit("topk.indices", lambda a: a.__setitem__(1, a[0])), "duplicate index"),
     ("unsorted", _set("topk.indices", np.array([5, 1, 9], np.int32)), "sorted ascending"),
     ("short values", _set("topk.values", np.ones(2, np.float32)), "shape \\(2,\\)"),
     ("more than k", _set("topk.indices", np.arange(4, dtype=np.int32)), "expected \\(3,\\)"),
@@ -628,8 +644,15 @@ INT8_ATTACKS: list[tuple[str, Mutation, str]] = [
     ),
     ("missing scale", _drop("int8.w.scale"), "missing arrays: int8.w.scale"),
     ("extra", _set("int8.n", np.zeros((), np.int8)), "unexpected arrays: int8.n"),
-    ("buffer dtype", _set("raw.n", np.array(7, np.int32)), "dtype int32, expected int64"),
-    ("buffer missing", _drop("raw.n"), "missing arrays: raw.n"),
+]
+# The counter n travels exactly beside either codec's compressed weights.
+EXACT_ATTACKS: list[tuple[str, Mutation, str]] = [
+    ("buffer dtype", _set("averaged/float64", np.array([7], np.float32)), "expected float64"),
+    ("buffer length", _set("averaged/float64", np.array([7.0, 8.0])), "expected \\(1,\\)"),
+    ("buffer missing", _drop("averaged/float64"), "missing arrays: averaged/float64"),
+    ("buffer NaN", _set("averaged/float64", np.array([np.nan])), "contains NaN"),
+    ("buffer overflow", _set("averaged/float64", np.array([1e30])), "outside the range of int64"),
+    ("buffer extra", _set("averaged/float32", np.ones(1, np.float32)), "unexpected arrays"),
 ]
 IDENTITY_ATTACKS: list[tuple[str, Mutation, str]] = [
     ("NaN", _edit("raw.w", _index(0, np.nan)), "'raw.w' contains NaN"),  # type: ignore[arg-type]
@@ -642,8 +665,11 @@ IDENTITY_ATTACKS: list[tuple[str, Mutation, str]] = [
 
 @pytest.mark.parametrize(
     ("codec", "attack", "match"),
-    [pytest.param(TopK(k=3), m, r, id=f"topk-{n}") for n, m, r in TOPK_ATTACKS]
-    + [pytest.param(StochasticInt8(), m, r, id=f"int8-{n}") for n, m, r in INT8_ATTACKS]
+    [pytest.param(TopK(k=3), m, r, id=f"topk-{n}") for n, m, r in TOPK_ATTACKS + EXACT_ATTACKS]
+    + [
+        pytest.param(StochasticInt8(), m, r, id=f"int8-{n}")
+        for n, m, r in INT8_ATTACKS + EXACT_ATTACKS
+    ]
     + [pytest.param(Identity(), m, r, id=f"none-{n}") for n, m, r in IDENTITY_ATTACKS],
 )
 def test_decode_rejects_hostile_wire(codec: Codec, attack: Mutation, match: str) -> None:

@@ -26,7 +26,7 @@ from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.core.errors import ConfigError, UpdateRejected
 from flplatform.engine import APPLIED, RoundSummary
 from flplatform.engine.engine import RoundEngine
-from strategies.averaged_arrays import averaged_arrays, pack, packed_sizes, unpack
+from strategies.averaged_arrays import averaged_arrays, pack, packed_keys, unpack
 from strategies.codecs import Layout
 from strategies.fetchsgd import FetchSGD
 from strategies.mods.contract import ModState
@@ -134,8 +134,8 @@ def test_running_statistics_and_counters_are_averaged_whole_not_sketched() -> No
         uploads = [
             unpack(
                 {
-                    k: r.content[keys.ARRAYS][f"averaged/{k}"].numpy()
-                    for k in ("float32", "float64")
+                    k: r.content[keys.ARRAYS][k].numpy()
+                    for k in ("averaged/float32", "averaged/float64")
                 },
                 dtypes,
                 sizes,
@@ -180,12 +180,12 @@ def test_averaged_arrays_travel_in_one_vector_per_carrier_and_come_back_hand_com
     names = list(arrays)
     packed = pack(arrays, names)
     assert {k: (v.dtype.name, v.tolist()) for k, v in packed.items()} == {
-        "float32": ("float32", [1.5, -2.0, 0.25]),
-        "float64": ("float64", [2.0**40 + 3, 1.0, 0.0]),
+        "averaged/float32": ("float32", [1.5, -2.0, 0.25]),
+        "averaged/float64": ("float64", [2.0**40 + 3, 1.0, 0.0]),
     }
     dtypes = {n: v.dtype for n, v in arrays.items()}
     sizes = {n: v.size for n, v in arrays.items()}
-    assert packed_sizes(dtypes, sizes, names) == {"float32": 3, "float64": 3}
+    assert packed_keys(dtypes, sizes, names) == {"averaged/float32": 3, "averaged/float64": 3}
     pieces = unpack(packed, dtypes, sizes, names)
     for name, value in arrays.items():
         np.testing.assert_array_equal(pieces[name], value.reshape(-1).astype(np.float64))

@@ -14,6 +14,7 @@ from flplatform.engine import APPLIED, REJECTED, RoundSummary
 from flplatform.engine.engine import RoundEngine
 from strategies.codecs import Layout, TopK
 from strategies.local_sgd import LocalSGDAveraging
+from tests.helpers import norm_model
 from tests.helpers.delayed_sites import digits_site
 from tests.helpers.scripted_grid import ScriptedGrid
 from tests.helpers.sites import digits_model
@@ -131,6 +132,35 @@ def test_sites_upload_compressed_updates_and_keep_their_residual() -> None:
     assert 0.08 * up["none"] < up["topk:0.05"] < 0.2 * up["none"]
     assert 0.25 * up["none"] < up["int8"] < 0.5 * up["none"]
     assert not any(u.status == REJECTED for s in rounds["int8"] for u in s.updates)
+
+
+def test_running_statistics_and_counters_travel_exactly_beside_compressed_weights() -> None:
+    """Top-k and int8 compress the weights only: a BatchNorm's running statistics and
+    counter arrive exactly, so they are what uncompressed local-SGD makes of them (the
+    sites' example-weighted mean) and a running variance stays positive."""
+    models: dict[str, list[dict[str, np.ndarray]]] = {}
+    start = digits_model(num_partitions=3, model=norm_model.SPEC)
+    for codec in ("none", "topk:0.05", "int8"):
+        grid = ScriptedGrid({n + 1: digits_site(n, 3, model=norm_model.SPEC) for n in range(3)})
+        seen = models.setdefault(codec, [])
+        RoundEngine(grid, LocalSGDAveraging(codec=codec), poll_interval=0.0, required_sites=3).run(
+            start,
+            num_rounds=3,
+            train_config=ConfigRecord({keys.LOCAL_STEPS: 5, keys.LR: 0.1}),
+            evaluate_fn=lambda _, arrays, seen=seen: seen.append(record_to_arrays(arrays)),
+        )
+    statistics = ["1.running_mean", "1.running_var"]
+    for codec in ("topk:0.05", "int8"):
+        assert len(models[codec]) == 4  # the initial model and three rounds
+        # Round 1 trains every site from the same model: the same statistics, whatever
+        # the weights' codec.
+        for name in statistics:
+            np.testing.assert_allclose(models[codec][1][name], models["none"][1][name], rtol=1e-6)
+        for round_, model in enumerate(models[codec]):
+            assert (model["1.running_var"] > 0).all()
+            assert model["1.num_batches_tracked"] == 5 * round_
+        # and the weights were compressed: round 1's differ from the uncompressed run's
+        assert not np.array_equal(models[codec][1]["0.weight"], models["none"][1]["0.weight"])
 
 
 def test_a_bad_codec_is_refused_where_it_is_configured() -> None:
