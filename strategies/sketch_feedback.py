@@ -120,15 +120,22 @@ class SketchFeedback:
 
 
 # =================================================== Sketched-SGD (two rounds per step)
-def candidate_coordinates(sketch: CountSketch, table: torch.Tensor, count: int) -> torch.Tensor:
-    """The ``count`` coordinates of largest estimated magnitude, ascending (int64).
+def candidate_coordinates(
+    sketch: CountSketch,
+    table: torch.Tensor,
+    count: int,
+    excluded: tuple[tuple[int, int], ...] = (),
+) -> torch.Tensor:
+    """The ``count`` coordinates of largest estimated magnitude, ascending (int64), none in
+    the ``excluded`` ranges (arrays sent whole) unless fewer than ``count`` others are
+    nonzero.
 
     Sketched-SGD's first round: the server asks the sites for their exact values there.
     ``count >= d`` asks for every coordinate (the sketch is then not consulted at all).
     """
     if count >= sketch.d:
         return torch.arange(sketch.d, device=table.device)
-    indices, _ = sketch.top_k(table, count)
+    indices, _ = sketch.top_k(table, count, excluded=excluded)
     return torch.sort(indices).values
 
 

@@ -10,7 +10,9 @@ training loop that draws its data order from the round then draws one per step.
 Values round: reply v at the server's candidate coordinates, from the accumulators of
 the sketch it asks about. The user's function is not called: nothing is trained.
 
-Every coordinate goes through the sketch, whatever its array (see ``fetchsgd_mod``).
+The arrays the server names in ``averaged-arrays`` (running statistics, integer
+counters) stay out of u, v and the sketch: the site keeps their trained values and sends
+them whole with its values, which the server averages into the step.
 A site whose accumulators are gone while the server relies on them (a restarted
 SuperNode) starts again from u = v = 0 and says so; one told to apply changes to a model
 it no longer holds, or asked for values it no longer has, replies that it lost its state.
@@ -28,6 +30,7 @@ from flwr.app import Context, Message, MetricRecord
 from flplatform.core import keys
 from flplatform.core.arrays import record_views
 from flplatform.core.errors import ConfigError
+from strategies.averaged_arrays import pack
 from strategies.codecs import Layout
 from strategies.count_sketch import sketch_device
 from strategies.mods.contract import (
@@ -45,7 +48,13 @@ from strategies.mods.contract import (
     site_algorithm,
     state_lost_reply,
 )
-from strategies.mods.fetchsgd import SKETCH, remember_model, sketch_of, synced_model
+from strategies.mods.fetchsgd import (
+    SKETCH,
+    averaged_names,
+    remember_model,
+    sketch_of,
+    synced_model,
+)
 from strategies.mods.snapshots import load_state, save_state
 from strategies.sketch_feedback import SiteAccumulators
 from strategies.sparse_sync import SYNC_INDICES, valid_indices
@@ -63,6 +72,7 @@ VALUES = "values"  # a values reply's array
 ZERO = "zero"  # a sketch message's record of coordinates to zero, when not its sync's
 ZERO_INDICES = "zero.indices"
 ACCUMULATORS = "accumulators"  # the state group holding u and v
+TRAINED_AVERAGED = "trained-averaged"  # the state group holding the averaged arrays, trained
 ZEROED_STEP, SKETCHED_ROUND, EXAMPLES = "zeroed-step", "sketched-round", "examples"
 
 
@@ -132,6 +142,7 @@ def _sketch_reply(msg: Message, context: Context, call_next: TrainFunction) -> M
     lost = kept is None and raw.get(keys.STATE_EXPECTED) is True
     state = kept or new_state()
     layout = Layout.of(model)
+    averaged = averaged_names(raw, model)
     stored = _accumulators(state, layout.size, momentum)
     zeroed = state.meta.get(ZEROED_STEP, 0)
     zero = None
@@ -147,6 +158,9 @@ def _sketch_reply(msg: Message, context: Context, call_next: TrainFunction) -> M
     if not isinstance(result, UserResult):
         return result
     update = layout.flat_difference(result.trained, model)  # (d,) float32
+    for name in averaged:  # sent whole with the values, never accumulated
+        begin, end = layout.span(name)
+        update[begin:end] = 0.0
     accumulators = stored.stepped(torch.from_numpy(update), zero)
     if not accumulators.is_finite():
         # Kept out of u and v: the site's stored accumulators stay as they were, so one
@@ -158,6 +172,10 @@ def _sketch_reply(msg: Message, context: Context, call_next: TrainFunction) -> M
     # Only now, with the work done, does the site hold the synced model and its new v.
     remember_model(state, model, version)
     state.groups[ACCUMULATORS] = {"u": accumulators.u.numpy(), "v": accumulators.v.numpy()}
+    if averaged:
+        state.groups[TRAINED_AVERAGED] = {name: result.trained[name] for name in averaged}
+    else:
+        state.groups.pop(TRAINED_AVERAGED, None)
     state.meta.update(
         {ZEROED_STEP: zeroed, SKETCHED_ROUND: server_round, EXAMPLES: result.num_examples}
     )
@@ -184,6 +202,15 @@ def _values_reply(msg: Message, context: Context) -> Message:
     candidates = None if sent is None else record_views(sent).get(CANDIDATES)
     if candidates is None or not valid_indices(candidates, len(v)):
         raise ConfigError("the server's candidate coordinates are missing or malformed")
+    trained = state.groups.get(TRAINED_AVERAGED, {})
+    asked = raw.get(keys.AVERAGED_ARRAYS, [])
+    if not isinstance(asked, list) or not all(isinstance(n, str) and n in trained for n in asked):
+        raise ConfigError(
+            f"the server asks for the trained arrays {asked!r:.120}; this site's sketch of "
+            f"round {asked_round} kept {sorted(trained)!r:.120}"
+        )
+    averaged = [str(name) for name in asked]
     # The values count as much as the sketch they belong to.
     metrics = MetricRecord({keys.NUM_EXAMPLES: state.meta.get(EXAMPLES, 1)})
-    return reply_with(msg, {VALUES: v[candidates].astype(np.float32)}, metrics)
+    upload = {VALUES: v[candidates].astype(np.float32), **pack(trained, averaged)}
+    return reply_with(msg, upload, metrics)

@@ -24,12 +24,15 @@ from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.core.errors import ConfigError, StepRefused, UpdateRejected
 from flplatform.engine import APPLIED, RoundSummary
 from flplatform.engine.engine import RoundEngine
+from strategies.averaged_arrays import unpack
+from strategies.codecs import Layout
 from strategies.local_sgd import LocalSGDAveraging
 from strategies.mods.contract import ModState
 from strategies.mods.fetchsgd import MODEL
 from strategies.mods.sketched_sgd import ACCUMULATORS, CANDIDATES, VALUES, ZERO, StepPhase
 from strategies.sketch_feedback import SiteAccumulators, candidate_coordinates, exact_top_k
 from strategies.sketched_sgd import SketchedSGD
+from tests.helpers import norm_model
 from tests.helpers.algorithms import collision_free_sketch
 from tests.helpers.delayed_sites import builtin_train, context, digits_site
 from tests.helpers.scripted_grid import Behaviour, ScriptedGrid
@@ -118,11 +121,12 @@ def run_engine(
     contexts: dict[int, Context] | None = None,
     behaviours: dict[int, Behaviour] | None = None,
     on_round: object = None,
+    model: str = "mlp",
 ) -> tuple[ScriptedGrid, list[RoundSummary], ArrayRecord]:
     contexts = contexts if contexts is not None else {}
     for n in range(1, 5):
         contexts.setdefault(n, context(n))
-    sites = {n: digits_site(n - 1, 4, contexts[n]) for n in range(1, 5)}
+    sites = {n: digits_site(n - 1, 4, contexts[n], model=model) for n in range(1, 5)}
     sites.update(behaviours or {})
     grid = ScriptedGrid(sites)
     summaries: list[RoundSummary] = []
@@ -134,7 +138,7 @@ def run_engine(
 
     engine = RoundEngine(grid, strategy, poll_interval=0.0, required_sites=4, on_round=record)
     result = engine.run(
-        digits_model(),
+        digits_model(model=model),
         num_rounds=rounds,
         train_config=ConfigRecord({keys.LOCAL_STEPS: local_steps, keys.LR: 0.1}),
     )
@@ -159,6 +163,61 @@ def test_k_equal_to_d_is_uncompressed_local_sgd(local_steps: int) -> None:
     got, want = record_to_arrays(arrays), record_to_arrays(reference)
     for name, value in want.items():
         np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_running_statistics_travel_whole_with_the_values_and_are_averaged_in_the_step() -> None:
+    """A BatchNorm's running statistics and counter stay out of u, v and the sketch; each
+    site sends their trained values with its values, and the step sets them to the mean
+    weighted as the sites' sketches were."""
+    contexts: dict[int, Context] = {}
+    strategy = SketchedSGD(k=20, sketch_cols=60, momentum=0.9, seed=1)
+    models = [record_to_arrays(digits_model(model=norm_model.SPEC))]
+    grid, summaries, _ = run_engine(
+        strategy,
+        6,
+        contexts=contexts,
+        model=norm_model.SPEC,
+        on_round=lambda _: models.append(record_to_arrays(strategy.model.record)),
+    )
+    averaged = ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
+    assert list(strategy.averaged) == averaged
+    assert all(u.status == APPLIED for s in summaries for u in s.updates)
+    layout = Layout.of(models[0])
+    dtypes = {n: layout.dtype_of(n) for n in averaged}
+    sizes = {n: int(models[0][n].size) for n in averaged}
+    values_replies = [
+        r
+        for r in grid.replies
+        if keys.ARRAYS in r.content.array_records and VALUES in r.content[keys.ARRAYS]
+    ]
+    assert len(values_replies) == 3 * 4
+    for step in range(3):
+        replies = values_replies[4 * step : 4 * step + 4]
+        before, after = models[2 * step + 1], models[2 * step + 2]  # the sketch round's, the step's
+        assert all(np.array_equal(before[n], models[2 * step][n]) for n in before)
+        weights = np.array([r.content[keys.METRICS][keys.NUM_EXAMPLES] for r in replies], float)
+        sent = [
+            unpack(
+                {
+                    k: r.content[keys.ARRAYS][k].numpy()
+                    for k in ("averaged/float32", "averaged/float64")
+                },
+                dtypes,
+                sizes,
+                averaged,
+            )
+            for r in replies
+        ]
+        for name in averaged:
+            mean = sum(w * v[name] for w, v in zip(weights, sent, strict=True)) / weights.sum()
+            np.testing.assert_allclose(after[name].reshape(-1), mean, rtol=1e-5, atol=1e-6)
+        assert (after["1.running_var"] > 0).all()
+        assert after["1.num_batches_tracked"] == 5 * (step + 1)
+    for ctx in contexts.values():  # u and v never hold the averaged arrays' coordinates
+        uv = ModState.load(ctx, keys.SKETCHED_STATE).groups[ACCUMULATORS]
+        for name in averaged:
+            begin, end = layout.span(name)
+            assert not uv["u"][begin:end].any() and not uv["v"][begin:end].any()
 
 
 def test_two_rounds_per_step_with_sparse_bytes_and_zeroing() -> None:
