@@ -1,8 +1,10 @@
 """Which sites a round asks, and the sites' evaluation: plain functions every strategy uses.
 
-A round's sample depends only on (seed, round) and the connected sites, never on their
-order; evaluation asks a seeded sample of sites to score the global model on their own
-data and averages what they report, weighted by their examples.
+A round's sample depends only on (seed, round) and the sites the grid lists, in its
+order: the engine's grids list them by site name, so a seeded run samples the same sites
+in every invocation, whatever node ids Flower gave them this time. Evaluation asks a
+seeded sample of sites to score the global model on their own data and averages what
+they report, weighted by their examples.
 """
 
 from __future__ import annotations
@@ -24,15 +26,16 @@ _EVAL_NAMES = {keys.EVAL_ACCURACY: keys.ACCURACY, keys.EVAL_LOSS: keys.LOSS}
 def sample_sites(
     seed: int, server_round: int, node_ids: Iterable[int], fraction: float
 ) -> list[int]:
-    """Seeded sample of ``fraction`` of ``node_ids`` (at least one), by (seed, round), sorted."""
-    nodes = sorted(node_ids)
+    """Seeded sample of ``fraction`` of ``node_ids`` (at least one), by (seed, round) and
+    their positions in ``node_ids``; in that order."""
+    nodes = list(node_ids)
     if not nodes:
         return []
     size = max(1, int(round(fraction * len(nodes))))
     if size >= len(nodes):
         return nodes
     picked = rng_for(seed, server_round, "sample").choice(len(nodes), size, replace=False)
-    return sorted(nodes[i] for i in picked)
+    return [nodes[i] for i in sorted(picked)]
 
 
 def evaluation_messages(

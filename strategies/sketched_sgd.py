@@ -295,7 +295,7 @@ class SketchedSGD(SketchedStrategy):
     ) -> Iterable[Message]:
         """Sketch round: sync and train; values round: ask the sketches' sites for values."""
         self._use(arrays)
-        nodes = sorted(grid.get_node_ids())
+        nodes = list(grid.get_node_ids())  # the engine's order: by site name
         if self._round_phase == StepPhase.VALUES:
             # Asked again while unanswered: a site drawn as away (simulated availability)
             # got nothing; one whose reply failed is not offered work again this round.

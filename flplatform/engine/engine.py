@@ -659,7 +659,7 @@ class RoundEngine:
         config = ConfigRecord(dict(state.train_config or {}))  # the strategy may write into it
         config[keys.MODEL_VERSION] = self.version
         idle = set(self.sites.idle())
-        allowed = sorted(n for n in targets if n in idle)
+        allowed = self.sites.by_name(n for n in targets if n in idle)
         drafts = self.strategy.configure_train(
             state.server_round, self.arrays, config, SubsetGrid(self.grid, allowed)
         )

@@ -34,7 +34,7 @@ def evaluate_round(
     answer within ``timeout`` stays busy until Flower hands its message back.
     """
     held = {d.node_id for d in mailbox.cancelled.values()}
-    idle = [n for n in sites.idle() if n not in held]
+    idle = sites.by_name(n for n in sites.idle() if n not in held)
     config = ConfigRecord(dict(evaluate_config or {}))
     config[keys.MODEL_VERSION] = model_version
     drafts = strategy.configure_evaluate(server_round, arrays, config, SubsetGrid(grid, idle))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 from enum import Enum
 from typing import Any
@@ -104,6 +104,11 @@ class Sites:
         """The site's name (``node-<id>`` for a node that has not introduced itself)."""
         state = self._states.get(node_id)
         return state.info.name if state else f"node-{node_id}"
+
+    def by_name(self, node_ids: Iterable[int]) -> list[int]:
+        """``node_ids`` ordered by site name (then node id): the order strategies sample
+        in, the same in every invocation of a run whatever node ids Flower gave."""
+        return sorted(node_ids, key=lambda n: (self.name(n), n))
 
     def names(self) -> set[str]:
         return {s.info.name for s in self._states.values()}

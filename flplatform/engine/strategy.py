@@ -261,10 +261,12 @@ class ForwardingGrid(Grid):
 
 
 class SubsetGrid(ForwardingGrid):
-    """A view of a Grid whose ``get_node_ids`` lists only some nodes.
+    """A view of a Grid whose ``get_node_ids`` lists only some nodes, in the given order.
 
     The engine hands it to ``configure_train`` so that a strategy's own sampling picks
-    among the sites the policy allows (idle ones), without the strategy knowing why.
+    among the sites the policy allows (idle ones), without the strategy knowing why. It
+    lists them by site name (``Sites.by_name``): Flower's node ids change with every
+    start-up, and a seeded sample must pick the same sites in every invocation.
     """
 
     def __init__(self, grid: Grid, node_ids: Sequence[int]) -> None:

@@ -14,10 +14,16 @@ from flwr.app import (
     RecordDict,
 )
 
+from flplatform.core import keys
 from flplatform.core.arrays import record_to_arrays
 from flplatform.core.errors import ConfigError, UpdateRejected
+from flplatform.engine import RoundSummary
+from flplatform.engine.engine import RoundEngine
 from strategies.local_sgd import LocalSGDAveraging
 from strategies.sampling import sample_sites
+from tests.helpers.delayed_sites import digits_site
+from tests.helpers.scripted_grid import ScriptedGrid
+from tests.helpers.sites import digits_model
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -89,7 +95,11 @@ def test_malformed_replies_are_rejected_and_leave_no_trace(message, reason: str)
 
 def test_sampling_depends_only_on_seed_and_round() -> None:
     nodes = list(range(10, 30))
-    assert sample_sites(1, 3, nodes, 0.5) == sample_sites(1, 3, reversed(nodes), 0.5)
+    # Positions in the grid's order count, not node ids: other ids in the same places
+    # are the same sample (a new Flower start-up gives the same sites other ids).
+    renamed = [7 + 1000 * n for n in reversed(nodes)]
+    positions = [nodes.index(n) for n in sample_sites(1, 3, nodes, 0.5)]
+    assert sample_sites(1, 3, renamed, 0.5) == [renamed[i] for i in positions]
     assert len(sample_sites(1, 3, nodes, 0.5)) == 10
     rounds = {tuple(sample_sites(1, r, nodes, 0.5)) for r in range(1, 6)}
     assert rounds != {tuple(sample_sites(1, 1, nodes, 0.5))}
@@ -98,7 +108,29 @@ def test_sampling_depends_only_on_seed_and_round() -> None:
     # the strategy trains exactly that sample
     strategy = LocalSGDAveraging(fraction_train=0.5, seed=1)
     sent = strategy.configure_train(3, BASE, ConfigRecord(), _NodesGrid(nodes))
-    assert sorted(m.metadata.dst_node_id for m in sent) == sample_sites(1, 3, nodes, 0.5)
+    assert [m.metadata.dst_node_id for m in sent] == sample_sites(1, 3, nodes, 0.5)
+
+
+def test_a_seeded_sample_picks_the_same_sites_whatever_node_ids_flower_gave() -> None:
+    sampled = []
+    for ids in ([1, 2, 3, 4], [40, 30, 20, 10]):
+        grid = ScriptedGrid({node: digits_site(i, 4) for i, node in enumerate(ids)})
+        summaries: list[RoundSummary] = []
+        RoundEngine(
+            grid,
+            LocalSGDAveraging(fraction_train=0.5, seed=3),
+            poll_interval=0.0,
+            required_sites=4,
+            on_round=summaries.append,
+        ).run(
+            digits_model(),
+            num_rounds=4,
+            train_config=ConfigRecord({keys.LOCAL_STEPS: 1, keys.LR: 0.1}),
+        )
+        sampled.append([sorted(u.site for u in s.updates) for s in summaries])
+    assert sampled[0] == sampled[1]
+    assert all(len(sites) == 2 for sites in sampled[0])
+    assert len({tuple(sites) for sites in sampled[0]}) > 1  # drawn afresh each round
 
 
 def test_configure_train_does_not_write_into_callers_config() -> None:
