@@ -17,7 +17,8 @@ Codecs
 Top-k and int8 compress the weights only: a layout's running statistics and integer
 arrays (``Layout.averaged``, by ``strategies.averaged_arrays``' rule) travel exactly,
 concatenated per carrier dtype (``averaged/float32``, ``averaged/float64``), and their
-residual stays zero. A compressed running variance can turn negative on the server.
+residual holds only the rounding to their dtypes. A compressed running variance can turn
+negative on the server.
 
 Error feedback (Seide et al. 2014; Stich et al., "Sparsified SGD with Memory", 2018; Karimireddy
 et al., "Error Feedback Fixes SignSGD", 2019) keeps what the codec dropped and sends it later::
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Protocol
@@ -816,9 +817,9 @@ def _send_averaged_exactly(v: np.ndarray, layout: Layout) -> Arrays:
     return exact
 
 
-def _averaged_keys(layout: Layout) -> dict[str, int]:
-    """The wire keys the ``Layout.averaged`` arrays travel under → each vector's length."""
-    names = layout.averaged
+def averaged_keys(layout: Layout, names: Sequence[str]) -> dict[str, int]:
+    """The wire keys ``names`` (averaged arrays of ``layout``) travel under → each
+    vector's length (``strategies.averaged_arrays.pack``)."""
     return packed_keys(
         {n: layout.dtype_of(n) for n in names},
         {n: layout.sizes[layout._position[n]] for n in names},
@@ -826,15 +827,20 @@ def _averaged_keys(layout: Layout) -> dict[str, int]:
     )
 
 
-def _averaged_from_wire(wire: Mapping[str, np.ndarray], layout: Layout) -> Arrays:
-    """The ``Layout.averaged`` arrays of a wire (its keys already checked), each in its
-    dtype and shape; ``UpdateRejected`` for a vector of the wrong dtype or length, a
-    non-finite value or one its array's dtype cannot hold."""
-    names = layout.averaged
+def _averaged_keys(layout: Layout) -> dict[str, int]:
+    return averaged_keys(layout, layout.averaged)
+
+
+def averaged_from_wire(
+    wire: Mapping[str, np.ndarray], layout: Layout, names: Sequence[str]
+) -> Arrays:
+    """The arrays ``names`` of a wire as ``pack`` made them (the wire's keys already
+    checked), each in its dtype and shape; ``UpdateRejected`` for a vector of the wrong
+    dtype or length, a non-finite value, or one its array's dtype cannot hold."""
     if not names:
         return {}
     packed = {}
-    for key, length in _averaged_keys(layout).items():
+    for key, length in averaged_keys(layout, names).items():
         value = _wire_array(wire, key, np.dtype(key.removeprefix(AVERAGED)), (length,))
         if not np.isfinite(value).all():
             raise UpdateRejected(f"wire '{key}' contains NaN or Inf")
@@ -844,13 +850,18 @@ def _averaged_from_wire(wire: Mapping[str, np.ndarray], layout: Layout) -> Array
     out: Arrays = {}
     for name, piece in unpack(packed, dtypes, sizes, names).items():
         try:
-            value = layout._cast(name, piece)
+            with np.errstate(over="ignore"):  # an overflow is found just below
+                value = layout._cast(name, piece)
         except ValueError as exc:
             raise UpdateRejected(str(exc)) from None
         if value.dtype.kind == "f" and not np.isfinite(value).all():  # float64 → float16
             raise UpdateRejected(f"array '{name}' overflows its dtype {value.dtype}")
         out[name] = value.reshape(layout.shapes[layout._position[name]])
     return out
+
+
+def _averaged_from_wire(wire: Mapping[str, np.ndarray], layout: Layout) -> Arrays:
+    return averaged_from_wire(wire, layout, layout.averaged)
 
 
 # ---------------------------------------------------------------------------- wire checks

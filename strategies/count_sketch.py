@@ -492,15 +492,15 @@ class CountSketch:
         excluded: Sequence[tuple[int, int]] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The k coordinates with the largest estimated magnitude, none in the ``excluded``
-        ranges ``[start, stop)`` (their estimates count as 0; picked, with value 0, only
-        when fewer than k others are nonzero).
+        ranges ``[start, stop)``: one of theirs picked for want of k nonzero others is
+        dropped, so fewer than k may come back then.
 
         Returns
         -------
         indices : torch.Tensor
-            (k,) int64, ordered by decreasing |estimate|.
+            (k,) int64 (or fewer, see above), ordered by decreasing |estimate|.
         values : torch.Tensor
-            (k,) float32, the signed estimates at ``indices``.
+            float32, the signed estimates at ``indices``.
         """
         require(_positive_int("k", k))
         if k > self.d:
@@ -509,6 +509,11 @@ class CountSketch:
         for start, stop in excluded:
             est[start:stop] = 0.0
         indices = top_k_largest(est.abs(), k)  # (k,)
+        if excluded:  # a zero estimate of theirs picked for want of k others
+            outside = torch.ones_like(indices, dtype=torch.bool)
+            for start, stop in excluded:
+                outside &= (indices < start) | (indices >= stop)
+            indices = indices[outside]
         return indices, est[indices]
 
     # ------------------------------------------------------------------ validation

@@ -16,7 +16,8 @@ with Sketching", 2020); the server's maths is ``strategies.sketch_feedback``. On
   sites send them whole, the server sets them to the sites' weighted mean (FedAvg's rule)
   and never picks their coordinates from the sketch.
 
-Bytes are what crossed: the sketch up; the changed coordinates (or the model) down. The
+Bytes are what crossed: the sketch and the arrays sent whole up; the changed coordinates
+(or the model) down. The
 site half is ``strategies.mods.fetchsgd_mod`` around the site's own train function; a
 ClientApp without it sends a model, not a sketch, and is rejected with a reason saying so.
 A site that lost the model it was synced to (a restarted SuperNode) says so instead of
@@ -247,7 +248,8 @@ class FetchSGD(SketchedStrategy):
         table = sketch_table(record, (self.rows, self.cols), SITE_ALGORITHM, self.averaged)
         layout = self.model.layout
         changes = {  # what the site's training did to them, so that the guard sees it
-            name: value - self.model.flat[slice(*layout.span(name))].numpy()
+            name: value.reshape(-1).astype(np.float64)
+            - self.model.flat[slice(*layout.span(name))].numpy()
             for name, value in averaged_values(record, layout, self.averaged).items()
         }
         contribution = Contribution(

@@ -23,8 +23,8 @@ from flplatform.core.errors import UpdateRejected
 from flplatform.core.seeding import derive_seed
 from flplatform.engine import AggregationPolicy, EngineStrategy, Synchrony, Update
 from flplatform.run.start import PlatformStart
-from strategies.averaged_arrays import AVERAGED, packed_keys, unpack
-from strategies.codecs import Layout
+from strategies.averaged_arrays import AVERAGED
+from strategies.codecs import Layout, averaged_from_wire, averaged_keys
 from strategies.knobs import sketched_sync_only
 from strategies.local_sgd import aggregate_batch
 from strategies.mods.fetchsgd import SKETCH
@@ -183,29 +183,20 @@ def sketch_table(
 def averaged_values(
     record: ArrayRecord, layout: Layout, averaged: Sequence[str]
 ) -> dict[str, np.ndarray]:
-    """The ``averaged`` arrays a sketch reply carries whole, each a flat float64 piece;
+    """The ``averaged`` arrays a sketch reply carries whole, each in its dtype and shape;
     ``UpdateRejected`` unless they come as ``strategies.averaged_arrays.pack`` makes them
-    (one vector per carrier dtype, of the right length, finite)."""
-    dtypes = {name: layout.dtype_of(name) for name in averaged}
-    sizes = {name: layout.span(name)[1] - layout.span(name)[0] for name in averaged}
-    expected = packed_keys(dtypes, sizes, averaged)
-    packed = {}
-    for key, length in expected.items():
+    (one vector per carrier dtype, of the right length, finite, each value fitting its
+    array's dtype: ``strategies.codecs.averaged_from_wire``)."""
+    expected = averaged_keys(layout, averaged)
+    wire = {}
+    for key in expected:
         if key not in record:
             raise UpdateRejected(f"the averaged arrays' vector '{key}' is missing")
         try:
-            vector = record[key].numpy()
+            wire[key] = record[key].numpy()
         except Exception as exc:
             raise UpdateRejected(f"'{key}' cannot be decoded: {exc}") from None
-        kind = key.removeprefix(AVERAGED)
-        if vector.shape != (length,) or vector.dtype != np.dtype(kind):
-            raise UpdateRejected(
-                f"'{key}' must be {kind} of shape ({length},), got {vector.dtype} {vector.shape}"
-            )
-        if not np.isfinite(vector).all():
-            raise UpdateRejected(f"'{key}' contains NaN or Inf")
-        packed[key] = vector
     unexpected = [k for k in record if k.startswith(AVERAGED) and k not in expected]
     if unexpected:
         raise UpdateRejected(f"unexpected arrays {unexpected!r:.200} beside the sketch")
-    return unpack(packed, dtypes, sizes, averaged)
+    return averaged_from_wire(wire, layout, averaged)

@@ -420,7 +420,8 @@ class SketchedSGD(SketchedStrategy):
         assert self.model.layout is not None
         layout = self.model.layout
         changes = {  # what the site's training did to them, so that the guard sees it
-            name: value - self.model.flat[slice(*layout.span(name))].numpy()
+            name: value.reshape(-1).astype(np.float64)
+            - self.model.flat[slice(*layout.span(name))].numpy()
             for name, value in averaged_values(record, layout, self.averaged).items()
         }
         payload = (node_id, values, changes)

@@ -193,20 +193,32 @@ class SparseModel:
         ``ValueError`` (x unchanged) when a value does not fit its array's dtype."""
         if self.layout is None:
             raise RuntimeError("SparseModel.adopt runs before the first step")
-        flat = self.flat.clone()  # x stays as it was if the new version cannot be cast
-        flat[indices] += values.to(flat.dtype)
-        changed = [indices.to(torch.int64)]
+        layout = self.layout
+        spans = {name: layout.span(name) for name in assign or {}}
+        exact = {}  # checked before anything changes
         for name, value in (assign or {}).items():
-            begin, end = self.layout.span(name)
-            flat[begin:end] = torch.from_numpy(np.asarray(value, dtype=np.float32).reshape(-1))
-            changed.append(torch.arange(begin, end))
-        arrays = self.layout.unflatten(flat.numpy())  # raises before anything is kept
-        for name in assign or {}:  # x holds an assigned array as its dtype holds it
-            begin, end = self.layout.span(name)
-            flat[begin:end] = torch.from_numpy(arrays[name].reshape(-1).astype(np.float32))
-        self.flat = flat
+            with np.errstate(over="ignore"):  # an overflow is found just below
+                cast = layout._cast(name, np.asarray(value, dtype=np.float64).reshape(-1))
+            if cast.dtype.kind == "f" and not np.isfinite(cast).all():
+                raise ValueError(f"array '{name}' overflows its dtype {cast.dtype}")
+            exact[name] = torch.from_numpy(cast.astype(np.float32))
+        # Only the touched coordinates are kept aside: x is model-sized, a copy per step
+        # would cost as much as the step.
+        before = self.flat[indices].clone()
+        kept = {name: self.flat[a:b].clone() for name, (a, b) in spans.items()}
+        self.flat[indices] += values.to(self.flat.dtype)
+        for name, (a, b) in spans.items():
+            self.flat[a:b] = exact[name]
+        try:
+            arrays = layout.unflatten(self.flat.numpy())
+        except ValueError:
+            for name, (a, b) in spans.items():
+                self.flat[a:b] = kept[name]
+            self.flat[indices] = before
+            raise
         self.version += 1
-        self.changes.record(self.version, torch.unique(torch.cat(changed)) if assign else indices)
+        changed = [indices.to(torch.int64), *(torch.arange(a, b) for a, b in spans.values())]
+        self.changes.record(self.version, torch.unique(torch.cat(changed)) if spans else indices)
         # The model's own key order, not the layout's sorted one: users load by position.
         self.record = arrays_to_record({name: arrays[name] for name in self.order})
         return self.record

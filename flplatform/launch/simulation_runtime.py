@@ -22,7 +22,7 @@ Ray process of a simulation (gcs_server, raylet, the agents, the ClientApp actor
 on 127.0.0.1 only, never on an address another machine can reach.
 
 flplatform's CLI puts a ``flwr-simulation`` script that runs :func:`main` first on the
-PATH of the SuperLink it starts (``simulation.flower_environment``); SuperExec starts the
+PATH of the SuperLink it starts (``flower.flower_environment``); SuperExec starts the
 simulation process by that name. Everything else is Flower's ``flwr-simulation``.
 """
 

@@ -46,15 +46,14 @@ Every mod here, for a training message of its algorithm:
 7. **Passes every other message through untouched**: queries, evaluation, and training
    messages of another algorithm.
 
-Arrays no codec compresses: ``int8`` sends integer and bool arrays raw beside the
-quantized floats; FetchSGD sends the arrays its server names (running statistics and
-integer arrays, ``strategies.averaged_arrays``) whole beside the sketch, and its server
-sets them to the sites' weighted mean. ``topk`` and Sketched-SGD treat every coordinate
-alike (an integer counter's delta is a coordinate like any other; the server rounds
-integer arrays when it applies a step). Deltas travel in the model's dtypes, so a bool or
-unsigned array can only grow through a delta upload (a mask bit turned off, an unsigned
-counter that decreases, does not reach the server): keep such arrays constant during
-training, or use local-SGD without a codec, which sends the model whole. Flower's
+Arrays nothing compresses: running statistics and integer and bool arrays
+(``strategies.averaged_arrays``). ``topk`` and ``int8`` send their deltas exactly beside
+the compressed weights; FetchSGD and Sketched-SGD keep them out of the sketch, sites send
+their trained values whole and the server sets them to the sites' weighted mean. Deltas
+travel in the model's dtypes, so a bool or unsigned array can only grow through a delta
+upload (a mask bit turned off, an unsigned counter that decreases, does not reach the
+server): keep such arrays constant during training, or use local-SGD without a codec,
+which sends the model whole. Flower's
 ``ArrayRecord`` cannot hold bfloat16 (NumPy has no such dtype): keep bfloat16 models'
 weights in float32 between rounds (autocast for speed).
 """

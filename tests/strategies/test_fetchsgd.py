@@ -119,6 +119,9 @@ def test_running_statistics_and_counters_are_averaged_whole_not_sketched() -> No
     )
     averaged = ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
     assert list(strategy.averaged) == averaged
+    layout = Layout.of(models[0])
+    assert strategy.feedback is not None  # the sketch never picks their coordinates
+    assert strategy.feedback.excluded == tuple(layout.span(n) for n in averaged)
     assert all(u.status == APPLIED for s in summaries for u in s.updates)
     replies = [r for r in grid.replies if keys.METRICS in r.content.metric_records]
     assert len(replies) == 4 * 4
@@ -243,6 +246,7 @@ def test_excluded_coordinates_are_never_picked(
     allowed = int((masked != 0).sum())
     expected = np.argsort(-np.abs(masked), kind="stable")[: min(k, allowed)]
     assert sorted(indices.tolist()[: min(k, allowed)]) == sorted(expected.tolist())
+    assert not any(start <= i < stop for i in indices.tolist() for start, stop in excluded)
     picked = indices.numpy()[: len(expected)]
     np.testing.assert_allclose(values.numpy()[: len(expected)], masked[picked], atol=1e-6)
 
@@ -396,7 +400,7 @@ def test_malformed_sketches_are_rejected(arrays: dict, reason: str) -> None:
     assert strategy.finish_aggregation() == (None, None)
 
 
-NORM_MODEL = {"w": np.zeros(10, np.float32), "bn.running_var": np.ones(2, np.float32)}
+NORM_MODEL = {"w": np.zeros(10, np.float32), "bn.running_var": np.ones(2, np.float16)}
 TABLE = np.zeros((5, 50), np.float32)
 
 
@@ -412,6 +416,8 @@ TABLE = np.zeros((5, 50), np.float32)
             "unexpected",
         ),
         ({"sketch": TABLE, "w": np.ones(2, np.float32)}, r"fetchsgd_mod\(\)"),
+        # a value no float16 can hold
+        ({"sketch": TABLE, "averaged/float32": np.array([1, 1e30], np.float32)}, "overflows"),
     ],
 )
 def test_malformed_averaged_arrays_are_rejected(arrays: dict, reason: str) -> None:
@@ -421,6 +427,20 @@ def test_malformed_averaged_arrays_are_rejected(arrays: dict, reason: str) -> No
     with pytest.raises(UpdateRejected, match=reason):
         strategy.accumulate(sketch_reply(arrays), base=base)
     assert strategy.finish_aggregation() == (None, None)
+
+
+def test_a_counter_beyond_its_dtype_is_rejected_and_the_round_goes_on() -> None:
+    model = {**NORM_MODEL, "bn.num_batches_tracked": np.array(3, np.int64)}
+    strategy = FetchSGD(k=3, sketch_cols=50)
+    base = arrays_to_record(model)
+    strategy.begin_aggregation(1, base)
+    honest = {"sketch": TABLE, "averaged/float32": np.ones(2, np.float32)}
+    hostile = {**honest, "averaged/float64": np.array([1e300])}
+    with pytest.raises(UpdateRejected, match="outside the range of int64"):
+        strategy.accumulate(sketch_reply(hostile), base=base)
+    strategy.accumulate(sketch_reply({**honest, "averaged/float64": np.array([8.0])}), base=base)
+    arrays, _ = strategy.finish_aggregation()
+    assert record_to_arrays(arrays)["bn.num_batches_tracked"] == 8
 
 
 def test_the_guard_sees_what_training_did_to_the_averaged_arrays() -> None:
