@@ -299,9 +299,7 @@ def test_a_server_whose_port_was_taken_meanwhile_starts_on_another(
     taken = _taken_ports(2)
     chosen = [sock.getsockname()[1] for sock in taken]
     real_free_port = flower.free_port
-    monkeypatch.setattr(
-        flower, "free_port", lambda: chosen.pop(0) if chosen else real_free_port()
-    )
+    monkeypatch.setattr(flower, "free_port", lambda: chosen.pop(0) if chosen else real_free_port())
     started: list[int] = []
     try:
         proc, port = start_on_free_port(

@@ -3,9 +3,18 @@ beside its weights (the arrays ``strategies.averaged_arrays`` keeps out of sketc
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+from flwr.app import Message
 from torch import nn
 
+from flplatform.core import keys
+from strategies.averaged_arrays import unpack
+
 SPEC = "tests.helpers.norm_model:net"  # as a run config's `model` names it
+# net()'s arrays sent whole beside a compressed update (strategies/averaged_arrays.py)
+AVERAGED = ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
 
 
 def net() -> nn.Module:
@@ -18,3 +27,27 @@ def net() -> nn.Module:
         nn.Flatten(),
         nn.Linear(8 * 4 * 4, 10),
     )
+
+
+def mean_of_sent(replies: Sequence[Message], model: Mapping[str, np.ndarray]) -> dict:
+    """The example-weighted mean of the ``AVERAGED`` arrays the replies carry whole (flat,
+    float64), as FedAvg would average them."""
+    dtypes = {n: model[n].dtype for n in AVERAGED}
+    sizes = {n: int(model[n].size) for n in AVERAGED}
+    weights = [float(r.content[keys.METRICS][keys.NUM_EXAMPLES]) for r in replies]
+    sent = [
+        unpack(
+            {
+                k: r.content[keys.ARRAYS][k].numpy()
+                for k in ("averaged/float32", "averaged/float64")
+            },
+            dtypes,
+            sizes,
+            AVERAGED,
+        )
+        for r in replies
+    ]
+    return {
+        name: sum(w * s[name] for w, s in zip(weights, sent, strict=True)) / sum(weights)
+        for name in AVERAGED
+    }

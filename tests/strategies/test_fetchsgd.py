@@ -117,7 +117,7 @@ def test_running_statistics_and_counters_are_averaged_whole_not_sketched() -> No
         sketch_cols=60,
         fraction_train=1.0,
     )
-    averaged = ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
+    averaged = norm_model.AVERAGED
     assert list(strategy.averaged) == averaged
     layout = Layout.of(models[0])
     assert strategy.feedback is not None  # the sketch never picks their coordinates
@@ -126,29 +126,9 @@ def test_running_statistics_and_counters_are_averaged_whole_not_sketched() -> No
     replies = [r for r in grid.replies if keys.METRICS in r.content.metric_records]
     assert len(replies) == 4 * 4
     assert len(models) == 1 + 4
-    layout = Layout.of(models[0])
-    dtypes = {n: layout.dtype_of(n) for n in averaged}
-    sizes = {n: int(models[0][n].size) for n in averaged}
     for round_, (before, now) in enumerate(pairwise(models)):
-        round_replies = replies[4 * round_ : 4 * round_ + 4]
-        weights = np.array(
-            [r.content[keys.METRICS][keys.NUM_EXAMPLES] for r in round_replies], np.float64
-        )
-        uploads = [
-            unpack(
-                {
-                    k: r.content[keys.ARRAYS][k].numpy()
-                    for k in ("averaged/float32", "averaged/float64")
-                },
-                dtypes,
-                sizes,
-                averaged,
-            )
-            for r in round_replies
-        ]
-        for name in averaged:
-            sent = [upload[name] for upload in uploads]
-            mean = sum(w * v for w, v in zip(weights, sent, strict=True)) / weights.sum()
+        means = norm_model.mean_of_sent(replies[4 * round_ : 4 * round_ + 4], models[0])
+        for name, mean in means.items():
             if now[name].dtype.kind == "f":
                 np.testing.assert_allclose(now[name].reshape(-1), mean, rtol=1e-5, atol=1e-6)
             else:  # the counter: every site took the same steps

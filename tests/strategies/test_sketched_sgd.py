@@ -24,7 +24,6 @@ from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.core.errors import ConfigError, StepRefused, UpdateRejected
 from flplatform.engine import APPLIED, RoundSummary
 from flplatform.engine.engine import RoundEngine
-from strategies.averaged_arrays import unpack
 from strategies.codecs import Layout
 from strategies.local_sgd import LocalSGDAveraging
 from strategies.mods.contract import ModState
@@ -179,12 +178,10 @@ def test_running_statistics_travel_whole_with_the_values_and_are_averaged_in_the
         model=norm_model.SPEC,
         on_round=lambda _: models.append(record_to_arrays(strategy.model.record)),
     )
-    averaged = ["1.running_mean", "1.running_var", "1.num_batches_tracked"]
+    averaged = norm_model.AVERAGED
     assert list(strategy.averaged) == averaged
     assert all(u.status == APPLIED for s in summaries for u in s.updates)
     layout = Layout.of(models[0])
-    dtypes = {n: layout.dtype_of(n) for n in averaged}
-    sizes = {n: int(models[0][n].size) for n in averaged}
     values_replies = [
         r
         for r in grid.replies
@@ -195,21 +192,7 @@ def test_running_statistics_travel_whole_with_the_values_and_are_averaged_in_the
         replies = values_replies[4 * step : 4 * step + 4]
         before, after = models[2 * step + 1], models[2 * step + 2]  # the sketch round's, the step's
         assert all(np.array_equal(before[n], models[2 * step][n]) for n in before)
-        weights = np.array([r.content[keys.METRICS][keys.NUM_EXAMPLES] for r in replies], float)
-        sent = [
-            unpack(
-                {
-                    k: r.content[keys.ARRAYS][k].numpy()
-                    for k in ("averaged/float32", "averaged/float64")
-                },
-                dtypes,
-                sizes,
-                averaged,
-            )
-            for r in replies
-        ]
-        for name in averaged:
-            mean = sum(w * v[name] for w, v in zip(weights, sent, strict=True)) / weights.sum()
+        for name, mean in norm_model.mean_of_sent(replies, models[0]).items():
             np.testing.assert_allclose(after[name].reshape(-1), mean, rtol=1e-5, atol=1e-6)
         assert (after["1.running_var"] > 0).all()
         assert after["1.num_batches_tracked"] == 5 * (step + 1)
