@@ -46,7 +46,12 @@ ROUNDS = 7
 # (id, options, kill after these committed rounds); options are run-config keys, given to
 # `flplatform simulate` as the options of the same names.
 CASES = [
-    ("local-sgd-momentum-sync", {"server-momentum": 0.9}, (2, 4, 5)),
+    # two of the three sites a round: a resumed run samples the same sites by name
+    (
+        "local-sgd-momentum-sync-sampled",
+        {"server-momentum": 0.9, "fraction-train": 0.67},
+        (2, 4, 5),
+    ),
     (
         "local-sgd-momentum-topk-k-async",
         {"server-momentum": 0.9, "sync": "k-async", "k": 2, "codec": "topk:0.1"},
