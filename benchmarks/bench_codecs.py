@@ -25,14 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from strategies.codecs import (
-    Codec,
-    ErrorFeedback,
-    Layout,
-    StochasticInt8,
-    TopK,
-    wire_nbytes,
-)
+from strategies.codecs import Codec, ErrorFeedback, StochasticInt8, TopK, wire_nbytes
+from strategies.layout import Layout
 
 
 def timed(fn: Callable[[], object], repeats: int) -> float:

@@ -124,8 +124,9 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from flplatform.core import keys
 from flplatform.core.arrays import arrays_to_record, record_to_arrays
-from strategies.codecs import Codec, ErrorFeedback, Layout, difference, make_codec
+from strategies.codecs import Codec, ErrorFeedback, make_codec
 from strategies.compensation import SitePeriods
+from strategies.layout import Layout, difference
 from strategies.mods import codec_mod, delayed_mod, fetchsgd_mod, model_mod, sketched_sgd_mod
 from strategies.mods.codec import RESIDUAL
 from strategies.mods.contract import (

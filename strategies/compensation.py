@@ -42,8 +42,8 @@ import numpy as np
 
 from flplatform.core.checks import require
 from flplatform.core.errors import ConfigError
-from strategies.codecs import difference
 from strategies.knobs import delay_problem
+from strategies.layout import difference
 
 Arrays = dict[str, np.ndarray]
 
@@ -119,7 +119,7 @@ class SitePeriods:
         compensate: bool,
     ) -> Arrays:
         """A_{n,period} = (trained − start) + carry, rounded to the model's dtypes: what is
-        sent (the float64 difference rounded, ``strategies.codecs.difference``).
+        sent (the float64 difference rounded, ``strategies.layout.difference``).
 
         Compensating, it is also kept (exactly as sent, so the site's model is the sum
         of what the server knows) until its average arrives.

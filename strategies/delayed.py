@@ -74,9 +74,10 @@ from strategies.aggregation import (
     WeightedDeltaSum,
     apply_server_update,
 )
-from strategies.codecs import Codec, Identity, Layout, make_codec
+from strategies.codecs import Codec, Identity, make_codec
 from strategies.compensation import ServerPeriods
 from strategies.knobs import DELAYED_SYNC_ONLY, DelayedKnobs
+from strategies.layout import Layout
 from strategies.local_sgd import (
     aggregate_batch,
     reject_state_lost,

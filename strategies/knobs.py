@@ -25,7 +25,7 @@ from flplatform.core.checks import (
     unit_interval,
 )
 from flplatform.core.errors import ConfigError
-from strategies.codecs import make_codec  # the one parser of a spec (no torch)
+from strategies.codecs import make_codec  # the one parser of a spec (no torch
 
 MEAN, MEDIAN, TRIMMED_MEAN = "mean", "median", "trimmed-mean"
 AGGREGATORS = (MEAN, MEDIAN, TRIMMED_MEAN)  # local-SGD averaging's ways to combine updates

@@ -63,8 +63,9 @@ from strategies.aggregation import (
     float64_model,
     model_delta,
 )
-from strategies.codecs import Codec, Identity, Layout, make_codec
+from strategies.codecs import Codec, Identity, make_codec
 from strategies.knobs import MEAN, MEDIAN, LocalSGDKnobs
+from strategies.layout import Layout
 from strategies.sampling import evaluation_messages, mean_evaluation, sample_sites
 
 log = logging.getLogger("flplatform.strategies.local_sgd")

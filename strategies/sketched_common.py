@@ -24,8 +24,9 @@ from flplatform.core.seeding import derive_seed
 from flplatform.engine import AggregationPolicy, EngineStrategy, Synchrony, Update
 from flplatform.run.start import PlatformStart
 from strategies.averaged_arrays import AVERAGED
-from strategies.codecs import Layout, averaged_from_wire, averaged_keys
+from strategies.codecs import averaged_from_wire, averaged_keys
 from strategies.knobs import sketched_sync_only
+from strategies.layout import Layout
 from strategies.local_sgd import aggregate_batch
 from strategies.mods.fetchsgd import SKETCH
 from strategies.sampling import evaluation_messages, mean_evaluation

@@ -24,7 +24,7 @@ from flwr.app import ArrayRecord
 
 from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.core.state import MISSING, StateReader
-from strategies.codecs import Layout
+from strategies.layout import Layout
 from strategies.top_k import index_dtype
 
 SYNC_INDICES, SYNC_VALUES = "sync.indices", "sync.values"  # a sparse download

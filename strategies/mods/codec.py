@@ -21,7 +21,8 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord
 
 from flplatform.core import keys
 from flplatform.core.seeding import rng_for
-from strategies.codecs import Codec, ErrorFeedback, Identity, difference, make_codec
+from strategies.codecs import Codec, ErrorFeedback, Identity, make_codec
+from strategies.layout import difference
 from strategies.mods.contract import (
     Mod,
     TrainFunction,

@@ -26,8 +26,8 @@ from flwr.app import ConfigRecord, Context, Message
 from flplatform.core import keys
 from flplatform.core.errors import ConfigError
 from strategies.averaged_arrays import pack
-from strategies.codecs import Layout
 from strategies.count_sketch import CountSketch, sketch_device
+from strategies.layout import Layout
 from strategies.mods.contract import (
     Mod,
     ModState,

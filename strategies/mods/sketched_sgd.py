@@ -31,8 +31,8 @@ from flplatform.core import keys
 from flplatform.core.arrays import record_views
 from flplatform.core.errors import ConfigError
 from strategies.averaged_arrays import pack
-from strategies.codecs import Layout
 from strategies.count_sketch import sketch_device
+from strategies.layout import Layout
 from strategies.mods.contract import (
     Mod,
     ModState,

@@ -25,7 +25,8 @@ from clients.attacks import (
 from flplatform.core import keys
 from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.core.errors import ConfigError
-from strategies.codecs import Layout, make_codec
+from strategies.codecs import make_codec
+from strategies.layout import Layout
 from strategies.mods import flplatform_mod
 from strategies.sparse_sync import DENSE
 

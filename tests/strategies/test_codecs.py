@@ -16,15 +16,14 @@ from strategies.codecs import (
     Codec,
     ErrorFeedback,
     Identity,
-    Layout,
     StochasticInt8,
     TopK,
     Wire,
-    difference,
     make_codec,
     quantize_int8,
     wire_nbytes,
 )
+from strategies.layout import Layout, difference
 from strategies.top_k import _magnitude_candidates, top_k_by_magnitude
 
 Arrays = dict[str, np.ndarray]

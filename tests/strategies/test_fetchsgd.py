@@ -27,8 +27,8 @@ from flplatform.core.errors import ConfigError, UpdateRejected
 from flplatform.engine import APPLIED, RoundSummary
 from flplatform.engine.engine import RoundEngine
 from strategies.averaged_arrays import averaged_arrays, pack, packed_keys, unpack
-from strategies.codecs import Layout
 from strategies.fetchsgd import FetchSGD
+from strategies.layout import Layout
 from strategies.mods.contract import ModState
 from strategies.mods.fetchsgd import sketched_upload, synced_model
 from strategies.sketch_feedback import SketchFeedback

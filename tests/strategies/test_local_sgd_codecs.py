@@ -12,7 +12,8 @@ from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.core.errors import ConfigError, UpdateRejected
 from flplatform.engine import APPLIED, REJECTED, RoundSummary
 from flplatform.engine.engine import RoundEngine
-from strategies.codecs import Layout, TopK
+from strategies.codecs import TopK
+from strategies.layout import Layout
 from strategies.local_sgd import LocalSGDAveraging
 from tests.helpers import norm_model
 from tests.helpers.delayed_sites import digits_site

@@ -26,9 +26,10 @@ from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.core.errors import UpdateRejected
 from flplatform.engine import APPLIED, REJECTED, PeriodSync, RoundSummary, Synchrony
 from flplatform.engine.engine import RoundEngine
-from strategies.codecs import Layout, make_codec
+from strategies.codecs import make_codec
 from strategies.delayed import DelayedCompensated
 from strategies.fetchsgd import FetchSGD
+from strategies.layout import Layout
 from strategies.local_sgd import LocalSGDAveraging
 from strategies.mods import (
     codec_mod,

@@ -32,8 +32,8 @@ from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.core.errors import ConfigError
 from flplatform.engine import APPLIED, PeriodSync, RoundSummary, Synchrony
 from flplatform.engine.engine import RoundEngine
-from strategies.codecs import Layout
 from strategies.delayed import DelayedCompensated
+from strategies.layout import Layout
 from strategies.mods import codec_mod, delayed_mod, fetchsgd_mod, sketched_sgd_mod, snapshots
 from strategies.mods.contract import Mod, ModState
 from strategies.mods.sketched_sgd import CANDIDATES, StepPhase

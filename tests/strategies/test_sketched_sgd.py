@@ -24,7 +24,7 @@ from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.core.errors import ConfigError, StepRefused, UpdateRejected
 from flplatform.engine import APPLIED, RoundSummary
 from flplatform.engine.engine import RoundEngine
-from strategies.codecs import Layout
+from strategies.layout import Layout
 from strategies.local_sgd import LocalSGDAveraging
 from strategies.mods.contract import ModState
 from strategies.mods.fetchsgd import MODEL
