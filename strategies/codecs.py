@@ -166,7 +166,7 @@ class TopK:
         x = layout.flatten(update, dtype=np.float32 if single else np.float64)  # (d,)
         if not np.isfinite(x).all():
             raise ValueError("cannot encode an update with NaN or Inf")
-        _zero_averaged(x, layout)
+        layout.zero(x, layout.averaged)
         idx = top_k_by_magnitude(x, self.k_for(layout.size))  # (k,)
         return {
             TOPK_INDICES: idx.astype(index_dtype(layout.size)),
@@ -176,7 +176,9 @@ class TopK:
 
     def decode(self, wire: Mapping[str, np.ndarray], layout: Layout) -> Arrays:
         """Scatter the k values into a dense update of ``layout``; reject malformed input."""
-        _check_keys(wire, {TOPK_INDICES, TOPK_VALUES, *_averaged_keys(layout)}, self.name)
+        _check_keys(
+            wire, {TOPK_INDICES, TOPK_VALUES, *averaged_keys(layout, layout.averaged)}, self.name
+        )
         d, k = layout.size, self.k_for(layout.size)
         idx = _wire_array(wire, TOPK_INDICES, index_dtype(d), (k,))
         values = _wire_array(wire, TOPK_VALUES, np.dtype(np.float32), (k,))
@@ -197,7 +199,7 @@ class TopK:
             out = layout.scatter(idx, values)
         except ValueError as exc:  # a value that does not fit an integer buffer
             raise UpdateRejected(str(exc)) from None
-        out.update(_averaged_from_wire(wire, layout))
+        out.update(averaged_from_wire(wire, layout, layout.averaged))
         return out
 
 
@@ -284,7 +286,7 @@ class StochasticInt8:
     def decode(self, wire: Mapping[str, np.ndarray], layout: Layout) -> Arrays:
         """Dequantize q·s/127 into each float array's dtype; check the exact ones."""
         _check_keys(wire, self._keys(layout), self.name)
-        out: Arrays = _averaged_from_wire(wire, layout)
+        out: Arrays = averaged_from_wire(wire, layout, layout.averaged)
         for n, shape, dtype in zip(layout.names, layout.shapes, layout.dtypes, strict=True):
             if n in out:
                 continue
@@ -307,7 +309,7 @@ class StochasticInt8:
     @staticmethod
     def _keys(layout: Layout) -> set[str]:
         """The wire keys of ``layout``; a float array 'x' beside a float 'x.scale' collide."""
-        keys: list[str] = list(_averaged_keys(layout))
+        keys: list[str] = list(averaged_keys(layout, layout.averaged))
         for n in layout.names:
             if n not in layout.averaged:
                 keys += [INT8_PREFIX + n, INT8_PREFIX + n + SCALE_SUFFIX]
@@ -515,7 +517,7 @@ def _topk_feedback(
     x = _in_dtypes_float32(v, layout)  # (d,)
     if not np.isfinite(x).all():
         raise ValueError("cannot encode an update with NaN or Inf")
-    _zero_averaged(x, layout)
+    layout.zero(x, layout.averaged)
     idx = top_k_by_magnitude(x, codec.k_for(layout.size))  # (k,) ascending
     values = x[idx]  # (k,) float32: what the server scatters, in each array's dtype
     del x
@@ -558,19 +560,12 @@ def _int8_feedback(
         if dense:
             sent[name] = decoded.reshape(shape)
     wire.update(
-        pack({name: values[layout.names.index(name)] for name in layout.averaged}, layout.averaged)
+        pack({name: values[layout._position[name]] for name in layout.averaged}, layout.averaged)
     )
     return wire, sent if dense else None
 
 
 # ------------------------------------------------------------- arrays sent exactly
-def _zero_averaged(x: np.ndarray, layout: Layout) -> None:
-    """Zero the ``Layout.averaged`` arrays' coordinates of a flat vector: never selected."""
-    for name in layout.averaged:
-        start, stop = layout.span(name)
-        x[start:stop] = 0
-
-
 def _send_averaged_exactly(v: np.ndarray, layout: Layout) -> Arrays:
     """The ``Layout.averaged`` arrays of flat v in their dtypes (flat), what the server
     gets; v's coordinates become what rounding to those dtypes left (the residual)."""
@@ -590,10 +585,6 @@ def averaged_keys(layout: Layout, names: Sequence[str]) -> dict[str, int]:
         {n: layout.sizes[layout._position[n]] for n in names},
         names,
     )
-
-
-def _averaged_keys(layout: Layout) -> dict[str, int]:
-    return averaged_keys(layout, layout.averaged)
 
 
 def averaged_from_wire(
@@ -623,10 +614,6 @@ def averaged_from_wire(
             raise UpdateRejected(f"array '{name}' overflows its dtype {value.dtype}")
         out[name] = value.reshape(layout.shapes[layout._position[name]])
     return out
-
-
-def _averaged_from_wire(wire: Mapping[str, np.ndarray], layout: Layout) -> Arrays:
-    return averaged_from_wire(wire, layout, layout.averaged)
 
 
 # ---------------------------------------------------------------------------- wire checks

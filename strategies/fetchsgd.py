@@ -42,13 +42,17 @@ from flplatform.core.reply_checks import check_num_examples, reply_parts
 from flplatform.core.state import StateReader
 from flplatform.engine import Contribution, Update
 from flplatform.engine.replies import first_number
-from strategies.averaged_arrays import averaged_arrays
 from strategies.count_sketch import CountSketch, sketch_device
 from strategies.knobs import FetchSGDKnobs
 from strategies.local_sgd import reject_state_lost
 from strategies.sampling import sample_sites
 from strategies.sketch_feedback import SketchFeedback
-from strategies.sketched_common import SketchedStrategy, averaged_values, sketch_table
+from strategies.sketched_common import (
+    AveragedSum,
+    SketchedStrategy,
+    averaged_changes,
+    sketch_table,
+)
 from strategies.sparse_sync import SparseModel
 
 log = logging.getLogger("flplatform.strategies.fetchsgd")
@@ -114,9 +118,8 @@ class FetchSGD(SketchedStrategy):
         self.rho, self.eta, self.removal = rho, eta, removal
         # Fixed once the model is known (first configure_train or begin_aggregation).
         self.feedback: SketchFeedback | None = None
-        self.averaged: tuple[str, ...] = ()  # arrays averaged whole, not sketched
         self._table: torch.Tensor | None = None
-        self._averaged_sum: dict[str, np.ndarray] = {}  # Σ w·s·(site's value − x), float64
+        self._averaged = AveragedSum()  # the arrays sent whole, this round
         self._weight = 0.0
         self._count = 0
         self._loss = (0.0, 0.0)
@@ -137,25 +140,22 @@ class FetchSGD(SketchedStrategy):
     def _use(self, arrays: ArrayRecord) -> None:
         """Adopt ``arrays`` as x the first time (the engine's initial model)."""
         if self.model.adopt(arrays):
-            self.feedback, self.averaged = self._feedback_for(self.model)
+            self.feedback = self._feedback_for(self.model)
 
-    def _feedback_for(self, model: SparseModel) -> tuple[SketchFeedback, tuple[str, ...]]:
-        """The sketch state for ``model`` (empty tables), and its arrays averaged whole."""
+    def _feedback_for(self, model: SparseModel) -> SketchFeedback:
+        """The sketch state for ``model`` (empty tables)."""
         assert model.layout is not None
-        layout = model.layout
-        averaged = averaged_arrays({name: layout.dtype_of(name) for name in model.order})
         sketch = CountSketch.from_seed(
             model.size, rows=self.rows, cols=self.cols, seed=self.sketch_seed
         )
-        feedback = SketchFeedback(
+        return SketchFeedback(
             sketch,
             k=self.k,
             rho=self.rho,
             eta=self.eta,
             removal=self.removal,
-            excluded=tuple(layout.span(name) for name in averaged),
+            excluded=model.averaged_spans(),
         )
-        return feedback, averaged
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -202,14 +202,13 @@ class FetchSGD(SketchedStrategy):
                 reader.add("the saved model is not the model this run holds")
         reader.raise_if_any()
         assert model is not None  # a problem was noted otherwise
-        feedback: SketchFeedback | None = None
-        averaged: tuple[str, ...] = ()
+        feedback = None
         if model.layout is not None:
-            feedback, averaged = self._feedback_for(model)
+            feedback = self._feedback_for(model)
             if tables:
                 feedback.momentum = torch.from_numpy(tables["momentum"])
                 feedback.error = torch.from_numpy(tables["error"])
-        self.model, self.feedback, self.averaged = model, feedback, averaged
+        self.model, self.feedback = model, feedback
 
     # ------------------------------------------------------------ Flower hooks
     def configure_train(
@@ -218,10 +217,9 @@ class FetchSGD(SketchedStrategy):
         """Send each sampled site the coordinates it lacks and the sketch to use."""
         self._use(arrays)
         nodes = sample_sites(self.seed, server_round, grid.get_node_ids(), self.fraction_train)
-        extra = {keys.AVERAGED_ARRAYS: list(self.averaged)} if self.averaged else {}
         return [
             Message(
-                self._sketch_content(node_id, server_round, config, **extra)[0],
+                self._sketch_content(node_id, server_round, config)[0],
                 dst_node_id=node_id,
                 message_type=MessageType.TRAIN,
             )
@@ -233,25 +231,20 @@ class FetchSGD(SketchedStrategy):
         """Start summing this round's tables."""
         self._use(arrays)
         self._table, self._weight, self._count, self._loss = None, 0.0, 0, (0.0, 0.0)
-        self._averaged_sum = {}
+        self._averaged = AveragedSum()
 
     def read_update(self, reply: Message, *, base: ArrayRecord) -> Update:
         """Read S(g_n) and the arrays averaged whole; the site now holds the version its
         message carried."""
-        assert self.feedback is not None and self.model.layout is not None
+        assert self.feedback is not None
         # Unconfirmed, a site that lost its model is sent the whole model next time.
         reject_state_lost(reply.content, "it is sent the whole model next time")
         record, metrics = reply_parts(reply)
         # It applied the download, whatever becomes of its sketch.
         self.model.confirm(reply.metadata.src_node_id)
         num_examples = check_num_examples(metrics.get(keys.NUM_EXAMPLES))
-        table = sketch_table(record, (self.rows, self.cols), SITE_ALGORITHM, self.averaged)
-        layout = self.model.layout
-        changes = {  # what the site's training did to them, so that the guard sees it
-            name: value.reshape(-1).astype(np.float64)
-            - self.model.flat[slice(*layout.span(name))].numpy()
-            for name, value in averaged_values(record, layout, self.averaged).items()
-        }
+        table = sketch_table(record, (self.rows, self.cols), SITE_ALGORITHM, self.model.averaged)
+        changes = averaged_changes(record, self.model)
         contribution = Contribution(
             num_examples=num_examples,
             train_loss=first_number(metrics, keys.TRAIN_LOSS_ALIASES),
@@ -267,10 +260,7 @@ class FetchSGD(SketchedStrategy):
         # float64: finite float32 tables times large weights cannot overflow the sum
         weighted = torch.from_numpy(table.astype(np.float64)) * float(weight * scale)
         self._table = weighted if self._table is None else self._table.add_(weighted)
-        for name, change in changes.items():
-            total = self._averaged_sum.get(name)
-            part = change * float(weight * scale)
-            self._averaged_sum[name] = part if total is None else total + part
+        self._averaged.add(changes, float(weight * scale))
         self._weight += weight
         self._count += 1
         loss = update.contribution.train_loss
@@ -293,18 +283,17 @@ class FetchSGD(SketchedStrategy):
         device = sketch_device() if self.removal == "zero" else torch.device("cpu")
         indices, values = self.feedback.step(mean.to(device))
         indices, values = indices.cpu(), values.cpu()
-        averaged = self._averaged_means()
+        averaged = self._averaged.means(self.model, self._weight)
         problem = None
         if not (
             torch.isfinite(values).all()
             and torch.isfinite(self.model.flat[indices] + values.to(self.model.flat.dtype)).all()
-            and all(np.isfinite(mean.astype(np.float32)).all() for mean in averaged.values())
         ):
             problem = "the step would make the model non-finite in float32"
         else:
             try:
                 record = self.model.apply(indices, values, averaged)
-            except ValueError as exc:  # an averaged integer array out of its dtype's range
+            except ValueError as exc:  # an averaged array's mean out of its dtype's range
                 problem = f"the step does not fit the model: {exc}"
         if problem is not None:
             # Momentum and error as they were: the refused step leaves no trace.
@@ -320,13 +309,3 @@ class FetchSGD(SketchedStrategy):
             metrics[keys.TRAIN_LOSS] = self._loss[0] / self._loss[1]
         self._table = None
         return record, metrics
-
-    def _averaged_means(self) -> dict[str, np.ndarray]:
-        """Each averaged array's new value: x + Σ w·s·(value − x) / Σ w (float64)."""
-        assert self.model.layout is not None
-        layout = self.model.layout
-        return {
-            name: self.model.flat[slice(*layout.span(name))].numpy().astype(np.float64)
-            + total / self._weight
-            for name, total in self._averaged_sum.items()
-        }

@@ -11,7 +11,7 @@ NumPy; no Flower imports.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -100,6 +100,12 @@ class Layout:
         """Flat coordinates ``[start, stop)`` of array ``name``."""
         j = self._position[name]
         return self.offsets[j], self.offsets[j] + self.sizes[j]
+
+    def zero(self, vector: np.ndarray, names: Sequence[str]) -> None:
+        """Zero the coordinates of arrays ``names`` in a flat (d,) ``vector``, in place."""
+        for name in names:
+            start, stop = self.span(name)
+            vector[start:stop] = 0
 
     def dtype_of(self, name: str) -> np.dtype[Any]:
         """Dtype of array ``name``."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -85,10 +86,16 @@ class SketchedStrategy(PlatformStart, Strategy, EngineStrategy):
                 keys.SKETCH_SEED: self.sketch_seed,
                 keys.SKETCH_ROWS: self.rows,
                 keys.SKETCH_COLS: self.cols,
+                **self.averaged_config(),
                 **extra,
             }
         )
         return RecordDict({keys.ARRAYS: record, keys.CONFIG: site_config}), sync_from
+
+    def averaged_config(self) -> dict[str, list[str]]:
+        """The round config naming the arrays the sites send whole (none: nothing)."""
+        averaged = self.model.averaged
+        return {keys.AVERAGED_ARRAYS: list(averaged)} if averaged else {}
 
     def message_not_sent(self, message: Message) -> None:
         """The engine did not send this drafted message: its site holds what it held.
@@ -201,3 +208,33 @@ def averaged_values(
     if unexpected:
         raise UpdateRejected(f"unexpected arrays {unexpected!r:.200} beside the sketch")
     return averaged_from_wire(wire, layout, averaged)
+
+
+def averaged_changes(record: ArrayRecord, model: SparseModel) -> dict[str, np.ndarray]:
+    """What a site's training did to the arrays it sent whole: its value − x, flat float64
+    (``averaged_values`` checks them). The guard sees these beside the sketch or values."""
+    assert model.layout is not None
+    return {
+        name: value.reshape(-1).astype(np.float64) - model.flat[model.span(name)].numpy()
+        for name, value in averaged_values(record, model.layout, model.averaged).items()
+    }
+
+
+@dataclass
+class AveragedSum:
+    """Σ w·s·(value − x) of a step's arrays sent whole, and the new values it gives."""
+
+    totals: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def add(self, changes: dict[str, np.ndarray], factor: float) -> None:
+        """Add ``factor`` (w·s) times one site's changes."""
+        for name, change in changes.items():
+            total = self.totals.get(name)
+            self.totals[name] = change * factor if total is None else total + change * factor
+
+    def means(self, model: SparseModel, weight: float) -> dict[str, np.ndarray]:
+        """Each array's new value, x + Σ w·s·(value − x) / Σ w (float64, flat)."""
+        return {
+            name: model.flat[model.span(name)].numpy().astype(np.float64) + total / weight
+            for name, total in self.totals.items()
+        }

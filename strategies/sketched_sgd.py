@@ -53,7 +53,7 @@ from flplatform.core.reply_checks import check_num_examples, reply_parts
 from flplatform.core.state import MISSING, StateReader
 from flplatform.engine import Contribution, Update
 from flplatform.engine.replies import first_number, record_of
-from strategies.averaged_arrays import AVERAGED, averaged_arrays
+from strategies.averaged_arrays import AVERAGED
 from strategies.count_sketch import CountSketch, sketch_device
 from strategies.knobs import SketchedSGDKnobs
 from strategies.local_sgd import reject_state_lost, state_lost_note
@@ -66,7 +66,12 @@ from strategies.mods.sketched_sgd import (
 )
 from strategies.sampling import sample_sites
 from strategies.sketch_feedback import candidate_coordinates, exact_top_k
-from strategies.sketched_common import SketchedStrategy, averaged_values, sketch_table
+from strategies.sketched_common import (
+    AveragedSum,
+    SketchedStrategy,
+    averaged_changes,
+    sketch_table,
+)
 from strategies.sparse_sync import SparseModel
 from strategies.top_k import index_dtype
 
@@ -214,14 +219,13 @@ class SketchedSGD(SketchedStrategy):
         )
         self.candidate_factor, self.momentum, self.eta = candidate_factor, momentum, eta
         self.sketch: CountSketch | None = None  # fixed once the model is known
-        self.averaged: tuple[str, ...] = ()  # arrays averaged whole, not sketched
         self.state = SketchedSGDState()  # the step in progress and what sites are owed
         # ---- this round (begin_aggregation starts them afresh: not checkpointed)
         self._round_phase, self._round = StepPhase.SKETCH, 0
         self._asked: set[int] = set()
         self._answered: set[int] = set()
         self._sum: torch.Tensor | None = None  # Σ w·S(v) or Σ w·v[candidates]
-        self._averaged_sum: dict[str, np.ndarray] = {}  # Σ w·s·(site's value − x), float64
+        self._averaged = AveragedSum()  # the arrays sent whole with this round's values
         self._weight = 0.0
         self._loss = (0.0, 0.0)
 
@@ -241,21 +245,9 @@ class SketchedSGD(SketchedStrategy):
         if self.model.adopt(arrays):
             if self.k > self.model.size:
                 raise ConfigError(f"k must be at most the model's {self.model.size} parameters")
-            self.sketch, self.averaged = self._sketch_for(self.model)
-
-    def _sketch_for(self, model: SparseModel) -> tuple[CountSketch, tuple[str, ...]]:
-        """The sketch of ``model``'s coordinates, and its arrays averaged whole."""
-        assert model.layout is not None
-        layout = model.layout
-        sketch = CountSketch.from_seed(
-            model.size, rows=self.rows, cols=self.cols, seed=self.sketch_seed
-        )
-        return sketch, averaged_arrays({name: layout.dtype_of(name) for name in model.order})
-
-    @property
-    def _excluded(self) -> tuple[tuple[int, int], ...]:
-        assert self.model.layout is not None
-        return tuple(self.model.layout.span(name) for name in self.averaged)
+            self.sketch = CountSketch.from_seed(
+                self.model.size, rows=self.rows, cols=self.cols, seed=self.sketch_seed
+            )
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -283,11 +275,12 @@ class SketchedSGD(SketchedStrategy):
                 reader.add("the saved model is not the model this run holds")
         reader.raise_if_any()
         assert model is not None and step is not None  # a problem was noted otherwise
-        sketch: CountSketch | None = None
-        averaged: tuple[str, ...] = ()
+        sketch = None
         if model.layout is not None:
-            sketch, averaged = self._sketch_for(model)
-        self.model, self.state, self.sketch, self.averaged = model, step, sketch, averaged
+            sketch = CountSketch.from_seed(
+                model.size, rows=self.rows, cols=self.cols, seed=self.sketch_seed
+            )
+        self.model, self.state, self.sketch = model, step, sketch
 
     # ------------------------------------------------------------ Flower hooks
     def configure_train(
@@ -318,7 +311,6 @@ class SketchedSGD(SketchedStrategy):
             keys.STEP_MOMENTUM: self.momentum,
             keys.ZERO_STEP: zero_step,
             keys.STATE_EXPECTED: node_id in self.state.sketched,
-            **self._averaged_config(),
         }
         content, sync_from = self._sketch_content(node_id, server_round, config, **extra)
         # The step's coordinates are exactly this sync's when the site holds the version
@@ -342,7 +334,7 @@ class SketchedSGD(SketchedStrategy):
                 # No training: the virtual clock books no compute for it.
                 keys.LOCAL_STEPS: 0,
                 keys.LOCAL_EPOCHS: 0,
-                **self._averaged_config(),
+                **self.averaged_config(),
             }
         )
         indices = self.state.candidates.numpy().astype(index_dtype(self.model.size))
@@ -350,9 +342,6 @@ class SketchedSGD(SketchedStrategy):
             {keys.ARRAYS: arrays_to_record({CANDIDATES: indices}), keys.CONFIG: site_config}
         )
         return Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN)
-
-    def _averaged_config(self) -> dict[str, list[str]]:
-        return {keys.AVERAGED_ARRAYS: list(self.averaged)} if self.averaged else {}
 
     # ------------------------------------------------- streaming aggregation
     def begin_aggregation(self, server_round: int, arrays: ArrayRecord) -> None:
@@ -362,7 +351,7 @@ class SketchedSGD(SketchedStrategy):
         self._round = server_round
         self._asked, self._answered = set(), set()
         self._sum, self._weight, self._loss = None, 0.0, (0.0, 0.0)
-        self._averaged_sum = {}
+        self._averaged = AveragedSum()
         if self.state.phase == StepPhase.SKETCH:
             self.state.contributors = {}
 
@@ -398,9 +387,11 @@ class SketchedSGD(SketchedStrategy):
             raise UpdateRejected(f"node {node_id} was not asked for values this round")
         others = [key for key in record if key != VALUES]
         if VALUES not in record or any(
-            not (self.averaged and k.startswith(AVERAGED)) for k in others
+            not (self.model.averaged and k.startswith(AVERAGED)) for k in others
         ):
-            wanted = f"one '{VALUES}' array" + (" and the averaged arrays" if self.averaged else "")
+            wanted = f"one '{VALUES}' array" + (
+                " and the averaged arrays" if self.model.averaged else ""
+            )
             raise UpdateRejected(
                 f"values replies carry {wanted}, got {sorted(record.keys())!r:.200}"
             )
@@ -417,13 +408,7 @@ class SketchedSGD(SketchedStrategy):
             raise UpdateRejected("values contain NaN or Inf")
         if node_id not in self.state.contributors:
             raise UpdateRejected(f"node {node_id}'s sketch was not counted this step")
-        assert self.model.layout is not None
-        layout = self.model.layout
-        changes = {  # what the site's training did to them, so that the guard sees it
-            name: value.reshape(-1).astype(np.float64)
-            - self.model.flat[slice(*layout.span(name))].numpy()
-            for name, value in averaged_values(record, layout, self.averaged).items()
-        }
+        changes = averaged_changes(record, self.model)
         payload = (node_id, values, changes)
         vector = [values, *changes.values()]
         return Update(Contribution(num_examples), vector=vector, kind="values", payload=payload)
@@ -443,10 +428,7 @@ class SketchedSGD(SketchedStrategy):
             return
         sketch_weight = self.state.contributors[node_id]
         self._add(torch.from_numpy(array.astype(np.float32)), sketch_weight * scale, sketch_weight)
-        for name, change in rest[0].items():
-            total = self._averaged_sum.get(name)
-            part = change * float(sketch_weight * scale)
-            self._averaged_sum[name] = part if total is None else total + part
+        self._averaged.add(rest[0], float(sketch_weight * scale))
         self._answered.add(node_id)
 
     def _add(self, values: torch.Tensor, scaled: float, weight: float) -> None:
@@ -473,7 +455,7 @@ class SketchedSGD(SketchedStrategy):
                 self.state.phase = StepPhase.SKETCH  # (it was) the next round sketches again
                 raise StepRefused("the sketches' mean overflows float32")
             self.state.candidates = candidate_coordinates(
-                self.sketch, mean.to(sketch_device()), count, self._excluded
+                self.sketch, mean.to(sketch_device()), count, self.model.averaged_spans()
             ).cpu()
             self.state.phase, self.state.sketch_round = StepPhase.VALUES, self._round
             metrics = MetricRecord(
@@ -492,22 +474,16 @@ class SketchedSGD(SketchedStrategy):
         mean = (self._sum / self._weight).to(torch.float32)
         indices, values = exact_top_k(self.state.candidates, mean, self.k)
         step = self.eta * values
-        assert self.model.layout is not None
-        averaged = {  # x + Σ w·s·(value − x) / Σ w
-            name: self.model.flat[slice(*self.model.layout.span(name))].numpy().astype(np.float64)
-            + total / self._weight
-            for name, total in self._averaged_sum.items()
-        }
+        averaged = self._averaged.means(self.model, self._weight)
         if (
             not torch.isfinite(step).all()
             or not torch.isfinite(self.model.flat[indices] + step).all()
-            or not all(np.isfinite(mean.astype(np.float32)).all() for mean in averaged.values())
         ):
             # The sites keep their values (none is told to zero) for a later step.
             raise StepRefused("the step would make the model non-finite in float32")
         try:
             record = self.model.apply(indices, step, averaged)
-        except ValueError as exc:  # an averaged integer array out of its dtype's range
+        except ValueError as exc:  # an averaged array's mean out of its dtype's range
             raise StepRefused(f"the step does not fit the model: {exc}") from None
         self.state.applied[self.model.version] = indices
         for node_id in self._answered:

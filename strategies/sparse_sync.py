@@ -24,6 +24,7 @@ from flwr.app import ArrayRecord
 
 from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.core.state import MISSING, StateReader
+from strategies.averaged_arrays import averaged_arrays
 from strategies.layout import Layout
 from strategies.top_k import index_dtype
 
@@ -74,6 +75,24 @@ class SparseModel:
         self.synced: dict[int, int] = {}  # node → version it holds (confirmed by a reply)
         # node → (version its outstanding message carries, version it held before, if known)
         self._sent: dict[int, tuple[int, int | None]] = {}
+
+    @property
+    def averaged(self) -> tuple[str, ...]:
+        """Its arrays sent whole, never sketched (``strategies.averaged_arrays``), in the
+        model's order; none before ``adopt``."""
+        if self.layout is None:
+            return ()
+        return averaged_arrays({name: self.layout.dtype_of(name) for name in self.order})
+
+    def averaged_spans(self) -> tuple[tuple[int, int], ...]:
+        """The ``averaged`` arrays' coordinate ranges ``[start, stop)`` in ``flat``."""
+        assert self.layout is not None
+        return tuple(self.layout.span(name) for name in self.averaged)
+
+    def span(self, name: str) -> slice:
+        """Array ``name``'s coordinates in ``flat``."""
+        assert self.layout is not None
+        return slice(*self.layout.span(name))
 
     @property
     def size(self) -> int:

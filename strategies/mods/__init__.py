@@ -53,9 +53,8 @@ their trained values whole and the server sets them to the sites' weighted mean.
 travel in the model's dtypes, so a bool or unsigned array can only grow through a delta
 upload (a mask bit turned off, an unsigned counter that decreases, does not reach the
 server): keep such arrays constant during training, or use local-SGD without a codec,
-which sends the model whole. Flower's
-``ArrayRecord`` cannot hold bfloat16 (NumPy has no such dtype): keep bfloat16 models'
-weights in float32 between rounds (autocast for speed).
+which sends the model whole. Flower's ``ArrayRecord`` cannot hold bfloat16 (NumPy has no
+such dtype): keep bfloat16 models' weights in float32 between rounds (autocast for speed).
 """
 
 from __future__ import annotations

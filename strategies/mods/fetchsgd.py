@@ -111,9 +111,7 @@ def sketched_upload(
     """The reply's arrays: S(trained − start) without the ``averaged`` arrays' coordinates,
     and those arrays' trained values whole."""
     delta = layout.flat_difference(trained, start)  # (d,) float32, a new array
-    for name in averaged:
-        begin, end = layout.span(name)
-        delta[begin:end] = 0.0
+    layout.zero(delta, averaged)
     return {SKETCH: sketch(delta), **pack(trained, averaged)}
 
 

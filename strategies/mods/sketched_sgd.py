@@ -158,9 +158,7 @@ def _sketch_reply(msg: Message, context: Context, call_next: TrainFunction) -> M
     if not isinstance(result, UserResult):
         return result
     update = layout.flat_difference(result.trained, model)  # (d,) float32
-    for name in averaged:  # sent whole with the values, never accumulated
-        begin, end = layout.span(name)
-        update[begin:end] = 0.0
+    layout.zero(update, averaged)  # sent whole with the values, never accumulated
     accumulators = stored.stepped(torch.from_numpy(update), zero)
     if not accumulators.is_finite():
         # Kept out of u and v: the site's stored accumulators stay as they were, so one
@@ -203,13 +201,7 @@ def _values_reply(msg: Message, context: Context) -> Message:
     if candidates is None or not valid_indices(candidates, len(v)):
         raise ConfigError("the server's candidate coordinates are missing or malformed")
     trained = state.groups.get(TRAINED_AVERAGED, {})
-    asked = raw.get(keys.AVERAGED_ARRAYS, [])
-    if not isinstance(asked, list) or not all(isinstance(n, str) and n in trained for n in asked):
-        raise ConfigError(
-            f"the server asks for the trained arrays {asked!r:.120}; this site's sketch of "
-            f"round {asked_round} kept {sorted(trained)!r:.120}"
-        )
-    averaged = [str(name) for name in asked]
+    averaged = averaged_names(raw, trained)  # kept by this site's sketch of that round
     # The values count as much as the sketch they belong to.
     metrics = MetricRecord({keys.NUM_EXAMPLES: state.meta.get(EXAMPLES, 1)})
     upload = {VALUES: v[candidates].astype(np.float32), **pack(trained, averaged)}

@@ -118,7 +118,7 @@ def test_running_statistics_and_counters_are_averaged_whole_not_sketched() -> No
         fraction_train=1.0,
     )
     averaged = norm_model.AVERAGED
-    assert list(strategy.averaged) == averaged
+    assert list(strategy.model.averaged) == averaged
     layout = Layout.of(models[0])
     assert strategy.feedback is not None  # the sketch never picks their coordinates
     assert strategy.feedback.excluded == tuple(layout.span(n) for n in averaged)

@@ -179,7 +179,7 @@ def test_running_statistics_travel_whole_with_the_values_and_are_averaged_in_the
         on_round=lambda _: models.append(record_to_arrays(strategy.model.record)),
     )
     averaged = norm_model.AVERAGED
-    assert list(strategy.averaged) == averaged
+    assert list(strategy.model.averaged) == averaged
     assert all(u.status == APPLIED for s in summaries for u in s.updates)
     layout = Layout.of(models[0])
     values_replies = [
