@@ -75,6 +75,7 @@ class FlowerStrategyAdapter(EngineStrategy):
         self._replies: list[Message] = []
         self._base: dict[str, np.ndarray] = {}
         self._base_record: ArrayRecord | None = None
+        self._said_dtypes = False
 
     @property
     def name(self) -> str:
@@ -202,17 +203,21 @@ class FlowerStrategyAdapter(EngineStrategy):
         """Keep the reply for the round's ``aggregate_train``, as the guard allows it.
 
         Flower's strategy reads the reply itself: a clipped update is written back into it
-        as base + s·(x − base), and a capped weight scales the reply's weight key.
+        as base + s·(x − base), and a capped weight scales the reply's weight key. Integer
+        and bool arrays (a BatchNorm's counter) reach it as float64: Flower's strategies
+        compute in floats, and QFedAvg and the server-side DP wrappers fail on integer
+        arrays in their in-place arithmetic; ``finish_aggregation`` restores the dtypes.
         """
         reply, received, expected = update.payload
         content = reply.content
-        if scale != 1.0:
+        whole = [k for k, v in received.items() if not np.issubdtype(v.dtype, np.inexact)]
+        if scale != 1.0 or whole:
             (name,) = content.array_records.keys()
             content[name] = arrays_to_record(
                 {
                     k: (expected[k] + scale * (v.astype(np.float64) - expected[k])).astype(v.dtype)
                     if np.issubdtype(v.dtype, np.inexact)
-                    else v
+                    else v.astype(np.float64)
                     for k, v in received.items()
                 }
             )
@@ -253,10 +258,44 @@ class FlowerStrategyAdapter(EngineStrategy):
                 f"Flower's {self.name}.aggregate_train failed in round {self._round}: {exc!r}"
             ) from exc
         if arrays is not None:
-            for key, value in record_to_arrays(arrays).items():
-                if np.issubdtype(value.dtype, np.inexact) and not np.isfinite(value).all():
-                    raise StepRefused(f"Flower's {self.name} made array '{key}' non-finite")
+            arrays = self._in_model_dtypes(record_to_arrays(arrays))
         return arrays, metrics
+
+    def _in_model_dtypes(self, aggregated: dict[str, np.ndarray]) -> ArrayRecord:
+        """``aggregated`` with the round's model's dtypes, its arrays checked finite.
+
+        Flower's strategies compute in NumPy's promotion rules: under NumPy 2, FedAdam's
+        bias-corrected step (a float64 scalar times a float32 array) returns float64
+        weights, and FedAvg's weighted sum turns an integer buffer into floats. Flower's
+        own ``start`` sends that on and PyTorch sites cast it on loading; here every reply
+        must carry the model's dtypes, so the model's own dtypes win (integers rounded to
+        the nearest), said once in the log.
+        """
+        changed: list[str] = []
+        for key, value in aggregated.items():
+            model = self._base.get(key)
+            if model is not None and value.dtype != model.dtype:
+                changed.append(f"'{key}' {value.dtype} (the model's {model.dtype})")
+                if not np.issubdtype(model.dtype, np.inexact) and np.issubdtype(
+                    value.dtype, np.inexact
+                ):
+                    value = np.rint(value)
+                aggregated[key] = value.astype(model.dtype)
+            if (
+                np.issubdtype(aggregated[key].dtype, np.inexact)
+                and not np.isfinite(aggregated[key]).all()
+            ):
+                raise StepRefused(f"Flower's {self.name} made array '{key}' non-finite")
+        if changed and not self._said_dtypes:
+            self._said_dtypes = True
+            log.warning(
+                "Flower's %s returned %s%s: its arrays are cast back to the model's dtypes "
+                "every round (said once)",
+                self.name,
+                ", ".join(changed[:3]),
+                f" and {len(changed) - 3} more" if len(changed) > 3 else "",
+            )
+        return arrays_to_record(aggregated)
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +44,7 @@ from storage import LedgerRepository
 from strategies.delayed import DelayedCompensated
 from strategies.fetchsgd import FetchSGD
 from strategies.local_sgd import LocalSGDAveraging
-from tests.helpers.scripted_grid import Behaviour, ScriptedGrid
+from tests.helpers.scripted_grid import Behaviour, FlowerGrid, ScriptedGrid
 from tests.helpers.sites import MODEL, Reply, digits_model, replying_site, trained
 
 pytestmark = pytest.mark.usefixtures("task_identity")
@@ -59,16 +59,6 @@ def two_sites() -> dict[int, Behaviour]:
 
 # (10·1 + 30·4) / 40: the example-weighted mean of the two sites' models, by hand.
 WEIGHTED_MEAN = (10 * 1.0 + 30 * 4.0) / 40
-
-
-class FlowerGrid(ScriptedGrid):
-    """The scripted sites behind Flower's own blocking ``send_and_receive``."""
-
-    def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> Iterable[Message]:
-        ids = [i for i in self.push_messages(list(messages)) if i]
-        return list(self.pull_messages(ids))
 
 
 @pytest.fixture

@@ -99,3 +99,14 @@ class ScriptedGrid(Grid):
 
     def send_and_receive(self, messages, *, timeout=None):  # noqa: ANN001, ANN201
         raise AssertionError("the engine never uses send_and_receive")
+
+
+class FlowerGrid(ScriptedGrid):
+    """The scripted sites behind Flower's own blocking ``send_and_receive``, for running a
+    strategy's own ``start`` beside ``flplatform.start`` on the same sites."""
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        ids = [i for i in self.push_messages(list(messages)) if i]
+        return list(self.pull_messages(ids))
