@@ -177,8 +177,8 @@ class RunConfig:
     max_failed_rounds: int = field(
         default=DEFAULT_OPTIONS.max_failed_rounds,
         metadata=about(
-            "Stop the run after this many rounds in a row applied no update, every reply "
-            "failing for the same reason (0: never stop)."
+            "Stop the run after this many rounds in a row applied no update although "
+            "replies came back, whatever their reasons (0: never stop)."
         ),
     )
     # ---- synchrony (flplatform/engine/synchrony.py)

@@ -79,10 +79,11 @@ class RunFailed(FLPlatformError):
 
 
 class NoProgress(RunFailed):
-    """Several rounds in a row applied no update, every reply failing for the same reason.
+    """Several rounds in a row applied no update although replies came back and failed.
 
     The engine stops the run rather than spend its remaining rounds the same way (for
-    example, every site sending a model whose keys do not match the server's).
+    example, every site sending a model whose keys do not match the server's), naming the
+    reasons.
     """
 
 

@@ -79,6 +79,10 @@ DELTA = "delta"
 STATE_LOST_DETAIL = "state-lost"
 EVAL_LOSS = "eval_loss"
 EVAL_ACCURACY = "eval_acc"
+# a mod's error reply when it refuses what the site's own train function returned (no
+# arrays or num-examples, another shape, NaN): Flower's ErrorCode.MOD_FAILED_PRECONDITION,
+# which its own central-DP mod answers with. The server records it rejected, with the reason.
+SITE_REFUSED_CODE = 6
 
 # ---- site-info query reply (ConfigRecord); a plain Flower ClientApp need not answer it
 SITE_NAME = "site-name"

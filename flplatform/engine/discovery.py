@@ -56,6 +56,14 @@ def introduce(
     ]
     exchanged = mailbox.exchange(queries, model_version=model_version, timeout=timeout)
     replies = {d.node_id: r for d, r in exchanged}
+    refused = sorted(n for n, r in replies.items() if r is not None and r.has_error())
+    if refused:
+        log.info(
+            "%d of %d sites answered the site query with an error (an app without an "
+            "@app.query() function, say): named by their node ids",
+            len(refused),
+            len(node_ids),
+        )
     unanswered = {d.node_id for d, r in exchanged if d.message_id and r is None}
     taken = sites.names()
     registry = SiteRegistry.from_environment()

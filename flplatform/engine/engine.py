@@ -76,7 +76,13 @@ from flplatform.engine.mailbox import (
 )
 from flplatform.engine.policy import AggregationPolicy, EngineView
 from flplatform.engine.replies import finite, record_of, reported_losses, reported_metrics
-from flplatform.engine.rows import REFUSED, UNAVAILABLE, no_reply_within, site_error
+from flplatform.engine.rows import (
+    REFUSED,
+    UNAVAILABLE,
+    no_reply_within,
+    refused_at_site,
+    site_error,
+)
 from flplatform.engine.sites import Phase, Sites
 from flplatform.engine.stop_rule import DEFAULT_MAX_FAILED_ROUNDS, FailureStreak
 from flplatform.engine.strategy import EngineStrategy, SubsetGrid, Update, Work
@@ -141,7 +147,7 @@ class RoundEngine:
         Called with each ``RoundSummary`` (progress displays, logs).
     max_failed_rounds : int
         Stop the run (``NoProgress``) after this many rounds in a row that applied no
-        update while every reply that failed did so for the same reason; 0 never stops.
+        update although replies came back and failed; 0 never stops.
         See ``FailureStreak`` for which rounds count.
     guard : UpdateGuard, optional
         Checks every update before it counts. None: a guard that checks nothing (every
@@ -937,8 +943,9 @@ class RoundEngine:
         site = self.sites.name(dispatch.node_id)
         row = rows.arrived(arrival, site=site, version=self.version, virtual=self.clock.virtual)
         if reply.has_error():
+            status = REJECTED if refused_at_site(reply) else DROPPED
             return self._failed_reply(
-                state, UpdateOutcome(status=DROPPED, reason=site_error(reply), **row)
+                state, UpdateOutcome(status=status, reason=site_error(reply), **row)
             )
         row.update(reported_metrics(reply))
         verdict = self.policy.judge(dispatch, self._view(state))

@@ -21,17 +21,21 @@ MAX_COUNT = 2**62  # fits the ledger's signed 64-bit columns with room to sum
 MAX_INT32 = 2**31 - 1
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9_.\-]+")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b.*")
+# A traceback's exception line: a class name (CamelCase, its module before it), a colon, at
+# the line's start. Not Ray's ``ray::Actor.run()`` header, nor an indented source line.
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*:(?:\s|$)")
 
 
 def condense_error(reason: str, limit: int = 300) -> str:
     """The telling part of a site's error: the last ``SomeError: message`` line.
 
     Error replies carry whole remote tracebacks (Ray's, with terminal colours); the
-    ledger keeps one readable line.
+    ledger keeps one readable line. Any exception class counts, not only ``...Error``:
+    a user's ``SiteMisconfigured: ...`` is the line that explains it.
     """
-    lines = [line.strip() for line in _ANSI.sub("", reason).splitlines() if line.strip()]
-    exceptions = [line for line in lines if _EXCEPTION_LINE.match(line)]
+    raw = [line.rstrip() for line in _ANSI.sub("", reason).splitlines() if line.strip()]
+    lines = [line.strip() for line in raw]
+    exceptions = [line for line in raw if _EXCEPTION_LINE.match(line)]
     # Wrappers (ClientAppException, RayTaskError) often end with an empty message; the
     # site's own exception is the last one that says something.
     telling = [line for line in exceptions if line.split(":", 1)[-1].strip()]

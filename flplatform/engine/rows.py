@@ -15,6 +15,7 @@ from typing import Any
 
 from flwr.app import Message
 
+from flplatform.core import keys
 from flplatform.engine.events import (
     DROPPED,
     EVALUATED,
@@ -36,7 +37,14 @@ def no_reply_within(timeout: float) -> str:
 
 def site_error(reply: Message) -> str:
     """The reason of a reply that carries a site's error."""
+    if refused_at_site(reply):
+        return f"refused at the site: {condense_error(reply.error.reason or '')}"
     return f"site error {reply.error.code}: {condense_error(reply.error.reason or '')}"
+
+
+def refused_at_site(reply: Message) -> bool:
+    """Whether a site's mod refused what its own train function returned (keys.py)."""
+    return reply.has_error() and reply.error.code == keys.SITE_REFUSED_CODE
 
 
 def period_fields(dispatch: Dispatch) -> dict[str, int]:

@@ -1,7 +1,7 @@
-"""The stop rule: a run that keeps failing the same way stops with ``NoProgress``.
+"""The stop rule: a run whose rounds keep applying nothing stops with ``NoProgress``.
 
-``FailureStreak`` watches finished rounds; ``reason_key`` is how it compares failure
-reasons. The round engine feeds it every round once the round is in the ledger.
+``FailureStreak`` watches finished rounds; ``reason_key`` is how it tells failure reasons
+apart. The round engine feeds it every round once the round is in the ledger.
 """
 
 from __future__ import annotations
@@ -14,26 +14,28 @@ from flplatform.core.checkpoint import StateProblems
 from flplatform.core.errors import ConfigError, NoProgress
 from flplatform.engine.events import UpdateOutcome
 
-# Rounds in a row that may fail the same way before the run stops (0: never stop).
+# Rounds in a row that may apply nothing before the run stops (0: never stop).
 DEFAULT_MAX_FAILED_ROUNDS = 3
 # Numbers (hex addresses first) in a failure reason: replaced when reasons are compared.
 _NUMBER = re.compile(r"0x[0-9a-fA-F]+|\d+")
-# A failure reason is cut to this many characters in the error that stops the run.
+# The error that stops the run names this many distinct reasons, cut to this many characters.
+REASONS_SHOWN = 3
 REASON_SHOWN = 300
 
 
 class FailureStreak:
-    """The stop rule: rounds in a row that applied nothing because every reply failed alike.
+    """The stop rule: rounds in a row that applied nothing although replies came back.
 
-    A round *counts* when it applied no update, at least one reply came back and failed (a
-    site's error, or an update the strategy rejected), and every reply that failed did so
-    for the same reason. It extends the streak when its reason is the streak's; any other
-    round ends the streak (a counting round with a new reason starts a new one). When
-    ``limit`` rounds count in a row, ``observe`` raises ``NoProgress``.
+    A round *counts* when it applied no update and at least one reply came back and failed
+    (a site's error, an update the site's mod or the strategy rejected), whatever the
+    reasons: sites failing in different ways, or one way this round and another the next,
+    make no more progress than sites failing alike. Any other round ends the streak. When
+    ``limit`` rounds count in a row, ``observe`` raises ``NoProgress`` naming the streak's
+    distinct reasons, the latest first (at most ``REASONS_SHOWN``).
 
-    Reasons are compared with whitespace collapsed and every number (and hex address)
-    replaced, so sites whose error differs only in a size, an index or an address (``shape
-    (10, 64)`` here, ``(10, 32)`` there) fail alike; different words never do.
+    Reasons are told apart with whitespace collapsed and every number (and hex address)
+    replaced (``reason_key``), so sites whose error differs only in a size, an index or an
+    address (``shape (10, 64)`` here, ``(10, 32)`` there) are named once.
 
     Rounds that legitimately apply nothing do not count: a sketch round applies no model
     change but accepts its updates (they are APPLIED); a round in which no reply landed (a
@@ -60,7 +62,7 @@ class FailureStreak:
             )
         self.limit = limit
         self.rounds: list[int] = []  # the rounds of the current streak
-        self._key: str | None = None  # their reason, as compared
+        self._reasons: dict[str, str] = {}  # reason_key → its latest text, oldest first
         self._statuses: set[str] = set()
 
     def observe(
@@ -80,50 +82,56 @@ class FailureStreak:
         Raises
         ------
         NoProgress
-            When ``limit`` counting rounds in a row failed for the same reason.
+            When ``limit`` rounds in a row applied nothing and had failed replies.
         """
-        keys_seen = {reason_key(u.reason) for u in failed_replies}
-        if applied or len(keys_seen) != 1:
+        if applied or not failed_replies:
             self._reset()
             return
-        (key,) = keys_seen
-        if key != self._key:
-            self._reset()
-            self._key = key
         self.rounds.append(server_round)
         self._statuses.update(u.status for u in failed_replies)
+        for update in failed_replies:
+            text = " ".join((update.reason or "no reason given").split())
+            self._reasons.pop(reason_key(text), None)  # to the end: the latest
+            self._reasons[reason_key(text)] = text
+        while len(self._reasons) > REASONS_SHOWN:
+            del self._reasons[next(iter(self._reasons))]
         if self.limit and len(self.rounds) >= self.limit:
-            raise NoProgress(self._describe(failed_replies[-1].reason))
+            raise NoProgress(self._describe())
 
     def state_dict(self) -> dict[str, Any]:
-        """The current streak: its rounds, their reason (as compared) and statuses."""
-        return {"rounds": list(self.rounds), "key": self._key, "statuses": set(self._statuses)}
+        """The current streak: its rounds, the reasons it names and their statuses."""
+        return {
+            "rounds": list(self.rounds),
+            "reasons": list(self._reasons.values()),
+            "statuses": set(self._statuses),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore ``state_dict()`` output (``CheckpointError`` listing every problem)."""
         problems = StateProblems("the stop rule")
-        if not problems.require(state, "rounds", "key", "statuses"):
+        if not problems.require(state, "rounds", "reasons", "statuses"):
             problems.raise_if_any()
-        rounds, key, statuses = state["rounds"], state["key"], state["statuses"]
+        rounds, reasons, statuses = state["rounds"], state["reasons"], state["statuses"]
         if not isinstance(rounds, list) or not all(
             problems.number(r, "rounds", integer=True) for r in rounds
         ):
             problems.add("'rounds' must be a list of round numbers")
-        if key is not None and not isinstance(key, str):
-            problems.add("'key' must be text")
+        if not isinstance(reasons, list) or not all(isinstance(r, str) for r in reasons):
+            problems.add("'reasons' must be a list of texts")
         if not isinstance(statuses, set | list) or not all(isinstance(s, str) for s in statuses):
             problems.add("'statuses' must be a set of statuses")
         problems.raise_if_any()
-        self.rounds, self._key, self._statuses = list(rounds), key, set(statuses)
+        self.rounds, self._statuses = list(rounds), set(statuses)
+        self._reasons = {reason_key(text): text for text in reasons}
 
     def _reset(self) -> None:
-        self.rounds, self._key, self._statuses = [], None, set()
+        self.rounds, self._reasons, self._statuses = [], {}, set()
 
-    def _describe(self, reason: str | None) -> str:
+    def _describe(self) -> str:
         first, last = self.rounds[0], self.rounds[-1]
         span = f"round {first}" if first == last else f"rounds {first}-{last}"
         how = " or ".join(sorted(self._statuses))
-        text = " ".join((reason or "no reason given").split())
+        text = "; ".join(reversed(self._reasons.values()))
         if len(text) > REASON_SHOWN:
             text = text[: REASON_SHOWN - 1] + "…"
         return (
@@ -133,7 +141,7 @@ class FailureStreak:
 
 
 def reason_key(reason: str | None) -> str:
-    """A failure reason as the stop rule compares it: whitespace collapsed, numbers as '#'.
+    """A failure reason as the stop rule tells reasons apart: whitespace collapsed, numbers as '#'.
 
     ``"array 'w' has shape (10, 64), expected (10, 32)"`` and the same with ``(10, 16)``
     compare equal; ``"missing arrays: w"`` and ``"unexpected arrays: v"`` do not.

@@ -105,10 +105,36 @@ def start_no_idle_worker() -> None:
     os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
 
+class _NoQueryHandlerNoise(logging.Filter):
+    """Drop Flower's traceback for a ClientApp that registers no query function.
+
+    The engine asks every site its name with a QUERY (``flplatform.engine.discovery``); a
+    user's app need not answer it (its sites are then named by their node ids, and the
+    engine says so once). Flower's simulation logs each such refusal as an error with two
+    tracebacks, per site per run. Also dropped: the backend's one-line header before any
+    ClientApp error, which the error's own record (kept for every other error) repeats.
+    """
+
+    _NOISE = (
+        "No query function registered with name",
+        "An exception was raised when processing a message by RayBackend",
+    )
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not any(noise in text for noise in self._NOISE)
+
+
+def quiet_missing_query_handlers() -> None:
+    """Keep Flower's log free of tracebacks for apps without a query function."""
+    logging.getLogger("flwr").addFilter(_NoQueryHandlerNoise())
+
+
 def main() -> None:
     """``flwr-simulation``, with Ray on loopback only and dead actors replaced."""
     keep_ray_on_loopback()
     start_no_idle_worker()
+    quiet_missing_query_handlers()
     # Flower's module first: it sets Ray's environment before anything imports Ray.
     from flwr.simulation.app import flwr_simulation
 

@@ -159,8 +159,8 @@ def start(
     required_sites : int
         Nodes to wait for before the first round (0: start with those connected).
     max_failed_rounds : int
-        Stop after this many rounds in a row in which every reply failed the same way
-        (``NoProgress``); 0 never stops.
+        Stop after this many rounds in a row that applied no update although replies came
+        back and failed, whatever the reasons (``NoProgress``); 0 never stops.
     update_norm_ratio : float
         The update guard (``flplatform.engine.guard``), for every strategy: an update
         whose norm exceeds this many times the recent median is clipped or rejected;

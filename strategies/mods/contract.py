@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import functools
+import logging
 import os
 import sys
 import time
@@ -21,6 +22,7 @@ from flwr.app import (
     ArrayRecord,
     ConfigRecord,
     Context,
+    Error,
     Message,
     MessageType,
     MetricRecord,
@@ -31,6 +33,8 @@ from flplatform.core import keys
 from flplatform.core.arrays import arrays_to_record, record_views
 from flplatform.core.errors import ConfigError, UpdateRejected
 from flplatform.core.reply_checks import check_num_examples
+
+log = logging.getLogger("flplatform.strategies.mods.contract")
 
 # A ClientApp function and a mod, as Flower's ``make_ffn`` chains them.
 TrainFunction = Callable[[Message, Context], Message]
@@ -145,7 +149,9 @@ def call_user(
     ``arrays`` becomes the dense model to train from, in the model's own key order. The
     call is timed: user code may ignore ``local-steps``, so the virtual clock's
     ``measured`` compute model needs the seconds it really took. A reply that carries an
-    error is returned as it is, for the mod to pass on.
+    error is returned as it is, for the mod to pass on; so is the refusal of a result that
+    breaks Flower's convention or the model's shapes (an error reply with
+    ``keys.SITE_REFUSED_CODE`` and the sentence saying what to fix).
     """
     reuse_freed_memory()
     content = RecordDict({keys.ARRAYS: arrays_to_record(dict(start))})
@@ -163,17 +169,13 @@ def call_user(
     seconds = time.perf_counter() - began
     if reply.has_error():
         return reply
-    trained = read_trained(reply, start)
-    metrics = reply.content.metric_records.get(keys.METRICS)
-    if metrics is None:
-        raise UpdateRejected(
-            f"your train function's reply has no '{keys.METRICS}' record; Flower's convention "
-            f"is arrays + metrics with '{keys.NUM_EXAMPLES}'"
-        )
     try:
-        num_examples = check_num_examples(metrics.get(keys.NUM_EXAMPLES))
+        trained, metrics, num_examples = _checked(reply, start)
     except UpdateRejected as exc:
-        raise UpdateRejected(f"your train function's metrics: {exc.reason}") from None
+        # An answer, not an exception: the server records the update rejected with this
+        # sentence, and neither Flower nor Ray logs a traceback for the user's mistake.
+        log.warning("this site's update is refused: %s", exc.reason)
+        return Message(Error(code=keys.SITE_REFUSED_CODE, reason=exc.reason), reply_to=msg)
     metrics = MetricRecord(dict(metrics))
     if keys.COMPUTE_SECONDS not in metrics:
         metrics[keys.COMPUTE_SECONDS] = seconds
@@ -184,6 +186,23 @@ def call_user(
         if name not in (keys.ARRAYS, keys.METRICS, keys.CONFIG)
     }
     return UserResult(trained, metrics, num_examples, dict(config), extra)
+
+
+def _checked(
+    reply: Message, start: Mapping[str, np.ndarray]
+) -> tuple[dict[str, np.ndarray], MetricRecord, int]:
+    """The user's trained arrays, metrics and example count, or ``UpdateRejected``."""
+    trained = read_trained(reply, start)
+    metrics = reply.content.metric_records.get(keys.METRICS)
+    if metrics is None:
+        raise UpdateRejected(
+            f"your train function's reply has no '{keys.METRICS}' record; Flower's convention "
+            f"is arrays + metrics with '{keys.NUM_EXAMPLES}'"
+        )
+    try:
+        return trained, metrics, check_num_examples(metrics.get(keys.NUM_EXAMPLES))
+    except UpdateRejected as exc:
+        raise UpdateRejected(f"your train function's metrics: {exc.reason}") from None
 
 
 def read_trained(reply: Message, start: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -3,6 +3,7 @@ what the command following a run records when the SuperLink it started dies."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import stat
@@ -396,3 +397,22 @@ def test_a_server_that_never_listens_is_stopped_and_said_to_be_late(tmp_path: Pa
     assert time.monotonic() - began < 30  # not the sleeper's 60 s
     (sleeper,) = started
     assert sleeper.wait(10) is not None  # stopped, not left behind
+
+
+def test_flowers_tracebacks_for_an_app_without_a_query_function_are_dropped() -> None:
+    # What Flower's simulation logs, per site, when the engine's site query reaches an app
+    # that registers no @app.query() function; any other error stays in the log.
+    from flplatform.launch.simulation_runtime import _NoQueryHandlerNoise
+
+    def record(text: str) -> logging.LogRecord:
+        return logging.LogRecord("flwr", logging.ERROR, "vce_api.py", 1, text, None, None)
+
+    noise = _NoQueryHandlerNoise()
+    dropped = [
+        "An exception was raised when processing a message by RayBackend",
+        "ray::ClientAppActor.run() ...\nValueError: No query function registered with name "
+        "'default'",
+    ]
+    assert not any(noise.filter(record(text)) for text in dropped)
+    kept = "ray::ClientAppActor.run() ...\nRuntimeError: disk on fire at this site"
+    assert noise.filter(record(kept))

@@ -21,3 +21,19 @@ def test_plain_reasons_pass_through_and_are_bounded() -> None:
     assert condense_error("Message Unavailable") == "Message Unavailable"
     assert condense_error("") == "no reason given"
     assert len(condense_error("x" * 1000)) == 300
+
+
+def test_an_exception_of_any_name_is_found_and_source_lines_are_not() -> None:
+    traceback = (
+        "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'ray::ClientAppActor.run()"
+        " (pid=1, ip=127.0.0.1)\n"
+        '  File "task.py", line 9, in train\n'
+        "    Config.Scale: float = load()\n"
+        "mylab.checks.SiteMisconfigured: data-path is not set in the node config\n\n"
+        "The above exception was the direct cause of the following exception:\n"
+        "flwr.clientapp.client_app.ClientAppException: \n"
+        "Exception ClientAppException occurred. Message: data-path is not set'>"
+    )
+    assert condense_error(traceback) == (
+        "mylab.checks.SiteMisconfigured: data-path is not set in the node config"
+    )

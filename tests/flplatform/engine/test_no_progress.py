@@ -1,4 +1,5 @@
-"""The engine's stop rule: rounds in a row whose every reply failed alike end the run.
+"""The engine's stop rule: rounds in a row that applied nothing although replies came back
+end the run, whatever the reasons.
 
 The real ``RoundEngine`` and local-SGD strategy over a scripted grid, writing a real SQLite
 ledger, so the tests also see that the round that trips the rule is recorded.
@@ -6,6 +7,7 @@ ledger, so the tests also see that the round that trips the rule is recorded.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -14,6 +16,7 @@ from flwr.app import (
     Array,
     ArrayRecord,
     ConfigRecord,
+    Context,
     Error,
     Message,
     MessageType,
@@ -30,6 +33,8 @@ from flplatform.engine.stop_rule import FailureStreak, reason_key
 from flplatform.run.ledger import SqlLedger
 from storage import LedgerRepository
 from strategies.local_sgd import LocalSGDAveraging
+from strategies.mods import flplatform_mod
+from tests.helpers.delayed_sites import context
 from tests.helpers.idle_sites import CountingStrategy, idle_site
 from tests.helpers.scripted_grid import Behaviour, ScriptedGrid
 
@@ -59,6 +64,19 @@ def wrong_keys(msg: Message) -> Message:
 def crashes(reason: str) -> Reply:
     """A ClientApp that raises: its error reply is dropped with ``reason``."""
     return lambda msg: Message(Error(code=0, reason=reason), reply_to=msg)
+
+
+def through_the_mod(msg: Message) -> Message:
+    """A user's train function that forgets ``num-examples``, behind flplatform's mod."""
+
+    def train(msg: Message, _: Context) -> Message:
+        metrics = MetricRecord({keys.TRAIN_LOSS: 0.1})
+        return Message(
+            RecordDict({keys.ARRAYS: msg.content[keys.ARRAYS], keys.METRICS: metrics}),
+            reply_to=msg,
+        )
+
+    return flplatform_mod()(msg, context(msg.metadata.dst_node_id), train)
 
 
 def scripted(name: str, *replies: Reply) -> Behaviour:
@@ -143,11 +161,37 @@ def test_reasons_differing_only_in_numbers_are_the_same_failure(
     assert [r.num_dropped for r in repository.list_rounds(latest_run(repository))] == [2, 2]
 
 
-def test_mixed_reasons_in_a_round_never_stop_the_run(repository: LedgerRepository) -> None:
+def test_mixed_reasons_in_a_round_stop_the_run_naming_each(
+    repository: LedgerRepository,
+) -> None:
     sites = {1: scripted("a", wrong_keys), 2: scripted("b", crashes("ValueError: out of memory"))}
-    run_id = run(repository, sites, rounds=5)
-    rounds = repository.list_rounds(run_id)
-    assert [(r.num_applied, r.num_rejected, r.num_dropped) for r in rounds] == [(0, 1, 1)] * 5
+    with pytest.raises(NoProgress) as stopped:
+        run(repository, sites, rounds=5)
+    rounds = repository.list_rounds(latest_run(repository))
+    assert [(r.num_applied, r.num_rejected, r.num_dropped) for r in rounds] == [(0, 1, 1)] * 3
+    assert stopped.value.reason.startswith(
+        "rounds 1-3 applied no update: every reply was dropped or rejected: "
+    )
+    assert WRONG_KEYS in stopped.value.reason
+    assert "site error 0: ValueError: out of memory" in stopped.value.reason
+
+
+def test_reasons_that_alternate_from_round_to_round_still_stop_the_run(
+    repository: LedgerRepository,
+) -> None:
+    # The user's app whose failure is reported one way, then another: no round applies
+    # anything, so the rule trips as if they had failed alike.
+    crash = crashes("ValueError: out of memory")
+    sites = {n: scripted(name, wrong_keys, crash, wrong_keys) for n, name in ((1, "a"), (2, "b"))}
+    with pytest.raises(NoProgress) as stopped:
+        run(repository, sites, rounds=9)
+    rounds = repository.list_rounds(latest_run(repository))
+    assert [(r.num_rejected, r.num_dropped) for r in rounds] == [(2, 0), (0, 2), (2, 0)]
+    # The latest reason first, each named once.
+    assert stopped.value.reason.startswith(
+        f"rounds 1-3 applied no update: every reply was dropped or rejected: {WRONG_KEYS}; "
+        "site error 0: ValueError: out of memory "
+    )
 
 
 def test_one_applied_update_ends_the_streak(repository: LedgerRepository) -> None:
@@ -162,19 +206,34 @@ def test_one_applied_update_ends_the_streak(repository: LedgerRepository) -> Non
     assert len(repository.list_rounds(latest_run(repository))) == 5
 
 
-def test_a_new_reason_starts_a_new_streak(repository: LedgerRepository) -> None:
-    crash = crashes("ValueError: out of memory")
-    # Two rounds rejected, then every site crashes the same way.
-    sites = {n: scripted(name, wrong_keys, wrong_keys, crash) for n, name in ((1, "a"), (2, "b"))}
-    run_id = run(repository, sites, rounds=4)
-    assert [r.num_rejected for r in repository.list_rounds(run_id)] == [2, 2, 0, 0]
-    sites = {n: scripted(name, wrong_keys, wrong_keys, crash) for n, name in ((1, "a"), (2, "b"))}
+def test_at_most_three_reasons_are_named_the_latest_first() -> None:
+    streak = FailureStreak(5)
+    for server_round, reason in enumerate(["one", "two", "three", "four", "two"], start=1):
+        with contextlib.suppress(NoProgress):
+            streak.observe(server_round, applied=0, failed_replies=[outcome(REJECTED, reason)])
+    assert streak.state_dict()["reasons"] == ["three", "four", "two"]
+    restored = FailureStreak(6)
+    restored.load_state_dict(streak.state_dict())
     with pytest.raises(NoProgress) as stopped:
-        run(repository, sites, rounds=9)
+        restored.observe(6, applied=0, failed_replies=[outcome(DROPPED, "five")])
     assert stopped.value.reason.startswith(
-        "rounds 3-5 applied no update: every reply was dropped: site error 0: ValueError: "
-        "out of memory "
+        "rounds 1-6 applied no update: every reply was dropped or rejected: five; two; four "
     )
+
+
+def test_an_update_the_sites_mod_refused_is_rejected_with_its_sentence(
+    repository: LedgerRepository,
+) -> None:
+    sites = {1: scripted("a", through_the_mod), 2: scripted("b", through_the_mod)}
+    with pytest.raises(NoProgress) as stopped:
+        run(repository, sites, rounds=5)
+    said = "refused at the site: your train function's metrics: num-examples must be a positive"
+    assert stopped.value.reason.startswith(
+        f"rounds 1-3 applied no update: every reply was rejected: {said}"
+    )
+    updates = repository.list_updates(latest_run(repository))
+    assert {u.status for u in updates} == {REJECTED}
+    assert all((u.reason or "").startswith(said) for u in updates)
 
 
 def test_zero_never_stops(repository: LedgerRepository) -> None:
