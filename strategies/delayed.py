@@ -560,3 +560,8 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
     def ledger_name(self) -> str:
         """The strategy's name in the ledger."""
         return SITE_ALGORITHM
+
+    @property
+    def site_mod(self) -> str:
+        """The delayed mod: a site sends its period's step, not a model."""
+        return SITE_ALGORITHM

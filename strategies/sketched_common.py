@@ -156,6 +156,11 @@ class SketchedStrategy(PlatformStart, Strategy, EngineStrategy):
         """The strategy's name in the ledger."""
         return self.site_algorithm
 
+    @property
+    def site_mod(self) -> str:
+        """The sketching mod: a site sends a sketch, not a model."""
+        return self.site_algorithm
+
 
 # ================================================================ replies
 def sketch_table(

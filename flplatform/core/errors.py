@@ -87,6 +87,16 @@ class NoProgress(RunFailed):
     """
 
 
+class HalvesDisagree(RunFailed):
+    """A site's reply did not come from the ClientApp mod the server's strategy needs.
+
+    The strategy's site half (FetchSGD's sketch, the delayed updates' periods) is a mod in
+    the site's ``@app.train(mods=[...])``; a site without it sends a whole model the
+    server cannot use. The run stops once the round is recorded, naming both halves and
+    the fix, instead of rejecting every update until the stop rule trips.
+    """
+
+
 class RunStopped(RunFailed):
     """The user stopped a run with SIGINT (Ctrl-C) or SIGTERM.
 

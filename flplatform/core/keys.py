@@ -75,6 +75,9 @@ PERIOD = "period"  # delayed updates: the period an accumulated step was compute
 STATE_LOST = "state-lost"  # 1: the site's mod found its kept state gone (a restart)
 # ---- a mod's reply config: what its arrays are, and why a state-lost reply has none
 UPDATE_KIND = "update"  # "delta": arrays are x_n − x (or a step), not a model
+# the algorithm whose mod answered (the message's site-algorithm; local-sgd without one):
+# the server checks its strategy's site half was there (flplatform.engine.replies)
+SITE_MOD = "site-mod"
 DELTA = "delta"
 STATE_LOST_DETAIL = "state-lost"
 EVAL_LOSS = "eval_loss"

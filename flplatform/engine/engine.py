@@ -43,7 +43,14 @@ from flwr.serverapp.strategy import Result
 
 from flplatform.core import keys
 from flplatform.core.checkpoint import CheckpointError, StateProblems
-from flplatform.core.errors import ConfigError, NoProgress, RunFailed, StepRefused, UpdateRejected
+from flplatform.core.errors import (
+    ConfigError,
+    HalvesDisagree,
+    NoProgress,
+    RunFailed,
+    StepRefused,
+    UpdateRejected,
+)
 from flplatform.engine import rows
 from flplatform.engine.clock import Clock, Schedule, WallClock, planned_steps
 from flplatform.engine.digest import arrays_digest
@@ -75,7 +82,13 @@ from flplatform.engine.mailbox import (
     address,
 )
 from flplatform.engine.policy import AggregationPolicy, EngineView
-from flplatform.engine.replies import finite, record_of, reported_losses, reported_metrics
+from flplatform.engine.replies import (
+    finite,
+    halves_disagree,
+    record_of,
+    reported_losses,
+    reported_metrics,
+)
 from flplatform.engine.rows import (
     REFUSED,
     UNAVAILABLE,
@@ -194,6 +207,7 @@ class RoundEngine:
         self.poll_interval = poll_interval
         self.on_round = on_round
         self.failure_streak = FailureStreak(max_failed_rounds)
+        self._disagreement: str | None = None  # the first reply of the wrong half, why
         self.guard = guard or UpdateGuard(GuardOptions.off())
         self._tickets = 0
         self.divergence = DivergenceWatch()
@@ -304,6 +318,8 @@ class RoundEngine:
             if self.on_round is not None:
                 self.on_round(summary)
             # Only now: the round that trips the rule is in the ledger when the run stops.
+            if self._disagreement is not None:
+                raise HalvesDisagree(self._disagreement)
             if stop is not None:
                 raise stop
         result.arrays = self.arrays
@@ -948,6 +964,14 @@ class RoundEngine:
                 state, UpdateOutcome(status=status, reason=site_error(reply), **row)
             )
         row.update(reported_metrics(reply))
+        disagreement = halves_disagree(
+            self.strategy.site_mod, reply, site, self.strategy.ledger_name
+        )
+        if disagreement is not None:  # the run stops once this round is recorded
+            self._disagreement = self._disagreement or disagreement
+            return self._failed_reply(
+                state, UpdateOutcome(status=REJECTED, reason=disagreement, **row)
+            )
         verdict = self.policy.judge(dispatch, self._view(state))
         if verdict.status != APPLIED:
             return UpdateOutcome(status=verdict.status, reason=verdict.reason, **row)

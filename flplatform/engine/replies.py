@@ -75,6 +75,32 @@ def record_of(content: RecordDict, name: str, kind: type[Record]) -> Record | No
     return record if isinstance(record, kind) else None
 
 
+def halves_disagree(site_mod: str | None, reply: Message, site: str, server: str) -> str | None:
+    """Why ``reply`` cannot be used by a strategy whose site half is ``site_mod``, naming
+    both halves and the fix; None when the halves agree.
+
+    ``site_mod`` None (local-SGD, Flower's strategies) takes any whole-model reply, or one
+    from flplatform's local-SGD mod; otherwise the reply must come from that mod.
+    """
+    config = record_of(reply.content, keys.CONFIG, ConfigRecord)
+    said = config.get(keys.SITE_MOD) if config is not None else None
+    answered_by = said if isinstance(said, str) else None
+    if answered_by == site_mod or (site_mod is None and answered_by in (None, keys.LOCAL_SGD)):
+        return None
+    fix = "add flplatform_mod() to the site's @app.train(mods=[...]) (it follows the server)"
+    if answered_by is None:
+        return (
+            f"site {site} replied without flplatform's {site_mod} mod (a whole model, as a "
+            f"plain Flower ClientApp sends), but the server runs {server}, whose site half is "
+            f"that mod: {fix}, or run the server with a strategy for plain ClientApps "
+            "(local-sgd, or Flower's own)"
+        )
+    return (
+        f"site {site} answered with flplatform's {answered_by} mod, but the server runs "
+        f"{server}: {fix}, or run the server with strategy {answered_by}"
+    )
+
+
 def site_info(node_id: int, reply: Message | None) -> SiteInfo:
     """What a site's answer to the QUERY says; its node id names it if it said nothing."""
     fallback = f"node-{node_id}"

@@ -209,6 +209,13 @@ class EngineStrategy(Protocol):
         """The strategy's name in the ledger (default: its class name)."""
         return type(self).__name__
 
+    @property
+    def site_mod(self) -> str | None:
+        """The algorithm whose ClientApp mod must answer the training messages (named by
+        ``keys.SITE_MOD`` in each reply's config); None when any Flower ClientApp's
+        whole-model reply will do (default). A reply without it stops the run."""
+        return None
+
     def summary(self) -> None:
         """Log the strategy's configuration (default: nothing)."""
         return None

@@ -24,12 +24,16 @@ Every mod here, for a training message of its algorithm:
    ignore ``local-steps`` and the virtual clock's ``measured`` model needs real seconds.
 3. **Reads back** ``arrays`` (the same names, shapes and dtypes it was given; finite
    floats; its own key order is put back into the model's) and ``num-examples``, and
-   rejects anything else with a reason the user can act on (an ``UpdateRejected``, which
-   Flower returns as the reply's error and the ledger records as its reason).
+   refuses anything else with a reason the user can act on: an error reply with Flower's
+   ``MOD_FAILED_PRECONDITION`` code (``keys.SITE_REFUSED_CODE``), which the ledger records
+   as a rejected update with that reason.
 4. **Turns (trained − start) into the algorithm's upload**: the whole model (local-SGD,
    Flower's convention), the delta compressed with error feedback (``codec_mod``), the
    accumulated period step (``delayed_mod``), the count sketch (``fetchsgd_mod``,
-   ``sketched_sgd_mod``); a delta is marked ``update = "delta"`` in the reply's config.
+   ``sketched_sgd_mod``); a delta is marked ``update = "delta"`` in the reply's config,
+   and every reply names the mod that answered (``site-mod``): a server whose site half
+   is a mod (delayed, FetchSGD, Sketched-SGD) stops the run, naming both halves and the
+   fix, when a site replies without it.
 5. **Keeps its state under one key** (``flplatform.core.keys.*_STATE``). A message of our
    engine names its work (``site-work`` n, ``run-key``): the mod then acts on the state
    after work n − 1, read from the site's snapshots on its own disk, and snapshots what

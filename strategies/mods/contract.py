@@ -261,15 +261,16 @@ def reply_with(
     config: Mapping[str, Any] | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> Message:
-    """The mod's reply: its upload, the metrics, what the server must know, and the user's
-    other records (``extra``), untouched."""
+    """The mod's reply: its upload, the metrics, what the server must know (which mod
+    answered, ``keys.SITE_MOD``, first), and the user's other records (``extra``),
+    untouched."""
     content = RecordDict({keys.METRICS: metrics})
     for name, record in (extra or {}).items():
         content[name] = record
     if arrays is not None:
         content[keys.ARRAYS] = arrays_to_record(dict(arrays))
-    if config:
-        content[keys.CONFIG] = ConfigRecord(dict(config))
+    answered_by = site_algorithm(msg) or keys.LOCAL_SGD
+    content[keys.CONFIG] = ConfigRecord({keys.SITE_MOD: answered_by, **(config or {})})
     return Message(content, reply_to=msg)
 
 

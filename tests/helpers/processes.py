@@ -99,8 +99,12 @@ def flplatform_cli(args: list[str], cwd: Path, log: Path) -> subprocess.Popen[by
     )
 
 
-def kill_after(cli: subprocess.Popen[bytes], db: str, run_id: int | None, rounds: int) -> int:
-    """SIGKILL the command and everything below it once the run has ``rounds`` rounds."""
+def kill_after(
+    cli: subprocess.Popen[bytes], db: str, run_id: int | None, rounds: int, *, resumes: int = 0
+) -> int:
+    """SIGKILL the command and everything below it once the run has ``rounds`` rounds and
+    ``resumes`` resumed events: a resume is killed only once it has resumed, even when the
+    command killed before it committed one more round than it was killed for."""
     leftovers = Leftovers(cli.pid)
     deadline = time.monotonic() + STARTUP_SECONDS
     with LedgerRepository.open(db) as repository:
@@ -108,7 +112,14 @@ def kill_after(cli: subprocess.Popen[bytes], db: str, run_id: int | None, rounds
             leftovers.record()
             runs = repository.list_runs()
             run = next((r for r in runs if run_id is None or r.id == run_id), None)
-            if run is not None and run.rounds_completed >= rounds:
+            if (
+                run is not None
+                and run.rounds_completed >= rounds
+                and (
+                    not resumes
+                    or sum(e.kind == "resumed" for e in repository.list_events(run.id)) >= resumes
+                )
+            ):
                 break
             assert cli.poll() is None, "the command ended before the kill"
             assert time.monotonic() < deadline, "the round did not come"

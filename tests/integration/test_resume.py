@@ -136,9 +136,9 @@ def test_a_run_killed_and_resumed_ends_bit_for_bit_as_the_uninterrupted_run(
     db = f"sqlite:///{tmp_path / 'ledger.db'}"
     LedgerRepository.open(db).close()  # created first, so that both processes find it
     run_id = kill_after(flplatform_cli([*args, "--db", db], tmp_path, log), db, None, kills[0])
-    for rounds in kills[1:]:
+    for resumes, rounds in enumerate(kills[1:], start=1):
         cli = flplatform_cli(["resume", str(run_id), "--db", db], tmp_path, log)
-        kill_after(cli, db, run_id, rounds)
+        kill_after(cli, db, run_id, rounds, resumes=resumes)
     wait_ok(flplatform_cli(["resume", str(run_id), "--db", db], tmp_path, log), log)
 
     resumed_model = _model(db, run_id, tmp_path / "resumed.pt")
