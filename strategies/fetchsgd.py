@@ -15,6 +15,9 @@ with Sketching", 2020); the server's maths is ``strategies.sketch_feedback``. On
 * Running statistics and integer arrays (``strategies.averaged_arrays``) are not sketched:
   sites send them whole, the server sets them to the sites' weighted mean (FedAvg's rule)
   and never picks their coordinates from the sketch.
+* Nor does it pick a coordinate of a float array no accepted site changed in the round (a
+  frozen weight: the sites name them, ``unchanged-arrays``): its estimate is only the
+  noise of the coordinates sharing its buckets.
 
 Bytes are what crossed: the sketch and the arrays sent whole up; the changed coordinates
 (or the model) down. The
@@ -52,6 +55,7 @@ from strategies.sketched_common import (
     SketchedStrategy,
     averaged_changes,
     sketch_table,
+    unchanged_arrays,
 )
 from strategies.sparse_sync import SparseModel
 
@@ -120,6 +124,8 @@ class FetchSGD(SketchedStrategy):
         self.feedback: SketchFeedback | None = None
         self._table: torch.Tensor | None = None
         self._averaged = AveragedSum()  # the arrays sent whole, this round
+        # arrays no accepted site changed this round (frozen weights): None before a reply
+        self._unchanged: set[str] | None = None
         self._weight = 0.0
         self._count = 0
         self._loss = (0.0, 0.0)
@@ -232,6 +238,7 @@ class FetchSGD(SketchedStrategy):
         self._use(arrays)
         self._table, self._weight, self._count, self._loss = None, 0.0, 0, (0.0, 0.0)
         self._averaged = AveragedSum()
+        self._unchanged = None
 
     def read_update(self, reply: Message, *, base: ArrayRecord) -> Update:
         """Read S(g_n) and the arrays averaged whole; the site now holds the version its
@@ -245,6 +252,7 @@ class FetchSGD(SketchedStrategy):
         num_examples = check_num_examples(metrics.get(keys.NUM_EXAMPLES))
         table = sketch_table(record, (self.rows, self.cols), SITE_ALGORITHM, self.model.averaged)
         changes = averaged_changes(record, self.model)
+        unchanged = unchanged_arrays(reply, self.model)
         contribution = Contribution(
             num_examples=num_examples,
             train_loss=first_number(metrics, keys.TRAIN_LOSS_ALIASES),
@@ -252,11 +260,14 @@ class FetchSGD(SketchedStrategy):
         )
         # Sketches are linear: a table's norm and direction stand for its update's.
         vector = [table, *changes.values()]
-        return Update(contribution, vector=vector, kind="sketch", payload=(table, changes))
+        return Update(
+            contribution, vector=vector, kind="sketch", payload=(table, changes, unchanged)
+        )
 
     def add_update(self, update: Update, *, weight: float, scale: float = 1.0) -> None:
         """Add w·s·S(g_n) to the round's table, and w·s·(value − x) to each averaged array's."""
-        table, changes = update.payload
+        table, changes, unchanged = update.payload
+        self._unchanged = unchanged if self._unchanged is None else self._unchanged & unchanged
         # float64: finite float32 tables times large weights cannot overflow the sum
         weighted = torch.from_numpy(table.astype(np.float64)) * float(weight * scale)
         self._table = weighted if self._table is None else self._table.add_(weighted)
@@ -281,7 +292,11 @@ class FetchSGD(SketchedStrategy):
         # for "subtract": sketching S(Δ) there adds with CUDA's atomics, in no fixed order,
         # and a resumed run must end bit for bit as the uninterrupted one.
         device = sketch_device() if self.removal == "zero" else torch.device("cpu")
-        indices, values = self.feedback.step(mean.to(device))
+        # Never a coordinate of an array no site changed: its estimate is only the noise of
+        # the coordinates sharing its buckets (a frozen weight would move by it).
+        assert self.model.layout is not None
+        frozen = tuple(self.model.layout.span(name) for name in sorted(self._unchanged or ()))
+        indices, values = self.feedback.step(mean.to(device), excluded=frozen)
         indices, values = indices.cpu(), values.cpu()
         averaged = self._averaged.means(self.model, self._weight)
         problem = None

@@ -27,6 +27,7 @@ Memory: two r × c tables, whatever the number of sites.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,10 +76,13 @@ class SketchFeedback:
         if self.k > self.sketch.d:
             raise ConfigError(f"k must be at most the model's {self.sketch.d} parameters")
 
-    def step(self, mean_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(
+        self, mean_table: torch.Tensor, *, excluded: Sequence[tuple[int, int]] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One round: fold the sites' mean table in and return Δ as (indices, values).
 
-        ``indices`` are (k,) int64 ascending, ``values`` (k,) float32.
+        ``indices`` are (k,) int64 ascending, ``values`` (k,) float32. ``excluded``: this
+        round's coordinate ranges never picked, besides the run's own.
         """
         if self.momentum is None or self.error is None:
             self.momentum = self.sketch.zeros(mean_table.device)
@@ -88,7 +92,9 @@ class SketchFeedback:
             self.error = self.error.to(mean_table.device)
         self.momentum.mul_(self.rho).add_(mean_table)
         self.error.add_(self.momentum, alpha=self.eta)
-        indices, values = self.sketch.top_k(self.error, self.k, excluded=self.excluded)
+        indices, values = self.sketch.top_k(
+            self.error, self.k, excluded=(*self.excluded, *excluded)
+        )
         order = torch.argsort(indices)
         indices, values = indices[order], values[order]
         if self.removal == "subtract":

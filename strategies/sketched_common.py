@@ -23,6 +23,7 @@ from flplatform.core import keys
 from flplatform.core.errors import UpdateRejected
 from flplatform.core.seeding import derive_seed
 from flplatform.engine import AggregationPolicy, EngineStrategy, Synchrony, Update
+from flplatform.engine.replies import record_of
 from flplatform.run.start import PlatformStart
 from strategies.averaged_arrays import AVERAGED
 from strategies.codecs import averaged_from_wire, averaged_keys
@@ -223,6 +224,21 @@ def averaged_changes(record: ArrayRecord, model: SparseModel) -> dict[str, np.nd
         name: value.reshape(-1).astype(np.float64) - model.flat[model.span(name)].numpy()
         for name, value in averaged_values(record, model.layout, model.averaged).items()
     }
+
+
+def unchanged_arrays(reply: Message, model: SparseModel) -> set[str]:
+    """The arrays a site says its training left exactly as they were (``unchanged-arrays``
+    in its reply's config; none if it says nothing); ``UpdateRejected`` unless each is a
+    sketched array of the model."""
+    config = record_of(reply.content, keys.CONFIG, ConfigRecord)
+    names = config.get(keys.UNCHANGED_ARRAYS, []) if config is not None else []
+    assert model.layout is not None
+    known = set(model.layout.names) - set(model.averaged)
+    if not isinstance(names, list) or not all(isinstance(n, str) and n in known for n in names):
+        raise UpdateRejected(
+            f"'{keys.UNCHANGED_ARRAYS}' must list sketched arrays of the model, got {names!r:.120}"
+        )
+    return {str(name) for name in names}
 
 
 @dataclass

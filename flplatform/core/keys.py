@@ -47,6 +47,9 @@ SKETCH_COLS = "sketch-cols"
 # arrays a sketched site sends whole beside its table (strategies/averaged_arrays.py)
 AVERAGED_ARRAYS = "averaged-arrays"
 SYNC_FROM = "sync-from"
+# the float arrays a FetchSGD site's training left exactly as they were (frozen weights): the
+# server never picks their coordinates from the sketch in a round where no site changed them
+UNCHANGED_ARRAYS = "unchanged-arrays"
 # Sketched-SGD (strategies/sketched_sgd.py): which of a step's two rounds, the round whose
 # sketches chose the candidates, the step momentum, the step whose coordinates to zero
 STEP_PHASE = "sketch-phase"  # values: strategies.mods.sketched_sgd.StepPhase

@@ -107,12 +107,18 @@ def sketched_upload(
     start: dict[str, np.ndarray],
     averaged: list[str],
     sketch: Callable[[np.ndarray], np.ndarray],
-) -> dict[str, np.ndarray]:
+) -> tuple[dict[str, np.ndarray], list[str]]:
     """The reply's arrays: S(trained − start) without the ``averaged`` arrays' coordinates,
-    and those arrays' trained values whole."""
+    and those arrays' trained values whole; and the other arrays training left exactly as
+    they were (a frozen parameter), for the server to keep out of its recovery."""
     delta = layout.flat_difference(trained, start)  # (d,) float32, a new array
     layout.zero(delta, averaged)
-    return {SKETCH: sketch(delta), **pack(trained, averaged)}
+    unchanged = [
+        name
+        for name in layout.names
+        if name not in averaged and not delta[slice(*layout.span(name))].any()
+    ]
+    return {SKETCH: sketch(delta), **pack(trained, averaged)}, unchanged
 
 
 def sketch_of(
@@ -144,7 +150,7 @@ def fetchsgd_mod() -> Mod:
         if not isinstance(result, UserResult):
             return result
         device = sketch_device()
-        upload = sketched_upload(
+        upload, unchanged = sketched_upload(
             Layout.of(model),
             result.trained,
             model,
@@ -155,6 +161,7 @@ def fetchsgd_mod() -> Mod:
         state = state or new_state()
         remember_model(state, model, version)
         save_state(msg, context, keys.FETCHSGD_STATE, state)
-        return reply_with(msg, upload, result.metrics, extra=result.extra)
+        config = {keys.UNCHANGED_ARRAYS: unchanged} if unchanged else {}
+        return reply_with(msg, upload, result.metrics, config=config, extra=result.extra)
 
     return mod

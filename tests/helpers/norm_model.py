@@ -29,6 +29,18 @@ def net() -> nn.Module:
     )
 
 
+FROZEN_SPEC = "tests.helpers.norm_model:frozen_net"
+FROZEN = "0.weight"  # frozen_net()'s parameter no training changes
+
+
+def frozen_net() -> nn.Module:
+    """``net()`` with its convolution's weight frozen (``requires_grad=False``), as a user
+    freezes a pretrained layer."""
+    model = net()
+    model[0].weight.requires_grad_(False)
+    return model
+
+
 def mean_of_sent(replies: Sequence[Message], model: Mapping[str, np.ndarray]) -> dict:
     """The example-weighted mean of the ``AVERAGED`` arrays the replies carry whole (flat,
     float64), as FedAvg would average them."""

@@ -141,16 +141,46 @@ def test_running_statistics_and_counters_are_averaged_whole_not_sketched() -> No
     assert all(table_bytes < u.bytes_up < table_bytes + 4096 for s in summaries for u in s.updates)
 
 
+def test_a_frozen_parameter_is_never_moved_by_sketch_recovery() -> None:
+    """No site changes a frozen weight, so its sketch estimates are only the noise of the
+    coordinates sharing its buckets; a sketch this narrow picks some of them every round
+    unless the sites' word that the array is unchanged keeps them out."""
+    models = [record_to_arrays(digits_model(model=norm_model.FROZEN_SPEC))]
+    _, grid, summaries = run_fetchsgd(
+        rounds=4,
+        model=norm_model.FROZEN_SPEC,
+        after_round=lambda s: models.append(record_to_arrays(s.model.record)),
+        k=40,
+        sketch_cols=40,
+        fraction_train=1.0,
+    )
+    assert all(u.status == APPLIED for s in summaries for u in s.updates)
+    trained = [r for r in grid.replies if keys.CONFIG in r.content.config_records]
+    said = [r.content[keys.CONFIG].get(keys.UNCHANGED_ARRAYS) for r in trained]
+    assert said.count([norm_model.FROZEN]) == 4 * 4  # every training reply says so
+    for before, now in pairwise(models):
+        assert np.array_equal(now[norm_model.FROZEN], models[0][norm_model.FROZEN])
+        assert not np.array_equal(now["5.weight"], before["5.weight"])  # the rest trains
+
+
 def test_the_site_leaves_averaged_arrays_out_of_its_sketch() -> None:
     start = {"w": np.zeros(3, np.float32), "bn.running_var": np.ones(2, np.float32)}
     trained = {"w": np.array([1, 2, 3], np.float32), "bn.running_var": np.full(2, 4, np.float32)}
-    upload = sketched_upload(
+    upload, unchanged = sketched_upload(
         Layout.of(start), trained, start, ["bn.running_var"], lambda delta: delta.copy()
     )
     # Layout order: bn.running_var (coordinates 0, 1) before w (2, 3, 4)
     np.testing.assert_array_equal(upload["sketch"], [0, 0, 1, 2, 3])
     np.testing.assert_array_equal(upload["averaged/float32"], [4, 4])
     assert list(upload) == ["sketch", "averaged/float32"]
+    assert unchanged == []
+
+
+def test_the_site_names_the_arrays_its_training_left_as_they_were() -> None:
+    start = {"w": np.zeros(3, np.float32), "frozen": np.full(2, 0.5, np.float32)}
+    trained = {"w": np.array([0, 2, 0], np.float32), "frozen": np.full(2, 0.5, np.float32)}
+    _, unchanged = sketched_upload(Layout.of(start), trained, start, [], lambda d: d.copy())
+    assert unchanged == ["frozen"]
 
 
 def test_averaged_arrays_travel_in_one_vector_per_carrier_and_come_back_hand_computed() -> None:
@@ -382,6 +412,19 @@ def test_malformed_sketches_are_rejected(arrays: dict, reason: str) -> None:
 
 NORM_MODEL = {"w": np.zeros(10, np.float32), "bn.running_var": np.ones(2, np.float16)}
 TABLE = np.zeros((5, 50), np.float32)
+
+
+@pytest.mark.parametrize("names", [["v"], ["bn.running_var"], "w", [3]])
+def test_unchanged_arrays_that_are_no_sketched_arrays_of_the_model_are_rejected(
+    names: object,
+) -> None:
+    strategy = FetchSGD(k=3, sketch_cols=50)
+    base = arrays_to_record(NORM_MODEL)
+    strategy.begin_aggregation(1, base)
+    reply = sketch_reply({"sketch": TABLE, "averaged/float32": np.ones(2, np.float32)})
+    reply.content[keys.CONFIG] = ConfigRecord({keys.UNCHANGED_ARRAYS: names})  # type: ignore[dict-item]
+    with pytest.raises(UpdateRejected, match="'unchanged-arrays' must list sketched arrays"):
+        strategy.accumulate(reply, base=base)
 
 
 @pytest.mark.parametrize(
