@@ -219,7 +219,8 @@ class RunConfig:
         default=DEFAULT_OPTIONS.compute_model,
         metadata=about(
             "Override the sites' compute model: fixed, exponential, shifted-exponential, "
-            "pareto, measured."
+            "pareto, measured (unset: the network's; work a run's messages do not name, "
+            "no local-steps or local-epochs, is timed by what the sites measured)."
         ),
     )
     step_seconds: float = field(

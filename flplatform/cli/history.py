@@ -321,7 +321,9 @@ def sites(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForma
     Staleness is over applied updates: mean/max, the 90th percentile, and how many applied
     updates had each staleness ("0:12 1:5" is twelve at 0, five at 1). Waiting is the time
     the site sat idle between an update arriving and its next dispatch, on the clock named in
-    the header. A run of the delayed strategy also shows each site's mean delay: how many
+    the header. Compute is what the sites measured; a simulated run also shows what the
+    clock booked (which the network's compute models draw, unless the run's messages
+    named no work). A run of the delayed strategy also shows each site's mean delay: how many
     rounds old the global average its applied updates started from was. JSON and CSV also
     carry the bytes of the site-information query each site is sent when it joins
     (``query_bytes_up``, ``query_bytes_down``) and all of a site's bytes (``total_bytes_*``);
@@ -335,6 +337,8 @@ def sites(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForma
         clock = records[0].waiting_clock if records else CLOCK_WALL
         # Only delayed runs get the column: on any other run it would be all dashes.
         delayed = any(s.mean_delay is not None for s in records)
+        # A simulated run: the clock's compute beside what the sites measured.
+        simulated = any(s.virtual_compute_seconds is not None for s in records)
         emit(
             console,
             fmt,
@@ -353,6 +357,7 @@ def sites(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForma
                 Column("bytes\ndown", drop=2),
                 Column("eval\nup/down", drop=7),
                 Column("compute s", drop=6),
+                *([Column("compute s\n(clock)", drop=6)] if simulated else []),
                 Column(f"waiting s\n({clock})", drop=3),
                 Column("train loss", drop=5),
             ],
@@ -372,6 +377,7 @@ def sites(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForma
                     human_bytes(s.bytes_down),
                     _pair(s.eval_bytes_up, s.eval_bytes_down),
                     s.compute_seconds,
+                    *([s.virtual_compute_seconds] if simulated else []),
                     _fixed(s.waiting_seconds),
                     s.mean_train_loss,
                 )

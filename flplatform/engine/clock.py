@@ -78,17 +78,19 @@ class Clock(Protocol):
         """Register a site (``index``: its position in the federation); return its profile."""
         ...
 
-    def away_seconds(self, site: str, *, steps: int) -> float | None:
+    def away_seconds(self, site: str, *, steps: int | None) -> float | None:
         """For how long the site sits out work of ``steps`` local steps; None: it takes part."""
         ...
 
     def schedule(
-        self, *, site: str, bytes_down: int, steps: int, ready_at: float | None = None
+        self, *, site: str, bytes_down: int, steps: int | None, ready_at: float | None = None
     ) -> Schedule:
         """Fix what is known of a message dispatched to ``site`` now.
 
-        ``ready_at`` (pipelined messages): the clock time since when the message's
-        content existed; the download may have started then.
+        ``steps``: the local steps it asks for (``planned_steps``; None when it names no
+        work, as a user's app that runs its own loop). ``ready_at`` (pipelined messages):
+        the clock time since when the message's content existed; the download may have
+        started then.
         """
         ...
 
@@ -146,12 +148,12 @@ class WallClock:
         """Real sites have no simulated profile."""
         return {}
 
-    def away_seconds(self, site: str, *, steps: int) -> float | None:
+    def away_seconds(self, site: str, *, steps: int | None) -> float | None:
         """A real site's availability shows in its replies, not here."""
         return None
 
     def schedule(
-        self, *, site: str, bytes_down: int, steps: int, ready_at: float | None = None
+        self, *, site: str, bytes_down: int, steps: int | None, ready_at: float | None = None
     ) -> Schedule:
         """Only the dispatch time is known; a real site computes after it downloads."""
         return Schedule(dispatched_at=time.time())
@@ -194,13 +196,20 @@ class VirtualClock:
     seed : int
         Compute times and availability are drawn from (seed, site, attempt), attempt
         counting the messages offered to that site, so a run is reproducible.
+    measure_unplanned : bool
+        How long a message that names no work (no ``local-steps``, no ``local-epochs``: a
+        user's app whose own loop decides) computes: True, the time the site measured
+        (``compute-seconds``, which flplatform's mods add) over its speed, as the
+        ``measured`` model does, or the profile's mean step when the reply measured
+        nothing; False (the run chose a compute model), one step of the profile's model.
     """
 
     virtual = True
 
-    def __init__(self, network: Network, *, seed: int = 0) -> None:
+    def __init__(self, network: Network, *, seed: int = 0, measure_unplanned: bool = True) -> None:
         self.network = network
         self.seed = seed
+        self.measure_unplanned = measure_unplanned
         self._now = 0.0
         self._profiles: dict[str, SiteProfile] = {}
         self._attempts: dict[str, int] = {}
@@ -238,7 +247,7 @@ class VirtualClock:
         self._attempts[site] = attempt + 1
         return attempt
 
-    def away_seconds(self, site: str, *, steps: int) -> float | None:
+    def away_seconds(self, site: str, *, steps: int | None) -> float | None:
         """With probability 1 − availability the site sits this work out.
 
         It is then away for as long as this update would have taken it (a fresh draw of
@@ -253,15 +262,16 @@ class VirtualClock:
         if rng.random() < profile.availability:
             return None
         self._pipeline_from.pop(site, None)  # it sits out: its next work starts afresh
+        steps = max(1, steps or 0)
         away = compute_seconds(
-            profile.compute, steps=max(1, steps), speed=_speed(profile), rng=rng, measured=None
+            profile.compute, steps=steps, speed=_speed(profile), rng=rng, measured=None
         )
         if away is None or not away > 0:  # the "measured" model: nothing drawn
-            away = max(1, steps) * profile.compute.mean_seconds / _speed(profile)
+            away = steps * profile.compute.mean_seconds / _speed(profile)
         return away
 
     def schedule(
-        self, *, site: str, bytes_down: int, steps: int, ready_at: float | None = None
+        self, *, site: str, bytes_down: int, steps: int | None, ready_at: float | None = None
     ) -> Schedule:
         """Draw the compute time now, so the earliest possible arrival is known.
 
@@ -270,8 +280,16 @@ class VirtualClock:
         """
         profile = self.profile(site)
         rng = rng_for(self.seed, "compute", site, self._attempt(site))
-        compute = compute_seconds(
-            profile.compute, steps=steps, speed=_speed(profile), rng=rng, measured=None
+        compute = (
+            None  # known once the reply says what it measured
+            if steps is None and self.measure_unplanned
+            else compute_seconds(
+                profile.compute,
+                steps=1 if steps is None else steps,
+                speed=_speed(profile),
+                rng=rng,
+                measured=None,
+            )
         )
         down = profile.download_seconds(bytes_down)
         if ready_at is None:
@@ -323,10 +341,14 @@ class VirtualClock:
         """
         profile = self.profile(site)
         compute = schedule.compute_seconds
-        if compute is None:  # the "measured" model: the site's own time, scaled by speed
+        if compute is None:  # measured: the site's own time, scaled by speed
             measured = measured_compute if measured_compute is not None else math.nan
-            valid = math.isfinite(measured)
-            compute = max(0.0, measured) / _speed(profile) if valid else 0.0
+            if math.isfinite(measured):
+                compute = max(0.0, measured) / _speed(profile)
+            elif profile.compute.kind == "measured":
+                compute = 0.0
+            else:  # a message naming no work, whose reply measured nothing: one mean step
+                compute = profile.compute.mean_seconds / _speed(profile)
         acknowledged = profile.download_seconds(ack_bytes) - profile.download_seconds(0)
         up = profile.upload_seconds(bytes_up) + acknowledged
         transfer = (schedule.download_seconds or 0.0) + up
@@ -440,13 +462,14 @@ def _speed(profile: SiteProfile) -> float:
     return profile.speed if profile.speed is not None else 1.0
 
 
-def planned_steps(config: Mapping[str, Any], num_examples: int | None) -> int:
+def planned_steps(config: Mapping[str, Any], num_examples: int | None) -> int | None:
     """Local optimiser steps a training message asks for: what its compute time scales with.
 
     ``local-steps`` when positive, else ``local-epochs`` passes over the site's examples
-    in batches of ``batch-size``; 0 when both are set to 0 (a message that asks for no
-    training, such as Sketched-SGD's request for values); 1 when the config says neither
-    (a plain Flower app).
+    in batches of ``batch-size`` (1 when the batches are unknown); 0 when both are set to 0
+    (a message that asks for no training, such as Sketched-SGD's request for values); None
+    when the config names neither (a user's app whose own loop decides: the clock then
+    uses what the site measured, ``VirtualClock``).
     """
     if config.get(keys.LOCAL_STEPS) == 0 and config.get(keys.LOCAL_EPOCHS) == 0:
         return 0
@@ -454,7 +477,9 @@ def planned_steps(config: Mapping[str, Any], num_examples: int | None) -> int:
     if steps:
         return steps
     epochs = positive_count(config.get(keys.LOCAL_EPOCHS))
+    if not epochs:
+        return None
     batch = positive_count(config.get(keys.BATCH_SIZE))
-    if epochs and batch and num_examples:
+    if batch and num_examples:
         return epochs * max(1, math.ceil(num_examples / batch))
     return 1

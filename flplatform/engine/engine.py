@@ -769,7 +769,7 @@ class RoundEngine:
         if self.run_key and self._site_work.get(dispatch.node_id, 0) > 0:
             self._site_work[dispatch.node_id] -= 1
 
-    def _steps(self, msg: Message) -> int:
+    def _steps(self, msg: Message) -> int | None:
         """Local steps a training message asks of its site (what compute time scales with)."""
         info = self.sites.info(msg.metadata.dst_node_id)
         return planned_steps(

@@ -121,7 +121,9 @@ def make_clock(options: PlatformOptions) -> Clock:
         compute_model=options.compute_model,
         step_seconds=options.step_seconds,
     )
-    return VirtualClock(loaded, seed=options.seed)
+    # A message naming no work is timed by the site's measurement, unless the run chose
+    # a compute model for every site.
+    return VirtualClock(loaded, seed=options.seed, measure_unplanned=not options.compute_model)
 
 
 def network_label(options: PlatformOptions) -> str | None:

@@ -141,6 +141,8 @@ def start(
         ``Network``): rounds run on its virtual clock. None: the wall clock.
     compute_model : str
         Override every site's compute model (a network named by preset or file only).
+        Unset, a training message that names no work (no ``local-steps`` or
+        ``local-epochs``: your own loop decides) is timed by what the site measured.
     step_seconds : float
         Override every site's mean seconds per local step (0: keep the profiles').
     seed : int

@@ -279,6 +279,7 @@ def test_sites_show_staleness_distribution_and_waiting(simulated_ledger: str, le
     assert "staleness" in table and "counts" in table and "p90" in table
     assert "0:1 1:1" in table and "0:2" in table
     assert "waiting s" in table and "(virtual)" in table
+    assert "(clock)" in table  # the clock's compute beside the sites' own
 
     rows = {
         r["name"]: r
@@ -302,6 +303,7 @@ def test_sites_show_staleness_distribution_and_waiting(simulated_ledger: str, le
 
     wall = history("sites", "1", "--db", ledger)
     assert "(wall)" in wall and "0:2" in wall
+    assert "(clock)" not in wall
     rows = {r["name"]: r for r in json.loads(history("sites", "1", "--db", ledger, "-f", "json"))}
     # tokyo's second update was rejected: only the applied one counts for staleness.
     assert rows["tokyo"]["staleness_counts"] == [[0, 1]]

@@ -57,6 +57,32 @@ def test_schedule_and_land_golden_values() -> None:
     assert landing.compute_seconds == pytest.approx(1.0)  # the profile's, not the measured
 
 
+def test_a_message_naming_no_work_is_timed_by_the_sites_measurement() -> None:
+    # A user's app that sends no local-steps: the profile cannot know its work, the site
+    # measured it (compute-seconds). b's fixed 1.0 s step plays no part.
+    clock = VirtualClock(TWO_SITES)
+    clock.join("b", 1)
+    schedule = clock.schedule(site="b", bytes_down=0, steps=None)
+    assert schedule.compute_seconds is None
+    assert schedule.earliest_arrival == pytest.approx(0.15 + 0.15)  # no compute known yet
+    landing = clock.land(schedule, site="b", bytes_up=0, measured_compute=2.57)
+    assert landing.compute_seconds == pytest.approx(2.57)
+    assert landing.arrived_at == pytest.approx(0.15 + 2.57 + 0.15)
+    # A reply that measured nothing (a ClientApp without flplatform's mod): one mean step.
+    unmeasured = clock.schedule(site="b", bytes_down=0, steps=None)
+    later = clock.land(unmeasured, site="b", bytes_up=0, measured_compute=None)
+    assert later.compute_seconds == pytest.approx(1.0)
+
+
+def test_a_chosen_compute_model_times_a_message_naming_no_work_as_one_step() -> None:
+    clock = VirtualClock(TWO_SITES, measure_unplanned=False)
+    clock.join("b", 1)
+    schedule = clock.schedule(site="b", bytes_down=0, steps=None)
+    assert schedule.compute_seconds == pytest.approx(1.0)
+    landing = clock.land(schedule, site="b", bytes_up=0, measured_compute=2.57)
+    assert landing.compute_seconds == pytest.approx(1.0)
+
+
 def test_measured_compute_is_the_sites_own_time_over_its_speed() -> None:
     measured = SiteProfile(
         name="m",
@@ -116,10 +142,10 @@ def test_compute_draws_are_a_function_of_seed_site_and_attempt() -> None:
         ({keys.LOCAL_STEPS: 7}, 100, 7),
         ({keys.LOCAL_STEPS: 0, keys.LOCAL_EPOCHS: 2, keys.BATCH_SIZE: 32}, 100, 8),
         ({keys.LOCAL_EPOCHS: 1, keys.BATCH_SIZE: 32}, None, 1),
-        ({}, 100, 1),  # a plain Flower app's config
+        ({}, 100, None),  # a user's app's config: its own loop decides
         ({keys.LOCAL_STEPS: 0, keys.LOCAL_EPOCHS: 0}, 100, 0),  # no training asked
-        ({keys.LOCAL_STEPS: "many"}, 100, 1),
-        ({keys.LOCAL_STEPS: float("inf")}, 100, 1),
+        ({keys.LOCAL_STEPS: "many"}, 100, None),
+        ({keys.LOCAL_STEPS: float("inf")}, 100, None),
     ],
 )
 def test_planned_steps(config, examples, steps) -> None:
@@ -166,3 +192,68 @@ def test_a_hand_computed_run_of_two_sites(sqlite_ledger: str) -> None:
     assert rounds[1].virtual_started_at == rounds[0].virtual_finished_at
     assert engine.simulated_seconds == pytest.approx(5.2, abs=8e-3)
     repo.close()
+
+
+def test_only_a_run_that_chose_a_compute_model_times_unplanned_work_by_the_model() -> None:
+    from flplatform.run.options import PlatformOptions
+    from flplatform.run.parts import make_clock
+
+    preset = make_clock(PlatformOptions(network="world"))
+    chosen = make_clock(PlatformOptions(network="world", compute_model="exponential"))
+    assert isinstance(preset, VirtualClock) and isinstance(chosen, VirtualClock)
+    assert preset.measure_unplanned and not chosen.measure_unplanned
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_a_users_app_naming_no_work_is_booked_what_its_sites_measured(
+    sqlite_ledger: str,
+) -> None:
+    """A Flower quickstart's server sends no local-steps; its sites' loops take what they
+    take. flplatform's mod times the call, and the clock books that time (over the site's
+    speed: 1 here), not one step of the profile's 0.5 s or 1.0 s."""
+    import time
+
+    from flwr.app import Context, Message, MessageType, MetricRecord, RecordDict
+
+    from strategies.mods import flplatform_mod
+    from tests.helpers.delayed_sites import context
+
+    def slow_train(msg: Message, _: Context) -> Message:
+        time.sleep(0.05)  # the user's own loop
+        content = RecordDict(
+            {
+                keys.ARRAYS: msg.content[keys.ARRAYS],
+                keys.METRICS: MetricRecord({keys.NUM_EXAMPLES: 10}),
+            }
+        )
+        return Message(content, reply_to=msg)
+
+    def quickstart_site(name: str, node: int):
+        state = context(node)
+
+        def behave(msg: Message) -> Message:
+            if msg.metadata.message_type == MessageType.QUERY:
+                info = ConfigRecord({keys.SITE_NAME: name})
+                return Message(RecordDict({keys.SITE_INFO: info}), reply_to=msg)
+            return flplatform_mod()(msg, state, slow_train)
+
+        return behave
+
+    repo = LedgerRepository.open(sqlite_ledger)
+    run_id = repo.create_run(name="t", strategy="x", seed=0, config={}, num_rounds_planned=2)
+    engine = RoundEngine(
+        ScriptedGrid({1: quickstart_site("a", 1), 2: quickstart_site("b", 2)}),
+        LocalSGDAveraging(),
+        policy=Synchrony("sync"),
+        clock=VirtualClock(TWO_SITES),
+        ledger=SqlLedger(repo, run_id),
+        required_sites=2,
+        poll_interval=0.0,
+    )
+    engine.run(ArrayRecord({"w": Array(np.zeros(4, np.float32))}), num_rounds=2)
+    updates = repo.list_updates(run_id)
+    repo.close()
+    assert len(updates) == 4
+    for u in updates:
+        assert u.compute_seconds is not None and u.compute_seconds >= 0.05
+        assert u.virtual_compute_seconds == pytest.approx(u.compute_seconds)
