@@ -64,6 +64,13 @@ def strategy_name(strategy: EngineStrategy) -> str:
     return named if isinstance(named, str) and named else type(strategy).__name__
 
 
+def codec_name(strategy: EngineStrategy) -> str:
+    """The upload codec a strategy asks its sites for (its ``codec``'s name, as local-SGD
+    and delayed updates keep it); ``"none"`` for a strategy without one."""
+    name = getattr(getattr(strategy, "codec", None), "name", "none")
+    return name if isinstance(name, str) and name else "none"
+
+
 def choose_policy(strategy: EngineStrategy, options: PlatformOptions) -> AggregationPolicy:
     """The requested synchrony mode, or the policy the strategy picks for it.
 

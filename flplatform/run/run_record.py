@@ -47,10 +47,12 @@ _CONFIG_KEYS = {"num_rounds": "num-server-rounds", "timeout": "round-timeout"}
 
 
 def open_run(
-    options: PlatformOptions, overrides: Mapping[str, Any], strategy: str
+    options: PlatformOptions, overrides: Mapping[str, Any], strategy: str, *, codec: str = "none"
 ) -> LedgerRun | None:
     """The run's new row in the ledger the options name; None without a ledger.
 
+    ``codec``: the strategy's upload codec, recorded as the run config's ``codec`` when
+    the caller's run config names none (a ServerApp that builds its strategy in code).
     With ``resume_run``, the run it names, reopened, with the state to resume from.
     """
     if options.ledger is None:
@@ -78,7 +80,7 @@ def open_run(
         name=options.name or strategy,
         strategy=strategy,
         seed=options.seed,
-        config=_recorded_config(options, overrides, strategy),
+        config=_recorded_config(options, overrides, strategy, codec),
         num_rounds=options.num_rounds,
         tag=options.tag,
         network=network_label(options),
@@ -342,15 +344,18 @@ class LedgerRun:
 
 
 def _recorded_config(
-    options: PlatformOptions, overrides: Mapping[str, Any], strategy: str
+    options: PlatformOptions, overrides: Mapping[str, Any], strategy: str, codec: str
 ) -> dict[str, Any]:
-    """The run config to record: the caller's (with the overrides written in), or the options."""
+    """The run config to record: the caller's (with the overrides written in), or the
+    options; and the strategy's codec where it names none."""
     if options.run_config is None:
         recorded: dict[str, Any] = {"strategy": strategy}
         chosen = {n: getattr(options, n) for n in _RECORDED}
     else:
         recorded = dict(options.run_config)
         chosen = {n: v for n, v in overrides.items() if n in _RECORDED}
+    if codec != "none":
+        recorded.setdefault("codec", codec)
     for option, value in chosen.items():
         recorded[_CONFIG_KEYS.get(option, option.replace("_", "-"))] = _config_value(value)
     if "staleness_bound" in chosen and options.staleness_bound is None:

@@ -47,6 +47,7 @@ from flplatform.run.options import (
 from flplatform.run.parts import (
     as_engine_strategy,
     choose_policy,
+    codec_name,
     make_clock,
     network_label,
     strategy_name,
@@ -254,7 +255,7 @@ def start(
     # A simulated ServerApp's Grid answers after its SuperLink died, a deployed one's
     # retries for ever: stop then, failed with that reason (engine/link).
     grid = watch_superlink(grid)
-    run = open_run(options, overrides, label)
+    run = open_run(options, overrides, label, codec=codec_name(engine_strategy))
     resume = run.resume_state if run is not None else None
     log_start(engine_strategy, label, policy, network_label(options), options.num_rounds)
     engine: RoundEngine | None = None

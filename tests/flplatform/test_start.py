@@ -26,6 +26,7 @@ from flwr.app import (
 from flwr.serverapp.exception import InconsistentMessageReplies
 from flwr.serverapp.strategy import FedAvg
 
+from flplatform.app.comparison import run_setup
 from flplatform.core import keys
 from flplatform.core.arrays import record_to_arrays
 from flplatform.core.errors import ConfigError, DataError, NoProgress, UpdateRejected
@@ -366,6 +367,25 @@ def test_flowers_fedavg_under_the_engine_matches_flowers_own_start(db: str) -> N
         assert rounds[1].metrics["site_" + keys.EVAL_ACCURACY] == pytest.approx(0.5)
         evaluations = repo.list_evaluations(run.id)
         assert [e.accuracy for e in evaluations] == [0.5] * 4  # both sites, both rounds
+
+
+@pytest.mark.parametrize("run_config", [None, {"lr": 0.1}])
+def test_a_strategys_codec_is_recorded_for_history_compare(
+    db: str, run_config: dict | None
+) -> None:
+    # A ServerApp that builds its strategy in code: the codec is in no run config key.
+    start(
+        LocalSGDAveraging(codec="int8"),
+        ScriptedGrid(two_sites()),
+        MODEL,
+        num_rounds=1,
+        ledger=db,
+        run_config=run_config,
+    )
+    with LedgerRepository.open(db) as repo:
+        (run,) = repo.list_runs()
+    assert run.config["codec"] == "int8"
+    assert run_setup(run).codec == "int8"  # what `history compare` shows
 
 
 def two_metric_records(msg: Message, sent: np.ndarray) -> RecordDict:
