@@ -80,6 +80,7 @@ from strategies.knobs import DELAYED_SYNC_ONLY, DelayedKnobs
 from strategies.layout import Layout
 from strategies.local_sgd import (
     aggregate_batch,
+    codec_enlarges,
     reject_state_lost,
     state_lost_note,
 )
@@ -321,6 +322,7 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         self.eta = eta
         self.seed = seed
         self.codec: Codec = make_codec(codec)
+        self._sized_codec = False  # whether the codec's upload size was checked (once)
         self.state = DelayedState(periods=ServerPeriods(delay))
         self._round = 0
         self._current: dict[str, np.ndarray] = {}
@@ -372,6 +374,11 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
             )
             if not isinstance(self.codec, Identity):
                 site_config[keys.CODEC] = self.codec.name
+                if not self._sized_codec:
+                    self._sized_codec = True
+                    enlarges = codec_enlarges(self.codec, self.state.models[version])
+                    if enlarges is not None:
+                        log.warning("%s", enlarges)
             content = RecordDict(
                 {keys.ARRAYS: self.state.models[version], keys.CONFIG: site_config}
             )

@@ -55,6 +55,7 @@ from flplatform.core.reply_checks import check_arrays, check_num_examples, reply
 from flplatform.core.state import StateReader
 from flplatform.engine import Contribution, EngineStrategy, Update
 from flplatform.engine.replies import first_number, record_of
+from flplatform.engine.wire import measure
 from flplatform.run.start import PlatformStart
 from strategies.aggregation import (
     ServerOptimizerState,
@@ -69,6 +70,36 @@ from strategies.layout import Layout
 from strategies.sampling import evaluation_messages, mean_evaluation, sample_sites
 
 log = logging.getLogger("flplatform.strategies.local_sgd")
+
+# Models with more values than this always shrink under a codec: Flower's framing costs a
+# few hundred bytes per array, what int8 or top-k save grows with the values.
+_FRAMING_MATTERS_BELOW = 1_000_000
+
+
+def codec_enlarges(codec: Codec, arrays: ArrayRecord) -> str | None:
+    """Why ``codec``'s uploads of ``arrays``' model are larger than the model itself, or
+    None when they are smaller (always for models of a million values and more).
+
+    A codec's upload is several arrays per model array (indices and values, codes and a
+    scale) and Flower frames each one: on a small model the framing outweighs what the
+    codec saves. Measured on the arrays as Flower would send them (``engine.wire``).
+    """
+    model = record_views(arrays)
+    values = sum(int(a.size) for a in model.values())
+    if isinstance(codec, Identity) or values >= _FRAMING_MATTERS_BELOW:
+        return None
+    zero = {name: np.zeros_like(a) for name, a in model.items()}
+    wire = codec.encode(zero, rng=np.random.default_rng(0))  # sizes do not depend on values
+    dense = measure(RecordDict({keys.ARRAYS: arrays})).object_bytes
+    sent = measure(RecordDict({keys.ARRAYS: arrays_to_record(wire)})).object_bytes
+    if sent < dense:
+        return None
+    return (
+        f"codec {codec.name} uploads {sent:,} B of arrays where the whole model is {dense:,} B "
+        f"({values:,} values in {len(model)} arrays): on a model this small Flower's framing "
+        "of each array it sends outweighs what it saves; codec none sends less"
+    )
+
 
 SITE_ALGORITHM = keys.LOCAL_SGD
 
@@ -141,6 +172,7 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         self.fraction_evaluate = fraction_evaluate
         self.seed = seed
         self.codec: Codec = make_codec(codec)
+        self._sized_codec = False  # whether the codec's upload size was checked (once)
         self._layout: Layout | None = None
         self.state = LocalSGDState()
         self._acc = WeightedDeltaSum()
@@ -185,6 +217,11 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
             content = RecordDict({keys.ARRAYS: arrays, keys.CONFIG: config})
             return [Message(content, dst_node_id=n, message_type=MessageType.TRAIN) for n in nodes]
         config[keys.CODEC] = self.codec.name
+        if not self._sized_codec:
+            self._sized_codec = True
+            enlarges = codec_enlarges(self.codec, arrays)
+            if enlarges is not None:
+                log.warning("%s", enlarges)
         # A site that uploaded compressed before holds an error-feedback residual. Two
         # shared contents, not one per site: the engine measures each content once.
         contents = {

@@ -6,11 +6,15 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from flwr.app import Message, MetricRecord, RecordDict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from flplatform.core import keys
+from flplatform.core.arrays import arrays_to_record
 from flplatform.core.errors import ConfigError, UpdateRejected
+from flplatform.run.start import start
 from strategies.codecs import (
     TOPK_VALUES,
     Codec,
@@ -24,7 +28,10 @@ from strategies.codecs import (
     wire_nbytes,
 )
 from strategies.layout import Layout, difference
+from strategies.local_sgd import LocalSGDAveraging, codec_enlarges
 from strategies.top_k import _magnitude_candidates, top_k_by_magnitude
+from tests.helpers.scripted_grid import ScriptedGrid
+from tests.helpers.sites import replying_site
 
 Arrays = dict[str, np.ndarray]
 
@@ -878,3 +885,43 @@ def test_int8_reports_the_problems_in_the_generic_order() -> None:
     feedback = ErrorFeedback(residual={"a": np.zeros(1), "z": np.array([1e6])})
     with pytest.raises(ValueError, match="outside the range"):
         feedback.compress(update, StochasticInt8(), rng=rng())
+
+
+# Twenty-one 4-value arrays: int8 sends each as codes and a scale, two framed arrays for
+# one; top-k sends two arrays in all.
+TINY = {"w": np.zeros(4, np.float32)} | {
+    f"layer{i}.bias": np.zeros(4, np.float32) for i in range(20)
+}
+
+
+def test_a_codec_that_would_enlarge_the_upload_says_so() -> None:
+    said = codec_enlarges(make_codec("int8"), arrays_to_record(TINY))
+    assert said is not None
+    assert said.startswith("codec int8 uploads ") and "(84 values in 21 arrays)" in said
+    assert "codec none sends less" in said
+    assert codec_enlarges(make_codec("topk:0.5"), arrays_to_record(TINY)) is None
+    assert codec_enlarges(make_codec("none"), arrays_to_record(TINY)) is None
+    one_array = arrays_to_record({"w": np.zeros(10_000, np.float32)})
+    assert codec_enlarges(make_codec("int8"), one_array) is None
+
+
+def plain_site(msg: Message, sent: np.ndarray) -> RecordDict:
+    """A site without the codec mod: its model back, whole."""
+    metrics = MetricRecord({keys.NUM_EXAMPLES: 1})
+    return RecordDict({keys.ARRAYS: msg.content[keys.ARRAYS], keys.METRICS: metrics})
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_a_run_whose_codec_enlarges_the_upload_warns_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    grid = ScriptedGrid({1: replying_site("a", plain_site), 2: replying_site("b", plain_site)})
+    with caplog.at_level("WARNING", logger="flplatform.strategies.local_sgd"):
+        start(
+            LocalSGDAveraging(codec="int8"),
+            grid,
+            arrays_to_record(TINY),
+            num_rounds=3,
+            reject_replays=False,
+        )
+    assert sum("codec int8 uploads" in r.message for r in caplog.records) == 1
