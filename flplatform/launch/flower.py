@@ -31,6 +31,7 @@ from flplatform.core.errors import ConfigError, RunFailed
 from flplatform.launch.processes import ProcessTree, listens_on
 from flplatform.launch.staging import staged_app
 from flplatform.run.options import OPTIONS_ENV, ConfigValue
+from flplatform.run.owner import OWNER_ENV, owner_token
 from storage.session import detach_password, flplatform_home
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -97,6 +98,8 @@ def flower_environment(home: Path, *, python_path: Sequence[Path] = ()) -> dict[
                 + ([env["PATH"]] if env.get("PATH") else [])
             ),
             "PYTHONUNBUFFERED": "1",
+            # The simulation ends itself once this command is gone (run/owner.py).
+            OWNER_ENV: owner_token() or "",
             "RAY_DEDUP_LOGS": "0",
             # torch backs large CPU tensors with transparent huge pages: fewer page faults
             # on the first write into fresh memory.

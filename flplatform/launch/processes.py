@@ -37,6 +37,8 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, NamedTuple
 
+from flplatform.run.owner import stat_fields
+
 # Seconds a process has to exit after SIGTERM before it is killed. The SuperLink, SuperExec
 # and `flwr run` exit within half a second of SIGTERM; flwr-simulation and Ray's processes
 # do not exit at all while their driver lives (flwr-simulation's exit handler waits on a
@@ -126,16 +128,10 @@ def _scan() -> dict[int, _Proc] | None:
     for entry in _PROC.iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # it exited while we looked
-            continue
-        # pid (comm) state ppid pgrp session ... starttime (field 22); comm may hold
-        # spaces and parentheses, so split after its last ")"
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) < 20:
-            continue
         pid = int(entry.name)
+        fields = stat_fields(pid)
+        if fields is None:
+            continue
         table[pid] = _Proc(
             pid=pid,
             ppid=int(fields[1]),

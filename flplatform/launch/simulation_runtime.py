@@ -31,7 +31,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import threading
+import time
+from pathlib import Path
 from typing import Any
+
+from flplatform.run.owner import named_owner, owner_gone, stat_fields
 
 log = logging.getLogger("flplatform")
 
@@ -130,11 +136,77 @@ def quiet_missing_query_handlers() -> None:
     logging.getLogger("flwr").addFilter(_NoQueryHandlerNoise())
 
 
+# Seconds between two looks at the owning command: the simulation ends this long at most
+# after it (a round being written then is not committed: the ledger checks first).
+OWNER_POLL_SECONDS = 0.2
+# Flower's processes above the simulation (SuperExec and the SuperLink that started it).
+_FLOWER_PARENTS = ("flower-superexec", "flower-superlink")
+
+
+def end_with_owner() -> None:
+    """End the federation once the command that started it is gone (``run.owner``).
+
+    A daemon thread looks every ``OWNER_POLL_SECONDS``; then it SIGKILLs every other
+    process of this process's session (SuperExec's: Ray's gcs_server, raylet, agents and
+    the ClientApp actors), the Flower processes above it that are still there, and itself.
+    Nothing is left to follow the run, and nothing writes to it.
+    """
+    if named_owner() is None:  # started by hand (`flwr run`): nobody to watch
+        return
+
+    def watch() -> None:
+        while not owner_gone():
+            time.sleep(OWNER_POLL_SECONDS)
+        log.warning("the command that started this simulation is gone: ending it")
+        end_federation()
+
+    threading.Thread(target=watch, name="flplatform-owner-watch", daemon=True).start()
+
+
+def end_federation() -> None:
+    """SIGKILL this simulation's session, the Flower processes above it, and itself."""
+    me, session = os.getpid(), os.getsid(0)
+    doomed = [pid for pid in _pids() if pid != me and _session(pid) == session]
+    parent = os.getppid()
+    while parent > 1 and any(name in _cmdline(parent) for name in _FLOWER_PARENTS):
+        doomed.append(parent)
+        parent = _parent(parent)
+    for pid in doomed:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    os.kill(me, signal.SIGKILL)
+
+
+def _pids() -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdecimal()]
+
+
+def _session(pid: int) -> int | None:
+    fields = stat_fields(pid)
+    return None if fields is None else int(fields[3])
+
+
+def _parent(pid: int) -> int:
+    fields = stat_fields(pid)
+    return 0 if fields is None else int(fields[1])
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        )
+    except OSError:
+        return ""
+
+
 def main() -> None:
-    """``flwr-simulation``, with Ray on loopback only and dead actors replaced."""
+    """``flwr-simulation``, with Ray on loopback only and dead actors replaced, ending
+    with the command that started it."""
     keep_ray_on_loopback()
     start_no_idle_worker()
     quiet_missing_query_handlers()
+    end_with_owner()
     # Flower's module first: it sets Ray's environment before anything imports Ray.
     from flwr.simulation.app import flwr_simulation
 

@@ -26,9 +26,10 @@ from typing import Any
 
 from flplatform.core.checkpoint import CheckpointError, read_state, write_state
 from flplatform.core.checks import require
-from flplatform.core.errors import FLPlatformError, NotFoundError, StorageError
+from flplatform.core.errors import FLPlatformError, NotFoundError, RunFailed, StorageError
 from flplatform.engine.events import RoundSummary, SiteInfo, TrafficOutcome
 from flplatform.run.options import DEFAULT_OPTIONS, option_problem
+from flplatform.run.owner import owner_gone
 from storage import (
     CheckpointInput,
     CheckpointRecord,
@@ -183,7 +184,16 @@ class SqlLedger:
             If the state cannot be written (nothing is recorded then).
         StorageError
             If the round cannot be recorded (its new file is deleted then).
+        RunFailed
+            If the command that started the run is gone (``run.owner``): a run nobody
+            follows takes no more rounds.
         """
+        if owner_gone():
+            raise RunFailed(
+                f"the command that started run {self.run_id} is gone (killed?): round "
+                f"{summary.server_round} is not recorded; `flplatform resume {self.run_id}` "
+                "goes on from the last one"
+            )
         if state is None:
             self._record(summary, None)
             return

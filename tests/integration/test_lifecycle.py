@@ -123,6 +123,58 @@ def test_a_signal_stops_every_process_within_10_s_and_the_run_takes_no_more_roun
             os.kill(int(line.split()[0]), signal.SIGKILL)
 
 
+# ==================================================================== SIGKILL
+# The issue's bound: after SIGKILL of the command alone no process it started remains by then.
+KILL_BOUND_SECONDS = 5.0
+
+
+@pytest.mark.hostile
+@pytest.mark.usefixtures("flplatform_home")
+def test_a_command_killed_alone_leaves_no_process_and_its_run_takes_no_more_rounds(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL of the CLI process only (the OOM killer, ``kill -9``): it cannot stop what it
+    started. Its SuperLink dies with it; the simulation below SuperExec sees its owner gone
+    and ends the federation (flplatform/run/owner.py)."""
+    db = f"sqlite:///{tmp_path / 'ledger.db'}"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    cli = subprocess.Popen(
+        [sys.executable, "-c", "from flplatform.cli.app import main; main()", "simulate"]
+        + ["--sites", "2", "--rounds", "200", "--dataset", "digits", "--local-steps", "2"]
+        + ["--db", db],
+        env=env,
+        cwd=tmp_path,
+        stdout=(tmp_path / "output.txt").open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    leftovers = Leftovers(cli.pid)
+    repo = LedgerRepository.open(db)  # created here first, so that both find it
+    try:
+        _wait_for_round_1(repo, leftovers.record, lambda: cli.poll() is None)
+        assert any("ClientAppActor" in p for p in leftovers.alive()), leftovers.alive()
+        sent = time.monotonic()
+        cli.kill()
+        cli.wait()
+        while leftovers.alive() and time.monotonic() - sent < KILL_BOUND_SECONDS:
+            time.sleep(0.05)
+        took = time.monotonic() - sent
+        assert leftovers.alive() == [], f"left after {took:.1f} s"
+        print(f"SIGKILL: the command's {len(leftovers.seen)} processes gone in {took:.1f} s")
+        run = _run(repo)
+        assert run is not None and run.status != "finished"
+        time.sleep(3)  # a ServerApp left behind would record its next round by now
+        after = _run(repo)
+        assert after is not None and after.rounds_completed == run.rounds_completed
+        assert after.status != "finished"
+    finally:
+        repo.close()
+        for line in leftovers.alive():
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+
+
 # ============================================================ a SuperLink that dies
 @pytest.mark.hostile
 @pytest.mark.usefixtures("flplatform_home")
