@@ -88,12 +88,13 @@ class NoProgress(RunFailed):
 
 
 class HalvesDisagree(RunFailed):
-    """A site's reply did not come from the ClientApp mod the server's strategy needs.
+    """No site's reply came from the ClientApp mod the server's strategy needs.
 
     The strategy's site half (FetchSGD's sketch, the delayed updates' periods) is a mod in
     the site's ``@app.train(mods=[...])``; a site without it sends a whole model the
-    server cannot use. The run stops once the round is recorded, naming both halves and
-    the fix, instead of rejecting every update until the stop rule trips.
+    server cannot use. When every reply of a round lacked it, the run stops once the round
+    is recorded, naming both halves and the fix, instead of rejecting every update until
+    the stop rule trips; a single such site is only rejected.
     """
 
 

@@ -207,7 +207,8 @@ class RoundEngine:
         self.poll_interval = poll_interval
         self.on_round = on_round
         self.failure_streak = FailureStreak(max_failed_rounds)
-        self._disagreement: str | None = None  # the first reply of the wrong half, why
+        # this round's replies from sites without the strategy's mod, why (engine.replies)
+        self._disagreements: list[str] = []
         self.guard = guard or UpdateGuard(GuardOptions.off())
         self._tickets = 0
         self.divergence = DivergenceWatch()
@@ -318,8 +319,17 @@ class RoundEngine:
             if self.on_round is not None:
                 self.on_round(summary)
             # Only now: the round that trips the rule is in the ledger when the run stops.
-            if self._disagreement is not None:
-                raise HalvesDisagree(self._disagreement)
+            # No site has the strategy's mod: the halves disagree, and no round will apply
+            # anything; one site without it (misconfigured, outdated, hostile) is only
+            # rejected, as any bad reply is.
+            disagreements, self._disagreements = self._disagreements, []
+            if (
+                disagreements
+                and len(disagreements) == len(failed_replies)
+                and not _applied(summary.updates)
+                and self.failure_streak.limit
+            ):
+                raise HalvesDisagree(disagreements[0])
             if stop is not None:
                 raise stop
         result.arrays = self.arrays
@@ -967,8 +977,8 @@ class RoundEngine:
         disagreement = halves_disagree(
             self.strategy.site_mod, reply, site, self.strategy.ledger_name
         )
-        if disagreement is not None:  # the run stops once this round is recorded
-            self._disagreement = self._disagreement or disagreement
+        if disagreement is not None:  # rejected; the run stops if no site has the mod
+            self._disagreements.append(disagreement)
             return self._failed_reply(
                 state, UpdateOutcome(status=REJECTED, reason=disagreement, **row)
             )

@@ -213,7 +213,8 @@ class EngineStrategy(Protocol):
     def site_mod(self) -> str | None:
         """The algorithm whose ClientApp mod must answer the training messages (named by
         ``keys.SITE_MOD`` in each reply's config); None when any Flower ClientApp's
-        whole-model reply will do (default). A reply without it stops the run."""
+        whole-model reply will do (default). A reply without it is rejected; a round in
+        which no reply had it stops the run."""
         return None
 
     def summary(self) -> None:

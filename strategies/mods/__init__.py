@@ -32,8 +32,8 @@ Every mod here, for a training message of its algorithm:
    accumulated period step (``delayed_mod``), the count sketch (``fetchsgd_mod``,
    ``sketched_sgd_mod``); a delta is marked ``update = "delta"`` in the reply's config,
    and every reply names the mod that answered (``site-mod``): a server whose site half
-   is a mod (delayed, FetchSGD, Sketched-SGD) stops the run, naming both halves and the
-   fix, when a site replies without it.
+   is a mod (delayed, FetchSGD, Sketched-SGD) rejects a reply without it, naming both
+   halves and the fix, and stops the run when no site of a round had it.
 5. **Keeps its state under one key** (``flplatform.core.keys.*_STATE``). A message of our
    engine names its work (``site-work`` n, ``run-key``): the mod then acts on the state
    after work n − 1, read from the site's snapshots on its own disk, and snapshots what

@@ -1,6 +1,6 @@
 """A strategy's two halves agree or the run stops: a server whose site half is a mod
-(FetchSGD, Sketched-SGD, delayed updates) stops after the first round in which a site
-replied without it, naming both halves and the fix.
+(FetchSGD, Sketched-SGD, delayed updates) stops after the first round in which no site
+replied with it, naming both halves and the fix; one site without it is only rejected.
 
 The real engine, strategies, mods and SQL ledger; only the transport is in-process.
 """
@@ -77,18 +77,29 @@ def repository(sqlite_ledger: str) -> Iterator[LedgerRepository]:
         yield repo
 
 
-def run(repository: LedgerRepository, strategy: EngineStrategy, *, with_mod: bool) -> int:
+def run(
+    repository: LedgerRepository,
+    strategy: EngineStrategy,
+    *,
+    with_mod: bool,
+    without: tuple[str, ...] = (),
+    **kwargs: object,
+) -> int:
+    """``strategy`` over sites a and b (with the mod or not) and the ``without`` ones."""
     run_id = repository.create_run(
         name="t", strategy=strategy.ledger_name, seed=0, config={}, num_rounds_planned=ROUNDS
     )
-    grid = ScriptedGrid({1: site("a", with_mod=with_mod), 2: site("b", with_mod=with_mod)})
+    names = {1: ("a", with_mod), 2: ("b", with_mod)}
+    names.update({3 + i: (name, False) for i, name in enumerate(without)})
+    grid = ScriptedGrid({n: site(name, with_mod=mod) for n, (name, mod) in names.items()})
     engine = RoundEngine(
         grid,
         strategy,
         ledger=SqlLedger(repository, run_id),
         policy=strategy.engine_policy(Synchrony("sync"), num_rounds=ROUNDS),
-        required_sites=2,
+        required_sites=len(names),
         poll_interval=0.0,
+        **kwargs,  # type: ignore[arg-type]
     )
     engine.run(MODEL, num_rounds=ROUNDS)
     return run_id
@@ -117,6 +128,27 @@ def test_a_site_without_the_strategys_mod_stops_the_run_after_its_round(
     updates = repository.list_updates(run_id)
     assert {u.status for u in updates} == {REJECTED}
     assert any(u.reason == said for u in updates)
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_one_site_without_the_mod_is_rejected_and_the_others_go_on(
+    name: str, repository: LedgerRepository
+) -> None:
+    # Misconfigured, on an older flplatform, or hostile: it cannot end the others' run.
+    run_id = run(repository, STRATEGIES[name](), with_mod=True, without=("odd",))
+    assert len(repository.list_rounds(run_id)) == ROUNDS
+    updates = repository.list_updates(run_id)
+    odd = [u for u in updates if u.site == "odd"]
+    assert odd and all(u.status == REJECTED for u in odd)
+    assert all("replied without flplatform's" in (u.reason or "") for u in odd)
+    assert {u.status for u in updates if u.site != "odd"} == {APPLIED}
+
+
+def test_never_stop_keeps_a_run_whose_sites_lack_the_mod_going(
+    repository: LedgerRepository,
+) -> None:
+    run_id = run(repository, STRATEGIES["fetchsgd"](), with_mod=False, max_failed_rounds=0)
+    assert len(repository.list_rounds(run_id)) == ROUNDS
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
