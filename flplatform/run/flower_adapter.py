@@ -29,14 +29,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.exception import InconsistentMessageReplies
 from flwr.serverapp.strategy import Strategy
 from flwr.serverapp.strategy.strategy_utils import validate_message_reply_consistency
 
 from flplatform.core import keys
-from flplatform.core.arrays import arrays_to_record, record_to_arrays
+from flplatform.core.arrays import arrays_to_record, encode, record_to_arrays
 from flplatform.core.errors import ConfigError, RunFailed, StepRefused, UpdateRejected
 from flplatform.core.reply_checks import check_arrays, check_num_examples
 from flplatform.core.state import MISSING, StateReader
@@ -76,6 +76,10 @@ class FlowerStrategyAdapter(EngineStrategy):
         self._base: dict[str, np.ndarray] = {}
         self._base_record: ArrayRecord | None = None
         self._said_dtypes = False
+        # the round's Σ w·value of the integer and bool arrays, and Σ w (see add_update)
+        self._whole_sum: dict[str, np.ndarray] = {}
+        self._whole_weight = 0.0
+        self._first: RecordDict | None = None  # the round's first kept reply, as it came
 
     @property
     def name(self) -> str:
@@ -109,7 +113,8 @@ class FlowerStrategyAdapter(EngineStrategy):
         """The wrapped strategy's training messages; none while it would wait for nodes."""
         if not self._enough_nodes(grid, "min_train_nodes", "train"):
             return []
-        return self.strategy.configure_train(server_round, arrays, config, grid)
+        messages = self.strategy.configure_train(server_round, _learned(arrays), config, grid)
+        return _with_whole(messages, arrays)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -117,7 +122,8 @@ class FlowerStrategyAdapter(EngineStrategy):
         """The wrapped strategy's evaluation messages; none while it would wait for nodes."""
         if not self._enough_nodes(grid, "min_evaluate_nodes", "evaluate"):
             return []
-        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+        messages = self.strategy.configure_evaluate(server_round, _learned(arrays), config, grid)
+        return _with_whole(messages, arrays)
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
@@ -158,6 +164,7 @@ class FlowerStrategyAdapter(EngineStrategy):
         """Start collecting the replies of ``server_round``, formed on top of ``arrays``."""
         self._round = server_round
         self._replies = []
+        self._whole_sum, self._whole_weight, self._first = {}, 0.0, None
         if arrays is not self._base_record:  # decode each version once
             self._base, self._base_record = record_to_arrays(arrays), arrays
 
@@ -175,8 +182,8 @@ class FlowerStrategyAdapter(EngineStrategy):
                 f"{len(content.metric_records)}"
             )
         self._check_consistent([content])  # on its own first: the more telling reason
-        if self._replies:
-            self._check_consistent([self._replies[0].content, content])
+        if self._first is not None:
+            self._check_consistent([self._first, content])
         self._weight(content)
         (metrics,) = content.metric_records.values()
         num_examples = check_num_examples(metrics.get(keys.NUM_EXAMPLES))
@@ -204,23 +211,36 @@ class FlowerStrategyAdapter(EngineStrategy):
 
         Flower's strategy reads the reply itself: a clipped update is written back into it
         as base + s·(x − base), and a capped weight scales the reply's weight key. Integer
-        and bool arrays (a BatchNorm's counter) reach it as float64: Flower's strategies
-        compute in floats, and QFedAvg and the server-side DP wrappers fail on integer
-        arrays in their in-place arithmetic; ``finish_aggregation`` restores the dtypes.
+        and bool arrays (a BatchNorm's counter) are not the strategy's: training counts
+        them, it does not learn them, and in a clipping norm or a q-fair step a counter's
+        jump would outweigh every weight (QFedAvg and the server-side DP wrappers also
+        fail on them outright). They become the weighted mean of the sites' values, as
+        FedAvg's rule and flplatform's own strategies make them (``finish_aggregation``).
         """
         reply, received, expected = update.payload
         content = reply.content
+        if self._first is None:  # as it came: what later replies must be consistent with
+            self._first = RecordDict(dict(content.items()))
         whole = [k for k, v in received.items() if not np.issubdtype(v.dtype, np.inexact)]
+        for key in whole:
+            value = received[key].astype(np.float64) * weight
+            total = self._whole_sum.get(key)
+            self._whole_sum[key] = value if total is None else total + value
+        if whole:
+            self._whole_weight += weight
         if scale != 1.0 or whole:
             (name,) = content.array_records.keys()
-            content[name] = arrays_to_record(
-                {
-                    k: (expected[k] + scale * (v.astype(np.float64) - expected[k])).astype(v.dtype)
-                    if np.issubdtype(v.dtype, np.inexact)
-                    else v.astype(np.float64)
-                    for k, v in received.items()
-                }
-            )
+            record = content.array_records[name]
+            learned = ArrayRecord()
+            for key, value in received.items():
+                if key in whole:
+                    continue
+                if scale == 1.0:
+                    learned[key] = record[key]  # as it came
+                else:
+                    moved = expected[key] + scale * (value.astype(np.float64) - expected[key])
+                    learned[key] = encode(moved.astype(value.dtype))
+            content[name] = learned
         claimed = update.contribution.num_examples
         if weight < claimed:
             (name,) = content.metric_records.keys()
@@ -245,7 +265,7 @@ class FlowerStrategyAdapter(EngineStrategy):
             If the wrapped strategy's aggregation raises anything else (a fault in the
             strategy, not in a reply).
         """
-        replies, self._replies = self._replies, []
+        replies, self._replies, self._first = self._replies, [], None
         if not replies:
             return None, None
         try:
@@ -258,7 +278,13 @@ class FlowerStrategyAdapter(EngineStrategy):
                 f"Flower's {self.name}.aggregate_train failed in round {self._round}: {exc!r}"
             ) from exc
         if arrays is not None:
-            arrays = self._in_model_dtypes(record_to_arrays(arrays))
+            aggregated = record_to_arrays(arrays)
+            for key, total in self._whole_sum.items():
+                aggregated[key] = total / self._whole_weight
+            arrays = self._in_model_dtypes(
+                {k: aggregated[k] for k in self._base if k in aggregated}
+                | {k: v for k, v in aggregated.items() if k not in self._base}
+            )
         return arrays, metrics
 
     def _in_model_dtypes(self, aggregated: dict[str, np.ndarray]) -> ArrayRecord:
@@ -275,11 +301,17 @@ class FlowerStrategyAdapter(EngineStrategy):
         for key, value in aggregated.items():
             model = self._base.get(key)
             if model is not None and value.dtype != model.dtype:
-                changed.append(f"'{key}' {value.dtype} (the model's {model.dtype})")
-                if not np.issubdtype(model.dtype, np.inexact) and np.issubdtype(
-                    value.dtype, np.inexact
-                ):
+                whole = not np.issubdtype(model.dtype, np.inexact)
+                if not whole:  # our own means of the integer arrays are no news
+                    changed.append(f"'{key}' {value.dtype} (the model's {model.dtype})")
+                if whole and np.issubdtype(value.dtype, np.inexact):
                     value = np.rint(value)
+                    info = np.iinfo(model.dtype) if model.dtype.kind in "iu" else None
+                    low, high = (0, 1) if info is None else (info.min, info.max)
+                    if not (np.isfinite(value).all() and low <= value.min() <= value.max() <= high):
+                        raise StepRefused(
+                            f"array '{key}' ({model.dtype}) would hold values outside its range"
+                        )
                 aggregated[key] = value.astype(model.dtype)
             if (
                 np.issubdtype(aggregated[key].dtype, np.inexact)
@@ -365,6 +397,38 @@ class FlowerStrategyAdapter(EngineStrategy):
             "%s needs %d nodes to %s, %d are free: waiting for more", self.name, need, what, nodes
         )
         return False
+
+
+def _learned(arrays: ArrayRecord) -> ArrayRecord:
+    """``arrays`` without its integer and bool arrays (the strategy's share of the model)."""
+    if all(np.issubdtype(_dtype(a), np.inexact) for a in arrays.values()):
+        return arrays
+    learned = ArrayRecord()
+    for key, array in arrays.items():
+        if np.issubdtype(_dtype(array), np.inexact):
+            learned[key] = array
+    return learned
+
+
+def _dtype(array: Array) -> np.dtype[Any]:
+    return np.dtype(array.dtype)
+
+
+def _with_whole(messages: Iterable[Message], arrays: ArrayRecord) -> list[Message]:
+    """``messages`` whose model (an ArrayRecord holding ``arrays``' learned arrays) has the
+    integer and bool arrays back, in the model's key order: the sites get the whole model."""
+    messages = list(messages)
+    learned = _learned(arrays)
+    if learned is arrays:
+        return messages
+    for message in messages:
+        for name, record in list(message.content.array_records.items()):
+            if list(record.keys()) == list(learned.keys()):
+                whole = ArrayRecord()
+                for key in arrays:
+                    whole[key] = record[key] if key in record else arrays[key]
+                message.content[name] = whole
+    return messages
 
 
 def _count(strategy: Any, name: str) -> int:

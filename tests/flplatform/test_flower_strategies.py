@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -21,7 +22,9 @@ from flwr.serverapp.strategy import Strategy
 
 from flplatform.core import keys
 from flplatform.core.arrays import record_to_arrays
+from flplatform.core.errors import StepRefused
 from flplatform.engine import APPLIED
+from flplatform.run.flower_adapter import FlowerStrategyAdapter
 from flplatform.run.start import start
 from storage import LedgerRepository
 from tests.helpers.scripted_grid import Behaviour, FlowerGrid, ScriptedGrid
@@ -71,6 +74,8 @@ STRATEGIES: dict[str, Callable[[], Strategy]] = {
         )
     ),
 }
+# Their steps come back in float64 under NumPy 2 (a float64 scalar times float32).
+FLOAT64_STEPS = {"FedAdam", "QFedAvg"}
 # Their noise comes from NumPy's unseeded generator: no second run to compare with.
 NOISY = {name for name in STRATEGIES if name.startswith("DifferentialPrivacy")}
 NOT_FOR_WEIGHTS = {
@@ -89,8 +94,9 @@ def pytorch_site(site: int) -> Behaviour:
         # not symmetric around the median: Krum's choice has no ties
         arrays = ArrayRecord({"w": Array(np.full(4, float(site) ** 2, np.float32))})
         if "count" in received:
-            # what tensor.copy_ does to a float count loaded into an int64 buffer
-            arrays["count"] = Array(received["count"].astype(np.int64) + 1)
+            # what tensor.copy_ does to a float count loaded into an int64 buffer; the
+            # sites take 1-3 steps a round
+            arrays["count"] = Array(received["count"].astype(np.int64) + steps(site))
         # norm_bit: what Flower's adaptiveclipping_mod adds (clipped or not) for the
         # client-side adaptive clipping strategy; the others ignore it.
         metrics = MetricRecord(
@@ -99,6 +105,10 @@ def pytorch_site(site: int) -> Behaviour:
         return RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics})
 
     return replying_site(f"s{site}", content)
+
+
+def steps(site: int) -> int:
+    return site % 3 + 1
 
 
 def sites() -> dict[int, Behaviour]:
@@ -136,9 +146,10 @@ def test_each_flower_strategy_runs_in_the_models_dtypes(
         assert run.status == "finished", run.error
         statuses = [u.status for u in repo.list_updates(run.id)]
     assert statuses == [APPLIED] * SITES * ROUNDS  # no reply refused for its dtypes
-    # Said once, however many rounds had to be cast back.
+    # Said once, however many rounds had to be cast back; by the strategies whose NumPy
+    # arithmetic returns float64 weights only.
     cast = [r for r in caplog.records if "cast back to the model's dtypes" in r.message]
-    assert len(cast) <= 1
+    assert len(cast) == (name in FLOAT64_STEPS), [r.message for r in cast]
 
 
 @pytest.mark.parametrize("name", sorted(set(STRATEGIES) - NOISY))
@@ -170,9 +181,50 @@ def test_fedadam_says_once_that_its_float64_weights_are_cast_back(
     assert "Flower's FedAdam returned 'w' float64 (the model's float32)" in said
 
 
-def test_fedavg_keeps_an_integer_counter_exact() -> None:
-    # Each round every site counts one step: the weighted mean is the count plus one, but
-    # as FedAvg's float64 sum (0.9999999999999999, say). Rounded back to int64 it stays
-    # exact, where a PyTorch site loading Flower's float into its int64 buffer truncates.
-    result = start(FedAvg(), ScriptedGrid(sites()), MODEL, num_rounds=ROUNDS, reject_replays=False)
-    assert record_to_arrays(result.arrays)["count"].tolist() == [ROUNDS]
+def test_an_integer_counter_is_the_sites_weighted_mean_rounded_to_the_nearest() -> None:
+    # The naive reference, in exact fractions: each round the mean of the sites' counts
+    # weighted by their examples (10·site), to the nearest integer (half to even, as
+    # NumPy rounds). Truncated, as a PyTorch site loading a float into its int64 buffer
+    # does, the count would fall behind by a step a round here (54/28 = 1.93 steps).
+    count = 0
+    for _ in range(ROUNDS):
+        weighted = sum(Fraction(10 * n * (count + steps(n))) for n in range(1, SITES + 1))
+        count = round(weighted / sum(10 * n for n in range(1, SITES + 1)))
+    for name in ("FedAvg", "FedMedian", "Krum", "DifferentialPrivacyServerSideFixedClipping"):
+        result = start(
+            STRATEGIES[name](),
+            ScriptedGrid(sites()),
+            MODEL,
+            num_rounds=ROUNDS,
+            reject_replays=False,
+        )
+        assert record_to_arrays(result.arrays)["count"].tolist() == [count] == [6], name
+
+
+def test_integer_arrays_stay_out_of_a_clipping_norm() -> None:
+    # The server-side DP wrapper clips each site's update to norm 10 (w moves by up to
+    # 49 here). The counter is no part of the update it clips: the weights end as they do
+    # on a model without it (no noise, so the two runs compare exactly).
+    def clipping() -> Strategy:
+        return flower_strategies.DifferentialPrivacyServerSideFixedClipping(
+            FedAvg(), noise_multiplier=0.0, clipping_norm=10.0, num_sampled_clients=SITES
+        )
+
+    runs = [
+        start(clipping(), ScriptedGrid(sites()), model, num_rounds=2, reject_replays=False)
+        for model in (MODEL, FLOATS)
+    ]
+    with_counter, without = runs
+    np.testing.assert_allclose(
+        with_counter.arrays["w"].numpy(), without.arrays["w"].numpy(), rtol=1e-7
+    )
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, 1e30, -1.0])
+def test_an_integer_array_outside_its_dtype_is_a_refused_step_not_a_wrapped_value(
+    value: float,
+) -> None:
+    adapter = FlowerStrategyAdapter(FedAvg())
+    adapter.begin_aggregation(1, ArrayRecord({"count": Array(np.zeros(2, np.uint8))}))
+    with pytest.raises(StepRefused, match="'count' \\(uint8\\) would hold values outside"):
+        adapter._in_model_dtypes({"count": np.array([1.0, value])})
