@@ -80,8 +80,8 @@ from strategies.knobs import DELAYED_SYNC_ONLY, DelayedKnobs
 from strategies.layout import Layout
 from strategies.local_sgd import (
     aggregate_batch,
-    codec_enlarges,
     reject_state_lost,
+    say_if_codec_enlarges,
     state_lost_note,
 )
 from strategies.sampling import evaluation_messages, mean_evaluation
@@ -376,9 +376,7 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
                 site_config[keys.CODEC] = self.codec.name
                 if not self._sized_codec:
                     self._sized_codec = True
-                    enlarges = codec_enlarges(self.codec, self.state.models[version])
-                    if enlarges is not None:
-                        log.warning("%s", enlarges)
+                    say_if_codec_enlarges(self.codec, self.state.models[version])
             content = RecordDict(
                 {keys.ARRAYS: self.state.models[version], keys.CONFIG: site_config}
             )

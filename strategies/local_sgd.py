@@ -101,6 +101,13 @@ def codec_enlarges(codec: Codec, arrays: ArrayRecord) -> str | None:
     )
 
 
+def say_if_codec_enlarges(codec: Codec, arrays: ArrayRecord) -> None:
+    """Warn (once per run: the caller asks once) when ``codec_enlarges``."""
+    enlarges = codec_enlarges(codec, arrays)
+    if enlarges is not None:
+        log.warning("%s", enlarges)
+
+
 SITE_ALGORITHM = keys.LOCAL_SGD
 
 
@@ -219,9 +226,7 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         config[keys.CODEC] = self.codec.name
         if not self._sized_codec:
             self._sized_codec = True
-            enlarges = codec_enlarges(self.codec, arrays)
-            if enlarges is not None:
-                log.warning("%s", enlarges)
+            say_if_codec_enlarges(self.codec, arrays)
         # A site that uploaded compressed before holds an error-feedback residual. Two
         # shared contents, not one per site: the engine measures each content once.
         contents = {

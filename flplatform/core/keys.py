@@ -89,6 +89,7 @@ EVAL_ACCURACY = "eval_acc"
 # arrays or num-examples, another shape, NaN): Flower's ErrorCode.MOD_FAILED_PRECONDITION,
 # which its own central-DP mod answers with. The server records it rejected, with the reason.
 SITE_REFUSED_CODE = 6
+SITE_REFUSED_PREFIX = "flplatform mod: "  # its reason's start: Flower's own mods use code 6 too
 
 # ---- site-info query reply (ConfigRecord); a plain Flower ClientApp need not answer it
 SITE_NAME = "site-name"

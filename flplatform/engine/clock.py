@@ -24,6 +24,7 @@ then leave the critical path whenever the model a site needs was formed early en
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Iterable, Mapping
@@ -35,6 +36,8 @@ from flplatform.core.checkpoint import CheckpointError, StateProblems
 from flplatform.core.checks import positive_count
 from flplatform.core.seeding import rng_for
 from flplatform.network import Network, SiteProfile, compute_seconds
+
+log = logging.getLogger("flplatform.engine.clock")
 
 
 @dataclass(frozen=True)
@@ -195,13 +198,16 @@ class VirtualClock:
         Site profiles by name (or by position for sites the network does not name).
     seed : int
         Compute times and availability are drawn from (seed, site, attempt), attempt
-        counting the messages offered to that site, so a run is reproducible.
+        counting the messages offered to that site, so a run is reproducible (except for
+        messages that name no work, booked as measured: see ``measure_unplanned``).
     measure_unplanned : bool
         How long a message that names no work (no ``local-steps``, no ``local-epochs``: a
         user's app whose own loop decides) computes: True, the time the site measured
         (``compute-seconds``, which flplatform's mods add) over its speed, as the
         ``measured`` model does, or the profile's mean step when the reply measured
         nothing; False (the run chose a compute model), one step of the profile's model.
+        Measured times differ from run to run: such a run (and its resume) is not
+        repeated bit for bit, which the log says once.
     """
 
     virtual = True
@@ -210,6 +216,7 @@ class VirtualClock:
         self.network = network
         self.seed = seed
         self.measure_unplanned = measure_unplanned
+        self._said_measured = False
         self._now = 0.0
         self._profiles: dict[str, SiteProfile] = {}
         self._attempts: dict[str, int] = {}
@@ -280,6 +287,13 @@ class VirtualClock:
         """
         profile = self.profile(site)
         rng = rng_for(self.seed, "compute", site, self._attempt(site))
+        if steps is None and self.measure_unplanned and not self._said_measured:
+            self._said_measured = True
+            log.info(
+                "the training messages name no work (no local-steps or local-epochs): the "
+                "clock books what the sites measure, so this run's simulated times are not "
+                "repeated by another run; name the work, or choose --compute-model, for that"
+            )
         compute = (
             None  # known once the reply says what it measured
             if steps is None and self.measure_unplanned

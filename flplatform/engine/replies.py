@@ -21,9 +21,15 @@ MAX_COUNT = 2**62  # fits the ledger's signed 64-bit columns with room to sum
 MAX_INT32 = 2**31 - 1
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9_.\-]+")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-# A traceback's exception line: a class name (CamelCase, its module before it), a colon, at
-# the line's start. Not Ray's ``ray::Actor.run()`` header, nor an indented source line.
-_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*:(?:\s|$)")
+# A traceback's exception line: a class name, a colon, at the line's start (not Ray's
+# ``ray::Actor.run()`` header, nor an indented source line). Named like an exception or
+# with its module first; any other CamelCase word (a "Note:" or "Hint:" after the
+# exception) only when no line is.
+_EXCEPTION_LINE = re.compile(
+    r"^(?:(?:[A-Za-z_]\w*\.)+[A-Z]\w*|[A-Z]\w*(?:Error|Exception|Warning|Exit|Interrupt))"
+    r":(?:\s|$)"
+)
+_CAMEL_CASE_LINE = re.compile(r"^[A-Z]\w*:(?:\s|$)")
 
 
 def condense_error(reason: str, limit: int = 300) -> str:
@@ -35,7 +41,9 @@ def condense_error(reason: str, limit: int = 300) -> str:
     """
     raw = [line.rstrip() for line in _ANSI.sub("", reason).splitlines() if line.strip()]
     lines = [line.strip() for line in raw]
-    exceptions = [line for line in raw if _EXCEPTION_LINE.match(line)]
+    exceptions = [line for line in raw if _EXCEPTION_LINE.match(line)] or [
+        line for line in raw if _CAMEL_CASE_LINE.match(line)
+    ]
     # Wrappers (ClientAppException, RayTaskError) often end with an empty message; the
     # site's own exception is the last one that says something.
     telling = [line for line in exceptions if line.split(":", 1)[-1].strip()]

@@ -37,14 +37,21 @@ def no_reply_within(timeout: float) -> str:
 
 def site_error(reply: Message) -> str:
     """The reason of a reply that carries a site's error."""
+    reason = reply.error.reason or ""
     if refused_at_site(reply):
-        return f"refused at the site: {condense_error(reply.error.reason or '')}"
-    return f"site error {reply.error.code}: {condense_error(reply.error.reason or '')}"
+        said = reason.removeprefix(keys.SITE_REFUSED_PREFIX)
+        return f"refused at the site: {condense_error(said)}"
+    return f"site error {reply.error.code}: {condense_error(reason)}"
 
 
 def refused_at_site(reply: Message) -> bool:
-    """Whether a site's mod refused what its own train function returned (keys.py)."""
-    return reply.has_error() and reply.error.code == keys.SITE_REFUSED_CODE
+    """Whether flplatform's mod refused what the site's own train function returned
+    (``keys.SITE_REFUSED_CODE`` and its reason's prefix: Flower's mods use the code too)."""
+    return (
+        reply.has_error()
+        and reply.error.code == keys.SITE_REFUSED_CODE
+        and (reply.error.reason or "").startswith(keys.SITE_REFUSED_PREFIX)
+    )
 
 
 def period_fields(dispatch: Dispatch) -> dict[str, int]:

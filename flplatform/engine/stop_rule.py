@@ -109,9 +109,11 @@ class FailureStreak:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore ``state_dict()`` output (``CheckpointError`` listing every problem)."""
         problems = StateProblems("the stop rule")
-        if not problems.require(state, "rounds", "reasons", "statuses"):
+        if not problems.require(state, "rounds", "statuses"):
             problems.raise_if_any()
-        rounds, reasons, statuses = state["rounds"], state["reasons"], state["statuses"]
+        # A checkpoint of 2026-11-28 and before kept the streak's reason as compared
+        # ("key"), not its texts: resumed, its streak names no reason.
+        rounds, reasons, statuses = state["rounds"], state.get("reasons", []), state["statuses"]
         if not isinstance(rounds, list) or not all(
             problems.number(r, "rounds", integer=True) for r in rounds
         ):

@@ -51,8 +51,8 @@ def open_run(
 ) -> LedgerRun | None:
     """The run's new row in the ledger the options name; None without a ledger.
 
-    ``codec``: the strategy's upload codec, recorded as the run config's ``codec`` when
-    the caller's run config names none (a ServerApp that builds its strategy in code).
+    ``codec``: the strategy's upload codec, recorded as the run config's ``codec`` (a
+    ServerApp that builds its strategy in code may leave the config's default "none").
     With ``resume_run``, the run it names, reopened, with the state to resume from.
     """
     if options.ledger is None:
@@ -354,8 +354,8 @@ def _recorded_config(
     else:
         recorded = dict(options.run_config)
         chosen = {n: v for n, v in overrides.items() if n in _RECORDED}
-    if codec != "none":
-        recorded.setdefault("codec", codec)
+    if codec != "none":  # what the sites were asked for, whatever the config's default
+        recorded["codec"] = codec
     for option, value in chosen.items():
         recorded[_CONFIG_KEYS.get(option, option.replace("_", "-"))] = _config_value(value)
     if "staleness_bound" in chosen and options.staleness_bound is None:

@@ -175,7 +175,8 @@ def call_user(
         # An answer, not an exception: the server records the update rejected with this
         # sentence, and neither Flower nor Ray logs a traceback for the user's mistake.
         log.warning("this site's update is refused: %s", exc.reason)
-        return Message(Error(code=keys.SITE_REFUSED_CODE, reason=exc.reason), reply_to=msg)
+        refused = Error(code=keys.SITE_REFUSED_CODE, reason=keys.SITE_REFUSED_PREFIX + exc.reason)
+        return Message(refused, reply_to=msg)
     metrics = MetricRecord(dict(metrics))
     if keys.COMPUTE_SECONDS not in metrics:
         metrics[keys.COMPUTE_SECONDS] = seconds

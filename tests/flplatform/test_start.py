@@ -369,7 +369,8 @@ def test_flowers_fedavg_under_the_engine_matches_flowers_own_start(db: str) -> N
         assert [e.accuracy for e in evaluations] == [0.5] * 4  # both sites, both rounds
 
 
-@pytest.mark.parametrize("run_config", [None, {"lr": 0.1}])
+# (the template's and examples' pyproject.toml declare codec = "none" for their own use)
+@pytest.mark.parametrize("run_config", [None, {"lr": 0.1}, {"codec": "none"}])
 def test_a_strategys_codec_is_recorded_for_history_compare(
     db: str, run_config: dict | None
 ) -> None:

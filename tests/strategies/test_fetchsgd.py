@@ -163,6 +163,19 @@ def test_a_frozen_parameter_is_never_moved_by_sketch_recovery() -> None:
         assert not np.array_equal(now["5.weight"], before["5.weight"])  # the rest trains
 
 
+def test_an_array_is_kept_out_of_recovery_only_when_no_site_changed_it() -> None:
+    # One site's word cannot freeze a layer for everyone: the round keeps out what every
+    # accepted site left as it was (the intersection, not the first or the union).
+    strategy = FetchSGD(k=3, sketch_cols=50)
+    base = arrays_to_record({"a": np.zeros(5, np.float32), "b": np.zeros(5, np.float32)})
+    strategy.begin_aggregation(1, base)
+    for unchanged in (["a", "b"], ["b"], ["a", "b"]):
+        reply = sketch_reply({"sketch": TABLE})
+        reply.content[keys.CONFIG] = ConfigRecord({keys.UNCHANGED_ARRAYS: unchanged})
+        strategy.accumulate(reply, base=base)
+    assert strategy._unchanged == {"b"}
+
+
 def test_the_site_leaves_averaged_arrays_out_of_its_sketch() -> None:
     start = {"w": np.zeros(3, np.float32), "bn.running_var": np.ones(2, np.float32)}
     trained = {"w": np.array([1, 2, 3], np.float32), "bn.running_var": np.full(2, 4, np.float32)}

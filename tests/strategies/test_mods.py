@@ -226,6 +226,7 @@ def refusal(reply: Message) -> str:
     """The reason of a mod's refusal: an error reply the server records as rejected, not an
     exception (Flower and Ray would log a traceback, the server see only their wrapper)."""
     assert reply.has_error() and reply.error.code == keys.SITE_REFUSED_CODE, reply
+    assert reply.error.reason.startswith(keys.SITE_REFUSED_PREFIX)
     return reply.error.reason
 
 

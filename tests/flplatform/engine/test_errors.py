@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+from flwr.app import Error, Message, MessageType, RecordDict
+
+from flplatform.core import keys
 from flplatform.engine.replies import condense_error
+from flplatform.engine.rows import refused_at_site, site_error
+
+pytestmark = pytest.mark.usefixtures("task_identity")
 
 RAY_TRACEBACK = (
     "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'\x1b[36mray::ClientAppActor.run()"
@@ -37,3 +44,23 @@ def test_an_exception_of_any_name_is_found_and_source_lines_are_not() -> None:
     assert condense_error(traceback) == (
         "mylab.checks.SiteMisconfigured: data-path is not set in the node config"
     )
+
+
+def test_a_note_after_the_exception_is_not_taken_for_it() -> None:
+    assert condense_error("torch.OutOfMemoryError: CUDA out of memory\nNote: see the docs") == (
+        "torch.OutOfMemoryError: CUDA out of memory"
+    )
+    assert condense_error("KeyError: 'w'\nHint: check the model's keys") == "KeyError: 'w'"
+    assert condense_error("Refused: no data-path") == "Refused: no data-path"  # only that
+
+
+def test_only_flplatforms_own_refusals_are_rejections() -> None:
+    sent = Message(RecordDict(), dst_node_id=1, message_type=MessageType.TRAIN)
+    ours = Message(
+        Error(code=keys.SITE_REFUSED_CODE, reason=keys.SITE_REFUSED_PREFIX + "no num-examples"),
+        reply_to=sent,
+    )
+    flowers = Message(Error(code=6, reason="the client-side clipping mod needs..."), reply_to=sent)
+    assert refused_at_site(ours) and site_error(ours) == "refused at the site: no num-examples"
+    assert not refused_at_site(flowers)
+    assert site_error(flowers).startswith("site error 6: ")

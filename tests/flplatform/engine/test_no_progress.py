@@ -302,3 +302,10 @@ def test_one_round_limit_and_mixed_statuses_are_named() -> None:
 def test_reason_key_ignores_numbers_and_spacing_only() -> None:
     assert reason_key("shape (10,  64) at 0x7f3a9c") == reason_key("shape (10, 32) at 0xdeadbeef")
     assert reason_key("missing arrays: w") != reason_key("unexpected arrays: w")
+
+
+def test_a_streak_saved_before_its_reasons_were_kept_resumes_without_them() -> None:
+    streak = FailureStreak(2)
+    streak.load_state_dict({"rounds": [4], "key": "missing arrays: #", "statuses": ["rejected"]})
+    with pytest.raises(NoProgress, match="^rounds 4-5 applied no update: every reply was "):
+        streak.observe(5, applied=0, failed_replies=[outcome(REJECTED, WRONG_KEYS)])
