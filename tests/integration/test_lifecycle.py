@@ -58,6 +58,28 @@ def _wait_for_round_1(
         time.sleep(0.2)
 
 
+def _long_simulation(tmp_path: Path, db: str) -> subprocess.Popen[bytes]:
+    """``flplatform simulate`` of 200 rounds into ``db``, its output in output.txt."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    # As from a terminal: SIGINT at Python's default (a background job of a non-interactive
+    # shell, this test's own parent perhaps, would start the command with SIGINT ignored).
+    command = (
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "from flplatform.cli.app import main; main()"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", command, "simulate", "--sites", "2", "--rounds", "200"]
+        + ["--dataset", "digits", "--local-steps", "2", "--db", db],
+        env=env,
+        cwd=tmp_path,
+        stdout=(tmp_path / "output.txt").open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+
+
 # ====================================================================== SIGINT, SIGTERM
 @pytest.mark.usefixtures("flplatform_home")
 # SIGINT in the default suite; SIGTERM and the faults below in `make test-hostile` (the
@@ -71,24 +93,7 @@ def test_a_signal_stops_every_process_within_10_s_and_the_run_takes_no_more_roun
     tmp_path: Path, sig: signal.Signals
 ) -> None:
     db = f"sqlite:///{tmp_path / 'ledger.db'}"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    # As from a terminal: SIGINT at Python's default (a background job of a non-interactive
-    # shell, this test's own parent perhaps, would start the command with SIGINT ignored).
-    command = (
-        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
-        "from flplatform.cli.app import main; main()"
-    )
-    cli = subprocess.Popen(
-        [sys.executable, "-c", command, "simulate", "--sites", "2", "--rounds", "200"]
-        + ["--dataset", "digits", "--local-steps", "2", "--db", db],
-        env=env,
-        cwd=tmp_path,
-        stdout=(tmp_path / "output.txt").open("wb"),
-        stderr=subprocess.STDOUT,
-    )
+    cli = _long_simulation(tmp_path, db)
     leftovers = Leftovers(cli.pid)
     repo = LedgerRepository.open(db)  # created here first, so that both find it
     try:
@@ -137,19 +142,7 @@ def test_a_command_killed_alone_leaves_no_process_and_its_run_takes_no_more_roun
     started. Its SuperLink dies with it; the simulation below SuperExec sees its owner gone
     and ends the federation (flplatform/run/owner.py)."""
     db = f"sqlite:///{tmp_path / 'ledger.db'}"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    cli = subprocess.Popen(
-        [sys.executable, "-c", "from flplatform.cli.app import main; main()", "simulate"]
-        + ["--sites", "2", "--rounds", "200", "--dataset", "digits", "--local-steps", "2"]
-        + ["--db", db],
-        env=env,
-        cwd=tmp_path,
-        stdout=(tmp_path / "output.txt").open("wb"),
-        stderr=subprocess.STDOUT,
-    )
+    cli = _long_simulation(tmp_path, db)
     leftovers = Leftovers(cli.pid)
     repo = LedgerRepository.open(db)  # created here first, so that both find it
     try:
