@@ -292,10 +292,10 @@ class FlowerStrategyAdapter(EngineStrategy):
 
         Flower's strategies compute in NumPy's promotion rules: under NumPy 2, FedAdam's
         bias-corrected step (a float64 scalar times a float32 array) returns float64
-        weights, and FedAvg's weighted sum turns an integer buffer into floats. Flower's
-        own ``start`` sends that on and PyTorch sites cast it on loading; here every reply
-        must carry the model's dtypes, so the model's own dtypes win (integers rounded to
-        the nearest), said once in the log.
+        weights. Flower's own ``start`` sends that on and PyTorch sites cast it on loading;
+        here every reply must carry the model's dtypes, so the model's own dtypes win, said
+        once in the log. The integer arrays' means (``add_update``) are rounded to the
+        nearest, and refused outside their dtype's range.
         """
         changed: list[str] = []
         for key, value in aggregated.items():
@@ -308,7 +308,10 @@ class FlowerStrategyAdapter(EngineStrategy):
                     value = np.rint(value)
                     info = np.iinfo(model.dtype) if model.dtype.kind in "iu" else None
                     low, high = (0, 1) if info is None else (info.min, info.max)
-                    if not (np.isfinite(value).all() and low <= value.min() <= value.max() <= high):
+                    inside = np.isfinite(value).all() and (
+                        value.size == 0 or low <= value.min() <= value.max() <= high
+                    )
+                    if not inside:
                         raise StepRefused(
                             f"array '{key}' ({model.dtype}) would hold values outside its range"
                         )
