@@ -120,7 +120,7 @@ class _Proc:
     state: str
 
 
-def _scan() -> dict[int, _Proc] | None:
+def process_table() -> dict[int, _Proc] | None:
     """Every process on the machine, or None without ``/proc``."""
     if not _PROC.is_dir():
         return None
@@ -201,7 +201,7 @@ class ProcessTree:
 
     def record(self) -> None:
         """Note every process below the started ones, and the sessions they are in."""
-        table = _scan()
+        table = process_table()
         if table is None:
             return
         members = self._members(table)
@@ -215,7 +215,7 @@ class ProcessTree:
 
     def alive(self) -> list[int]:
         """Pids of the tree's processes still running (zombies excluded)."""
-        table = _scan()
+        table = process_table()
         if table is None:
             return [p.pid for p in self.started if _running(p)]
         return sorted(p.pid for p in self._members(table))
@@ -263,7 +263,7 @@ class ProcessTree:
         """Send ``signum`` to every live process of the tree; return how many there were."""
         for proc in self.started:
             proc.poll()  # reap the ones that exited, so they no longer count
-        table = _scan()
+        table = process_table()
         if table is None:  # no /proc: the started processes' groups are all we know
             live = [p for p in self.started if _running(p)]
             for proc in live:

@@ -37,7 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flplatform.run.owner import named_owner, owner_gone, stat_fields
+from flplatform.launch.processes import process_table
+from flplatform.run.owner import named_owner, owner_gone
 
 log = logging.getLogger("flplatform")
 
@@ -166,29 +167,16 @@ def end_with_owner() -> None:
 def end_federation() -> None:
     """SIGKILL this simulation's session, the Flower processes above it, and itself."""
     me, session = os.getpid(), os.getsid(0)
-    doomed = [pid for pid in _pids() if pid != me and _session(pid) == session]
+    table = process_table() or {}
+    doomed = [pid for pid, proc in table.items() if pid != me and proc.sid == session]
     parent = os.getppid()
-    while parent > 1 and any(name in _cmdline(parent) for name in _FLOWER_PARENTS):
+    while parent in table and any(name in _cmdline(parent) for name in _FLOWER_PARENTS):
         doomed.append(parent)
-        parent = _parent(parent)
+        parent = table[parent].ppid
     for pid in doomed:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
     os.kill(me, signal.SIGKILL)
-
-
-def _pids() -> list[int]:
-    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdecimal()]
-
-
-def _session(pid: int) -> int | None:
-    fields = stat_fields(pid)
-    return None if fields is None else int(fields[3])
-
-
-def _parent(pid: int) -> int:
-    fields = stat_fields(pid)
-    return 0 if fields is None else int(fields[1])
 
 
 def _cmdline(pid: int) -> str:

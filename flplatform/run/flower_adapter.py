@@ -113,8 +113,9 @@ class FlowerStrategyAdapter(EngineStrategy):
         """The wrapped strategy's training messages; none while it would wait for nodes."""
         if not self._enough_nodes(grid, "min_train_nodes", "train"):
             return []
-        messages = self.strategy.configure_train(server_round, _learned(arrays), config, grid)
-        return _with_whole(messages, arrays)
+        learned = _learned(arrays)
+        messages = self.strategy.configure_train(server_round, learned, config, grid)
+        return _with_whole(messages, arrays, learned)
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -122,8 +123,9 @@ class FlowerStrategyAdapter(EngineStrategy):
         """The wrapped strategy's evaluation messages; none while it would wait for nodes."""
         if not self._enough_nodes(grid, "min_evaluate_nodes", "evaluate"):
             return []
-        messages = self.strategy.configure_evaluate(server_round, _learned(arrays), config, grid)
-        return _with_whole(messages, arrays)
+        learned = _learned(arrays)
+        messages = self.strategy.configure_evaluate(server_round, learned, config, grid)
+        return _with_whole(messages, arrays, learned)
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
@@ -417,11 +419,13 @@ def _dtype(array: Array) -> np.dtype[Any]:
     return np.dtype(array.dtype)
 
 
-def _with_whole(messages: Iterable[Message], arrays: ArrayRecord) -> list[Message]:
-    """``messages`` whose model (an ArrayRecord holding ``arrays``' learned arrays) has the
-    integer and bool arrays back, in the model's key order: the sites get the whole model."""
+def _with_whole(
+    messages: Iterable[Message], arrays: ArrayRecord, learned: ArrayRecord
+) -> list[Message]:
+    """``messages`` whose model (an ArrayRecord holding ``learned``, ``arrays``' learned
+    arrays) has the integer and bool arrays back, in the model's key order: the sites get
+    the whole model."""
     messages = list(messages)
-    learned = _learned(arrays)
     if learned is arrays:
         return messages
     for message in messages:
