@@ -178,7 +178,8 @@ class RunConfig:
         default=DEFAULT_OPTIONS.max_failed_rounds,
         metadata=about(
             "Stop the run after this many rounds in a row applied no update although "
-            "replies came back, whatever their reasons (0: never stop)."
+            "replies came back, whatever their reasons (0: never stop); after at most 2 "
+            "when the sites' mods refused every failed reply (the app's train function)."
         ),
     )
     # ---- synchrony (flplatform/engine/synchrony.py)

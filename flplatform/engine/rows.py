@@ -29,6 +29,7 @@ from flplatform.engine.wire import reply_traffic
 
 REFUSED = "refused by the SuperLink (node not connected, or the message too large)"
 UNAVAILABLE = "unavailable: sat this work out (simulated availability)"
+SITE_REFUSED = "refused at the site: "  # + the mod's sentence
 
 
 def no_reply_within(timeout: float) -> str:
@@ -40,7 +41,7 @@ def site_error(reply: Message) -> str:
     reason = reply.error.reason or ""
     if refused_at_site(reply):
         said = reason.removeprefix(keys.SITE_REFUSED_PREFIX)
-        return f"refused at the site: {condense_error(said)}"
+        return f"{SITE_REFUSED}{condense_error(said)}"
     return f"site error {reply.error.code}: {condense_error(reason)}"
 
 

@@ -12,10 +12,14 @@ from typing import Any
 
 from flplatform.core.checkpoint import StateProblems
 from flplatform.core.errors import ConfigError, NoProgress
-from flplatform.engine.events import UpdateOutcome
+from flplatform.engine.events import REJECTED, UpdateOutcome
+from flplatform.engine.rows import SITE_REFUSED
 
 # Rounds in a row that may apply nothing before the run stops (0: never stop).
 DEFAULT_MAX_FAILED_ROUNDS = 3
+# ... and rounds in a row whose every failed reply the sites' own mods refused: the mod
+# refused what the app's train function returned, which the same code returns again.
+SITE_REFUSALS_MAX_ROUNDS = 2
 # Numbers (hex addresses first) in a failure reason: replaced when reasons are compared.
 _NUMBER = re.compile(r"0x[0-9a-fA-F]+|\d+")
 # The error that stops the run names this many distinct reasons, cut to this many characters.
@@ -31,7 +35,10 @@ class FailureStreak:
     reasons: sites failing in different ways, or one way this round and another the next,
     make no more progress than sites failing alike. Any other round ends the streak. When
     ``limit`` rounds count in a row, ``observe`` raises ``NoProgress`` naming the streak's
-    distinct reasons, the latest first (at most ``REASONS_SHOWN``).
+    distinct reasons, the latest first (at most ``REASONS_SHOWN``). A streak in which every
+    failed reply was refused at its site (the mod refused what the user's train function
+    returned: a mistake in the app, not bad luck) trips after at most
+    ``SITE_REFUSALS_MAX_ROUNDS``.
 
     Reasons are told apart with whitespace collapsed and every number (and hex address)
     replaced (``reason_key``), so sites whose error differs only in a size, an index or an
@@ -64,6 +71,7 @@ class FailureStreak:
         self.rounds: list[int] = []  # the rounds of the current streak
         self._reasons: dict[str, str] = {}  # reason_key → its latest text, oldest first
         self._statuses: set[str] = set()
+        self._site_refusals_only = True
 
     def observe(
         self, server_round: int, *, applied: int, failed_replies: Sequence[UpdateOutcome]
@@ -89,13 +97,14 @@ class FailureStreak:
             return
         self.rounds.append(server_round)
         self._statuses.update(u.status for u in failed_replies)
+        self._site_refusals_only &= all(_refused_at_site(u) for u in failed_replies)
         for update in failed_replies:
             text = " ".join((update.reason or "no reason given").split())
             self._reasons.pop(reason_key(text), None)  # to the end: the latest
             self._reasons[reason_key(text)] = text
         while len(self._reasons) > REASONS_SHOWN:
             del self._reasons[next(iter(self._reasons))]
-        if self.limit and len(self.rounds) >= self.limit:
+        if self.limit and len(self.rounds) >= self._trips_after():
             raise NoProgress(self._describe())
 
     def state_dict(self) -> dict[str, Any]:
@@ -104,6 +113,7 @@ class FailureStreak:
             "rounds": list(self.rounds),
             "reasons": list(self._reasons.values()),
             "statuses": set(self._statuses),
+            "site_refusals_only": self._site_refusals_only,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -114,6 +124,8 @@ class FailureStreak:
         # A checkpoint of 2026-11-28 and before kept the streak's reason as compared
         # ("key"), not its texts: resumed, its streak names no reason.
         rounds, reasons, statuses = state["rounds"], state.get("reasons", []), state["statuses"]
+        # Before 2026-11-29 every streak tripped after ``limit`` rounds.
+        site_refusals_only = state.get("site_refusals_only", False)
         if not isinstance(rounds, list) or not all(
             problems.number(r, "rounds", integer=True) for r in rounds
         ):
@@ -122,12 +134,21 @@ class FailureStreak:
             problems.add("'reasons' must be a list of texts")
         if not isinstance(statuses, set | list) or not all(isinstance(s, str) for s in statuses):
             problems.add("'statuses' must be a set of statuses")
+        if not isinstance(site_refusals_only, bool):
+            problems.add("'site_refusals_only' must be true or false")
         problems.raise_if_any()
         self.rounds, self._statuses = list(rounds), set(statuses)
+        self._site_refusals_only = bool(site_refusals_only) and bool(rounds)
         self._reasons = {reason_key(text): text for text in reasons}
 
     def _reset(self) -> None:
         self.rounds, self._reasons, self._statuses = [], {}, set()
+        self._site_refusals_only = True
+
+    def _trips_after(self) -> int:
+        if self._site_refusals_only:
+            return min(self.limit, SITE_REFUSALS_MAX_ROUNDS)
+        return self.limit
 
     def _describe(self) -> str:
         first, last = self.rounds[0], self.rounds[-1]
@@ -136,10 +157,21 @@ class FailureStreak:
         text = "; ".join(reversed(self._reasons.values()))
         if len(text) > REASON_SHOWN:
             text = text[: REASON_SHOWN - 1] + "…"
+        if self._site_refusals_only and self._trips_after() < self.limit:
+            why = (
+                f"stopped after {self._trips_after()} rounds in a row: the sites' mods refused "
+                "what the app's train function returned; fix the app"
+            )
+        else:
+            why = f"stopped after {self.limit} such rounds in a row"
         return (
             f"{span} applied no update: every reply was {how}: {text} "
-            f"(stopped after {self.limit} such rounds in a row; max-failed-rounds 0 never stops)"
+            f"({why}; max-failed-rounds 0 never stops)"
         )
+
+
+def _refused_at_site(update: UpdateOutcome) -> bool:
+    return update.status == REJECTED and (update.reason or "").startswith(SITE_REFUSED)
 
 
 def reason_key(reason: str | None) -> str:

@@ -229,11 +229,45 @@ def test_an_update_the_sites_mod_refused_is_rejected_with_its_sentence(
         run(repository, sites, rounds=5)
     said = "refused at the site: your train function's metrics: num-examples must be a positive"
     assert stopped.value.reason.startswith(
-        f"rounds 1-3 applied no update: every reply was rejected: {said}"
+        f"rounds 1-2 applied no update: every reply was rejected: {said}"
+    )
+    assert stopped.value.reason.endswith(
+        "(stopped after 2 rounds in a row: the sites' mods refused what the app's train "
+        "function returned; fix the app; max-failed-rounds 0 never stops)"
     )
     updates = repository.list_updates(latest_run(repository))
     assert {u.status for u in updates} == {REJECTED}
     assert all((u.reason or "").startswith(said) for u in updates)
+
+
+def test_site_refusals_stop_sooner_only_while_they_are_all_the_streak_has() -> None:
+    refused = [outcome(REJECTED, "refused at the site: no num-examples")]
+    # A round the strategy rejected in the streak: the usual limit.
+    streak = FailureStreak(3)
+    streak.observe(1, applied=0, failed_replies=[outcome(REJECTED, WRONG_KEYS)])
+    streak.observe(2, applied=0, failed_replies=refused)
+    with pytest.raises(NoProgress, match=r"^rounds 1-3 .*\(stopped after 3 such rounds"):
+        streak.observe(3, applied=0, failed_replies=refused)
+    # A site's crash beside a refusal in the same round: the usual limit too.
+    streak = FailureStreak(3)
+    crashed = outcome(DROPPED, "site error 2: ClientAppException")
+    streak.observe(1, applied=0, failed_replies=[*refused, crashed])
+    streak.observe(2, applied=0, failed_replies=refused)
+    assert streak.rounds == [1, 2]
+    # Refusals alone trip at 2, a lower limit stays lower, 0 never stops; a restored
+    # streak keeps counting so.
+    streak = FailureStreak(3)
+    streak.observe(1, applied=0, failed_replies=refused)
+    restored = FailureStreak(3)
+    restored.load_state_dict(streak.state_dict())
+    with pytest.raises(NoProgress, match=r"^rounds 1-2 .*\(stopped after 2 rounds in a row"):
+        restored.observe(2, applied=0, failed_replies=refused)
+    with pytest.raises(NoProgress, match=r"^round 1 .*\(stopped after 1 such rounds"):
+        FailureStreak(1).observe(1, applied=0, failed_replies=refused)
+    never = FailureStreak(0)
+    for server_round in range(1, 5):
+        never.observe(server_round, applied=0, failed_replies=refused)
+    assert never.rounds == [1, 2, 3, 4]
 
 
 def test_zero_never_stops(repository: LedgerRepository) -> None:
