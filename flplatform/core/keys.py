@@ -81,6 +81,11 @@ UPDATE_KIND = "update"  # "delta": arrays are x_n − x (or a step), not a model
 # the algorithm whose mod answered (the message's site-algorithm; local-sgd without one):
 # the server checks its strategy's site half was there (flplatform.engine.replies)
 SITE_MOD = "site-mod"
+# ... and the protocol it speaks: the meaning of the messages flplatform's mods and
+# strategies exchange. Raised when that meaning changes, so that a site and a server
+# running flplatform releases that differ there refuse each other at the first reply.
+SITE_MOD_PROTOCOL = "site-mod-protocol"
+MOD_PROTOCOL = 1
 DELTA = "delta"
 STATE_LOST_DETAIL = "state-lost"
 EVAL_LOSS = "eval_loss"

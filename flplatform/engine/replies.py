@@ -88,11 +88,20 @@ def halves_disagree(site_mod: str | None, reply: Message, site: str, server: str
     both halves and the fix; None when the halves agree.
 
     ``site_mod`` None (local-SGD, Flower's strategies) takes any whole-model reply, or one
-    from flplatform's local-SGD mod; otherwise the reply must come from that mod.
+    from flplatform's local-SGD mod; otherwise the reply must come from that mod. A reply
+    from any of flplatform's mods must speak this server's ``keys.MOD_PROTOCOL``.
     """
     config = record_of(reply.content, keys.CONFIG, ConfigRecord)
     said = config.get(keys.SITE_MOD) if config is not None else None
     answered_by = said if isinstance(said, str) else None
+    protocol = config.get(keys.SITE_MOD_PROTOCOL) if config is not None else None
+    if answered_by is not None and protocol != keys.MOD_PROTOCOL:
+        theirs = f"protocol {protocol}" if isinstance(protocol, int) else "an older protocol"
+        return (
+            f"site {site} answered with flplatform's {answered_by} mod speaking {theirs}, "
+            f"but the server speaks mod protocol {keys.MOD_PROTOCOL}: install the same "
+            "flplatform release at the sites and the server"
+        )
     if answered_by == site_mod or (site_mod is None and answered_by in (None, keys.LOCAL_SGD)):
         return None
     fix = "add flplatform_mod() to the site's @app.train(mods=[...]) (it follows the server)"

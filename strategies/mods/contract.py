@@ -263,15 +263,16 @@ def reply_with(
     extra: Mapping[str, Any] | None = None,
 ) -> Message:
     """The mod's reply: its upload, the metrics, what the server must know (which mod
-    answered, ``keys.SITE_MOD``, first), and the user's other records (``extra``),
-    untouched."""
+    answered and its protocol, ``keys.SITE_MOD`` and ``keys.SITE_MOD_PROTOCOL``, first),
+    and the user's other records (``extra``), untouched."""
     content = RecordDict({keys.METRICS: metrics})
     for name, record in (extra or {}).items():
         content[name] = record
     if arrays is not None:
         content[keys.ARRAYS] = arrays_to_record(dict(arrays))
     answered_by = site_algorithm(msg) or keys.LOCAL_SGD
-    content[keys.CONFIG] = ConfigRecord({keys.SITE_MOD: answered_by, **(config or {})})
+    said = {keys.SITE_MOD: answered_by, keys.SITE_MOD_PROTOCOL: keys.MOD_PROTOCOL}
+    content[keys.CONFIG] = ConfigRecord({**said, **(config or {})})
     return Message(content, reply_to=msg)
 
 

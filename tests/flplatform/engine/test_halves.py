@@ -33,6 +33,7 @@ from strategies.delayed import DelayedCompensated
 from strategies.fetchsgd import FetchSGD
 from strategies.local_sgd import LocalSGDAveraging
 from strategies.mods import flplatform_mod
+from strategies.mods.contract import reply_with
 from strategies.sketched_sgd import SketchedSGD
 from tests.helpers.delayed_sites import context
 from tests.helpers.scripted_grid import Behaviour, ScriptedGrid
@@ -169,7 +170,7 @@ def test_a_reply_from_another_algorithms_mod_names_both() -> None:
     from flplatform.engine.replies import halves_disagree
 
     reply = Message(
-        RecordDict({keys.CONFIG: ConfigRecord({keys.SITE_MOD: keys.DELAYED})}),
+        RecordDict({keys.CONFIG: ConfigRecord(_said_by(keys.DELAYED))}),
         reply_to=Message(RecordDict(), dst_node_id=1, message_type=MessageType.TRAIN),
     )
     assert halves_disagree(None, reply, "a", "local-sgd") == (
@@ -178,3 +179,45 @@ def test_a_reply_from_another_algorithms_mod_names_both() -> None:
         "run the server with strategy delayed"
     )
     assert halves_disagree(keys.DELAYED, reply, "a", "delayed") is None
+
+
+def _said_by(mod: str, **protocol: int) -> dict[str, object]:
+    return {keys.SITE_MOD: mod, keys.SITE_MOD_PROTOCOL: keys.MOD_PROTOCOL, **protocol}
+
+
+@pytest.mark.parametrize(
+    "said,theirs",
+    [
+        ({keys.SITE_MOD: keys.DELAYED}, "an older protocol"),
+        (_said_by(keys.DELAYED, **{keys.SITE_MOD_PROTOCOL: keys.MOD_PROTOCOL + 1}), "protocol 2"),
+    ],
+)
+def test_a_mod_speaking_another_protocol_is_refused_naming_both(
+    said: dict[str, object], theirs: str
+) -> None:
+    from flplatform.engine.replies import halves_disagree
+
+    reply = Message(
+        RecordDict({keys.CONFIG: ConfigRecord(said)}),
+        reply_to=Message(RecordDict(), dst_node_id=1, message_type=MessageType.TRAIN),
+    )
+    expected = (
+        f"site a answered with flplatform's delayed mod speaking {theirs}, but the server "
+        f"speaks mod protocol {keys.MOD_PROTOCOL}: install the same flplatform release at "
+        "the sites and the server"
+    )
+    assert halves_disagree(keys.DELAYED, reply, "a", "delayed") == expected
+    assert halves_disagree(None, reply, "a", "local-sgd") == expected
+
+
+def test_a_mod_reply_states_the_protocol() -> None:
+    """(Every algorithm's real mod replies pass the check: test_sites_with_the_mod_...)"""
+    from flplatform.engine.replies import halves_disagree
+
+    reply = reply_with(
+        Message(RecordDict(), dst_node_id=1, message_type=MessageType.TRAIN),
+        None,
+        MetricRecord({keys.NUM_EXAMPLES: 1}),
+    )
+    assert reply.content[keys.CONFIG][keys.SITE_MOD_PROTOCOL] == keys.MOD_PROTOCOL
+    assert halves_disagree(None, reply, "a", "local-sgd") is None
