@@ -14,19 +14,25 @@ them to the example-weighted mean of the sites' values, as FedAvg would. It neve
 their coordinates from the sketch. The codecs (``strategies.codecs``: top-k, int8) leave
 them out of what they compress in the same way: their deltas travel exactly beside it.
 
-Which arrays: :func:`averaged_arrays`, from the model's names and dtypes. FetchSGD's
-server applies it and names them in every training message; a codec applies it to the
-update's layout on both sides. On the wire they travel concatenated (:func:`pack`): every
-Flower array costs several hundred bytes of framing, more than a BatchNorm's statistics
-themselves. No Flower imports.
+Which arrays: :func:`averaged_arrays`, from the model's names and dtypes, and the arrays
+the user names (``averaged-arrays``: buffers the rule cannot see by their name, such as a
+running class distribution; :func:`named_arrays` matches the names or patterns against
+the model). FetchSGD's server applies it and names them in every training message; a
+codec applies it to the update's layout on both sides, and a server whose user named
+arrays names them in its training messages too, which the codec mod follows. On the wire
+they travel concatenated (:func:`pack`): every Flower array costs several hundred bytes of
+framing, more than a BatchNorm's statistics themselves. No Flower imports.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from fnmatch import fnmatchcase
 from typing import Any
 
 import numpy as np
+
+from flplatform.core.errors import ConfigError
 
 # + a carrier dtype's name ("float32", "float64"): the averaged arrays in that dtype,
 # concatenated (``pack``), as an upload's wire array
@@ -37,17 +43,62 @@ AVERAGED = "averaged/"
 RUNNING_STATISTICS = ("running_mean", "running_var")
 
 
-def averaged_arrays(dtypes: Mapping[str, np.dtype[Any]]) -> tuple[str, ...]:
+def averaged_arrays(
+    dtypes: Mapping[str, np.dtype[Any]], named: Iterable[str] = ()
+) -> tuple[str, ...]:
     """Names of a model's arrays (name → dtype) that are averaged whole, in its order.
 
-    Integer and bool arrays (counters, masks), and float arrays whose name ends in
-    ``running_mean`` or ``running_var`` (a norm layer's running statistics).
+    Integer and bool arrays (counters, masks), float arrays whose name ends in
+    ``running_mean`` or ``running_var`` (a norm layer's running statistics), and the
+    ``named`` ones (exact names; see :func:`named_arrays`).
     """
+    named = frozenset(named)
     return tuple(
         name
         for name, dtype in dtypes.items()
-        if np.dtype(dtype).kind != "f" or name.rsplit(".", 1)[-1] in RUNNING_STATISTICS
+        if np.dtype(dtype).kind != "f"
+        or name.rsplit(".", 1)[-1] in RUNNING_STATISTICS
+        or name in named
     )
+
+
+def named_arrays(patterns: Sequence[str], names: Iterable[str]) -> tuple[str, ...]:
+    """The model's arrays (``names``, in their order) that ``patterns`` name: exact names
+    or shell-style patterns (``*.class_prior``), case-sensitive.
+
+    Raises
+    ------
+    ConfigError
+        If a pattern matches no array: a misspelt buffer would otherwise be compressed
+        without a word. The message lists the model's arrays.
+    """
+    names = list(names)
+    unmatched = [p for p in patterns if not any(fnmatchcase(n, p) for n in names)]
+    if unmatched:
+        shown = ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
+        raise ConfigError(
+            f"averaged-arrays {', '.join(repr(p) for p in unmatched)} matches no array of the "
+            f"model; its arrays: {shown}"
+        )
+    return tuple(n for n in names if any(fnmatchcase(n, p) for p in patterns))
+
+
+def split_names(text: str) -> tuple[str, ...]:
+    """``averaged-arrays`` as a run config gives it: names or patterns, comma-separated."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def names_problem(patterns: object) -> str | None:
+    """What is wrong with ``averaged-arrays`` given to a strategy (a sequence of names)."""
+    if isinstance(patterns, str) or not isinstance(patterns, Sequence):
+        return (
+            "averaged-arrays must be a list of array names or patterns "
+            f"(e.g. ['class_prior', '*.counts']), got {patterns!r:.80}"
+        )
+    bad = [p for p in patterns if not isinstance(p, str) or not p.strip() or "," in p]
+    if bad:
+        return f"averaged-arrays must hold non-empty names without commas, got {bad!r:.80}"
+    return None
 
 
 def carrier(dtype: np.dtype[Any]) -> type[np.floating[Any]]:

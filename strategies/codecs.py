@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -66,11 +66,16 @@ class Codec(Protocol):
 
     ``encode`` returns the wire arrays (what is sent); ``decode`` rebuilds the dense update
     in the layout's dtypes and rejects malformed wire input with ``UpdateRejected``.
-    ``name`` is the spec ``make_codec`` parses back into the same codec.
+    ``name`` is the spec ``make_codec`` parses back into the same codec. ``averaged``:
+    the arrays the user named to travel exactly (``Layout.named_averaged``), which both
+    halves must know alike: the server names them in its training messages.
     """
 
     @property
     def name(self) -> str: ...
+
+    @property
+    def averaged(self) -> tuple[str, ...]: ...
 
     def encode(self, update: Mapping[str, np.ndarray], *, rng: np.random.Generator) -> Wire: ...
 
@@ -86,6 +91,8 @@ def wire_nbytes(wire: Mapping[str, np.ndarray]) -> int:
 @dataclass(frozen=True)
 class Identity:
     """No compression: the wire is each array itself under ``raw.<name>``."""
+
+    averaged: tuple[str, ...] = ()  # every array travels exactly
 
     @property
     def name(self) -> str:
@@ -131,6 +138,7 @@ class TopK:
 
     k: int | None = None
     fraction: float | None = None
+    averaged: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.k is None) == (self.fraction is None):
@@ -160,7 +168,7 @@ class TopK:
 
     def encode(self, update: Mapping[str, np.ndarray], *, rng: np.random.Generator) -> Wire:
         """The k largest-magnitude coordinates of the flattened update."""
-        layout = Layout.of(update)
+        layout = Layout.of(update, averaged=self.averaged)
         # float32 models are selected in float32: exact (same order), half the memory traffic
         single = all(np.dtype(t) == np.float32 for t in layout.dtypes)
         x = layout.flatten(update, dtype=np.float32 if single else np.float64)  # (d,)
@@ -176,6 +184,7 @@ class TopK:
 
     def decode(self, wire: Mapping[str, np.ndarray], layout: Layout) -> Arrays:
         """Scatter the k values into a dense update of ``layout``; reject malformed input."""
+        layout = layout.averaging(self.averaged)
         _check_keys(
             wire, {TOPK_INDICES, TOPK_VALUES, *averaged_keys(layout, layout.averaged)}, self.name
         )
@@ -264,6 +273,8 @@ class StochasticInt8:
     each drawing its uniforms from ``rng`` in turn (see ``quantize_int8``).
     """
 
+    averaged: tuple[str, ...] = ()
+
     @property
     def name(self) -> str:
         """Spec of this codec."""
@@ -271,7 +282,7 @@ class StochasticInt8:
 
     def encode(self, update: Mapping[str, np.ndarray], *, rng: np.random.Generator) -> Wire:
         """Quantize every float array but the averaged ones; send those exactly."""
-        layout = Layout.of(update)
+        layout = Layout.of(update, averaged=self.averaged)
         self._keys(layout)  # refuse layouts whose wire keys collide
         _require_finite({n: update[n] for n in layout.averaged})
         wire: Wire = {}
@@ -285,6 +296,7 @@ class StochasticInt8:
 
     def decode(self, wire: Mapping[str, np.ndarray], layout: Layout) -> Arrays:
         """Dequantize q·s/127 into each float array's dtype; check the exact ones."""
+        layout = layout.averaging(self.averaged)
         _check_keys(wire, self._keys(layout), self.name)
         out: Arrays = averaged_from_wire(wire, layout, layout.averaged)
         for n, shape, dtype in zip(layout.names, layout.shapes, layout.dtypes, strict=True):
@@ -324,12 +336,24 @@ class StochasticInt8:
 
 
 # ---------------------------------------------------------------------------- parsing
-def make_codec(spec: str) -> Codec:
-    """Parse a codec spec: 'none', 'int8', 'topk:<k>' or 'topk:<fraction>'.
+def make_codec(spec: str, *, averaged: Sequence[str] = ()) -> Codec:
+    """Parse a codec spec: 'none', 'int8', 'topk:<k>' or 'topk:<fraction>'; ``averaged``:
+    arrays the user named to travel exactly (see ``Codec``).
 
     The top-k argument is a fraction of d when it contains a '.' or an exponent, or is
     below 1 ('topk:0.01', 'topk:1e-3'), and a count k otherwise ('topk:5000').
     """
+    return with_averaged(_parse_codec(spec), averaged)
+
+
+def with_averaged(codec: Codec, averaged: Sequence[str]) -> Codec:
+    """``codec`` sending the ``averaged`` arrays exactly (and the rule's, as always)."""
+    if tuple(averaged) == codec.averaged:
+        return codec
+    return replace(codec, averaged=tuple(averaged))  # type: ignore[type-var]
+
+
+def _parse_codec(spec: str) -> Codec:
     text = spec.strip().lower() if isinstance(spec, str) else ""
     if text == "none":
         return Identity()
@@ -390,7 +414,7 @@ class ErrorFeedback:
         (tests/strategies/test_codecs.py checks them against that): v, a float32 copy to
         select from and the residual's new values are the only passes over the model.
         """
-        layout = Layout.of(update)
+        layout = Layout.of(update, averaged=codec.averaged)
         if self.residual:
             self._check_layout(layout)
         v = self._plus_residual(update, layout)  # (d,) float64: u + e, a new vector

@@ -36,7 +36,7 @@ unsettled periods are dropped and its update, trained from the global model, cou
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,8 +80,9 @@ from strategies.knobs import DELAYED_SYNC_ONLY, DelayedKnobs
 from strategies.layout import Layout
 from strategies.local_sgd import (
     aggregate_batch,
+    codec_config,
+    fit_codec,
     reject_state_lost,
-    say_if_codec_enlarges,
     state_lost_note,
 )
 from strategies.sampling import evaluation_messages, mean_evaluation
@@ -293,6 +294,9 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
     codec : str
         Upload compression of A_{n,r} with error feedback at the site (``none``,
         ``int8``, ``topk:<k>``, ``topk:<fraction>``).
+    averaged_arrays : sequence of str
+        Arrays (names or shell patterns) the codec must send exactly, as
+        ``LocalSGDAveraging``'s.
     """
 
     def __init__(
@@ -305,6 +309,7 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         fraction_evaluate: float = 0.0,
         seed: int = 0,
         codec: str = "none",
+        averaged_arrays: Sequence[str] = (),
     ) -> None:
         require(
             DelayedKnobs(
@@ -314,15 +319,17 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
                 eta=eta,
                 fraction_evaluate=fraction_evaluate,
                 codec=codec,
+                averaged_arrays=averaged_arrays,
             ).problems()
         )
+        self.averaged_arrays = tuple(averaged_arrays)
         self.delay = delay
         self.num_rounds = num_rounds
         self.compensate = bool(compensate)
         self.eta = eta
         self.seed = seed
         self.codec: Codec = make_codec(codec)
-        self._sized_codec = False  # whether the codec's upload size was checked (once)
+        self._fitted_codec = False  # whether the codec was fitted to the model (once)
         self.state = DelayedState(periods=ServerPeriods(delay))
         self._round = 0
         self._current: dict[str, np.ndarray] = {}
@@ -347,6 +354,7 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         periods = self.state.periods
         # Driven without begin_aggregation (Flower's own loop): the model given is current.
         self.state.models.setdefault(self.state.version, arrays)
+        self._fit_codec(arrays)
         messages = []
         for node_id in sorted(grid.get_node_ids()):
             period = periods.period_for(
@@ -373,10 +381,7 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
                 }
             )
             if not isinstance(self.codec, Identity):
-                site_config[keys.CODEC] = self.codec.name
-                if not self._sized_codec:
-                    self._sized_codec = True
-                    say_if_codec_enlarges(self.codec, self.state.models[version])
+                site_config.update(codec_config(self.codec))
             content = RecordDict(
                 {keys.ARRAYS: self.state.models[version], keys.CONFIG: site_config}
             )
@@ -412,6 +417,12 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         """Example-weighted mean of the sites' evaluation metrics."""
         return mean_evaluation(replies)
 
+    def _fit_codec(self, arrays: ArrayRecord) -> None:
+        """Fit the codec to the model once (``strategies.local_sgd.fit_codec``)."""
+        if not self._fitted_codec:
+            self.codec = fit_codec(self.codec, self.averaged_arrays, arrays)
+            self._fitted_codec = True
+
     # ------------------------------------------------- streaming aggregation
     def begin_aggregation(self, server_round: int, arrays: ArrayRecord) -> None:
         """Round ``server_round`` forms Ā_r on top of ``arrays`` (x_{r−1})."""
@@ -419,6 +430,7 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         self._round = server_round
         if arrays is not self._current_record:  # decode each version once
             self._current, self._current_record = record_to_arrays(arrays), arrays
+        self._fit_codec(arrays)
         state.models[state.version] = arrays
         oldest = state.version - self.delay  # what a site starting period r + D is sent
         state.models = {v: a for v, a in state.models.items() if v >= oldest}

@@ -30,7 +30,7 @@ training, and is sent the whole model next time.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -83,6 +83,9 @@ class FetchSGD(SketchedStrategy):
         Seeded sampling of sites per round, as local-SGD averaging.
     seed : int
         The run's seed; the sketch's hashes derive from it.
+    averaged_arrays : sequence of str
+        Arrays (names or shell patterns) sent whole and set to the sites' weighted mean
+        (``SketchedStrategy``).
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class FetchSGD(SketchedStrategy):
         fraction_train: float = 1.0,
         fraction_evaluate: float = 0.0,
         seed: int = 0,
+        averaged_arrays: Sequence[str] = (),
     ) -> None:
         require(
             FetchSGDKnobs(
@@ -105,6 +109,7 @@ class FetchSGD(SketchedStrategy):
                 sketch_cols=sketch_cols,
                 fraction_train=fraction_train,
                 fraction_evaluate=fraction_evaluate,
+                averaged_arrays=averaged_arrays,
                 rho=rho,
                 eta=eta,
                 removal=removal,
@@ -118,6 +123,7 @@ class FetchSGD(SketchedStrategy):
             fraction_train=fraction_train,
             fraction_evaluate=fraction_evaluate,
             seed=seed,
+            averaged_arrays=averaged_arrays,
         )
         self.rho, self.eta, self.removal = rho, eta, removal
         # Fixed once the model is known (first configure_train or begin_aggregation).
@@ -189,7 +195,7 @@ class FetchSGD(SketchedStrategy):
         if fields is None:
             reader.raise_if_any()
             return
-        model = SparseModel.read(reader, fields["model"], "model")
+        model = SparseModel.read(reader, fields["model"], "model", self.averaged_arrays)
         shape = (self.rows, self.cols)
         tables = {}
         for name in ("momentum", "error"):

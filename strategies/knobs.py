@@ -12,6 +12,7 @@ defaults, ``flplatform.app.config.RunConfig`` the command line's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flplatform.core.checks import (
@@ -25,6 +26,7 @@ from flplatform.core.checks import (
     unit_interval,
 )
 from flplatform.core.errors import ConfigError
+from strategies.averaged_arrays import names_problem
 from strategies.codecs import make_codec  # the one parser of a spec (no torch
 
 MEAN, MEDIAN, TRIMMED_MEAN = "mean", "median", "trimmed-mean"
@@ -108,10 +110,12 @@ class LocalSGDKnobs:
     codec: str
     aggregator: str
     trim_fraction: float
+    averaged_arrays: Sequence[str]
 
     def problems(self) -> list[Problem]:
         """Every problem with these knobs (``None`` entries: no problem)."""
         return [
+            names_problem(self.averaged_arrays),
             eta_problem(self.eta),
             unit_interval(self.beta, "server-momentum", says="in [0, 1) (the server momentum β)"),
             *sampling_problems(
@@ -133,10 +137,12 @@ class DelayedKnobs:
     eta: float
     fraction_evaluate: float
     codec: str
+    averaged_arrays: Sequence[str]
 
     def problems(self) -> list[Problem]:
         """Every problem with these knobs (``None`` entries: no problem)."""
         return [
+            names_problem(self.averaged_arrays),
             delay_problem(self.delay),
             integer(self.num_rounds, "num-rounds", minimum=1),
             eta_problem(self.eta),
@@ -154,10 +160,12 @@ class SketchKnobs:
     sketch_cols: int
     fraction_train: float
     fraction_evaluate: float
+    averaged_arrays: Sequence[str]
 
     def problems(self) -> list[Problem]:
         """Every problem with these knobs (``None`` entries: no problem)."""
         return [
+            names_problem(self.averaged_arrays),
             k_problem(self.k),
             odd(self.sketch_rows, "sketch-rows"),
             integer(self.sketch_cols, "sketch-cols", minimum=0, says=">= 0 (0: 5·k)"),

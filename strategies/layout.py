@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -41,6 +41,9 @@ class Layout:
         Shape of each array.
     dtypes : tuple of np.dtype
         Dtype of each array (float, integer or bool).
+    named_averaged : tuple of str
+        Arrays the user named to be averaged whole, beside those
+        ``strategies.averaged_arrays``' rule finds (see ``averaged``).
 
     Notes
     -----
@@ -51,6 +54,7 @@ class Layout:
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[np.dtype[Any], ...]
+    named_averaged: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.shapes) == len(self.dtypes):
@@ -62,14 +66,21 @@ class Layout:
                 raise ValueError(f"array '{name}' has dtype {dtype}; codecs handle real numbers")
 
     @classmethod
-    def of(cls, arrays: Mapping[str, np.ndarray]) -> Layout:
-        """The layout of ``arrays`` (names sorted)."""
+    def of(cls, arrays: Mapping[str, np.ndarray], *, averaged: Sequence[str] = ()) -> Layout:
+        """The layout of ``arrays`` (names sorted); ``averaged``: ``named_averaged``."""
         names = tuple(sorted(arrays))
         return cls(
             names=names,
             shapes=tuple(tuple(np.shape(arrays[n])) for n in names),
             dtypes=tuple(np.asarray(arrays[n]).dtype for n in names),
+            named_averaged=tuple(averaged),
         )
+
+    def averaging(self, named: Sequence[str]) -> Layout:
+        """This layout with ``named_averaged`` = ``named`` (itself when they are the same)."""
+        if tuple(named) == self.named_averaged:
+            return self
+        return replace(self, named_averaged=tuple(named))
 
     @cached_property
     def sizes(self) -> tuple[int, ...]:
@@ -94,7 +105,8 @@ class Layout:
     @cached_property
     def averaged(self) -> tuple[str, ...]:
         """Arrays a codec sends exactly, not compressed (``strategies.averaged_arrays``)."""
-        return averaged_arrays({name: self.dtype_of(name) for name in self.names})
+        named = self.named_averaged
+        return averaged_arrays({name: self.dtype_of(name) for name in self.names}, named)
 
     def span(self, name: str) -> tuple[int, int]:
         """Flat coordinates ``[start, stop)`` of array ``name``."""

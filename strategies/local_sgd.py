@@ -30,7 +30,7 @@ codec and replies with its model, which is averaged as usual, so it still takes 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +64,8 @@ from strategies.aggregation import (
     float64_model,
     model_delta,
 )
-from strategies.codecs import Codec, Identity, make_codec
+from strategies.averaged_arrays import named_arrays
+from strategies.codecs import Codec, Identity, make_codec, with_averaged
 from strategies.knobs import MEAN, MEDIAN, LocalSGDKnobs
 from strategies.layout import Layout
 from strategies.sampling import evaluation_messages, mean_evaluation, sample_sites
@@ -101,11 +102,23 @@ def codec_enlarges(codec: Codec, arrays: ArrayRecord) -> str | None:
     )
 
 
-def say_if_codec_enlarges(codec: Codec, arrays: ArrayRecord) -> None:
-    """Warn (once per run: the caller asks once) when ``codec_enlarges``."""
+def fit_codec(codec: Codec, named: Sequence[str], arrays: ArrayRecord) -> Codec:
+    """The run's codec once the model (``arrays``) is known: sending exactly the arrays
+    the user ``named`` (names or patterns; ``ConfigError`` for one that matches none),
+    and saying once in the log when it would enlarge the uploads (``codec_enlarges``).
+    The caller asks once per run."""
+    codec = with_averaged(codec, named_arrays(named, arrays.keys()))
     enlarges = codec_enlarges(codec, arrays)
     if enlarges is not None:
         log.warning("%s", enlarges)
+    return codec
+
+
+def codec_config(codec: Codec) -> dict[str, str | list[str]]:
+    """What a training message tells the sites' codec mod: the codec, and the arrays the
+    user named to travel exactly (the mod sends the rule's own exactly by itself)."""
+    named = {keys.AVERAGED_ARRAYS: list(codec.averaged)} if codec.averaged else {}
+    return {keys.CODEC: codec.name, **named}
 
 
 SITE_ALGORITHM = keys.LOCAL_SGD
@@ -145,6 +158,11 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         How the round's updates are combined (see the module).
     trim_fraction : float
         ``trimmed-mean``: the fraction of values cut at each end, in [0, 0.5).
+    averaged_arrays : sequence of str
+        Arrays (names or shell patterns) the codec must send exactly, like the running
+        statistics and integer arrays it finds by itself: buffers the training sets
+        rather than learns, such as a running class distribution
+        (``strategies.averaged_arrays``). Each must match an array of the model.
     """
 
     def __init__(
@@ -158,6 +176,7 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         codec: str = "none",
         aggregator: str = MEAN,
         trim_fraction: float = 0.2,
+        averaged_arrays: Sequence[str] = (),
     ) -> None:
         require(
             LocalSGDKnobs(
@@ -168,8 +187,10 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
                 codec=codec,
                 aggregator=aggregator,
                 trim_fraction=trim_fraction,
+                averaged_arrays=averaged_arrays,
             ).problems()
         )
+        self.averaged_arrays = tuple(averaged_arrays)
         self.aggregator = aggregator
         self.trim_fraction = trim_fraction
         self._held: list[dict[str, np.ndarray]] = []  # robust aggregators: the round's updates
@@ -179,7 +200,7 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         self.fraction_evaluate = fraction_evaluate
         self.seed = seed
         self.codec: Codec = make_codec(codec)
-        self._sized_codec = False  # whether the codec's upload size was checked (once)
+        self._fitted_codec = False  # whether the codec was fitted to the model (once)
         self._layout: Layout | None = None
         self.state = LocalSGDState()
         self._acc = WeightedDeltaSum()
@@ -223,10 +244,7 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         if isinstance(self.codec, Identity):
             content = RecordDict({keys.ARRAYS: arrays, keys.CONFIG: config})
             return [Message(content, dst_node_id=n, message_type=MessageType.TRAIN) for n in nodes]
-        config[keys.CODEC] = self.codec.name
-        if not self._sized_codec:
-            self._sized_codec = True
-            say_if_codec_enlarges(self.codec, arrays)
+        config.update(codec_config(self.codec))
         # A site that uploaded compressed before holds an error-feedback residual. Two
         # shared contents, not one per site: the engine measures each content once.
         contents = {
@@ -276,6 +294,9 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
             self._current, self._current_record = record_views(arrays), arrays
             self._spent64, self._current64 = self._current64 or self._spent64, None
             self._layout = None
+        if not self._fitted_codec:
+            self.codec = fit_codec(self.codec, self.averaged_arrays, arrays)
+            self._fitted_codec = True
 
     def begin_aggregation(self, server_round: int, arrays: ArrayRecord) -> None:
         """Start a new accumulator for the round producing the next version."""

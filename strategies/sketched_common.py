@@ -50,6 +50,10 @@ class SketchedStrategy(PlatformStart, Strategy, EngineStrategy):
         Seeded sampling of sites per round, as local-SGD averaging.
     seed : int
         The run's seed; the sketch's hashes derive from it and ``site_algorithm``.
+    averaged_arrays : sequence of str
+        Arrays (names or shell patterns) the sites send whole and the server sets to
+        their weighted mean, beside the running statistics and integer arrays found by
+        ``strategies.averaged_arrays``' rule: buffers the training sets rather than learns.
     """
 
     def __init__(
@@ -62,6 +66,7 @@ class SketchedStrategy(PlatformStart, Strategy, EngineStrategy):
         fraction_train: float,
         fraction_evaluate: float,
         seed: int,
+        averaged_arrays: Sequence[str],
     ) -> None:
         # the subclass checked every knob, these included, all at once
         self.site_algorithm = site_algorithm
@@ -69,7 +74,8 @@ class SketchedStrategy(PlatformStart, Strategy, EngineStrategy):
         self.sketch_seed = derive_seed(seed, f"{site_algorithm}-sketch")
         self.seed = seed
         self.fraction_train, self.fraction_evaluate = fraction_train, fraction_evaluate
-        self.model = SparseModel()  # x, its versions, and what each site holds
+        self.averaged_arrays = tuple(averaged_arrays)
+        self.model = SparseModel(self.averaged_arrays)  # x, its versions, what sites hold
 
     def _sketch_content(
         self, node_id: int, server_round: int, config: ConfigRecord, **extra: Any

@@ -29,7 +29,7 @@ sites' sketches' weights), as FedAvg would.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,6 +181,9 @@ class SketchedSGD(SketchedStrategy):
         Seeded sampling of sites per sketch round, as local-SGD averaging.
     seed : int
         The run's seed; the sketch's hashes derive from it.
+    averaged_arrays : sequence of str
+        Arrays (names or shell patterns) sent whole and set to the sites' weighted mean
+        (``SketchedStrategy``).
     """
 
     def __init__(
@@ -195,6 +198,7 @@ class SketchedSGD(SketchedStrategy):
         fraction_train: float = 1.0,
         fraction_evaluate: float = 0.0,
         seed: int = 0,
+        averaged_arrays: Sequence[str] = (),
     ) -> None:
         require(
             SketchedSGDKnobs(
@@ -203,6 +207,7 @@ class SketchedSGD(SketchedStrategy):
                 sketch_cols=sketch_cols,
                 fraction_train=fraction_train,
                 fraction_evaluate=fraction_evaluate,
+                averaged_arrays=averaged_arrays,
                 candidate_factor=candidate_factor,
                 momentum=momentum,
                 eta=eta,
@@ -216,6 +221,7 @@ class SketchedSGD(SketchedStrategy):
             fraction_train=fraction_train,
             fraction_evaluate=fraction_evaluate,
             seed=seed,
+            averaged_arrays=averaged_arrays,
         )
         self.candidate_factor, self.momentum, self.eta = candidate_factor, momentum, eta
         self.sketch: CountSketch | None = None  # fixed once the model is known
@@ -265,7 +271,7 @@ class SketchedSGD(SketchedStrategy):
         if fields is None:
             reader.raise_if_any()
             return
-        model = SparseModel.read(reader, fields["model"], "model")
+        model = SparseModel.read(reader, fields["model"], "model", self.averaged_arrays)
         d = 0 if model is None else model.size
         step = SketchedSGDState.read(reader, fields["step"], "step", d=d)
         if model is not None:

@@ -14,7 +14,7 @@ its own key order on the wire.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ from flwr.app import ArrayRecord
 
 from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.core.state import MISSING, StateReader
-from strategies.averaged_arrays import averaged_arrays
+from strategies.averaged_arrays import averaged_arrays, named_arrays
 from strategies.layout import Layout
 from strategies.top_k import index_dtype
 
@@ -63,9 +63,14 @@ class ChangeLog:
 
 
 class SparseModel:
-    """The server's model x, its versions, and what each site holds of it."""
+    """The server's model x, its versions, and what each site holds of it.
 
-    def __init__(self) -> None:
+    ``named``: the arrays (names or patterns) the user named to be averaged whole, beside
+    those ``strategies.averaged_arrays``' rule finds; each must match the model.
+    """
+
+    def __init__(self, named: Sequence[str] = ()) -> None:
+        self.named = tuple(named)
         self.layout: Layout | None = None
         self.order: list[str] = []  # the model's key order
         self.flat = torch.empty(0)  # x, flattened in the layout's order (float32)
@@ -82,7 +87,8 @@ class SparseModel:
         model's order; none before ``adopt``."""
         if self.layout is None:
             return ()
-        return averaged_arrays({name: self.layout.dtype_of(name) for name in self.order})
+        dtypes = {name: self.layout.dtype_of(name) for name in self.order}
+        return averaged_arrays(dtypes, self.layout.named_averaged)
 
     def averaged_spans(self) -> tuple[tuple[int, int], ...]:
         """The ``averaged`` arrays' coordinate ranges ``[start, stop)`` in ``flat``."""
@@ -104,7 +110,7 @@ class SparseModel:
         if self.layout is not None:
             return False
         model = record_to_arrays(arrays)
-        self.layout = Layout.of(model)
+        self.layout = Layout.of(model, averaged=named_arrays(self.named, model))  # ConfigError
         self.order = list(model)
         self.flat = torch.from_numpy(self.layout.flatten(model).astype(np.float32))
         self.record = arrays
@@ -157,14 +163,17 @@ class SparseModel:
         }
 
     @classmethod
-    def read(cls, reader: StateReader, state: Any, where: str) -> SparseModel | None:
-        """The model ``state_dict()`` wrote; problems go to ``reader``."""
+    def read(
+        cls, reader: StateReader, state: Any, where: str, named: Sequence[str] = ()
+    ) -> SparseModel | None:
+        """The model ``state_dict()`` wrote, ``named`` as the constructor's; problems go to
+        ``reader``."""
         fields = reader.fields(
             state, where, "record", "flat", "order", "version", "changes", "synced", "sent"
         )
         if fields is None:
             return None
-        model = cls()
+        model = cls(named)
         record = fields["record"]
         if record is not None and record is not MISSING:
             if not isinstance(record, ArrayRecord):
@@ -172,7 +181,7 @@ class SparseModel:
                 return None
             try:
                 arrays = record_to_arrays(record)
-                model.layout = Layout.of(arrays)
+                model.layout = Layout.of(arrays, averaged=named_arrays(named, arrays))
             except Exception as exc:  # not .npy bytes, a dtype no layout takes
                 reader.add(f"'{where}.record' is not a usable model: {exc}")
                 return None

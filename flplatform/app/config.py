@@ -263,6 +263,14 @@ class RunConfig:
             misuse=CODEC_MISUSE,
         ),
     )
+    averaged_arrays: str = field(
+        default="",
+        metadata=about(
+            "Model arrays the codecs and sketches must send exactly and set to the sites' "
+            "weighted mean, beside the running statistics and integer arrays they find by "
+            "themselves: names or patterns, comma-separated (e.g. '*.class_prior').",
+        ),
+    )
     # ---- robust aggregation: the update guard (flplatform/engine/guard.py), every strategy
     update_norm_ratio: float = field(
         default=DEFAULT_OPTIONS.update_norm_ratio,

@@ -24,6 +24,7 @@ from flplatform.engine.synchrony import (
     synchrony_problems,
 )
 from flplatform.run.options import option_problem
+from strategies.averaged_arrays import split_names
 from strategies.knobs import (
     DELAYED_SYNC_ONLY,
     DelayedKnobs,
@@ -187,6 +188,7 @@ def strategy_knobs(config: RunConfig) -> StrategyKnobs:
             eta=config.server_lr,
             fraction_evaluate=config.fraction_evaluate,
             codec=config.codec,
+            averaged_arrays=split_names(config.averaged_arrays),
         )
     if config.strategy == FETCHSGD:
         return FetchSGDKnobs(
@@ -198,6 +200,7 @@ def strategy_knobs(config: RunConfig) -> StrategyKnobs:
             rho=config.sketch_momentum,
             eta=config.server_lr,
             removal=config.sketch_removal,
+            averaged_arrays=split_names(config.averaged_arrays),
         )
     if config.strategy == SKETCHED_SGD:
         return SketchedSGDKnobs(
@@ -209,6 +212,7 @@ def strategy_knobs(config: RunConfig) -> StrategyKnobs:
             candidate_factor=config.candidate_factor,
             momentum=config.step_momentum,
             eta=config.server_lr,
+            averaged_arrays=split_names(config.averaged_arrays),
         )
     return LocalSGDKnobs(
         eta=config.server_lr,
@@ -218,6 +222,7 @@ def strategy_knobs(config: RunConfig) -> StrategyKnobs:
         codec=config.codec,
         aggregator=config.aggregator,
         trim_fraction=config.trim_fraction,
+        averaged_arrays=split_names(config.averaged_arrays),
     )
 
 

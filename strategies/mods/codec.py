@@ -7,6 +7,9 @@ names one: ``LocalSGDAveraging(codec=...)``, ``DelayedCompensated(codec=...)``);
 message that names none passes through untouched, so a site with this mod still joins a
 server that does not decode.
 
+Arrays the server names in ``averaged-arrays`` (those its user named, beside the running
+statistics and integer arrays every codec sends exactly) travel exactly too.
+
 Error feedback: e ← (Δ + e) − decode(encode(Δ + e)), e kept in the site's state. A site
 whose state was lost (the server says it expects a residual, the site has none) starts
 again from e = 0 and says so in its reply.
@@ -20,8 +23,9 @@ import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MetricRecord
 
 from flplatform.core import keys
+from flplatform.core.errors import ConfigError
 from flplatform.core.seeding import rng_for
-from strategies.codecs import Codec, ErrorFeedback, Identity, make_codec
+from strategies.codecs import Codec, ErrorFeedback, Identity, make_codec, with_averaged
 from strategies.layout import difference
 from strategies.mods.contract import (
     Mod,
@@ -60,7 +64,7 @@ def codec_mod(spec: str | None = None) -> Mod:
         asked = requested_codec(msg)
         if not is_training(msg) or asked is None:
             return call_next(msg, context)
-        codec = fixed or asked
+        codec = asked if fixed is None else with_averaged(fixed, asked.averaged)
         algorithm = site_algorithm(msg)
         if algorithm == keys.DELAYED:
             # The delayed mod forms the step and compresses it with our codec: told through
@@ -85,13 +89,20 @@ def codec_mod(spec: str | None = None) -> Mod:
 
 
 def requested_codec(msg: Message) -> Codec | None:
-    """The codec a local-SGD or delayed round config names; None for none."""
+    """The codec a local-SGD or delayed round config names, sending the arrays it names
+    in ``averaged-arrays`` exactly; None for none."""
     if site_algorithm(msg) not in (keys.LOCAL_SGD, keys.DELAYED):
         return None  # plain Flower messages (whatever 'codec' means there) and sketches
-    spec = round_config(msg).get(keys.CODEC)
+    config = round_config(msg)
+    spec = config.get(keys.CODEC)
     if not isinstance(spec, str) or spec.strip().lower() == "none":
         return None
-    codec = make_codec(spec)
+    named = config.get(keys.AVERAGED_ARRAYS, [])
+    if not isinstance(named, list) or not all(isinstance(n, str) for n in named):
+        raise ConfigError(
+            f"round config '{keys.AVERAGED_ARRAYS}' must list array names, got {named!r:.120}"
+        )
+    codec = make_codec(spec, averaged=[str(n) for n in named])
     return None if isinstance(codec, Identity) else codec
 
 

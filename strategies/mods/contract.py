@@ -271,7 +271,7 @@ def reply_with(
     if arrays is not None:
         content[keys.ARRAYS] = arrays_to_record(dict(arrays))
     answered_by = site_algorithm(msg) or keys.LOCAL_SGD
-    said = {keys.SITE_MOD: answered_by, keys.SITE_MOD_PROTOCOL: keys.MOD_PROTOCOL}
+    said: dict[str, Any] = {keys.SITE_MOD: answered_by, keys.SITE_MOD_PROTOCOL: keys.MOD_PROTOCOL}
     content[keys.CONFIG] = ConfigRecord({**said, **(config or {})})
     return Message(content, reply_to=msg)
 

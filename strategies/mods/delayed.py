@@ -140,7 +140,11 @@ def delayed_mod() -> Mod:
         metrics = MetricRecord({**result.metrics, keys.PERIOD: delayed.period})
         config: dict[str, str] = {keys.UPDATE_KIND: keys.DELTA}
         named = result.config.get(keys.CODEC)  # an inner codec_mod's
-        codec = make_codec(named) if isinstance(named, str) and asked is not None else asked
+        codec = (
+            make_codec(named, averaged=asked.averaged)
+            if isinstance(named, str) and asked is not None
+            else asked
+        )
         if codec is not None:
             wire, sent, lost_residual = compress_upload(
                 msg, context, update, codec, dense=delayed.compensate

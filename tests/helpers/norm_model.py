@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+import torch
 from flwr.app import Message
 from torch import nn
 
@@ -39,6 +40,35 @@ def frozen_net() -> nn.Module:
     model = net()
     model[0].weight.requires_grad_(False)
     return model
+
+
+PRIOR_SPEC = "tests.helpers.norm_model:prior_net"
+PRIOR = "6.class_prior"  # prior_net()'s buffer that no rule finds by its name
+
+
+class ClassPrior(nn.Module):
+    """Passes the logits through; in training, keeps a running class distribution (a
+    float16 buffer that must stay non-negative and sum to 1), as a user's calibration
+    layer does."""
+
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.register_buffer(
+            "class_prior", torch.full((classes,), 1 / classes, dtype=torch.float16)
+        )
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                seen = torch.softmax(logits.float(), dim=1).mean(0)
+                mixed = 0.9 * self.class_prior.float() + 0.1 * seen
+                self.class_prior.copy_(mixed / mixed.sum())
+        return logits
+
+
+def prior_net() -> nn.Module:
+    """``net()`` followed by a ``ClassPrior``."""
+    return nn.Sequential(*net(), ClassPrior())
 
 
 def mean_of_sent(replies: Sequence[Message], model: Mapping[str, np.ndarray]) -> dict:
