@@ -12,7 +12,7 @@ was sent, with n_n examples; Δ_n = x_n − x; the server applies
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -172,8 +172,14 @@ def apply_server_update(
     state: ServerOptimizerState,
     spent: bool = False,
     x64: Mapping[str, np.ndarray] | None = None,
+    averaged: Collection[str] = (),
 ) -> Arrays:
     """Return x + η_g·v with v ← β v + Δ̄ (FedAvgM; β = 0 is FedAvg).
+
+    The ``averaged`` arrays (buffers the training sets rather than learns:
+    ``strategies.averaged_arrays``) become x + Δ̄, the sites' weighted mean, as FedAvg makes
+    them: momentum and η_g would carry a running variance past its sites' values, below
+    zero. Their velocity stays 0.
 
     The result keeps each array's dtype; integer arrays (e.g. a user model's BatchNorm
     counters) are rounded, since averaging them is all a model-agnostic server can do.
@@ -188,18 +194,23 @@ def apply_server_update(
     out: Arrays = {}
     velocity: Arrays = {}
     for key, base in x.items():
-        step = mean_delta[key]
-        if beta > 0.0:
+        step, rate = mean_delta[key], eta
+        if key in averaged:
+            rate = 1.0
+            if beta > 0.0:
+                velocity[key] = np.zeros(np.shape(step))
+        elif beta > 0.0:
             v = state.velocity.get(key)
             step = step.copy() if v is None else beta * v + step
             velocity[key] = step
         real = np.result_type(base, np.float64) == np.float64
-        if spent and beta == 0.0 and real and _memory(step, base) is step:
-            new = step if eta == 1.0 else np.multiply(step, eta, out=step)  # 1·s is s
+        unkept = beta == 0.0 or key in averaged  # the step is not the velocity
+        if spent and unkept and real and _memory(step, base) is step:
+            new = step if rate == 1.0 else np.multiply(step, rate, out=step)  # 1·s is s
             np.add(new, base if x64 is None else x64[key], out=new)  # η·s + x is x + η·s
         else:
             new = np.array(base, dtype=np.float64)
-            add_scaled(new, step, eta)  # x + η·step, without a model-sized η·step
+            add_scaled(new, step, rate)  # x + η·step, without a model-sized η·step
         if np.issubdtype(base.dtype, np.integer):
             if not np.isfinite(new).all():
                 raise StepRefused(f"array '{key}' would become non-finite")

@@ -11,8 +11,10 @@ The server forms Δ_n = x_n − x against the version the site was sent and appl
 
     Δ̄ = Σ n_n Δ_n / Σ n_n,   v ← β v + Δ̄,   x ← x + η v      (β = 0, η = 1: FedAvg)
 
-Site momentum restarts at every sync (a fresh optimiser per round); model buffers such as
-BatchNorm statistics, if a user's model has them, are averaged like weights.
+Site momentum restarts at every sync (a fresh optimiser per round). Buffers the training
+sets rather than learns (BatchNorm statistics and counters, and the arrays the user names:
+``strategies.averaged_arrays``) become the sites' weighted mean x + Δ̄, as in FedAvg,
+whatever β and η: momentum would carry a running variance past its sites' values.
 
 Robust aggregation (``aggregator = "median"`` or ``"trimmed-mean"``): the round's Δ̄ is
 the coordinate-wise median, or the mean after cutting ``trim_fraction`` of the values at
@@ -64,7 +66,7 @@ from strategies.aggregation import (
     float64_model,
     model_delta,
 )
-from strategies.averaged_arrays import named_arrays
+from strategies.averaged_arrays import averaged_arrays, named_arrays
 from strategies.codecs import Codec, Identity, make_codec, with_averaged
 from strategies.knobs import MEAN, MEDIAN, LocalSGDKnobs
 from strategies.layout import Layout
@@ -384,6 +386,7 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
                 state=self.state.optimizer,
                 spent=True,
                 x64=self._current64,
+                averaged=self._averaged_names(),
             )
         except StepRefused as exc:
             raise StepRefused(f"the server step: {exc.reason}") from None
@@ -391,6 +394,11 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         if self._loss_weight > 0:
             metrics[keys.TRAIN_LOSS] = self._loss_sum / self._loss_weight
         return arrays_to_record(new), metrics  # a copy: ``new`` may be _spent_sums
+
+    def _averaged_names(self) -> tuple[str, ...]:
+        """The model's arrays set to the sites' mean (``strategies.averaged_arrays``)."""
+        dtypes = {name: value.dtype for name, value in self._current.items()}
+        return averaged_arrays(dtypes, self.codec.averaged)
 
     def _robust_mean(self) -> dict[str, np.ndarray]:
         """The coordinate-wise median or trimmed mean of the held updates (Flower's maths)."""

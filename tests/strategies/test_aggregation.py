@@ -72,6 +72,57 @@ def test_golden_server_momentum_by_hand() -> None:
     assert x2["p"][0] == pytest.approx(2.9)
 
 
+def test_golden_averaged_arrays_take_the_sites_mean_without_momentum_or_rate() -> None:
+    # FedAvgM, η = 0.5, β = 0.9: "p" as in the test above. A running variance at 1.0
+    # whose sites' mean is 0.2, then 0.1 (Δ̄ = -0.8, then -0.1) becomes exactly that,
+    # 0.2 then 0.1; momentum would make it 1 + 0.5·(-0.8) = 0.6, then
+    # 0.6 + 0.5·(0.9·(-0.8) - 0.1) = 0.19, and with η = 1, 0.2 then -0.62.
+    state = ServerOptimizerState()
+    x0 = {"p": np.array([0.0], np.float32), "bn.running_var": np.array([1.0], np.float32)}
+    names = ("bn.running_var",)
+    step1 = {"p": np.array([2.0]), "bn.running_var": np.array([-0.8])}
+    x1 = apply_server_update(x0, step1, eta=0.5, beta=0.9, state=state, averaged=names)
+    step2 = {"p": np.array([2.0]), "bn.running_var": np.array([-0.1])}
+    x2 = apply_server_update(x1, step2, eta=0.5, beta=0.9, state=state, averaged=names)
+    assert x1["p"][0] == pytest.approx(1.0) and x2["p"][0] == pytest.approx(2.9)
+    assert x1["bn.running_var"][0] == pytest.approx(0.2)
+    assert x2["bn.running_var"][0] == pytest.approx(0.1)
+    assert state.velocity["bn.running_var"].tolist() == [0.0]  # shapes kept for checkpoints
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    eta=st.sampled_from([1.0, 0.5, 1.7]),
+    beta=st.sampled_from([0.0, 0.9]),
+    spent=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_averaged_arrays_are_x_plus_the_mean_delta_whatever_the_rest_does(
+    eta: float, beta: float, spent: bool, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    x = {
+        "w": rng.normal(size=(3, 2)).astype(np.float32),
+        "stats": rng.uniform(0.1, 2, size=4).astype(np.float32),
+        "count": np.array(7, np.int64),
+    }
+    mean = {k: rng.normal(size=np.shape(v)) for k, v in x.items()}
+    velocity = {k: rng.normal(size=np.shape(v)) for k, v in x.items()}
+    state = ServerOptimizerState(velocity={k: v.copy() for k, v in velocity.items()})
+    step = {k: v.copy() for k, v in mean.items()}
+    out = apply_server_update(
+        x, step, eta=eta, beta=beta, state=state, spent=spent, averaged=("stats", "count")
+    )
+    naive_w = x["w"].astype(np.float64) + eta * (
+        beta * velocity["w"] + mean["w"] if beta else mean["w"]
+    )
+    assert out["w"].tobytes() == naive_w.astype(np.float32).tobytes()
+    assert out["stats"].tobytes() == (x["stats"] + mean["stats"]).astype(np.float32).tobytes()
+    assert out["count"] == np.rint(7 + mean["count"])
+    if beta:
+        assert not state.velocity["stats"].any() and not state.velocity["count"].any()
+
+
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 6), seed=st.integers(0, 2**31), data=st.data())
 def test_matches_numpy_oracle(n: int, seed: int, data: st.DataObject) -> None:

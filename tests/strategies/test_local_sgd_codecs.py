@@ -138,20 +138,27 @@ def test_sites_upload_compressed_updates_and_keep_their_residual() -> None:
 def test_running_statistics_and_counters_travel_exactly_beside_compressed_weights() -> None:
     """Top-k and int8 compress the weights only: a BatchNorm's running statistics and
     counter arrive exactly, so they are what uncompressed local-SGD makes of them (the
-    sites' example-weighted mean) and a running variance stays positive."""
+    sites' example-weighted mean) and a running variance stays positive. FedAvgM's
+    momentum and server rate ("fedavgm") move the weights only, likewise."""
     models: dict[str, list[dict[str, np.ndarray]]] = {}
     start = digits_model(num_partitions=3, model=norm_model.SPEC)
-    for codec in ("none", "topk:0.05", "int8"):
+    strategies = {
+        "none": lambda: LocalSGDAveraging(),
+        "topk:0.05": lambda: LocalSGDAveraging(codec="topk:0.05"),
+        "int8": lambda: LocalSGDAveraging(codec="int8"),
+        "fedavgm": lambda: LocalSGDAveraging(eta=0.5, beta=0.9),
+    }
+    for codec, make in strategies.items():
         grid = ScriptedGrid({n + 1: digits_site(n, 3, model=norm_model.SPEC) for n in range(3)})
         seen = models.setdefault(codec, [])
-        RoundEngine(grid, LocalSGDAveraging(codec=codec), poll_interval=0.0, required_sites=3).run(
+        RoundEngine(grid, make(), poll_interval=0.0, required_sites=3).run(
             start,
             num_rounds=3,
             train_config=ConfigRecord({keys.LOCAL_STEPS: 5, keys.LR: 0.1}),
             evaluate_fn=lambda _, arrays, seen=seen: seen.append(record_to_arrays(arrays)),
         )
     statistics = ["1.running_mean", "1.running_var"]
-    for codec in ("topk:0.05", "int8"):
+    for codec in ("topk:0.05", "int8", "fedavgm"):
         assert len(models[codec]) == 4  # the initial model and three rounds
         # Round 1 trains every site from the same model: the same statistics, whatever
         # the weights' codec.
