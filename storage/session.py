@@ -59,6 +59,7 @@ URL_HINT: Final = "pass --db with a SQLAlchemy URL such as sqlite:///runs.db"
 # libpq (psycopg's client library) takes the password a PostgreSQL URL leaves out from this
 # variable, else from the password file (~/.pgpass, or the file $PGPASSFILE names).
 PASSWORD_ENV: Final = "PGPASSWORD"
+PASSWORD_FILE_ENV: Final = "PGPASSFILE"
 # libpq's keyword for the password, which psycopg also takes from a URL's query string.
 _QUERY_PASSWORD: Final = "password"
 # The password of text shaped like ``scheme://user:password@host`` that is no URL: all up to
@@ -222,9 +223,13 @@ def detach_password(url: str) -> tuple[str, dict[str, str]]:
     """Split ``url`` for another process: the URL to give it, and the environment to add.
 
     The URL holds no password (``split_password``): a run config, a log or the ledger may
-    keep it. The password, when the URL had one, goes into the process's environment as
-    ``PGPASSWORD``, where libpq reads it when it connects; a URL without one leaves the
-    process to find it as the user's own processes do (``PGPASSWORD``, ``~/.pgpass``).
+    keep it. The password, from the URL or else from this process's ``PGPASSWORD``, goes
+    into a password file only this process holds (:func:`password_file`), named by
+    ``PGPASSFILE``, where libpq reads it when it connects: no process's environment or
+    command line holds it, and it is on no disk. A URL without one, and no ``PGPASSWORD``,
+    leaves the process to find it as the user's own processes do (``~/.pgpass``, the file
+    ``PGPASSFILE`` names). The file lasts as long as this process, which must outlive the
+    processes that connect (the command that starts a run follows it to its end).
 
     Parameters
     ----------
@@ -234,27 +239,70 @@ def detach_password(url: str) -> tuple[str, dict[str, str]]:
     Returns
     -------
     tuple[str, dict[str, str]]
-        The URL without a password, and ``{"PGPASSWORD": password}`` or ``{}``.
+        The URL without a password, and ``{"PGPASSFILE": path}`` or ``{}``.
 
     Raises
     ------
     StorageError
         If ``url`` cannot be parsed, or holds the password of a database other than
-        PostgreSQL (only libpq reads one from the environment).
+        PostgreSQL (only libpq reads one from a password file).
     """
     if not url:
         return url, {}
     public, password = split_password(url)
-    if password is None:
-        return public, {}
     backend = make_url(public).get_backend_name()
+    if password is None:
+        password = os.environ.get(PASSWORD_ENV) if backend == "postgresql" else None
+        if not password:
+            return public, {}
     if backend != "postgresql":
         raise StorageError(
             f"cannot hand the password in {mask_db_url(url)!r} to the run's processes: only "
-            f"a PostgreSQL password travels (as {PASSWORD_ENV}), never in a URL that is "
+            "a PostgreSQL password travels (in a password file), never in a URL that is "
             f"stored; use a {backend} URL without a password"
         )
-    return public, {PASSWORD_ENV: password}
+    return public, {PASSWORD_FILE_ENV: password_file(public, password)}
+
+
+# The password files this process made: open until it ends (see ``password_file``).
+_PASSWORD_FILES: dict[str, int] = {}
+
+
+def password_file(url: str, password: str) -> str:
+    """A PostgreSQL password file (``~/.pgpass``'s format) giving ``password`` for the
+    database of ``url``; its path, for ``PGPASSFILE``.
+
+    The file is in memory (``memfd_create``): on no disk, gone when this process ends,
+    readable through ``/proc/<this pid>/fd/<n>`` by this user's processes (owner-only,
+    as libpq requires). One file per URL and password.
+
+    Raises
+    ------
+    StorageError
+        On a system without ``memfd_create`` (not Linux): give the password through
+        ``~/.pgpass`` there.
+    """
+    parsed = make_url(url)
+
+    def field(value: object) -> str:
+        return "*" if value in (None, "") else str(value).replace("\\", "\\\\").replace(":", "\\:")
+
+    line = ":".join(
+        field(v) for v in (parsed.host, parsed.port, parsed.database, parsed.username, password)
+    )
+    if line in _PASSWORD_FILES:
+        return f"/proc/{os.getpid()}/fd/{_PASSWORD_FILES[line]}"
+    create = getattr(os, "memfd_create", None)
+    if create is None:
+        raise StorageError(
+            "cannot hand a PostgreSQL password to the run's processes on this system (no "
+            "memfd_create); put it in ~/.pgpass and leave it out of the URL"
+        )
+    fd = create("flplatform-pgpass", os.MFD_CLOEXEC)  # not inherited: opened by path
+    os.fchmod(fd, 0o600)
+    os.write(fd, (line + "\n").encode())
+    _PASSWORD_FILES[line] = fd
+    return f"/proc/{os.getpid()}/fd/{fd}"
 
 
 def ledger_id(url: str) -> str:

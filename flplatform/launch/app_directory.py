@@ -130,7 +130,8 @@ class AppRun:
     tag: str
     num_rounds: int | None  # known ahead (option or declared key); None: the app decides
     python_path: tuple[Path, ...] = field(default=())  # extra dirs for Flower processes
-    # The ledger's password for the ServerApp (PGPASSWORD): its URL travels without it.
+    # The ledger's password for the ServerApp (a password file: storage.session.
+    # detach_password): its URL travels without it.
     password_env: dict[str, str] = field(default_factory=dict)
 
     @property

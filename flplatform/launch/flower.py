@@ -32,7 +32,7 @@ from flplatform.launch.processes import ProcessTree, listens_on
 from flplatform.launch.staging import staged_app
 from flplatform.run.options import OPTIONS_ENV, ConfigValue
 from flplatform.run.owner import OWNER_ENV, owner_token
-from storage.session import detach_password, flplatform_home
+from storage.session import PASSWORD_ENV, detach_password, flplatform_home
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b:")
@@ -79,6 +79,9 @@ def flower_environment(home: Path, *, python_path: Sequence[Path] = ()) -> dict[
     env = dict(os.environ)
     # Options for flplatform.start() are the run's own (set by start_app), never inherited.
     env.pop(OPTIONS_ENV, None)
+    # A ledger password reaches the ServerApp in a password file (storage.session.
+    # detach_password), not in the environment of every process: Ray's included.
+    env.pop(PASSWORD_ENV, None)
     if python_path:
         parts = [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []
         env["PYTHONPATH"] = os.pathsep.join([*parts, *(str(p) for p in python_path)])

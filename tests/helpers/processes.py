@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from flplatform.launch.flower import start_on_free_port
@@ -60,6 +61,10 @@ class Leftovers:
         ]
         return [f"{pid} {cmdline(pid)}" for pid in left if pid != os.getpid()]
 
+    def running(self) -> list[int]:
+        """The recorded processes still running (pids)."""
+        return [int(line.split()[0]) for line in self.alive()]
+
     def named(self, text: str) -> int:
         [pid] = [pid for pid in self.seen if text in cmdline(pid)]
         return pid
@@ -100,11 +105,18 @@ def flplatform_cli(args: list[str], cwd: Path, log: Path) -> subprocess.Popen[by
 
 
 def kill_after(
-    cli: subprocess.Popen[bytes], db: str, run_id: int | None, rounds: int, *, resumes: int = 0
+    cli: subprocess.Popen[bytes],
+    db: str,
+    run_id: int | None,
+    rounds: int,
+    *,
+    resumes: int = 0,
+    probe: Callable[[Leftovers], None] | None = None,
 ) -> int:
     """SIGKILL the command and everything below it once the run has ``rounds`` rounds and
     ``resumes`` resumed events: a resume is killed only once it has resumed, even when the
-    command killed before it committed one more round than it was killed for."""
+    command killed before it committed one more round than it was killed for. ``probe``
+    looks at the processes first, while they run."""
     leftovers = Leftovers(cli.pid)
     deadline = time.monotonic() + STARTUP_SECONDS
     with LedgerRepository.open(db) as repository:
@@ -124,6 +136,8 @@ def kill_after(
             assert cli.poll() is None, "the command ended before the kill"
             assert time.monotonic() < deadline, "the round did not come"
             time.sleep(0.05)
+    if probe is not None:
+        probe(leftovers)
     cli.kill()
     for line in leftovers.alive():
         with contextlib.suppress(ProcessLookupError):

@@ -1,17 +1,22 @@
 """A database password given in ``--db`` is stored nowhere and printed nowhere, for real.
 
 A real simulation on PostgreSQL, as a role that must log in with its password
-(``password_database``, tests/postgres.py): the password travels to the ServerApp in its
-environment only (``storage.session.detach_password``). Afterwards no file under the
-platform's home (logs, run configs, the SuperLink's database, checkpoints), no row of the
-ledger and no output of ``simulate`` or ``history runs`` holds it; the files that may hold
-what a run was given are its owner's only. A run whose ledger URL holds no password (as the
-ledger records it) resumes with the password from the environment.
+(``password_database``, tests/postgres.py): the password travels to the ServerApp in an
+in-memory password file the command holds (``storage.session.detach_password``). Afterwards
+no file under the platform's home (logs, run configs, the SuperLink's database,
+checkpoints), no row of the ledger and no output of ``simulate`` or ``history runs`` holds
+it; the files that may hold what a run was given are its owner's only. While the run goes
+on, no process the command started (SuperLink, SuperExec, the simulation, Ray's) holds it
+in its environment or command line, whether the user gave it in the URL or as
+``PGPASSWORD``. A run whose ledger URL holds no password (as the ledger records it)
+resumes with the password from the environment.
 """
 
 from __future__ import annotations
 
+import contextlib
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,7 +28,7 @@ from flplatform.cli.app import app
 from flplatform.core.errors import StorageError
 from storage import LedgerRepository
 from storage.session import PASSWORD_ENV, split_password
-from tests.helpers.processes import flplatform_cli, kill_after, wait_ok
+from tests.helpers.processes import Leftovers, cmdline, flplatform_cli, kill_after, wait_ok
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 runner = CliRunner()
@@ -44,6 +49,20 @@ def rows_holding(url: str, secret: str) -> list[str]:
         for table in list(tables):
             rows = connection.execute(text(f'SELECT t::text FROM "{table}" t')).scalars()
             found += [f"{table}: {row}" for row in rows if secret in row]
+    return found
+
+
+def started_holding(leftovers: Leftovers, secret: str, command: int) -> list[str]:
+    """The processes below ``command`` (running now) whose environment or command line
+    holds ``secret``: ``pid part command line`` each."""
+    found = []
+    for pid in leftovers.running():
+        if pid == command:
+            continue  # the user's own command: what they typed, their environment
+        for part in ("environ", "cmdline"):
+            with contextlib.suppress(OSError):
+                if secret.encode() in Path(f"/proc/{pid}/{part}").read_bytes():
+                    found.append(f"{pid} {part} {cmdline(pid)}")
     return found
 
 
@@ -114,10 +133,24 @@ def test_a_run_recorded_without_its_password_resumes_with_it_from_the_environmen
     log = tmp_path / "cli.log"
     simulate = ["simulate", "--sites", "2", "--rounds", "3", "--local-steps", "2"]
     cli = flplatform_cli([*simulate, "--db", password_database], tmp_path, log)
-    run_id = kill_after(cli, password_database, None, 1)
+    probed: dict[str, tuple[int, list[str]]] = {}
+
+    def probe(name: str, command: int) -> Callable[[Leftovers], None]:
+        def look(leftovers: Leftovers) -> None:
+            running = leftovers.running()
+            probed[name] = (len(running), started_holding(leftovers, password, command))
+
+        return look
+
+    run_id = kill_after(cli, password_database, None, 1, probe=probe("url", cli.pid))
 
     # The ledger names the database without the password; the user gives it as PGPASSWORD.
     monkeypatch.setenv(PASSWORD_ENV, password)
+    resume = flplatform_cli(["resume", str(run_id), "--db", public], tmp_path, log)
+    kill_after(resume, public, run_id, 2, resumes=1, probe=probe("env", resume.pid))
+    for name, (running, holding) in probed.items():
+        # SuperLink, SuperExec, the simulation and Ray's processes were looked at
+        assert running >= 5 and holding == [], (name, running, holding)
     wait_ok(flplatform_cli(["resume", str(run_id), "--db", public], tmp_path, log), log)
 
     with LedgerRepository.open(public) as repository:

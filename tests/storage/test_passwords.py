@@ -1,12 +1,17 @@
-"""A database URL's password: split off, handed over in the environment, found by libpq.
+"""A database URL's password: split off, handed over in a password file, found by libpq.
 
 The URL a run stores and sends holds no password (``split_password``); the password reaches
-the process that connects as ``PGPASSWORD`` (``detach_password``), and PostgreSQL's client
-puts the two together again, or finds the password in ``~/.pgpass``.
+the process that connects in an in-memory password file that ``PGPASSFILE`` names
+(``detach_password``), and PostgreSQL's client puts the two together again, or finds the
+password in ``~/.pgpass``.
 """
 
 from __future__ import annotations
 
+import os
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +19,13 @@ from sqlalchemy.engine import make_url
 
 from flplatform.core.errors import StorageError
 from storage import LedgerRepository, ledger_id, mask_db_url
-from storage.session import PASSWORD_ENV, detach_password, split_password
+from storage.session import (
+    PASSWORD_ENV,
+    PASSWORD_FILE_ENV,
+    detach_password,
+    password_file,
+    split_password,
+)
 
 
 # ---------------------------------------------------------------------------- split
@@ -88,16 +99,52 @@ def test_masking_hides_the_password_wherever_the_url_holds_it(url: str, shown: s
 
 
 # ---------------------------------------------------------------------------- detach
-def test_a_postgresql_password_is_handed_over_as_pgpassword() -> None:
-    url = "postgresql+psycopg://alice:s3cret@db/ledger"
-
-    assert detach_password(url) == (
-        "postgresql+psycopg://alice@db/ledger",
-        {PASSWORD_ENV: "s3cret"},
+def test_a_postgresql_password_is_handed_over_in_an_owner_only_file_in_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    url = "postgresql+psycopg://alice:s3:c\\ret@db:5433/ledger"
+    public, environment = detach_password(url)
+    assert public == "postgresql+psycopg://alice@db:5433/ledger"
+    assert list(environment) == [PASSWORD_FILE_ENV]
+    path = Path(environment[PASSWORD_FILE_ENV])
+    assert path.parent == Path(f"/proc/{os.getpid()}/fd")
+    assert "s3" not in str(path)
+    # ~/.pgpass's format, ':' and '\\' escaped; owner-only, or libpq ignores it
+    assert path.read_text() == "db:5433:ledger:alice:s3\\:c\\\\ret\n"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert os.readlink(path).startswith("/memfd:flplatform-pgpass")  # on no disk
+    # Another process of this user reads it while this one lives (the run's ServerApp).
+    read = subprocess.run(
+        [sys.executable, "-c", f"print(open({str(path)!r}).read(), end='')"],
+        capture_output=True,
+        text=True,
+        check=True,
     )
+    assert read.stdout == path.read_text()
+    assert detach_password(url) == (public, environment)  # one file per password
 
 
-def test_nothing_is_handed_over_without_a_password() -> None:
+def test_a_password_from_the_environment_moves_into_the_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv(PASSWORD_ENV, "fr0m-env")
+    public, environment = detach_password("postgresql+psycopg://alice@db/ledger")
+    assert public == "postgresql+psycopg://alice@db/ledger"
+    assert Path(environment[PASSWORD_FILE_ENV]).read_text() == "db:*:ledger:alice:fr0m-env\n"
+    # and Flower's processes are started without it in their environment
+    from flplatform.launch.flower import flower_environment
+
+    assert PASSWORD_ENV not in flower_environment(tmp_path)
+
+
+def test_unset_fields_match_anything() -> None:
+    path = Path(password_file("postgresql+psycopg:///ledger", "pw"))
+    assert path.read_text() == "*:*:ledger:*:pw\n"
+
+
+def test_nothing_is_handed_over_without_a_password(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
     assert detach_password("postgresql+psycopg://alice@db/ledger") == (
         "postgresql+psycopg://alice@db/ledger",
         {},
@@ -123,21 +170,33 @@ def no_password_around(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.mark.postgres
-def test_libpq_takes_the_password_from_pgpassword(
+def test_libpq_takes_the_password_from_the_file_handed_over(
     password_database: str, no_password_around: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     public, environment = detach_password(password_database)
     with pytest.raises(StorageError, match=r"no password supplied \(the password comes from"):
         LedgerRepository.open(public)
 
-    monkeypatch.setenv(PASSWORD_ENV, environment[PASSWORD_ENV])
+    monkeypatch.setenv(PASSWORD_FILE_ENV, environment[PASSWORD_FILE_ENV])
     with LedgerRepository.open(public) as repository:
         repository.check_writable()
 
-    monkeypatch.setenv(PASSWORD_ENV, "wrong")
+    wrong = password_file(public, "wrong")
+    monkeypatch.setenv(PASSWORD_FILE_ENV, wrong)
     with pytest.raises(StorageError, match="password authentication failed") as info:
         LedgerRepository.open(public)
-    assert environment[PASSWORD_ENV] not in info.value.reason
+    assert make_url(password_database).password not in info.value.reason
+
+
+@pytest.mark.postgres
+def test_libpq_takes_the_password_from_pgpassword(
+    password_database: str, no_password_around: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    public, password = split_password(password_database)
+    assert password
+    monkeypatch.setenv(PASSWORD_ENV, password)  # the user's own way, for the command
+    with LedgerRepository.open(public) as repository:
+        repository.check_writable()
 
 
 @pytest.mark.postgres
