@@ -32,7 +32,7 @@ from flplatform.core.errors import ConfigError
 from flplatform.launch.app_directory import AppRun, relaunch
 from flplatform.launch.simulation import resume_simulation, run_app
 from flplatform.run.ledger import owner_alive, process_owner
-from flplatform.run.run_record import LAUNCH_KEY, refuse_finished
+from flplatform.run.run_record import LAUNCH_KEY, refuse_deployed, refuse_finished
 from storage import LedgerRepository, RunRecord
 from storage.repository import checkpointed_rounds
 
@@ -60,6 +60,7 @@ def resume(
     with LedgerRepository.open(url or None, create=False) as repository:
         run_id = resolve_run(repository, run)
         record = repository.get_run(run_id)
+        refuse_deployed(record, repository.list_events(run_id))
         plan: AppRun | RunConfig
         if LAUNCH_KEY in record.config:
             plan = relaunched(record, db=url or None, round_timeout=round_timeout)

@@ -61,7 +61,8 @@ from flplatform.launch.flower import (
 from flplatform.launch.processes import ProcessTree
 from flplatform.launch.simulation import ProgressCallback, follow_run
 from flplatform.run.options import ConfigValue
-from storage import RoundRecord, RunRecord, UpdateRecord
+from flplatform.run.run_record import DEPLOYED_EVENT
+from storage import LedgerRepository, RoundRecord, RunRecord, UpdateRecord
 
 DEFAULT_ADDRESS = "0.0.0.0:9092"  # Flower's traditional Fleet API port
 DEFAULT_WAIT_SECONDS = 600.0
@@ -625,8 +626,11 @@ def run_deployment(
 
     ``follow``: the ``RunConfig`` by which the run is found (its ``db`` and ``run_tag``).
     Returns the finished run; raises ``RunFailed`` when the sites do not come or the run
-    fails, ``RunStopped`` on Ctrl-C or SIGTERM; every process is stopped in any case.
+    fails, ``RunStopped`` on Ctrl-C or SIGTERM; every process is stopped in any case. The
+    run gets a ``deployed`` event naming the sites as soon as it is in the ledger, so that
+    ``flplatform resume`` will not train it here (``run_record.refuse_deployed``).
     """
+    marked: set[int] = set()
     with deployment_state(home, plan) as state:
         gateway_log = LogTail(home / "logs" / f"{run.tag[:12]}.gateway.log")
 
@@ -640,6 +644,11 @@ def run_deployment(
         ) -> None:
             for line in gateway_log.lines():
                 say(line)
+            if record is not None and record.id not in marked:
+                marked.add(record.id)
+                with LedgerRepository.open(follow.db or None) as repository:
+                    detail = {"sites": list(plan.sites), "address": str(plan.address)}
+                    repository.add_event(record.id, DEPLOYED_EVENT, detail)
             if on_progress is not None:
                 on_progress(record, done, failures)
 

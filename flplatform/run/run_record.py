@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +26,7 @@ from flplatform.run.options import OPTION_NAMES, PlatformOptions, resolve_option
 from flplatform.run.parts import network_label
 
 if TYPE_CHECKING:
-    from storage import LedgerRepository, RunRecord
+    from storage import LedgerRepository, RunEventRecord, RunRecord
 
 log = logging.getLogger("flplatform")
 
@@ -101,6 +101,27 @@ def refuse_finished(record: RunRecord) -> None:
     """``ConfigError`` for a run that finished: there is nothing to resume."""
     if record.status == "finished":
         raise ConfigError(f"run {record.id} finished; there is nothing to resume")
+
+
+# The event ``flplatform server`` records on each run it deploys (detail: the sites and
+# the address): such a run's data is at its sites.
+DEPLOYED_EVENT = "deployed"
+
+
+def refuse_deployed(record: RunRecord, events: Sequence[RunEventRecord]) -> None:
+    """``ConfigError`` for a run that trained on a deployment's sites: ``flplatform
+    resume`` would start a local simulation, training on this machine's copies of their
+    data and crediting the sites with it."""
+    deployed = [e for e in events if e.kind == DEPLOYED_EVENT]
+    if not deployed:
+        return
+    sites = deployed[-1].detail.get("sites")
+    named = f" ({', '.join(map(str, sites))})" if isinstance(sites, list) and sites else ""
+    raise ConfigError(
+        f"run {record.id} trained on the sites of a deployment{named}: `flplatform resume` "
+        "would train it on this machine, on data that belongs at the sites; resuming a "
+        "deployed run is not supported yet: start a new run with `flplatform server`"
+    )
 
 
 def record_failed_start(exc: BaseException, *, strategy: str, **options: Any) -> None:

@@ -25,6 +25,7 @@ from sqlalchemy.engine import make_url
 
 from flplatform.launch.flower import flower_environment, free_port
 from flplatform.launch.processes import ProcessTree
+from flplatform.run.run_record import DEPLOYED_EVENT
 from storage import LedgerRepository
 from tests.helpers.processes import Machine, wait_for_text
 
@@ -185,6 +186,9 @@ def test_a_deployment_with_tls_and_registered_sites(tmp_path: Path, password_dat
         assert {name: s.node_id for name, s in recorded.items()} == node_ids
         assert all("claimed_name" not in s.profile for s in recorded.values())
         assert {u.site for u in repository.list_updates(run.id)} == {"london", "ohio"}
+        # marked deployed: `flplatform resume` will not train it on the server's machine
+        events = [(e.kind, e.detail) for e in repository.list_events(run.id)]
+        assert events == [(DEPLOYED_EVENT, {"sites": ["london", "ohio"], "address": address})]
     # ---- the password: in no output, and in no file of the server's home or the logs
     for path in [*server.home.rglob("*"), *logs.rglob("*")]:
         if path.is_file():

@@ -16,7 +16,7 @@ from flwr.app import Array, ArrayRecord
 from flplatform.app.config import RunConfig
 from flplatform.engine.events import RoundSummary
 from flplatform.run.ledger import SqlLedger, process_owner
-from flplatform.run.run_record import LAUNCH_KEY
+from flplatform.run.run_record import DEPLOYED_EVENT, LAUNCH_KEY
 from storage import LedgerRepository
 from tests.helpers.cli import invoke, one_error_line
 
@@ -65,6 +65,28 @@ def record_run(
 @pytest.fixture
 def url(sqlite_ledger: str) -> str:
     return sqlite_ledger
+
+
+def test_a_deployed_run_is_refused_rather_than_trained_on_this_machine(
+    url: str, tmp_path: Path
+) -> None:
+    """Its sites' data files may sit beside the server (the split step writes them there):
+    a local simulation would train on them and credit the sites."""
+    run_id = record_run(url, tmp_path, config=simulate_config("t9"), tag="t9", rounds=2)
+    with LedgerRepository.open(url) as repo:
+        repo.add_event(run_id, DEPLOYED_EVENT, {"sites": ["london", "ohio"], "address": "x:1"})
+
+    result = invoke(["resume", str(run_id), "--db", url])
+
+    assert result.exit_code == 2
+    assert one_error_line(result.output).endswith(
+        f"run {run_id} trained on the sites of a deployment (london, ohio): `flplatform "
+        "resume` would train it on this machine, on data that belongs at the sites; resuming "
+        "a deployed run is not supported yet: start a new run with `flplatform server`"
+    )
+    with LedgerRepository.open(url) as repo:  # untouched: not reopened, no event added
+        assert repo.get_run(run_id).status == "running"
+        assert [e.kind for e in repo.list_events(run_id)] == [DEPLOYED_EVENT]
 
 
 def test_a_finished_run_is_refused(url: str, tmp_path: Path) -> None:
