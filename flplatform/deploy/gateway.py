@@ -30,6 +30,7 @@ import ssl
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,8 @@ UPSTREAM_TIMEOUT = httpx.Timeout(connect=10.0, read=300.0, write=300.0, pool=Non
 # The same report about the same peer at most once a minute (a plain-text node retries
 # for ever, with back-off).
 REPEAT_SECONDS = 60.0
+# Kinds of report remembered before the quiet ones are forgotten.
+_KINDS_KEPT = 1024
 # Flower's node-authentication header: base64 of the node's PEM public key.
 PUBLIC_KEY_HEADER = "flwr-public-key"
 READY_LINE = "listening on"
@@ -135,18 +138,33 @@ class GatewayConfig:
 
 
 class Reports:
-    """One-line reports on stdout, each repeated at most once a minute."""
+    """One-line reports on stdout. Reports of one kind (``key``: the line itself unless
+    the caller names the kind) are said at most once a minute; the next one says how many
+    were held back meanwhile. Kinds quiet for a minute are forgotten: a flood of distinct
+    requests costs neither lines nor memory."""
 
-    def __init__(self) -> None:
-        self._last: dict[str, float] = {}
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._kinds: dict[str, tuple[float, int]] = {}  # key → (said at, held back since)
         self._lock = threading.Lock()
 
-    def say(self, line: str) -> None:
-        now = time.monotonic()
+    def say(self, line: str, *, key: str | None = None) -> None:
+        now = self._clock()
+        key = line if key is None else key
         with self._lock:
-            if now - self._last.get(line, -REPEAT_SECONDS) < REPEAT_SECONDS:
+            said_at, held = self._kinds.get(key, (-REPEAT_SECONDS, 0))
+            if now - said_at < REPEAT_SECONDS:
+                self._kinds[key] = (said_at, held + 1)
                 return
-            self._last[line] = now
+            self._kinds[key] = (now, 0)
+            if len(self._kinds) > _KINDS_KEPT:
+                self._kinds = {
+                    k: (at, n)
+                    for k, (at, n) in self._kinds.items()
+                    if n or now - at < REPEAT_SECONDS
+                }
+        if held:
+            line += f" ({held} more like it in the minute before)"
         self.emit(line)
 
     def emit(self, line: str) -> None:
@@ -354,10 +372,12 @@ class _FleetHandler(http.server.BaseHTTPRequestHandler):
 
     # ------------------------------------------------------------------ internals
     def _refuse(self) -> None:
+        source = self.client_address[0]
         self.server.reports.say(
-            f"refused {self.client_address[0]}: {self.command} {quoted(self.path)} — only "
+            f"refused {source}: {self.command} {quoted(self.path)} — only "
             "the Fleet API is served on this address (the SuperLink's Control API listens "
-            "on the server's loopback only)"
+            "on the server's loopback only)",
+            key=f"refused {source}: not the Fleet API",  # one line a minute, whatever paths
         )
         self.send_error(404, "only the Fleet API is served here")
 

@@ -255,3 +255,51 @@ def test_what_a_refused_peer_sent_is_printed_harmlessly(deployment: Deployment) 
     raw_request(deployment, head)
     line = deployment.reports.wait_for("refused 127.0.0.1")
     assert "\x1b" not in line and "a" * 81 not in line and "…" in line
+
+
+def test_a_flood_of_distinct_refused_paths_is_one_line_a_minute(deployment: Deployment) -> None:
+    for n in range(30):
+        head = f"POST /probe/{n} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n".encode()
+        assert raw_request(deployment, head).startswith(b"HTTP/1.1 404")
+    refusals = [line for line in deployment.reports.lines if "only the Fleet API" in line]
+    assert len(refusals) == 1 and "/probe/0" in refusals[0]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_reports_hold_back_a_kind_for_a_minute_then_say_how_many_were_held() -> None:
+    clock = Clock()
+    reports = Collected()
+    reports._clock = clock
+    for n in range(5):
+        reports.say(f"refused 10.0.0.1: GET /x{n}", key="refused 10.0.0.1: path")
+    reports.say("joined: site a")  # another kind: said at once
+    reports.say("joined: site a")  # the same line again: held back
+    clock.now = 59.9
+    reports.say("refused 10.0.0.1: GET /late", key="refused 10.0.0.1: path")
+    clock.now = 60.0
+    reports.say("refused 10.0.0.1: GET /y", key="refused 10.0.0.1: path")
+    reports.say("joined: site a")
+    assert reports.lines == [
+        "refused 10.0.0.1: GET /x0",
+        "joined: site a",
+        "refused 10.0.0.1: GET /y (5 more like it in the minute before)",
+        "joined: site a (1 more like it in the minute before)",
+    ]
+
+
+def test_reports_forget_quiet_kinds_so_a_flood_costs_no_memory() -> None:
+    clock = Clock()
+    reports = Collected()
+    reports._clock = clock
+    for n in range(5000):
+        clock.now = n * 0.1  # each kind said once, then quiet for a minute and more
+        reports.say(f"refused 10.{n // 256}.{n % 256}.1: no key")
+    assert len(reports.lines) == 5000
+    assert len(reports._kinds) <= 1025  # pruned to the last minute's (600) past 1024
