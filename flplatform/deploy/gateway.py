@@ -64,6 +64,15 @@ FLEET_PATHS = {FLEET_PREFIX + action: action for action in FLEET_ACTIONS}
 # A request body is held in memory before it is forwarded: one message envelope or one
 # object (Flower chunks arrays at 5 MiB) fits many times over; more is refused (413).
 MAX_BODY_BYTES = 64 * 2**20
+# A larger body is read (and handed to the SuperLink, which parses it) only from a
+# registered site whose request is signed: an anonymous peer cannot make the gateway and
+# the SuperLink hold 64 MB per connection (16 of them peaked the SuperLink at 1.24 GB).
+ANONYMOUS_BODY_BYTES = 2**20
+# Flower's signed-request headers (flwr/supernode/node_auth_http_interceptor.py): the
+# signature is over the timestamp, which must be this recent (Flower's tolerance + drift).
+SIGNATURE_HEADER = "flwr-signature"
+TIMESTAMP_HEADER = "flwr-timestamp"
+SIGNATURE_MAX_AGE_SECONDS = 305.0
 # Connections held at once, in all and from one address: a federation has a handful of
 # sites, each with a connection or two; a peer opening more cannot starve the others.
 MAX_CONNECTIONS = 128
@@ -200,6 +209,34 @@ def key_fingerprint(header: str | None) -> str | None:
     except (ValueError, TypeError, UnsupportedAlgorithm):
         return None
     return line_fingerprint(line)
+
+
+def signature_holds(public_key: str, timestamp: str, signature: str) -> bool:
+    """Whether ``signature`` (base64) is the key's (base64 PEM, Flower's header) ECDSA
+    SHA-256 signature of ``timestamp`` (ISO 8601), and the timestamp is recent."""
+    from datetime import datetime
+
+    from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    try:
+        signed_at = datetime.fromisoformat(timestamp)
+        if signed_at.tzinfo is None:
+            return False
+        if abs(time.time() - signed_at.timestamp()) > SIGNATURE_MAX_AGE_SECONDS:
+            return False
+        key = serialization.load_pem_public_key(base64.b64decode(public_key, validate=True))
+        if not isinstance(key, ec.EllipticCurvePublicKey):
+            return False
+        key.verify(
+            base64.b64decode(signature, validate=True),
+            timestamp.encode("ascii"),
+            ec.ECDSA(hashes.SHA256()),
+        )
+    except (ValueError, TypeError, UnsupportedAlgorithm, InvalidSignature):
+        return False
+    return True
 
 
 def quoted(text: str) -> str:
@@ -344,6 +381,15 @@ class _FleetHandler(http.server.BaseHTTPRequestHandler):
         if int(length) > MAX_BODY_BYTES:
             self.send_error(413)
             return
+        if int(length) > ANONYMOUS_BODY_BYTES and not self._signed_by_a_site():
+            source = self.client_address[0]
+            self.server.reports.say(
+                f"refused {source}: a {int(length):,}-byte body without a registered site's "
+                "signature (above 1 MiB only sites may send)",
+                key=f"refused {source}: large unsigned body",
+            )
+            self.send_error(401)
+            return
         body = self.rfile.read(int(length))
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
         # The SuperLink trusts forwarding headers from 127.0.0.1, which we are: only the
@@ -371,6 +417,22 @@ class _FleetHandler(http.server.BaseHTTPRequestHandler):
     do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_GET
 
     # ------------------------------------------------------------------ internals
+    def _signed_by_a_site(self) -> bool:
+        """Whether the request carries a registered site's key and that key's fresh
+        signature of its timestamp, as Flower's SuperNode signs every Fleet request (the
+        SuperLink checks the same again). Without site authentication: always."""
+        registry = self.server.registry
+        if registry is None:
+            return True
+        header = self.headers.get(PUBLIC_KEY_HEADER)
+        if key_fingerprint(header) not in {s.fingerprint for s in registry.sites}:
+            return False
+        return signature_holds(
+            header or "",
+            self.headers.get(TIMESTAMP_HEADER) or "",
+            self.headers.get(SIGNATURE_HEADER) or "",
+        )
+
     def _refuse(self) -> None:
         source = self.client_address[0]
         self.server.reports.say(

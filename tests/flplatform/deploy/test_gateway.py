@@ -80,6 +80,8 @@ class Deployment:
     london_header: str
     stranger_header: str
     port: int
+    london_key: Path
+    stranger_key: Path
 
 
 def key_header(public_key: Path) -> str:
@@ -131,6 +133,8 @@ def deployment(tmp_path: Path) -> Iterator[Deployment]:
             london_header=key_header(london.public_key),
             stranger_header=key_header(stranger.public_key),
             port=port,
+            london_key=london.private_key,
+            stranger_key=stranger.private_key,
         )
     finally:
         for server in (gateway, upstream):
@@ -303,3 +307,49 @@ def test_reports_forget_quiet_kinds_so_a_flood_costs_no_memory() -> None:
         reports.say(f"refused 10.{n // 256}.{n % 256}.1: no key")
     assert len(reports.lines) == 5000
     assert len(reports._kinds) <= 1025  # pruned to the last minute's (600) past 1024
+
+
+def signed_headers(private_key: Path, *, age: float = 0.0, tamper: bool = False) -> dict:
+    """The headers Flower's SuperNode signs each Fleet request with, made by Flower's own
+    primitives (flwr/supernode/node_auth_http_interceptor.py)."""
+    from datetime import timedelta
+
+    from flwr.supercore.date import now
+    from flwr.supercore.primitives.asymmetric import public_key_to_bytes, sign_message
+
+    key = serialization.load_ssh_private_key(private_key.read_bytes(), password=None)
+    timestamp = (now() - timedelta(seconds=age)).isoformat()
+    signature = sign_message(key, timestamp.encode("ascii"))  # type: ignore[arg-type]
+    if tamper:
+        timestamp = (now() - timedelta(seconds=age + 1)).isoformat()
+    return {
+        "flwr-public-key": base64.b64encode(public_key_to_bytes(key.public_key())).decode(),  # type: ignore[arg-type]
+        "flwr-timestamp": timestamp,
+        "flwr-signature": base64.b64encode(signature).decode(),
+    }
+
+
+def test_a_large_body_is_taken_only_from_a_registered_site_that_signed_it(
+    deployment: Deployment,
+) -> None:
+    from flplatform.deploy.gateway import ANONYMOUS_BODY_BYTES
+
+    large = b"x" * (ANONYMOUS_BODY_BYTES + 1)
+    refused = {
+        "no signature": {},
+        "another key": signed_headers(deployment.stranger_key),
+        "too old": signed_headers(deployment.london_key, age=400),
+        "not its signature": signed_headers(deployment.london_key, tamper=True),
+    }
+    context = ssl.create_default_context(cafile=str(deployment.ca_cert))
+    with httpx.Client(verify=context) as client:
+        url = f"{deployment.url}/v1/fleet/push-object"
+        for why, headers in refused.items():
+            reply = client.post(url, content=large, headers=headers)
+            assert reply.status_code == 401 and "x-path" not in reply.headers, why
+        # London's own, and anyone's small body (the SuperLink checks every signature)
+        reply = client.post(url, content=large, headers=signed_headers(deployment.london_key))
+        assert reply.status_code == 200 and reply.content == large
+        assert client.post(url, content=b"{}").status_code == 200
+    [line] = [line for line in deployment.reports.lines if "without a registered" in line]
+    assert line.startswith(f"refused 127.0.0.1: a {len(large):,}-byte body without")
