@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import http.server
 import socket
 import socketserver
@@ -73,8 +74,11 @@ ANONYMOUS_BODY_BYTES = 2**20
 SIGNATURE_HEADER = "flwr-signature"
 TIMESTAMP_HEADER = "flwr-timestamp"
 SIGNATURE_MAX_AGE_SECONDS = 305.0
-# Connections held at once, in all and from one address: a federation has a handful of
-# sites, each with a connection or two; a peer opening more cannot starve the others.
+# Connections held at once, in all and from one address, that have not (yet) carried a
+# registered site's signed request: past either, the oldest such connection is closed for
+# the new one. A connection that carried one is a site's and is never closed for another:
+# a peer holding connections open cannot keep out the sites, also not those that share
+# its address (behind one NAT), since a site's new connection displaces the peer's.
 MAX_CONNECTIONS = 128
 MAX_CONNECTIONS_PER_ADDRESS = 16
 # Longest printed excerpt of what a refused peer sent (its request path).
@@ -250,6 +254,16 @@ class _Refused(Exception):
     """The connection was refused and reported; nothing more to do with it."""
 
 
+@dataclass(eq=False)
+class _Connection:
+    """One open connection: its socket, its peer's address, and whether a registered
+    site's signed request came on it (then it is never closed for another)."""
+
+    sock: Any
+    source: str
+    site: bool = False
+
+
 class FleetGateway(socketserver.ThreadingMixIn, http.server.HTTPServer):
     """The listening server; one ``_FleetHandler`` thread per connection."""
 
@@ -261,8 +275,7 @@ class FleetGateway(socketserver.ThreadingMixIn, http.server.HTTPServer):
         self.config = config
         self.reports = reports
         self._count_lock = threading.Lock()
-        self._open_total = 0
-        self._open_by_address: dict[str, int] = {}
+        self._open: dict[int, _Connection] = {}  # id(socket) → its connection, oldest first
         self.registry = SiteRegistry.read(config.registry) if config.registry else None
         family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
         self.address_family = family
@@ -282,18 +295,33 @@ class FleetGateway(socketserver.ThreadingMixIn, http.server.HTTPServer):
         )
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        """Serve the connection in a thread of its own, unless too many are open."""
+        """Serve the connection in a thread of its own, closing the oldest connection that
+        carried no site's request when too many are open (refusing this one only when
+        every open connection is a site's)."""
         source = client_address[0]
         with self._count_lock:
-            crowded = (
-                self._open_total >= MAX_CONNECTIONS
-                or self._open_by_address.get(source, 0) >= MAX_CONNECTIONS_PER_ADDRESS
-            )
+            anonymous = [c for c in self._open.values() if not c.site]
+            evicted: list[_Connection] = []
+            here = [c for c in anonymous if c.source == source]
+            if len(here) >= MAX_CONNECTIONS_PER_ADDRESS:
+                evicted.append(here[0])
+            elif len(self._open) >= MAX_CONNECTIONS and anonymous:
+                evicted.append(anonymous[0])
+            for connection in evicted:
+                del self._open[id(connection.sock)]
+            crowded = len(self._open) >= MAX_CONNECTIONS
             if not crowded:
-                self._open_total += 1
-                self._open_by_address[source] = self._open_by_address.get(source, 0) + 1
+                self._open[id(request)] = _Connection(request, source)
+        for connection in evicted:
+            self.reports.say(
+                f"closed a connection from {connection.source} for a new one: too many "
+                "connections open that carried no registered site's request",
+                key=f"evicted {connection.source}",
+            )
+            with contextlib.suppress(OSError):
+                connection.sock.shutdown(socket.SHUT_RDWR)  # its thread then ends
         if crowded:
-            self.reports.say(f"refused {source}: too many connections open at once")
+            self.reports.say(f"refused {source}: {MAX_CONNECTIONS} sites' connections are open")
             self.shutdown_request(request)
             return
         super().process_request(request, client_address)
@@ -302,14 +330,20 @@ class FleetGateway(socketserver.ThreadingMixIn, http.server.HTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            source = client_address[0]
             with self._count_lock:
-                self._open_total -= 1
-                left = self._open_by_address.get(source, 1) - 1
-                if left:
-                    self._open_by_address[source] = left
-                else:
-                    self._open_by_address.pop(source, None)
+                self._open.pop(id(request), None)
+
+    def mark_site(self, request: Any) -> None:
+        """The connection ``request`` carried a registered site's signed request."""
+        with self._count_lock:
+            connection = self._open.get(id(request))
+            if connection is not None:
+                connection.site = True
+
+    def is_site(self, request: Any) -> bool:
+        with self._count_lock:
+            connection = self._open.get(id(request))
+            return connection is not None and connection.site
 
     def get_request(self) -> tuple[Any, Any]:
         sock, address = super().get_request()
@@ -381,7 +415,9 @@ class _FleetHandler(http.server.BaseHTTPRequestHandler):
         if int(length) > MAX_BODY_BYTES:
             self.send_error(413)
             return
-        if int(length) > ANONYMOUS_BODY_BYTES and not self._signed_by_a_site():
+        if not self.server.is_site(self.request) and self._signed_by_a_site():
+            self.server.mark_site(self.request)  # (without site authentication: none is)
+        if int(length) > ANONYMOUS_BODY_BYTES and not self._trusted():
             source = self.client_address[0]
             self.server.reports.say(
                 f"refused {source}: a {int(length):,}-byte body without a registered site's "
@@ -417,13 +453,18 @@ class _FleetHandler(http.server.BaseHTTPRequestHandler):
     do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_GET
 
     # ------------------------------------------------------------------ internals
+    def _trusted(self) -> bool:
+        """Whether a large body may be read: from a site's connection, or from anyone
+        without site authentication."""
+        return self.server.registry is None or self.server.is_site(self.request)
+
     def _signed_by_a_site(self) -> bool:
         """Whether the request carries a registered site's key and that key's fresh
         signature of its timestamp, as Flower's SuperNode signs every Fleet request (the
-        SuperLink checks the same again). Without site authentication: always."""
+        SuperLink checks the same again). False without site authentication."""
         registry = self.server.registry
         if registry is None:
-            return True
+            return False
         header = self.headers.get(PUBLIC_KEY_HEADER)
         if key_fingerprint(header) not in {s.fingerprint for s in registry.sites}:
             return False

@@ -9,6 +9,7 @@ tests/integration/test_deploy.py.
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.server
 import socket
 import ssl
@@ -353,3 +354,65 @@ def test_a_large_body_is_taken_only_from_a_registered_site_that_signed_it(
         assert client.post(url, content=b"{}").status_code == 200
     [line] = [line for line in deployment.reports.lines if "without a registered" in line]
     assert line.startswith(f"refused 127.0.0.1: a {len(large):,}-byte body without")
+
+
+def idle_tls(deployment: Deployment) -> ssl.SSLSocket:
+    """A connection that completes its TLS handshake and then says nothing."""
+    context = ssl.create_default_context(cafile=str(deployment.ca_cert))
+    raw = socket.create_connection(("127.0.0.1", deployment.port), timeout=10)
+    return context.wrap_socket(raw, server_hostname="127.0.0.1")
+
+
+def keep_alive_request(tls: ssl.SSLSocket, headers: dict[str, str]) -> bytes:
+    """A small signed pull on an open connection, kept open; the reply's status line."""
+    lines = [
+        "POST /v1/fleet/pull-messages HTTP/1.1",
+        "Host: x",
+        "Content-Length: 2",
+        *(f"{k}: {v}" for k, v in headers.items()),
+    ]
+    tls.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + b"{}")
+    reply = b""
+    while b"\r\n\r\n" not in reply:
+        reply += tls.recv(65536)
+    head, body = reply.split(b"\r\n\r\n", 1)
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(body) < length:  # read it all: the next reply starts after it
+        body += tls.recv(65536)
+    return head.split(b"\r\n", 1)[0]
+
+
+def test_a_peer_holding_connections_cannot_keep_out_a_site_on_its_address(
+    deployment: Deployment,
+) -> None:
+    """200 idle connections from the sites' own address (as behind one NAT): a site's
+    connection that carried its signed request stays, and its new ones get in."""
+    from flplatform.deploy.gateway import MAX_CONNECTIONS_PER_ADDRESS
+
+    london = idle_tls(deployment)
+    assert keep_alive_request(london, signed_headers(deployment.london_key)) == b"HTTP/1.1 200 OK"
+    flood = [idle_tls(deployment) for _ in range(200)]
+    # The site's open connection was never closed for the flood
+    assert keep_alive_request(london, signed_headers(deployment.london_key)) == b"HTTP/1.1 200 OK"
+    # and a new connection of the site's gets in, displacing the oldest idle one
+    with httpx.Client(verify=ssl.create_default_context(cafile=str(deployment.ca_cert))) as site:
+        reply = site.post(
+            f"{deployment.url}/v1/fleet/pull-messages",
+            content=b"{}",
+            headers=signed_headers(deployment.london_key),
+        )
+        assert reply.status_code == 200
+    closed = 0
+    for tls in flood:
+        tls.settimeout(0.5)
+        with contextlib.suppress(TimeoutError, OSError):  # still open: times out
+            closed += tls.recv(1) == b""
+        tls.close()
+    london.close()
+    assert closed >= 200 - MAX_CONNECTIONS_PER_ADDRESS  # at most this many stayed open
+    evictions = [line for line in deployment.reports.lines if line.startswith("closed a conn")]
+    assert len(evictions) == 1  # one line a minute, whatever the flood
