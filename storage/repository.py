@@ -122,7 +122,10 @@ def _why(exc: BaseException, path: Path | None) -> str:
     for a PostgreSQL login refused for its password, where the password comes from."""
     reason = _describe(exc)
     if any(s in reason for s in _PASSWORD_REFUSED):
-        return f"{reason} (the password comes from the URL, {PASSWORD_ENV} or ~/.pgpass)"
+        return (
+            f"{reason} (the password comes from the URL, {PASSWORD_ENV}, the file "
+            "PGPASSFILE names, or ~/.pgpass)"
+        )
     if path is None or not any(s in reason.lower() for s in ("readonly", "unable to open")):
         return reason
     if path.exists() and not os.access(path, os.W_OK):

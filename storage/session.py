@@ -229,7 +229,9 @@ def detach_password(url: str) -> tuple[str, dict[str, str]]:
     command line holds it, and it is on no disk. A URL without one, and no ``PGPASSWORD``,
     leaves the process to find it as the user's own processes do (``~/.pgpass``, the file
     ``PGPASSFILE`` names). The file lasts as long as this process, which must outlive the
-    processes that connect (the command that starts a run follows it to its end).
+    processes that connect (the command that starts a run follows it to its end). Where
+    there is no such file (not Linux), the password goes into the environment
+    (``PGPASSWORD``): there, ``~/.pgpass`` keeps it out of every environment.
 
     Parameters
     ----------
@@ -239,7 +241,8 @@ def detach_password(url: str) -> tuple[str, dict[str, str]]:
     Returns
     -------
     tuple[str, dict[str, str]]
-        The URL without a password, and ``{"PGPASSFILE": path}`` or ``{}``.
+        The URL without a password, and ``{"PGPASSFILE": path}`` (not Linux:
+        ``{"PGPASSWORD": password}``) or ``{}``.
 
     Raises
     ------
@@ -261,27 +264,35 @@ def detach_password(url: str) -> tuple[str, dict[str, str]]:
             "a PostgreSQL password travels (in a password file), never in a URL that is "
             f"stored; use a {backend} URL without a password"
         )
-    return public, {PASSWORD_FILE_ENV: password_file(public, password)}
+    path = password_file(public, password)
+    if path is None:  # not Linux: in the environment, as libpq also reads it
+        return public, {PASSWORD_ENV: password}
+    return public, {PASSWORD_FILE_ENV: path}
 
 
 # The password files this process made: open until it ends (see ``password_file``).
 _PASSWORD_FILES: dict[str, int] = {}
 
 
-def password_file(url: str, password: str) -> str:
+def password_file(url: str, password: str) -> str | None:
     """A PostgreSQL password file (``~/.pgpass``'s format) giving ``password`` for the
     database of ``url``; its path, for ``PGPASSFILE``.
 
     The file is in memory (``memfd_create``): on no disk, gone when this process ends,
     readable through ``/proc/<this pid>/fd/<n>`` by this user's processes (owner-only,
-    as libpq requires). One file per URL and password.
+    as libpq requires), as ``~/.pgpass`` is. One file per URL and password. None on a
+    system without ``memfd_create`` (not Linux).
 
     Raises
     ------
     StorageError
-        On a system without ``memfd_create`` (not Linux): give the password through
-        ``~/.pgpass`` there.
+        If the password holds a line break, which the file's format cannot.
     """
+    if "\n" in password or "\r" in password:
+        raise StorageError(
+            "a PostgreSQL password with a line break cannot be handed to the run's "
+            "processes (libpq's password file is one line per entry)"
+        )
     parsed = make_url(url)
 
     def field(value: object) -> str:
@@ -294,10 +305,7 @@ def password_file(url: str, password: str) -> str:
         return f"/proc/{os.getpid()}/fd/{_PASSWORD_FILES[line]}"
     create = getattr(os, "memfd_create", None)
     if create is None:
-        raise StorageError(
-            "cannot hand a PostgreSQL password to the run's processes on this system (no "
-            "memfd_create); put it in ~/.pgpass and leave it out of the URL"
-        )
+        return None
     fd = create("flplatform-pgpass", os.MFD_CLOEXEC)  # not inherited: opened by path
     os.fchmod(fd, 0o600)
     os.write(fd, (line + "\n").encode())

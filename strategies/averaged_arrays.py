@@ -73,14 +73,18 @@ def named_arrays(patterns: Sequence[str], names: Iterable[str]) -> tuple[str, ..
         without a word. The message lists the model's arrays.
     """
     names = list(names)
-    unmatched = [p for p in patterns if not any(fnmatchcase(n, p) for n in names)]
+
+    def matches(name: str, pattern: str) -> bool:  # an exact name may hold "[0]"
+        return name == pattern or fnmatchcase(name, pattern)
+
+    unmatched = [p for p in patterns if not any(matches(n, p) for n in names)]
     if unmatched:
         shown = ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
         raise ConfigError(
             f"averaged-arrays {', '.join(repr(p) for p in unmatched)} matches no array of the "
             f"model; its arrays: {shown}"
         )
-    return tuple(n for n in names if any(fnmatchcase(n, p) for p in patterns))
+    return tuple(n for n in names if any(matches(n, p) for p in patterns))
 
 
 def split_names(text: str) -> tuple[str, ...]:
@@ -95,9 +99,14 @@ def names_problem(patterns: object) -> str | None:
             "averaged-arrays must be a list of array names or patterns "
             f"(e.g. ['class_prior', '*.counts']), got {patterns!r:.80}"
         )
-    bad = [p for p in patterns if not isinstance(p, str) or not p.strip() or "," in p]
+    bad = [
+        p for p in patterns if not isinstance(p, str) or not p.strip() or p != p.strip() or "," in p
+    ]
     if bad:
-        return f"averaged-arrays must hold non-empty names without commas, got {bad!r:.80}"
+        return (
+            "averaged-arrays must hold non-empty names without commas or surrounding "
+            f"spaces, got {bad!r:.80}"
+        )
     return None
 
 

@@ -13,8 +13,10 @@ The server forms Δ_n = x_n − x against the version the site was sent and appl
 
 Site momentum restarts at every sync (a fresh optimiser per round). Buffers the training
 sets rather than learns (BatchNorm statistics and counters, and the arrays the user names:
-``strategies.averaged_arrays``) become the sites' weighted mean x + Δ̄, as in FedAvg,
-whatever β and η: momentum would carry a running variance past its sites' values.
+``strategies.averaged_arrays``) step by Δ̄ alone, whatever β and η: momentum would carry a
+running variance past its sites' values. In sync rounds, where every Δ_n is measured from
+the current x, that makes them the sites' weighted mean, as in FedAvg; a stale update (the
+asynchronous modes) brings its change from the model its site started from.
 
 Robust aggregation (``aggregator = "median"`` or ``"trimmed-mean"``): the round's Δ̄ is
 the coordinate-wise median, or the mean after cutting ``trim_fraction`` of the values at

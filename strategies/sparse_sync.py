@@ -23,6 +23,7 @@ import torch
 from flwr.app import ArrayRecord
 
 from flplatform.core.arrays import arrays_to_record, record_to_arrays
+from flplatform.core.errors import ConfigError
 from flplatform.core.state import MISSING, StateReader
 from strategies.averaged_arrays import averaged_arrays, named_arrays
 from strategies.layout import Layout
@@ -182,6 +183,9 @@ class SparseModel:
             try:
                 arrays = record_to_arrays(record)
                 model.layout = Layout.of(arrays, averaged=named_arrays(named, arrays))
+            except ConfigError as exc:  # the run's averaged-arrays, not the saved model
+                reader.add(f"'{where}.record': {exc.reason}")
+                return None
             except Exception as exc:  # not .npy bytes, a dtype no layout takes
                 reader.add(f"'{where}.record' is not a usable model: {exc}")
                 return None

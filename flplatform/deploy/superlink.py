@@ -645,10 +645,15 @@ def run_deployment(
             for line in gateway_log.lines():
                 say(line)
             if record is not None and record.id not in marked:
-                marked.add(record.id)
-                with LedgerRepository.open(follow.db or None) as repository:
-                    detail = {"sites": list(plan.sites), "address": str(plan.address)}
-                    repository.add_event(record.id, DEPLOYED_EVENT, detail)
+                # A ledger that hiccups must not end the deployment: tried again next poll.
+                detail = {"sites": list(plan.sites), "address": str(plan.address)}
+                try:
+                    with LedgerRepository.open(follow.db or None) as repository:
+                        repository.add_event(record.id, DEPLOYED_EVENT, detail)
+                except FLPlatformError as exc:
+                    say(f"could not mark run {record.id} deployed yet: {exc}")
+                else:
+                    marked.add(record.id)
             if on_progress is not None:
                 on_progress(record, done, failures)
 

@@ -138,7 +138,8 @@ class FailureStreak:
             problems.add("'site_refusals_only' must be true or false")
         problems.raise_if_any()
         self.rounds, self._statuses = list(rounds), set(statuses)
-        self._site_refusals_only = bool(site_refusals_only) and bool(rounds)
+        # No streak: the next one starts as any does (only refusals until one is not).
+        self._site_refusals_only = bool(site_refusals_only) if rounds else True
         self._reasons = {reason_key(text): text for text in reasons}
 
     def _reset(self) -> None:
@@ -160,7 +161,7 @@ class FailureStreak:
         if self._site_refusals_only and self._trips_after() < self.limit:
             why = (
                 f"stopped after {self._trips_after()} rounds in a row: the sites' mods refused "
-                "what the app's train function returned; fix the app"
+                "what the app's train function returned; fix the app or its settings"
             )
         else:
             why = f"stopped after {self.limit} such rounds in a row"

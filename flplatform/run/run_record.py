@@ -111,7 +111,8 @@ DEPLOYED_EVENT = "deployed"
 def refuse_deployed(record: RunRecord, events: Sequence[RunEventRecord]) -> None:
     """``ConfigError`` for a run that trained on a deployment's sites: ``flplatform
     resume`` would start a local simulation, training on this machine's copies of their
-    data and crediting the sites with it."""
+    data and crediting the sites with it. (Checked by ``flplatform resume`` before it
+    starts anything, and by ``LedgerRun.reopen`` for a resume asked for in any other way.)"""
     deployed = [e for e in events if e.kind == DEPLOYED_EVENT]
     if not deployed:
         return
@@ -292,6 +293,8 @@ class LedgerRun:
         try:
             record = repository.get_run(run_id)
             refuse_finished(record)
+            # Also for resume_run / resume-run given by hand, not only `flplatform resume`
+            refuse_deployed(record, repository.list_events(run_id))
             if record.strategy != strategy:
                 raise CheckpointError(
                     f"run {run_id} ran strategy {record.strategy!r}, not {strategy!r}; "

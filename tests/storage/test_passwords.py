@@ -139,8 +139,25 @@ def test_a_password_from_the_environment_moves_into_the_file(
 
 
 def test_unset_fields_match_anything() -> None:
-    path = Path(password_file("postgresql+psycopg:///ledger", "pw"))
+    path = Path(password_file("postgresql+psycopg:///ledger", "pw") or "")
     assert path.read_text() == "*:*:ledger:*:pw\n"
+
+
+def test_a_password_with_a_line_break_is_refused_without_echoing_it() -> None:
+    for password in ("p\nq", "p\rq"):
+        with pytest.raises(StorageError, match="with a line break") as info:
+            detach_password(f"postgresql+psycopg://alice:{password}@db/ledger")
+        assert password not in info.value.reason
+
+
+def test_without_memfd_the_password_goes_in_the_environment_as_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delattr(os, "memfd_create")  # as on macOS
+    assert detach_password("postgresql+psycopg://alice:s3cret@db/elsewhere") == (
+        "postgresql+psycopg://alice@db/elsewhere",
+        {PASSWORD_ENV: "s3cret"},
+    )
 
 
 def test_nothing_is_handed_over_without_a_password(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -182,6 +199,7 @@ def test_libpq_takes_the_password_from_the_file_handed_over(
         repository.check_writable()
 
     wrong = password_file(public, "wrong")
+    assert wrong is not None
     monkeypatch.setenv(PASSWORD_FILE_ENV, wrong)
     with pytest.raises(StorageError, match="password authentication failed") as info:
         LedgerRepository.open(public)

@@ -115,6 +115,8 @@ def test_named_arrays_match_names_and_patterns_in_the_model_order() -> None:
         "counts",
     )
     assert named_arrays([], names) == ()
+    # an exact name is itself, also where it reads as a pattern ("[0]": a character class)
+    assert named_arrays(["heads[0].prior"], ["heads[0].prior", "w"]) == ("heads[0].prior",)
     with pytest.raises(ConfigError, match=r"averaged-arrays 'prior', 'x\*' matches no array"):
         named_arrays(["prior", "x*", "counts"], names)
     assert split_names(" *.class_prior, counts ,,") == ("*.class_prior", "counts")
@@ -162,8 +164,9 @@ def test_the_option_reaches_every_strategy_and_bad_values_are_refused() -> None:
         assert built.averaged_arrays == ("*.class_prior", "counts"), strategy
     with pytest.raises(ConfigError, match="averaged-arrays must be a list of array names"):
         LocalSGDAveraging(averaged_arrays="class_prior")  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="non-empty names without commas"):
-        FetchSGD(k=10, averaged_arrays=["a,b"])
+    for bad in (["a,b"], [" prior"], [""]):
+        with pytest.raises(ConfigError, match="non-empty names without commas"):
+            FetchSGD(k=10, averaged_arrays=bad)
 
 
 def test_every_update_is_applied_with_a_named_buffer() -> None:

@@ -34,7 +34,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 from flplatform.core import keys
-from flplatform.core.arrays import record_to_arrays
+from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.engine import APPLIED, RoundSummary, Synchrony
 from flplatform.engine.engine import RoundEngine
 from flplatform.engine.strategy import EngineStrategy
@@ -180,3 +180,48 @@ def test_every_algorithm_keeps_frozen_weights_and_valid_buffers(name: str) -> No
     assert counts == sorted(counts)
     # and training moved the rest
     assert not np.array_equal(models[-1]["head.weight"], models[0]["head.weight"])
+
+
+def test_server_rates_and_momentum_leave_buffers_to_the_sites_mean_change() -> None:
+    """η = 3 (delayed) and β = 0.9 with η = 3 (FedAvgM) scale the learned step only: sites
+    that set a running variance to 0.2 from 1.0 leave it 0.2, where 1 + 3·(0.2 − 1) = −1.4."""
+
+    def train(msg: Message, context: Context) -> Message:
+        w = msg.content["arrays"]["w"].numpy()
+        arrays = {"w": w - 0.5, "bn.running_var": np.full(2, 0.2, np.float32)}
+        metrics = MetricRecord({"num-examples": 4})
+        content = RecordDict({"arrays": arrays_to_record(arrays), "metrics": metrics})
+        return Message(content, reply_to=msg)
+
+    def site(node: int) -> Callable[[Message], Message]:
+        state = context(node)
+
+        def behave(msg: Message) -> Message:
+            if msg.metadata.message_type == MessageType.QUERY:
+                info = ConfigRecord({keys.SITE_NAME: f"s{node}"})
+                return Message(RecordDict({keys.SITE_INFO: info}), reply_to=msg)
+            return flplatform_mod()(msg, state, train)
+
+        return behave
+
+    start = {"w": np.zeros(2, np.float32), "bn.running_var": np.ones(2, np.float32)}
+    for strategy in (
+        DelayedCompensated(delay=0, num_rounds=2, eta=3.0),
+        LocalSGDAveraging(eta=3.0, beta=0.9),
+    ):
+        models: list[dict[str, np.ndarray]] = []
+        RoundEngine(
+            ScriptedGrid({1: site(1), 2: site(2)}),
+            strategy,
+            policy=strategy.engine_policy(Synchrony("sync"), num_rounds=2),
+            poll_interval=0.0,
+            required_sites=2,
+        ).run(
+            arrays_to_record(start),
+            num_rounds=2,
+            evaluate_fn=lambda _, arrays, models=models: models.append(record_to_arrays(arrays)),
+        )
+        assert len(models) == 3, strategy
+        for model in models[1:]:
+            np.testing.assert_allclose(model["bn.running_var"], [0.2, 0.2], rtol=1e-6)
+        np.testing.assert_allclose(models[1]["w"], [-1.5, -1.5])  # η·Δ̄ = 3·(−0.5)

@@ -89,6 +89,22 @@ def test_a_deployed_run_is_refused_rather_than_trained_on_this_machine(
         assert [e.kind for e in repo.list_events(run_id)] == [DEPLOYED_EVENT]
 
 
+def test_a_deployed_run_is_refused_however_the_resume_is_asked_for(
+    url: str, tmp_path: Path
+) -> None:
+    """resume_run=<id> in a ServerApp's own start(), or resume-run in a run config."""
+    from flplatform.core.errors import ConfigError
+    from flplatform.run.run_record import LedgerRun
+
+    run_id = record_run(url, tmp_path, config=simulate_config("t8"), tag="t8", rounds=2)
+    with LedgerRepository.open(url) as repo:
+        repo.add_event(run_id, DEPLOYED_EVENT, {"sites": ["london"], "address": "x:1"})
+    with pytest.raises(ConfigError, match="trained on the sites of a deployment"):
+        LedgerRun.reopen(url, run_id, strategy="local-sgd", num_rounds=4)
+    with LedgerRepository.open(url) as repo:
+        assert [e.kind for e in repo.list_events(run_id)] == [DEPLOYED_EVENT]
+
+
 def test_a_finished_run_is_refused(url: str, tmp_path: Path) -> None:
     run_id = record_run(
         url, tmp_path, config=simulate_config("t1"), tag="t1", rounds=4, status="finished"

@@ -233,7 +233,7 @@ def test_an_update_the_sites_mod_refused_is_rejected_with_its_sentence(
     )
     assert stopped.value.reason.endswith(
         "(stopped after 2 rounds in a row: the sites' mods refused what the app's train "
-        "function returned; fix the app; max-failed-rounds 0 never stops)"
+        "function returned; fix the app or its settings; max-failed-rounds 0 never stops)"
     )
     updates = repository.list_updates(latest_run(repository))
     assert {u.status for u in updates} == {REJECTED}
@@ -264,6 +264,12 @@ def test_site_refusals_stop_sooner_only_while_they_are_all_the_streak_has() -> N
         restored.observe(2, applied=0, failed_replies=refused)
     with pytest.raises(NoProgress, match=r"^round 1 .*\(stopped after 1 such rounds"):
         FailureStreak(1).observe(1, applied=0, failed_replies=refused)
+    # restored without a streak (the usual checkpoint), the next streak is judged afresh
+    restored = FailureStreak(3)
+    restored.load_state_dict(FailureStreak(3).state_dict())
+    restored.observe(1, applied=0, failed_replies=refused)
+    with pytest.raises(NoProgress, match=r"\(stopped after 2 rounds in a row"):
+        restored.observe(2, applied=0, failed_replies=refused)
     never = FailureStreak(0)
     for server_round in range(1, 5):
         never.observe(server_round, applied=0, failed_replies=refused)
