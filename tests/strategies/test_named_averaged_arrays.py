@@ -178,3 +178,23 @@ def test_every_update_is_applied_with_a_named_buffer() -> None:
         digits_model(num_partitions=3, model=PRIOR_SPEC), num_rounds=2
     )
     assert summaries and all(u.status == APPLIED for s in summaries for u in s.updates)
+
+
+@pytest.mark.parametrize("make", [FetchSGD, SketchedSGD])
+def test_a_sketched_run_resumes_with_its_named_arrays_and_refuses_names_it_lacks(
+    make: Callable[..., EngineStrategy],
+) -> None:
+    from flplatform.core.arrays import arrays_to_record
+    from flplatform.core.checkpoint import CheckpointError
+    from tests.helpers.scripted_grid import ScriptedGrid
+
+    model = arrays_to_record({"w": np.zeros(6, np.float32), "prior": np.full(3, 1 / 3, np.float16)})
+    original = make(k=2, sketch_cols=20, averaged_arrays=["pri*"])
+    original.configure_train(1, model, ConfigRecord(), ScriptedGrid({}))
+    assert original.model.averaged == ("prior",)
+    restored = make(k=2, sketch_cols=20, averaged_arrays=["pri*"])
+    restored.load_state_dict(original.state_dict())
+    assert restored.model.averaged == ("prior",)
+    assert restored.model.layout == original.model.layout
+    with pytest.raises(CheckpointError, match="averaged-arrays 'counts' matches no array"):
+        make(k=2, sketch_cols=20, averaged_arrays=["counts"]).load_state_dict(original.state_dict())
