@@ -22,6 +22,22 @@ from flplatform.app.config_rules import option_of
 F = TypeVar("F", bound=Callable[..., Any])
 # What the help of an option that takes several values adds.
 LISTED_HELP = "Several, comma-separated: a sweep, one run per combination in one start-up."
+# The help's panels: each opens at its field of the table and holds the fields after it
+# (the table's own sections), so that ~55 options can be scanned.
+PANELS = {
+    "strategy": "Algorithm",
+    "dataset": "Data and model",
+    "local_steps": "Sites' training",
+    "server_lr": "Server step",
+    "sites": "Federation and ledger",
+    "checkpoint_every": "Checkpoints, resume and stopping",
+    "k": "Synchrony",
+    "network": "Simulated network",
+    "delay": "Delayed updates",
+    "codec": "Compression",
+    "update_norm_ratio": "Guard and robust aggregation",
+    "sketch_rows": "Sketches (FetchSGD, Sketched-SGD)",
+}
 
 
 def cli_name(field_name: str) -> str:
@@ -56,13 +72,17 @@ def table_options(
         declared = {name: p for name, p in own.parameters.items() if p.kind is not p.VAR_KEYWORD}
         types = typing.get_type_hints(RunConfig)
         params: list[inspect.Parameter] = []
+        panel = None
         for f in fields(RunConfig):
+            panel = PANELS.get(f.name, panel)
             about = option_of(f)
             name = about.cli or f.name
             if about.cli is None or (only is not None and name not in only):
                 continue
             if name in declared:
-                params.append(declared.pop(name).replace(kind=inspect.Parameter.KEYWORD_ONLY))
+                param = declared.pop(name)
+                _put_in_panel(param, panel)
+                params.append(param.replace(kind=inspect.Parameter.KEYWORD_ONLY))
                 continue
             kind = types[f.name]
             default = f.default
@@ -77,7 +97,7 @@ def table_options(
                     name,
                     inspect.Parameter.KEYWORD_ONLY,
                     default=None if optional else default,
-                    annotation=Annotated[kind, typer.Option(help=text)],
+                    annotation=Annotated[kind, typer.Option(help=text, rich_help_panel=panel)],
                 )
             )
         leading = [p for p in declared.values() if p.kind is not p.KEYWORD_ONLY]
@@ -86,6 +106,13 @@ def table_options(
         return command
 
     return decorate
+
+
+def _put_in_panel(param: inspect.Parameter, panel: str | None) -> None:
+    """A command's own declaration of a table option goes in the option's panel too."""
+    for info in getattr(param.annotation, "__metadata__", ()):
+        if isinstance(info, typer.models.OptionInfo) and info.rich_help_panel is None:
+            info.rich_help_panel = panel
 
 
 def config_values(options: Mapping[str, Any]) -> dict[str, Any]:

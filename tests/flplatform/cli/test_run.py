@@ -21,7 +21,7 @@ from flplatform.launch.app_directory import (
     relaunch,
 )
 from flplatform.run.options import OPTIONS_ENV, options_from_environment
-from storage.session import PASSWORD_ENV, split_password
+from storage.session import PASSWORD_ENV, PASSWORD_FILE_ENV, split_password
 from tests.helpers.cli import invoke, one_error_line
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -284,7 +284,7 @@ def test_the_generic_serverapp_gets_its_own_keys(tmp_path: Path) -> None:
 
 @pytest.mark.postgres
 @pytest.mark.usefixtures("flplatform_home")
-def test_the_ledger_password_reaches_the_app_in_its_environment_only(
+def test_the_ledger_password_reaches_the_app_in_a_password_file_only(
     password_database: str,
 ) -> None:
     public, password = split_password(password_database)
@@ -295,8 +295,9 @@ def test_the_ledger_password_reaches_the_app_in_its_environment_only(
     assert plan.run_config["db"] == public  # Flower's run config, stored by the SuperLink
     env = plan.environment()
     assert json.loads(env[OPTIONS_ENV])["ledger"] == public
-    assert env[PASSWORD_ENV] == password
-    assert [key for key, value in env.items() if password in value] == [PASSWORD_ENV]
+    assert [key for key, value in env.items() if password in value] == []
+    assert PASSWORD_ENV not in env
+    assert Path(env[PASSWORD_FILE_ENV]).read_text().endswith(f":{password}\n")
     assert "db" not in plan.options["launched_by"]["options"]  # recorded with the run
 
 
