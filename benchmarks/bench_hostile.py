@@ -18,6 +18,9 @@ Only options the app declares are passed: Flower refuses undeclared run-config k
 option the app does not declare is named in ``defence.missing``, and with none declared
 each attack runs once, reported as ``without_defence`` (``with_defence`` null).
 
+Time: ``wall_seconds`` of each run, and ``wall_ratio_to_silent``, what the attack cost the
+others in time (a site whose process dies every round is benched, doubling: target ≤ 1.5).
+
 Accuracy: ``final_accuracy`` is the mean of the last 3 rounds' server-side accuracy (one
 round on digits' 360 test images with two non-IID sites moves it by up to 3.6 points),
 ``last_accuracy`` the last round's alone.
@@ -303,7 +306,13 @@ def measure_attacks(
             loss = None
             if attacked["final_accuracy"] is not None and baseline["final_accuracy"] is not None:
                 loss = round(baseline["final_accuracy"] - attacked["final_accuracy"], 4)
-            row[f"{label}_defence"] = {**attacked, "points_below_silent": loss}
+            # The time the attack cost the others (the suicide's target: at most 1.5×).
+            wall_ratio = round(attacked["wall_seconds"] / max(baseline["wall_seconds"], 1e-9), 2)
+            row[f"{label}_defence"] = {
+                **attacked,
+                "points_below_silent": loss,
+                "wall_ratio_to_silent": wall_ratio,
+            }
             row[f"silent_{label}_defence"] = baseline
         row.setdefault("with_defence", None)
         results[kind] = row

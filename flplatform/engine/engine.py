@@ -52,6 +52,7 @@ from flplatform.core.errors import (
     UpdateRejected,
 )
 from flplatform.engine import rows
+from flplatform.engine.bench import SiteBench
 from flplatform.engine.clock import Clock, Schedule, WallClock, planned_steps
 from flplatform.engine.digest import arrays_digest
 from flplatform.engine.discovery import introduce
@@ -129,6 +130,8 @@ class _RoundState:
     waiting: dict[int, tuple[UpdateOutcome, Update, float]] = field(default_factory=dict)
     # every reply's losses as sent, non-finite ones too (the rows keep finite ones only)
     losses: list[ReportedLoss] = field(default_factory=list)
+    # replies carrying a site's error (its process died, its code raised)
+    site_failures: list[UpdateOutcome] = field(default_factory=list)
 
 
 class RoundEngine:
@@ -207,6 +210,7 @@ class RoundEngine:
         self.poll_interval = poll_interval
         self.on_round = on_round
         self.failure_streak = FailureStreak(max_failed_rounds)
+        self.bench = SiteBench()  # sites sitting out rounds after failed replies
         # this round's replies from sites without the strategy's mod, why (engine.replies)
         self._disagreements: list[str] = []
         self.guard = guard or UpdateGuard(GuardOptions.off())
@@ -367,6 +371,7 @@ class RoundEngine:
                 "guard": self.guard.state_dict(),
                 "divergence": self.divergence.state_dict(),
                 "failure_streak": self.failure_streak.state_dict(),
+                "bench": self.bench.state_dict(),
                 "sent_per_period": dict(self._sent_per_period),
                 "tickets": self._tickets,
                 "history": {
@@ -436,6 +441,7 @@ class RoundEngine:
             self.guard.declare(node_id, info.num_examples if info else None)
         self.divergence.load_state_dict(engine["divergence"])
         self.failure_streak.load_state_dict(engine["failure_streak"])
+        self.bench.load_state_dict(engine.get("bench"))  # (none before 2026-11-29)
         self.policy.load_state_dict(engine["policy"])
         self.strategy.load_state_dict(engine["strategy"], nodes=mapping)
         work = self.mailbox.load_state_dict(engine["mailbox"], nodes=mapping)
@@ -645,6 +651,7 @@ class RoundEngine:
             self.version += 1
             self.versions.formed(self.version, self.clock.now())
         self._forget_unused_versions()
+        self._bench_failed_sites(state)
         train_loss = _example_weighted_loss(state.outcomes)
         if self.policy.pipelined and train_metrics is not None:
             # Updates of later periods land in this round too: the strategy's loss is
@@ -690,7 +697,7 @@ class RoundEngine:
         """
         config = ConfigRecord(dict(state.train_config or {}))  # the strategy may write into it
         config[keys.MODEL_VERSION] = self.version
-        idle = set(self.sites.idle())
+        idle = set(self._unbenched(self.sites.idle(), state.server_round))
         allowed = self.sites.by_name(n for n in targets if n in idle)
         drafts = self.strategy.configure_train(
             state.server_round, self.arrays, config, SubsetGrid(self.grid, allowed)
@@ -970,9 +977,10 @@ class RoundEngine:
         row = rows.arrived(arrival, site=site, version=self.version, virtual=self.clock.virtual)
         if reply.has_error():
             status = REJECTED if refused_at_site(reply) else DROPPED
-            return self._failed_reply(
-                state, UpdateOutcome(status=status, reason=site_error(reply), **row)
-            )
+            outcome = UpdateOutcome(status=status, reason=site_error(reply), **row)
+            if status == DROPPED:
+                state.site_failures.append(outcome)  # benched at the round's close
+            return self._failed_reply(state, outcome)
         row.update(reported_metrics(reply))
         disagreement = halves_disagree(
             self.strategy.site_mod, reply, site, self.strategy.ledger_name
@@ -1013,6 +1021,7 @@ class RoundEngine:
             return self._failed_reply(state, UpdateOutcome(status=REJECTED, reason=reason, **row))
         state.applied += 1
         state.applied_nodes.add(dispatch.node_id)
+        self.bench.succeeded(site)
         contribution = update.contribution
         row.update(
             num_examples=contribution.num_examples,
@@ -1141,7 +1150,7 @@ class RoundEngine:
             model_distance=self._model_distance,
             server_round=state.server_round,
             model_version=self.version,
-            idle_nodes=census.idle,
+            idle_nodes=self._unbenched(census.idle, state.server_round),
             outstanding={**training, **queued},
             dispatched_this_round=state.dispatched,
             arrived_this_round=len(state.outcomes),
@@ -1151,6 +1160,25 @@ class RoundEngine:
             sent_for_round=self._sent_per_period.get(state.server_round, 0),
             periods_outstanding=frozenset(d.period for d in (*training.values(), *queued.values())),
         )
+
+    def _bench_failed_sites(self, state: _RoundState) -> None:
+        """In a round that applied updates, bench the sites whose replies carried their
+        error (``bench``), saying so in their rows; a round that applied none is the stop
+        rule's to judge."""
+        if not state.applied or not state.site_failures:
+            return
+        others = [info.name for info in self.sites.infos().values()]
+        renamed: dict[int, UpdateOutcome] = {}
+        for outcome in state.site_failures:
+            rounds = self.bench.failed(outcome.site, state.server_round, others=others)
+            if rounds:
+                note = f"benched for the next {rounds} round{'s' * (rounds > 1)}"
+                renamed[id(outcome)] = replace(outcome, reason=_joined(outcome.reason, note))
+        state.outcomes = [renamed.get(id(o), o) for o in state.outcomes]
+
+    def _unbenched(self, nodes: Sequence[int], server_round: int) -> tuple[int, ...]:
+        """``nodes`` without the sites that sit out ``server_round`` (``bench``)."""
+        return tuple(n for n in nodes if not self.bench.benched(self.sites.name(n), server_round))
 
     def _model_distance(self, version: int) -> float:
         return self.versions.distance(version, current=self.arrays, current_version=self.version)
