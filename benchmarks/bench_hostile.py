@@ -87,6 +87,7 @@ ATTACK_FEDERATION = {
     "sketch": "fetchsgd",
     "sign-flip": "plain",
     "suicide": "plain",
+    "crash-loop": "plain",
 }
 # The update guard's options (flplatform/engine/guard.py) that switch each check off, and
 # the one that is off by default and on in the defended runs (the sign flip needs it).

@@ -37,6 +37,8 @@ The attacks (``KINDS``)
                  (every carrier of the update's value: floats, an int8 codec's levels).
 ``suicide``      the ClientApp's process kills itself (SIGKILL) on receiving its training
                  message of that round (once: later rounds are honest, should it come back).
+``crash-loop``   the ClientApp's process kills itself on every training message from that
+                 round on: a site whose native library or memory fails each time.
 ``silent``       from that round, the site sends no update: it replies with an error, and
                  trains nothing. The baseline of "the same run with the attacker silent":
                  the same sites and data split (a Dirichlet split depends on the number of
@@ -77,9 +79,13 @@ REPLAY = "replay"
 SKETCH_ATTACK = "sketch"
 SIGN_FLIP = "sign-flip"
 SUICIDE = "suicide"
+CRASH_LOOP = "crash-loop"
 SILENT = "silent"
 NONE = "none"
-KINDS = (HUGE, FLOAT32_MAX, EXAMPLES, REPLAY, SKETCH_ATTACK, SIGN_FLIP, SUICIDE, SILENT, NONE)
+KINDS = (
+    *(HUGE, FLOAT32_MAX, EXAMPLES, REPLAY, SKETCH_ATTACK, SIGN_FLIP),
+    *(SUICIDE, CRASH_LOOP, SILENT, NONE),
+)
 
 HUGE_VALUE = 1e30
 CLAIMED_EXAMPLES = 10**12
@@ -225,7 +231,9 @@ def attack_mod(plan: AttackPlan | None = None) -> Mod:
         server_round = _server_round(msg, context)
         hostile = server_round >= attack.start_round
         # ---- attacks that send nothing the site computed
-        if attack.kind == SUICIDE and server_round == attack.start_round:
+        if (attack.kind == SUICIDE and server_round == attack.start_round) or (
+            attack.kind == CRASH_LOOP and hostile
+        ):
             os.kill(os.getpid(), signal.SIGKILL)
         if attack.kind == SILENT and hostile:
             reason = f"silent attacker: no update from round {attack.start_round} on"
@@ -238,7 +246,7 @@ def attack_mod(plan: AttackPlan | None = None) -> Mod:
             return reply
         if attack.kind == REPLAY and _REPLAY_ARRAYS not in context.state:
             _remember(reply, context)
-        if not hostile or attack.kind in (SUICIDE, REPLAY):
+        if not hostile or attack.kind in (SUICIDE, CRASH_LOOP, REPLAY):
             return reply
         return _rewritten(attack.kind, msg, reply)
 
