@@ -131,7 +131,7 @@ def test_a_run_recorded_without_its_password_resumes_with_it_from_the_environmen
     public, password = split_password(password_database)
     assert password
     log = tmp_path / "cli.log"
-    simulate = ["simulate", "--sites", "2", "--rounds", "3", "--local-steps", "2"]
+    simulate = ["simulate", "--sites", "2", "--rounds", "4", "--local-steps", "2"]
     cli = flplatform_cli([*simulate, "--db", password_database], tmp_path, log)
     probed: dict[str, tuple[int, list[str]]] = {}
 
@@ -147,7 +147,10 @@ def test_a_run_recorded_without_its_password_resumes_with_it_from_the_environmen
     # The ledger names the database without the password; the user gives it as PGPASSWORD.
     monkeypatch.setenv(PASSWORD_ENV, password)
     resume = flplatform_cli(["resume", str(run_id), "--db", public], tmp_path, log)
-    kill_after(resume, public, run_id, 2, resumes=1, probe=probe("env", resume.pid))
+    with LedgerRepository.open(public) as repository:  # killed after round 1, or just after
+        done = repository.get_run(run_id).rounds_completed
+    # Looked at once the resume committed a round of its own: its processes are all up.
+    kill_after(resume, public, run_id, done + 1, resumes=1, probe=probe("env", resume.pid))
     for name, (running, holding) in probed.items():
         # SuperLink, SuperExec, the simulation and Ray's processes were looked at
         assert running >= 5 and holding == [], (name, running, holding)
@@ -156,7 +159,7 @@ def test_a_run_recorded_without_its_password_resumes_with_it_from_the_environmen
     with LedgerRepository.open(public) as repository:
         run = repository.get_run(run_id)
         events = [event.kind for event in repository.list_events(run_id)]
-    assert run.status == "finished" and run.rounds_completed == 3
+    assert run.status == "finished" and run.rounds_completed == 4
     assert run.config["db"] == public
     assert "resumed" in events
     assert not shows(log.read_text(), password)
