@@ -179,10 +179,15 @@ def test_malformed_replies_are_rejected_and_the_run_goes_on(
         reasons = {
             u.site: (u.status, u.reason or "") for u in repo.list_updates(record.id, round=2)
         }
+        crashed = repo.list_updates(record.id, site="crash")
+    # The crash, in round 1, benched the site for round 2 (flplatform/engine/bench.py).
+    assert [(u.round, u.status) for u in crashed] == [(1, "dropped")]
+    assert "disk on fire" in (crashed[0].reason or "")
+    assert (crashed[0].reason or "").endswith("; benched for the next 1 round")
+    assert "crash" not in reasons
     assert reasons["honest"][0] == "applied"
     assert reasons["nan"][0] == "rejected" and "NaN or Inf" in reasons["nan"][1]
     assert reasons["shape"][0] == "rejected" and "shape (3, 3)" in reasons["shape"][1]
-    assert reasons["crash"][0] == "dropped" and "disk on fire" in reasons["crash"][1]
     assert reasons["empty"][0] == "rejected" and "'arrays'" in reasons["empty"][1]
 
 

@@ -261,17 +261,21 @@ def test_a_site_whose_values_are_lost_keeps_them_for_a_later_step() -> None:
         seen[summary.server_round] = kept.groups[ACCUMULATORS]
 
     grid, summaries, _ = run_engine(
-        strategy, 3, contexts=contexts, behaviours={4: loses_values_in_round_2}, on_round=keep
+        strategy, 5, contexts=contexts, behaviours={4: loses_values_in_round_2}, on_round=keep
     )
     assert [u.status for u in summaries[1].updates].count(APPLIED) == 3
-    round3 = {
-        m.metadata.dst_node_id: m.content[keys.CONFIG][keys.ZERO_STEP]
+    # Its failed reply benched it for round 3 (flplatform/engine/bench.py); the next
+    # sketch round it takes part in tells it to keep its values (zero step 0).
+    back = {
+        config[keys.SERVER_ROUND]: config.get(keys.ZERO_STEP)
         for m in grid.pushed
-        if m.content[keys.CONFIG].get(keys.SERVER_ROUND) == 3
+        if m.metadata.dst_node_id == 4
+        and (config := m.content[keys.CONFIG]).get(keys.SERVER_ROUND, 0) > 2
     }
-    assert round3 == {1: 1, 2: 1, 3: 1, 4: 0}
+    first = min(back)
+    assert first > 3 and back[first] == 0
     step1 = strategy.model.changes.changes[1].numpy()
-    before, after = seen[2], seen[3]
+    before, after = seen[2], seen[first]
     # Not zeroed: v gained this round's u on top of what it had.
     np.testing.assert_allclose(after["v"][step1], before["v"][step1] + after["u"][step1], atol=1e-6)
     assert np.any(before["v"][step1] != 0)
