@@ -5,9 +5,11 @@ A failed reply (the site's error: its worker process died, its code raised) benc
 site for the next ``2^(n−1)`` rounds, n its failures in a row, at most ``MAX_ROUNDS``: it
 is offered no work, and no round waits for it. Then it is tried again; an applied update
 ends its streak. A site whose mod refused what its own train function returned is not
-benched (the stop rule ends such a run), nor a site that timed out (no reply came to
-say it failed). Never every site: a failure that would leave no connected site unbenched
-benches no one.
+benched (the stop rule ends such a run), nor a site that timed out or that the
+SuperLink reported unavailable (no reply came from it to say it failed). Never every site:
+a failure that would leave no connected site unbenched benches no one, and a round in
+which nothing could be sent without the benched sites (a strategy that needs more sites
+than are left) offers them work after all (``RoundEngine``).
 
 Sites are kept by name, as a resumed run knows them (node ids change at every start-up).
 No Flower imports.

@@ -102,7 +102,13 @@ from flplatform.engine.stop_rule import DEFAULT_MAX_FAILED_ROUNDS, FailureStreak
 from flplatform.engine.strategy import EngineStrategy, SubsetGrid, Update, Work
 from flplatform.engine.synchrony import Synchrony
 from flplatform.engine.versions import ModelVersions
-from flplatform.engine.wire import ContentSize, delivery_bytes, measure, reply_traffic
+from flplatform.engine.wire import (
+    ContentSize,
+    delivery_bytes,
+    made_by_superlink,
+    measure,
+    reply_traffic,
+)
 
 log = logging.getLogger("flplatform.engine")
 
@@ -132,6 +138,8 @@ class _RoundState:
     losses: list[ReportedLoss] = field(default_factory=list)
     # replies carrying a site's error (its process died, its code raised)
     site_failures: list[UpdateOutcome] = field(default_factory=list)
+    # the benched sites are offered this round after all: nothing could go without them
+    bench_lifted: bool = False
 
 
 class RoundEngine:
@@ -687,6 +695,16 @@ class RoundEngine:
         targets = self.policy.dispatch_targets(self._view(state))
         if targets:
             state.dispatched += self._dispatch(state, targets)
+        if (
+            not state.dispatched
+            and not state.bench_lifted
+            and self.mailbox.empty()
+            and len(self._unbenched(self.sites.idle(), state)) < len(self.sites.idle())
+        ):
+            # Nothing went out without the benched sites (a strategy that needs more
+            # sites than are left, the others gone): this round offers them work too.
+            state.bench_lifted = True
+            self._dispatch_wanted(state)
 
     def _dispatch(self, state: _RoundState, targets: Sequence[int]) -> int:
         """Send training messages to sampled targets; return how many were attempted.
@@ -697,7 +715,7 @@ class RoundEngine:
         """
         config = ConfigRecord(dict(state.train_config or {}))  # the strategy may write into it
         config[keys.MODEL_VERSION] = self.version
-        idle = set(self._unbenched(self.sites.idle(), state.server_round))
+        idle = set(self._unbenched(self.sites.idle(), state))
         allowed = self.sites.by_name(n for n in targets if n in idle)
         drafts = self.strategy.configure_train(
             state.server_round, self.arrays, config, SubsetGrid(self.grid, allowed)
@@ -978,7 +996,7 @@ class RoundEngine:
         if reply.has_error():
             status = REJECTED if refused_at_site(reply) else DROPPED
             outcome = UpdateOutcome(status=status, reason=site_error(reply), **row)
-            if status == DROPPED:
+            if status == DROPPED and not made_by_superlink(reply):
                 state.site_failures.append(outcome)  # benched at the round's close
             return self._failed_reply(state, outcome)
         row.update(reported_metrics(reply))
@@ -1021,7 +1039,6 @@ class RoundEngine:
             return self._failed_reply(state, UpdateOutcome(status=REJECTED, reason=reason, **row))
         state.applied += 1
         state.applied_nodes.add(dispatch.node_id)
-        self.bench.succeeded(site)
         contribution = update.contribution
         row.update(
             num_examples=contribution.num_examples,
@@ -1150,7 +1167,7 @@ class RoundEngine:
             model_distance=self._model_distance,
             server_round=state.server_round,
             model_version=self.version,
-            idle_nodes=self._unbenched(census.idle, state.server_round),
+            idle_nodes=self._unbenched(census.idle, state),
             outstanding={**training, **queued},
             dispatched_this_round=state.dispatched,
             arrived_this_round=len(state.outcomes),
@@ -1162,23 +1179,35 @@ class RoundEngine:
         )
 
     def _bench_failed_sites(self, state: _RoundState) -> None:
-        """In a round that applied updates, bench the sites whose replies carried their
-        error (``bench``), saying so in their rows; a round that applied none is the stop
-        rule's to judge."""
-        if not state.applied or not state.site_failures:
+        """From the round's final rows: a site with an applied update ends its streak; in
+        a round that applied updates, a site whose reply carried its error (and that had
+        none applied) is benched (``bench``), its row saying so. A round that applied none
+        is the stop rule's to judge."""
+        applied = {o.site for o in state.outcomes if o.status == APPLIED}
+        for site in applied:
+            self.bench.succeeded(site)
+        if not applied or not state.site_failures:
             return
-        others = [info.name for info in self.sites.infos().values()]
+        census = self.sites.census()
+        others = [self.sites.name(n) for n in census.idle] + [
+            self.sites.name(d.node_id) for d in census.training
+        ]
         renamed: dict[int, UpdateOutcome] = {}
         for outcome in state.site_failures:
+            if outcome.site in applied:
+                continue
             rounds = self.bench.failed(outcome.site, state.server_round, others=others)
             if rounds:
                 note = f"benched for the next {rounds} round{'s' * (rounds > 1)}"
                 renamed[id(outcome)] = replace(outcome, reason=_joined(outcome.reason, note))
         state.outcomes = [renamed.get(id(o), o) for o in state.outcomes]
 
-    def _unbenched(self, nodes: Sequence[int], server_round: int) -> tuple[int, ...]:
-        """``nodes`` without the sites that sit out ``server_round`` (``bench``)."""
-        return tuple(n for n in nodes if not self.bench.benched(self.sites.name(n), server_round))
+    def _unbenched(self, nodes: Sequence[int], state: _RoundState) -> tuple[int, ...]:
+        """``nodes`` without the sites that sit out this round (``bench``)."""
+        if state.bench_lifted:
+            return tuple(nodes)
+        benched = self.bench.benched
+        return tuple(n for n in nodes if not benched(self.sites.name(n), state.server_round))
 
     def _model_distance(self, version: int) -> float:
         return self.versions.distance(version, current=self.arrays, current_version=self.version)

@@ -94,3 +94,37 @@ def test_the_bench_is_restored_by_site_name_and_refuses_a_bad_state() -> None:
     assert restored.state_dict() == {"failures": {}, "until": {}}
     with pytest.raises(CheckpointError, match="'until' must map site names to counts"):
         restored.load_state_dict({"failures": {}, "until": {"c": -1}})
+
+
+def test_a_strategy_that_needs_the_benched_site_gets_it_and_the_run_goes_on(
+    repository: LedgerRepository,
+) -> None:
+    """Flower's FedAvg waits for 2 sites: with one of two benched nothing could be sent,
+    so that round offers the benched site work after all, instead of failing the run."""
+    from flwr.serverapp.strategy import FedAvg
+
+    from flplatform.engine.engine import RoundEngine
+    from flplatform.run.flower_adapter import FlowerStrategyAdapter
+    from flplatform.run.ledger import SqlLedger
+    from tests.helpers.scripted_grid import ScriptedGrid
+    from tests.helpers.scripted_sites import MODEL
+
+    run_id = repository.create_run(
+        name="t", strategy="fedavg", seed=0, config={}, num_rounds_planned=3
+    )
+    sites = {1: scripted("a", good), 2: scripted("b", crashes(DIED), good)}
+    RoundEngine(
+        ScriptedGrid(sites),
+        FlowerStrategyAdapter(FedAvg()),
+        ledger=SqlLedger(repository, run_id),
+        required_sites=2,
+        poll_interval=0.0,
+        round_timeout=5.0,
+    ).run(MODEL, num_rounds=3)
+    updates = repository.list_updates(run_id)
+    assert [(u.round, u.site, u.status) for u in updates if u.site == "b"] == [
+        (1, "b", DROPPED),
+        (2, "b", APPLIED),  # benched, but FedAvg needs both sites: offered after all
+        (3, "b", APPLIED),
+    ]
+    assert len(repository.list_rounds(run_id)) == 3
