@@ -31,6 +31,7 @@ import ssl
 import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,12 +76,16 @@ SIGNATURE_HEADER = "flwr-signature"
 TIMESTAMP_HEADER = "flwr-timestamp"
 SIGNATURE_MAX_AGE_SECONDS = 305.0
 # Connections held at once, in all and from one address, that have not (yet) carried a
-# registered site's signed request: past either, the oldest such connection is closed for
-# the new one. A connection that carried one is a site's and is never closed for another:
-# a peer holding connections open cannot keep out the sites, also not those that share
-# its address (behind one NAT), since a site's new connection displaces the peer's.
+# registered site's signed request: past either, the oldest such connection (past its
+# grace) is closed for the new one. A connection that carried one is a site's and is never
+# closed for another: a peer holding connections open cannot keep out the sites for long,
+# also not those that share its address (behind one NAT).
 MAX_CONNECTIONS = 128
 MAX_CONNECTIONS_PER_ADDRESS = 16
+# A connection this young is not closed for another: a site's fresh connection has time
+# to carry its first signed request (a flood of new ones cannot push it out; the newcomer
+# is refused instead while every candidate is this young).
+EVICTION_GRACE_SECONDS = 5.0
 # Longest printed excerpt of what a refused peer sent (its request path).
 MAX_QUOTED = 80
 HANDSHAKE_SECONDS = 10.0
@@ -153,29 +158,35 @@ class GatewayConfig:
 class Reports:
     """One-line reports on stdout. Reports of one kind (``key``: the line itself unless
     the caller names the kind) are said at most once a minute; the next one says how many
-    were held back meanwhile. Kinds quiet for a minute are forgotten: a flood of distinct
-    requests costs neither lines nor memory."""
+    were held back meanwhile. A kind said over a minute ago is forgotten (with its count),
+    and at most ``_KINDS_KEPT`` are remembered, the oldest said forgotten first: a flood of
+    distinct requests costs neither lines nor memory nor time."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._kinds: dict[str, tuple[float, int]] = {}  # key → (said at, held back since)
+        # key → (said at, held back since), in the order they were said
+        self._kinds: OrderedDict[str, tuple[float, int]] = OrderedDict()
         self._lock = threading.Lock()
 
     def say(self, line: str, *, key: str | None = None) -> None:
         now = self._clock()
         key = line if key is None else key
         with self._lock:
+            while self._kinds:  # forget the kinds said over a minute ago
+                oldest = next(iter(self._kinds))
+                if now - self._kinds[oldest][0] < REPEAT_SECONDS:
+                    break
+                if oldest == key:  # said again after its minute: its count is reported
+                    break
+                del self._kinds[oldest]
             said_at, held = self._kinds.get(key, (-REPEAT_SECONDS, 0))
             if now - said_at < REPEAT_SECONDS:
                 self._kinds[key] = (said_at, held + 1)
                 return
             self._kinds[key] = (now, 0)
-            if len(self._kinds) > _KINDS_KEPT:
-                self._kinds = {
-                    k: (at, n)
-                    for k, (at, n) in self._kinds.items()
-                    if n or now - at < REPEAT_SECONDS
-                }
+            self._kinds.move_to_end(key)
+            while len(self._kinds) > _KINDS_KEPT:
+                self._kinds.popitem(last=False)
         if held:
             line += f" ({held} more like it in the minute before)"
         self.emit(line)
@@ -261,6 +272,7 @@ class _Connection:
 
     sock: Any
     source: str
+    opened: float = 0.0  # time.monotonic()
     site: bool = False
 
 
@@ -299,29 +311,45 @@ class FleetGateway(socketserver.ThreadingMixIn, http.server.HTTPServer):
         carried no site's request when too many are open (refusing this one only when
         every open connection is a site's)."""
         source = client_address[0]
+        now = time.monotonic()
         with self._count_lock:
             anonymous = [c for c in self._open.values() if not c.site]
-            evicted: list[_Connection] = []
             here = [c for c in anonymous if c.source == source]
             if len(here) >= MAX_CONNECTIONS_PER_ADDRESS:
-                evicted.append(here[0])
-            elif len(self._open) >= MAX_CONNECTIONS and anonymous:
-                evicted.append(anonymous[0])
-            for connection in evicted:
-                del self._open[id(connection.sock)]
-            crowded = len(self._open) >= MAX_CONNECTIONS
+                full, candidates = True, here
+            elif len(self._open) >= MAX_CONNECTIONS:
+                # from the address holding the most: a peer cannot evict another's by
+                # spreading its connections over many addresses
+                counts: dict[str, int] = {}
+                for c in anonymous:
+                    counts[c.source] = counts.get(c.source, 0) + 1
+                full = True
+                candidates = sorted(anonymous, key=lambda c: -counts[c.source])
+            else:
+                full, candidates = False, []
+            evicted = next(
+                (c for c in candidates if now - c.opened >= EVICTION_GRACE_SECONDS), None
+            )
+            if evicted is not None:
+                del self._open[id(evicted.sock)]
+            crowded = full and evicted is None
             if not crowded:
-                self._open[id(request)] = _Connection(request, source)
-        for connection in evicted:
+                self._open[id(request)] = _Connection(request, source, opened=now)
+        if evicted is not None:
             self.reports.say(
-                f"closed a connection from {connection.source} for a new one: too many "
+                f"closed a connection from {evicted.source} for a new one: too many "
                 "connections open that carried no registered site's request",
-                key=f"evicted {connection.source}",
+                key=f"evicted {evicted.source}",
             )
             with contextlib.suppress(OSError):
-                connection.sock.shutdown(socket.SHUT_RDWR)  # its thread then ends
+                # The TCP socket's own shutdown: an SSLSocket's would drop its TLS state
+                # under the thread that may be in its handshake. The thread then ends.
+                socket.socket.shutdown(evicted.sock, socket.SHUT_RDWR)
         if crowded:
-            self.reports.say(f"refused {source}: {MAX_CONNECTIONS} sites' connections are open")
+            self.reports.say(
+                f"refused {source}: too many connections open at once",
+                key=f"crowded {source}",
+            )
             self.shutdown_request(request)
             return
         super().process_request(request, client_address)
@@ -510,10 +538,15 @@ class _FleetHandler(http.server.BaseHTTPRequestHandler):
                 )
             else:
                 why = "its key is not registered (it is not one of --sites)"
-            self.server.reports.say(f"refused {who} from {source}: {why}")
+            # one line a minute per peer and site, whatever keys an intruder makes up
+            kind = who if who.startswith("site ") else "an unregistered key"
+            self.server.reports.say(
+                f"refused {who} from {source}: {why}", key=f"refused {source}: {kind}"
+            )
         elif status == 401:
             self.server.reports.say(
-                f"refused {who} from {source}: its request's signature was not accepted"
+                f"refused {who} from {source}: its request's signature was not accepted",
+                key=f"refused {source}: signature",
             )
 
 

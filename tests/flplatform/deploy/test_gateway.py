@@ -304,10 +304,15 @@ def test_reports_forget_quiet_kinds_so_a_flood_costs_no_memory() -> None:
     reports = Collected()
     reports._clock = clock
     for n in range(5000):
-        clock.now = n * 0.1  # each kind said once, then quiet for a minute and more
+        clock.now = n * 0.1  # each kind said twice (one held back), then quiet
+        reports.say(f"refused 10.{n // 256}.{n % 256}.1: no key")
         reports.say(f"refused 10.{n // 256}.{n % 256}.1: no key")
     assert len(reports.lines) == 5000
-    assert len(reports._kinds) <= 1025  # pruned to the last minute's (600) past 1024
+    assert len(reports._kinds) <= 601  # the last minute's, at 10 a second
+    clock.now = 500.0
+    for n in range(3000):  # 3000 kinds within one minute: the cap holds
+        reports.say(f"refused 10.1.{n // 256}.{n % 256}: no key")
+    assert len(reports._kinds) == 1024
 
 
 def signed_headers(private_key: Path, *, age: float = 0.0, tamper: bool = False) -> dict:
@@ -387,18 +392,25 @@ def keep_alive_request(tls: ssl.SSLSocket, headers: dict[str, str]) -> bytes:
 
 
 def test_a_peer_holding_connections_cannot_keep_out_a_site_on_its_address(
-    deployment: Deployment,
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """200 idle connections from the sites' own address (as behind one NAT): a site's
-    connection that carried its signed request stays, and its new ones get in."""
-    from flplatform.deploy.gateway import MAX_CONNECTIONS_PER_ADDRESS
+    """200 connections from the sites' own address (as behind one NAT): a site's
+    connection that carried its signed request stays, a fresh one of the site's is not
+    pushed out by a burst, and once the peer's are past their grace a new one gets in."""
+    import flplatform.deploy.gateway as gateway
 
+    monkeypatch.setattr(gateway, "EVICTION_GRACE_SECONDS", 1.0)
     london = idle_tls(deployment)
     assert keep_alive_request(london, signed_headers(deployment.london_key)) == b"HTTP/1.1 200 OK"
-    flood = [idle_tls(deployment) for _ in range(200)]
-    # The site's open connection was never closed for the flood
+    fresh = idle_tls(deployment)  # the site's next connection, its request not yet sent
+    flood = []
+    for _ in range(200):
+        with contextlib.suppress(OSError):  # newcomers refused while the others are young
+            flood.append(idle_tls(deployment))
     assert keep_alive_request(london, signed_headers(deployment.london_key)) == b"HTTP/1.1 200 OK"
-    # and a new connection of the site's gets in, displacing the oldest idle one
+    assert keep_alive_request(fresh, signed_headers(deployment.london_key)) == b"HTTP/1.1 200 OK"
+    time.sleep(1.2)  # the peer's connections are past their grace
+    flood.append(idle_tls(deployment))  # (the fresh one's slot, now a site's)
     with httpx.Client(verify=ssl.create_default_context(cafile=str(deployment.ca_cert))) as site:
         reply = site.post(
             f"{deployment.url}/v1/fleet/pull-messages",
@@ -406,13 +418,16 @@ def test_a_peer_holding_connections_cannot_keep_out_a_site_on_its_address(
             headers=signed_headers(deployment.london_key),
         )
         assert reply.status_code == 200
-    closed = 0
+    open_now = 0
     for tls in flood:
         tls.settimeout(0.5)
         with contextlib.suppress(TimeoutError, OSError):  # still open: times out
-            closed += tls.recv(1) == b""
+            open_now += tls.recv(1) != b""
         tls.close()
     london.close()
-    assert closed >= 200 - MAX_CONNECTIONS_PER_ADDRESS  # at most this many stayed open
+    fresh.close()
+    assert len(flood) >= gateway.MAX_CONNECTIONS_PER_ADDRESS - 1
+    assert open_now < gateway.MAX_CONNECTIONS_PER_ADDRESS  # the oldest gave way
     evictions = [line for line in deployment.reports.lines if line.startswith("closed a conn")]
-    assert len(evictions) == 1  # one line a minute, whatever the flood
+    refusals = [line for line in deployment.reports.lines if line.startswith("refused 127")]
+    assert len(evictions) == 1 and len(refusals) == 1  # one line a minute each
