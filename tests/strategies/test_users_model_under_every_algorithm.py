@@ -112,14 +112,17 @@ def users_train(msg: Message, context: Context) -> Message:
     return Message(content, reply_to=msg)
 
 
-def site(index: int) -> Callable[[Message], Message]:
+def site(
+    index: int, train: Callable[[Message, Context], Message] = users_train
+) -> Callable[[Message], Message]:
+    """Site ``index``: ``train`` (the quickstart's by default) behind flplatform's mod."""
     state = context(index + 1, node_config={"partition-id": index})
 
     def behave(msg: Message) -> Message:
         if msg.metadata.message_type == MessageType.QUERY:
             info = ConfigRecord({keys.SITE_NAME: f"site-{index}"})
             return Message(RecordDict({keys.SITE_INFO: info}), reply_to=msg)
-        return flplatform_mod()(msg, state, users_train)
+        return flplatform_mod()(msg, state, train)
 
     return behave
 
@@ -193,17 +196,6 @@ def test_server_rates_and_momentum_leave_buffers_to_the_sites_mean_change() -> N
         content = RecordDict({"arrays": arrays_to_record(arrays), "metrics": metrics})
         return Message(content, reply_to=msg)
 
-    def site(node: int) -> Callable[[Message], Message]:
-        state = context(node)
-
-        def behave(msg: Message) -> Message:
-            if msg.metadata.message_type == MessageType.QUERY:
-                info = ConfigRecord({keys.SITE_NAME: f"s{node}"})
-                return Message(RecordDict({keys.SITE_INFO: info}), reply_to=msg)
-            return flplatform_mod()(msg, state, train)
-
-        return behave
-
     start = {"w": np.zeros(2, np.float32), "bn.running_var": np.ones(2, np.float32)}
     for strategy in (
         DelayedCompensated(delay=0, num_rounds=2, eta=3.0),
@@ -211,7 +203,7 @@ def test_server_rates_and_momentum_leave_buffers_to_the_sites_mean_change() -> N
     ):
         models: list[dict[str, np.ndarray]] = []
         RoundEngine(
-            ScriptedGrid({1: site(1), 2: site(2)}),
+            ScriptedGrid({1: site(0, train), 2: site(1, train)}),
             strategy,
             policy=strategy.engine_policy(Synchrony("sync"), num_rounds=2),
             poll_interval=0.0,
