@@ -62,6 +62,11 @@ def averaged_arrays(
     )
 
 
+def averaged_of(model: Mapping[str, np.ndarray], named: Iterable[str] = ()) -> tuple[str, ...]:
+    """:func:`averaged_arrays` of a model's arrays (name → array)."""
+    return averaged_arrays({name: value.dtype for name, value in model.items()}, named)
+
+
 def named_arrays(patterns: Sequence[str], names: Iterable[str]) -> tuple[str, ...]:
     """The model's arrays (``names``, in their order) that ``patterns`` name: exact names
     or shell-style patterns (``*.class_prior``), case-sensitive.

@@ -74,7 +74,7 @@ from strategies.aggregation import (
     WeightedDeltaSum,
     apply_server_update,
 )
-from strategies.averaged_arrays import averaged_arrays
+from strategies.averaged_arrays import averaged_of
 from strategies.codecs import Codec, Identity, make_codec
 from strategies.compensation import ServerPeriods
 from strategies.knobs import DELAYED_SYNC_ONLY, DelayedKnobs
@@ -418,11 +418,6 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         """Example-weighted mean of the sites' evaluation metrics."""
         return mean_evaluation(replies)
 
-    def _averaged_names(self) -> tuple[str, ...]:
-        """The model's buffers (``strategies.averaged_arrays``), the named ones included."""
-        dtypes = {name: value.dtype for name, value in self._current.items()}
-        return averaged_arrays(dtypes, self.codec.averaged)
-
     def _fit_codec(self, arrays: ArrayRecord) -> None:
         """Fit the codec to the model once (``strategies.local_sgd.fit_codec``)."""
         if not self._fitted_codec:
@@ -535,7 +530,8 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
                     eta=self.eta,
                     beta=0.0,
                     state=ServerOptimizerState(),
-                    averaged=self._averaged_names(),  # buffers: their mean change, no η
+                    # buffers: their mean change, no η
+                    averaged=averaged_of(self._current, self.codec.averaged),
                 )
             except StepRefused as exc:  # an empty average: x unchanged, still a version
                 refused = exc

@@ -68,7 +68,7 @@ from strategies.aggregation import (
     float64_model,
     model_delta,
 )
-from strategies.averaged_arrays import averaged_arrays, named_arrays
+from strategies.averaged_arrays import averaged_of, named_arrays
 from strategies.codecs import Codec, Identity, make_codec, with_averaged
 from strategies.knobs import MEAN, MEDIAN, LocalSGDKnobs
 from strategies.layout import Layout
@@ -388,7 +388,7 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
                 state=self.state.optimizer,
                 spent=True,
                 x64=self._current64,
-                averaged=self._averaged_names(),
+                averaged=averaged_of(self._current, self.codec.averaged),
             )
         except StepRefused as exc:
             raise StepRefused(f"the server step: {exc.reason}") from None
@@ -396,11 +396,6 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         if self._loss_weight > 0:
             metrics[keys.TRAIN_LOSS] = self._loss_sum / self._loss_weight
         return arrays_to_record(new), metrics  # a copy: ``new`` may be _spent_sums
-
-    def _averaged_names(self) -> tuple[str, ...]:
-        """The model's arrays set to the sites' mean (``strategies.averaged_arrays``)."""
-        dtypes = {name: value.dtype for name, value in self._current.items()}
-        return averaged_arrays(dtypes, self.codec.averaged)
 
     def _robust_mean(self) -> dict[str, np.ndarray]:
         """The coordinate-wise median or trimmed mean of the held updates (Flower's maths)."""
