@@ -46,6 +46,7 @@ from flplatform.core.site_registry import REGISTRY_ENV, RegisteredSite, SiteRegi
 from flplatform.deploy.addresses import Address, parse_address
 from flplatform.deploy.certs import ServerCerts, check_site_name, fingerprint, site_public_key
 from flplatform.deploy.gateway import READY_LINE
+from flplatform.engine.events import SITE_BACK_EVENT, SITE_LOST_EVENT
 from flplatform.launch.flower import (
     OWNER_ONLY_UMASK,
     SimulationProcess,
@@ -62,7 +63,7 @@ from flplatform.launch.processes import ProcessTree
 from flplatform.launch.simulation import ProgressCallback, follow_run
 from flplatform.run.options import ConfigValue
 from flplatform.run.run_record import DEPLOYED_EVENT
-from storage import LedgerRepository, RoundRecord, RunRecord, UpdateRecord
+from storage import LedgerRepository, RoundRecord, RunEventRecord, RunRecord, UpdateRecord
 
 DEFAULT_ADDRESS = "0.0.0.0:9092"  # Flower's traditional Fleet API port
 DEFAULT_WAIT_SECONDS = 600.0
@@ -612,6 +613,47 @@ def start_deployment(
     return SimulationProcess(link, flwr_run, log_path, link_log, tree, superlink_port=link_port)
 
 
+# How often a deployment's follower reads the run's events for sites lost or back (s).
+PRESENCE_EVERY = 2.0
+
+
+class PresenceLines:
+    """Says each site-lost and site-back event of a run once, as the engine recorded it."""
+
+    def __init__(self, say: Say) -> None:
+        self.say = say
+        self.seen: set[int] = set()
+        self.next_read = 0.0
+
+    def poll(self, run_id: int, db: str | None) -> None:
+        if time.monotonic() < self.next_read:
+            return
+        self.next_read = time.monotonic() + PRESENCE_EVERY
+        try:
+            with LedgerRepository.open(db) as repository:
+                events = repository.list_events(run_id)
+        except FLPlatformError:
+            return  # a ledger that hiccups: read again next time
+        for event in events:
+            if event.id not in self.seen and event.kind in (SITE_LOST_EVENT, SITE_BACK_EVENT):
+                self.seen.add(event.id)
+                self.say(presence_line(event))
+
+
+def presence_line(event: RunEventRecord) -> str:
+    """One line for a site-lost or site-back event."""
+    detail = event.detail
+    what = (
+        "left: the SuperLink no longer lists its SuperNode, and it gets no work until it is back"
+        if event.kind == SITE_LOST_EVENT
+        else "is back"
+    )
+    return (
+        f"round {detail.get('round')}: site {detail.get('site')} {what} "
+        f"({detail.get('connected')} of {detail.get('sites')} sites connected)"
+    )
+
+
 def run_deployment(
     plan: ServerPlan,
     run: DeployedRun,
@@ -628,9 +670,12 @@ def run_deployment(
     Returns the finished run; raises ``RunFailed`` when the sites do not come or the run
     fails, ``RunStopped`` on Ctrl-C or SIGTERM; every process is stopped in any case. The
     run gets a ``deployed`` event naming the sites as soon as it is in the ledger, so that
-    ``flplatform resume`` will not train it here (``run_record.refuse_deployed``).
+    ``flplatform resume`` will not train it here (``run_record.refuse_deployed``). A site
+    the run loses, or gets back, is said at once (the engine's ledger events, read every
+    ``PRESENCE_EVERY`` seconds).
     """
     marked: set[int] = set()
+    presence = PresenceLines(say)
     with deployment_state(home, plan) as state:
         gateway_log = LogTail(home / "logs" / f"{run.tag[:12]}.gateway.log")
 
@@ -654,6 +699,8 @@ def run_deployment(
                     say(f"could not mark run {record.id} deployed yet: {exc}")
                 else:
                     marked.add(record.id)
+            if record is not None:
+                presence.poll(record.id, follow.db or None)
             if on_progress is not None:
                 on_progress(record, done, failures)
 

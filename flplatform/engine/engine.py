@@ -64,6 +64,8 @@ from flplatform.engine.events import (
     CANCELLED,
     DROPPED,
     REJECTED,
+    SITE_BACK_EVENT,
+    SITE_LOST_EVENT,
     Dispatch,
     EvaluationOutcome,
     LedgerSink,
@@ -586,12 +588,37 @@ class RoundEngine:
         return not self.required_sites and self.policy.sites_problem(joined) is not None
 
     def refresh_sites(self) -> None:
-        """Notice nodes that joined (introduce them) or left (give them no work)."""
+        """Notice nodes that joined (introduce them), left (give them no work, and say so
+        at once: a warning and a ledger event) or came back (say so too)."""
         node_ids = set(self.grid.get_node_ids())
         new = sorted(n for n in node_ids if n not in self.sites)
         if new:
             self._introduce(new, timeout=self.round_timeout)
-        self.sites.set_connected(node_ids)
+        left, back = self.sites.set_connected(node_ids)
+        if left or back:
+            self._say_presence(left, back)
+
+    def _say_presence(self, left: Sequence[int], back: Sequence[int]) -> None:
+        """A warning and a ledger event for each site that left or came back."""
+        connected, total = self.sites.census().connected, len(self.sites)
+        said = {
+            SITE_LOST_EVENT: "left (the SuperLink no longer lists its SuperNode); it gets no "
+            "work until it is back",
+            SITE_BACK_EVENT: "is back",
+        }
+        for kind, nodes in ((SITE_LOST_EVENT, left), (SITE_BACK_EVENT, back)):
+            for node_id in nodes:
+                name = self.sites.name(node_id)
+                log.warning(
+                    "round %d: site %s %s: %d of %d sites connected",
+                    self._server_round,
+                    name,
+                    said[kind],
+                    connected,
+                    total,
+                )
+                detail = {"site": name, "round": self._server_round}
+                self.ledger.record_event(kind, {**detail, "connected": connected, "sites": total})
 
     def _introduce(self, node_ids: Sequence[int], *, timeout: float) -> None:
         introduce(

@@ -107,6 +107,12 @@ class RoundSummary:
         return sum(u.bytes_down for u in self.updates)
 
 
+# Events the engine records besides rounds (``LedgerSink.record_event``): a site whose
+# SuperNode the SuperLink stopped listing (it gets no work meanwhile), and one listed again.
+SITE_LOST_EVENT = "site-lost"
+SITE_BACK_EVENT = "site-back"
+
+
 class LedgerSink(Protocol):
     """Where the engine writes sites and finished rounds (committed round by round)."""
 
@@ -134,6 +140,11 @@ class LedgerSink(Protocol):
         """
         ...
 
+    def record_event(self, kind: str, detail: dict[str, Any]) -> None:
+        """Record something that happened to the run besides its rounds (a site lost or
+        back: ``SITE_LOST_EVENT``, ``SITE_BACK_EVENT``), committed now."""
+        ...
+
 
 class NullLedger:
     """A sink that records nothing (for ``strategy.start`` without a database)."""
@@ -148,3 +159,6 @@ class NullLedger:
         self, traffic: Sequence[TrafficOutcome], server_round: int | None = None
     ) -> None:
         """Ignore the traffic."""
+
+    def record_event(self, kind: str, detail: dict[str, Any]) -> None:
+        """Ignore the event."""

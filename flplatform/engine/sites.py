@@ -113,11 +113,21 @@ class Sites:
     def names(self) -> set[str]:
         return {s.info.name for s in self._states.values()}
 
-    def set_connected(self, node_ids: set[int]) -> None:
-        """The nodes the SuperLink lists now; the others get no work."""
+    def set_connected(self, node_ids: set[int]) -> tuple[list[int], list[int]]:
+        """The nodes the SuperLink lists now; the others get no work.
+
+        Returns the sites that left since the last call (listed then, not now) and those
+        back (not listed then, listed now), each in join order.
+        """
+        left: list[int] = []
+        back: list[int] = []
         for node_id, state in self._states.items():
-            state.connected = node_id in node_ids
+            connected = node_id in node_ids
+            if state.connected != connected:
+                (back if connected else left).append(node_id)
+            state.connected = connected
         self._census = None
+        return left, back
 
     # ---------------------------------------------------------------- phases
     def idle(self) -> tuple[int, ...]:

@@ -166,6 +166,10 @@ class SqlLedger:
             self.run_id, [TrafficInput(**asdict(t)) for t in traffic], round=server_round
         )
 
+    def record_event(self, kind: str, detail: dict[str, Any]) -> None:
+        """Record an event of the run (a site lost or back), in its own transaction."""
+        self.repository.add_event(self.run_id, kind, detail)
+
     def record_round(self, summary: RoundSummary, state: Mapping[str, Any] | None = None) -> None:
         """Record one finished round with all its updates and evaluations, and its checkpoint.
 

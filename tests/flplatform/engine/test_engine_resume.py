@@ -144,12 +144,16 @@ class MemoryLedger:
     rounds: list[RoundSummary] = field(default_factory=list)
     states: dict[int, Path] = field(default_factory=dict)
     traffic: list[tuple[int | None, Any]] = field(default_factory=list)
+    events: list[tuple[str, dict]] = field(default_factory=list)
 
     def add_site(self, site: SiteInfo, profile: dict) -> None:
         self.sites.append((site, profile))
 
     def record_traffic(self, traffic: Any, server_round: int | None = None) -> None:
         self.traffic.extend((server_round, t) for t in traffic)
+
+    def record_event(self, kind: str, detail: dict) -> None:
+        self.events.append((kind, detail))
 
     def record_round(self, summary: RoundSummary, state: Any = None) -> None:
         if state is not None:

@@ -1,0 +1,54 @@
+"""`flplatform server` says at once when a run loses a site or gets it back: each of the
+engine's site-lost and site-back events of the run, read from a real SQLite ledger, once."""
+
+from __future__ import annotations
+
+import pytest
+
+from flplatform.deploy import superlink
+from flplatform.deploy.superlink import PresenceLines
+from flplatform.engine.events import SITE_BACK_EVENT, SITE_LOST_EVENT
+from flplatform.run.run_record import DEPLOYED_EVENT
+from storage import LedgerRepository
+
+
+def test_each_site_lost_or_back_is_said_once_and_other_events_not_at_all(
+    sqlite_ledger: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(superlink, "PRESENCE_EVERY", 0.0)
+    said: list[str] = []
+    lines = PresenceLines(said.append)
+    with LedgerRepository.open(sqlite_ledger) as repository:
+        run_id = repository.create_run(
+            name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=5
+        )
+        repository.add_event(run_id, DEPLOYED_EVENT, {"sites": ["london", "ohio"]})
+        lost = {"site": "ohio", "round": 3, "connected": 1, "sites": 2}
+        repository.add_event(run_id, SITE_LOST_EVENT, lost)
+        lines.poll(run_id, sqlite_ledger)
+        lines.poll(run_id, sqlite_ledger)
+        back = {"site": "ohio", "round": 5, "connected": 2, "sites": 2}
+        repository.add_event(run_id, SITE_BACK_EVENT, back)
+        lines.poll(run_id, sqlite_ledger)
+    assert said == [
+        "round 3: site ohio left: the SuperLink no longer lists its SuperNode, and it gets "
+        "no work until it is back (1 of 2 sites connected)",
+        "round 5: site ohio is back (2 of 2 sites connected)",
+    ]
+
+
+def test_events_are_read_at_most_every_few_seconds(sqlite_ledger: str) -> None:
+    said: list[str] = []
+    lines = PresenceLines(said.append)
+    with LedgerRepository.open(sqlite_ledger) as repository:
+        run_id = repository.create_run(
+            name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=5
+        )
+        lines.poll(run_id, sqlite_ledger)  # read: nothing yet
+        lost = {"site": "ohio", "round": 2, "connected": 1, "sites": 2}
+        repository.add_event(run_id, SITE_LOST_EVENT, lost)
+        lines.poll(run_id, sqlite_ledger)  # within PRESENCE_EVERY of the last read
+    assert said == []
+    lines.next_read = 0.0  # the interval has passed
+    lines.poll(run_id, sqlite_ledger)
+    assert len(said) == 1 and "site ohio left" in said[0]
