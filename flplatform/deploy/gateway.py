@@ -82,6 +82,10 @@ SIGNATURE_MAX_AGE_SECONDS = 305.0
 # also not those that share its address (behind one NAT).
 MAX_CONNECTIONS = 128
 MAX_CONNECTIONS_PER_ADDRESS = 16
+# Connections one registered site may hold open (Flower's SuperNode keeps one or two):
+# past it, that site's own oldest is closed, so that one site's key (stolen, or a client
+# gone wrong) cannot take every slot the other sites need.
+MAX_CONNECTIONS_PER_SITE = 8
 # A connection this young is not closed for another: a site's fresh connection has time
 # to carry its first signed request (a flood of new ones cannot push it out; the newcomer
 # is refused instead while every candidate is this young).
@@ -267,13 +271,13 @@ class _Refused(Exception):
 
 @dataclass(eq=False)
 class _Connection:
-    """One open connection: its socket, its peer's address, and whether a registered
-    site's signed request came on it (then it is never closed for another)."""
+    """One open connection: its socket, its peer's address, and the registered site whose
+    signed request came on it, if any (then it is never closed for another's)."""
 
     sock: Any
     source: str
     opened: float = 0.0  # time.monotonic()
-    site: bool = False
+    site: str | None = None  # the site's key fingerprint
 
 
 class FleetGateway(socketserver.ThreadingMixIn, http.server.HTTPServer):
@@ -361,17 +365,32 @@ class FleetGateway(socketserver.ThreadingMixIn, http.server.HTTPServer):
             with self._count_lock:
                 self._open.pop(id(request), None)
 
-    def mark_site(self, request: Any) -> None:
-        """The connection ``request`` carried a registered site's signed request."""
+    def mark_site(self, request: Any, fingerprint: str) -> None:
+        """The connection ``request`` carried the signed request of the registered site
+        with key ``fingerprint``; past ``MAX_CONNECTIONS_PER_SITE`` of that site's, its
+        oldest is closed."""
         with self._count_lock:
             connection = self._open.get(id(request))
-            if connection is not None:
-                connection.site = True
+            if connection is None:
+                return
+            connection.site = fingerprint
+            held = [c for c in self._open.values() if c.site == fingerprint]  # oldest first
+            evicted = held[0] if len(held) > MAX_CONNECTIONS_PER_SITE else None
+            if evicted is not None:
+                del self._open[id(evicted.sock)]
+        if evicted is not None:
+            self.reports.say(
+                f"closed the oldest connection of {self.who(fingerprint)}: a site may hold "
+                f"at most {MAX_CONNECTIONS_PER_SITE} open",
+                key=f"site crowded {fingerprint}",
+            )
+            with contextlib.suppress(OSError):  # as in process_request
+                socket.socket.shutdown(evicted.sock, socket.SHUT_RDWR)
 
     def is_site(self, request: Any) -> bool:
         with self._count_lock:
             connection = self._open.get(id(request))
-            return connection is not None and connection.site
+            return connection is not None and connection.site is not None
 
     def get_request(self) -> tuple[Any, Any]:
         sock, address = super().get_request()
@@ -443,8 +462,10 @@ class _FleetHandler(http.server.BaseHTTPRequestHandler):
         if int(length) > MAX_BODY_BYTES:
             self.send_error(413)
             return
-        if not self.server.is_site(self.request) and self._signed_by_a_site():
-            self.server.mark_site(self.request)  # (without site authentication: none is)
+        if not self.server.is_site(self.request):
+            site = self._signing_site()
+            if site is not None:  # (without site authentication: none is)
+                self.server.mark_site(self.request, site)
         if int(length) > ANONYMOUS_BODY_BYTES and not self._trusted():
             source = self.client_address[0]
             self.server.reports.say(
@@ -486,21 +507,24 @@ class _FleetHandler(http.server.BaseHTTPRequestHandler):
         without site authentication."""
         return self.server.registry is None or self.server.is_site(self.request)
 
-    def _signed_by_a_site(self) -> bool:
-        """Whether the request carries a registered site's key and that key's fresh
-        signature of its timestamp, as Flower's SuperNode signs every Fleet request (the
-        SuperLink checks the same again). False without site authentication."""
+    def _signing_site(self) -> str | None:
+        """The key fingerprint of the registered site whose key the request carries with
+        that key's fresh signature of its timestamp, as Flower's SuperNode signs every
+        Fleet request (the SuperLink checks the same again); None if none, and without
+        site authentication."""
         registry = self.server.registry
         if registry is None:
-            return False
+            return None
         header = self.headers.get(PUBLIC_KEY_HEADER)
-        if key_fingerprint(header) not in {s.fingerprint for s in registry.sites}:
-            return False
-        return signature_holds(
+        site = key_fingerprint(header)
+        if site not in {s.fingerprint for s in registry.sites}:
+            return None
+        holds = signature_holds(
             header or "",
             self.headers.get(TIMESTAMP_HEADER) or "",
             self.headers.get(SIGNATURE_HEADER) or "",
         )
+        return site if holds else None
 
     def _refuse(self) -> None:
         source = self.client_address[0]

@@ -431,3 +431,33 @@ def test_a_peer_holding_connections_cannot_keep_out_a_site_on_its_address(
     evictions = [line for line in deployment.reports.lines if line.startswith("closed a conn")]
     refusals = [line for line in deployment.reports.lines if line.startswith("refused 127")]
     assert len(evictions) == 1 and len(refusals) == 1  # one line a minute each
+
+
+def test_one_site_cannot_hold_more_than_its_share_of_connections(
+    deployment: Deployment,
+) -> None:
+    """A registered key (stolen, or a client gone wrong) opening connection after
+    connection: past MAX_CONNECTIONS_PER_SITE that carried its signed request, its own
+    oldest are closed, said in one line; its newest still work."""
+    import flplatform.deploy.gateway as gateway
+
+    extra = 4
+    held = [idle_tls(deployment) for _ in range(gateway.MAX_CONNECTIONS_PER_SITE + extra)]
+    for tls in held:
+        assert keep_alive_request(tls, signed_headers(deployment.london_key)).endswith(b"200 OK")
+    still_open = []
+    for tls in held:
+        tls.settimeout(0.5)
+        try:
+            still_open.append(tls.recv(1) != b"")  # closed: b"" at once
+        except TimeoutError:
+            still_open.append(True)  # open: nothing to read
+        except OSError:
+            still_open.append(False)
+    assert still_open == [False] * extra + [True] * gateway.MAX_CONNECTIONS_PER_SITE
+    for tls in held[extra:]:  # the newest go on working
+        assert keep_alive_request(tls, signed_headers(deployment.london_key)).endswith(b"200 OK")
+    for tls in held:
+        tls.close()
+    [line] = [line for line in deployment.reports.lines if line.startswith("closed the oldest")]
+    assert "london" in line and f"at most {gateway.MAX_CONNECTIONS_PER_SITE} open" in line
