@@ -63,7 +63,14 @@ from flplatform.launch.processes import ProcessTree
 from flplatform.launch.simulation import ProgressCallback, follow_run
 from flplatform.run.options import ConfigValue
 from flplatform.run.run_record import DEPLOYED_EVENT
-from storage import LedgerRepository, RoundRecord, RunEventRecord, RunRecord, UpdateRecord
+from storage import (
+    RUN_RUNNING,
+    LedgerRepository,
+    RoundRecord,
+    RunEventRecord,
+    RunRecord,
+    UpdateRecord,
+)
 
 DEFAULT_ADDRESS = "0.0.0.0:9092"  # Flower's traditional Fleet API port
 DEFAULT_WAIT_SECONDS = 600.0
@@ -625,12 +632,14 @@ class PresenceLines:
         self.seen: set[int] = set()
         self.next_read = 0.0
 
-    def poll(self, run_id: int, db: str | None) -> None:
-        if time.monotonic() < self.next_read:
+    def poll(self, run_id: int, db: str | None, *, final: bool = False) -> None:
+        """Say the events not said yet: at most every ``PRESENCE_EVERY`` seconds, and
+        always when ``final`` (the run has ended: its last events are said too)."""
+        if time.monotonic() < self.next_read and not final:
             return
         self.next_read = time.monotonic() + PRESENCE_EVERY
         try:
-            with LedgerRepository.open(db) as repository:
+            with LedgerRepository.open(db, create=False) as repository:
                 events = repository.list_events(run_id)
         except FLPlatformError:
             return  # a ledger that hiccups: read again next time
@@ -700,7 +709,7 @@ def run_deployment(
                 else:
                     marked.add(record.id)
             if record is not None:
-                presence.poll(record.id, follow.db or None)
+                presence.poll(record.id, follow.db or None, final=record.status != RUN_RUNNING)
             if on_progress is not None:
                 on_progress(record, done, failures)
 

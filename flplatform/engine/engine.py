@@ -45,6 +45,7 @@ from flplatform.core import keys
 from flplatform.core.checkpoint import CheckpointError, StateProblems
 from flplatform.core.errors import (
     ConfigError,
+    FLPlatformError,
     HalvesDisagree,
     NoProgress,
     RunFailed,
@@ -113,6 +114,8 @@ from flplatform.engine.wire import (
 )
 
 log = logging.getLogger("flplatform.engine")
+# While work is out, how often the engine asks the SuperLink which sites it still lists (s).
+PRESENCE_CHECK_SECONDS = 5.0
 
 # A refused site is not offered work again for this long (it may be reconnecting).
 REFUSED_BACKOFF = 5.0
@@ -598,6 +601,14 @@ class RoundEngine:
         if left or back:
             self._say_presence(left, back)
 
+    def _watch_presence(self) -> None:
+        """Notice sites the SuperLink stopped (or started again) listing while work is out,
+        without introducing new nodes (that waits for their answers: it is done when the
+        mailbox is empty, and between rounds)."""
+        left, back = self.sites.set_connected(set(self.grid.get_node_ids()))
+        if left or back:
+            self._say_presence(left, back)
+
     def _say_presence(self, left: Sequence[int], back: Sequence[int]) -> None:
         """A warning and a ledger event for each site that left or came back."""
         connected, total = self.sites.census().connected, len(self.sites)
@@ -618,7 +629,12 @@ class RoundEngine:
                     total,
                 )
                 detail = {"site": name, "round": self._server_round}
-                self.ledger.record_event(kind, {**detail, "connected": connected, "sites": total})
+                try:
+                    self.ledger.record_event(
+                        kind, {**detail, "connected": connected, "sites": total}
+                    )
+                except FLPlatformError as exc:  # the warning is said; the run goes on
+                    log.warning("could not record that site %s %s: %s", name, kind, exc)
 
     def _introduce(self, node_ids: Sequence[int], *, timeout: float) -> None:
         introduce(
@@ -647,7 +663,7 @@ class RoundEngine:
         self.guard.begin_round(server_round)
         if self._resend:
             self._resend_saved(state)
-        waiting_since = time.monotonic()
+        waiting_since = presence_checked = time.monotonic()
         while True:
             # ---- dispatch: the policy says who may get work; the strategy samples
             self._dispatch_wanted(state)
@@ -672,6 +688,10 @@ class RoundEngine:
                         f"{self.round_timeout:.0f} s"
                     )
                 self.refresh_sites()
+            elif time.monotonic() - presence_checked >= PRESENCE_CHECK_SECONDS:
+                # A site that dies holding work is said now, not when its work times out.
+                presence_checked = time.monotonic()
+                self._watch_presence()
             time.sleep(self.poll_interval)
 
         # ---- aggregate into the next model version

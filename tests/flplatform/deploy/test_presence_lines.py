@@ -52,3 +52,17 @@ def test_events_are_read_at_most_every_few_seconds(sqlite_ledger: str) -> None:
     lines.next_read = 0.0  # the interval has passed
     lines.poll(run_id, sqlite_ledger)
     assert len(said) == 1 and "site ohio left" in said[0]
+
+
+def test_the_last_events_of_a_run_are_said_whenever_it_ended(sqlite_ledger: str) -> None:
+    said: list[str] = []
+    lines = PresenceLines(said.append)
+    with LedgerRepository.open(sqlite_ledger) as repository:
+        run_id = repository.create_run(
+            name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=5
+        )
+        lines.poll(run_id, sqlite_ledger)
+        lost = {"site": "ohio", "round": 5, "connected": 1, "sites": 2}
+        repository.add_event(run_id, SITE_LOST_EVENT, lost)
+    lines.poll(run_id, sqlite_ledger, final=True)  # the run ended within PRESENCE_EVERY
+    assert len(said) == 1 and "site ohio left" in said[0]

@@ -9,6 +9,7 @@ writing a real SQLite ledger.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 
 import pytest
@@ -98,3 +99,53 @@ def test_a_run_that_keeps_its_sites_records_no_presence_event(sqlite_ledger: str
             poll_interval=0.0,
         ).run(MODEL, num_rounds=3)
         assert repository.list_events(run_id) == []
+
+
+def test_a_site_that_dies_holding_work_is_said_before_its_work_times_out(
+    sqlite_ledger: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import flplatform.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PRESENCE_CHECK_SECONDS", 0.1)
+    listed = {1, 2}
+    dropped_at: list[float] = []
+    recorded_at: list[float] = []
+    trained = 0
+
+    def ohio(msg: Message) -> Message | None:
+        # answers round 1; dies on receiving its round-2 work (never answers it)
+        nonlocal trained
+        trained += 1
+        if trained == 1:
+            return good(msg)
+        listed.discard(2)
+        dropped_at.append(time.monotonic())
+        return None
+
+    class TimedLedger(SqlLedger):
+        def record_event(self, kind: str, detail: dict) -> None:  # type: ignore[type-arg]
+            recorded_at.append(time.monotonic())
+            super().record_event(kind, detail)
+
+    sites = {1: scripted("london", good), 2: scripted("ohio", ohio)}
+    with LedgerRepository.open(sqlite_ledger) as repository:
+        run_id = repository.create_run(
+            name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=2
+        )
+        RoundEngine(
+            ListedGrid(sites, listed),
+            LocalSGDAveraging(),
+            ledger=TimedLedger(repository, run_id),
+            required_sites=2,
+            poll_interval=0.01,
+            round_timeout=4.0,
+        ).run(MODEL, num_rounds=2)
+        events = [
+            (e.kind, e.detail["site"], e.detail["round"]) for e in repository.list_events(run_id)
+        ]
+        ohio_round_2 = [
+            u for u in repository.list_updates(run_id) if u.round == 2 and u.site == "ohio"
+        ]
+    assert events == [(SITE_LOST_EVENT, "ohio", 2)]
+    assert recorded_at[0] - dropped_at[0] < 2.0  # said within a few checks, not after 4 s
+    assert [u.status for u in ohio_round_2] == ["dropped"]  # its work still timed out
