@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import typer
 
-from flplatform.cli import certs, data, demo, deploy, export, history, plot, resume, run, simulate
+from flplatform.cli import (
+    certs,
+    data,
+    demo,
+    deploy,
+    export,
+    history,
+    plot,
+    resume,
+    run,
+    simulate,
+    tracking,
+)
 
 app = typer.Typer(
     name="flplatform",
@@ -22,6 +34,7 @@ app.command("server")(deploy.server)
 app.command("site")(deploy.site)
 app.add_typer(demo.demo_app, name="demo")
 app.add_typer(data.app, name="data")
+history.app.command("export")(tracking.export_runs)
 app.add_typer(history.app, name="history")
 app.add_typer(certs.app, name="certs")
 

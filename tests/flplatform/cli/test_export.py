@@ -205,3 +205,20 @@ def test_history_events_table_json_csv(ledger: Any) -> None:
 
     missing = invoke(["history", "events", "9", "--db", url])
     assert missing.exit_code == 5 and "run 9 does not exist" in one_error_line(missing.output)
+
+
+def test_history_export_gives_mlflow_the_final_model(ledger: Any, tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    url, models = ledger
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    result = invoke(["history", "export", "1", "--db", url, "--mlflow", uri])
+    assert result.exit_code == 0, result.output
+    assert "no checkpoint" not in result.output
+    client = MlflowClient(tracking_uri=uri)
+    [run] = client.search_runs([client.get_experiment_by_name("flplatform").experiment_id])
+    path = client.download_artifacts(run.info.run_id, "model.pt", str(tmp_path / "back"))
+    exported = torch.load(path)
+    assert list(exported) == list(models[4])  # the last round's model, in its key order
+    for name, tensor in models[4].items():
+        assert torch.equal(exported[name], tensor), name

@@ -1,0 +1,183 @@
+"""A run's history in MLflow and TensorBoard (``flplatform history export``).
+
+The runs are tests/helpers/comparison_ledger.py's, worked out by hand. What is written goes
+to a real MLflow store (SQLite, no server) and real TensorBoard event files, and is read
+back with MLflow's own client and TensorBoard's own reader.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from flplatform.app.tracking import (
+    MLFLOW_SOURCE_TAG,
+    RunSeries,
+    run_series,
+    tensorboard_directory,
+    to_mlflow,
+    to_tensorboard,
+)
+from flplatform.core.errors import ConfigError
+from storage import LedgerRepository
+from tests.helpers.cli import invoke, one_error_line
+from tests.helpers.comparison_ledger import T0, write_comparison_ledger
+
+
+@pytest.fixture
+def ledger(sqlite_ledger: str) -> str:
+    write_comparison_ledger(sqlite_ledger)
+    return sqlite_ledger
+
+
+@pytest.fixture
+def runs(ledger: str) -> list[RunSeries]:
+    with LedgerRepository.open(ledger) as repository:
+        return [run_series(repository, run_id) for run_id in (1, 2)]
+
+
+def test_a_runs_series_are_its_rounds_as_worked_out_by_hand(runs: list[RunSeries]) -> None:
+    run = runs[0]
+    assert run.series("accuracy") == [(1, 0.50), (2, 0.92), (3, 0.91)]
+    assert run.series("loss") == [(1, 1.0), (2, 0.5), (3, 1.0 / 3)]
+    assert run.series("train_loss") == [(1, 0.5), (2, 0.5), (3, 0.5)]
+    assert run.series("bytes_up") == [(1, 300.0), (2, 200.0), (3, 300.0)]
+    assert run.series("bytes_down") == [(1, 2000.0), (2, 2000.0), (3, 1000.0)]
+    assert run.series("eval_bytes_up") == [(1, 30.0), (2, 0.0), (3, 0.0)]
+    assert run.series("applied") == [(1, 2.0), (2, 2.0), (3, 1.0)]
+    assert run.series("rejected") == run.series("dropped") == [(1, 0.0), (2, 0.0), (3, 0.0)]
+    assert run.series("simulated_seconds") == [(1, 10.0), (2, 25.5), (3, 40.0)]
+    # each round finished at T0 + 10·r + 1, the run was created at T0, each took 1 s
+    assert run.series("elapsed_seconds") == [(1, 11.0), (2, 21.0), (3, 31.0)]
+    assert run.series("round_seconds") == [(1, 1.0), (2, 1.0), (3, 1.0)]
+    assert run.series("staleness_mean") == [(1, 0.0), (2, 0.5), (3, 2.0)]
+    assert run.series("staleness_max") == [(1, 0.0), (2, 1.0), (3, 2.0)]
+    assert run.series("site/london/bytes_up") == [(1, 100.0), (2, 150.0), (3, 300.0)]
+    assert run.series("site/tokyo/bytes_up") == [(1, 200.0), (2, 50.0)]  # not in round 3
+    assert run.series("site/london/staleness") == [(1, 0.0), (2, 1.0), (3, 2.0)]
+    assert run.series("site/london/applied") == [(1, 1.0), (2, 1.0), (3, 1.0)]
+    assert run.series("site/london/bytes_down") == [(1, 1000.0), (2, 1000.0), (3, 1000.0)]
+    assert {p.wall_time for p in run.points if p.step == 2} == {T0 + 21}
+    assert run.params["sync"] == "k-async" and run.params["k"] == "2"
+    assert run.params["strategy"] == "local-sgd" and run.params["seed"] == "4"
+    assert run.params["network"] == "world" and run.params["rounds-planned"] == "3"
+    assert run.name == "stragglers: k-async K=2" and run.status == "finished"
+    # the wall-clock run: the sites' accuracy, no simulated time
+    assert runs[1].series("site_accuracy") == [(1, 0.60), (2, 0.95)]
+    assert runs[1].series("simulated_seconds") == []
+    assert runs[1].params["network"] == "none"
+
+
+def test_tensorboard_files_hold_every_series_as_tensorboards_reader_reads_them(
+    runs: list[RunSeries], tmp_path: Path
+) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    folders = to_tensorboard(runs, tmp_path / "tb")
+    for run in runs:
+        assert folders[run.run_id] == tensorboard_directory(tmp_path / "tb", run)
+        events = EventAccumulator(str(folders[run.run_id]), size_guidance={"scalars": 0})
+        events.Reload()
+        assert sorted(events.Tags()["scalars"]) == sorted(run.metric_keys())
+        for key in run.metric_keys():
+            read = [(s.step, s.value, s.wall_time) for s in events.Scalars(key)]
+            wanted = [(p.step, p.value, p.wall_time) for p in run.points if p.key == key]
+            assert [r[0] for r in read] == [w[0] for w in wanted], key
+            # TensorBoard keeps scalars in float32
+            assert [r[1] for r in read] == pytest.approx([w[1] for w in wanted], rel=1e-6), key
+            assert [r[2] for r in read] == pytest.approx([w[2] for w in wanted]), key
+        [options] = events.Tensors("options/text_summary")  # the options as a text table
+        table = options.tensor_proto.string_val[0].decode()
+        assert all(f"| {k} | {v} |" in table for k, v in run.params.items())
+    with pytest.raises(ConfigError, match="already exists; pass --force"):
+        to_tensorboard(runs[:1], tmp_path / "tb")
+    to_tensorboard(runs[:1], tmp_path / "tb", replace=True)  # replaced, not appended to
+    events = EventAccumulator(str(folders[1]), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [s.step for s in events.Scalars("accuracy")] == [1, 2, 3]
+
+
+def test_mlflow_holds_every_metric_param_and_artifact_as_mlflows_client_reads_them(
+    runs: list[RunSeries], tmp_path: Path
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    model = tmp_path / "model.pt"
+    model.write_bytes(b"weights")
+    written = to_mlflow(runs, uri, experiment="stragglers", artifacts={1: model})
+    client = MlflowClient(tracking_uri=uri)
+    for run in runs:
+        stored = client.get_run(written[run.run_id])
+        assert stored.info.run_name == run.name and stored.info.status == "FINISHED"
+        assert stored.data.params == run.params
+        assert stored.data.tags[MLFLOW_SOURCE_TAG] == run.source
+        for key in run.metric_keys():
+            history = client.get_metric_history(written[run.run_id], key)
+            read = sorted((m.step, m.value, m.timestamp) for m in history)
+            points = [p for p in run.points if p.key == key]
+            wanted = [(p.step, p.value, int(p.wall_time * 1000)) for p in points]
+            assert read == wanted, key
+    artifacts = [a.path for a in client.list_artifacts(written[1])]
+    assert artifacts == ["model.pt"] and client.list_artifacts(written[2]) == []
+    downloaded = client.download_artifacts(written[1], "model.pt", str(tmp_path / "back"))
+    assert Path(downloaded).read_bytes() == b"weights"
+
+    with pytest.raises(ConfigError, match="run 1, 2 was exported .* pass --force"):
+        to_mlflow(runs, uri, experiment="stragglers")
+    again = to_mlflow(runs[:1], uri, experiment="stragglers", replace=True)
+    experiment = client.get_experiment_by_name("stragglers")
+    live = client.search_runs([experiment.experiment_id])
+    assert sorted(r.info.run_id for r in live) == sorted([again[1], written[2]])
+
+
+def test_history_export_writes_both_and_says_where(ledger: str, tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    result = invoke(
+        ["history", "export", "1", "latest", "--db", ledger]
+        + ["--mlflow", uri, "--tensorboard", str(tmp_path / "tb")]
+    )
+    assert result.exit_code == 0, result.output
+    assert "Run 1 (stragglers: k-async K=2) → TensorBoard: " in result.output
+    assert "in experiment 'flplatform' (no checkpoint: no model)" in result.output
+    assert len(list((tmp_path / "tb").iterdir())) == 2  # runs 1 and 4 ('latest')
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        ([], "say where to export: --mlflow URI, --tensorboard DIR, or both"),
+        (["--tensorboard", "FILE"], "--tensorboard must be a folder"),
+        (["--mlflow", "nonsense://x"], "cannot use the MLflow store at nonsense://x: "),
+    ],
+)
+def test_history_export_errors_are_one_line(
+    ledger: str, tmp_path: Path, args: list[str], says: str
+) -> None:
+    (tmp_path / "FILE").write_text("")
+    args = [str(tmp_path / "FILE") if a == "FILE" else a for a in args]
+    result = invoke(["history", "export", "1", "--db", ledger, *args])
+    assert result.exit_code != 0
+    assert says in one_error_line(result.output)
+
+
+@pytest.mark.parametrize(
+    ("flag", "module", "extra"),
+    [("--mlflow", "mlflow", "mlflow"), ("--tensorboard", "torch.utils.tensorboard", "tensorboard")],
+)
+def test_a_missing_extra_is_named(
+    ledger: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    flag: str,
+    module: str,
+    extra: str,
+) -> None:
+    for name in [m for m in sys.modules if m == module or m.startswith(module + ".")]:
+        monkeypatch.setitem(sys.modules, name, None)  # its import fails, as if not installed
+    monkeypatch.setitem(sys.modules, module, None)
+    result = invoke(["history", "export", "1", "--db", ledger, flag, str(tmp_path / "x")])
+    assert result.exit_code != 0
+    assert f"pip install 'flplatform[{extra}]'" in one_error_line(result.output)
