@@ -13,17 +13,18 @@ store. MLflow and TensorBoard are optional extras (``pip install 'flplatform[mlf
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import shutil
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flplatform.core.errors import ConfigError, DataError
+from flplatform.core.errors import ConfigError, DataError, FLPlatformError
 from storage import (
     RUN_FINISHED,
     UPDATE_APPLIED,
@@ -165,6 +166,88 @@ def _mean(values: Iterable[float]) -> float | None:
 
 
 # ------------------------------------------------------------------------------ MLflow
+class MlflowRun:
+    """One run's MLflow run: opened with its parameters, written point by point, closed
+    with its status (and the final model as an artifact)."""
+
+    def __init__(self, store: _MlflowStore, series: RunSeries) -> None:
+        from mlflow.entities import Param
+
+        self.store = store
+        tags = {MLFLOW_SOURCE_TAG: series.source, "flplatform.run_id": str(series.run_id)}
+        with store.errors():
+            created = store.client.create_run(store.experiment_id, run_name=series.name, tags=tags)
+            self.id = str(created.info.run_id)
+            params = [Param(key, value) for key, value in series.params.items()]
+            for start in range(0, len(params), _MLFLOW_PARAMS_PER_BATCH):
+                store.client.log_batch(
+                    self.id, params=params[start : start + _MLFLOW_PARAMS_PER_BATCH]
+                )
+
+    def write(self, points: Sequence[Point]) -> None:
+        from mlflow.entities import Metric
+
+        metrics = [Metric(p.key, p.value, int(p.wall_time * 1000), p.step) for p in points]
+        with self.store.errors():
+            for start in range(0, len(metrics), _MLFLOW_METRICS_PER_BATCH):
+                self.store.client.log_batch(
+                    self.id, metrics=metrics[start : start + _MLFLOW_METRICS_PER_BATCH]
+                )
+
+    def close(self, status: str, artifact: Path | None = None) -> None:
+        with self.store.errors():
+            if artifact is not None:
+                self.store.client.log_artifact(self.id, str(artifact))
+            self.store.client.set_tag(self.id, "flplatform.status", status)
+            finished = "FINISHED" if status == RUN_FINISHED else "FAILED"
+            self.store.client.set_terminated(self.id, status=finished)
+
+
+class _MlflowStore:
+    """An MLflow tracking store and the experiment runs go to (created if missing)."""
+
+    def __init__(self, tracking_uri: str, experiment: str) -> None:
+        try:
+            from mlflow.exceptions import MlflowException
+            from mlflow.tracking import MlflowClient
+        except ImportError:
+            raise ConfigError(
+                "exporting to MLflow needs MLflow: pip install 'flplatform[mlflow]'"
+            ) from None
+        # MLflow (and its Alembic) say at INFO that they set up a new store: not news.
+        for name in ("mlflow", "alembic"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        self.uri = tracking_uri
+        self._error = MlflowException
+        try:
+            self.client = MlflowClient(tracking_uri=tracking_uri)
+        except MlflowException as exc:
+            raise ConfigError(f"cannot use the MLflow store at {tracking_uri}: {exc}") from None
+        with self.errors():
+            found = self.client.get_experiment_by_name(experiment)
+            self.experiment_id = (
+                found.experiment_id
+                if found is not None
+                else self.client.create_experiment(experiment)
+            )
+
+    @contextlib.contextmanager
+    def errors(self) -> Iterator[None]:
+        """MLflow's errors as ours: a ``ConfigError`` naming the store."""
+        try:
+            yield
+        except self._error as exc:
+            raise ConfigError(f"MLflow at {self.uri}: {exc}") from None
+
+    def exported(self, source: str) -> list[str]:
+        """The MLflow runs of the experiment exported from ``source`` before."""
+        with self.errors():
+            found = self.client.search_runs(
+                [self.experiment_id], filter_string=f"tags.`{MLFLOW_SOURCE_TAG}` = '{source}'"
+            )
+        return [run.info.run_id for run in found]
+
+
 def to_mlflow(
     runs: Sequence[RunSeries],
     tracking_uri: str,
@@ -200,86 +283,68 @@ def to_mlflow(
         If MLflow is not installed, the store cannot be used, or a run was exported
         there before and ``replace`` is not set.
     """
-    client, mlflow_error = _mlflow_client(tracking_uri)
-    try:
-        found = client.get_experiment_by_name(experiment)
-        experiment_id = (
-            found.experiment_id if found is not None else client.create_experiment(experiment)
-        )
-        earlier = {
-            series.run_id: _exported(client, experiment_id, series.source) for series in runs
-        }
-        again = [str(run_id) for run_id, ids in earlier.items() if ids]
-        if again and not replace:
-            raise ConfigError(
-                f"run {', '.join(again)} was exported to experiment '{experiment}' at "
-                f"{tracking_uri} before; pass --force to replace that export"
-            )
-        written: dict[int, str] = {}
-        for series in runs:
-            for old in earlier[series.run_id]:
-                client.delete_run(old)
-            written[series.run_id] = _write_mlflow_run(
-                client, experiment_id, series, (artifacts or {}).get(series.run_id)
-            )
-        return written
-    except mlflow_error as exc:
-        raise ConfigError(f"MLflow at {tracking_uri}: {exc}") from None
-
-
-def _mlflow_client(tracking_uri: str) -> tuple[Any, type[Exception]]:
-    try:
-        from mlflow.exceptions import MlflowException
-        from mlflow.tracking import MlflowClient
-    except ImportError:
+    store = _MlflowStore(tracking_uri, experiment)
+    earlier = {series.run_id: store.exported(series.source) for series in runs}
+    again = [str(run_id) for run_id, ids in earlier.items() if ids]
+    if again and not replace:
         raise ConfigError(
-            "exporting to MLflow needs MLflow: pip install 'flplatform[mlflow]'"
-        ) from None
-    # MLflow (and its Alembic) say at INFO that they set up a new store: not our user's news.
-    for name in ("mlflow", "alembic"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    try:
-        return MlflowClient(tracking_uri=tracking_uri), MlflowException
-    except MlflowException as exc:
-        raise ConfigError(f"cannot use the MLflow store at {tracking_uri}: {exc}") from None
-
-
-def _exported(client: Any, experiment_id: str, source: str) -> list[str]:
-    """The MLflow runs of the experiment exported from ``source`` before."""
-    found = client.search_runs(
-        [experiment_id], filter_string=f"tags.`{MLFLOW_SOURCE_TAG}` = '{source}'"
-    )
-    return [run.info.run_id for run in found]
-
-
-def _write_mlflow_run(
-    client: Any, experiment_id: str, series: RunSeries, artifact: Path | None
-) -> str:
-    from mlflow.entities import Metric, Param, RunTag
-
-    tags = {MLFLOW_SOURCE_TAG: series.source, "flplatform.status": series.status}
-    created = client.create_run(experiment_id, run_name=series.name, tags=tags)
-    mlflow_run = created.info.run_id
-    params = [Param(key, value) for key, value in series.params.items()]
-    for start in range(0, len(params), _MLFLOW_PARAMS_PER_BATCH):
-        client.log_batch(mlflow_run, params=params[start : start + _MLFLOW_PARAMS_PER_BATCH])
-    metrics = [Metric(p.key, p.value, int(p.wall_time * 1000), p.step) for p in series.points]
-    for start in range(0, len(metrics), _MLFLOW_METRICS_PER_BATCH):
-        client.log_batch(mlflow_run, metrics=metrics[start : start + _MLFLOW_METRICS_PER_BATCH])
-    client.log_batch(mlflow_run, tags=[RunTag("flplatform.run_id", str(series.run_id))])
-    if artifact is not None:
-        client.log_artifact(mlflow_run, str(artifact))
-    client.set_terminated(
-        mlflow_run, status="FINISHED" if series.status == RUN_FINISHED else "FAILED"
-    )
-    return str(mlflow_run)
+            f"run {', '.join(again)} was exported to experiment '{experiment}' at "
+            f"{tracking_uri} before; pass --force to replace that export"
+        )
+    written: dict[int, str] = {}
+    for series in runs:
+        with store.errors():
+            for old in earlier[series.run_id]:
+                store.client.delete_run(old)
+        run = MlflowRun(store, series)
+        run.write(series.points)
+        run.close(series.status, (artifacts or {}).get(series.run_id))
+        written[series.run_id] = run.id
+    return written
 
 
 # -------------------------------------------------------------------------- TensorBoard
-def tensorboard_directory(root: Path, series: RunSeries) -> Path:
-    """Where a run's event files go under ``root``: one folder per run, ``<id>-<name>``."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in series.name)
-    return root / f"{series.run_id}-{safe}"
+def tensorboard_directory(root: Path, run_id: int, name: str) -> Path:
+    """Where a run's event files go under ``root``: one folder per run, ``<id>-<name>``
+    (characters other than letters, digits and ``-_.`` made ``_``)."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+    return root / f"{run_id}-{safe}"
+
+
+class TensorBoardRun:
+    """One run's TensorBoard folder: its options as a text summary (``options``), then
+    scalars point by point."""
+
+    def __init__(self, folder: Path, series: RunSeries) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ConfigError(
+                "exporting to TensorBoard needs TensorBoard: pip install 'flplatform[tensorboard]'"
+            ) from None
+        self.folder = folder
+        with self.errors():
+            self.writer = SummaryWriter(log_dir=str(folder))
+            table = "\n".join(f"| {k} | {v} |" for k, v in series.params.items())
+            self.writer.add_text("options", "| option | value |\n|---|---|\n" + table, 0)
+
+    @contextlib.contextmanager
+    def errors(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as exc:
+            raise DataError(f"cannot write TensorBoard files in {self.folder}: {exc}") from None
+
+    def write(self, points: Sequence[Point]) -> None:
+        with self.errors():
+            for point in points:
+                self.writer.add_scalar(point.key, point.value, point.step, walltime=point.wall_time)
+            self.writer.flush()
+
+    def close(self, status: str, artifact: Path | None = None) -> None:
+        del status, artifact  # TensorBoard keeps scalars only
+        with self.errors():
+            self.writer.close()
 
 
 def to_tensorboard(
@@ -296,29 +361,121 @@ def to_tensorboard(
     DataError
         If the files cannot be written.
     """
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise ConfigError(
-            "exporting to TensorBoard needs TensorBoard: pip install 'flplatform[tensorboard]'"
-        ) from None
-    folders = {series.run_id: tensorboard_directory(root, series) for series in runs}
+    folders = {
+        series.run_id: tensorboard_directory(root, series.run_id, series.name) for series in runs
+    }
     there = [str(folder) for folder in folders.values() if folder.exists()]
     if there and not replace:
         raise ConfigError(f"{', '.join(there)} already exists; pass --force to replace it")
-    try:
-        for series in runs:
-            folder = folders[series.run_id]
-            if folder.exists():
-                shutil.rmtree(folder)
-            writer = SummaryWriter(log_dir=str(folder))
+    for series in runs:
+        folder = folders[series.run_id]
+        if folder.exists():
             try:
-                for point in series.points:
-                    writer.add_scalar(point.key, point.value, point.step, walltime=point.wall_time)
-                table = "\n".join(f"| {k} | {v} |" for k, v in series.params.items())
-                writer.add_text("options", "| option | value |\n|---|---|\n" + table, 0)
-            finally:
-                writer.close()
-    except OSError as exc:
-        raise DataError(f"cannot write TensorBoard files under {root}: {exc}") from None
+                shutil.rmtree(folder)
+            except OSError as exc:
+                raise DataError(f"cannot replace {folder}: {exc}") from None
+        run = TensorBoardRun(folder, series)
+        run.write(series.points)
+        run.close(series.status)
     return folders
+
+
+# --------------------------------------------------------------------------------- live
+class LiveExport:
+    """A run's rounds to MLflow and TensorBoard as the ledger commits them.
+
+    The command following a run calls :meth:`update` with the run and its rounds so far
+    (its progress callback) and :meth:`close` when it ends. An export that fails stops,
+    saying why once (``stopped``); the run goes on, and ``flplatform history export``
+    can write it afterwards.
+    """
+
+    def __init__(
+        self,
+        db_url: str,
+        *,
+        mlflow: str | None = None,
+        tensorboard: Path | None = None,
+        experiment: str = "flplatform",
+    ) -> None:
+        self.db_url = db_url
+        self.mlflow, self.tensorboard, self.experiment = mlflow, tensorboard, experiment
+        self.runs: list[MlflowRun | TensorBoardRun] = []
+        self.run_id: int | None = None
+        self.written = 0  # rounds written
+        self.stopped: str | None = None
+
+    def check(self) -> None:
+        """Refuse, before the run starts, an extra that is missing or a store that cannot
+        be used (``ConfigError``)."""
+        if self.mlflow is not None:
+            _MlflowStore(self.mlflow, self.experiment)
+        if self.tensorboard is not None:
+            try:
+                import torch.utils.tensorboard  # noqa: F401
+            except ImportError:
+                raise ConfigError(
+                    "exporting to TensorBoard needs TensorBoard: "
+                    "pip install 'flplatform[tensorboard]'"
+                ) from None
+            if self.tensorboard.exists() and not self.tensorboard.is_dir():
+                raise ConfigError(
+                    f"--tensorboard must be a folder, and {self.tensorboard} is a file"
+                )
+
+    def update(self, record: RunRecord | None, done: Sequence[RoundRecord]) -> None:
+        """Write the rounds of ``done`` not written yet (opening the exports first)."""
+        if record is None or self.stopped is not None:
+            return
+        try:
+            with LedgerRepository.open(self.db_url, create=False) as repository:
+                if self.run_id is None:
+                    self._open(repository, record)
+                points: list[Point] = []
+                for finished in done:
+                    if finished.round > self.written:
+                        updates = repository.list_updates(record.id, round=finished.round)
+                        points += _round_points(record, finished, updates)
+                        self.written = finished.round
+            for run in self.runs:
+                run.write(points)
+        except Exception as exc:  # an export must never end the run it follows
+            self._stop(exc)
+
+    def close(self, artifact: Path | None = None) -> None:
+        """End the exports with the run's status as the ledger has it (and the final
+        model, for MLflow)."""
+        if self.stopped is not None or self.run_id is None:
+            return
+        try:
+            with LedgerRepository.open(self.db_url, create=False) as repository:
+                status = str(repository.get_run(self.run_id).status)
+        except FLPlatformError as exc:
+            self._stop(exc)
+            return
+        for run in self.runs:
+            try:
+                run.close(status, artifact)
+            except Exception as exc:  # as in update
+                self._stop(exc)
+
+    def _open(self, repository: LedgerRepository, record: RunRecord) -> None:
+        self.run_id = record.id
+        header = RunSeries(
+            run_id=record.id,
+            name=record.name,
+            source=f"{repository.ledger_id}:{record.id}",
+            status=str(record.status),
+            params=_params(record),
+            points=(),
+        )
+        if self.mlflow is not None:
+            self.runs.append(MlflowRun(_MlflowStore(self.mlflow, self.experiment), header))
+        if self.tensorboard is not None:
+            folder = tensorboard_directory(self.tensorboard, header.run_id, header.name)
+            if folder.exists():  # another ledger's run of the same id and name
+                raise ConfigError(f"{folder} already exists")
+            self.runs.append(TensorBoardRun(folder, header))
+
+    def _stop(self, exc: Exception) -> None:
+        self.stopped = f"{type(exc).__name__}: {exc}" if not str(exc) else str(exc)

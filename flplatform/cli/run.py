@@ -20,7 +20,15 @@ from flplatform.cli.history import sites as show_sites
 from flplatform.cli.options import table_options
 from flplatform.cli.progress import round_progress, say_run_done
 from flplatform.cli.render import OutputFormat, make_console
-from flplatform.cli.simulate import site_names
+from flplatform.cli.simulate import Tracking, site_names
+from flplatform.cli.tracking import (
+    ExperimentOption,
+    MlflowOption,
+    TensorboardOption,
+    check_folder,
+    exporting,
+    live_export,
+)
 from flplatform.launch.app_directory import (
     RUN_CONFIG_KEYS,
     AppRun,
@@ -78,9 +86,13 @@ def run(
             "declared in the app's pyproject.toml.",
         ),
     ] = None,
+    mlflow: MlflowOption = None,
+    tensorboard: TensorboardOption = None,
+    experiment: ExperimentOption = "flplatform",
     **options: Any,
 ) -> None:
     """Run your own Flower app directory in a local simulation, with the platform's options."""
+    check_folder(tensorboard)
     app = read_app(app_dir)
     given = RunOverrides(
         sites=site_names(sites) if sites is not None else None,
@@ -89,14 +101,15 @@ def run(
         run_config=tuple(run_config or ()),
     )
     plan = plan_run(app, given, tag=uuid.uuid4().hex)
-    record = follow(plan)
+    record = follow(plan, Tracking(mlflow, tensorboard, experiment))
     show_rounds(str(record.id), db=plan.db_url, fmt=OutputFormat.table)
     show_sites(str(record.id), db=plan.db_url, fmt=OutputFormat.table)
     say_run_done(console, record, plan.db_url, db)
 
 
-def follow(plan: AppRun) -> RunRecord:
-    """Start the app and show its rounds as they finish; return the finished run."""
+def follow(plan: AppRun, tracking: Tracking | None = None) -> RunRecord:
+    """Start the app and show its rounds as they finish (and log them to ``tracking``'s
+    stores); return the finished run."""
     shown = {
         key: plan.options[key]
         for key in ("num_rounds", "sync", "k", "network", "seed")
@@ -114,7 +127,10 @@ def follow(plan: AppRun) -> RunRecord:
             + (f"; run config: {own}" if own else ""),
         )
     )
-    with round_progress(console, plan.num_rounds) as show:
-        record = run_app(plan, on_progress=show)
+    with (
+        live_export(plan.db_url, *(tracking or Tracking())) as live,
+        round_progress(console, plan.num_rounds) as show,
+    ):
+        record = run_app(plan, on_progress=exporting(show, live))
     console.print()
     return record

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple
 
 import typer
 from rich.text import Text
@@ -30,6 +30,16 @@ from flplatform.cli.progress import (
     say_run_done,
 )
 from flplatform.cli.render import Column, OutputFormat, emit, make_console
+from flplatform.cli.tracking import (
+    ExperimentOption,
+    MlflowOption,
+    TensorboardOption,
+    check_folder,
+    check_stores,
+    export_to,
+    exporting,
+    live_export,
+)
 from flplatform.core.errors import ConfigError
 from flplatform.launch.simulation import check_ledger, ledger_url, run_simulation
 from storage import RunRecord
@@ -43,8 +53,9 @@ def site_names(sites: str) -> tuple[str, ...]:
     return as_site_names("--sites", sites)
 
 
-def run_and_follow(config: RunConfig) -> RunRecord:
-    """Run with a live progress display, then print the round and site tables."""
+def run_and_follow(config: RunConfig, tracking: Tracking | None = None) -> RunRecord:
+    """Run with a live progress display (and live export to ``tracking``'s stores), then
+    print the round and site tables."""
     sync = config.sync if config.sync in ("sync", "async") else f"{config.sync}, K={config.sync_k}"
     if config.strategy == "delayed":
         sync = f"D={config.delay}{'' if config.compensation else ', no compensation'}"
@@ -55,15 +66,26 @@ def run_and_follow(config: RunConfig) -> RunRecord:
         f"({config.partition}{f' α={config.alpha}' if config.partition == 'dirichlet' else ''}, "
         f"{config.model})"
     )
-    with round_progress(console, config.num_server_rounds) as show:
-        record = run_simulation(config, on_progress=show)
+    url = ledger_url(config)
+    with (
+        live_export(url, *(tracking or Tracking())) as live,
+        round_progress(console, config.num_server_rounds) as show,
+    ):
+        record = run_simulation(config, on_progress=exporting(show, live))
     db = config.db or None
     console.print()
-    url = ledger_url(config)
     show_rounds(str(record.id), db=url, fmt=OutputFormat.table)
     show_sites(str(record.id), db=url, fmt=OutputFormat.table)
     say_run_done(console, record, url, db)
     return record
+
+
+class Tracking(NamedTuple):
+    """Where a run is logged as it trains: ``--mlflow``, ``--tensorboard``, ``--experiment``."""
+
+    mlflow: str | None = None
+    tensorboard: Path | None = None
+    experiment: str = "flplatform"
 
 
 def ledger_option(db: str | None) -> str:
@@ -90,10 +112,15 @@ Sites = Annotated[
 def simulate(
     sites: Sites = None,
     db: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the ledger.")] = None,
+    mlflow: MlflowOption = None,
+    tensorboard: TensorboardOption = None,
+    experiment: ExperimentOption = "flplatform",
     **options: Any,
 ) -> None:
     """Run a simulated federation and record every round in the ledger; with lists, a
     sweep of runs in one start-up."""
+    tracking = Tracking(mlflow, tensorboard, experiment)
+    check_folder(tensorboard)
     values = config_values(options)
     lists = {key: listed_values(key, values[key]) for key in SWEEPABLE}
     values.update({key: items[0] for key, items in lists.items() if len(items) == 1})
@@ -112,7 +139,7 @@ def simulate(
         config = RunConfig.from_mapping(values)
         _check_dataset(config)
         check_ledger(config)
-        run_and_follow(config)
+        run_and_follow(config, tracking)
         return
     sweep = expand_values(values, swept)
     checked: set[tuple[Any, ...]] = set()
@@ -122,7 +149,7 @@ def simulate(
             checked.add(what)
             _check_dataset(member)
     check_ledger(sweep.members[0])
-    run_sweep_and_follow(sweep, db)
+    run_sweep_and_follow(sweep, db, tracking)
 
 
 def listed_values(key: str, value: Any) -> list[str]:
@@ -136,9 +163,17 @@ def listed_values(key: str, value: Any) -> list[str]:
     return items
 
 
-def run_sweep_and_follow(sweep: Sweep, db: str | None) -> list[RunRecord]:
-    """Say what runs and what cannot, run the sweep with a line per run, then the table."""
+def run_sweep_and_follow(
+    sweep: Sweep, db: str | None, tracking: Tracking | None = None
+) -> list[RunRecord]:
+    """Say what runs and what cannot, run the sweep with a line per run, then the table;
+    then write its runs to ``tracking``'s stores (after the sweep: its runs follow each
+    other in one start-up)."""
     members = sweep.members
+    if tracking is not None and (tracking.mlflow or tracking.tensorboard):
+        check_stores(ledger_url(members[0]), *tracking)
+    else:
+        tracking = None
     first = members[0]
     network = f" on the {first.network} network" if first.network else ""
     console.print(
@@ -154,6 +189,9 @@ def run_sweep_and_follow(sweep: Sweep, db: str | None) -> list[RunRecord]:
             console.print(Text(f"  {said}: {reason}"))
     records, failed = follow_sweep(console, members)
     show_sweep(members, records, db)
+    if tracking is not None:
+        ended = [record.id for record in records if record is not None]
+        export_to(ledger_url(members[0]), ended, *tracking)
     if failed is not None:
         raise failed
     return [record for record in records if record is not None]

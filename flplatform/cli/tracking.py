@@ -1,48 +1,63 @@
-"""``flplatform history export``: runs of the ledger to MLflow and TensorBoard."""
+"""Runs of the ledger to MLflow and TensorBoard: ``flplatform history export``, and the
+``--mlflow``/``--tensorboard`` options with which ``simulate`` and ``run`` log live."""
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.text import Text
 
-from flplatform.app.tracking import run_series, to_mlflow, to_tensorboard
+from flplatform.app.tracking import LiveExport, run_series, to_mlflow, to_tensorboard
 from flplatform.cli.errors import handles_errors
 from flplatform.cli.export import model_arrays, write_model
 from flplatform.cli.history import DbOption, RunsArgument, console, resolve_run
 from flplatform.core.checkpoint import CheckpointError
 from flplatform.core.errors import ConfigError, NotFoundError
+from flplatform.launch.simulation import ProgressCallback
 from flplatform.run.ledger import load_checkpoint
-from storage import LedgerRepository
+from storage import LedgerRepository, RoundRecord, RunRecord, UpdateRecord
+
+PANEL = "Experiment tracking"
+MlflowOption = Annotated[
+    str | None,
+    typer.Option(
+        "--mlflow",
+        metavar="URI",
+        help="MLflow tracking URI to write each run to (sqlite:///mlflow.db, "
+        "http://host:5000); needs pip install 'flplatform\\[mlflow]'.",
+        rich_help_panel=PANEL,
+    ),
+]
+TensorboardOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--tensorboard",
+        metavar="DIR",
+        help="Folder to write TensorBoard event files to, one subfolder per run; needs "
+        "pip install 'flplatform\\[tensorboard]'.",
+        rich_help_panel=PANEL,
+    ),
+]
+ExperimentOption = Annotated[
+    str,
+    typer.Option(
+        help="The MLflow experiment the runs go to (created if missing).",
+        rich_help_panel=PANEL,
+    ),
+]
 
 
 @handles_errors
 def export_runs(
     selected: RunsArgument,
-    mlflow: Annotated[
-        str | None,
-        typer.Option(
-            "--mlflow",
-            metavar="URI",
-            help="MLflow tracking URI to write each run to (sqlite:///mlflow.db, "
-            "http://host:5000); needs pip install 'flplatform\\[mlflow]'.",
-        ),
-    ] = None,
-    tensorboard: Annotated[
-        Path | None,
-        typer.Option(
-            "--tensorboard",
-            metavar="DIR",
-            help="Folder to write TensorBoard event files to, one subfolder per run; needs "
-            "pip install 'flplatform\\[tensorboard]'.",
-        ),
-    ] = None,
-    experiment: Annotated[
-        str, typer.Option(help="The MLflow experiment the runs go to (created if missing).")
-    ] = "flplatform",
+    mlflow: MlflowOption = None,
+    tensorboard: TensorboardOption = None,
+    experiment: ExperimentOption = "flplatform",
     force: Annotated[
         bool, typer.Option("--force", help="Replace an earlier export of the same runs.")
     ] = False,
@@ -54,13 +69,32 @@ def export_runs(
     the run's options as parameters; to MLflow also the final model (model.pt)."""
     if mlflow is None and tensorboard is None:
         raise ConfigError("say where to export: --mlflow URI, --tensorboard DIR, or both")
+    check_folder(tensorboard)
+    with LedgerRepository.open(db, create=False) as repository:
+        run_ids = [resolve_run(repository, run) for run in selected]
+    export_to(db, run_ids, mlflow, tensorboard, experiment, force=force)
+
+
+def check_folder(tensorboard: Path | None) -> None:
     if tensorboard is not None and tensorboard.exists() and not tensorboard.is_dir():
         raise ConfigError(f"--tensorboard must be a folder, and {tensorboard} is a file")
+
+
+def export_to(
+    db: str | None,
+    run_ids: Sequence[int],
+    mlflow: str | None,
+    tensorboard: Path | None,
+    experiment: str,
+    *,
+    force: bool = False,
+) -> None:
+    """Write the runs to the stores given and say where each went."""
     with (
         LedgerRepository.open(db, create=False) as repository,
         tempfile.TemporaryDirectory(prefix="flplatform-export-") as scratch,
     ):
-        run_ids = list(dict.fromkeys(resolve_run(repository, run) for run in selected))
+        run_ids = list(dict.fromkeys(run_ids))
         runs = [run_series(repository, run_id) for run_id in run_ids]
         if tensorboard is not None:
             folders = to_tensorboard(runs, tensorboard, replace=force)
@@ -70,7 +104,7 @@ def export_runs(
         if mlflow is not None:
             models = {}
             for run_id in run_ids:
-                model = _final_model(repository, run_id, Path(scratch) / str(run_id))
+                model = final_model(repository, run_id, Path(scratch) / str(run_id))
                 if model is not None:
                     models[run_id] = model
             written = to_mlflow(
@@ -86,7 +120,7 @@ def export_runs(
                 )
 
 
-def _final_model(repository: LedgerRepository, run_id: int, folder: Path) -> Path | None:
+def final_model(repository: LedgerRepository, run_id: int, folder: Path) -> Path | None:
     """The run's latest checkpointed model as ``folder/model.pt``; None without one."""
     try:
         checkpoint, state = load_checkpoint(repository, run_id, None)
@@ -96,3 +130,71 @@ def _final_model(repository: LedgerRepository, run_id: int, folder: Path) -> Pat
     path = folder / "model.pt"
     write_model(path, model_arrays(state, f"the checkpoint of round {checkpoint.round}"))
     return path
+
+
+def check_stores(
+    db_url: str, mlflow: str | None, tensorboard: Path | None, experiment: str
+) -> None:
+    """Refuse a missing extra or an unusable store before a run starts."""
+    check_folder(tensorboard)
+    LiveExport(db_url, mlflow=mlflow, tensorboard=tensorboard, experiment=experiment).check()
+
+
+@contextlib.contextmanager
+def live_export(
+    db_url: str, mlflow: str | None, tensorboard: Path | None, experiment: str
+) -> Iterator[LiveExport | None]:
+    """A ``LiveExport`` to the stores given (None without any), checked before the run
+    starts and closed when it ends, however it ends."""
+    if mlflow is None and tensorboard is None:
+        yield None
+        return
+    check_folder(tensorboard)
+    live = LiveExport(db_url, mlflow=mlflow, tensorboard=tensorboard, experiment=experiment)
+    live.check()
+    try:
+        yield live
+    finally:
+        said = live.stopped is not None  # said when it stopped (``exporting``)
+        if live.run_id is not None:
+            with (
+                LedgerRepository.open(db_url, create=False) as repository,
+                tempfile.TemporaryDirectory(prefix="flplatform-export-") as scratch,
+            ):
+                model = final_model(repository, live.run_id, Path(scratch) / "model")
+                live.close(model if mlflow is not None else None)
+        if live.stopped is not None:
+            if not said:
+                say_stopped(live)
+        elif live.run_id is not None:
+            where = " and ".join(
+                f"{name} ({target})"
+                for name, target in (("MLflow", mlflow), ("TensorBoard", tensorboard))
+                if target is not None
+            )
+            console.print(Text(f"Run {live.run_id} was logged to {where} as it trained."))
+
+
+def exporting(show: ProgressCallback, live: LiveExport | None) -> ProgressCallback:
+    """``show``, then each round to ``live`` as it is committed."""
+    if live is None:
+        return show
+
+    def both(record: RunRecord | None, done: list[RoundRecord], failed: list[UpdateRecord]) -> None:
+        show(record, done, failed)
+        stopped = live.stopped
+        live.update(record, done)
+        if stopped is None and live.stopped is not None:
+            say_stopped(live)
+
+    return both
+
+
+def say_stopped(live: LiveExport) -> None:
+    console.print(
+        Text(
+            f"warning: the export to MLflow/TensorBoard stopped: {live.stopped}; the run goes "
+            f"on (write it afterwards with flplatform history export {live.run_id} --force)",
+            style="yellow",
+        )
+    )

@@ -14,6 +14,7 @@ import pytest
 
 from flplatform.app.tracking import (
     MLFLOW_SOURCE_TAG,
+    LiveExport,
     RunSeries,
     run_series,
     tensorboard_directory,
@@ -21,7 +22,7 @@ from flplatform.app.tracking import (
     to_tensorboard,
 )
 from flplatform.core.errors import ConfigError
-from storage import LedgerRepository
+from storage import LedgerRepository, UpdateInput
 from tests.helpers.cli import invoke, one_error_line
 from tests.helpers.comparison_ledger import T0, write_comparison_ledger
 
@@ -77,7 +78,7 @@ def test_tensorboard_files_hold_every_series_as_tensorboards_reader_reads_them(
 
     folders = to_tensorboard(runs, tmp_path / "tb")
     for run in runs:
-        assert folders[run.run_id] == tensorboard_directory(tmp_path / "tb", run)
+        assert folders[run.run_id] == tensorboard_directory(tmp_path / "tb", run.run_id, run.name)
         events = EventAccumulator(str(folders[run.run_id]), size_guidance={"scalars": 0})
         events.Reload()
         assert sorted(events.Tags()["scalars"]) == sorted(run.metric_keys())
@@ -181,3 +182,90 @@ def test_a_missing_extra_is_named(
     result = invoke(["history", "export", "1", "--db", ledger, flag, str(tmp_path / "x")])
     assert result.exit_code != 0
     assert f"pip install 'flplatform[{extra}]'" in one_error_line(result.output)
+
+
+def test_a_run_is_logged_round_by_round_as_the_ledger_commits_it(
+    sqlite_ledger: str, tmp_path: Path
+) -> None:
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    live = LiveExport(sqlite_ledger, mlflow=uri, tensorboard=tmp_path / "tb")
+    live.check()
+    client = MlflowClient(tracking_uri=uri)
+    with LedgerRepository.open(sqlite_ledger) as repository:
+        run_id = repository.create_run(
+            name="live", strategy="local-sgd", seed=3, config={"k": 2}, num_rounds_planned=3
+        )
+        repository.add_site(run_id, name="london", node_id=1)
+        live.update(repository.get_run(run_id), [])  # the run is there, no round yet
+        [mlflow_run] = client.search_runs(
+            [client.get_experiment_by_name("flplatform").experiment_id]
+        )
+        assert mlflow_run.info.status == "RUNNING" and mlflow_run.data.params["k"] == "2"
+        for step in (1, 2, 3):
+            repository.record_round(
+                run_id,
+                round=step,
+                model_version=step,
+                started_at=T0 + step,
+                finished_at=T0 + step + 0.5,
+                metrics={"accuracy": step / 10},
+                train_loss=None,
+                updates=[
+                    UpdateInput(
+                        site="london",
+                        dispatched_round=step,
+                        version_trained_on=step - 1,
+                        staleness=0,
+                        bytes_up=100 * step,
+                        bytes_down=7,
+                        status="applied",
+                        dispatched_at=T0 + step,
+                        arrived_at=T0 + step + 0.25,
+                    )
+                ],
+            )
+            live.update(repository.get_run(run_id), repository.list_rounds(run_id))
+            # what a user watching MLflow or TensorBoard sees now: every round so far, once
+            history = client.get_metric_history(mlflow_run.info.run_id, "site/london/bytes_up")
+            assert sorted((m.step, m.value) for m in history) == [
+                (s, 100.0 * s) for s in range(1, step + 1)
+            ]
+            events = EventAccumulator(str(tmp_path / "tb" / f"{run_id}-live"))
+            events.Reload()
+            scalars = events.Scalars("accuracy")
+            assert [s.step for s in scalars] == list(range(1, step + 1))
+            assert [s.value for s in scalars] == pytest.approx([s / 10 for s in range(1, step + 1)])
+        repository.finish_run(run_id, status="finished")
+    model = tmp_path / "model.pt"
+    model.write_bytes(b"weights")
+    live.close(model)
+    assert live.stopped is None
+    finished = client.get_run(mlflow_run.info.run_id)
+    assert finished.info.status == "FINISHED"
+    assert [a.path for a in client.list_artifacts(mlflow_run.info.run_id)] == ["model.pt"]
+
+
+def test_an_export_that_fails_stops_saying_why_and_the_run_goes_on(
+    ledger: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlflow.exceptions import MlflowException
+
+    from flplatform.app.tracking import MlflowRun
+
+    def store_gone(self: MlflowRun, points: object) -> None:
+        raise MlflowException("the tracking server went away")
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    live = LiveExport(ledger, mlflow=uri)
+    with LedgerRepository.open(ledger) as repository:
+        record, rounds = repository.get_run(1), repository.list_rounds(1)
+    live.update(record, rounds[:1])
+    monkeypatch.setattr(MlflowRun, "write", store_gone)
+    live.update(record, rounds[:2])  # no exception reaches the run
+    assert live.stopped == "the tracking server went away"
+    live.update(record, rounds)  # stopped: nothing more is tried
+    live.close()
+    assert live.stopped == "the tracking server went away"

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from flplatform.app.tracking import tensorboard_directory
 from flplatform.cli.app import app
 from storage import LedgerRepository
 
@@ -39,7 +40,7 @@ def test_local_sgd_with_top_k_uploads(tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path / 'ledger.db'}"
     # Both codecs in one Flower start-up: `simulate`'s sweep, as a user compares them.
     args = ["simulate", "--codec", "none,topk:0.05", "--rounds", "3", "--local-steps", "10"]
-    result = runner.invoke(app, [*args, "--db", db])
+    result = runner.invoke(app, [*args, "--db", db, "--tensorboard", str(tmp_path / "tb")])
     assert result.exit_code == 0, result.output
     assert "flplatform history compare" in result.output
     with LedgerRepository.open(db) as repo:
@@ -50,6 +51,14 @@ def test_local_sgd_with_top_k_uploads(tmp_path: Path) -> None:
         }
         assert up["topk:0.05"] < 0.2 * up["none"]
         assert repo.list_rounds(sparse.id)[-1].metrics["accuracy"] > 0.5
+        # --tensorboard: each run of the sweep, written once the sweep ended
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        for run in (dense, sparse):
+            events = EventAccumulator(str(tensorboard_directory(tmp_path / "tb", run.id, run.name)))
+            events.Reload()
+            bytes_up = [(s.step, s.value) for s in events.Scalars("bytes_up")]
+            assert bytes_up == [(r.round, r.bytes_up) for r in repo.list_rounds(run.id)]
 
 
 def test_sketched_sgd_takes_two_rounds_per_step_on_a_simulated_network(tmp_path: Path) -> None:

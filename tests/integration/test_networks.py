@@ -20,10 +20,13 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 def test_k_async_on_the_world_network(tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path / 'ledger.db'}"
+    mlflow = f"sqlite:///{tmp_path / 'mlflow.db'}"  # logged as it trains (--mlflow)
     args = ["simulate", "--network", "world", "--sync", "k-async", "--k", "2"]
-    result = runner.invoke(app, [*args, "--rounds", "8", "--local-epochs", "1", "--db", db])
+    args += ["--rounds", "8", "--local-epochs", "1", "--db", db, "--mlflow", mlflow]
+    result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "simulated" in result.output
+    assert f"was logged to MLflow ({mlflow}) as it trained" in result.output
 
     with LedgerRepository.open(db) as repo:
         (run,) = repo.list_runs()
@@ -52,6 +55,23 @@ def test_k_async_on_the_world_network(tmp_path: Path) -> None:
             assert u.virtual_arrived_at == pytest.approx(
                 u.virtual_dispatched_at + u.transfer_seconds + u.virtual_compute_seconds
             )
+
+    # MLflow holds each round of the ledger, on the simulated clock too, and the final model
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=mlflow)
+    [logged] = client.search_runs([client.get_experiment_by_name("flplatform").experiment_id])
+    assert logged.info.status == "FINISHED" and logged.data.params["sync"] == "k-async"
+    for key, wanted in [
+        ("accuracy", [r.metrics["accuracy"] for r in rounds]),
+        ("simulated_seconds", finished),
+        ("applied", [2.0] * 8),
+    ]:
+        history = sorted(
+            (m.step, m.value) for m in client.get_metric_history(logged.info.run_id, key)
+        )
+        assert history == list(enumerate(wanted, start=1)), key
+    assert [a.path for a in client.list_artifacts(logged.info.run_id)] == ["model.pt"]
 
     shown = runner.invoke(app, ["history", "sites", str(run.id), "--db", db, "--format", "json"])
     assert shown.exit_code == 0, shown.output

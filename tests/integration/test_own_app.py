@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from flplatform.app.tracking import tensorboard_directory
 from flplatform.cli.app import app
 from flplatform.launch.flower import flower_environment, start_superlink, stop_process
 from storage import LedgerRepository, RoundRecord, RunRecord, UpdateRecord
@@ -63,9 +64,18 @@ def test_local_sgd_k_async_on_the_world_network(own_app: Path, tmp_path: Path) -
         own_app,
         db,
         *("--rounds", "3", "--network", "world", "--sync", "k-async", "--k", "2"),
-        *("-c", "learning-rate=0.1"),
+        *("-c", "learning-rate=0.1", "--tensorboard", str(tmp_path / "tb")),
     )
     assert_trained(run, rounds, 3)
+    # --tensorboard: the app's rounds, logged as it trained
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tensorboard_directory(tmp_path / "tb", run.id, run.name)))
+    events.Reload()
+    assert [s.step for s in events.Scalars("accuracy")] == [1, 2, 3]
+    assert [s.value for s in events.Scalars("accuracy")] == pytest.approx(
+        [r.metrics["accuracy"] for r in rounds]
+    )
     # The app's own key passed through untouched; the tag reached start() only through
     # FLPLATFORM_OPTIONS (the run was found by it); its query handler named the sites.
     assert run.config["learning-rate"] == 0.1 and run.tag
