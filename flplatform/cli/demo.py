@@ -23,6 +23,7 @@ from flplatform.cli.errors import handles_errors
 from flplatform.cli.progress import db_argument, display_url, follow_sweep
 from flplatform.cli.render import human_bytes, make_console
 from flplatform.cli.simulate import ledger_option
+from flplatform.cli.tracking import MlflowOption, TensorboardOption, check_stores, export_to
 from flplatform.launch.flower import work_home
 from flplatform.launch.simulation import check_ledger
 from storage import LedgerRepository, RunRecord
@@ -46,14 +47,19 @@ def cross_silo(
         Path | None, typer.Option(help="Directory for the plots (default: .flplatform/demo).")
     ] = None,
     db: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the ledger.")] = None,
+    mlflow: MlflowOption = None,
+    tensorboard: TensorboardOption = None,
 ) -> None:
     """Four sites on the world map (London, Ohio, California, Tokyo), non-IID digits, three
     panels: straggler-tolerant synchrony, delayed updates and compressed uploads, each on a
-    setting where its method should win; one summary table and one plot per panel."""
+    setting where its method should win; one summary table and one plot per panel; with
+    --mlflow or --tensorboard, each panel's runs side by side there too."""
     keys = tuple(key.strip() for key in panels.split(",") if key.strip())
     chosen = build_panels(seed=seed, db=ledger_option(db), keys=keys, max_rounds=max_rounds)
     members = demo_members(chosen)
     url = check_ledger(members[0])
+    if mlflow is not None or tensorboard is not None:
+        check_stores(url, mlflow, tensorboard, "flplatform")
     first = members[0]
     console.print(
         f"The cross-silo demo: {len(members)} runs in {len(chosen)} panels, {first.num_sites} "
@@ -89,8 +95,19 @@ def cross_silo(
             f"; side by side: flplatform history compare {ids}{db_argument(db)}",
         )
     )
+    if mlflow is not None or tensorboard is not None:
+        by_name = {r.name: r.id for r in records if r is not None}
+        for panel in chosen:  # a panel's runs side by side: an experiment (folder) each
+            run_ids = [by_name[m.run_name] for m in panel.members if m.run_name in by_name]
+            board = tensorboard / panel.key if tensorboard is not None else None
+            export_to(url, run_ids, mlflow, board, demo_experiment(panel), force=True)
     if failed is not None:
         raise failed
+
+
+def demo_experiment(panel: Panel) -> str:
+    """The MLflow experiment a panel's runs go to."""
+    return f"cross-silo demo: {panel.key}"
 
 
 def _read_back(

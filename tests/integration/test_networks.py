@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from flplatform.app.demo import build_panels, sweep_members
 from flplatform.cli.app import app
+from flplatform.cli.demo import demo_experiment
 from flplatform.cli.render import human_bytes
 from storage import LedgerRepository
 
@@ -82,18 +83,28 @@ def test_k_async_on_the_world_network(tmp_path: Path) -> None:
 
 
 def test_the_cross_silo_demo_runs_its_panels_in_one_sweep_and_plots_each(tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
     db = f"sqlite:///{tmp_path / 'ledger.db'}"
+    mlflow = f"sqlite:///{tmp_path / 'mlflow.db'}"
     out = tmp_path / "plots"
     result = runner.invoke(
         app,
-        ["demo", "cross-silo", "--max-rounds", "2", "--seed", "1", "--db", db, "--out", str(out)],
+        ["demo", "cross-silo", "--max-rounds", "2", "--seed", "1", "--db", db, "--out", str(out)]
+        + ["--mlflow", mlflow],
         terminal_width=100,
     )
     assert result.exit_code == 0, result.output
     panels = build_panels(seed=1, max_rounds=2)
+    client = MlflowClient(tracking_uri=mlflow)
     for panel in panels:
         assert f"{panel.key}: " in result.output  # its section of the table and its verdict
         assert (out / f"{panel.key}.png").read_bytes().startswith(PNG)
+        # --mlflow: the panel's runs side by side in an experiment of their own
+        experiment = client.get_experiment_by_name(demo_experiment(panel))
+        logged = client.search_runs([experiment.experiment_id])
+        assert sorted(r.info.run_name for r in logged) == sorted(m.run_name for m in panel.members)
+        assert all(len(client.get_metric_history(r.info.run_id, "bytes_up")) == 2 for r in logged)
     with LedgerRepository.open(db) as repo:
         runs = repo.list_runs()[::-1]
         # Every member a finished run of its own, under its name, with its own options.
