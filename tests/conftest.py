@@ -83,6 +83,13 @@ def sqlite_ledger(new_sqlite_ledger: Callable[[str], str]) -> str:
 
 
 @pytest.fixture
+def repository(sqlite_ledger: str) -> Iterator[LedgerRepository]:
+    """An open repository on this test's own migrated, empty SQLite ledger."""
+    with LedgerRepository.open(sqlite_ledger) as repo:
+        yield repo
+
+
+@pytest.fixture
 def ledger(sqlite_ledger: str) -> Iterator[tuple[LedgerRepository, int]]:
     """An open repository on this test's own ledger, and the id of the one run in it.
 

@@ -5,8 +5,6 @@ Flower's simulation does)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from flplatform.core.checkpoint import CheckpointError
@@ -18,12 +16,6 @@ from tests.helpers.scripted_sites import crashes, good, latest_run, run, scripte
 pytestmark = pytest.mark.usefixtures("task_identity")
 
 DIED = "worker process has died"
-
-
-@pytest.fixture
-def repository(sqlite_ledger: str) -> Iterator[LedgerRepository]:
-    with LedgerRepository.open(sqlite_ledger) as repo:
-        yield repo
 
 
 def rounds_offered(repository: LedgerRepository, site: str) -> dict[int, str]:

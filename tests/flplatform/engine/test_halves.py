@@ -7,8 +7,6 @@ The real engine, strategies, mods and SQL ledger; only the transport is in-proce
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 from flwr.app import (
@@ -70,12 +68,6 @@ def site(name: str, *, with_mod: bool) -> Behaviour:
         return users_train(msg, state)
 
     return behave
-
-
-@pytest.fixture
-def repository(sqlite_ledger: str) -> Iterator[LedgerRepository]:
-    with LedgerRepository.open(sqlite_ledger) as repo:
-        yield repo
 
 
 def run(

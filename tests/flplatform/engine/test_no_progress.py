@@ -8,7 +8,6 @@ ledger, so the tests also see that the round that trips the rule is recorded.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 import pytest
 from flwr.app import (
@@ -37,12 +36,6 @@ from tests.helpers.scripted_sites import (
 )
 
 pytestmark = pytest.mark.usefixtures("task_identity")
-
-
-@pytest.fixture
-def repository(sqlite_ledger: str) -> Iterator[LedgerRepository]:
-    with LedgerRepository.open(sqlite_ledger) as repo:
-        yield repo
 
 
 def test_three_rounds_rejected_alike_stop_the_run_after_recording_the_third(
