@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 import shutil
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flplatform.core.errors import ConfigError, DataError, FLPlatformError
+from flplatform.core.errors import ConfigError, DataError
 from storage import (
     RUN_FINISHED,
     UPDATE_APPLIED,
@@ -63,6 +64,8 @@ class RunSeries:
     status: str
     params: dict[str, str]
     points: tuple[Point, ...]
+    started_at: float = 0.0  # the run's creation (Unix s)
+    ended_at: float | None = None  # its end, if it ended
 
     def metric_keys(self) -> list[str]:
         """The series' keys, each once, in the order first written."""
@@ -91,6 +94,8 @@ def run_series(repository: LedgerRepository, run_id: int) -> RunSeries:
         status=str(run.status),
         params=_params(run),
         points=tuple(points),
+        started_at=run.created_at.timestamp(),
+        ended_at=run.finished_at.timestamp() if run.finished_at else None,
     )
 
 
@@ -116,27 +121,30 @@ def _text(value: Any) -> str:
 def _round_points(run: RunRecord, record: RoundRecord, updates: list[UpdateRecord]) -> list[Point]:
     at = record.finished_at.timestamp()
     step = record.round
-    values: dict[str, float | None] = {
-        key: value for key, value in record.metrics.items() if value is not None
-    }
     applied = [u for u in updates if u.status == UPDATE_APPLIED]
-    values.update(
-        {
-            "train_loss": record.train_loss,
-            "bytes_up": record.bytes_up,
-            "bytes_down": record.bytes_down,
-            "eval_bytes_up": record.eval_bytes_up,
-            "eval_bytes_down": record.eval_bytes_down,
-            "applied": record.num_applied,
-            "rejected": record.num_rejected,
-            "dropped": record.num_dropped,
-            "round_seconds": record.wall_seconds,
-            "elapsed_seconds": at - run.created_at.timestamp(),
-            "simulated_seconds": record.virtual_finished_at,
-            "staleness_mean": _mean(u.staleness for u in applied),
-            "staleness_max": max((u.staleness for u in applied), default=None),
-        }
-    )
+    platform: dict[str, float | None] = {
+        "train_loss": record.train_loss,
+        "bytes_up": record.bytes_up,
+        "bytes_down": record.bytes_down,
+        "eval_bytes_up": record.eval_bytes_up,
+        "eval_bytes_down": record.eval_bytes_down,
+        "applied": record.num_applied,
+        "rejected": record.num_rejected,
+        "dropped": record.num_dropped,
+        "round_seconds": record.wall_seconds,
+        "elapsed_seconds": at - run.created_at.timestamp(),
+        "simulated_seconds": record.virtual_finished_at,
+        "staleness_mean": _mean(u.staleness for u in applied),
+        "staleness_max": max((u.staleness for u in applied), default=None),
+    }
+    # The round's own metrics (the server's and sites' evaluation, the app's); one named
+    # like a series of the platform's is kept beside it as metrics/<name>.
+    values: dict[str, float | None] = {
+        (f"metrics/{key}" if key in platform or key.startswith("site/") else key): value
+        for key, value in record.metrics.items()
+        if value is not None
+    }
+    values.update(platform)
     by_site: dict[str, list[UpdateRecord]] = defaultdict(list)
     for update in updates:
         by_site[update.site].append(update)
@@ -166,6 +174,27 @@ def _mean(values: Iterable[float]) -> float | None:
 
 
 # ------------------------------------------------------------------------------ MLflow
+# What MLflow accepts in a metric or parameter name (mlflow.utils.validation, the portable
+# set: no colons), at most _MLFLOW_KEY_LENGTH characters, and no name that a path
+# normalisation would change (a//b, a/./b, /a).
+_MLFLOW_NAME_CHARACTERS = re.compile(r"[^/\w.\- ]", re.ASCII)
+_MLFLOW_KEY_LENGTH = 250
+
+
+def mlflow_name(key: str) -> str:
+    """``key`` as MLflow accepts it: other characters become ``_``, empty, ``.`` and
+    ``..`` path parts are left out, and it is cut to 250 characters (an app's metric
+    ``acc@1`` is ``acc_1``)."""
+    parts = _MLFLOW_NAME_CHARACTERS.sub("_", key).split("/")
+    name = "/".join(part for part in parts if part not in ("", ".", ".."))
+    name = name[:_MLFLOW_KEY_LENGTH].rstrip("/")
+    return name or "_"
+
+
+def _ms(seconds: float) -> int:
+    return int(seconds * 1000)
+
+
 class MlflowRun:
     """One run's MLflow run: opened with its parameters, written point by point, closed
     with its status (and the final model as an artifact)."""
@@ -176,9 +205,14 @@ class MlflowRun:
         self.store = store
         tags = {MLFLOW_SOURCE_TAG: series.source, "flplatform.run_id": str(series.run_id)}
         with store.errors():
-            created = store.client.create_run(store.experiment_id, run_name=series.name, tags=tags)
+            created = store.client.create_run(
+                store.experiment_id,
+                run_name=series.name,
+                tags=tags,
+                start_time=_ms(series.started_at) if series.started_at else None,
+            )
             self.id = str(created.info.run_id)
-            params = [Param(key, value) for key, value in series.params.items()]
+            params = [Param(mlflow_name(key), value) for key, value in series.params.items()]
             for start in range(0, len(params), _MLFLOW_PARAMS_PER_BATCH):
                 store.client.log_batch(
                     self.id, params=params[start : start + _MLFLOW_PARAMS_PER_BATCH]
@@ -187,20 +221,25 @@ class MlflowRun:
     def write(self, points: Sequence[Point]) -> None:
         from mlflow.entities import Metric
 
-        metrics = [Metric(p.key, p.value, int(p.wall_time * 1000), p.step) for p in points]
+        metrics = [Metric(mlflow_name(p.key), p.value, _ms(p.wall_time), p.step) for p in points]
         with self.store.errors():
             for start in range(0, len(metrics), _MLFLOW_METRICS_PER_BATCH):
                 self.store.client.log_batch(
                     self.id, metrics=metrics[start : start + _MLFLOW_METRICS_PER_BATCH]
                 )
 
-    def close(self, status: str, artifact: Path | None = None) -> None:
+    def close(
+        self, status: str, artifact: Path | None = None, ended_at: float | None = None
+    ) -> None:
+        """End the MLflow run: FINISHED for a finished run, else FAILED (at ``ended_at``,
+        Unix s; now when None)."""
         with self.store.errors():
             if artifact is not None:
                 self.store.client.log_artifact(self.id, str(artifact))
             self.store.client.set_tag(self.id, "flplatform.status", status)
             finished = "FINISHED" if status == RUN_FINISHED else "FAILED"
-            self.store.client.set_terminated(self.id, status=finished)
+            end = _ms(ended_at) if ended_at is not None else None
+            self.store.client.set_terminated(self.id, status=finished, end_time=end)
 
 
 class _MlflowStore:
@@ -225,6 +264,11 @@ class _MlflowStore:
             raise ConfigError(f"cannot use the MLflow store at {tracking_uri}: {exc}") from None
         with self.errors():
             found = self.client.get_experiment_by_name(experiment)
+            if found is not None and found.lifecycle_stage == "deleted":
+                raise ConfigError(
+                    f"the MLflow experiment '{experiment}' at {tracking_uri} was deleted: "
+                    "restore it (mlflow experiments restore) or choose another --experiment"
+                )
             self.experiment_id = (
                 found.experiment_id
                 if found is not None
@@ -293,12 +337,18 @@ def to_mlflow(
         )
     written: dict[int, str] = {}
     for series in runs:
+        # the new export whole first: one that fails is removed, and the earlier one stays
+        run = MlflowRun(store, series)
+        try:
+            run.write(series.points)
+            run.close(series.status, (artifacts or {}).get(series.run_id), series.ended_at)
+        except ConfigError:
+            with contextlib.suppress(Exception):  # the store may be what failed
+                store.client.delete_run(run.id)
+            raise
         with store.errors():
             for old in earlier[series.run_id]:
                 store.client.delete_run(old)
-        run = MlflowRun(store, series)
-        run.write(series.points)
-        run.close(series.status, (artifacts or {}).get(series.run_id))
         written[series.run_id] = run.id
     return written
 
@@ -309,6 +359,22 @@ def tensorboard_directory(root: Path, run_id: int, name: str) -> Path:
     (characters other than letters, digits and ``-_.`` made ``_``)."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
     return root / f"{run_id}-{safe}"
+
+
+# In each run's TensorBoard folder: the ledger and run it holds ("<ledger id>:<run id>"), so
+# that a folder is replaced only by an export of the same run.
+TENSORBOARD_SOURCE_FILE = "flplatform-run.txt"
+
+
+def _check_replaceable(folder: Path, series: RunSeries) -> None:
+    """Refuse to replace a folder that holds another ledger's run (same id and name)."""
+    try:
+        held = (folder / TENSORBOARD_SOURCE_FILE).read_text().strip()
+    except OSError:
+        held = None
+    if held != series.source:
+        what = f"another run ({held})" if held else "files flplatform did not write"
+        raise ConfigError(f"{folder} holds {what}; give another --tensorboard folder")
 
 
 class TensorBoardRun:
@@ -324,6 +390,8 @@ class TensorBoardRun:
             ) from None
         self.folder = folder
         with self.errors():
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / TENSORBOARD_SOURCE_FILE).write_text(series.source + "\n")
             self.writer = SummaryWriter(log_dir=str(folder))
             table = "\n".join(f"| {k} | {v} |" for k, v in series.params.items())
             self.writer.add_text("options", "| option | value |\n|---|---|\n" + table, 0)
@@ -341,8 +409,10 @@ class TensorBoardRun:
                 self.writer.add_scalar(point.key, point.value, point.step, walltime=point.wall_time)
             self.writer.flush()
 
-    def close(self, status: str, artifact: Path | None = None) -> None:
-        del status, artifact  # TensorBoard keeps scalars only
+    def close(
+        self, status: str, artifact: Path | None = None, ended_at: float | None = None
+    ) -> None:
+        del status, artifact, ended_at  # TensorBoard keeps scalars only
         with self.errors():
             self.writer.close()
 
@@ -370,6 +440,7 @@ def to_tensorboard(
     for series in runs:
         folder = folders[series.run_id]
         if folder.exists():
+            _check_replaceable(folder, series)
             try:
                 shutil.rmtree(folder)
             except OSError as exc:
@@ -440,24 +511,33 @@ class LiveExport:
             for run in self.runs:
                 run.write(points)
         except Exception as exc:  # an export must never end the run it follows
-            self._stop(exc)
+            self.stop(exc)
 
     def close(self, artifact: Path | None = None) -> None:
-        """End the exports with the run's status as the ledger has it (and the final
-        model, for MLflow)."""
-        if self.stopped is not None or self.run_id is None:
+        """Write the rounds committed since the last update, then end the exports with
+        the run's status as the ledger has it (and the final model, for MLflow). An
+        export that stopped is ended too, as failed, so that no MLflow run stays RUNNING
+        and no event file open."""
+        if self.run_id is None:
             return
+        status, ended_at = "failed", None
         try:
             with LedgerRepository.open(self.db_url, create=False) as repository:
-                status = str(repository.get_run(self.run_id).status)
-        except FLPlatformError as exc:
-            self._stop(exc)
-            return
+                record = repository.get_run(self.run_id)
+                rounds = repository.list_rounds(self.run_id)
+            self.update(record, rounds)
+            status = str(record.status)
+            ended_at = record.finished_at.timestamp() if record.finished_at else None
+        except Exception as exc:  # as in update
+            self.stop(exc)
+        if self.stopped is not None:
+            status, artifact = "failed", None
         for run in self.runs:
             try:
-                run.close(status, artifact)
+                run.close(status, artifact, ended_at)
             except Exception as exc:  # as in update
-                self._stop(exc)
+                self.stop(exc)
+        self.runs = []
 
     def _open(self, repository: LedgerRepository, record: RunRecord) -> None:
         self.run_id = record.id
@@ -468,14 +548,16 @@ class LiveExport:
             status=str(record.status),
             params=_params(record),
             points=(),
+            started_at=record.created_at.timestamp(),
         )
         if self.mlflow is not None:
             self.runs.append(MlflowRun(_MlflowStore(self.mlflow, self.experiment), header))
         if self.tensorboard is not None:
             folder = tensorboard_directory(self.tensorboard, header.run_id, header.name)
             if folder.exists():  # another ledger's run of the same id and name
-                raise ConfigError(f"{folder} already exists")
+                raise ConfigError(f"{folder} already exists; give another --tensorboard folder")
             self.runs.append(TensorBoardRun(folder, header))
 
-    def _stop(self, exc: Exception) -> None:
+    def stop(self, exc: Exception) -> None:
+        """Stop exporting, keeping why (said once by the command)."""
         self.stopped = f"{type(exc).__name__}: {exc}" if not str(exc) else str(exc)

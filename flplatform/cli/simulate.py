@@ -40,7 +40,7 @@ from flplatform.cli.tracking import (
     exporting,
     live_export,
 )
-from flplatform.core.errors import ConfigError
+from flplatform.core.errors import ConfigError, FLPlatformError
 from flplatform.launch.simulation import check_ledger, ledger_url, run_simulation
 from storage import RunRecord
 from storage.session import normalize_db_url
@@ -191,7 +191,16 @@ def run_sweep_and_follow(
     show_sweep(members, records, db)
     if tracking is not None:
         ended = [record.id for record in records if record is not None]
-        export_to(ledger_url(members[0]), ended, *tracking)
+        try:
+            export_to(ledger_url(members[0]), ended, *tracking)
+        except FLPlatformError as exc:  # the sweep's own outcome is what the command says
+            console.print(
+                Text(
+                    f"warning: the export to MLflow/TensorBoard failed: {exc}; write the runs "
+                    "afterwards with flplatform history export",
+                    style="yellow",
+                )
+            )
     if failed is not None:
         raise failed
     return [record for record in records if record is not None]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -150,19 +151,25 @@ def live_export(
         yield None
         return
     check_folder(tensorboard)
+    # A tracking server that is down fails the export in seconds, not after MLflow's
+    # minutes of retries inside the loop that follows the run.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     live = LiveExport(db_url, mlflow=mlflow, tensorboard=tensorboard, experiment=experiment)
     live.check()
     try:
         yield live
     finally:
         said = live.stopped is not None  # said when it stopped (``exporting``)
-        if live.run_id is not None:
-            with (
-                LedgerRepository.open(db_url, create=False) as repository,
-                tempfile.TemporaryDirectory(prefix="flplatform-export-") as scratch,
-            ):
-                model = final_model(repository, live.run_id, Path(scratch) / "model")
-                live.close(model if mlflow is not None else None)
+        with tempfile.TemporaryDirectory(prefix="flplatform-export-") as scratch:
+            model = None
+            if mlflow is not None and live.run_id is not None and live.stopped is None:
+                try:
+                    with LedgerRepository.open(db_url, create=False) as repository:
+                        model = final_model(repository, live.run_id, Path(scratch) / "model")
+                except Exception as exc:  # the run's own outcome is what the command says
+                    live.stop(exc)
+            live.close(model)
         if live.stopped is not None:
             if not said:
                 say_stopped(live)

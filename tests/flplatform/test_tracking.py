@@ -8,14 +8,19 @@ back with MLflow's own client and TensorBoard's own reader.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from flplatform.app.tracking import (
     MLFLOW_SOURCE_TAG,
+    TENSORBOARD_SOURCE_FILE,
     LiveExport,
     RunSeries,
+    mlflow_name,
     run_series,
     tensorboard_directory,
     to_mlflow,
@@ -248,15 +253,22 @@ def test_a_run_is_logged_round_by_round_as_the_ledger_commits_it(
     assert [a.path for a in client.list_artifacts(mlflow_run.info.run_id)] == ["model.pt"]
 
 
-def test_an_export_that_fails_stops_saying_why_and_the_run_goes_on(
+def test_an_export_that_fails_stops_saying_why_ends_its_run_failed_and_the_run_goes_on(
     ledger: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
 
     from flplatform.app.tracking import MlflowRun
 
+    writes = 0
+    write = MlflowRun.write
+
     def store_gone(self: MlflowRun, points: object) -> None:
-        raise MlflowException("the tracking server went away")
+        nonlocal writes
+        writes += 1
+        with self.store.errors():  # as MLflow's client fails: through the store's errors
+            raise MlflowException("the tracking server went away")
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     live = LiveExport(ledger, mlflow=uri)
@@ -265,7 +277,149 @@ def test_an_export_that_fails_stops_saying_why_and_the_run_goes_on(
     live.update(record, rounds[:1])
     monkeypatch.setattr(MlflowRun, "write", store_gone)
     live.update(record, rounds[:2])  # no exception reaches the run
-    assert live.stopped == "the tracking server went away"
+    assert live.stopped == f"MLflow at {uri}: the tracking server went away"
     live.update(record, rounds)  # stopped: nothing more is tried
+    assert writes == 1
+    monkeypatch.setattr(MlflowRun, "write", write)
     live.close()
-    assert live.stopped == "the tracking server went away"
+    assert writes == 1
+    client = MlflowClient(tracking_uri=uri)
+    [logged] = client.search_runs([client.get_experiment_by_name("flplatform").experiment_id])
+    # ended, not left RUNNING; with the round written before the store failed
+    assert logged.info.status == "FAILED" and logged.data.tags["flplatform.status"] == "failed"
+    assert [m.step for m in client.get_metric_history(logged.info.run_id, "accuracy")] == [1]
+
+
+@pytest.mark.parametrize(
+    ("key", "name"),
+    [
+        ("accuracy", "accuracy"),
+        ("acc@1", "acc_1"),
+        ("site/tokyo/bytes_up", "site/tokyo/bytes_up"),
+        ("a//b", "a/b"),
+        ("/x/./y/../z/", "x/y/z"),
+        ("top-1 (%)", "top-1 ___"),
+        ("", "_"),
+        ("é:ü", "___"),
+        ("m" * 300, "m" * 250),
+    ],
+)
+def test_metric_names_are_made_what_mlflow_accepts(key: str, name: str) -> None:
+    assert mlflow_name(key) == name
+
+
+@given(st.text(max_size=300))
+def test_every_name_made_for_mlflow_passes_mlflows_own_checks(key: str) -> None:
+    from mlflow.utils.validation import _validate_metric_name, _validate_param_name
+
+    name = mlflow_name(key)
+    _validate_metric_name(name)
+    _validate_param_name(name)
+    assert mlflow_name(name) == name  # a name MLflow accepts is kept as it is
+
+
+def test_an_apps_odd_metric_names_reach_mlflow_and_never_hide_the_platforms(
+    sqlite_ledger: str, tmp_path: Path
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    with LedgerRepository.open(sqlite_ledger) as repository:
+        run_id = repository.create_run(
+            name="odd", strategy="own", seed=0, config={"top@k": 5}, num_rounds_planned=1
+        )
+        repository.record_round(
+            run_id,
+            round=1,
+            model_version=1,
+            started_at=T0,
+            finished_at=T0 + 1,
+            metrics={"acc@1": 0.5, "bytes_up": 7.0},
+            train_loss=None,
+            updates=[],
+        )
+        series = run_series(repository, run_id)
+    assert series.series("bytes_up") == [(1, 0.0)]  # the ledger's; the app's beside it
+    assert series.series("metrics/bytes_up") == [(1, 7.0)]
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    written = to_mlflow([series], uri)
+    stored = MlflowClient(tracking_uri=uri).get_run(written[run_id])
+    assert stored.data.metrics["acc_1"] == 0.5 and stored.data.metrics["metrics/bytes_up"] == 7.0
+    assert stored.data.params["top_k"] == "5"
+
+
+def test_mlflow_runs_start_and_end_when_the_runs_did(runs: list[RunSeries], tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    written = to_mlflow(runs[:1], uri)
+    stored = MlflowClient(tracking_uri=uri).get_run(written[1])
+    # run 1 of the comparison ledger: created at T0, finished at T0 + 50
+    assert stored.info.start_time == int(T0 * 1000)
+    assert stored.info.end_time == int((T0 + 50) * 1000)
+
+
+def test_a_deleted_experiment_is_named_not_written_to(
+    runs: list[RunSeries], tmp_path: Path
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    client.delete_experiment(client.create_experiment("gone"))
+    with pytest.raises(ConfigError, match="experiment 'gone' .* was deleted: restore it"):
+        to_mlflow(runs, uri, experiment="gone")
+
+
+def test_force_never_replaces_another_ledgers_run_in_tensorboard(
+    runs: list[RunSeries], tmp_path: Path, new_sqlite_ledger: Callable[[str], str]
+) -> None:
+    other = new_sqlite_ledger("other.db")  # the same runs, ids and names: another ledger
+    write_comparison_ledger(other)
+    with LedgerRepository.open(other) as repository:
+        theirs = run_series(repository, 1)
+    assert theirs.source != runs[0].source and theirs.name == runs[0].name
+    folders = to_tensorboard([theirs], tmp_path / "tb")
+    with pytest.raises(ConfigError, match="holds another run"):
+        to_tensorboard(runs[:1], tmp_path / "tb", replace=True)
+    assert (folders[1] / TENSORBOARD_SOURCE_FILE).read_text().strip() == theirs.source
+    to_tensorboard([theirs], tmp_path / "tb", replace=True)  # its own run: replaced
+
+
+def test_a_run_ended_by_ctrl_c_is_caught_up_and_ended_in_mlflow(
+    sqlite_ledger: str, tmp_path: Path
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from flplatform.cli.tracking import exporting, live_export
+
+    def commit(repository: LedgerRepository, run_id: int, step: int) -> None:
+        repository.record_round(
+            run_id,
+            round=step,
+            model_version=step,
+            started_at=T0 + step,
+            finished_at=T0 + step + 0.5,
+            metrics={"accuracy": step / 10},
+            train_loss=None,
+            updates=[],
+        )
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    shown: list[int] = []
+    with LedgerRepository.open(sqlite_ledger) as repository:
+        run_id = repository.create_run(
+            name="stopped", strategy="local-sgd", seed=0, config={}, num_rounds_planned=5
+        )
+        commit(repository, run_id, 1)
+        with pytest.raises(KeyboardInterrupt), live_export(sqlite_ledger, uri, None, "x") as live:
+            assert live is not None
+            follow = exporting(lambda record, done, failed: shown.append(len(done)), live)
+            follow(repository.get_run(run_id), repository.list_rounds(run_id), [])
+            commit(repository, run_id, 2)  # committed after the last poll
+            repository.finish_run(run_id, status="failed", error="stopped by SIGINT")
+            raise KeyboardInterrupt
+    assert shown == [1]
+    client = MlflowClient(tracking_uri=uri)
+    [logged] = client.search_runs([client.get_experiment_by_name("x").experiment_id])
+    assert logged.info.status == "FAILED"
+    assert [m.step for m in client.get_metric_history(logged.info.run_id, "accuracy")] == [1, 2]
