@@ -189,6 +189,38 @@ def test_a_missing_extra_is_named(
     assert f"pip install 'flplatform[{extra}]'" in one_error_line(result.output)
 
 
+def commit_round(
+    repository: LedgerRepository, run_id: int, step: int, *, london_up: int | None = None
+) -> None:
+    """Round ``step`` of the run, committed: accuracy step/10, and london's applied update
+    of ``london_up`` bytes when given."""
+    updates = []
+    if london_up is not None:
+        updates.append(
+            UpdateInput(
+                site="london",
+                dispatched_round=step,
+                version_trained_on=step - 1,
+                staleness=0,
+                bytes_up=london_up,
+                bytes_down=7,
+                status="applied",
+                dispatched_at=T0 + step,
+                arrived_at=T0 + step + 0.25,
+            )
+        )
+    repository.record_round(
+        run_id,
+        round=step,
+        model_version=step,
+        started_at=T0 + step,
+        finished_at=T0 + step + 0.5,
+        metrics={"accuracy": step / 10},
+        train_loss=None,
+        updates=updates,
+    )
+
+
 def test_a_run_is_logged_round_by_round_as_the_ledger_commits_it(
     sqlite_ledger: str, tmp_path: Path
 ) -> None:
@@ -210,28 +242,7 @@ def test_a_run_is_logged_round_by_round_as_the_ledger_commits_it(
         )
         assert mlflow_run.info.status == "RUNNING" and mlflow_run.data.params["k"] == "2"
         for step in (1, 2, 3):
-            repository.record_round(
-                run_id,
-                round=step,
-                model_version=step,
-                started_at=T0 + step,
-                finished_at=T0 + step + 0.5,
-                metrics={"accuracy": step / 10},
-                train_loss=None,
-                updates=[
-                    UpdateInput(
-                        site="london",
-                        dispatched_round=step,
-                        version_trained_on=step - 1,
-                        staleness=0,
-                        bytes_up=100 * step,
-                        bytes_down=7,
-                        status="applied",
-                        dispatched_at=T0 + step,
-                        arrived_at=T0 + step + 0.25,
-                    )
-                ],
-            )
+            commit_round(repository, run_id, step, london_up=100 * step)
             live.update(repository.get_run(run_id), repository.list_rounds(run_id))
             # what a user watching MLflow or TensorBoard sees now: every round so far, once
             history = client.get_metric_history(mlflow_run.info.run_id, "site/london/bytes_up")
@@ -392,30 +403,18 @@ def test_a_run_ended_by_ctrl_c_is_caught_up_and_ended_in_mlflow(
 
     from flplatform.cli.tracking import exporting, live_export
 
-    def commit(repository: LedgerRepository, run_id: int, step: int) -> None:
-        repository.record_round(
-            run_id,
-            round=step,
-            model_version=step,
-            started_at=T0 + step,
-            finished_at=T0 + step + 0.5,
-            metrics={"accuracy": step / 10},
-            train_loss=None,
-            updates=[],
-        )
-
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     shown: list[int] = []
     with LedgerRepository.open(sqlite_ledger) as repository:
         run_id = repository.create_run(
             name="stopped", strategy="local-sgd", seed=0, config={}, num_rounds_planned=5
         )
-        commit(repository, run_id, 1)
+        commit_round(repository, run_id, 1)
         with pytest.raises(KeyboardInterrupt), live_export(sqlite_ledger, uri, None, "x") as live:
             assert live is not None
             follow = exporting(lambda record, done, failed: shown.append(len(done)), live)
             follow(repository.get_run(run_id), repository.list_rounds(run_id), [])
-            commit(repository, run_id, 2)  # committed after the last poll
+            commit_round(repository, run_id, 2)  # committed after the last poll
             repository.finish_run(run_id, status="failed", error="stopped by SIGINT")
             raise KeyboardInterrupt
     assert shown == [1]
