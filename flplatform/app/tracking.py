@@ -191,6 +191,18 @@ def mlflow_name(key: str) -> str:
     return name or "_"
 
 
+def artifact_location(tracking_uri: str) -> str | None:
+    """Where a new experiment of a SQLite store keeps its artifacts: ``mlruns`` beside the
+    database file. (MLflow's own default is ``./mlruns`` in whatever directory the command
+    ran in: a model would land in the user's working tree.) None for other stores: the
+    tracking server decides."""
+    prefix = "sqlite:///"
+    if not tracking_uri.startswith(prefix) or tracking_uri[len(prefix) :] in ("", ":memory:"):
+        return None
+    database = Path(tracking_uri[len(prefix) :]).expanduser().resolve()
+    return (database.parent / "mlruns").as_uri()
+
+
 def _ms(seconds: float) -> int:
     return int(seconds * 1000)
 
@@ -272,7 +284,9 @@ class _MlflowStore:
             self.experiment_id = (
                 found.experiment_id
                 if found is not None
-                else self.client.create_experiment(experiment)
+                else self.client.create_experiment(
+                    experiment, artifact_location=artifact_location(tracking_uri)
+                )
             )
 
     @contextlib.contextmanager

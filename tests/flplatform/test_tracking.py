@@ -106,10 +106,13 @@ def test_tensorboard_files_hold_every_series_as_tensorboards_reader_reads_them(
 
 
 def test_mlflow_holds_every_metric_param_and_artifact_as_mlflows_client_reads_them(
-    runs: list[RunSeries], tmp_path: Path
+    runs: list[RunSeries], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from mlflow.tracking import MlflowClient
 
+    working = tmp_path / "working"  # the directory the command runs in
+    working.mkdir()
+    monkeypatch.chdir(working)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     model = tmp_path / "model.pt"
     model.write_bytes(b"weights")
@@ -130,6 +133,9 @@ def test_mlflow_holds_every_metric_param_and_artifact_as_mlflows_client_reads_th
     assert artifacts == ["model.pt"] and client.list_artifacts(written[2]) == []
     downloaded = client.download_artifacts(written[1], "model.pt", str(tmp_path / "back"))
     assert Path(downloaded).read_bytes() == b"weights"
+    # the artifacts sit beside the store, never in the directory the command ran in
+    assert [p.name for p in (tmp_path / "mlruns").rglob("model.pt")] == ["model.pt"]
+    assert list(working.iterdir()) == []
 
     with pytest.raises(ConfigError, match="run 1, 2 was exported .* pass --force"):
         to_mlflow(runs, uri, experiment="stragglers")
