@@ -87,13 +87,18 @@ def run_series(repository: LedgerRepository, run_id: int) -> RunSeries:
     points: list[Point] = []
     for record in rounds:
         points += _round_points(run, record, by_round.get(record.round, []))
+    return _series(repository, run, tuple(points))
+
+
+def _series(repository: LedgerRepository, run: RunRecord, points: tuple[Point, ...]) -> RunSeries:
+    """The run's names, status, parameters and times, with ``points``."""
     return RunSeries(
         run_id=run.id,
         name=run.name,
         source=f"{repository.ledger_id}:{run.id}",
         status=str(run.status),
         params=_params(run),
-        points=tuple(points),
+        points=points,
         started_at=run.created_at.timestamp(),
         ended_at=run.finished_at.timestamp() if run.finished_at else None,
     )
@@ -375,6 +380,17 @@ def tensorboard_directory(root: Path, run_id: int, name: str) -> Path:
     return root / f"{run_id}-{safe}"
 
 
+def _summary_writer() -> Any:
+    """TensorBoard's writer (through PyTorch), or a ``ConfigError`` naming the extra."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ConfigError(
+            "exporting to TensorBoard needs TensorBoard: pip install 'flplatform[tensorboard]'"
+        ) from None
+    return SummaryWriter
+
+
 # In each run's TensorBoard folder: the ledger and run it holds ("<ledger id>:<run id>"), so
 # that a folder is replaced only by an export of the same run.
 TENSORBOARD_SOURCE_FILE = "flplatform-run.txt"
@@ -396,12 +412,7 @@ class TensorBoardRun:
     scalars point by point."""
 
     def __init__(self, folder: Path, series: RunSeries) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise ConfigError(
-                "exporting to TensorBoard needs TensorBoard: pip install 'flplatform[tensorboard]'"
-            ) from None
+        SummaryWriter = _summary_writer()  # noqa: N806 (a class)
         self.folder = folder
         with self.errors():
             folder.mkdir(parents=True, exist_ok=True)
@@ -496,22 +507,14 @@ class LiveExport:
         if self.mlflow is not None:
             _MlflowStore(self.mlflow, self.experiment)
         if self.tensorboard is not None:
-            try:
-                import torch.utils.tensorboard  # noqa: F401
-            except ImportError:
-                raise ConfigError(
-                    "exporting to TensorBoard needs TensorBoard: "
-                    "pip install 'flplatform[tensorboard]'"
-                ) from None
-            if self.tensorboard.exists() and not self.tensorboard.is_dir():
-                raise ConfigError(
-                    f"--tensorboard must be a folder, and {self.tensorboard} is a file"
-                )
+            _summary_writer()
 
     def update(self, record: RunRecord | None, done: Sequence[RoundRecord]) -> None:
         """Write the rounds of ``done`` not written yet (opening the exports first)."""
         if record is None or self.stopped is not None:
             return
+        if self.run_id is not None and not any(r.round > self.written for r in done):
+            return  # nothing new: the ledger is not read on every poll
         try:
             with LedgerRepository.open(self.db_url, create=False) as repository:
                 if self.run_id is None:
@@ -555,15 +558,7 @@ class LiveExport:
 
     def _open(self, repository: LedgerRepository, record: RunRecord) -> None:
         self.run_id = record.id
-        header = RunSeries(
-            run_id=record.id,
-            name=record.name,
-            source=f"{repository.ledger_id}:{record.id}",
-            status=str(record.status),
-            params=_params(record),
-            points=(),
-            started_at=record.created_at.timestamp(),
-        )
+        header = _series(repository, record, ())
         if self.mlflow is not None:
             self.runs.append(MlflowRun(_MlflowStore(self.mlflow, self.experiment), header))
         if self.tensorboard is not None:

@@ -46,7 +46,7 @@ from flplatform.core.site_registry import REGISTRY_ENV, RegisteredSite, SiteRegi
 from flplatform.deploy.addresses import Address, parse_address
 from flplatform.deploy.certs import ServerCerts, check_site_name, fingerprint, site_public_key
 from flplatform.deploy.gateway import READY_LINE
-from flplatform.engine.events import SITE_BACK_EVENT, SITE_LOST_EVENT
+from flplatform.engine.events import SITE_BACK_EVENT, SITE_LOST_EVENT, presence_sentence
 from flplatform.launch.flower import (
     OWNER_ONLY_UMASK,
     SimulationProcess,
@@ -67,7 +67,6 @@ from storage import (
     RUN_RUNNING,
     LedgerRepository,
     RoundRecord,
-    RunEventRecord,
     RunRecord,
     UpdateRecord,
 )
@@ -646,21 +645,7 @@ class PresenceLines:
         for event in events:
             if event.id not in self.seen and event.kind in (SITE_LOST_EVENT, SITE_BACK_EVENT):
                 self.seen.add(event.id)
-                self.say(presence_line(event))
-
-
-def presence_line(event: RunEventRecord) -> str:
-    """One line for a site-lost or site-back event."""
-    detail = event.detail
-    what = (
-        "left: the SuperLink no longer lists its SuperNode, and it gets no work until it is back"
-        if event.kind == SITE_LOST_EVENT
-        else "is back"
-    )
-    return (
-        f"round {detail.get('round')}: site {detail.get('site')} {what} "
-        f"({detail.get('connected')} of {detail.get('sites')} sites connected)"
-    )
+                self.say(presence_sentence(event.kind, event.detail))
 
 
 def run_deployment(

@@ -75,6 +75,7 @@ from flplatform.engine.events import (
     SiteInfo,
     TrafficOutcome,
     UpdateOutcome,
+    presence_sentence,
 )
 from flplatform.engine.guard import Decision, GuardOptions, Ruling, UpdateGuard
 from flplatform.engine.mailbox import (
@@ -597,44 +598,26 @@ class RoundEngine:
         new = sorted(n for n in node_ids if n not in self.sites)
         if new:
             self._introduce(new, timeout=self.round_timeout)
+        self._mark_listed(node_ids)
+
+    def _mark_listed(self, node_ids: set[int]) -> None:
+        """The sites the SuperLink lists now: the others get no work; each that left or
+        came back since the last look gets a warning and a ledger event."""
         left, back = self.sites.set_connected(node_ids)
-        if left or back:
-            self._say_presence(left, back)
-
-    def _watch_presence(self) -> None:
-        """Notice sites the SuperLink stopped (or started again) listing while work is out,
-        without introducing new nodes (that waits for their answers: it is done when the
-        mailbox is empty, and between rounds)."""
-        left, back = self.sites.set_connected(set(self.grid.get_node_ids()))
-        if left or back:
-            self._say_presence(left, back)
-
-    def _say_presence(self, left: Sequence[int], back: Sequence[int]) -> None:
-        """A warning and a ledger event for each site that left or came back."""
         connected, total = self.sites.census().connected, len(self.sites)
-        said = {
-            SITE_LOST_EVENT: "left (the SuperLink no longer lists its SuperNode); it gets no "
-            "work until it is back",
-            SITE_BACK_EVENT: "is back",
-        }
         for kind, nodes in ((SITE_LOST_EVENT, left), (SITE_BACK_EVENT, back)):
             for node_id in nodes:
-                name = self.sites.name(node_id)
-                log.warning(
-                    "round %d: site %s %s: %d of %d sites connected",
-                    self._server_round,
-                    name,
-                    said[kind],
-                    connected,
-                    total,
-                )
-                detail = {"site": name, "round": self._server_round}
+                detail = {
+                    "site": self.sites.name(node_id),
+                    "round": self._server_round,
+                    "connected": connected,
+                    "sites": total,
+                }
+                log.warning("%s", presence_sentence(kind, detail))
                 try:
-                    self.ledger.record_event(
-                        kind, {**detail, "connected": connected, "sites": total}
-                    )
+                    self.ledger.record_event(kind, detail)
                 except FLPlatformError as exc:  # the warning is said; the run goes on
-                    log.warning("could not record that site %s %s: %s", name, kind, exc)
+                    log.warning("could not record %s of site %s: %s", kind, detail["site"], exc)
 
     def _introduce(self, node_ids: Sequence[int], *, timeout: float) -> None:
         introduce(
@@ -689,9 +672,10 @@ class RoundEngine:
                     )
                 self.refresh_sites()
             elif time.monotonic() - presence_checked >= PRESENCE_CHECK_SECONDS:
-                # A site that dies holding work is said now, not when its work times out.
+                # A site that dies holding work is said now, not when its work times out
+                # (new nodes are introduced when the mailbox is empty: that waits).
                 presence_checked = time.monotonic()
-                self._watch_presence()
+                self._mark_listed(set(self.grid.get_node_ids()))
             time.sleep(self.poll_interval)
 
         # ---- aggregate into the next model version

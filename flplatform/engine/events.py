@@ -113,6 +113,20 @@ SITE_LOST_EVENT = "site-lost"
 SITE_BACK_EVENT = "site-back"
 
 
+def presence_sentence(kind: str, detail: Mapping[str, Any]) -> str:
+    """What a site-lost or site-back event says (its detail: site, round, connected,
+    sites), for the server's log and for ``flplatform server``'s console alike."""
+    what = (
+        "left: the SuperLink no longer lists its SuperNode, and it gets no work until it is back"
+        if kind == SITE_LOST_EVENT
+        else "is back"
+    )
+    return (
+        f"round {detail.get('round')}: site {detail.get('site')} {what} "
+        f"({detail.get('connected')} of {detail.get('sites')} sites connected)"
+    )
+
+
 class LedgerSink(Protocol):
     """Where the engine writes sites and finished rounds (committed round by round)."""
 

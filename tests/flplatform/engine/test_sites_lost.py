@@ -82,7 +82,7 @@ def test_a_site_that_leaves_and_comes_back_is_said_and_recorded_each_time(
     ]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("round 2: site ohio left" in w and "2 of 3 sites connected" in w for w in warnings)
-    assert any("round 4: site ohio is back: 3 of 3 sites connected" in w for w in warnings)
+    assert any("round 4: site ohio is back (3 of 3 sites connected)" in w for w in warnings)
 
 
 def test_a_run_that_keeps_its_sites_records_no_presence_event(sqlite_ledger: str) -> None:
