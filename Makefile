@@ -2,7 +2,7 @@
 # Python 3.11: they create .venv, install the pinned CPU build of torch first (an unpinned
 # torch would pull several GB of CUDA packages), then this project.
 PYTHON ?= python3
-VENV   := .venv
+VENV   ?= .venv
 BIN    := $(VENV)/bin
 export FLPLATFORM_HOME ?= $(CURDIR)/.flplatform
 export FLWR_HOME ?= $(FLPLATFORM_HOME)/flwr
@@ -10,7 +10,7 @@ export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
 export FLWR_TELEMETRY_ENABLED := 0
 
 # Debian's dataset-fashion-mnist (benchmarks/bench_many_sites.py's data), as root or with sudo.
-.PHONY: setup setup-dev setup-data demo test test-fast test-hostile test-resume test-deploy lint bench app-config clean
+.PHONY: setup setup-dev setup-data demo test test-flower-oldest test-fast test-hostile test-resume test-deploy lint bench app-config clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,11 +18,11 @@ $(BIN)/python:
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e .
+	$(BIN)/pip install --quiet -e . $(FLOWER_PIN)
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(BIN)/pip install --quiet -e '.[dev,postgres]'
+	$(BIN)/pip install --quiet -e '.[dev,postgres]' $(FLOWER_PIN)
 	touch $@
 
 setup: $(VENV)/.installed
@@ -69,6 +69,12 @@ test-resume: setup-dev
 test-deploy: setup-dev
 	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m deploy
 
+# The whole suite on the oldest Flower release the platform supports (pyproject.toml's
+# flwr pin; `make test` installs the newest in it), in a virtual environment of its own.
+OLDEST_FLOWER := $(shell sed -n 's/.*"flwr\[simulation\]>=\([0-9.]*\),.*/\1/p' pyproject.toml)
+test-flower-oldest:
+	$(MAKE) test VENV=.venv-flower-$(OLDEST_FLOWER) FLOWER_PIN='flwr[simulation]==$(OLDEST_FLOWER)'
+
 lint: setup-dev
 	$(BIN)/ruff check flplatform clients strategies storage tests benchmarks examples
 	$(BIN)/mypy flplatform clients strategies storage
@@ -83,4 +89,4 @@ bench: setup
 	$(BIN)/python benchmarks/bench_round.py
 
 clean:
-	rm -rf $(VENV) .flplatform .pytest_cache .mypy_cache .ruff_cache .hypothesis .grimp_cache .import_linter_cache
+	rm -rf $(VENV) .venv-flower-* .flplatform .pytest_cache .mypy_cache .ruff_cache .hypothesis .grimp_cache .import_linter_cache

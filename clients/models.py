@@ -209,12 +209,9 @@ def _flower_import_lock(timeout: float = 120.0) -> Iterator[None]:
     it is waited for at most ``timeout`` seconds (an import nested inside Flower's own
     then goes ahead without it).
     """
-    try:
-        from flwr.supercore import object_ref
-    except ImportError:  # pragma: no cover - Flower is a dependency
-        yield
-        return
-    lock = getattr(object_ref, "_import_lock", None)
+    from flplatform.core.flower_internals import import_lock
+
+    lock = import_lock()
     acquired = lock is not None and lock.acquire(timeout=timeout)
     try:
         yield

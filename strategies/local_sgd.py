@@ -47,7 +47,6 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
-from flwr.server.strategy.aggregate import aggregate_median, aggregate_trimmed_avg
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
@@ -55,6 +54,7 @@ from flplatform.core import keys
 from flplatform.core.arrays import arrays_to_record, record_views
 from flplatform.core.checks import require
 from flplatform.core.errors import StepRefused, UpdateRejected
+from flplatform.core.flower_internals import aggregate_median, aggregate_trimmed_avg
 from flplatform.core.reply_checks import check_arrays, check_num_examples, reply_parts
 from flplatform.core.state import StateReader
 from flplatform.engine import Contribution, EngineStrategy, Update

@@ -50,6 +50,11 @@ class NotFoundError(StorageError):
     exit_code = 5
 
 
+class FlowerVersionError(FLPlatformError):
+    """The installed Flower lacks an internal flplatform relies on
+    (``flplatform.core.flower_internals``): it is outside the supported range."""
+
+
 class UpdateRejected(FLPlatformError):
     """A site's reply is malformed or hostile; the round goes on without it."""
 

@@ -314,11 +314,12 @@ def write_connection(env: Mapping[str, str], plan: ServerPlan, link_port: int) -
     Other connections in the file (``local``, a user's own) are kept as they were.
     """
     import tomli_w
-    from flwr.cli.constant import DEFAULT_FLOWER_CONFIG_TOML
+
+    from flplatform.core.flower_internals import default_flower_config  # imports Flower
 
     path = Path(env["FLWR_HOME"]) / "config.toml"
     try:
-        text = path.read_text() if path.exists() else DEFAULT_FLOWER_CONFIG_TOML
+        text = path.read_text() if path.exists() else default_flower_config()
         config = tomllib.loads(text)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read Flower's configuration {path}: {exc}") from None
@@ -406,10 +407,43 @@ class LogTail:
         return [line.rstrip("\r") for line in complete if line.strip()]
 
 
+# Beside the SuperLink's database: the version of the Flower that last opened it.
+FLOWER_VERSION_FILE = "superlink.flower-version"
+
+
+def claim_superlink_database(state: Path) -> None:
+    """Refuse a SuperLink database that a newer Flower has opened; record the installed one.
+
+    Flower migrates the SuperLink's database forward when it starts, and an older Flower
+    then fails on it with Alembic's "Can't locate revision" (Flower 1.42 adds a column
+    that 1.41 does not know). Said here, before anything starts, with what to do.
+    """
+    from flplatform.core.flower_internals import flower_version, release  # imports Flower
+
+    path, installed = state / FLOWER_VERSION_FILE, flower_version()
+    try:
+        recorded = path.read_text().strip() if path.exists() else ""
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if recorded and release(recorded) > release(installed):
+        raise ConfigError(
+            f"this deployment's SuperLink database ({state / 'superlink.db'}) was opened by "
+            f"Flower {recorded}, which migrated it; the Flower installed here ({installed}) "
+            f"cannot open it (Flower's migrations go forward only). Install Flower "
+            f"{recorded} or newer (pip install 'flwr[simulation]=={recorded}'), or remove "
+            f"{state} to start this deployment afresh (its sites then register again)"
+        )
+    if recorded != installed:
+        with private_file(path) as handle:  # the state directory is owner-only already
+            handle.write(f"{installed}\n".encode())
+
+
 def start_superlink(
     plan: ServerPlan, *, env: dict[str, str], state: Path, log: Path, tree: ProcessTree
 ) -> tuple[subprocess.Popen[bytes], int]:
-    """Start the SuperLink on a free loopback port; return it and the port."""
+    """Start the SuperLink on a free loopback port; return it and the port (after
+    ``claim_superlink_database``)."""
+    claim_superlink_database(state)
     security = (
         ["--insecure"]
         if plan.certs is None

@@ -54,27 +54,29 @@ import json
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-import flwr.app.message.array as flower_array
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.app.message import remove_content_from_message
-from flwr.app.message.arraychunk import ArrayChunk
-from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
-from flwr.common.serde import message_to_proto
-from flwr.common.serde_utils import metadata_to_proto
-from flwr.proto.fleet_pb2 import (
+
+from flplatform.core.flower_internals import (
+    HEAD_BODY_DIVIDER,
+    HEAD_VALUE_DIVIDER,
+    SUPERLINK_NODE_ID,
+    ArrayChunk,
+    ErrorCode,
+    Node,
+    ObjectTree,
+    ProtoMessage,
+    ProtoRecordDict,
     PullMessagesRequest,
     PullMessagesResponse,
     PushMessagesRequest,
     PushMessagesResponse,
     Reconnect,
+    max_array_chunk_size,
+    message_to_proto,
+    metadata_to_proto,
+    remove_content_from_message,
 )
-from flwr.proto.message_pb2 import Message as ProtoMessage
-from flwr.proto.message_pb2 import ObjectTree
-from flwr.proto.node_pb2 import Node
-from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
-from flwr.supercore.constant import HEAD_BODY_DIVIDER, HEAD_VALUE_DIVIDER
-
 from flplatform.engine.digest import digest
 
 # Stand-ins of the encoded length of values set after a message is measured.
@@ -217,7 +219,7 @@ class _Objects:
         """An Array: its distinct chunks are its children; its body is the JSON of its
         dtype, shape, stype and, for each slice of its data, which of those it is."""
         data = memoryview(array.data)
-        step = flower_array.FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE  # read now: tests change it
+        step = max_array_chunk_size()
         children: dict[Hashable, _Node] = {}  # distinct chunks, in the order met
         place: dict[Hashable, int] = {}  # a chunk's place among them
         indices = []  # each slice's chunk, by its place

@@ -37,6 +37,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flplatform.core.errors import FlowerVersionError
+from flplatform.core.flower_internals import (
+    actor_pool,
+    flower_version,
+    simulation_entry_point,
+)
 from flplatform.launch.processes import process_table
 from flplatform.run.owner import named_owner, owner_gone
 
@@ -45,26 +51,30 @@ log = logging.getLogger("flplatform")
 
 def replace_dead_actors() -> None:
     """Make Flower's actor pool replace an actor whose process died (see the module)."""
-    from flwr.simulation.ray_transport.ray_actor import BasicActorPool
-
-    put_back = BasicActorPool.add_actor_back_to_pool
+    pool_class = actor_pool()
+    put_back = pool_class.add_actor_back_to_pool
     if getattr(put_back, "replaces_dead_actors", False):
         return
 
-    def add_actor_back_to_pool(self: BasicActorPool, future: Any) -> None:
+    def add_actor_back_to_pool(self: Any, future: Any) -> None:
         if not _actor_died(future):
             put_back(self, future)
             return
         import ray
 
+        if not all(hasattr(self, m) for m in ("_future_to_actor", "pool", "create_actor_fn")):
+            raise FlowerVersionError(
+                f"Flower {flower_version()}'s actor pool no longer has the members that "
+                "replace a dead actor (_future_to_actor, pool, create_actor_fn)"
+            )
         dead = self._future_to_actor.pop(future)
         with contextlib.suppress(Exception):  # dead already; this only frees its handle
-            ray.kill(dead, no_restart=True)  # type: ignore[arg-type]  # an actor handle
+            ray.kill(dead, no_restart=True)
         self.pool.append(self.create_actor_fn())
         log.warning("a ClientApp's process died; its Ray actor is replaced by a new one")
 
     add_actor_back_to_pool.replaces_dead_actors = True  # type: ignore[attr-defined]
-    BasicActorPool.add_actor_back_to_pool = add_actor_back_to_pool  # type: ignore[method-assign]
+    pool_class.add_actor_back_to_pool = add_actor_back_to_pool
 
 
 def _actor_died(future: Any) -> bool:
@@ -196,7 +206,7 @@ def main() -> None:
     quiet_missing_query_handlers()
     end_with_owner()
     # Flower's module first: it sets Ray's environment before anything imports Ray.
-    from flwr.simulation.app import flwr_simulation
+    flwr_simulation = simulation_entry_point()
 
     replace_dead_actors()
     flwr_simulation()

@@ -35,7 +35,9 @@ def staged_app(app_dir: Path, home: Path) -> Path:
     what it held. The copy is named by its contents (``home/apps/<hash>``), made once per
     version of the app and shared by concurrent runs; copies unused for a week are removed.
     """
-    from flwr.cli.utils import filter_paths_for_publish  # the filter `flwr run` applies
+    from flplatform.core.flower_internals import publish_filter  # imports Flower
+
+    filter_paths_for_publish = publish_filter()  # the filter `flwr run` applies
 
     root = app_dir.resolve()
     skip = {home.resolve(), flplatform_home().resolve()}
