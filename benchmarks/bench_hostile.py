@@ -10,13 +10,22 @@ run`` of the app (through ``flplatform.launch.app_directory``), read back from i
 attack made fail (the engine stops after ``max-failed-rounds`` rounds without an applied
 update) counts with the rounds it recorded.
 
-"With the defence" is the app's own configuration; "without" adds the options that switch
-it off (``--defence-off``, default ``update-norm-ratio=0 max-site-share=1
-reject-replays=false``; ``--defence-on`` adds options to the defended runs, default
-``update-min-cosine=0``: the direction check, off by default, which the sign flip needs).
-Only options the app declares are passed: Flower refuses undeclared run-config keys; an
-option the app does not declare is named in ``defence.missing``, and with none declared
-each attack runs once, reported as ``without_defence`` (``with_defence`` null).
+"With the defence" is the platform's defaults (the app's own configuration, plus
+``--defence-on`` options if given, e.g. ``update-min-cosine=0``: the direction check, off
+by default); "without" adds the options that switch it off (``--defence-off``, default
+``update-norm-ratio=0 max-site-share=1 reject-replays=false``). Only options the app
+declares are passed: Flower refuses undeclared run-config keys; an option the app does not
+declare is named in ``defence.missing``, and with none declared each attack runs once,
+reported as ``without_defence`` (``with_defence`` null).
+
+An attack is ``KIND`` or ``KIND:SCALE`` (``attack.scale``: ``scaled:5``, ``sign-flip:10``,
+ALIE's z ``alie:1``, IPM's ε ``ipm:0.1``; clients/attacks.py). The published attacks run
+over a matrix of federations: ``--aggregators mean,median,trimmed-mean``, ``--attackers
+1/4,2/10`` (f of n sites attack: the last f partitions), ``--splits non-iid,iid``
+(Dirichlet α = 0.5, or IID), ``--modes sync,k-async`` (K = n/2); each combination is a
+federation with its own silent baseline (the same sites, the attackers silent). Without
+these options an attack runs in the suite's federation (three sites, california
+attacking). ``honest_rejected`` counts the honest sites' rejected updates of each run.
 
 Time: ``wall_seconds`` of each run, and ``wall_ratio_to_silent``, what the attack cost the
 others in time (a site whose process dies every round is benched, doubling: target ≤ 1.5).
@@ -35,9 +44,15 @@ arrays' names, shapes, dtypes and bytes (zlib.crc32 and hashlib.blake2b, 16-byte
 digest). ``guard_default`` and ``guard_with_direction`` time the engine's own
 ``UpdateGuard.consider`` (flplatform/engine/guard.py) on such an update.
 
-    python benchmarks/bench_hostile.py [--attacks huge,examples,...] [--rounds 20]
-        [--defence-off KEY=VALUE ...] [--defence-on KEY=VALUE ...] [--repeats 20]
-        [--skip-simulations] [--out FILE]
+    python benchmarks/bench_hostile.py [--attacks huge,examples,sign-flip:10,...] [--rounds 20]
+        [--aggregators mean,median] [--attackers 1/4,2/10] [--splits non-iid,iid]
+        [--modes sync,k-async] [--defence-off KEY=VALUE ...] [--defence-on KEY=VALUE ...]
+        [--repeats 20] [--skip-simulations] [--out FILE]
+
+    # the published attacks, at the defaults (hours: 16 federations, 5 runs each)
+    python benchmarks/bench_hostile.py --attacks alie,ipm,scaled:5,sign-flip:10 \
+        --aggregators mean,median,trimmed-mean --attackers 1/4,2/10 --splits non-iid,iid \
+        --modes sync,k-async --defence-off
 """
 
 from __future__ import annotations
@@ -45,8 +60,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import itertools
 import math
 import platform
+import re
 import shutil
 import statistics
 import sys
@@ -85,14 +102,17 @@ ATTACK_FEDERATION = {
     "examples": "plain",
     "replay": "plain",
     "sketch": "fetchsgd",
+    "scaled": "plain",
     "sign-flip": "plain",
+    "alie": "plain",
+    "ipm": "plain",
     "suicide": "plain",
     "crash-loop": "plain",
 }
-# The update guard's options (flplatform/engine/guard.py) that switch each check off, and
-# the one that is off by default and on in the defended runs (the sign flip needs it).
+# The update guard's options (flplatform/engine/guard.py) that switch each check off.
 DEFENCE_OFF = ("update-norm-ratio=0", "max-site-share=1", "reject-replays=false")
-DEFENCE_ON = ("update-min-cosine=0",)
+SPLITS = {"non-iid": ("partition=dirichlet", "alpha=0.5"), "iid": ("partition=iid",)}
+MODES = ("sync", "k-async")
 
 Update = Mapping[str, np.ndarray]
 
@@ -240,11 +260,14 @@ def measure_checks(repeats: int) -> dict[str, Any]:
 
 # ============================================================ the simulations
 def run_attack(
-    app_dir: Path, db: str, kind: str, items: Sequence[str], rounds: int | None
+    app_dir: Path, db: str, attack: str, items: Sequence[str], rounds: int | None
 ) -> dict[str, Any]:
-    """One ``flplatform run`` of the attack app with ``kind`` attacking; its ledger's story."""
+    """One ``flplatform run`` of the attack app with ``attack`` (KIND[:SCALE]) attacking;
+    its ledger's story. ``items`` may set ``attack.site`` (else the app's)."""
     app = read_app(app_dir)
-    given = RunOverrides(rounds=rounds, db=db, run_config=(f"attack.kind={kind}", *items))
+    kind, _, scale = attack.partition(":")
+    config = [f"attack.kind={kind}", *([f"attack.scale={float(scale)}"] if scale else []), *items]
+    given = RunOverrides(rounds=rounds, db=db, run_config=tuple(config))
     plan = plan_run(app, given, tag=uuid.uuid4().hex)
     began = time.perf_counter()
     with contextlib.suppress(RunFailed):  # an attack may fail the run: its ledger tells
@@ -255,12 +278,16 @@ def run_attack(
         if run is None:
             return {"status": "not started", "wall_seconds": round(wall, 1)}
         rounds_done = repository.list_rounds(run.id)
-        attacker = app.config.get("attack.site")
+        attackers = attacker_names(dict(item.split("=", 1) for item in items), app.config)
+        updates = repository.list_updates(run.id)
         flagged = [
-            (u.round, u.status, u.reason)
-            for u in repository.list_updates(run.id, site=str(attacker))
-            if u.status != "applied" or u.reason
+            (u.round, u.site, u.status, u.reason)
+            for u in updates
+            if u.site in attackers and (u.status != "applied" or u.reason)
         ]
+        honest_rejected = sum(
+            1 for u in updates if u.site not in attackers and u.status == "rejected"
+        )
     accuracies = [float(r.metrics.get("accuracy") or 0.0) for r in rounds_done]
     tail = accuracies[-FINAL_ROUNDS:]
     return {
@@ -271,8 +298,47 @@ def run_attack(
         "rounds": len(rounds_done),
         "attacker_flagged": [list(row) for row in flagged[:3]],
         "attacker_flagged_count": len(flagged),
+        "honest_rejected": honest_rejected,
         "wall_seconds": round(wall, 1),
     }
+
+
+def attacker_names(given: Mapping[str, str], declared: Mapping[str, Any]) -> set[str]:
+    """The attackers' names in the ledger: ``attack.site``'s entries, a partition id named
+    as the run's ``sites`` name it (``site-<id>`` when ``sites`` is a count)."""
+    sites = str(given.get("sites", declared.get("sites", "")))
+    listed = str(given.get("attack.site", declared.get("attack.site", "")))
+    names = [name.strip() for name in sites.split(",")] if not sites.isdecimal() else []
+    found = set()
+    for entry in (part.strip() for part in listed.split(",") if part.strip()):
+        if entry.isdecimal():
+            index = int(entry)
+            found.add(names[index] if index < len(names) else f"site-{index}")
+        else:
+            found.add(entry)
+    return found
+
+
+def federations(
+    aggregators: Sequence[str],
+    attackers: Sequence[str],
+    splits: Sequence[str],
+    modes: Sequence[str],
+) -> dict[str, tuple[str, ...]]:
+    """The matrix's federations: a label → the run-config items that make it."""
+    out: dict[str, tuple[str, ...]] = {}
+    for aggregator, share, split, mode in itertools.product(aggregators, attackers, splits, modes):
+        f, n = (int(part) for part in share.split("/"))
+        items = (
+            f"aggregator={aggregator}",
+            f"sites={n}",
+            f"attack.site={','.join(str(i) for i in range(n - f, n))}",
+            *SPLITS[split],
+            f"sync={mode}",
+            *((f"k={max(1, n // 2)}",) if mode != "sync" else ()),
+        )
+        out[f"{aggregator} {share} {split} {mode}"] = items
+    return out
 
 
 def declared(app_dir: Path, items: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -283,7 +349,11 @@ def declared(app_dir: Path, items: Sequence[str]) -> tuple[list[str], list[str]]
 
 
 def measure_attacks(
-    attacks: Sequence[str], rounds: int | None, off: Sequence[str], on: Sequence[str]
+    attacks: Sequence[str],
+    rounds: int | None,
+    off: Sequence[str],
+    on: Sequence[str],
+    matrix: Mapping[str, tuple[str, ...]] | None = None,
 ) -> dict[str, Any]:
     home = fresh_home()
     app_dir = home / "attack_app"  # Flower builds its FAB from the directory: a clean copy
@@ -291,18 +361,28 @@ def measure_attacks(
     db = f"sqlite:///{home / 'ledger.db'}"
     off_known, off_missing = declared(app_dir, off)
     on_known, on_missing = declared(app_dir, on)
-    defended = bool(off_known)  # nothing to switch off: the defence is not in this build
-    settings = {"with": tuple(on_known), "without": tuple(off_known)} if defended else {}
+    # The app declares the guard's options, or the defence is not in this build.
+    defended = bool(declared(app_dir, DEFENCE_OFF)[0])
+    settings = {"with": tuple(on_known)} if defended else {"without": ()}
+    if defended and off_known:  # `--defence-off` without options: the defaults alone
+        settings["without"] = tuple(off_known)
     results: dict[str, Any] = {}
     silent: dict[tuple[str, str], dict[str, Any]] = {}
-    for kind in attacks:
-        federation = ATTACK_FEDERATION[kind]
-        row: dict[str, Any] = {"federation": federation}
-        for label, extra in (settings or {"without": ()}).items():
-            items = (*FEDERATIONS[federation], *extra)
+    cases = [
+        (attack, federation, items)
+        for attack in attacks
+        for federation, items in (
+            matrix or {ATTACK_FEDERATION[attack.partition(":")[0]]: ()}
+        ).items()
+    ]
+    for attack, federation, federation_items in cases:
+        base = () if matrix else FEDERATIONS[federation]
+        row: dict[str, Any] = {"attack": attack, "federation": federation}
+        for label, extra in settings.items():
+            items = (*base, *federation_items, *extra)
             if (federation, label) not in silent:
                 silent[(federation, label)] = run_attack(app_dir, db, SILENT, items, rounds)
-            attacked = run_attack(app_dir, db, kind, items, rounds)
+            attacked = run_attack(app_dir, db, attack, items, rounds)
             baseline = silent[(federation, label)]
             loss = None
             if attacked["final_accuracy"] is not None and baseline["final_accuracy"] is not None:
@@ -316,7 +396,7 @@ def measure_attacks(
             }
             row[f"silent_{label}_defence"] = baseline
         row.setdefault("with_defence", None)
-        results[kind] = row
+        results[f"{attack} @ {federation}" if matrix else attack] = row
     return {
         "defence": {
             "present": defended,
@@ -338,22 +418,45 @@ def main() -> None:
     parser.add_argument("--attacks", default=",".join(attacks), help="comma-separated kinds")
     parser.add_argument("--rounds", type=int, default=None, help="default: the app's (20)")
     parser.add_argument("--defence-off", nargs="*", default=list(DEFENCE_OFF), metavar="K=V")
-    parser.add_argument("--defence-on", nargs="*", default=list(DEFENCE_ON), metavar="K=V")
+    parser.add_argument("--defence-on", nargs="*", default=[], metavar="K=V")
+    parser.add_argument("--aggregators", default="", help="matrix: mean,median,trimmed-mean")
+    parser.add_argument("--attackers", default="", help="matrix: f/n shares, e.g. 1/4,2/10")
+    parser.add_argument("--splits", default="", help="matrix: " + ",".join(SPLITS))
+    parser.add_argument("--modes", default="", help="matrix: " + ",".join(MODES))
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per check")
     parser.add_argument("--skip-simulations", action="store_true", help="only the checks' cost")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     chosen = [k.strip() for k in args.attacks.split(",") if k.strip()]
-    unknown = [k for k in chosen if k not in ATTACK_FEDERATION]
+    unknown = [k for k in chosen if k.partition(":")[0] not in ATTACK_FEDERATION]
     if unknown:
         parser.error(f"unknown attack {', '.join(unknown)}; allowed: {', '.join(attacks)}")
+    lists = {
+        name: [v.strip() for v in getattr(args, name).split(",") if v.strip()]
+        for name in ("aggregators", "attackers", "splits", "modes")
+    }
+    matrix = None
+    if any(lists.values()):
+        bad = [s for s in lists["attackers"] if not re.fullmatch(r"\d+/\d+", s)]
+        bad += [s for s in lists["splits"] if s not in SPLITS]
+        bad += [s for s in lists["modes"] if s not in MODES]
+        if bad:
+            parser.error(f"not a matrix value: {', '.join(bad)}")
+        matrix = federations(
+            lists["aggregators"] or ["mean"],
+            lists["attackers"] or ["1/4"],
+            lists["splits"] or ["non-iid"],
+            lists["modes"] or ["sync"],
+        )
     began = time.perf_counter()
     report: dict[str, Any] = {
         "machine": {"python": sys.version.split()[0], "platform": platform.platform()},
         "check_cost": measure_checks(args.repeats),
     }
     if not args.skip_simulations:
-        report.update(measure_attacks(chosen, args.rounds, args.defence_off, args.defence_on))
+        report.update(
+            measure_attacks(chosen, args.rounds, args.defence_off, args.defence_on, matrix)
+        )
     report["wall_seconds"] = round(time.perf_counter() - began, 1)
     emit(report, args.out)
 

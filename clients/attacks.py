@@ -12,13 +12,15 @@ updates`` shows what the server made of it::
     def train(msg, context): ...
 
 Without a plan, ``attack_mod()`` reads one from the run config (``attack.kind``,
-``attack.site``, ``attack.round``: a ``[tool.flwr.app.config.attack]`` table in the app's
-pyproject.toml, so ``flplatform run APP -c attack.kind=huge`` picks the attack; see
-``tests/integration/apps/attack_app``). Every other site, and the chosen one before its
-round, is honest. The mod must come first in ``mods``: it rewrites the reply as it goes
-on the wire, after the algorithm's mod has made the upload (a whole model, a compressed
-delta, a count sketch). Only training replies are touched: the site introduces itself
-honestly (its ``num-examples`` when it joins) and evaluates honestly.
+``attack.site``, ``attack.round``, ``attack.scale``: a ``[tool.flwr.app.config.attack]``
+table in the app's pyproject.toml, so ``flplatform run APP -c attack.kind=huge`` picks the
+attack; see ``tests/integration/apps/attack_app``). Every other site, and the chosen ones
+before their round, are honest. Several sites attack together when ``site`` lists them
+(``"ohio,california"``); they collude in ``alie`` and ``ipm``. The mod must come first
+in ``mods``: it rewrites the reply as it goes on the wire, after the algorithm's mod has
+made the upload (a whole model, a compressed delta, a count sketch). Only training
+replies are touched: the site introduces itself honestly (its ``num-examples`` when it
+joins) and evaluates honestly.
 
 The attacks (``KINDS``)
 -----------------------
@@ -32,9 +34,18 @@ The attacks (``KINDS``)
 ``sketch``       a count-sketch reply (FetchSGD, Sketched-SGD's sketch round) with every
                  table value 1e30; refused (the site replies with an error) if the server
                  does not run a sketching algorithm.
-``sign-flip``    the negated update, same norm: a whole model x_n becomes x − (x_n − x)
-                 for the model x the site was sent; a delta or sketch upload is negated
-                 (every carrier of the update's value: floats, an int8 codec's levels).
+``scaled``       the honest update times ``scale`` (default 5): a whole model x_n becomes
+                 x + s·(x_n − x) for the model x the site was sent; a delta or sketch
+                 upload is multiplied by s (every carrier of the update's value: floats,
+                 an int8 codec's scales, and its levels' signs for s < 0).
+``sign-flip``    the update times −``scale`` (default 1: same norm, negated).
+``alie``         "A Little Is Enough" (Baruch et al., NeurIPS 2019): every attacker sends
+                 μ − z·σ, the coordinate-wise mean and standard deviation of the honest
+                 sites' updates of the round; z = ``scale``, by default the paper's
+                 z_max = Φ⁻¹((n − s)/n), s = ⌊n/2 + 1⌋ − f for n sites of which f attack
+                 (0 for 1 of 4, 0.25 for 2 of 10: the paper's z is made for large n).
+``ipm``          inner-product manipulation (Xie et al., UAI 2019): every attacker sends
+                 −ε·μ, ε = ``scale`` (default 0.1), against the honest sites' mean μ.
 ``suicide``      the ClientApp's process kills itself (SIGKILL) on receiving its training
                  message of that round (once: later rounds are honest, should it come back).
 ``crash-loop``   the ClientApp's process kills itself on every training message from that
@@ -46,6 +57,15 @@ The attacks (``KINDS``)
                  missing, which is what a perfect defence that rejects them leaves.
 ``none``         honest (the run config's default).
 
+``alie`` and ``ipm`` are given the honest updates, as the papers' attackers are: in a
+simulation the attacker computes each honest site's update of the round itself, calling
+the rest of the ClientApp (the algorithm's mod and the train function) as that site
+(its ``partition-id``, a fresh ``context.state``, no snapshot), on the model it was sent.
+Exact for stateless sites (local-SGD and its async modes, an uncompressed upload); an
+approximation where a site keeps state across rounds. They need a simulation (the other
+partitions' data on the attacker's machine) and an upload that is a whole model or an
+uncompressed delta, and refuse anything else with a ``ConfigError``.
+
 The site is chosen by its partition id (simulation: ``partition-id`` in the node config)
 or its name: a deployed site's ``site-name`` node config, or in simulation the name the
 run config's ``sites`` key gives its partition (flplatform's convention). The round is the
@@ -55,9 +75,11 @@ messages when the server sends none).
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
-from collections.abc import Mapping
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,13 +88,16 @@ from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, Record
 
 from flplatform.core import keys
 from flplatform.core.arrays import arrays_to_record, record_to_arrays
-from flplatform.core.checks import integer, one_of, require
+from flplatform.core.checks import integer, number, one_of, require
 from flplatform.core.errors import ConfigError
 from strategies.codecs import INT8_PREFIX, SCALE_SUFFIX
 from strategies.mods.contract import Mod, TrainFunction, is_training, round_config, sent_model
 from strategies.mods.fetchsgd import SKETCH
 
 HUGE = "huge"
+SCALED = "scaled"
+ALIE = "alie"
+IPM = "ipm"
 FLOAT32_MAX = "float32-max"
 EXAMPLES = "examples"
 REPLAY = "replay"
@@ -83,17 +108,22 @@ CRASH_LOOP = "crash-loop"
 SILENT = "silent"
 NONE = "none"
 KINDS = (
-    *(HUGE, FLOAT32_MAX, EXAMPLES, REPLAY, SKETCH_ATTACK, SIGN_FLIP),
+    *(HUGE, FLOAT32_MAX, EXAMPLES, REPLAY, SKETCH_ATTACK, SCALED, SIGN_FLIP, ALIE, IPM),
     *(SUICIDE, CRASH_LOOP, SILENT, NONE),
 )
 
 HUGE_VALUE = 1e30
 CLAIMED_EXAMPLES = 10**12
+# Each kind's ``scale`` when the plan gives none (ALIE's z depends on the federation).
+DEFAULT_SCALE = {SCALED: 5.0, SIGN_FLIP: 1.0, IPM: 0.1}
+# The attacks computed from the honest sites' updates of the round.
+OMNISCIENT = (ALIE, IPM)
 
 # The run-config keys attack_mod() reads (a [tool.flwr.app.config.attack] table).
 KIND_KEY = "attack.kind"
 SITE_KEY = "attack.site"
 ROUND_KEY = "attack.round"
+SCALE_KEY = "attack.scale"  # 0: the kind's default
 
 # What the site keeps in its context.state: its first reply's records (replay) and its
 # count of training messages; one key per record, all under keys.ATTACK_STATE.
@@ -115,21 +145,40 @@ class AttackPlan:
     kind : str
         One of ``KINDS``.
     site : str
-        The attacker: a partition id (``"2"``) or a site name (``"california"``).
+        The attackers: partition ids (``"2"``) or site names (``"california"``), one or
+        several, comma-separated.
     start_round : int
         The first server round (>= 1) whose training reply is hostile.
+    scale : float
+        The factor of ``scaled`` and ``sign-flip``, ALIE's z, IPM's ε (see the module);
+        0 takes the kind's default.
     """
 
     kind: str = NONE
     site: str = ""
     start_round: int = 1
+    scale: float = 0.0
 
     def __post_init__(self) -> None:
         require(
             one_of(self.kind, "attack kind", KINDS),
             integer(self.start_round, "attack round", minimum=1),
-            None if self.site.strip() or self.kind == NONE else "attack site must name a site",
+            None if self.sites or self.kind == NONE else "attack site must name a site",
+            number(self.scale, "attack scale", at_least=0.0, says="a number >= 0 (0: default)"),
         )
+
+    @property
+    def sites(self) -> frozenset[str]:
+        """The attackers' labels, as ``site`` lists them."""
+        return frozenset(part.strip() for part in self.site.split(",") if part.strip())
+
+    def factor(self, num_sites: int, num_attackers: int) -> float:
+        """``scale``, or the kind's default (ALIE's for ``num_attackers`` of ``num_sites``)."""
+        if self.scale:
+            return float(self.scale)
+        if self.kind == ALIE:
+            return alie_z(num_sites, num_attackers)
+        return DEFAULT_SCALE.get(self.kind, 1.0)
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> AttackPlan:
@@ -138,11 +187,19 @@ class AttackPlan:
         raw_round = run_config.get(ROUND_KEY, 1)
         if isinstance(raw_round, bool) or not isinstance(raw_round, int):
             raise ConfigError(f"{ROUND_KEY} must be an integer >= 1, got {raw_round!r}")
-        return cls(kind=kind, site=str(run_config.get(SITE_KEY, "")).strip(), start_round=raw_round)
+        raw_scale = run_config.get(SCALE_KEY, 0.0)
+        if isinstance(raw_scale, bool) or not isinstance(raw_scale, (int, float)):
+            raise ConfigError(f"{SCALE_KEY} must be a number >= 0, got {raw_scale!r}")
+        return cls(
+            kind=kind,
+            site=str(run_config.get(SITE_KEY, "")).strip(),
+            start_round=raw_round,
+            scale=float(raw_scale),
+        )
 
     def chooses(self, context: Context) -> bool:
-        """Whether the site running in ``context`` is the attacker."""
-        return self.kind != NONE and self.site in site_labels(context)
+        """Whether the site running in ``context`` is one of the attackers."""
+        return self.kind != NONE and bool(self.sites & site_labels(context))
 
 
 def site_labels(context: Context) -> set[str]:
@@ -151,8 +208,16 @@ def site_labels(context: Context) -> set[str]:
     node = context.node_config
     labels = {str(node[key]) for key in (keys.PARTITION_ID, keys.SITE_NAME) if key in node}
     partition = node.get(keys.PARTITION_ID)
+    if isinstance(partition, int):
+        labels |= _partition_labels(context, partition)
+    return labels
+
+
+def _partition_labels(context: Context, partition: int) -> set[str]:
+    """A simulated partition's labels: its id, and its name in the run config's ``sites``."""
+    labels = {str(partition)}
     sites = context.run_config.get("sites")
-    if isinstance(partition, int) and isinstance(sites, str):
+    if isinstance(sites, str):
         names = [name.strip() for name in sites.split(",")]
         if 0 <= partition < len(names) and names[partition]:
             labels.add(names[partition])
@@ -173,45 +238,89 @@ def filled(arrays: Mapping[str, np.ndarray], value: float) -> dict[str, np.ndarr
     return out
 
 
-def sign_flipped_model(
-    base: Mapping[str, np.ndarray], trained: Mapping[str, np.ndarray]
+def _same_arrays(base: Mapping[str, np.ndarray], trained: Mapping[str, np.ndarray]) -> bool:
+    return list(base) == list(trained) and all(base[k].shape == trained[k].shape for k in base)
+
+
+def scaled_model(
+    base: Mapping[str, np.ndarray], trained: Mapping[str, np.ndarray], factor: float
 ) -> dict[str, np.ndarray]:
-    """x − (x_n − x) = 2x − x_n for every float array; integer and bool arrays as trained.
+    """x + s·(x_n − x) for every float array (s = −1: the sign flip 2x − x_n); integer and
+    bool arrays as trained.
 
     ``ConfigError`` if the two do not hold the same arrays (the server sent no whole model).
     """
-    if list(base) != list(trained) or any(base[k].shape != trained[k].shape for k in base):
+    if not _same_arrays(base, trained):
         raise ConfigError(
-            "sign-flip: the reply is a whole model, but the server's message did not carry the "
-            "same arrays to flip it around"
+            "the reply is a whole model, but the server's message did not carry the same "
+            "arrays to scale its update around"
         )
     out = {}
     for name, array in trained.items():
         if np.issubdtype(array.dtype, np.floating):
-            # In float64: 2x − x_n of two float32 values is exact there, then rounded once.
-            flipped = 2 * base[name].astype(np.float64) - array.astype(np.float64)
-            out[name] = flipped.astype(array.dtype)
+            # In float64 (2x − x_n of two float32 values is exact there), rounded once.
+            start = base[name].astype(np.float64)
+            out[name] = (start + factor * (array.astype(np.float64) - start)).astype(array.dtype)
         else:
             out[name] = array
     return out
 
 
-def negated_upload(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def scaled_upload(arrays: Mapping[str, np.ndarray], factor: float) -> dict[str, np.ndarray]:
     """An upload that carries the update linearly (a delta, a count sketch, a top-k or int8
-    codec's wire arrays), negated: it decodes to −update.
+    codec's wire arrays), scaled: it decodes to ``factor`` × update.
 
-    Float arrays are negated, except an int8 codec's scales (a scale is >= 0; its levels
-    carry the sign, and are negated instead); indices and raw integers stay as they are.
+    Float arrays are scaled, except an int8 codec's scales, which take |factor| (a scale
+    is >= 0), its levels carrying the sign (negated for a negative factor); indices and
+    raw integers stay as they are.
     """
     out = {}
     for name, array in arrays.items():
         is_scale = name.startswith(INT8_PREFIX) and name.endswith(SCALE_SUFFIX)
         is_levels = name.startswith(INT8_PREFIX) and array.dtype == np.int8
-        if (np.issubdtype(array.dtype, np.floating) and not is_scale) or is_levels:
-            out[name] = -array  # int8 levels lie in [−127, 127]: no overflow
+        if is_scale:
+            out[name] = (array * abs(factor)).astype(array.dtype)
+        elif is_levels:
+            out[name] = -array if factor < 0 else array  # in [−127, 127]: no overflow
+        elif np.issubdtype(array.dtype, np.floating):
+            out[name] = (array.astype(np.float64) * factor).astype(array.dtype)
         else:
             out[name] = array
     return out
+
+
+def alie_z(num_sites: int, num_attackers: int) -> float:
+    """ALIE's z_max = Φ⁻¹((n − s)/n), s = ⌊n/2 + 1⌋ − f: the largest shift, in honest
+    standard deviations, that keeps the attackers' value inside what a majority-based
+    rule takes for honest (Baruch et al. 2019, §3); 0 where that leaves nothing."""
+    supporters = num_sites // 2 + 1 - num_attackers
+    share = (num_sites - supporters) / num_sites if num_sites > 0 else 0.0
+    if not 0.0 < share < 1.0:
+        return 0.0
+    return max(0.0, statistics.NormalDist().inv_cdf(share))
+
+
+def alie_update(honest: Sequence[Mapping[str, np.ndarray]], z: float) -> dict[str, np.ndarray]:
+    """μ − z·σ per coordinate over the honest updates (σ with Bessel's correction, as the
+    paper's code computes it; 0 for one update), in float64."""
+    if not honest:
+        raise ConfigError("ALIE needs at least one honest site's update")
+    out = {}
+    for name in honest[0]:
+        stacked = np.stack([np.asarray(u[name], dtype=np.float64) for u in honest])
+        spread = stacked.std(axis=0, ddof=1) if len(honest) > 1 else np.zeros_like(stacked[0])
+        out[name] = stacked.mean(axis=0) - z * spread
+    return out
+
+
+def ipm_update(honest: Sequence[Mapping[str, np.ndarray]], epsilon: float) -> dict[str, np.ndarray]:
+    """−ε·μ over the honest updates, in float64."""
+    if not honest:
+        raise ConfigError("IPM needs at least one honest site's update")
+    return {
+        name: -epsilon * np.mean([np.asarray(u[name], dtype=np.float64) for u in honest], axis=0)
+        for name in honest[0]
+    }
 
 
 # ====================================================================== the mod
@@ -248,7 +357,9 @@ def attack_mod(plan: AttackPlan | None = None) -> Mod:
             _remember(reply, context)
         if not hostile or attack.kind in (SUICIDE, CRASH_LOOP, REPLAY):
             return reply
-        return _rewritten(attack.kind, msg, reply)
+        if attack.kind in OMNISCIENT:
+            return _colluding(attack, msg, context, call_next, reply)
+        return _rewritten(attack, msg, reply)
 
     return mod
 
@@ -287,8 +398,9 @@ def _replayed(msg: Message, context: Context) -> Message:
     return Message(content, reply_to=msg)
 
 
-def _rewritten(kind: str, msg: Message, reply: Message) -> Message:
+def _rewritten(attack: AttackPlan, msg: Message, reply: Message) -> Message:
     """``reply`` with its ``arrays`` or its ``num-examples`` rewritten by the attack."""
+    kind = attack.kind
     content = RecordDict(dict(reply.content.items()))
     if kind == EXAMPLES:
         metrics = content.metric_records.get(keys.METRICS, MetricRecord())
@@ -309,12 +421,97 @@ def _rewritten(kind: str, msg: Message, reply: Message) -> Message:
                 f"this reply holds {', '.join(list(arrays)[:5])}"
             )
         arrays = {**arrays, SKETCH: filled({SKETCH: arrays[SKETCH]}, HUGE_VALUE)[SKETCH]}
-    elif kind == SIGN_FLIP:
-        reply_config = content.config_records.get(keys.CONFIG, ConfigRecord())
-        if SKETCH in arrays or reply_config.get(keys.UPDATE_KIND) == keys.DELTA:
-            arrays = negated_upload(arrays)
+    elif kind in (SCALED, SIGN_FLIP):
+        factor = attack.factor(0, 0) * (-1.0 if kind == SIGN_FLIP else 1.0)
+        if SKETCH in arrays or _is_delta(reply):
+            arrays = scaled_upload(arrays, factor)
         else:
-            arrays = sign_flipped_model(sent_model(msg), arrays)
+            arrays = scaled_model(sent_model(msg), arrays, factor)
+    content[keys.ARRAYS] = arrays_to_record(arrays)
+    return Message(content, reply_to=msg)
+
+
+# ================================================ ALIE and IPM: given the honest updates
+def _is_delta(reply: Message) -> bool:
+    config = reply.content.config_records.get(keys.CONFIG, ConfigRecord())
+    return config.get(keys.UPDATE_KIND) == keys.DELTA
+
+
+def _update_of(kind: str, reply: Message, base: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The update a reply carries, float arrays only, in float64: the delta it uploads, or
+    trained − sent for a whole model. ``ConfigError`` for any other upload."""
+    record = reply.content.array_records.get(keys.ARRAYS)
+    arrays = {} if record is None else record_to_arrays(record)
+    if SKETCH in arrays or not _same_arrays(base, arrays):
+        raise ConfigError(
+            f"attack '{kind}' needs replies that are a whole model or an uncompressed delta "
+            f"(local-SGD averaging without a codec, or the delayed strategy); this one holds "
+            f"{', '.join(list(arrays)[:5]) or 'no arrays'}"
+        )
+    delta = _is_delta(reply)
+    return {
+        name: array.astype(np.float64) if delta else array.astype(np.float64) - base[name]
+        for name, array in arrays.items()
+        if np.issubdtype(array.dtype, np.floating)
+    }
+
+
+def _honest_updates(
+    attack: AttackPlan, msg: Message, context: Context, call_next: TrainFunction
+) -> tuple[list[dict[str, np.ndarray]], int, int]:
+    """Each honest site's update of this round, computed here as that site would: the
+    updates, the number of sites, the number of attackers."""
+    node = context.node_config
+    total = node.get(keys.NUM_PARTITIONS)
+    if isinstance(total, bool) or not isinstance(total, int) or keys.PARTITION_ID not in node:
+        raise ConfigError(
+            f"attack '{attack.kind}' computes the honest sites' updates on their data: it "
+            f"needs a simulation ('{keys.PARTITION_ID}' and '{keys.NUM_PARTITIONS}' in the "
+            "node config)"
+        )
+    attackers = {j for j in range(total) if _partition_labels(context, j) & attack.sites}
+    base = sent_model(msg)
+    # No snapshot keys: the honest sites' state stays in their fresh contexts, never on disk.
+    config = {k: v for k, v in round_config(msg).items() if k not in (keys.SITE_WORK, keys.RUN_KEY)}
+    as_sent = copy.copy(msg)
+    as_sent.content = RecordDict({**dict(msg.content.items()), keys.CONFIG: ConfigRecord(config)})
+    updates = []
+    for partition in sorted(set(range(total)) - attackers):
+        honest_node = {k: v for k, v in node.items() if k != keys.SITE_NAME}
+        honest_node[keys.PARTITION_ID] = partition
+        as_site = Context(
+            run_id=context.run_id,
+            node_id=context.node_id,
+            node_config=honest_node,
+            state=RecordDict(),
+            run_config=context.run_config,
+        )
+        reply = call_next(as_sent, as_site)
+        if reply.has_error():
+            raise ConfigError(
+                f"attack '{attack.kind}': the honest update of site {partition} failed: "
+                f"{reply.error.reason}"
+            )
+        updates.append(_update_of(attack.kind, reply, base))
+    return updates, total, len(attackers)
+
+
+def _colluding(
+    attack: AttackPlan, msg: Message, context: Context, call_next: TrainFunction, reply: Message
+) -> Message:
+    """``reply`` (the attacker's own, for its metrics and form) carrying ALIE's or IPM's
+    update in place of its own."""
+    base = sent_model(msg)
+    _update_of(attack.kind, reply, base)  # the attacker's own upload is of a usable form
+    honest, num_sites, num_attackers = _honest_updates(attack, msg, context, call_next)
+    factor = attack.factor(num_sites, num_attackers)
+    hostile = alie_update(honest, factor) if attack.kind == ALIE else ipm_update(honest, factor)
+    arrays = record_to_arrays(reply.content.array_records[keys.ARRAYS])
+    delta = _is_delta(reply)
+    for name, update in hostile.items():
+        value = update if delta else base[name].astype(np.float64) + update
+        arrays[name] = value.astype(arrays[name].dtype)
+    content = RecordDict(dict(reply.content.items()))
     content[keys.ARRAYS] = arrays_to_record(arrays)
     return Message(content, reply_to=msg)
 
@@ -323,8 +520,11 @@ __all__ = [
     "KINDS",
     "AttackPlan",
     "attack_mod",
+    "alie_update",
+    "alie_z",
     "filled",
-    "negated_upload",
-    "sign_flipped_model",
+    "ipm_update",
+    "scaled_model",
+    "scaled_upload",
     "site_labels",
 ]

@@ -14,9 +14,12 @@ each with its reason for the ledger:
 * **Norm.** ‖u‖ is compared with the reference: the median of the norms accepted in the
   last ``window_rounds`` rounds and in this one so far, for updates of the same kind.
   One beyond ``norm_ratio`` × reference is clipped to the reference (scale = ref/‖u‖) or
-  rejected; one beyond ``norm_ratio``² × reference is rejected either way: no honest
-  update is a hundred medians long, and clipping it would still apply its direction
-  (measured: a float32-max update clipped once cost FedAvgM two points of accuracy).
+  rejected; one beyond ``REJECT_BEYOND`` (100) × reference, or ``norm_ratio``² × if that
+  is more, is rejected either way: no honest update is a hundred medians long, and
+  clipping it would still apply its direction (measured: a float32-max update clipped
+  once cost FedAvgM two points of accuracy). The default ratio is 3, not 10: a site that
+  scales its update a few times, or flips it, then counts no more than an honest one
+  (the README's guard table gives ``benchmarks/bench_hostile.py``'s figures).
   Until ``min_reference`` norms are known (the first round) updates wait, and
   are judged together once ``min_reference`` of them are there (``ready``) or when the
   round closes (``settle``): a huge update that arrives first cannot become the
@@ -86,6 +89,8 @@ DIRECTION_MEMORY = 0.9
 # rarely holds, reached −0.50 (its mean had rejected it already). A margin, not a rule
 # that honest updates never cross: an honest site with credit loses one update to it.
 CLEARLY_AWAY = 0.5
+# Beyond this many reference norms an update is rejected even where clipping is the action.
+REJECT_BEYOND = 100.0
 
 
 @dataclass(frozen=True)
@@ -118,7 +123,7 @@ class GuardOptions:
         round's end.
     """
 
-    norm_ratio: float = 10.0
+    norm_ratio: float = 3.0
     norm_action: str = CLIP
     max_share: float = 1.0
     reject_replays: bool = True
@@ -600,10 +605,9 @@ class UpdateGuard:
             )
             if self.options.norm_action == REJECT:
                 return Decision(Ruling.REJECT, reason=said)
-            if norm > ratio * ratio * reference:
-                return Decision(
-                    Ruling.REJECT, reason=f"{said}: beyond {ratio * ratio:g}x, not clipped"
-                )
+            beyond = max(REJECT_BEYOND, ratio * ratio)
+            if norm > beyond * reference:
+                return Decision(Ruling.REJECT, reason=f"{said}: beyond {beyond:g}x, not clipped")
             notes = [*notes, f"clipped: {said}; scaled to the median"]
             return Decision(
                 Ruling.ADMIT, weight=weight, scale=reference / norm, reason="; ".join(notes)

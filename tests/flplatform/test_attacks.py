@@ -6,20 +6,26 @@ from __future__ import annotations
 
 import multiprocessing
 import signal
+import statistics
 from typing import Any
 
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from clients.attacks import (
     CLAIMED_EXAMPLES,
     HUGE_VALUE,
     AttackPlan,
+    alie_update,
+    alie_z,
     attack_mod,
     filled,
-    negated_upload,
-    sign_flipped_model,
+    ipm_update,
+    scaled_model,
+    scaled_upload,
     site_labels,
 )
 from flplatform.core import keys
@@ -62,16 +68,23 @@ def train_message(server_round: int, arrays: dict[str, np.ndarray] | None = None
 
 
 class Trainer:
-    """A user's train function: every float + 0.125 times the round; it counts its calls."""
+    """A user's train function: every float + 0.125 times the round (times partition + 1
+    with ``by_partition``); it counts its calls and keeps the contexts and configs seen."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, by_partition: bool = False) -> None:
         self.calls = 0
+        self.by_partition = by_partition
+        self.seen: list[tuple[Context, dict[str, Any]]] = []
 
     def __call__(self, msg: Message, ctx: Context) -> Message:
         self.calls += 1
-        server_round = msg.content.config_records[keys.CONFIG][keys.SERVER_ROUND]
+        config = msg.content.config_records[keys.CONFIG]
+        self.seen.append((ctx, dict(config)))
+        server_round = config[keys.SERVER_ROUND]
         assert isinstance(server_round, int)
         step = 0.125 * server_round
+        if self.by_partition:
+            step *= int(ctx.node_config[keys.PARTITION_ID]) + 1  # type: ignore[call-overload]
         arrays = record_to_arrays(msg.content.array_records[keys.ARRAYS])
         trained = {
             k: (v + step).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in arrays.items()
@@ -100,29 +113,79 @@ def test_filled_stays_finite_in_every_float_dtype_and_leaves_integers() -> None:
     assert all(np.isfinite(v).all() for v in out.values())
 
 
-def test_sign_flip_keeps_the_norm_and_negates_the_update() -> None:
+@pytest.mark.parametrize("factor", [-1.0, 5.0, -10.0])
+def test_a_scaled_model_scales_the_update_around_the_model_sent(factor: float) -> None:
     base = model()
     trained = {**base, "w": base["w"] + np.float32(0.5), "b": (base["b"] - 1).astype(np.float16)}
-    flipped = sign_flipped_model(base, trained)
+    scaled = scaled_model(base, trained, factor)
     for name in ("w", "b"):
-        np.testing.assert_array_equal(flipped[name] - base[name], -(trained[name] - base[name]))
-    assert flipped["count"] == trained["count"]
-    with pytest.raises(ConfigError, match="sign-flip"):
-        sign_flipped_model({"other": base["w"]}, trained)
+        expected = base[name].astype(np.float64) + factor * (
+            trained[name].astype(np.float64) - base[name].astype(np.float64)
+        )
+        np.testing.assert_array_equal(scaled[name], expected.astype(base[name].dtype))
+        assert scaled[name].dtype == base[name].dtype
+    assert scaled["count"] == trained["count"]
+    flipped = scaled_model(base, trained, -1.0)  # the sign flip: same norm, negated
+    np.testing.assert_array_equal(flipped["w"] - base["w"], -(trained["w"] - base["w"]))
+    with pytest.raises(ConfigError, match="whole model"):
+        scaled_model({"other": base["w"]}, trained, -1.0)
 
 
+@pytest.mark.parametrize("factor", [-1.0, 5.0, -10.0])
 @pytest.mark.parametrize("spec", ["topk:3", "int8", "none"])
-def test_a_negated_codec_upload_decodes_to_the_negated_update(spec: str) -> None:
-    """The oracle is the server's own decoder: decode(negated wire) = −decode(wire)."""
+def test_a_scaled_codec_upload_decodes_to_the_scaled_update(spec: str, factor: float) -> None:
+    """The oracle is the server's own decoder: decode(scaled wire) = factor·decode(wire)."""
     update = {
         "w": np.array([[0.5, -1.0], [2.0, 0.25]], dtype=np.float32),
         "b": np.array([0.75, -0.125], dtype=np.float32),
     }
     codec, layout = make_codec(spec), Layout.of(update)
     wire = codec.encode(update, rng=np.random.default_rng(0))
-    plain, negated = codec.decode(wire, layout), codec.decode(negated_upload(wire), layout)
+    plain = codec.decode(wire, layout)
+    scaled = codec.decode(scaled_upload(wire, factor), layout)
     for name in update:
-        np.testing.assert_allclose(negated[name], -plain[name])
+        np.testing.assert_allclose(scaled[name], factor * plain[name], rtol=1e-6)
+
+
+def test_alie_z_is_the_papers_z_max() -> None:
+    # Hand-computed: s = ⌊n/2 + 1⌋ − f, z = Φ⁻¹((n − s)/n).
+    assert alie_z(4, 1) == 0.0  # s = 2: Φ⁻¹(0.5)
+    assert alie_z(10, 2) == pytest.approx(0.2533471, abs=1e-6)  # s = 4: Φ⁻¹(0.6)
+    assert alie_z(50, 12) == pytest.approx(0.5828415, abs=1e-6)  # s = 14: Φ⁻¹(0.72)
+    assert alie_z(3, 2) == 0.0  # s = 0: Φ⁻¹(1) is not a shift
+
+
+def test_alie_and_ipm_golden() -> None:
+    honest = [
+        {"w": np.array([1.0, 10.0])},
+        {"w": np.array([2.0, 10.0])},
+        {"w": np.array([3.0, 13.0])},
+    ]
+    # μ = (2, 11); σ (Bessel) = (1, √3)
+    np.testing.assert_allclose(alie_update(honest, 1.0)["w"], [1.0, 11 - 3**0.5])
+    np.testing.assert_allclose(alie_update(honest[:1], 1.0)["w"], [1.0, 10.0])  # σ = 0
+    np.testing.assert_allclose(ipm_update(honest, 0.1)["w"], [-0.2, -1.1])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.floats(-1e3, 1e3, allow_nan=False), min_size=3, max_size=3),
+        min_size=1,
+        max_size=6,
+    ),
+    st.floats(0, 3),
+)
+def test_alie_and_ipm_match_a_coordinate_by_coordinate_reference(
+    rows: list[list[float]], z: float
+) -> None:
+    honest = [{"w": np.array(row)} for row in rows]
+    for i in range(3):
+        column = [row[i] for row in rows]
+        mean = statistics.fmean(column)
+        spread = statistics.stdev(column) if len(column) > 1 else 0.0
+        assert alie_update(honest, z)["w"][i] == pytest.approx(mean - z * spread, abs=1e-6)
+        assert ipm_update(honest, z)["w"][i] == pytest.approx(-z * mean, abs=1e-9)
 
 
 # ------------------------------------------------------------------ choosing the site
@@ -134,6 +197,12 @@ def test_a_site_is_named_by_partition_run_config_name_or_node_name() -> None:
     assert AttackPlan("huge", site="1").chooses(context(1))
 
 
+def test_several_sites_attack_together() -> None:
+    plan = AttackPlan("alie", site="ohio, california", start_round=1)
+    assert plan.sites == {"ohio", "california"}
+    assert plan.chooses(context(1)) and plan.chooses(context(2)) and not plan.chooses(context(0))
+
+
 def test_a_plan_is_checked_and_read_from_the_run_config() -> None:
     with pytest.raises(ConfigError, match="unknown attack kind 'melt'; allowed: huge"):
         AttackPlan("melt", site="0")
@@ -141,9 +210,20 @@ def test_a_plan_is_checked_and_read_from_the_run_config() -> None:
         AttackPlan("huge", site="0", start_round=0)
     with pytest.raises(ConfigError, match="attack site"):
         AttackPlan("huge")
+    with pytest.raises(ConfigError, match="attack scale must be a number >= 0"):
+        AttackPlan("scaled", site="0", scale=-2.0)
     config = {"attack.kind": "Sign-Flip", "attack.site": "ohio", "attack.round": 3}
     assert AttackPlan.from_run_config(config) == AttackPlan("sign-flip", "ohio", 3)
+    scaled = AttackPlan.from_run_config({**config, "attack.scale": 10})
+    assert scaled.scale == 10.0 and scaled.factor(4, 1) == 10.0
+    with pytest.raises(ConfigError, match="attack.scale must be a number"):
+        AttackPlan.from_run_config({**config, "attack.scale": True})
     assert AttackPlan.from_run_config({}) == AttackPlan()  # honest
+    # 0: each kind's default
+    assert AttackPlan("scaled", site="0").factor(4, 1) == 5.0
+    assert AttackPlan("sign-flip", site="0").factor(4, 1) == 1.0
+    assert AttackPlan("ipm", site="0").factor(4, 1) == 0.1
+    assert AttackPlan("alie", site="0").factor(10, 2) == alie_z(10, 2)
 
 
 # ------------------------------------------------------------------ the mod
@@ -172,6 +252,71 @@ def test_examples_claims_a_trillion_with_the_honest_update() -> None:
 def test_sign_flip_of_a_whole_model_reply() -> None:
     reply = call(AttackPlan("sign-flip", site="2", start_round=1), 2, context(2), Trainer())
     np.testing.assert_array_equal(sent(reply)["w"], model()["w"] - np.float32(0.25))
+    flip_10 = AttackPlan("sign-flip", site="2", start_round=1, scale=10)
+    np.testing.assert_array_equal(
+        sent(call(flip_10, 2, context(2), Trainer()))["w"], model()["w"] - np.float32(2.5)
+    )
+    scaled = call(AttackPlan("scaled", site="2", start_round=1), 2, context(2), Trainer())
+    np.testing.assert_array_equal(sent(scaled)["w"], model()["w"] + np.float32(1.25))
+
+
+def test_alie_is_computed_from_the_honest_sites_updates_of_the_round() -> None:
+    # Partition p's update is 0.125·round·(p + 1); california (2) attacks in round 2, given
+    # london's (0.25) and ohio's (0.5): μ = 0.375, σ = 0.25/√2, z = 1.
+    user, ctx = Trainer(by_partition=True), context(2)
+    msg = train_message(2)
+    msg.content[keys.CONFIG] = ConfigRecord(
+        {**msg.content[keys.CONFIG], keys.SITE_WORK: 4, keys.RUN_KEY: "run-a"}
+    )
+    inner = flplatform_mod()
+    plan = AttackPlan("alie", site="california", start_round=1, scale=1.0)
+    reply = attack_mod(plan)(msg, ctx, lambda m, c: inner(m, c, user))
+    expected = model()["w"].astype(np.float64) + 0.375 - 0.25 / 2**0.5
+    np.testing.assert_allclose(sent(reply)["w"], expected.astype(np.float32))
+    assert sent(reply)["count"] == 7  # integers as the attacker trained them
+    assert reply.content[keys.METRICS][keys.NUM_EXAMPLES] == 40  # its own metrics
+    # Its own training, then each honest site's, as that site, in a fresh context that no
+    # snapshot touches; the attacker's own context keeps only its own state.
+    partitions = [c.node_config[keys.PARTITION_ID] for c, _ in user.seen]
+    assert partitions == [2, 0, 1]
+    assert all(c is not ctx and not c.state.array_records for c, _ in user.seen[1:])
+    assert [keys.SITE_WORK in config for _, config in user.seen] == [True, False, False]
+
+
+def test_ipm_sends_minus_epsilon_times_the_honest_mean() -> None:
+    user = Trainer(by_partition=True)
+    plan = AttackPlan("ipm", site="2", start_round=1)  # ε = 0.1
+    reply = call(plan, 2, context(2), user)
+    expected = model()["w"].astype(np.float64) - 0.1 * 0.375
+    np.testing.assert_allclose(sent(reply)["w"], expected.astype(np.float32))
+
+
+def test_colluding_attackers_leave_out_each_other() -> None:
+    # ohio and california attack: the honest sites are london alone (σ = 0: ALIE sends μ).
+    user = Trainer(by_partition=True)
+    plan = AttackPlan("alie", site="ohio,california", start_round=1, scale=2.0)
+    reply = call(plan, 2, context(1), user)
+    np.testing.assert_allclose(sent(reply)["w"], model()["w"] + np.float32(0.25))
+    assert [c.node_config[keys.PARTITION_ID] for c, _ in user.seen] == [1, 0]
+
+
+def test_alie_and_ipm_refuse_what_they_cannot_compute() -> None:
+    deployed = Context(
+        run_id=1,
+        node_id=9,
+        node_config={keys.SITE_NAME: "lab-a"},
+        state=RecordDict(),
+        run_config={},
+    )
+    with pytest.raises(ConfigError, match="needs a simulation"):
+        call(AttackPlan("alie", site="lab-a", start_round=1), 1, deployed, Trainer())
+    msg = train_message(1)
+    msg.content[keys.CONFIG] = ConfigRecord({**msg.content[keys.CONFIG], keys.CODEC: "topk:2"})
+    inner = flplatform_mod()
+    with pytest.raises(ConfigError, match="whole model or an uncompressed delta"):
+        attack_mod(AttackPlan("ipm", site="2", start_round=1))(
+            msg, context(2), lambda m, c: inner(m, c, Trainer())
+        )
 
 
 def test_replay_resends_the_first_reply_without_training() -> None:

@@ -76,12 +76,24 @@ def test_a_huge_first_arrival_waits_and_cannot_become_the_reference() -> None:
     assert (decisions[2].scale, decisions[3].scale) == (1.0, 1.0)
 
 
-def test_clipped_up_to_ratio_squared_and_rejected_beyond() -> None:
-    guard = warmed(GuardOptions(norm_ratio=10), [1.0, 1.0, 1.0])
-    clipped = guard.consider(1, site=1, kind="delta", claimed=10, vector=vec(99, 0))
-    assert clipped.ruling is Ruling.ADMIT and clipped.scale == pytest.approx(1 / 99)
-    rejected = guard.consider(2, site=2, kind="delta", claimed=10, vector=vec(101, 0))
+@pytest.mark.parametrize("ratio,beyond", [(3, 100), (10, 100), (20, 400)])
+def test_clipped_up_to_a_hundred_medians_or_ratio_squared_and_rejected_beyond(
+    ratio: float, beyond: float
+) -> None:
+    guard = warmed(GuardOptions(norm_ratio=ratio), [1.0, 1.0, 1.0])
+    clipped = guard.consider(1, site=1, kind="delta", claimed=10, vector=vec(beyond - 1, 0))
+    assert clipped.ruling is Ruling.ADMIT and clipped.scale == pytest.approx(1 / (beyond - 1))
+    rejected = guard.consider(2, site=2, kind="delta", claimed=10, vector=vec(beyond + 1, 0))
     assert rejected.ruling is Ruling.REJECT
+    assert f"beyond {beyond:g}x, not clipped" in (rejected.reason or "")
+
+
+def test_the_default_clips_an_update_five_times_the_median() -> None:
+    # A site scaling its honest update by 5 (the hostile benchmark's scaled:5).
+    guard = warmed(GuardOptions(), [1.0, 1.0, 1.0])
+    scaled = guard.consider(1, site=1, kind="delta", claimed=10, vector=vec(5, 0))
+    assert scaled.ruling is Ruling.ADMIT and scaled.scale == pytest.approx(1 / 5)
+    assert "5x the recent median 1 (update-norm-ratio 3)" in (scaled.reason or "")
 
 
 def test_two_honest_sites_far_apart_are_both_admitted() -> None:
@@ -345,7 +357,7 @@ def naive_decisions(history: list[float], norms: list[float], ratio: float) -> l
     scales = []
     for norm in norms:
         reference = float(np.median(accepted))
-        if norm > ratio * ratio * reference:
+        if norm > max(100.0, ratio * ratio) * reference:
             scales.append(0.0)
             continue
         scale = reference / norm if norm > ratio * reference else 1.0

@@ -2,7 +2,7 @@
 
 The built-in train, query and evaluate functions (clients/client_app.py), with
 ``attack_mod()`` in front of ``flplatform_mod()``: the run config's ``attack.kind``,
-``attack.site`` and ``attack.round`` pick the attack (clients/attacks.py).
+``attack.site``, ``attack.round`` and ``attack.scale`` pick the attack (clients/attacks.py).
 """
 
 from __future__ import annotations
