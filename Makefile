@@ -18,11 +18,11 @@ $(BIN)/python:
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e . $(FLOWER_PIN)
+	$(BIN)/pip install --quiet -e . $(if $(FLOWER_PIN),'$(FLOWER_PIN)')
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(BIN)/pip install --quiet -e '.[dev,postgres]' $(FLOWER_PIN)
+	$(BIN)/pip install --quiet -e '.[dev,postgres]' $(if $(FLOWER_PIN),'$(FLOWER_PIN)')
 	touch $@
 
 setup: $(VENV)/.installed
@@ -73,7 +73,7 @@ test-deploy: setup-dev
 # flwr pin; `make test` installs the newest in it), in a virtual environment of its own.
 OLDEST_FLOWER := $(shell sed -n 's/.*"flwr\[simulation\]>=\([0-9.]*\),.*/\1/p' pyproject.toml)
 test-flower-oldest:
-	$(MAKE) test VENV=.venv-flower-$(OLDEST_FLOWER) FLOWER_PIN='flwr[simulation]==$(OLDEST_FLOWER)'
+	$(MAKE) test VENV=.venv-flower-$(OLDEST_FLOWER) FLOWER_PIN=flwr[simulation]==$(OLDEST_FLOWER)
 
 lint: setup-dev
 	$(BIN)/ruff check flplatform clients strategies storage tests benchmarks examples

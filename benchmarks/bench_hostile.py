@@ -22,10 +22,14 @@ An attack is ``KIND`` or ``KIND:SCALE`` (``attack.scale``: ``scaled:5``, ``sign-
 ALIE's z ``alie:1``, IPM's ε ``ipm:0.1``; clients/attacks.py). The published attacks run
 over a matrix of federations: ``--aggregators mean,median,trimmed-mean``, ``--attackers
 1/4,2/10`` (f of n sites attack: the last f partitions), ``--splits non-iid,iid``
-(Dirichlet α = 0.5, or IID), ``--modes sync,k-async`` (K = n/2); each combination is a
-federation with its own silent baseline (the same sites, the attackers silent). Without
-these options an attack runs in the suite's federation (three sites, california
-attacking). ``honest_rejected`` counts the honest sites' rejected updates of each run.
+(Dirichlet α = 0.5, or IID), ``--modes sync,k-async`` (K = n/2); each combination, on top
+of the attack's own federation (plain, FedAvgM, FetchSGD), is a federation with its own
+silent baseline (the same sites, the attackers silent). Matrix runs are timed on the
+simulated clock (the world network, seeded exponential compute times), so that an
+attacker that spends real time computing the honest updates does not arrive late in
+k-async. Without these options an attack runs in the suite's federation (three sites,
+california attacking). ``honest_rejected`` counts the honest sites' rejected updates of
+each run.
 
 Time: ``wall_seconds`` of each run, and ``wall_ratio_to_silent``, what the attack cost the
 others in time (a site whose process dies every round is benched, doubling: target ≤ 1.5).
@@ -49,8 +53,9 @@ digest). ``guard_default`` and ``guard_with_direction`` time the engine's own
         [--modes sync,k-async] [--defence-off KEY=VALUE ...] [--defence-on KEY=VALUE ...]
         [--repeats 20] [--skip-simulations] [--out FILE]
 
-    # the published attacks, at the defaults (hours: 16 federations, 5 runs each)
-    python benchmarks/bench_hostile.py --attacks alie,ipm,scaled:5,sign-flip:10 \
+    # the published attacks, at the defaults (hours: 24 federations, 5 runs each; ALIE's
+    # own z is 0 for 1 attacker of 4, so z = 1 here)
+    python benchmarks/bench_hostile.py --attacks alie:1,ipm,scaled:5,sign-flip:10 \
         --aggregators mean,median,trimmed-mean --attackers 1/4,2/10 --splits non-iid,iid \
         --modes sync,k-async --defence-off
 """
@@ -79,6 +84,7 @@ from bench_support import emit, fresh_home
 
 from clients.attacks import KINDS, NONE, SILENT
 from flplatform.core.arrays import arrays_to_record
+from flplatform.core.checks import as_site_names
 from flplatform.core.errors import RunFailed
 from flplatform.engine.guard import GuardOptions, UpdateGuard
 from flplatform.launch.app_directory import RunOverrides, plan_run, read_app
@@ -305,18 +311,11 @@ def run_attack(
 
 def attacker_names(given: Mapping[str, str], declared: Mapping[str, Any]) -> set[str]:
     """The attackers' names in the ledger: ``attack.site``'s entries, a partition id named
-    as the run's ``sites`` name it (``site-<id>`` when ``sites`` is a count)."""
-    sites = str(given.get("sites", declared.get("sites", "")))
+    as the run's ``sites`` name it (a count names the default sites, then site-5, ...)."""
+    names = as_site_names("sites", given.get("sites", declared.get("sites", "")))
     listed = str(given.get("attack.site", declared.get("attack.site", "")))
-    names = [name.strip() for name in sites.split(",")] if not sites.isdecimal() else []
-    found = set()
-    for entry in (part.strip() for part in listed.split(",") if part.strip()):
-        if entry.isdecimal():
-            index = int(entry)
-            found.add(names[index] if index < len(names) else f"site-{index}")
-        else:
-            found.add(entry)
-    return found
+    entries = [part.strip() for part in listed.split(",") if part.strip()]
+    return {names[int(e)] if e.isdecimal() and int(e) < len(names) else e for e in entries}
 
 
 def federations(
@@ -334,6 +333,8 @@ def federations(
             f"sites={n}",
             f"attack.site={','.join(str(i) for i in range(n - f, n))}",
             *SPLITS[split],
+            "network=world",
+            "compute-model=exponential",
             f"sync={mode}",
             *((f"k={max(1, n // 2)}",) if mode != "sync" else ()),
         )
@@ -376,7 +377,10 @@ def measure_attacks(
         ).items()
     ]
     for attack, federation, federation_items in cases:
-        base = () if matrix else FEDERATIONS[federation]
+        own = ATTACK_FEDERATION[attack.partition(":")[0]]  # plain, FedAvgM or FetchSGD
+        base = FEDERATIONS[own]
+        if matrix:
+            federation = f"{federation} {own}" if own != "plain" else federation
         row: dict[str, Any] = {"attack": attack, "federation": federation}
         for label, extra in settings.items():
             items = (*base, *federation_items, *extra)
@@ -412,6 +416,13 @@ def measure_attacks(
     }
 
 
+def _number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text)) and float(text) >= 0
+    except ValueError:
+        return False
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     attacks = [k for k in KINDS if k not in (SILENT, NONE)]
@@ -431,6 +442,10 @@ def main() -> None:
     unknown = [k for k in chosen if k.partition(":")[0] not in ATTACK_FEDERATION]
     if unknown:
         parser.error(f"unknown attack {', '.join(unknown)}; allowed: {', '.join(attacks)}")
+    scales = [k.partition(":")[2] for k in chosen]
+    bad_scales = [k for k, v in zip(chosen, scales, strict=True) if v and not _number(v)]
+    if bad_scales:
+        parser.error(f"SCALE must be a number >= 0 in KIND:SCALE, got {', '.join(bad_scales)}")
     lists = {
         name: [v.strip() for v in getattr(args, name).split(",") if v.strip()]
         for name in ("aggregators", "attackers", "splits", "modes")

@@ -59,12 +59,15 @@ The attacks (``KINDS``)
 
 ``alie`` and ``ipm`` are given the honest updates, as the papers' attackers are: in a
 simulation the attacker computes each honest site's update of the round itself, calling
-the rest of the ClientApp (the algorithm's mod and the train function) as that site
-(its ``partition-id``, a fresh ``context.state``, no snapshot), on the model it was sent.
-Exact for stateless sites (local-SGD and its async modes, an uncompressed upload); an
-approximation where a site keeps state across rounds. They need a simulation (the other
-partitions' data on the attacker's machine) and an upload that is a whole model or an
-uncompressed delta, and refuse anything else with a ``ConfigError``.
+the rest of the ClientApp (the algorithm's mod and the train function) with the message
+it was sent, as that site (its ``partition-id``, a fresh ``context.state``, snapshots in
+a scratch directory deleted afterwards). In sync rounds of a stateless site (local-SGD
+averaging with an uncompressed upload) that is the update the site sends; in the async
+modes the honest sites train on the models they were sent, maybe older ones; a site that
+keeps state across rounds (a codec's residual, delayed updates' periods) cannot be
+computed this way. They need a simulation (the other partitions' data on the attacker's
+machine) and a reply that is a whole model or an uncompressed delta, and refuse anything
+else with a ``ConfigError``.
 
 The site is chosen by its partition id (simulation: ``partition-id`` in the node config)
 or its name: a deployed site's ``site-name`` node config, or in simulation the name the
@@ -75,12 +78,13 @@ messages when the server sends none).
 
 from __future__ import annotations
 
-import copy
 import os
 import signal
 import statistics
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -88,8 +92,9 @@ from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, Record
 
 from flplatform.core import keys
 from flplatform.core.arrays import arrays_to_record, record_to_arrays
-from flplatform.core.checks import integer, number, one_of, require
+from flplatform.core.checks import as_site_names, integer, number, one_of, require
 from flplatform.core.errors import ConfigError
+from strategies.averaged_arrays import AVERAGED
 from strategies.codecs import INT8_PREFIX, SCALE_SUFFIX
 from strategies.mods.contract import Mod, TrainFunction, is_training, round_config, sent_model
 from strategies.mods.fetchsgd import SKETCH
@@ -217,9 +222,12 @@ def _partition_labels(context: Context, partition: int) -> set[str]:
     """A simulated partition's labels: its id, and its name in the run config's ``sites``."""
     labels = {str(partition)}
     sites = context.run_config.get("sites")
-    if isinstance(sites, str):
-        names = [name.strip() for name in sites.split(",")]
-        if 0 <= partition < len(names) and names[partition]:
+    if sites is not None:
+        try:  # a count names the default sites, as the server does (sites = 4)
+            names = as_site_names("sites", sites)
+        except ConfigError:
+            names = ()
+        if 0 <= partition < len(names):
             labels.add(names[partition])
     return labels
 
@@ -271,17 +279,20 @@ def scaled_upload(arrays: Mapping[str, np.ndarray], factor: float) -> dict[str, 
     codec's wire arrays), scaled: it decodes to ``factor`` × update.
 
     Float arrays are scaled, except an int8 codec's scales, which take |factor| (a scale
-    is >= 0), its levels carrying the sign (negated for a negative factor); indices and
-    raw integers stay as they are.
+    is >= 0), its levels carrying the sign (negated for a negative factor), and the
+    trained values FetchSGD sends whole beside its sketch (``averaged/``: values, not an
+    update); indices and raw integers stay as they are.
     """
     out = {}
     for name, array in arrays.items():
-        is_scale = name.startswith(INT8_PREFIX) and name.endswith(SCALE_SUFFIX)
-        is_levels = name.startswith(INT8_PREFIX) and array.dtype == np.int8
-        if is_scale:
-            out[name] = (array * abs(factor)).astype(array.dtype)
-        elif is_levels:
+        int8 = name.startswith(INT8_PREFIX)
+        # By dtype first: the levels of a model array named "x.scale" are "int8.x.scale"
+        if int8 and array.dtype == np.int8:
             out[name] = -array if factor < 0 else array  # in [−127, 127]: no overflow
+        elif int8 and name.endswith(SCALE_SUFFIX) and np.issubdtype(array.dtype, np.floating):
+            out[name] = (array * abs(factor)).astype(array.dtype)
+        elif name.startswith(AVERAGED):
+            out[name] = array
         elif np.issubdtype(array.dtype, np.floating):
             out[name] = (array.astype(np.float64) * factor).astype(array.dtype)
         else:
@@ -471,28 +482,29 @@ def _honest_updates(
         )
     attackers = {j for j in range(total) if _partition_labels(context, j) & attack.sites}
     base = sent_model(msg)
-    # No snapshot keys: the honest sites' state stays in their fresh contexts, never on disk.
-    config = {k: v for k, v in round_config(msg).items() if k not in (keys.SITE_WORK, keys.RUN_KEY)}
-    as_sent = copy.copy(msg)
-    as_sent.content = RecordDict({**dict(msg.content.items()), keys.CONFIG: ConfigRecord(config)})
     updates = []
-    for partition in sorted(set(range(total)) - attackers):
-        honest_node = {k: v for k, v in node.items() if k != keys.SITE_NAME}
-        honest_node[keys.PARTITION_ID] = partition
-        as_site = Context(
-            run_id=context.run_id,
-            node_id=context.node_id,
-            node_config=honest_node,
-            state=RecordDict(),
-            run_config=context.run_config,
-        )
-        reply = call_next(as_sent, as_site)
-        if reply.has_error():
-            raise ConfigError(
-                f"attack '{attack.kind}': the honest update of site {partition} failed: "
-                f"{reply.error.reason}"
+    # The message as sent (its work number orders the site's batches), each honest site in
+    # a context of its own whose snapshots go to a directory deleted afterwards: nothing
+    # of theirs reaches the attacker's state or the sites' own snapshots.
+    with tempfile.TemporaryDirectory(prefix="flplatform-attack-") as scratch:
+        for partition in sorted(set(range(total)) - attackers):
+            honest_node = {k: v for k, v in node.items() if k != keys.SITE_NAME}
+            honest_node[keys.PARTITION_ID] = partition
+            honest_node[keys.STATE_DIR] = str(Path(scratch) / str(partition))
+            as_site = Context(
+                run_id=context.run_id,
+                node_id=context.node_id,
+                node_config=honest_node,
+                state=RecordDict(),
+                run_config=context.run_config,
             )
-        updates.append(_update_of(attack.kind, reply, base))
+            reply = call_next(msg, as_site)
+            if reply.has_error():
+                raise ConfigError(
+                    f"attack '{attack.kind}': the honest update of site {partition} failed: "
+                    f"{reply.error.reason}"
+                )
+            updates.append(_update_of(attack.kind, reply, base))
     return updates, total, len(attackers)
 
 

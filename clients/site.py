@@ -25,7 +25,7 @@ from clients.scaling import feature_scale, standardize
 from clients.site_files import read_manifest
 from clients.training import pick_device
 from flplatform.core import keys
-from flplatform.core.checks import as_bool
+from flplatform.core.checks import DEFAULT_SITES, as_bool, as_site_names
 from flplatform.core.errors import ConfigError
 from flplatform.core.seeding import rng_for
 
@@ -79,7 +79,7 @@ class SiteDataConfig:
     alpha: float = 0.5
     model: str = "mlp"
     seed: int = 0
-    sites: tuple[str, ...] = ("london", "ohio", "california", "tokyo")
+    sites: tuple[str, ...] = DEFAULT_SITES
     standardize_features: bool = False
 
     @classmethod
@@ -94,9 +94,10 @@ class SiteDataConfig:
             values["seed"] = int(run_config.get("seed", defaults.seed))
         except (TypeError, ValueError):
             raise ConfigError("run config 'alpha' and 'seed' must be numbers") from None
-        sites = run_config.get("sites", defaults.sites)
-        items = sites if isinstance(sites, list | tuple) else str(sites).split(",")
-        values["sites"] = tuple(str(n).strip() for n in items if str(n).strip())
+        # a count names the default sites, as the server names them (``sites = 4``)
+        values["sites"] = as_site_names(
+            "run config 'sites'", run_config.get("sites", defaults.sites)
+        )
         values["standardize_features"] = _flag(
             run_config, "standardize-features", defaults.standardize_features
         )

@@ -23,7 +23,6 @@ from typing import Any
 from clients.catalog import BUILTIN_DATASETS, MODELS, PARTITIONS
 from flplatform.app.config_rules import (
     CODEC_MISUSE,
-    DEFAULT_SITES,
     DELAYED,
     DELAYED_MISUSE,
     FETCHSGD,
@@ -35,7 +34,7 @@ from flplatform.app.config_rules import (
     about,
     problems,
 )
-from flplatform.core.checks import Problem, as_bool, require, site_names
+from flplatform.core.checks import DEFAULT_SITES, Problem, as_bool, as_site_names, require
 from flplatform.core.errors import ConfigError
 from flplatform.engine.guard import NORM_ACTIONS
 from flplatform.engine.synchrony import SYNC_MODES
@@ -485,25 +484,3 @@ def _as_float(name: str, value: Any) -> float:
         return float(str(value).strip())
     except ValueError:
         raise ConfigError(f"{name} must be a number, got {value!r}") from None
-
-
-def as_site_names(name: str, value: Any) -> tuple[str, ...]:
-    """Site names from a count, a list or comma-separated text; ``ConfigError`` naming every
-    bad one. A count n (``4``, ``"100"``) names the first n default sites, then ``site-5``,
-    ``site-6``, ...: ``--sites 100`` and the run-config ``sites = 100`` mean 100 sites."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{name} must be a positive count or a list of names, got {value!r}")
-    count = value if isinstance(value, int) else None
-    text = value.strip() if isinstance(value, str) else ""
-    if text.lstrip("-").isascii() and text.lstrip("-").isdecimal():
-        count = int(text)
-    if count is not None:
-        if count <= 0:
-            raise ConfigError(f"{name} must be a positive count or a list of names, got {value}")
-        return tuple(
-            DEFAULT_SITES[i] if i < len(DEFAULT_SITES) else f"site-{i + 1}" for i in range(count)
-        )
-    items = value if isinstance(value, list | tuple) else str(value).split(",")
-    names = tuple(str(item).strip() for item in items if str(item).strip())
-    require(site_names(names, name))
-    return names

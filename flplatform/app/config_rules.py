@@ -55,7 +55,6 @@ STRATEGY_ALIASES = {
     FETCHSGD: FETCHSGD,
     SKETCHED_SGD: SKETCHED_SGD,
 }
-DEFAULT_SITES = ("london", "ohio", "california", "tokyo")
 # Flower refuses message TTLs beyond its own limits; a week is far beyond any real round.
 MAX_ROUND_TIMEOUT = 7 * 24 * 3600.0
 

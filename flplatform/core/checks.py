@@ -16,6 +16,7 @@ import numbers
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from flplatform.core.errors import ConfigError
 
@@ -256,3 +257,29 @@ class SyncOnly:
         problem = self.problem(mode)
         if problem is not None:
             raise ConfigError(problem)
+
+
+# The sites a count names first (the DTS paper's world map), then site-5, site-6, ...
+DEFAULT_SITES = ("london", "ohio", "california", "tokyo")
+
+
+def as_site_names(name: str, value: Any) -> tuple[str, ...]:
+    """Site names from a count, a list or comma-separated text; ``ConfigError`` naming every
+    bad one. A count n (``4``, ``"100"``) names the first n default sites, then ``site-5``,
+    ``site-6``, ...: ``--sites 100`` and the run-config ``sites = 100`` mean 100 sites."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be a positive count or a list of names, got {value!r}")
+    count = value if isinstance(value, int) else None
+    text = value.strip() if isinstance(value, str) else ""
+    if text.lstrip("-").isascii() and text.lstrip("-").isdecimal():
+        count = int(text)
+    if count is not None:
+        if count <= 0:
+            raise ConfigError(f"{name} must be a positive count or a list of names, got {value}")
+        return tuple(
+            DEFAULT_SITES[i] if i < len(DEFAULT_SITES) else f"site-{i + 1}" for i in range(count)
+        )
+    items = value if isinstance(value, list | tuple) else str(value).split(",")
+    names = tuple(str(item).strip() for item in items if str(item).strip())
+    require(site_names(names, name))
+    return names

@@ -19,8 +19,9 @@ Those the engine needs are looked up when this module is imported; those that im
 or Flower's CLI, when first asked for. A Flower release that moved one fails there with a
 ``FlowerVersionError`` naming the installed Flower, the internal and the supported range,
 not with an ``AttributeError`` in the middle of a run. ``SUPPORTED_FLOWER`` is the range
-the test suite runs on (``make test`` on the newest release in it, ``make
-test-flower-oldest`` on the oldest); ``pyproject.toml`` pins the same range.
+the test suite runs on (a fresh ``make test``, as in CI, installs the newest release in
+it; ``make test-flower-oldest`` runs on the oldest); ``pyproject.toml`` pins the same
+range.
 """
 
 from __future__ import annotations

@@ -418,7 +418,11 @@ def claim_superlink_database(state: Path) -> None:
     then fails on it with Alembic's "Can't locate revision" (Flower 1.42 adds a column
     that 1.41 does not know). Said here, before anything starts, with what to do.
     """
-    from flplatform.core.flower_internals import flower_version, release  # imports Flower
+    from flplatform.core.flower_internals import (  # imports Flower
+        SUPPORTED_FLOWER,
+        flower_version,
+        release,
+    )
 
     path, installed = state / FLOWER_VERSION_FILE, flower_version()
     try:
@@ -426,12 +430,17 @@ def claim_superlink_database(state: Path) -> None:
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
     if recorded and release(recorded) > release(installed):
+        oldest, beyond = SUPPORTED_FLOWER
+        install = (
+            f"Install Flower {recorded} (pip install 'flwr[simulation]=={recorded}'), or remove"
+            if release(recorded) < release(beyond)
+            else f"No Flower flplatform supports (>= {oldest}, < {beyond}) can open it: remove"
+        )
         raise ConfigError(
             f"this deployment's SuperLink database ({state / 'superlink.db'}) was opened by "
             f"Flower {recorded}, which migrated it; the Flower installed here ({installed}) "
-            f"cannot open it (Flower's migrations go forward only). Install Flower "
-            f"{recorded} or newer (pip install 'flwr[simulation]=={recorded}'), or remove "
-            f"{state} to start this deployment afresh (its sites then register again)"
+            f"cannot open it (Flower's migrations go forward only). {install} {state} to "
+            "start this deployment afresh (its sites then register again)"
         )
     if recorded != installed:
         with private_file(path) as handle:  # the state directory is owner-only already

@@ -18,8 +18,10 @@ each with its reason for the ledger:
   is more, is rejected either way: no honest update is a hundred medians long, and
   clipping it would still apply its direction (measured: a float32-max update clipped
   once cost FedAvgM two points of accuracy). The default ratio is 3, not 10: a site that
-  scales its update a few times, or flips it, then counts no more than an honest one
-  (the README's guard table gives ``benchmarks/bench_hostile.py``'s figures).
+  scales its update past 3× the median counts no more than an honest update of median
+  norm (the README's guard table gives ``benchmarks/bench_hostile.py``'s figures). A
+  flipped update, clipped so, still points against the others: that needs the direction
+  check.
   Until ``min_reference`` norms are known (the first round) updates wait, and
   are judged together once ``min_reference`` of them are there (``ready``) or when the
   round closes (``settle``): a huge update that arrives first cannot become the

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # What a site process must not load: the server engine, the run configuration (which
@@ -101,3 +103,14 @@ def test_a_message_run_config_chooses_the_data_the_site_loads(task_identity: Non
     assert theirs == len(load_site(node_config, {**own, "seed": 5, "alpha": 0.1}).x_train)
     assert mine == len(load_site(node_config, own).x_train)
     assert theirs != mine  # another seed and alpha: another Dirichlet share
+
+
+@pytest.mark.parametrize("given", ["4", 6, "london,ohio", ["a1", "b2"]])
+def test_a_count_of_sites_names_them_as_the_server_does(given: object) -> None:
+    # `flplatform run APP -c sites=4` reaches the sites as "4": partition 0 is london,
+    # not a site named "4" (the ledger names sites as they name themselves).
+    from clients.site import SiteDataConfig
+    from flplatform.app.config import RunConfig
+
+    site_side = SiteDataConfig.from_run_config({"sites": given}).sites
+    assert site_side == RunConfig.from_mapping({"sites": given}).sites

@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing
 import signal
 import statistics
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -134,10 +135,12 @@ def test_a_scaled_model_scales_the_update_around_the_model_sent(factor: float) -
 @pytest.mark.parametrize("factor", [-1.0, 5.0, -10.0])
 @pytest.mark.parametrize("spec", ["topk:3", "int8", "none"])
 def test_a_scaled_codec_upload_decodes_to_the_scaled_update(spec: str, factor: float) -> None:
-    """The oracle is the server's own decoder: decode(scaled wire) = factor·decode(wire)."""
+    """The oracle is the server's own decoder: decode(scaled wire) = factor·decode(wire).
+    ("ln.scale": a model array whose int8 levels are named like a scale.)"""
     update = {
         "w": np.array([[0.5, -1.0], [2.0, 0.25]], dtype=np.float32),
         "b": np.array([0.75, -0.125], dtype=np.float32),
+        "ln.scale": np.array([0.5, -1.0, 0.3125], dtype=np.float32),
     }
     codec, layout = make_codec(spec), Layout.of(update)
     wire = codec.encode(update, rng=np.random.default_rng(0))
@@ -195,6 +198,14 @@ def test_a_site_is_named_by_partition_run_config_name_or_node_name() -> None:
     plan = AttackPlan("huge", site="california", start_round=2)
     assert plan.chooses(context(2)) and not plan.chooses(context(1))
     assert AttackPlan("huge", site="1").chooses(context(1))
+    counted = Context(
+        run_id=1,
+        node_id=4,
+        node_config={keys.PARTITION_ID: 3},
+        state=RecordDict(),
+        run_config={"sites": 6},
+    )  # a count names the default sites, as the server does
+    assert site_labels(counted) == {"3", "tokyo"}
 
 
 def test_several_sites_attack_together() -> None:
@@ -263,24 +274,33 @@ def test_sign_flip_of_a_whole_model_reply() -> None:
 def test_alie_is_computed_from_the_honest_sites_updates_of_the_round() -> None:
     # Partition p's update is 0.125·round·(p + 1); california (2) attacks in round 2, given
     # london's (0.25) and ohio's (0.5): μ = 0.375, σ = 0.25/√2, z = 1.
-    user, ctx = Trainer(by_partition=True), context(2)
-    msg = train_message(2)
-    msg.content[keys.CONFIG] = ConfigRecord(
-        {**msg.content[keys.CONFIG], keys.SITE_WORK: 4, keys.RUN_KEY: "run-a"}
-    )
-    inner = flplatform_mod()
+    def sent_as_work_four() -> Message:
+        msg = train_message(2)
+        msg.content[keys.CONFIG] = ConfigRecord(
+            {**msg.content[keys.CONFIG], keys.SITE_WORK: 4, keys.RUN_KEY: "run-a"}
+        )
+        return msg
+
+    user, ctx, inner = Trainer(by_partition=True), context(2), flplatform_mod()
     plan = AttackPlan("alie", site="california", start_round=1, scale=1.0)
-    reply = attack_mod(plan)(msg, ctx, lambda m, c: inner(m, c, user))
+    reply = attack_mod(plan)(sent_as_work_four(), ctx, lambda m, c: inner(m, c, user))
     expected = model()["w"].astype(np.float64) + 0.375 - 0.25 / 2**0.5
     np.testing.assert_allclose(sent(reply)["w"], expected.astype(np.float32))
     assert sent(reply)["count"] == 7  # integers as the attacker trained them
     assert reply.content[keys.METRICS][keys.NUM_EXAMPLES] == 40  # its own metrics
-    # Its own training, then each honest site's, as that site, in a fresh context that no
-    # snapshot touches; the attacker's own context keeps only its own state.
-    partitions = [c.node_config[keys.PARTITION_ID] for c, _ in user.seen]
-    assert partitions == [2, 0, 1]
+    # Its own training, then each honest site's, as that site, with the message as sent
+    # (the work number orders a site's batches), in a context of its own.
+    assert [c.node_config[keys.PARTITION_ID] for c, _ in user.seen] == [2, 0, 1]
+    assert all(config[keys.SITE_WORK] == 4 for _, config in user.seen)
     assert all(c is not ctx and not c.state.array_records for c, _ in user.seen[1:])
-    assert [keys.SITE_WORK in config for _, config in user.seen] == [True, False, False]
+    # Nothing of theirs is left: their snapshots went to a scratch directory, now gone,
+    # and the attacker's own state is what an honest call of its own leaves.
+    scratch = [Path(str(c.node_config[keys.STATE_DIR])) for c, _ in user.seen[1:]]
+    assert scratch and not any(path.exists() for path in scratch)
+    alone = context(2)
+    attack_mod(AttackPlan())(sent_as_work_four(), alone, lambda m, c: inner(m, c, Trainer()))
+    own = {k for k in ctx.state if not k.startswith(keys.ATTACK_STATE)}
+    assert own == set(alone.state.keys())
 
 
 def test_ipm_sends_minus_epsilon_times_the_honest_mean() -> None:

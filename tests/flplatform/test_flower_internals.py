@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from unittest.mock import patch
@@ -84,8 +86,8 @@ def test_a_superlink_database_a_newer_flower_opened_is_refused_before_anything_s
     assert recorded.stat().st_mode & 0o777 == 0o600
     claim_superlink_database(tmp_path)  # the same Flower again: fine
 
-    major, minor, *_ = release(flower_version())
-    newer = f"{major}.{minor + 1}.0"
+    major, minor, patch = (*release(flower_version()), 0, 0)[:3]
+    newer = f"{major}.{minor}.{patch + 1}"  # a patch release: within the supported range
     recorded.write_text(f"{newer}\n")
     with pytest.raises(ConfigError) as caught:
         claim_superlink_database(tmp_path)
@@ -93,7 +95,28 @@ def test_a_superlink_database_a_newer_flower_opened_is_refused_before_anything_s
     assert f"opened by Flower {newer}" in message and f"({flower_version()})" in message
     assert f"pip install 'flwr[simulation]=={newer}'" in message and str(tmp_path) in message
     assert recorded.read_text() == f"{newer}\n"  # nothing overwritten
+    recorded.write_text("9.0.0\n")  # beyond what flplatform supports: only a fresh start
+    with pytest.raises(ConfigError, match=r"No Flower flplatform supports \(>= 1.41.0, < 1.43\)"):
+        claim_superlink_database(tmp_path)
 
     recorded.write_text("1.0.0\n")  # an older Flower opened it: migrated forward on start
     claim_superlink_database(tmp_path)
     assert recorded.read_text() == f"{flower_version()}\n"
+
+
+def test_the_cli_says_in_one_line_what_the_installed_flower_lacks() -> None:
+    # As if a Flower release had moved an internal: the CLI fails while its modules import.
+    code = (
+        "import sys, flwr.proto.fleet_pb2 as fleet\n"
+        "del fleet.Reconnect\n"
+        "sys.argv = ['flplatform', '--help']\n"
+        "from flplatform.cli import main\n"
+        "main()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
+    assert done.stderr.startswith("error: flplatform needs Flower's flwr.proto.fleet_pb2.Reconnect")
+    assert done.stderr.count("\n") == 1

@@ -11,6 +11,9 @@ issue's target, per attack:
     round from the attack's on, and the run finishes;
 (b) the attacker's updates are rejected, or applied with a clip/cap reason, in
     ``history updates`` (the reason wording is guessed loosely, see ``Case.reasons``);
+    of a scaled update, in some rounds (within 3× the median it is not flagged, nor
+    harmful); ALIE and IPM are built to look like honest updates: their updates must be
+    applied every round, so that (c) is judged with the attack counted;
 (c) the final accuracy is no more than 2 points below the same run with the attacker
     silent (attack kind ``silent``: no update from round 2 on, the same sites and split).
 
@@ -75,6 +78,14 @@ class Case:
     reasons: tuple[str, ...]
     # Defence options beyond the defaults (the silent run of the federation is unaffected).
     defence: tuple[str, ...] = ()
+    scale: float = 0.0  # attack.scale: 0 is the kind's default (clients/attacks.py)
+    # (b): "every" attacker update rejected or flagged, "some" flagged, or "none": every
+    # one applied (an attack that looks honest, counted)
+    flagged: str = "every"
+
+    @property
+    def id(self) -> str:
+        return f"{self.kind}x{self.scale:g}" if self.scale else self.kind
 
 
 CASES = [
@@ -93,6 +104,15 @@ CASES = [
     Case("sign-flip", PLAIN, ("direction", "cosine"), defence=("update-min-cosine=0",)),
     # The process dies on round 2's message: that update is lost, with the reason why.
     Case("suicide", PLAIN, ("dead", "died", "crash", "killed", "lost", "no reply")),
+    # Held with the defaults: the norm bound (3× the median) clips it to the median. It
+    # is flagged only when it is beyond 3× (not in every round: the attacker's own honest
+    # norm may be a fraction of the median), and within 3× it is harmless. (Not here: a
+    # ×10 sign flip, clipped to the median every round, still ended anywhere from 0.70 to
+    # 0.93 against 0.934 silent, run to run; the defaults do not hold it yet.)
+    Case("scaled", PLAIN, ("clipped",), scale=5, flagged="some"),
+    # The published attacks on robust aggregation, given the honest updates of the round.
+    Case("alie", PLAIN, (), scale=1, flagged="none"),
+    Case("ipm", PLAIN, (), flagged="none"),
 ]
 
 
@@ -119,7 +139,7 @@ class Outcome:
         return sum(tail) / FINAL_ROUNDS
 
 
-def run_hostile(home: Path, kind: str, federation: tuple[str, ...]) -> Outcome:
+def run_hostile(home: Path, kind: str, federation: tuple[str, ...], scale: float = 0.0) -> Outcome:
     """``flplatform run`` the attack app with ``kind`` attacking; read its ledger back.
 
     The CLI's exit code is not asserted here: an attack may fail the run (that is what
@@ -130,6 +150,7 @@ def run_hostile(home: Path, kind: str, federation: tuple[str, ...]) -> Outcome:
         shutil.copytree(ATTACK_APP, app_dir, ignore=shutil.ignore_patterns("__pycache__"))
     db = f"sqlite:///{home / 'ledger.db'}"
     args = ["run", str(app_dir), "--db", db, "-c", f"attack.kind={kind}"]
+    args += ["-c", f"attack.scale={float(scale)}"]
     for item in federation:
         args += ["-c", item]
     began = time.perf_counter()
@@ -186,7 +207,7 @@ def silent_baseline(
     # The attacks of one federation on one pytest-xdist worker (`--dist loadgroup`), so
     # that its silent baseline runs once.
     [
-        pytest.param(c, id=c.kind, marks=pytest.mark.xdist_group(f"hostile {c.federation}"))
+        pytest.param(c, id=c.id, marks=pytest.mark.xdist_group(f"hostile {c.federation}"))
         for c in CASES
     ],
 )
@@ -199,13 +220,13 @@ def test_an_attacker_cannot_hurt_the_honest_sites(
 ) -> None:
     if case.kind == "suicide":  # the honest sites train in another actor, as for a user
         monkeypatch.setenv(ACTORS_ENV, "2")
-    attacked = run_hostile(flplatform_home, case.kind, case.federation + case.defence)
+    attacked = run_hostile(flplatform_home, case.kind, case.federation + case.defence, case.scale)
     silent = silent_baseline(silent_runs, case.federation, tmp_path_factory)
     # Recorded for the report whatever the checks below find (run with -s to see it).
     by_round = [round(a, 3) for a in attacked.accuracies]
     shown = {r: (status, reason[:60]) for r, (status, reason) in attacked.ledger_reasons.items()}
     print(
-        f"\n{case.kind}: final accuracy {attacked.final_accuracy:.4f} against silent "
+        f"\n{case.id}: final accuracy {attacked.final_accuracy:.4f} against silent "
         f"{silent.final_accuracy:.4f}; run {attacked.run.status} after "
         f"{len(attacked.rounds)} rounds; {attacked.wall_seconds:.1f} s; accuracy by round "
         f"{by_round}; attacker {shown}"
@@ -242,19 +263,30 @@ def test_an_attacker_cannot_hurt_the_honest_sites(
         if case.kind == "suicide"
         else range(START_ROUND, ROUNDS + 1)
     )
-    unflagged = {}
+    unflagged, flagged_rounds = {}, []
     for r in attacks:
         status, reason = attacked.ledger_reasons.get(r, ("absent", ""))
         lost = case.kind == "suicide" and status in ("dropped", "rejected") and reason
         flagged = any(word in reason.lower() for word in case.reasons)
-        if not (lost or status == "rejected" or flagged):
+        if lost or status == "rejected" or flagged:
+            flagged_rounds.append(r)
+        else:
             unflagged[r] = (status, reason[:80])
-    if unflagged:
+    if case.flagged == "every" and unflagged:
         first = dict(list(unflagged.items())[:3])
         problems.append(
             f"(b) {len(unflagged)} attacker updates neither rejected nor flagged with one of "
             f"{case.reasons}: {first}"
         )
+    if case.flagged == "some" and not flagged_rounds:
+        problems.append(f"(b) no attacker update flagged with one of {case.reasons}")
+    not_applied = {
+        r: attacked.ledger_reasons.get(r, ("absent", ""))
+        for r in attacks
+        if attacked.ledger_reasons.get(r, ("absent", ""))[0] != "applied"
+    }
+    if case.flagged == "none" and not_applied:
+        problems.append(f"(b) the attack was not counted in every round: {not_applied}")
 
     # (c) the final accuracy is within 2 points of the silent run's
     if attacked.final_accuracy < silent.final_accuracy - MAX_LOSS:

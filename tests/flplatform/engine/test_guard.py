@@ -71,7 +71,7 @@ def test_a_huge_first_arrival_waits_and_cannot_become_the_reference() -> None:
     ]
     assert [d.ruling for d in rulings] == [Ruling.WAIT] * 3
     decisions = guard.settle()  # reference: the median of {1e30, 1, 2} = 2
-    assert decisions[1].ruling is Ruling.REJECT  # 5e29x: beyond ratio² = 100, not clipped
+    assert decisions[1].ruling is Ruling.REJECT  # 5e29x: beyond max(100, ratio²), not clipped
     assert "beyond 100x, not clipped" in (decisions[1].reason or "")
     assert (decisions[2].scale, decisions[3].scale) == (1.0, 1.0)
 
