@@ -11,7 +11,8 @@ Where the server comes from, first found first:
    password or carries it; the server must ask other roles for their passwords over TCP, as
    PostgreSQL's Docker image does). Nothing is started.
 2. A throwaway cluster this module starts on 127.0.0.1 for the test session (``initdb``,
-   then ``pg_ctl start``; stopped and deleted at the end), with the server binaries of
+   then ``pg_ctl start``; stopped and deleted at the end, or by a watcher once the test
+   process is gone, also when it was killed with SIGKILL), with the server binaries of
    ``$FLPLATFORM_TEST_POSTGRES_BIN`` (a directory holding ``initdb`` and ``pg_ctl``), else
    the system's (``initdb`` on ``PATH``, else Debian's ``/usr/lib/postgresql/*/bin``), else
    those the PyPI package ``pgserver`` ships in its wheel (in the ``dev`` extra, so a fresh
@@ -45,6 +46,7 @@ import os
 import pwd
 import re
 import secrets
+import shlex
 import shutil
 import socket
 import subprocess
@@ -190,6 +192,13 @@ def postgres_server() -> Iterator[str]:
     if configured:
         yield configured
         return
+    for url, _ in throwaway_cluster():
+        yield url
+
+
+def throwaway_cluster() -> Iterator[tuple[str, Path]]:
+    """Start a cluster (the module's 2.), yield its maintenance URL and directory, then
+    stop and delete it; also once this process is gone, killed or not (``_stop_when_gone``)."""
     bin_dir = postgres_bin_dir()
     if bin_dir is None or not _holds_server(bin_dir):
         where = f" in {POSTGRES_BIN_ENV}={bin_dir}" if os.environ.get(POSTGRES_BIN_ENV) else ""
@@ -231,11 +240,31 @@ def postgres_server() -> Iterator[str]:
             detail += " " + log.read_text(errors="replace")[-500:]
         shutil.rmtree(root, ignore_errors=True)
         unavailable(f"could not start a PostgreSQL test cluster with {bin_dir}: {detail}")
+    _stop_when_gone(os.getpid(), data, root)
     try:
-        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
+        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres", root
     finally:
         cluster.run("pg_ctl", "-D", str(data), "-m", "immediate", "stop", check=False)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _stop_when_gone(pid: int, data: Path, root: Path) -> None:
+    """Stop the cluster (SIGQUIT to its postmaster: an immediate shutdown) and delete it
+    once process ``pid`` is gone: a test session killed with SIGKILL runs no ``finally``,
+    and its server would run on. After a normal stop there is nothing left to do."""
+    postmaster = shlex.quote(str(data / "postmaster.pid"))
+    script = (
+        f"while kill -0 {pid} 2>/dev/null; do sleep 1; done; "
+        f'kill -QUIT "$(head -n 1 {postmaster} 2>/dev/null)" 2>/dev/null; '
+        f"sleep 1; rm -rf {shlex.quote(str(root))}"
+    )
+    subprocess.Popen(
+        ["sh", "-c", script],
+        start_new_session=True,  # not in the session's process group: it outlives a kill
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 # ------------------------------------------------------------------ databases

@@ -6,12 +6,20 @@ matters (tests/storage/test_passwords.py).
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 import tests.postgres as pg
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def fake_server(directory: Path) -> Path:
@@ -66,3 +74,31 @@ def test_without_a_server_the_tests_skip_unless_make_test_requires_one(
     monkeypatch.setenv(pg.REQUIRE_POSTGRES_ENV, "1")
     with pytest.raises(pytest.fail.Exception, match="no server .*make test"):
         pg.unavailable("no server")
+
+
+def test_a_session_killed_with_sigkill_leaves_no_server_running() -> None:
+    # A SIGKILLed test process runs no `finally`: the cluster's watcher stops and deletes it.
+    if os.environ.get(pg.POSTGRES_URL_ENV):
+        pytest.skip("a server someone provides is not this module's to stop")
+    if pg.postgres_bin_dir() is None or importlib.util.find_spec("psycopg") is None:
+        pg.unavailable("no PostgreSQL server binaries or no psycopg")
+    code = (
+        "import os, signal\n"
+        "from tests.postgres import throwaway_cluster\n"
+        "cluster = throwaway_cluster()  # held: a collected generator would stop it\n"
+        "url, root = next(cluster)\n"
+        "print(url, root, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    url, root = done.stdout.split()
+    port = int(url.rsplit(":", 1)[1].split("/", 1)[0])
+    deadline = time.monotonic() + 20
+    while Path(root).exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not Path(root).exists()
+    with socket.socket() as probe:  # nothing listens on its port any more
+        assert probe.connect_ex(("127.0.0.1", port)) != 0
