@@ -156,8 +156,15 @@ def test_each_flower_strategy_runs_in_the_models_dtypes(
 def test_each_flower_strategy_steps_as_under_flowers_own_start(name: str) -> None:
     # Float weights only: Flower's own QFedAvg and server-side DP wrappers fail on an
     # integer array (in-place float arithmetic), which the adapter hands them as float64.
+    # The strategies' steps compared: the update guard off (Flower's start has none; these
+    # sites' updates are 1 to 49 apart, which the default norm bound would clip).
     ours = start(
-        STRATEGIES[name](), ScriptedGrid(sites()), FLOATS, num_rounds=ROUNDS, reject_replays=False
+        STRATEGIES[name](),
+        ScriptedGrid(sites()),
+        FLOATS,
+        num_rounds=ROUNDS,
+        reject_replays=False,
+        update_norm_ratio=0,
     )
     theirs = STRATEGIES[name]().start(FlowerGrid(sites()), FLOATS, num_rounds=ROUNDS)
     ours_w, theirs_w = ours.arrays["w"].numpy(), theirs.arrays["w"].numpy()
@@ -210,8 +217,15 @@ def test_integer_arrays_stay_out_of_a_clipping_norm() -> None:
             FedAvg(), noise_multiplier=0.0, clipping_norm=10.0, num_sampled_clients=SITES
         )
 
-    runs = [
-        start(clipping(), ScriptedGrid(sites()), model, num_rounds=2, reject_replays=False)
+    runs = [  # the wrapper's clipping alone: the update guard's norm bound off
+        start(
+            clipping(),
+            ScriptedGrid(sites()),
+            model,
+            num_rounds=2,
+            reject_replays=False,
+            update_norm_ratio=0,
+        )
         for model in (MODEL, FLOATS)
     ]
     with_counter, without = runs
