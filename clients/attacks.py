@@ -448,9 +448,9 @@ def _is_delta(reply: Message) -> bool:
     return config.get(keys.UPDATE_KIND) == keys.DELTA
 
 
-def _update_of(kind: str, reply: Message, base: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The update a reply carries, float arrays only, in float64: the delta it uploads, or
-    trained − sent for a whole model. ``ConfigError`` for any other upload."""
+def _uploaded(kind: str, reply: Message, base: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The reply's arrays, if they are a whole model or an uncompressed delta of ``base``'s
+    arrays; ``ConfigError`` for any other upload."""
     record = reply.content.array_records.get(keys.ARRAYS)
     arrays = {} if record is None else record_to_arrays(record)
     if SKETCH in arrays or not _same_arrays(base, arrays):
@@ -459,6 +459,13 @@ def _update_of(kind: str, reply: Message, base: Mapping[str, np.ndarray]) -> dic
             f"(local-SGD averaging without a codec, or the delayed strategy); this one holds "
             f"{', '.join(list(arrays)[:5]) or 'no arrays'}"
         )
+    return arrays
+
+
+def _update_of(kind: str, reply: Message, base: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The update a reply carries, float arrays only, in float64: the delta it uploads, or
+    trained − sent for a whole model."""
+    arrays = _uploaded(kind, reply, base)
     delta = _is_delta(reply)
     return {
         name: array.astype(np.float64) if delta else array.astype(np.float64) - base[name]
@@ -514,11 +521,10 @@ def _colluding(
     """``reply`` (the attacker's own, for its metrics and form) carrying ALIE's or IPM's
     update in place of its own."""
     base = sent_model(msg)
-    _update_of(attack.kind, reply, base)  # the attacker's own upload is of a usable form
+    arrays = _uploaded(attack.kind, reply, base)  # checked before the honest sites train
     honest, num_sites, num_attackers = _honest_updates(attack, msg, context, call_next)
     factor = attack.factor(num_sites, num_attackers)
     hostile = alie_update(honest, factor) if attack.kind == ALIE else ipm_update(honest, factor)
-    arrays = record_to_arrays(reply.content.array_records[keys.ARRAYS])
     delta = _is_delta(reply)
     for name, update in hostile.items():
         value = update if delta else base[name].astype(np.float64) + update

@@ -27,9 +27,10 @@ from flplatform.app.tracking import (
     to_tensorboard,
 )
 from flplatform.core.errors import ConfigError
-from storage import LedgerRepository, UpdateInput
+from storage import LedgerRepository
 from tests.helpers.cli import invoke, one_error_line
 from tests.helpers.comparison_ledger import T0, write_comparison_ledger
+from tests.helpers.ledger_records import record, update
 
 
 @pytest.fixture
@@ -203,27 +204,27 @@ def commit_round(
     updates = []
     if london_up is not None:
         updates.append(
-            UpdateInput(
-                site="london",
+            update(
+                "london",
                 dispatched_round=step,
                 version_trained_on=step - 1,
-                staleness=0,
                 bytes_up=london_up,
                 bytes_down=7,
-                status="applied",
                 dispatched_at=T0 + step,
                 arrived_at=T0 + step + 0.25,
+                train_loss=None,
+                compute_seconds=None,
             )
         )
-    repository.record_round(
+    record(
+        repository,
         run_id,
-        round=step,
-        model_version=step,
+        step,
+        updates,
         started_at=T0 + step,
         finished_at=T0 + step + 0.5,
         metrics={"accuracy": step / 10},
         train_loss=None,
-        updates=updates,
     )
 
 
