@@ -20,10 +20,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from flwr.app import Array, ArrayRecord, MessageType, Metadata, RecordDict
+from flwr.app.message import make_message
+from flwr.common.constant import SUPERLINK_NODE_ID
 from typer.testing import CliRunner
 
 from flplatform.cli.app import app
 from flplatform.core.ledger_rows import Kind, UpdateColumns, columns
+from flplatform.engine.wire import delivery_bytes, reply_traffic
 from storage import LedgerRepository
 from tests.helpers.processes import flplatform_cli, kill_after, wait_ok
 
@@ -75,13 +79,43 @@ def _model(db: str, run_id: int, out: Path) -> dict[str, torch.Tensor]:
     return torch.load(out, weights_only=True)
 
 
-# A message's size counts its Flower node ids, random 64-bit numbers whose varint takes 9 or
-# 10 bytes. Each reply and instruction holds its node's id four times (the request's node,
-# the metadata, the message's own object), and one more byte can move into a length prefix
-# or into the object header's decimal length: two runs of the same seed differ by up to
-# this many bytes per message, and their simulated transfer times by as little (a byte is
-# 0.6 µs at 13 Mbit/s). A round row sums every message of its round.
-BYTES_SLACK_PER_MESSAGE = 10
+def _id_bytes_slack() -> int:
+    """How far a message's metered size can move with its Flower ids alone.
+
+    A run's id and its sites' node ids are random 64-bit numbers, sent as varints of 1 to 10
+    bytes, several times in each message (the request's node, the metadata, the message's
+    own object): two runs of the same seed differ by this many bytes per message at most,
+    and their simulated transfer times by as little (a byte is 0.6 us at 13 Mbit/s). Measured
+    with the engine's own counters on the shortest and the longest ids; two more bytes for
+    a length prefix or the object header's decimal length that the ids push over a boundary.
+    """
+    content = RecordDict({"arrays": ArrayRecord({"w": Array(np.zeros(8, np.float32))})})
+
+    def metadata(src: int, dst: int, run: int) -> Metadata:
+        return Metadata(
+            run_id=run,
+            message_id="",
+            src_node_id=src,
+            dst_node_id=dst,
+            reply_to_message_id="r" * 64,
+            group_id="1",
+            created_at=1.0,
+            ttl=60.0,
+            message_type=MessageType.TRAIN,
+        )
+
+    def sizes(ids: int) -> tuple[int, int]:
+        reply = make_message(metadata=metadata(ids, SUPERLINK_NODE_ID, ids), content=content)
+        instruction = metadata(SUPERLINK_NODE_ID, ids, ids)
+        traffic = reply_traffic(reply)
+        delivered = delivery_bytes(make_message(metadata=instruction, content=content))
+        return traffic.up + traffic.down, delivered
+
+    shortest, longest = sizes(2), sizes(2**64 - 1)
+    return max(b - a for a, b in zip(shortest, longest, strict=True)) + 2
+
+
+BYTES_SLACK_PER_MESSAGE = _id_bytes_slack()
 SIMULATED_SECONDS_SLACK = 1e-3
 SIMULATED = {"virtual_started_at", "virtual_finished_at"} | {
     f.name for f, c in columns(UpdateColumns) if c.kind is Kind.SECONDS
