@@ -5,7 +5,17 @@ of the model, however many sites reply, so memory does not grow with sites × mo
 
 Symbols follow ALGORITHMS.md §1: site n sends a model x_n trained from the version x it
 was sent, with n_n examples; Δ_n = x_n − x; the server applies
-    Δ̄ = Σ w_n Δ_n / Σ w_n,   v ← β v + Δ̄,   x ← x + η_g v.
+    Δ̄ = Σ w_n Δ_n / Σ w_n,   v ← β v + Δ̄,   x ← x + η_g v            (heavy ball, FedAvgM)
+or, with Nesterov momentum (DiLoCo's outer step: −Δ̄ is its "outer gradient"),
+    Δ̄ = Σ w_n Δ_n / Σ w_n,   v ← β v + Δ̄,   x ← x + η_g (Δ̄ + β v),
+which is ``torch.optim.SGD(lr=η_g, momentum=β, nesterov=True)`` given the gradient −Δ̄;
+or delayed Nesterov (Liu et al. 2024, "Asynchronous Local-SGD Training for Language
+Modeling", as HALoS's reference code writes it, with its c = 0): the momentum moves every
+N-th server step only, from the mean of the N steps' Δ̄ (an async server's steps each carry
+a few sites' stale updates, and momentum over those compounds their staleness):
+    P ← P + Δ̄;   every N-th step: v ← β v + P/N, P ← 0, x ← x + η_g (Δ̄/N + β v);
+                 otherwise:                         x ← x + η_g Δ̄/N.
+N = 1 is Nesterov momentum.
 η_g = 1, β = 0 is plain FedAvg (the new model is the weighted mean of the site models).
 """
 
@@ -158,9 +168,12 @@ def float64_model(
 
 @dataclass
 class ServerOptimizerState:
-    """The server's own state: FedAvgM velocity (empty when β = 0)."""
+    """The server's own state: the momentum's velocity v (empty when β = 0); for delayed
+    Nesterov, the Δ̄ summed since the momentum last moved (P) and the server steps taken."""
 
     velocity: Arrays = field(default_factory=dict)
+    pending: Arrays = field(default_factory=dict)
+    steps: int = 0
 
 
 def apply_server_update(
@@ -170,11 +183,15 @@ def apply_server_update(
     eta: float,
     beta: float,
     state: ServerOptimizerState,
+    nesterov: bool = False,
+    momentum_every: int = 1,
     spent: bool = False,
     x64: Mapping[str, np.ndarray] | None = None,
     averaged: Collection[str] = (),
 ) -> Arrays:
-    """Return x + η_g·v with v ← β v + Δ̄ (FedAvgM; β = 0 is FedAvg).
+    """Return x + η_g·v with v ← β v + Δ̄ (FedAvgM; β = 0 is FedAvg), or with ``nesterov``
+    x + η_g·(Δ̄ + β v): the step looks one velocity ahead; with ``momentum_every`` N > 1
+    (Nesterov only), delayed Nesterov (see the module).
 
     The ``averaged`` arrays (buffers the training sets rather than learns:
     ``strategies.averaged_arrays``) become x + Δ̄, the sites' weighted mean, as FedAvg makes
@@ -189,22 +206,40 @@ def apply_server_update(
     cast.
 
     Raises ``StepRefused`` if any array of the result would not be finite in its dtype
-    (a float32 model overflows at 3.4e38); the velocity is then left as it was.
+    (a float32 model overflows at 3.4e38); the state is then left as it was.
     """
+    if momentum_every < 1 or (momentum_every > 1 and not nesterov):
+        raise ValueError(f"momentum_every must be 1, or >= 1 with nesterov: {momentum_every}")
+    every = momentum_every
+    due = (state.steps + 1) % every == 0  # the momentum moves at this step
     out: Arrays = {}
     velocity: Arrays = {}
+    pending: Arrays = {}
     for key, base in x.items():
         step, rate = mean_delta[key], eta
+        reuse = spent and _memory(step, step) is step  # Δ̄'s memory may hold the step
         if key in averaged:
             rate = 1.0
             if beta > 0.0:
                 velocity[key] = np.zeros(np.shape(step))
+        elif beta > 0.0 and every > 1:
+            held = state.pending.get(key)
+            held = step.copy() if held is None else held + step
+            pending[key] = np.zeros_like(held) if due else held
+            step = np.divide(step, every, out=step if reuse else None)  # Δ̄/N
+            if due:
+                v = state.velocity.get(key)
+                v = held / every if v is None else beta * v + held / every
+                velocity[key] = v
+                step += beta * v  # Δ̄/N + β·v
         elif beta > 0.0:
             v = state.velocity.get(key)
-            step = step.copy() if v is None else beta * v + step
-            velocity[key] = step
+            v = step.copy() if v is None else beta * v + step
+            velocity[key] = v
+            # Nesterov: Δ̄ + β·v, in Δ̄'s memory when the caller is done with it
+            step = np.add(step, beta * v, out=step if reuse else None) if nesterov else v
         real = np.result_type(base, np.float64) == np.float64
-        unkept = beta == 0.0 or key in averaged  # the step is not the velocity
+        unkept = beta == 0.0 or key in averaged or nesterov  # the step is not the velocity
         if spent and unkept and real and _memory(step, base) is step:
             new = step if rate == 1.0 else np.multiply(step, rate, out=step)  # 1·s is s
             np.add(new, base if x64 is None else x64[key], out=new)  # η·s + x is x + η·s
@@ -221,6 +256,8 @@ def apply_server_update(
             raise StepRefused(f"array '{key}' would become non-finite in {base.dtype}")
         out[key] = cast
     state.velocity.update(velocity)
+    state.pending.update(pending)
+    state.steps += 1
     return out
 
 

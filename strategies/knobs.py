@@ -19,6 +19,7 @@ from flplatform.core.checks import (
     Problem,
     SyncOnly,
     integer,
+    is_integer,
     number,
     odd,
     one_of,
@@ -105,6 +106,8 @@ class LocalSGDKnobs:
 
     eta: float
     beta: float
+    nesterov: bool
+    momentum_every: int
     fraction_train: float
     fraction_evaluate: float
     codec: str
@@ -118,6 +121,20 @@ class LocalSGDKnobs:
             names_problem(self.averaged_arrays),
             eta_problem(self.eta),
             unit_interval(self.beta, "server-momentum", says="in [0, 1) (the server momentum β)"),
+            (
+                "server-nesterov needs server-momentum > 0 (Nesterov momentum looks one "
+                "velocity ahead; with β = 0 there is none)"
+                if self.nesterov and self.beta == 0.0
+                else None
+            ),
+            integer(self.momentum_every, "server-momentum-every", minimum=1),
+            (
+                "server-momentum-every > 1 is delayed Nesterov: set server-nesterov true"
+                if is_integer(self.momentum_every)
+                and int(self.momentum_every) > 1
+                and not self.nesterov
+                else None
+            ),
             *sampling_problems(
                 fraction_train=self.fraction_train, fraction_evaluate=self.fraction_evaluate
             ),

@@ -149,6 +149,13 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         Server learning rate η (1.0 is FedAvg).
     beta : float
         Server momentum β in [0, 1) (> 0 is FedAvgM).
+    nesterov : bool
+        Nesterov momentum instead of heavy ball (needs β > 0): DiLoCo's outer step, the
+        model moved by η·(Δ̄ + β v) (``strategies.aggregation``).
+    momentum_every : int
+        N > 1 (with ``nesterov``): delayed Nesterov, for the async modes: the momentum
+        moves every N-th server step, from those steps' mean, and each step moves the
+        model by η·Δ̄/N besides.
     fraction_train : float
         Fraction of connected sites sampled per round, in (0, 1]; at least one site.
     fraction_evaluate : float
@@ -174,6 +181,8 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         *,
         eta: float = 1.0,
         beta: float = 0.0,
+        nesterov: bool = False,
+        momentum_every: int = 1,
         fraction_train: float = 1.0,
         fraction_evaluate: float = 0.0,
         seed: int = 0,
@@ -186,6 +195,8 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
             LocalSGDKnobs(
                 eta=eta,
                 beta=beta,
+                nesterov=nesterov,
+                momentum_every=momentum_every,
                 fraction_train=fraction_train,
                 fraction_evaluate=fraction_evaluate,
                 codec=codec,
@@ -200,6 +211,8 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         self._held: list[dict[str, np.ndarray]] = []  # robust aggregators: the round's updates
         self.eta = eta
         self.beta = beta
+        self.nesterov = nesterov
+        self.momentum_every = momentum_every
         self.fraction_train = fraction_train
         self.fraction_evaluate = fraction_evaluate
         self.seed = seed
@@ -225,10 +238,12 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
     def summary(self) -> None:
         """Log the configuration."""
         log.info(
-            "LocalSGDAveraging: eta=%s beta=%s fraction_train=%s fraction_evaluate=%s seed=%s "
-            "aggregator=%s",
+            "LocalSGDAveraging: eta=%s beta=%s nesterov=%s momentum_every=%s "
+            "fraction_train=%s fraction_evaluate=%s seed=%s aggregator=%s",
             self.eta,
             self.beta,
+            self.nesterov,
+            self.momentum_every,
             self.fraction_train,
             self.fraction_evaluate,
             self.seed,
@@ -385,6 +400,8 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
                 mean,
                 eta=self.eta,
                 beta=self.beta,
+                nesterov=self.nesterov,
+                momentum_every=self.momentum_every,
                 state=self.state.optimizer,
                 spent=True,
                 x64=self._current64,
@@ -409,28 +426,38 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The server momentum v and the sites whose compressed uploads were taken.
+        """The server momentum v and the sites whose compressed uploads were taken; with
+        delayed Nesterov, the Δ̄ summed since the momentum last moved and the steps taken.
 
         Everything else is the round's (reset by ``begin_aggregation``) or derived from
         the model the engine hands over (``_current``, the codec's layout).
         """
-        return {
-            "velocity": {k: v.copy() for k, v in self.state.optimizer.velocity.items()},
+        optimizer = self.state.optimizer
+        state: dict[str, Any] = {
+            "velocity": {k: v.copy() for k, v in optimizer.velocity.items()},
             # Each is told to expect its error-feedback residual (STATE_EXPECTED).
             "compressing": set(self._compressing),
         }
+        if self.momentum_every > 1:
+            state["pending"] = {k: v.copy() for k, v in optimizer.pending.items()}
+            state["steps"] = optimizer.steps
+        return state
 
     def load_state_dict(
         self, state: Mapping[str, Any], *, nodes: Mapping[int, int] | None = None
     ) -> None:
         """Restore ``state_dict()``; ``CheckpointError`` lists every problem, nothing changed.
 
-        The velocity must be float64 and finite, empty when β = 0, and have the current
-        model's names and shapes once the strategy knows the model.
+        The velocity (and delayed Nesterov's pending sum) must be float64 and finite, empty
+        when β = 0, and have the current model's names and shapes once the strategy knows
+        the model.
         """
         reader = StateReader(type(self).__name__, nodes)
-        fields = reader.fields(state, "", "velocity", "compressing")
+        delayed = ("pending", "steps") if self.momentum_every > 1 else ()
+        fields = reader.fields(state, "", "velocity", "compressing", *delayed)
         velocity = compressing = None
+        pending: dict[str, np.ndarray] | None = {}
+        steps: int | None = 0
         if fields is not None:
             saved = fields["velocity"]
             # Empty until the first step with momentum; then one array per model array.
@@ -439,9 +466,15 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
             compressing = reader.node_set(fields["compressing"], "compressing")
             if velocity and self.beta == 0.0:
                 reader.add("'velocity' is saved, but this run has no server momentum (β = 0)")
+            if delayed:
+                held = fields["pending"]
+                model = self._current if held and self._current else None
+                pending = reader.arrays(held, "pending", like=model)
+                steps = reader.integer(fields["steps"], "steps", minimum=0)
         reader.raise_if_any()
         assert velocity is not None and compressing is not None  # noted otherwise
-        self.state.optimizer.velocity = velocity
+        assert pending is not None and steps is not None
+        self.state.optimizer = ServerOptimizerState(velocity, pending, steps)
         self._compressing = compressing
 
     # -------------------------------------------------------------- driving

@@ -28,6 +28,7 @@ from flplatform.app.config_rules import (
     FETCHSGD,
     LOCAL_SGD,
     SERVER_MOMENTUM_MISUSE,
+    SERVER_NESTEROV_MISUSE,
     SKETCHED,
     SKETCHED_SGD,
     STRATEGY_ALIASES,
@@ -62,7 +63,7 @@ class RunConfig:
     strategy: str = field(
         default=LOCAL_SGD,
         metadata=about(
-            "local-sgd (fedavg, fedavgm), delayed (dts, dga), fetchsgd or sketched-sgd.",
+            "local-sgd (fedavg, fedavgm, diloco), delayed (dts, dga), fetchsgd or sketched-sgd.",
             allowed=tuple(sorted(STRATEGY_ALIASES)),
         ),
     )
@@ -118,6 +119,25 @@ class RunConfig:
             "Local-SGD: server momentum β (> 0 is FedAvgM).",
             strategies=(LOCAL_SGD,),
             misuse=SERVER_MOMENTUM_MISUSE,
+        ),
+    )
+    server_nesterov: bool = field(
+        default=False,
+        metadata=about(
+            "Local-SGD: Nesterov server momentum instead of heavy ball (needs "
+            "server-momentum > 0; DiLoCo's outer step).",
+            strategies=(LOCAL_SGD,),
+            misuse=SERVER_NESTEROV_MISUSE,
+        ),
+    )
+    server_momentum_every: int = field(
+        default=1,
+        metadata=about(
+            "Local-SGD with server-nesterov: the momentum moves every N-th server step only "
+            "(delayed Nesterov, for the async modes); each step moves the model by "
+            "server-lr·Δ̄/N besides. 1: every step.",
+            strategies=(LOCAL_SGD,),
+            misuse=SERVER_NESTEROV_MISUSE,
         ),
     )
     fraction_train: float = field(default=1.0, metadata=about("Fraction of sites per round."))
@@ -381,6 +401,11 @@ class RunConfig:
         raw = kwargs.get("strategy", cls.strategy)
         if raw == "fedavgm" and kwargs.get("server_momentum", 0.0) == 0.0:
             problems.append("fedavgm needs server-momentum > 0 (e.g. 0.9); 0 is plain fedavg")
+        if raw == "diloco" and not kwargs.get("server_nesterov", False):
+            problems.append(
+                "diloco is local-sgd with Nesterov server momentum: set server-nesterov true "
+                "and server-momentum > 0 (DiLoCo's: 0.9, with server-lr 0.7)"
+            )
         kwargs["strategy"] = STRATEGY_ALIASES.get(raw, raw)
         kwargs["codec"] = str(kwargs.get("codec", cls.codec)).lower()
         config = cls(**kwargs)

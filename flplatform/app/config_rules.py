@@ -48,6 +48,7 @@ SKETCHED = (FETCHSGD, SKETCHED_SGD)  # strategies whose sites upload count sketc
 STRATEGY_ALIASES = {
     "fedavg": LOCAL_SGD,
     "fedavgm": LOCAL_SGD,
+    "diloco": LOCAL_SGD,
     LOCAL_SGD: LOCAL_SGD,
     DELAYED: DELAYED,
     "dts": DELAYED,
@@ -66,9 +67,13 @@ CODEC_MISUSE = (
     "codec compresses delta uploads (strategies local-sgd and delayed); strategy "
     "'{strategy}' uploads sketches: leave codec 'none'"
 )
+SERVER_NESTEROV_MISUSE = (
+    "{name} makes local-sgd's server momentum Nesterov's; strategy '{strategy}' has no "
+    "server momentum: leave it false"
+)
 SERVER_MOMENTUM_MISUSE = {
     DELAYED: "strategy 'delayed' applies each average with server-lr and no server momentum "
-    "(sites swap in x_0 + Σ server-lr·Ā exactly); set server-momentum 0",
+    "(sites swap in x_0 + Σ server-lr·Ā exactly); leave {name} at its default",
     FETCHSGD: "server-momentum is local-SGD's server momentum β; FetchSGD's sketch momentum ρ "
     "is sketch-momentum: set that instead",
     SKETCHED_SGD: "server-momentum is local-SGD's server momentum β; Sketched-SGD's step "
@@ -216,6 +221,8 @@ def strategy_knobs(config: RunConfig) -> StrategyKnobs:
     return LocalSGDKnobs(
         eta=config.server_lr,
         beta=config.server_momentum,
+        nesterov=config.server_nesterov,
+        momentum_every=config.server_momentum_every,
         fraction_train=config.fraction_train,
         fraction_evaluate=config.fraction_evaluate,
         codec=config.codec,

@@ -89,6 +89,18 @@ def test_strategy_aliases_name_one_algorithm() -> None:
     assert RunConfig.from_mapping({"strategy": "dts"}).strategy == "delayed"
 
 
+def test_diloco_is_local_sgd_with_a_nesterov_outer_step() -> None:
+    from flplatform.app.federation import build_strategy
+
+    config = RunConfig.from_mapping(
+        {"strategy": "diloco", "server-nesterov": "true", "server-momentum": 0.9, "server-lr": 0.7}
+    )
+    assert config.strategy == "local-sgd"
+    strategy = build_strategy(config)
+    assert (strategy.eta, strategy.beta, strategy.nesterov) == (0.7, 0.9, True)
+    assert not build_strategy(RunConfig()).nesterov
+
+
 def test_the_period_sets_the_local_steps_of_delayed_updates() -> None:
     from flplatform.app.federation import build_policy, build_strategy, train_config_for
 
@@ -107,8 +119,8 @@ def test_the_period_sets_the_local_steps_of_delayed_updates() -> None:
     [
         (
             {"strategy": "magic"},
-            "unknown strategy 'magic'; allowed: delayed, dga, dts, fedavg, fedavgm, fetchsgd, "
-            "local-sgd, sketched-sgd",
+            "unknown strategy 'magic'; allowed: delayed, dga, diloco, dts, fedavg, fedavgm, "
+            "fetchsgd, local-sgd, sketched-sgd",
         ),
         ({"model": "vgg"}, "unknown model 'vgg'; allowed: mlp, cnn"),
         ({"dataset": "imagenet"}, "unknown dataset 'imagenet'; allowed: digits, mnist5k"),
@@ -142,7 +154,16 @@ def test_the_period_sets_the_local_steps_of_delayed_updates() -> None:
         ({"strategy": "delayed", "delay": -1}, "delay must be an integer >= 0"),
         ({"strategy": "delayed", "period": -5}, "period must be >= 0"),
         ({"strategy": "delayed", "sync": "k-sync"}, "runs with sync mode 'sync' only"),
-        ({"strategy": "delayed", "server-momentum": 0.9}, "set server-momentum 0"),
+        ({"strategy": "delayed", "server-momentum": 0.9}, "leave server-momentum at its default"),
+        ({"strategy": "fetchsgd", "server-nesterov": True}, "has no server momentum: leave it"),
+        ({"server-nesterov": True}, "server-nesterov needs server-momentum > 0"),
+        ({"strategy": "diloco", "server-momentum": 0.9}, "set server-nesterov true"),
+        (
+            {"server-momentum-every": 2, "server-momentum": 0.9},
+            "server-momentum-every > 1 is delayed Nesterov: set server-nesterov true",
+        ),
+        ({"server-momentum-every": 0}, "server-momentum-every must be an integer >= 1, got 0"),
+        ({"strategy": "delayed", "server-momentum-every": 2}, "has no server momentum"),
         ({"strategy": "delayed", "fraction-train": 0.5}, "fraction-train must be 1"),
         ({"standardize-features": True}, "standardize-features .* set fraction-evaluate > 0"),
         ({"standardize-features": "perhaps"}, "standardize-features must be true or false"),

@@ -72,6 +72,132 @@ def test_golden_server_momentum_by_hand() -> None:
     assert x2["p"][0] == pytest.approx(2.9)
 
 
+def test_golden_nesterov_momentum_by_hand() -> None:
+    # DiLoCo's outer step, η = 0.5, β = 0.9, the same mean delta 2.0 twice: v1 = 2,
+    # x1 = 0 + 0.5·(2 + 0.9·2) = 1.9; v2 = 0.9·2 + 2 = 3.8, x2 = 1.9 + 0.5·(2 + 0.9·3.8) = 4.61.
+    state = ServerOptimizerState()
+    x0 = {"p": np.array([0.0], np.float32)}
+    step = {"p": np.array([2.0])}
+    x1 = apply_server_update(x0, step, eta=0.5, beta=0.9, nesterov=True, state=state)
+    assert step["p"].tolist() == [2.0]  # not spent: the caller's mean is left alone
+    x2 = apply_server_update(x1, step, eta=0.5, beta=0.9, nesterov=True, state=state)
+    assert x1["p"][0] == pytest.approx(1.9)
+    assert x2["p"][0] == pytest.approx(4.61)
+    assert state.velocity["p"].tolist() == [pytest.approx(3.8)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    eta=st.sampled_from([1.0, 0.7, 0.1]),
+    beta=st.sampled_from([0.5, 0.9]),
+    nesterov=st.booleans(),
+    rounds=st.integers(1, 5),
+    seed=st.integers(0, 2**31),
+)
+def test_the_server_step_is_torch_sgd_given_the_outer_gradient(
+    eta: float, beta: float, nesterov: bool, rounds: int, seed: int
+) -> None:
+    """PyTorch's SGD with momentum (heavy ball or Nesterov) on the "outer gradient" −Δ̄ is
+    the naive reference (DiLoCo's outer optimizer is exactly that)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(seed)
+    x = {"w": rng.normal(size=(3, 2)), "b": rng.normal(size=4)}
+    reference = {k: torch.tensor(v, requires_grad=True) for k, v in x.items()}
+    optimizer = torch.optim.SGD(reference.values(), lr=eta, momentum=beta, nesterov=nesterov)
+    state = ServerOptimizerState()
+    for _ in range(rounds):
+        mean = {k: rng.normal(size=np.shape(v)) for k, v in x.items()}
+        for key, tensor in reference.items():
+            tensor.grad = torch.tensor(-mean[key])
+        optimizer.step()
+        spent = bool(rng.integers(2))
+        x = apply_server_update(
+            x, mean, eta=eta, beta=beta, nesterov=nesterov, state=state, spent=spent
+        )
+    for key, tensor in reference.items():
+        np.testing.assert_allclose(x[key], tensor.detach().numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_golden_delayed_nesterov_by_hand() -> None:
+    # N = 2, β = 0.5, η = 1, mean deltas 2, 4, 2, 0 from x = 0:
+    # step 1: P = 2, x = 2/2 = 1; step 2: P = 6, v = 6/2 = 3, x = 1 + (4/2 + 0.5·3) = 4.5;
+    # step 3: P = 2, x = 4.5 + 2/2 = 5.5; step 4: P = 2, v = 0.5·3 + 2/2 = 2.5,
+    # x = 5.5 + (0/2 + 0.5·2.5) = 6.75.
+    state = ServerOptimizerState()
+    x = {"p": np.array([0.0])}
+    seen = []
+    for delta in (2.0, 4.0, 2.0, 0.0):
+        x = apply_server_update(
+            x,
+            {"p": np.array([delta])},
+            eta=1.0,
+            beta=0.5,
+            nesterov=True,
+            momentum_every=2,
+            state=state,
+        )
+        seen.append(float(x["p"][0]))
+    assert seen == pytest.approx([1.0, 4.5, 5.5, 6.75])
+    assert state.velocity["p"].tolist() == [pytest.approx(2.5)] and state.steps == 4
+    assert state.pending["p"].tolist() == [0.0]
+    with pytest.raises(ValueError, match="momentum_every"):
+        apply_server_update(x, x, eta=1.0, beta=0.5, momentum_every=2, state=state)
+
+
+def naive_delayed_nesterov(
+    x: dict[str, np.ndarray], means: list[dict[str, np.ndarray]], eta: float, beta: float, n: int
+) -> dict[str, np.ndarray]:
+    """Liu et al.'s delayed Nesterov (c = 0) written out plainly, array by array."""
+    out = {}
+    for key, start in x.items():
+        value, velocity, pending = start.astype(np.float64), np.zeros(start.shape), 0.0
+        for t, mean in enumerate(means, start=1):
+            pending = pending + mean[key]
+            if t % n == 0:
+                velocity = beta * velocity + pending / n
+                pending = 0.0
+                value = value + eta * (mean[key] / n + beta * velocity)
+            else:
+                value = value + eta * mean[key] / n
+        out[key] = value
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    eta=st.sampled_from([1.0, 0.7]),
+    beta=st.sampled_from([0.5, 0.9]),
+    every=st.integers(1, 4),
+    steps=st.integers(1, 9),
+    seed=st.integers(0, 2**31),
+)
+def test_delayed_nesterov_matches_the_naive_rule_and_is_nesterov_at_one(
+    eta: float, beta: float, every: int, steps: int, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    x0 = {"w": rng.normal(size=(2, 3)), "b": rng.normal(size=2)}
+    means = [{k: rng.normal(size=v.shape) for k, v in x0.items()} for _ in range(steps)]
+    # N = 1 in the naive rule is Nesterov's step (v ← βv + Δ̄, x ← x + η(Δ̄ + βv))
+    for n in {every, 1}:
+        state, x = ServerOptimizerState(), x0
+        for mean in means:
+            spent = bool(rng.integers(2))
+            given = {k: v.copy() for k, v in mean.items()}
+            x = apply_server_update(
+                x,
+                given,
+                eta=eta,
+                beta=beta,
+                nesterov=True,
+                momentum_every=n,
+                state=state,
+                spent=spent,
+            )
+        expected = naive_delayed_nesterov(x0, means, eta, beta, n)
+        for key in x0:
+            np.testing.assert_allclose(x[key], expected[key], rtol=1e-10, atol=1e-10)
+
+
 def test_golden_averaged_arrays_take_the_sites_mean_without_momentum_or_rate() -> None:
     # FedAvgM, η = 0.5, β = 0.9: "p" as in the test above. A running variance at 1.0
     # whose sites' mean is 0.2, then 0.1 (Δ̄ = -0.8, then -0.1) becomes exactly that,
@@ -269,11 +395,13 @@ def test_a_complex_base_is_promoted_as_numpy_promotes_it() -> None:
     shape=SHAPES,
     eta=st.sampled_from([1.0, 0.5, 1.7]),
     beta=st.sampled_from([0.0, 0.9]),
+    nesterov=st.booleans(),
     seed=st.integers(0, 2**31),
 )
 def test_a_spent_mean_gives_the_same_step_bit_for_bit(
-    dtype: type, shape: tuple[int, ...], eta: float, beta: float, seed: int
+    dtype: type, shape: tuple[int, ...], eta: float, beta: float, nesterov: bool, seed: int
 ) -> None:
+    nesterov = nesterov and beta > 0  # Nesterov needs a momentum to look ahead with
     rng = np.random.default_rng(seed)
     x = {"x": np.asarray(rng.normal(size=shape) * 10).astype(dtype)}
     mean = {"x": np.asarray(rng.normal(size=shape))}
@@ -282,11 +410,13 @@ def test_a_spent_mean_gives_the_same_step_bit_for_bit(
     for spent, x64 in ((False, None), (True, None), (True, float64_model(x))):
         state = ServerOptimizerState(velocity={k: v.copy() for k, v in velocity.items()})
         step = {k: v.copy() for k, v in mean.items()}
-        out = apply_server_update(x, step, eta=eta, beta=beta, state=state, spent=spent, x64=x64)
+        out = apply_server_update(
+            x, step, eta=eta, beta=beta, nesterov=nesterov, state=state, spent=spent, x64=x64
+        )
         results.append((out["x"].dtype, out["x"].tobytes(), state.velocity["x"].tobytes()))
-    plain = np.asarray(x["x"], dtype=np.float64) + eta * (
-        beta * velocity["x"] + mean["x"] if beta else mean["x"]
-    )
+    v = beta * velocity["x"] + mean["x"]
+    step_taken = (mean["x"] + beta * v if nesterov else v) if beta else mean["x"]
+    plain = np.asarray(x["x"], dtype=np.float64) + eta * step_taken
     if np.issubdtype(np.dtype(dtype), np.integer):
         plain = np.rint(plain)
     assert results[0] == results[1] == results[2]

@@ -146,6 +146,28 @@ def test_bad_knobs_are_config_errors() -> None:
         LocalSGDAveraging(beta=1.0)
     with pytest.raises(ConfigError, match="fraction-train"):
         LocalSGDAveraging(fraction_train=0.0)
+    with pytest.raises(ConfigError, match="server-nesterov needs server-momentum > 0"):
+        LocalSGDAveraging(nesterov=True)
+
+
+def test_a_nesterov_round_steps_one_velocity_ahead() -> None:
+    # One site moves w by +2 from 0 (b unchanged): heavy ball (β = 0.9, η = 0.5) steps by
+    # 0.5·2 = 1, Nesterov by 0.5·(2 + 0.9·2) = 1.9; both keep the velocity 2.
+    finals = {}
+    for nesterov in (False, True):
+        strategy = LocalSGDAveraging(eta=0.5, beta=0.9, nesterov=nesterov)
+        base = record(w=np.zeros((2, 2), np.float32), b=np.zeros(2, np.float32))
+        strategy.begin_aggregation(1, base)
+        strategy.accumulate(
+            reply(record(w=np.full((2, 2), 2, np.float32), b=np.zeros(2, np.float32)), 10),
+            base=base,
+        )
+        arrays, _ = strategy.finish_aggregation()
+        assert arrays is not None
+        finals[nesterov] = record_to_arrays(arrays)["w"]
+        np.testing.assert_allclose(strategy.state_dict()["velocity"]["w"], 2.0)
+    np.testing.assert_allclose(finals[False], 1.0)
+    np.testing.assert_allclose(finals[True], 1.9, rtol=1e-6)
 
 
 def test_staleness_discount_shrinks_the_step_even_for_one_update() -> None:

@@ -254,8 +254,11 @@ def codec_reply(codec: str) -> Respond:
         ({"beta": 0.9, "eta": 0.7}, model_reply),
         ({"beta": 0.5, "codec": "int8"}, codec_reply("int8")),
         ({"aggregator": "median"}, model_reply),
+        ({"beta": 0.9, "eta": 0.7, "nesterov": True}, model_reply),
+        # cut 1 and 3: inside and at the end of a period of the delayed momentum
+        ({"beta": 0.9, "nesterov": True, "momentum_every": 3}, model_reply),
     ],
-    ids=["server-momentum", "momentum-and-codec", "median"],
+    ids=["server-momentum", "momentum-and-codec", "median", "nesterov", "delayed-nesterov"],
 )
 @pytest.mark.parametrize("cut", [1, 3])
 def test_local_sgd_resumes_bit_for_bit(
@@ -458,6 +461,27 @@ def test_a_node_the_map_does_not_hold_is_refused() -> None:
     with pytest.raises(CheckpointError, match="names node 13, which the node map does not hold"):
         strategy.load_state_dict(strategy.state_dict(), nodes={11: 1, 12: 2})
     same(before, strategy.state_dict())
+
+
+def test_delayed_nesterov_state_is_checked_like_the_velocity() -> None:
+    def make() -> LocalSGDAveraging:
+        return LocalSGDAveraging(beta=0.9, nesterov=True, momentum_every=2)
+
+    run = Run(make(), model_reply, dict(OLD_IDS))
+    run.round(1)  # mid-period: a pending sum, no velocity yet
+    strategy = run.strategy
+    state = strategy.state_dict()
+    assert state["steps"] == 1 and not state["velocity"] and set(state["pending"]) == {"w", "b"}
+    bad = strategy.state_dict()
+    bad["pending"]["w"] = np.full((3, 4), np.nan)
+    del bad["steps"]
+    with pytest.raises(CheckpointError) as caught:
+        strategy.load_state_dict(bad)
+    assert "'pending.w'" in str(caught.value) and "'steps' is missing" in str(caught.value)
+    same(state, strategy.state_dict())
+    # A run with the momentum every step keeps no pending sum: the same state is refused.
+    with pytest.raises(CheckpointError, match=r"unknown entries \['pending', 'steps'\]"):
+        LocalSGDAveraging(beta=0.9, nesterov=True).load_state_dict(state)
 
 
 def test_momentum_saved_for_a_run_without_momentum_is_refused() -> None:

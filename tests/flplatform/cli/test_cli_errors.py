@@ -22,8 +22,8 @@ from tests.helpers.cli import invoke, one_error_line
     [
         (
             ["--strategy", "magic"],
-            "unknown strategy 'magic'; allowed: delayed, dga, dts, fedavg, fedavgm, fetchsgd, "
-            "local-sgd, sketched-sgd",
+            "unknown strategy 'magic'; allowed: delayed, dga, diloco, dts, fedavg, fedavgm, "
+            "fetchsgd, local-sgd, sketched-sgd",
         ),
         (["--dataset", "imagenet"], "unknown dataset 'imagenet'"),
         (["--model", "vgg"], "unknown model 'vgg'; allowed: mlp, cnn"),
