@@ -208,8 +208,10 @@ def apply_server_update(
     Raises ``StepRefused`` if any array of the result would not be finite in its dtype
     (a float32 model overflows at 3.4e38); the state is then left as it was.
     """
-    if momentum_every < 1 or (momentum_every > 1 and not nesterov):
-        raise ValueError(f"momentum_every must be 1, or >= 1 with nesterov: {momentum_every}")
+    if momentum_every < 1 or (momentum_every > 1 and not (nesterov and beta > 0.0)):
+        raise ValueError(
+            f"momentum_every must be 1, or > 1 with Nesterov momentum (β > 0): {momentum_every}"
+        )
     every = momentum_every
     due = (state.steps + 1) % every == 0  # the momentum moves at this step
     out: Arrays = {}
@@ -220,13 +222,16 @@ def apply_server_update(
         reuse = spent and _memory(step, step) is step  # Δ̄'s memory may hold the step
         if key in averaged:
             rate = 1.0
-            if beta > 0.0:
+            # zeros, written when the others' are: the state holds the model's arrays in order
+            if beta > 0.0 and due:
                 velocity[key] = np.zeros(np.shape(step))
-        elif beta > 0.0 and every > 1:
+            if every > 1:
+                pending[key] = np.zeros(np.shape(step))
+        elif every > 1:
             held = state.pending.get(key)
             held = step.copy() if held is None else held + step
             pending[key] = np.zeros_like(held) if due else held
-            step = np.divide(step, every, out=step if reuse else None)  # Δ̄/N
+            step = np.divide(step, every, out=step if reuse else None, dtype=np.float64)  # Δ̄/N
             if due:
                 v = state.velocity.get(key)
                 v = held / every if v is None else beta * v + held / every

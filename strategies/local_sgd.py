@@ -441,6 +441,7 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         if self.momentum_every > 1:
             state["pending"] = {k: v.copy() for k, v in optimizer.pending.items()}
             state["steps"] = optimizer.steps
+            state["momentum-every"] = self.momentum_every
         return state
 
     def load_state_dict(
@@ -453,7 +454,13 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         the model.
         """
         reader = StateReader(type(self).__name__, nodes)
-        delayed = ("pending", "steps") if self.momentum_every > 1 else ()
+        delayed = ("pending", "steps", "momentum-every") if self.momentum_every > 1 else ()
+        saved_every = state.get("momentum-every", 1) if isinstance(state, Mapping) else 1
+        if saved_every != self.momentum_every:  # the pending sum is of saved_every steps
+            reader.add(
+                f"the state was saved with server-momentum-every {saved_every!r:.20}, this run "
+                f"has {self.momentum_every}: resume it with the value it ran with"
+            )
         fields = reader.fields(state, "", "velocity", "compressing", *delayed)
         velocity = compressing = None
         pending: dict[str, np.ndarray] | None = {}

@@ -68,8 +68,8 @@ CODEC_MISUSE = (
     "'{strategy}' uploads sketches: leave codec 'none'"
 )
 SERVER_NESTEROV_MISUSE = (
-    "{name} makes local-sgd's server momentum Nesterov's; strategy '{strategy}' has no "
-    "server momentum: leave it false"
+    "{name} shapes local-sgd's server momentum (server-momentum), which strategy "
+    "'{strategy}' does not use: leave {name} at its default"
 )
 SERVER_MOMENTUM_MISUSE = {
     DELAYED: "strategy 'delayed' applies each average with server-lr and no server momentum "

@@ -155,7 +155,11 @@ def test_the_period_sets_the_local_steps_of_delayed_updates() -> None:
         ({"strategy": "delayed", "period": -5}, "period must be >= 0"),
         ({"strategy": "delayed", "sync": "k-sync"}, "runs with sync mode 'sync' only"),
         ({"strategy": "delayed", "server-momentum": 0.9}, "leave server-momentum at its default"),
-        ({"strategy": "fetchsgd", "server-nesterov": True}, "has no server momentum: leave it"),
+        (
+            {"strategy": "fetchsgd", "k": 50, "server-nesterov": True},
+            r"^server-nesterov shapes local-sgd's server momentum \(server-momentum\), which "
+            "strategy 'fetchsgd' does not use: leave server-nesterov at its default$",
+        ),
         ({"server-nesterov": True}, "server-nesterov needs server-momentum > 0"),
         ({"strategy": "diloco", "server-momentum": 0.9}, "set server-nesterov true"),
         (
@@ -163,7 +167,11 @@ def test_the_period_sets_the_local_steps_of_delayed_updates() -> None:
             "server-momentum-every > 1 is delayed Nesterov: set server-nesterov true",
         ),
         ({"server-momentum-every": 0}, "server-momentum-every must be an integer >= 1, got 0"),
-        ({"strategy": "delayed", "server-momentum-every": 2}, "has no server momentum"),
+        (
+            {"strategy": "delayed", "server-momentum-every": 2},
+            r"^server-momentum-every shapes local-sgd's server momentum \(server-momentum\), "
+            "which strategy 'delayed' does not use: leave server-momentum-every at its default$",
+        ),
         ({"strategy": "delayed", "fraction-train": 0.5}, "fraction-train must be 1"),
         ({"standardize-features": True}, "standardize-features .* set fraction-evaluate > 0"),
         ({"standardize-features": "perhaps"}, "standardize-features must be true or false"),

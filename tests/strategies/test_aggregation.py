@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flplatform.core.errors import StepRefused
 from strategies.aggregation import (
     BLOCK,
     ServerOptimizerState,
@@ -421,6 +422,60 @@ def test_a_spent_mean_gives_the_same_step_bit_for_bit(
         plain = np.rint(plain)
     assert results[0] == results[1] == results[2]
     assert results[0][1] == plain.astype(dtype).tobytes()
+
+
+@settings(max_examples=40, deadline=None)
+@given(dtype=REAL_DTYPES, shape=SHAPES, due=st.booleans(), seed=st.integers(0, 2**31))
+def test_delayed_nesterov_with_a_spent_mean_gives_the_same_step_bit_for_bit(
+    dtype: type, shape: tuple[int, ...], due: bool, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    x = {"x": np.asarray(rng.normal(size=shape) * 10).astype(dtype)}
+    mean = {"x": np.asarray(rng.normal(size=shape))}
+    velocity, held = np.asarray(rng.normal(size=shape)), np.asarray(rng.normal(size=shape))
+    results = []
+    for spent, x64 in ((False, None), (True, None), (True, float64_model(x))):
+        state = ServerOptimizerState({"x": velocity.copy()}, {"x": held.copy()}, int(due))
+        step = {k: v.copy() for k, v in mean.items()}
+        out = apply_server_update(
+            x,
+            step,
+            eta=0.7,
+            beta=0.9,
+            nesterov=True,
+            momentum_every=2,
+            state=state,
+            spent=spent,
+            x64=x64,
+        )
+        saved = (state.velocity["x"].tobytes(), state.pending["x"].tobytes(), state.steps)
+        results.append((out["x"].dtype, out["x"].tobytes(), saved))
+    assert results[0] == results[1] == results[2]
+    pending = held + mean["x"]
+    v = 0.9 * velocity + pending / 2 if due else velocity
+    plain = np.asarray(x["x"], dtype=np.float64) + 0.7 * (mean["x"] / 2 + (0.9 * v if due else 0))
+    if np.issubdtype(np.dtype(dtype), np.integer):
+        plain = np.rint(plain)
+    assert results[0][1] == plain.astype(dtype).tobytes()
+    left = np.zeros_like(pending) if due else pending
+    assert results[0][2] == (v.tobytes(), left.tobytes(), 2 if due else 1)
+
+
+def test_a_refused_delayed_nesterov_step_leaves_its_state_as_it_was() -> None:
+    # The second array overflows float32: the first array's velocity, pending sum and the
+    # step count must not move (the run goes on from the state it had).
+    x = {"a": np.zeros(2, np.float32), "b": np.zeros(2, np.float32)}
+    state = ServerOptimizerState({"a": np.ones(2), "b": np.ones(2)}, {"a": np.ones(2)}, 1)
+    before = ({k: v.copy() for k, v in state.velocity.items()}, dict(state.pending), state.steps)
+    mean = {"a": np.ones(2), "b": np.full(2, 1e39)}
+    with pytest.raises(StepRefused, match="'b' would become non-finite"):
+        apply_server_update(
+            x, mean, eta=1.0, beta=0.9, nesterov=True, momentum_every=2, state=state
+        )
+    assert state.steps == before[2] and list(state.pending) == ["a"]
+    assert state.pending["a"].tolist() == [1.0, 1.0]
+    for key, value in before[0].items():
+        assert state.velocity[key].tolist() == value.tolist()
 
 
 def test_sums_and_the_float64_model_are_written_into_the_memory_given() -> None:

@@ -479,9 +479,35 @@ def test_delayed_nesterov_state_is_checked_like_the_velocity() -> None:
         strategy.load_state_dict(bad)
     assert "'pending.w'" in str(caught.value) and "'steps' is missing" in str(caught.value)
     same(state, strategy.state_dict())
-    # A run with the momentum every step keeps no pending sum: the same state is refused.
-    with pytest.raises(CheckpointError, match=r"unknown entries \['pending', 'steps'\]"):
-        LocalSGDAveraging(beta=0.9, nesterov=True).load_state_dict(state)
+    # A run whose momentum moves at another period cannot take the pending sum over.
+    for other in (1, 3):
+        with pytest.raises(CheckpointError, match=f"server-momentum-every 2, this run has {other}"):
+            LocalSGDAveraging(beta=0.9, nesterov=True, momentum_every=other).load_state_dict(state)
+
+
+def test_delayed_nesterov_keeps_running_statistics_in_the_models_order() -> None:
+    # Running statistics (averaged, no momentum) beside a weight: the saved velocity and
+    # pending sum hold every array in the model's order at any step, and a strategy that
+    # knows the model takes them back.
+    model = {"w": np.zeros((3, 4), np.float32), "bn.running_mean": np.zeros(3, np.float32)}
+
+    def respond(message: Message, name: str) -> Message:
+        start = sent_model(message)
+        nudge = rng(name, message.content[keys.CONFIG][keys.SERVER_ROUND])
+        trained = {k: (v + nudge.normal(size=v.shape)).astype(v.dtype) for k, v in start.items()}
+        return reply(message, trained, examples=10)
+
+    def make() -> LocalSGDAveraging:
+        return LocalSGDAveraging(beta=0.9, nesterov=True, momentum_every=2)
+
+    run = Run(make(), respond, dict(OLD_IDS), model=arrays_to_record(model))
+    for server_round in (1, 2, 3):
+        run.round(server_round)
+        state = run.strategy.state_dict()
+        assert list(state["pending"]) == list(model)
+        assert list(state["velocity"]) == ([] if server_round == 1 else list(model))
+        assert not state["velocity"].get("bn.running_mean", np.zeros(1)).any()
+        run.strategy.load_state_dict(state)  # knows the model: names, order and shapes checked
 
 
 def test_momentum_saved_for_a_run_without_momentum_is_refused() -> None:
