@@ -32,6 +32,7 @@ from tests.helpers.processes import Leftovers, cmdline, flplatform_cli, kill_aft
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 runner = CliRunner()
+ROUNDS = 8  # of the run killed and resumed
 
 
 def files_holding(root: Path, secret: str) -> list[Path]:
@@ -131,7 +132,9 @@ def test_a_run_recorded_without_its_password_resumes_with_it_from_the_environmen
     public, password = split_password(password_database)
     assert password
     log = tmp_path / "cli.log"
-    simulate = ["simulate", "--sites", "2", "--rounds", "4", "--local-steps", "2"]
+    # Rounds to spare after each kill: a probe reads every process's environment before
+    # the kill lands, and a loaded machine's resume finished a 4-round run meanwhile.
+    simulate = ["simulate", "--sites", "2", "--rounds", str(ROUNDS), "--local-steps", "2"]
     cli = flplatform_cli([*simulate, "--db", password_database], tmp_path, log)
     probed: dict[str, tuple[int, list[str]]] = {}
 
@@ -159,7 +162,7 @@ def test_a_run_recorded_without_its_password_resumes_with_it_from_the_environmen
     with LedgerRepository.open(public) as repository:
         run = repository.get_run(run_id)
         events = [event.kind for event in repository.list_events(run_id)]
-    assert run.status == "finished" and run.rounds_completed == 4
+    assert run.status == "finished" and run.rounds_completed == ROUNDS
     assert run.config["db"] == public
     assert "resumed" in events
     assert not shows(log.read_text(), password)
