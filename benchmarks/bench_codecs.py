@@ -3,8 +3,8 @@
 For each d the update is ``--arrays`` float32 arrays of about d/arrays elements (a model's
 layers), drawn from N(0, 1). Times (median of ``--repeats`` after one warm-up) of encode,
 decode and one ``ErrorFeedback.compress`` (u + e, encode, local decode, new residual) for
-TopK(fraction=0.01) and StochasticInt8, next to a reference pass measured in the same run:
-one dense copy of the flat float32 update (memory bandwidth). Bytes: the payload
+TopK(fraction=0.01), StochasticInt8 and StochasticInt4, next to a reference pass measured
+in the same run: one dense copy of the flat float32 update (memory bandwidth). Bytes: the payload
 (``wire_nbytes``), the same arrays serialized as .npy (what a Flower ArrayRecord carries,
 headers included) and the dense float32 update; compression = dense / payload.
 
@@ -25,7 +25,14 @@ from typing import Any
 
 import numpy as np
 
-from strategies.codecs import Codec, ErrorFeedback, StochasticInt8, TopK, wire_nbytes
+from strategies.codecs import (
+    Codec,
+    ErrorFeedback,
+    StochasticInt4,
+    StochasticInt8,
+    TopK,
+    wire_nbytes,
+)
 from strategies.layout import Layout
 
 
@@ -84,7 +91,7 @@ def bench_one(d: int, arrays: int, repeats: int, seed: int) -> dict[str, Any]:
     flat = np.concatenate(list(update.values()))  # (d,) float32
     out = np.empty_like(flat)
     t_copy = timed(lambda: np.copyto(out, flat), repeats)
-    codecs: list[Codec] = [TopK(fraction=0.01), StochasticInt8()]
+    codecs: list[Codec] = [TopK(fraction=0.01), StochasticInt8(), StochasticInt4()]
     results = [bench_codec(codec, update, repeats, seed) for codec in codecs]
     for result in results:
         seconds = result["seconds"]

@@ -95,7 +95,7 @@ from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.core.checks import as_site_names, integer, number, one_of, require
 from flplatform.core.errors import ConfigError
 from strategies.averaged_arrays import AVERAGED
-from strategies.codecs import INT8_PREFIX, SCALE_SUFFIX
+from strategies.codecs import INT4_PREFIX, INT8_PREFIX, SCALE_SUFFIX
 from strategies.mods.contract import Mod, TrainFunction, is_training, round_config, sent_model
 from strategies.mods.fetchsgd import SKETCH
 
@@ -275,21 +275,24 @@ def scaled_model(
 
 
 def scaled_upload(arrays: Mapping[str, np.ndarray], factor: float) -> dict[str, np.ndarray]:
-    """An upload that carries the update linearly (a delta, a count sketch, a top-k or int8
-    codec's wire arrays), scaled: it decodes to ``factor`` × update.
+    """An upload that carries the update linearly (a delta, a count sketch, a top-k, int8 or
+    int4 codec's wire arrays), scaled: it decodes to ``factor`` × update.
 
-    Float arrays are scaled, except an int8 codec's scales, which take |factor| (a scale
-    is >= 0), its levels carrying the sign (negated for a negative factor), and the
-    trained values FetchSGD sends whole beside its sketch (``averaged/``: values, not an
-    update); indices and raw integers stay as they are.
+    Float arrays are scaled, except a quantizing codec's scales, which take |factor| (a
+    scale is >= 0), its levels carrying the sign (negated for a negative factor: int4's
+    nibbles q + 8 become 16 − nibble), and the trained values FetchSGD sends whole beside
+    its sketch (``averaged/``: values, not an update); indices and raw integers stay.
     """
     out = {}
     for name, array in arrays.items():
-        int8 = name.startswith(INT8_PREFIX)
+        int8, int4 = name.startswith(INT8_PREFIX), name.startswith(INT4_PREFIX)
         # By dtype first: the levels of a model array named "x.scale" are "int8.x.scale"
         if int8 and array.dtype == np.int8:
             out[name] = -array if factor < 0 else array  # in [−127, 127]: no overflow
-        elif int8 and name.endswith(SCALE_SUFFIX) and np.issubdtype(array.dtype, np.floating):
+        elif int4 and array.dtype == np.uint8:
+            flipped = (16 - (array & 0x0F)) | ((16 - (array >> 4)) << 4)
+            out[name] = flipped.astype(np.uint8) if factor < 0 else array  # 8 stays 8
+        elif (int8 or int4) and name.endswith(SCALE_SUFFIX) and array.dtype.kind == "f":
             out[name] = (array * abs(factor)).astype(array.dtype)
         elif name.startswith(AVERAGED):
             out[name] = array

@@ -294,7 +294,7 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         Evaluation sampling depends only on (seed, round).
     codec : str
         Upload compression of A_{n,r} with error feedback at the site (``none``,
-        ``int8``, ``topk:<k>``, ``topk:<fraction>``).
+        ``int8``, ``int4``, ``topk:<k>``, ``topk:<fraction>``).
     averaged_arrays : sequence of str
         Arrays (names or shell patterns) the codec must send exactly, as
         ``LocalSGDAveraging``'s.

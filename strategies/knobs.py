@@ -91,7 +91,8 @@ def sampling_problems(*, fraction_train: object, fraction_evaluate: object) -> l
 
 
 def codec_problem(codec: object) -> Problem:
-    """What is wrong with an upload codec spec (``none``, ``int8``, ``topk:<k or fraction>``)."""
+    """What is wrong with an upload codec spec (``none``, ``int8``, ``int4``, ``topk:<k or
+    fraction>``)."""
     try:
         make_codec(codec)  # type: ignore[arg-type]
     except ConfigError as exc:

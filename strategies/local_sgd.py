@@ -24,7 +24,7 @@ each end, of the updates (Flower's ``aggregate_median`` / ``aggregate_trimmed_av
 Flower's FedMedian and FedTrimmedAvg they weigh sites equally, and they hold the round's
 updates (one model-sized array per site) instead of one running sum.
 
-With a codec (``codec = "topk:0.01"`` or ``"int8"``, strategies/codecs.py) the site's
+With a codec (``codec = "topk:0.01"``, ``"int8"`` or ``"int4"``, strategies/codecs.py) the site's
 ``codec_mod`` uploads Δ_n compressed with error feedback,
 e_n ← (Δ_n + e_n) − decode(encode(Δ_n + e_n)), and names the codec in its reply's
 ``config`` record; the server decodes it to Δ_n. A ClientApp without the mod ignores the
@@ -163,8 +163,8 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
     seed : int
         Sampling depends only on (seed, round).
     codec : str
-        Upload compression the sites' ``codec_mod`` applies (``none``, ``int8``, ``topk:<k>``,
-        ``topk:<fraction>``), with error feedback at the site.
+        Upload compression the sites' ``codec_mod`` applies (``none``, ``int8``, ``int4``,
+        ``topk:<k>``, ``topk:<fraction>``), with error feedback at the site.
     aggregator : {"mean", "median", "trimmed-mean"}
         How the round's updates are combined (see the module).
     trim_fraction : float

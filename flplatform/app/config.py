@@ -276,8 +276,8 @@ class RunConfig:
     codec: str = field(
         default="none",
         metadata=about(
-            "Local-SGD and delayed: compress uploads with error feedback: none, int8, topk:<k> or "
-            "topk:<fraction>.",
+            "Local-SGD and delayed: compress uploads with error feedback: none, int8, int4, "
+            "topk:<k> or topk:<fraction>.",
             strategies=(LOCAL_SGD, DELAYED),
             misuse=CODEC_MISUSE,
         ),

@@ -53,7 +53,7 @@ Every mod here, for a training message of its algorithm:
 Arrays nothing compresses: running statistics and integer and bool arrays
 (``strategies.averaged_arrays``), and those the server names in ``averaged-arrays`` (the
 user's strategy's ``averaged_arrays``: buffers no name tells apart). ``topk`` and
-``int8`` send their deltas exactly beside the compressed weights; FetchSGD and
+``int8``/``int4`` send their deltas exactly beside the compressed weights; FetchSGD and
 Sketched-SGD keep them out of the sketch, sites send their trained values whole and the
 server sets them to the sites' weighted mean. Deltas travel in the model's dtypes, so a
 bool or unsigned array can only grow through a delta upload (a mask bit turned off, an

@@ -54,7 +54,7 @@ def codec_mod(spec: str | None = None) -> Mod:
     Parameters
     ----------
     spec : str, optional
-        ``'int8'``, ``'topk:<k>'`` or ``'topk:<fraction>'``; None follows the codec the
+        ``'int8'``, ``'int4'``, ``'topk:<k>'`` or ``'topk:<fraction>'``; None follows the codec the
         server's round config names. A spec other than the server's is sent as it is and
         the server rejects it, saying which codec it asked for.
     """

@@ -133,7 +133,7 @@ def test_a_scaled_model_scales_the_update_around_the_model_sent(factor: float) -
 
 
 @pytest.mark.parametrize("factor", [-1.0, 5.0, -10.0])
-@pytest.mark.parametrize("spec", ["topk:3", "int8", "none"])
+@pytest.mark.parametrize("spec", ["topk:3", "int8", "int4", "none"])
 def test_a_scaled_codec_upload_decodes_to_the_scaled_update(spec: str, factor: float) -> None:
     """The oracle is the server's own decoder: decode(scaled wire) = factor·decode(wire).
     ("ln.scale": a model array whose int8 levels are named like a scale.)"""

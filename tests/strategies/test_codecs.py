@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -20,10 +21,12 @@ from strategies.codecs import (
     Codec,
     ErrorFeedback,
     Identity,
+    StochasticInt4,
     StochasticInt8,
     TopK,
     Wire,
     make_codec,
+    quantize_int4,
     quantize_int8,
     wire_nbytes,
 )
@@ -395,9 +398,112 @@ def test_int8_refuses_models_whose_wire_keys_collide() -> None:
     StochasticInt8().decode(wire, Layout.of(model))
 
 
+# ---------------------------------------------------------------- int4
+def naive_int4(x: np.ndarray, uniforms: np.ndarray) -> tuple[list[int], list[float]]:
+    """Block by block and element by element: the levels q and the float32 scales."""
+    flat = [float(v) for v in np.asarray(x, np.float64).reshape(-1)]
+    levels, scales = [], []
+    for first in range(0, len(flat), 64):
+        block = flat[first : first + 64]
+        m = max(abs(v) for v in block)
+        s = np.float32(m)
+        if float(s) < m:
+            s = np.nextafter(s, np.float32(np.inf))
+        scales.append(float(s))
+        for i, v in enumerate(block, first):
+            y = 0.0 if s == 0 else v / float(s) * 7
+            low = math.floor(y)
+            levels.append(low + (1 if uniforms[i] < y - low else 0))
+    return levels, scales
+
+
+def test_int4_golden_by_hand() -> None:
+    # default_rng(0).random(5): 0.637, 0.270, 0.041, 0.017, 0.813 (one per element)
+    u = rng(0).random(5)
+    x = np.array([0.5, -1.0, 0.25, 0.0, 0.9], dtype=np.float32)
+    # one block, s = 1; y = 7·x = [3.5, −7, 1.75, 0, 6.3]; up iff U < frac(y) =
+    # [.5, 0, .75, 0, .3]: 0.637 no → 3; −7; 0.041 yes → 2; 0; 0.813 no → 6.
+    # Nibbles q + 8 = [11, 1, 10, 8, 14, 8 (padding)]: bytes 11 | 1 << 4 = 27,
+    # 10 | 8 << 4 = 138, 14 | 8 << 4 = 142.
+    assert u[2] < 0.75 and u[0] > 0.5 and u[4] > 0.3
+    wire = StochasticInt4().encode({"w": x}, rng=rng(0))
+    assert set(wire) == {"int4.w", "int4.w.scale"}
+    assert wire["int4.w"].dtype == np.uint8 and wire["int4.w.scale"].dtype == np.float32
+    np.testing.assert_array_equal(wire["int4.w"], [27, 138, 142])
+    np.testing.assert_array_equal(wire["int4.w.scale"], [1.0])
+    dense = StochasticInt4().decode(wire, Layout.of({"w": x}))["w"]
+    assert dense.dtype == np.float32
+    np.testing.assert_array_equal(dense, np.array([3, -7, 2, 0, 6], np.float32) / 7)
+    assert wire_nbytes(wire) == 3 + 4
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    x=hnp.arrays(np.float32, st.integers(0, 300), elements=ELEMENTS),
+    seed=st.integers(0, 2**32),
+)
+def test_int4_matches_the_naive_rule_and_packs_two_a_byte(x: np.ndarray, seed: int) -> None:
+    codes, scales = quantize_int4(x, rng(seed), chunk=128)
+    levels, naive_scales = naive_int4(x, rng(seed).random(x.size))
+    assert codes.dtype == np.uint8 and codes.size == (x.size + 1) // 2
+    assert scales.tolist() == naive_scales
+    nibbles = [int(n) for byte in codes for n in (byte & 15, byte >> 4)]
+    assert nibbles[: x.size] == [q + 8 for q in levels]
+    assert nibbles[x.size :] == [8] * (len(nibbles) - x.size)  # padding is level 0
+    assert all(-7 <= q <= 7 for q in levels)
+    whole, whole_scales = quantize_int4(x, rng(seed))  # the chunk changes nothing
+    np.testing.assert_array_equal(whole, codes)
+    np.testing.assert_array_equal(whole_scales, scales)
+
+
+@settings(max_examples=100, deadline=None)
+@given(update=updates(buffer=True), seed=st.integers(0, 2**32))
+def test_int4_error_is_below_one_level_of_its_block(update: Arrays, seed: int) -> None:
+    codec = StochasticInt4()
+    wire = codec.encode(update, rng=rng(seed))
+    dense = codec.decode(wire, Layout.of(update))
+    for name, x in update.items():
+        assert dense[name].shape == x.shape and dense[name].dtype == x.dtype
+        if name.startswith("norm."):  # the counter and the running variance: exactly
+            assert f"int4.{name}" not in wire
+            np.testing.assert_array_equal(dense[name], x)
+            continue
+        step = np.repeat(wire[f"int4.{name}.scale"].astype(np.float64) / 7, 64)[: x.size]
+        flat = x.astype(np.float64).reshape(-1)
+        bound = step + np.spacing(np.float32(step.max() * 7))
+        assert (np.abs(dense[name].astype(np.float64).reshape(-1) - flat) <= bound).all()
+
+
+def test_int4_is_unbiased() -> None:
+    x = np.linspace(-0.8, 1.3, 70).astype(np.float32)  # two blocks: 64 and 6 elements
+    n = 3000
+    decoded = np.stack(
+        [
+            StochasticInt4()
+            .decode(StochasticInt4().encode({"w": x}, rng=rng(seed)), Layout.of({"w": x}))["w"]
+            .astype(np.float64)
+            for seed in range(n)
+        ]
+    )  # (n, 70)
+    s = np.repeat(StochasticInt4().encode({"w": x}, rng=rng())["int4.w.scale"], 64)[:70]
+    level = s.astype(np.float64) / 7
+    y = x.astype(np.float64) / level
+    f = y - np.floor(y)
+    standard_error = level * np.sqrt(f * (1 - f) / n)
+    error = np.abs(decoded.mean(axis=0) - x)
+    assert (error <= 5 * standard_error + 1e-6 * level).all()
+    assert 5 * standard_error.max() < 0.1 * level.min()  # round-to-nearest would show
+
+
+def test_int4_refuses_models_whose_wire_keys_collide() -> None:
+    model: Arrays = {"x": np.ones(2, np.float32), "x.scale": np.ones(1, np.float32)}
+    with pytest.raises(ConfigError, match="int4 cannot encode this model: wire keys"):
+        StochasticInt4().encode(model, rng=rng())
+
+
 def test_same_seed_gives_the_same_wire() -> None:
     update = {"w": rng(9).standard_normal(1000).astype(np.float32)}
-    for codec in (StochasticInt8(), TopK(fraction=0.1), Identity()):
+    for codec in (StochasticInt8(), StochasticInt4(), TopK(fraction=0.1), Identity()):
         a, b = codec.encode(update, rng=rng(4)), codec.encode(update, rng=rng(4))
         assert set(a) == set(b)
         for key in a:
@@ -413,7 +519,7 @@ def test_same_seed_gives_the_same_wire() -> None:
 
 def test_encode_refuses_non_finite_updates() -> None:
     bad: Arrays = {"w": np.array([1.0, np.nan], np.float32)}
-    for codec in (TopK(k=1), StochasticInt8(), Identity()):
+    for codec in (TopK(k=1), StochasticInt8(), StochasticInt4(), Identity()):
         with pytest.raises(ValueError, match="NaN or Inf"):
             codec.encode(bad, rng=rng())
 
@@ -422,7 +528,7 @@ def test_encode_refuses_non_finite_updates() -> None:
 @settings(max_examples=120, deadline=None)
 @given(
     sequence=update_sequences(),
-    codec=st.one_of(top_ks(), st.just(StochasticInt8())),
+    codec=st.one_of(top_ks(), st.just(StochasticInt8()), st.just(StochasticInt4())),
     seed=st.integers(0, 2**32),
 )
 def test_sent_plus_residual_equals_sum_of_true_updates(
@@ -456,7 +562,7 @@ def test_sent_dense_is_what_the_server_decodes() -> None:
         "a": np.zeros(3, np.float32),
         "b": np.zeros(50, np.float32),
     }  # other order
-    for codec in (TopK(k=7), StochasticInt8(), Identity()):
+    for codec in (TopK(k=7), StochasticInt8(), StochasticInt4(), Identity()):
         feedback = ErrorFeedback()
         for seed in range(3):
             wire, sent = feedback.compress(update, codec, rng=rng(seed))
@@ -651,6 +757,23 @@ INT8_ATTACKS: list[tuple[str, Mutation, str]] = [
     ("missing scale", _drop("int8.w.scale"), "missing arrays: int8.w.scale"),
     ("extra", _set("int8.n", np.zeros((), np.int8)), "unexpected arrays: int8.n"),
 ]
+INT4_ATTACKS: list[tuple[str, Mutation, str]] = [
+    ("NaN scale", _set("int4.w.scale", np.array([np.nan], np.float32)), "finite and >= 0"),
+    ("negative scale", _set("int4.w.scale", np.array([-1.0], np.float32)), "finite and >= 0"),
+    ("two scales", _set("int4.w.scale", np.ones(2, np.float32)), "expected \\(1,\\)"),
+    ("int8 codes", _set("int4.w", np.full(6, 0x11, np.int8)), "dtype int8, expected uint8"),
+    ("a byte too many", _set("int4.w", np.full(7, 0x88, np.uint8)), "expected \\(6,\\)"),
+    ("level -8 low", _edit("int4.w", _index(0, 0x80)), "nibble 0 \\(level -8\\)"),
+    ("level -8 high", _edit("int4.w", _index(5, 0x08)), "nibble 0 \\(level -8\\)"),
+    (
+        "codes with zero scale",
+        lambda w: w.update(
+            {"int4.w": np.full(6, 0x89, np.uint8), "int4.w.scale": np.zeros(1, np.float32)}
+        ),
+        "non-zero codes in a block of scale 0",
+    ),
+    ("missing scale", _drop("int4.w.scale"), "missing arrays: int4.w.scale"),
+]
 # The counter n travels exactly beside either codec's compressed weights.
 EXACT_ATTACKS: list[tuple[str, Mutation, str]] = [
     ("buffer dtype", _set("averaged/float64", np.array([7], np.float32)), "expected float64"),
@@ -676,6 +799,10 @@ IDENTITY_ATTACKS: list[tuple[str, Mutation, str]] = [
         pytest.param(StochasticInt8(), m, r, id=f"int8-{n}")
         for n, m, r in INT8_ATTACKS + EXACT_ATTACKS
     ]
+    + [
+        pytest.param(StochasticInt4(), m, r, id=f"int4-{n}")
+        for n, m, r in INT4_ATTACKS + EXACT_ATTACKS
+    ]
     + [pytest.param(Identity(), m, r, id=f"none-{n}") for n, m, r in IDENTITY_ATTACKS],
 )
 def test_decode_rejects_hostile_wire(codec: Codec, attack: Mutation, match: str) -> None:
@@ -693,6 +820,7 @@ def test_decode_rejects_hostile_wire(codec: Codec, attack: Mutation, match: str)
         ("none", Identity()),
         ("int8", StochasticInt8()),
         (" INT8 ", StochasticInt8()),
+        ("int4", StochasticInt4()),
         ("topk:0.01", TopK(fraction=0.01)),
         ("topk:1.0", TopK(fraction=1.0)),
         ("topk:1e-3", TopK(fraction=0.001)),
@@ -709,8 +837,8 @@ def test_make_codec_parses(spec: str, expected: Codec) -> None:
 @pytest.mark.parametrize(
     ("spec", "match"),
     [
-        ("", "unknown codec ''; allowed: 'none', 'int8', 'topk:<k>'"),
-        ("int4", "unknown codec 'int4'"),
+        ("", "unknown codec ''; allowed: 'none', 'int8', 'int4', 'topk:<k>'"),
+        ("int2", "unknown codec 'int2'"),
         ("topk", "unknown codec 'topk'"),
         ("topk:", "needs a count or a fraction"),
         ("topk:abc", "needs a count or a fraction"),
@@ -770,7 +898,7 @@ def mixed_sequences(draw: st.DrawFn) -> list[Arrays]:
 @settings(max_examples=150, deadline=None)
 @given(
     sequence=mixed_sequences(),
-    codec=st.one_of(top_ks(), st.just(StochasticInt8())),
+    codec=st.one_of(top_ks(), st.just(StochasticInt8()), st.just(StochasticInt4())),
     seed=st.integers(0, 2**32),
 )
 def test_error_feedback_is_the_generic_encode_decode_to_the_bit(
