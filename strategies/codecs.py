@@ -321,7 +321,9 @@ class StochasticInt8:
                 raise UpdateRejected(f"{key} has non-zero codes with scale 0")
             value = np.empty(shape, dtype=dtype)
             # q·s/127 in float64, cast to the array's dtype block by block (no temporaries)
-            np.multiply(q, s / INT8_LEVELS, out=value, dtype=np.float64, casting="same_kind")
+            with np.errstate(over="ignore"):  # a hostile scale: refused just below
+                np.multiply(q, s / INT8_LEVELS, out=value, dtype=np.float64, casting="same_kind")
+            _require_within_dtype(value, key)
             out[n] = value
         return out
 
@@ -404,12 +406,6 @@ def int4_levels(codes: np.ndarray, n: int) -> np.ndarray:
     return nibbles[:n] - np.int8(INT4_ZERO)
 
 
-def dequantize_int4(levels: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """q·s_b/7 in float64, (n,), for ``int4_levels`` and their blocks' scales."""
-    steps = np.repeat(scales.astype(np.float64) / INT4_LEVELS, INT4_BLOCK)[: levels.size]
-    return levels * steps
-
-
 @dataclass(frozen=True)
 class StochasticInt4:
     """Block-wise stochastic rounding to 4 bits, two codes a byte, a float32 scale a block.
@@ -465,11 +461,21 @@ class StochasticInt4:
                 raise UpdateRejected(f"{key} has nibble 0 (level -8), outside [-7, 7]")
             if size % 2 and codes[-1] >> 4 != INT4_ZERO:
                 raise UpdateRejected(f"{key} pads its last byte with {codes[-1] >> 4}, not 8")
-            levels = int4_levels(codes, size)
-            if levels[np.repeat(scales == 0, INT4_BLOCK)[:size]].any():
-                raise UpdateRejected(f"{key} has non-zero codes in a block of scale 0")
-            value = dequantize_int4(levels, scales)
-            out[n] = value.reshape(shape).astype(dtype, casting="same_kind")
+            value = np.empty(size, dtype=dtype)
+            # q·s/7 in float64 into the array's dtype, a chunk of whole blocks at a time
+            for first in range(0, size, QUANT_CHUNK):
+                last = min(first + QUANT_CHUNK, size)
+                levels = int4_levels(codes[first // 2 : (last + 1) // 2], last - first)
+                blocks = scales[first // INT4_BLOCK : -(-last // INT4_BLOCK)]
+                if levels[np.repeat(blocks == 0, INT4_BLOCK)[: last - first]].any():
+                    raise UpdateRejected(f"{key} has non-zero codes in a block of scale 0")
+                step = np.repeat(blocks.astype(np.float64) / INT4_LEVELS, INT4_BLOCK)
+                with np.errstate(over="ignore"):  # a hostile scale: refused just below
+                    np.multiply(
+                        levels, step[: last - first], out=value[first:last], casting="same_kind"
+                    )
+            _require_within_dtype(value, key)
+            out[n] = value.reshape(shape)
         return out
 
 
@@ -549,7 +555,8 @@ class ErrorFeedback:
         update's), in the update's dtypes; None when ``dense`` is False (the caller only
         needs the wire). If encoding fails the residual is unchanged.
 
-        Cost: top-k and int8 run on the flat float64 vector v = u + e directly, the same
+        Cost: top-k and int8 run on the flat float64 vector v = u + e directly (int4 takes
+        the generic encode/decode of ``layout.unflatten(v)``, a few more passes), the same
         choices and values as ``codec.encode(layout.unflatten(v))`` and ``codec.decode``
         (tests/strategies/test_codecs.py checks them against that): v, a float32 copy to
         select from and the residual's new values are the only passes over the model.
@@ -814,6 +821,13 @@ def _raw_array(wire: Mapping[str, np.ndarray], name: str, layout: Layout) -> np.
     if value.dtype.kind == "f" and not np.isfinite(value).all():
         raise UpdateRejected(f"wire '{key}' contains NaN or Inf")
     return value
+
+
+def _require_within_dtype(value: np.ndarray, key: str) -> None:
+    """A decoded float array must be finite: a scale past what its dtype holds (a float16
+    model's 65504) would make it inf."""
+    if value.dtype.kind == "f" and not np.isfinite(value).all():
+        raise UpdateRejected(f"{key} decodes beyond the range of {value.dtype}")
 
 
 def _require_finite(update: Mapping[str, np.ndarray]) -> None:

@@ -813,6 +813,47 @@ def test_decode_rejects_hostile_wire(codec: Codec, attack: Mutation, match: str)
         codec.decode(wire, LAYOUT)  # type: ignore[arg-type]
 
 
+ODD: Arrays = {"v": np.linspace(-1, 1, 77, dtype=np.float32)}  # two blocks, a padded byte
+
+
+def _last_high_nibble(value: int) -> Callable[[np.ndarray], None]:
+    def fn(a: np.ndarray) -> None:
+        a[-1] = (a[-1] & 0x0F) | (value << 4)
+
+    return fn
+
+
+@pytest.mark.parametrize(
+    ("attack", "match"),
+    [
+        (_edit("int4.v", _last_high_nibble(9)), "pads its last byte with 9, not 8"),
+        (_set("int4.v.scale", np.array([1.0, np.inf], np.float32)), "finite and >= 0"),
+        (_set("int4.v.scale", np.ones(2)), "dtype float64, expected float32"),
+        (_set("int4.v", np.full((39, 1), 0x88, np.uint8)), "expected \\(39,\\)"),
+        (_edit("int4.v.scale", _index(1, 0)), "non-zero codes in a block of scale 0"),
+    ],
+    ids=["padding", "inf scale", "float64 scales", "2-D codes", "second block zero"],
+)
+def test_int4_decode_rejects_hostile_wire_of_an_odd_length_array(
+    attack: Mutation, match: str
+) -> None:
+    wire: dict[str, object] = dict(StochasticInt4().encode(ODD, rng=rng()))
+    StochasticInt4().decode(wire, Layout.of(ODD))  # type: ignore[arg-type]
+    attack(wire)
+    with pytest.raises(UpdateRejected, match=match):
+        StochasticInt4().decode(wire, Layout.of(ODD))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("codec", [StochasticInt8(), StochasticInt4()], ids=["int8", "int4"])
+def test_a_scale_past_a_float16_models_range_is_refused_not_decoded_to_inf(codec: Codec) -> None:
+    model: Arrays = {"h": np.array([0.5, -1.0, 0.25], np.float16)}
+    wire = dict(codec.encode(model, rng=rng()))
+    scale = f"{codec.name}.h.scale"
+    wire[scale] = np.full_like(wire[scale], 1e30)  # a float32 the float16 result cannot hold
+    with pytest.raises(UpdateRejected, match="decodes beyond the range of float16"):
+        codec.decode(wire, Layout.of(model))
+
+
 # ---------------------------------------------------------------- make_codec
 @pytest.mark.parametrize(
     ("spec", "expected"),
