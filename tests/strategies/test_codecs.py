@@ -296,26 +296,38 @@ def test_int8_golden_by_hand() -> None:
     assert wire_nbytes(wire) == 4 + 4
 
 
-def test_int8_is_unbiased() -> None:
-    x = np.linspace(-0.8, 1.3, 41).astype(np.float32)  # max |x| = 1.3 sets the scale
+def one_level(codec: Codec, x: np.ndarray) -> np.ndarray:
+    """The quantizing ``codec``'s level (the step between codes) at each element of x."""
+    wire = codec.encode({"w": x}, rng=rng())
+    if isinstance(codec, StochasticInt8):
+        return np.full(x.size, float(wire["int8.w.scale"][0]) / 127)
+    return np.repeat(wire["int4.w.scale"].astype(np.float64) / 7, 64)[: x.size]
+
+
+@pytest.mark.parametrize(
+    ("codec", "size"),
+    [(StochasticInt8(), 41), (StochasticInt4(), 70)],  # int4: two blocks, 64 and 6
+    ids=["int8", "int4"],
+)
+def test_quantizers_are_unbiased(codec: Codec, size: int) -> None:
+    x = np.linspace(-0.8, 1.3, size).astype(np.float32)  # max |x| = 1.3 sets a scale
     n = 3000
+    layout = Layout.of({"w": x})
     decoded = np.stack(
         [
-            StochasticInt8()
-            .decode(StochasticInt8().encode({"w": x}, rng=rng(seed)), Layout.of({"w": x}))["w"]
-            .astype(np.float64)
+            codec.decode(codec.encode({"w": x}, rng=rng(seed)), layout)["w"].astype(np.float64)
             for seed in range(n)
         ]
-    )  # (n, 41)
-    s = float(np.float32(1.3))
-    y = x.astype(np.float64) / s * 127
+    )  # (n, size)
+    level = one_level(codec, x)
+    y = x.astype(np.float64) / level
     f = y - np.floor(y)
-    # one decode is ⌊y⌋·s/127 or (⌊y⌋ + 1)·s/127 with P = f: variance (s/127)²·f(1 − f)
-    standard_error = (s / 127) * np.sqrt(f * (1 - f) / n)
+    # one decode is ⌊y⌋ or ⌊y⌋ + 1 levels with P = f: variance level²·f(1 − f)
+    standard_error = level * np.sqrt(f * (1 - f) / n)
     error = np.abs(decoded.mean(axis=0) - x)
-    assert (error <= 5 * standard_error + 1e-6 * s / 127).all(), error / (standard_error + 1e-12)
+    assert (error <= 5 * standard_error + 1e-6 * level).all(), error / (standard_error + 1e-12)
     # rounding to nearest would be off by up to half a level, far outside 5 standard errors
-    assert 5 * standard_error.max() < 0.1 * s / 127
+    assert 5 * standard_error.max() < 0.1 * level.min()
 
 
 @settings(max_examples=100, deadline=None)
@@ -472,27 +484,6 @@ def test_int4_error_is_below_one_level_of_its_block(update: Arrays, seed: int) -
         flat = x.astype(np.float64).reshape(-1)
         bound = step + np.spacing(np.float32(step.max() * 7))
         assert (np.abs(dense[name].astype(np.float64).reshape(-1) - flat) <= bound).all()
-
-
-def test_int4_is_unbiased() -> None:
-    x = np.linspace(-0.8, 1.3, 70).astype(np.float32)  # two blocks: 64 and 6 elements
-    n = 3000
-    decoded = np.stack(
-        [
-            StochasticInt4()
-            .decode(StochasticInt4().encode({"w": x}, rng=rng(seed)), Layout.of({"w": x}))["w"]
-            .astype(np.float64)
-            for seed in range(n)
-        ]
-    )  # (n, 70)
-    s = np.repeat(StochasticInt4().encode({"w": x}, rng=rng())["int4.w.scale"], 64)[:70]
-    level = s.astype(np.float64) / 7
-    y = x.astype(np.float64) / level
-    f = y - np.floor(y)
-    standard_error = level * np.sqrt(f * (1 - f) / n)
-    error = np.abs(decoded.mean(axis=0) - x)
-    assert (error <= 5 * standard_error + 1e-6 * level).all()
-    assert 5 * standard_error.max() < 0.1 * level.min()  # round-to-nearest would show
 
 
 def test_int4_refuses_models_whose_wire_keys_collide() -> None:
