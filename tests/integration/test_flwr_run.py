@@ -31,7 +31,12 @@ def _stop_local_superlink(port: int) -> None:
 @pytest.mark.parametrize(
     ("strategy", "options"),
     [
-        ("local-sgd", "num-server-rounds=2"),
+        # DiLoCo's outer step and int4 uploads: options of the app's own run config
+        (
+            "local-sgd",
+            "num-server-rounds=2 server-nesterov=true server-momentum=0.9 server-lr=0.7 "
+            "codec='int4'",
+        ),
         # `flwr run .` is the same path for every strategy; the mod paths are
         # test_own_app's (marked thorough).
         pytest.param("delayed", "num-server-rounds=2", marks=pytest.mark.thorough),
@@ -75,7 +80,10 @@ def test_flwr_run_dot_trains_and_writes_the_ledger(
         rounds = repo.list_rounds(run.id)
         assert run.config["strategy"] == strategy
         if strategy == "local-sgd":
-            assert [r.num_applied for r in rounds] == [3, 3]
+            assert [r.num_applied for r in rounds] == [3, 3]  # int4 uploads decoded
+            assert (run.config["server-nesterov"], run.config["codec"]) == (True, "int4")
+            # 4.5 bits an element, and the model dense down: fewer bytes up than down
+            assert sum(r.bytes_up for r in rounds) < 0.5 * sum(r.bytes_down for r in rounds)
         elif strategy == "sketched-sgd":  # a sketch round, then a values round, per step
             assert [(r.model_version, r.num_applied) for r in rounds] == [
                 (0, 3),
