@@ -62,8 +62,8 @@ INT4_PREFIX = "int4."
 INT4_LEVELS = 7  # q ∈ [−7, 7], sent as the nibble q + 8: code 0 (q = −8) is never sent
 INT4_ZERO = 8  # the nibble of q = 0, also the padding of an odd-length array's last byte
 INT4_BLOCK = 64  # elements per scale: a float32 scale adds half a bit per element
-QUANT_CHUNK = 1 << 14  # elements quantized at a time (whole int4 blocks); results do not
-# depend on it
+# Elements quantized at a time (whole int4 blocks, an even count); results do not depend on it.
+QUANT_CHUNK = 1 << 14
 CODEC_SPECS = "'none', 'int8', 'int4', 'topk:<k>' (an integer >= 1) or 'topk:<fraction>' in (0, 1]"
 
 
