@@ -671,6 +671,7 @@ def values_case(model: Arrays, rng: np.random.Generator) -> Case:
 CASES: dict[str, Callable[[Arrays, np.random.Generator], Case]] = {
     "model_mod (local-SGD)": local_sgd_case,
     "codec_mod int8": lambda m, r: codec_case(m, r, "int8"),
+    "codec_mod int4": lambda m, r: codec_case(m, r, "int4"),
     "codec_mod topk:0.01": lambda m, r: codec_case(m, r, "topk:0.01"),
     "delayed_mod": lambda m, r: delayed_case(m, r, None),
     "delayed_mod + codec_mod topk:0.01 (DTS)": lambda m, r: delayed_case(m, r, "topk:0.01"),
