@@ -406,6 +406,23 @@ def int4_levels(codes: np.ndarray, n: int) -> np.ndarray:
     return nibbles[:n] - np.int8(INT4_ZERO)
 
 
+def dequantize_int4(codes: np.ndarray, scales: np.ndarray, out: np.ndarray) -> bool:
+    """q·s/7 (in float64, then ``out``'s dtype) into the flat ``out``, a chunk of whole
+    blocks at a time; False (``out`` partly written) if a block of scale 0 has a code
+    other than 8. A value past ``out``'s dtype becomes inf, for the caller to refuse."""
+    size = out.size
+    for first in range(0, size, QUANT_CHUNK):
+        last = min(first + QUANT_CHUNK, size)
+        levels = int4_levels(codes[first // 2 : (last + 1) // 2], last - first)
+        blocks = scales[first // INT4_BLOCK : -(-last // INT4_BLOCK)]
+        if levels[np.repeat(blocks == 0, INT4_BLOCK)[: last - first]].any():
+            return False
+        step = np.repeat(blocks.astype(np.float64) / INT4_LEVELS, INT4_BLOCK)
+        with np.errstate(over="ignore"):
+            np.multiply(levels, step[: last - first], out=out[first:last], casting="same_kind")
+    return True
+
+
 @dataclass(frozen=True)
 class StochasticInt4:
     """Block-wise stochastic rounding to 4 bits, two codes a byte, a float32 scale a block.
@@ -462,18 +479,8 @@ class StochasticInt4:
             if size % 2 and codes[-1] >> 4 != INT4_ZERO:
                 raise UpdateRejected(f"{key} pads its last byte with {codes[-1] >> 4}, not 8")
             value = np.empty(size, dtype=dtype)
-            # q·s/7 in float64 into the array's dtype, a chunk of whole blocks at a time
-            for first in range(0, size, QUANT_CHUNK):
-                last = min(first + QUANT_CHUNK, size)
-                levels = int4_levels(codes[first // 2 : (last + 1) // 2], last - first)
-                blocks = scales[first // INT4_BLOCK : -(-last // INT4_BLOCK)]
-                if levels[np.repeat(blocks == 0, INT4_BLOCK)[: last - first]].any():
-                    raise UpdateRejected(f"{key} has non-zero codes in a block of scale 0")
-                step = np.repeat(blocks.astype(np.float64) / INT4_LEVELS, INT4_BLOCK)
-                with np.errstate(over="ignore"):  # a hostile scale: refused just below
-                    np.multiply(
-                        levels, step[: last - first], out=value[first:last], casting="same_kind"
-                    )
+            if not dequantize_int4(codes, scales, value):
+                raise UpdateRejected(f"{key} has non-zero codes in a block of scale 0")
             _require_within_dtype(value, key)
             out[n] = value.reshape(shape)
         return out
@@ -555,8 +562,7 @@ class ErrorFeedback:
         update's), in the update's dtypes; None when ``dense`` is False (the caller only
         needs the wire). If encoding fails the residual is unchanged.
 
-        Cost: top-k and int8 run on the flat float64 vector v = u + e directly (int4 takes
-        the generic encode/decode of ``layout.unflatten(v)``, a few more passes), the same
+        Cost: top-k, int8 and int4 run on the flat float64 vector v = u + e directly, the same
         choices and values as ``codec.encode(layout.unflatten(v))`` and ``codec.decode``
         (tests/strategies/test_codecs.py checks them against that): v, a float32 copy to
         select from and the residual's new values are the only passes over the model.
@@ -640,8 +646,8 @@ def _fast_encoder(codec: Codec, layout: Layout, v: np.ndarray) -> _FastEncoder |
     """The flat path for ``codec`` and ``layout``, or None for the generic one."""
     if isinstance(codec, TopK) and _selectable_in_float32(layout, v):
         return functools.partial(_topk_feedback, codec)
-    if isinstance(codec, StochasticInt8):
-        return _int8_feedback
+    if isinstance(codec, StochasticInt8 | StochasticInt4):
+        return functools.partial(_quantized_feedback, codec)
     return None
 
 
@@ -703,13 +709,41 @@ def _topk_feedback(
     return wire, sent
 
 
-def _int8_feedback(
-    v: np.ndarray, layout: Layout, rng: np.random.Generator, dense: bool
+def _int8_array(
+    value: np.ndarray, shape: tuple[int, ...], rng: np.random.Generator
+) -> tuple[Wire, np.ndarray]:
+    """One flat array as ``StochasticInt8`` sends it (codes in ``shape``, scale) and decodes
+    it (flat)."""
+    q, s = quantize_int8(value, rng)
+    decoded = np.empty(value.size, dtype=value.dtype)
+    # as decode: q·(s/127) with s/127 in float64
+    np.multiply(q, float(s) / INT8_LEVELS, out=decoded, dtype=np.float64, casting="same_kind")
+    return {"": q.reshape(shape), SCALE_SUFFIX: np.array([s], dtype=np.float32)}, decoded
+
+
+def _int4_array(
+    value: np.ndarray, shape: tuple[int, ...], rng: np.random.Generator
+) -> tuple[Wire, np.ndarray]:
+    """One flat array as ``StochasticInt4`` sends it (codes, scales) and decodes it (flat)."""
+    codes, scales = quantize_int4(value, rng)
+    decoded = np.empty(value.size, dtype=value.dtype)
+    dequantize_int4(codes, scales, decoded)  # its own codes: no zero-scale block is coded
+    return {"": codes, SCALE_SUFFIX: scales}, decoded
+
+
+def _quantized_feedback(
+    codec: StochasticInt8 | StochasticInt4,
+    v: np.ndarray,
+    layout: Layout,
+    rng: np.random.Generator,
+    dense: bool,
 ) -> tuple[Wire, Arrays | None]:
-    """``StochasticInt8.encode`` of v in its dtypes and e ← v − decode, array by array."""
+    """``codec.encode`` of v in its dtypes and e ← v − decode, array by array."""
+    int8 = isinstance(codec, StochasticInt8)
+    prefix, quantize = (INT8_PREFIX, _int8_array) if int8 else (INT4_PREFIX, _int4_array)
     # as encode(unflatten(v)): every array cast (integers range-checked) before the keys
     values = [layout._cast(name, v[start : start + n]) for name, start, n in _spans(layout)]
-    StochasticInt8._keys(layout)  # refuse layouts whose wire keys collide
+    _quantized_keys(layout, prefix, codec.name)  # refuse layouts whose wire keys collide
     wire: Wire = {}
     sent: Arrays = {}
     for (name, start, n), shape, value in zip(_spans(layout), layout.shapes, values, strict=True):
@@ -719,14 +753,8 @@ def _int8_feedback(
                 raise ValueError(f"cannot encode array '{name}': it contains NaN or Inf")
             decoded = value
         else:
-            q, s = quantize_int8(value, rng)
-            wire[INT8_PREFIX + name] = q.reshape(shape)
-            wire[INT8_PREFIX + name + SCALE_SUFFIX] = np.array([s], dtype=np.float32)
-            decoded = np.empty(n, dtype=value.dtype)
-            # as decode: q·(s/127) with s/127 in float64
-            np.multiply(
-                q, float(s) / INT8_LEVELS, out=decoded, dtype=np.float64, casting="same_kind"
-            )
+            arrays, decoded = quantize(value, shape, rng)
+            wire.update({prefix + name + suffix: a for suffix, a in arrays.items()})
         piece -= decoded
         if dense:
             sent[name] = decoded.reshape(shape)
