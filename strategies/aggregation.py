@@ -229,14 +229,18 @@ def apply_server_update(
                 pending[key] = np.zeros(np.shape(step))
         elif every > 1:
             held = state.pending.get(key)
-            held = step.copy() if held is None else held + step
+            # a new array (never a 0-d NumPy scalar): ours to write
+            held = step.copy() if held is None else np.add(held, step, out=np.empty_like(held))
             pending[key] = np.zeros_like(held) if due else held
-            step = np.divide(step, every, out=step if reuse else None, dtype=np.float64)  # Δ̄/N
-            if due:
+            into = step if reuse else np.empty(np.shape(step))  # an array, even 0-d
+            step = np.divide(step, every, out=into, dtype=np.float64)  # Δ̄/N
+            if due:  # in held's memory, block by block: no model-sized temporaries
+                held /= every  # P/N
                 v = state.velocity.get(key)
-                v = held / every if v is None else beta * v + held / every
-                velocity[key] = v
-                step += beta * v  # Δ̄/N + β·v
+                if v is not None:
+                    add_scaled(held, v, beta)  # β·v + P/N
+                velocity[key] = held
+                add_scaled(step, held, beta)  # Δ̄/N + β·v
         elif beta > 0.0:
             v = state.velocity.get(key)
             v = step.copy() if v is None else beta * v + step
