@@ -32,7 +32,14 @@ def make_strategy(
     """The strategy the ``strategy`` key names, with this app's knobs."""
     eta, seed, codec = float(run["server-lr"]), int(run["seed"]), str(run["codec"])
     if name == "local-sgd":
-        return LocalSGDAveraging(eta=eta, seed=seed, codec=codec)
+        return LocalSGDAveraging(
+            eta=eta,
+            beta=float(run["server-momentum"]),
+            nesterov=bool(run["server-nesterov"]),
+            momentum_every=int(run["server-momentum-every"]),
+            seed=seed,
+            codec=codec,
+        )
     if name in ("delayed", "dts"):
         if name == "dts" and codec == "none":
             codec = DTS_CODEC
