@@ -289,17 +289,7 @@ class StochasticInt8:
 
     def encode(self, update: Mapping[str, np.ndarray], *, rng: np.random.Generator) -> Wire:
         """Quantize every float array but the averaged ones; send those exactly."""
-        layout = Layout.of(update, averaged=self.averaged)
-        self._keys(layout)  # refuse layouts whose wire keys collide
-        _require_finite({n: update[n] for n in layout.averaged})
-        wire: Wire = {}
-        for n in layout.names:
-            if n not in layout.averaged:
-                q, s = quantize_int8(update[n], rng)
-                wire[INT8_PREFIX + n] = q
-                wire[INT8_PREFIX + n + SCALE_SUFFIX] = np.array([s], dtype=np.float32)
-        wire.update(pack(update, layout.averaged))
-        return wire
+        return _quantized_encode(self, update, rng)
 
     def decode(self, wire: Mapping[str, np.ndarray], layout: Layout) -> Arrays:
         """Dequantize q·s/127 into each float array's dtype; check the exact ones."""
@@ -446,17 +436,7 @@ class StochasticInt4:
 
     def encode(self, update: Mapping[str, np.ndarray], *, rng: np.random.Generator) -> Wire:
         """Quantize every float array but the averaged ones; send those exactly."""
-        layout = Layout.of(update, averaged=self.averaged)
-        _quantized_keys(layout, INT4_PREFIX, self.name)
-        _require_finite({n: update[n] for n in layout.averaged})
-        wire: Wire = {}
-        for n in layout.names:
-            if n not in layout.averaged:
-                codes, scales = quantize_int4(update[n], rng)
-                wire[INT4_PREFIX + n] = codes
-                wire[INT4_PREFIX + n + SCALE_SUFFIX] = scales
-        wire.update(pack(update, layout.averaged))
-        return wire
+        return _quantized_encode(self, update, rng)
 
     def decode(self, wire: Mapping[str, np.ndarray], layout: Layout) -> Arrays:
         """Dequantize q·s/7 into each float array's shape and dtype; check everything."""
@@ -709,26 +689,42 @@ def _topk_feedback(
     return wire, sent
 
 
-def _int8_array(
-    value: np.ndarray, shape: tuple[int, ...], rng: np.random.Generator
-) -> tuple[Wire, np.ndarray]:
-    """One flat array as ``StochasticInt8`` sends it (codes in ``shape``, scale) and decodes
-    it (flat)."""
-    q, s = quantize_int8(value, rng)
-    decoded = np.empty(value.size, dtype=value.dtype)
-    # as decode: q·(s/127) with s/127 in float64
-    np.multiply(q, float(s) / INT8_LEVELS, out=decoded, dtype=np.float64, casting="same_kind")
-    return {"": q.reshape(shape), SCALE_SUFFIX: np.array([s], dtype=np.float32)}, decoded
+def _int8_wire(x: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """``quantize_int8`` as the wire holds it: codes in x's shape, the scale a (1,) array."""
+    q, s = quantize_int8(x, rng)
+    return q, np.array([s], dtype=np.float32)
 
 
-def _int4_array(
-    value: np.ndarray, shape: tuple[int, ...], rng: np.random.Generator
-) -> tuple[Wire, np.ndarray]:
-    """One flat array as ``StochasticInt4`` sends it (codes, scales) and decodes it (flat)."""
-    codes, scales = quantize_int4(value, rng)
-    decoded = np.empty(value.size, dtype=value.dtype)
-    dequantize_int4(codes, scales, decoded)  # its own codes: no zero-scale block is coded
-    return {"": codes, SCALE_SUFFIX: scales}, decoded
+def _dequantize_int8(codes: np.ndarray, scales: np.ndarray, out: np.ndarray) -> None:
+    """q·(s/127), s/127 in float64, into the flat ``out`` (as ``StochasticInt8.decode``)."""
+    scale = float(scales[0]) / INT8_LEVELS
+    np.multiply(codes.reshape(-1), scale, out=out, dtype=np.float64, casting="same_kind")
+
+
+# each quantizing codec's wire prefix, its quantizer (codes, scales) and their decoder
+_QUANTIZERS: dict[str, tuple[str, Any, Any]] = {
+    "int8": (INT8_PREFIX, _int8_wire, _dequantize_int8),
+    "int4": (INT4_PREFIX, quantize_int4, dequantize_int4),
+}
+
+
+def _quantized_encode(
+    codec: StochasticInt8 | StochasticInt4,
+    update: Mapping[str, np.ndarray],
+    rng: np.random.Generator,
+) -> Wire:
+    """``codec.encode``: every float array but the averaged ones quantized, in ``Layout``
+    order, each drawing from ``rng`` in turn; the averaged ones sent exactly."""
+    prefix, quantize, _ = _QUANTIZERS[codec.name]
+    layout = Layout.of(update, averaged=codec.averaged)
+    _quantized_keys(layout, prefix, codec.name)  # refuse layouts whose wire keys collide
+    _require_finite({n: update[n] for n in layout.averaged})
+    wire: Wire = {}
+    for n in layout.names:
+        if n not in layout.averaged:
+            wire[prefix + n], wire[prefix + n + SCALE_SUFFIX] = quantize(update[n], rng)
+    wire.update(pack(update, layout.averaged))
+    return wire
 
 
 def _quantized_feedback(
@@ -739,8 +735,7 @@ def _quantized_feedback(
     dense: bool,
 ) -> tuple[Wire, Arrays | None]:
     """``codec.encode`` of v in its dtypes and e ← v − decode, array by array."""
-    int8 = isinstance(codec, StochasticInt8)
-    prefix, quantize = (INT8_PREFIX, _int8_array) if int8 else (INT4_PREFIX, _int4_array)
+    prefix, quantize, dequantize = _QUANTIZERS[codec.name]
     # as encode(unflatten(v)): every array cast (integers range-checked) before the keys
     values = [layout._cast(name, v[start : start + n]) for name, start, n in _spans(layout)]
     _quantized_keys(layout, prefix, codec.name)  # refuse layouts whose wire keys collide
@@ -753,8 +748,10 @@ def _quantized_feedback(
                 raise ValueError(f"cannot encode array '{name}': it contains NaN or Inf")
             decoded = value
         else:
-            arrays, decoded = quantize(value, shape, rng)
-            wire.update({prefix + name + suffix: a for suffix, a in arrays.items()})
+            codes, scales = quantize(value.reshape(shape), rng)
+            wire[prefix + name], wire[prefix + name + SCALE_SUFFIX] = codes, scales
+            decoded = np.empty(n, dtype=value.dtype)
+            dequantize(codes, scales, decoded)  # its own codes: none under a zero scale
         piece -= decoded
         if dense:
             sent[name] = decoded.reshape(shape)
