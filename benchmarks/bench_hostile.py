@@ -118,7 +118,7 @@ ATTACK_FEDERATION = {
 # The update guard's options (flplatform/engine/guard.py) that switch each check off.
 DEFENCE_OFF = ("update-norm-ratio=0", "max-site-share=1", "reject-replays=false")
 SPLITS = {"non-iid": ("partition=dirichlet", "alpha=0.5"), "iid": ("partition=iid",)}
-MODES = ("sync", "k-async")
+MODES = ("sync", "k-sync", "k-async")
 
 Update = Mapping[str, np.ndarray]
 

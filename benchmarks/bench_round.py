@@ -53,7 +53,7 @@ average 1.7 to 2.7 over the runs; 1M parameters, guard off; three invocations of
   judges them once it has ``min_reference`` norms (benchmarks/bench_server_memory.py).
 
     python benchmarks/bench_round.py [--replies 10 100 1000] [--params 1000000] [--repeat 3]
-                                     [--guard]
+                                     [--guard] [--aggregator mean|centered-clip|...]
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ from flwr.supercore.task_identity import TaskIdentity
 import flplatform.engine.engine as engine_module
 import flplatform.engine.mailbox as mailbox_module
 import strategies.local_sgd as local_sgd_module
+from flplatform.app.config import RunConfig
 from flplatform.core import keys
 from flplatform.engine import RoundSummary, Synchrony
 from flplatform.engine.engine import PULL_CHUNK, RoundEngine
@@ -265,6 +266,7 @@ def measure(
     *,
     guard: bool,
     memory: bool,
+    aggregator: str = "mean",
 ) -> dict[str, Any]:
     """One round with ``num_replies`` replies: its parts' times, or (``memory``) its peak
     memory under tracemalloc."""
@@ -278,7 +280,7 @@ def measure(
     watch = Stopwatch()
     ledger = SqlLedger(repo, run_id)
     ledger.record_round = watch.wrap("ledger", ledger.record_round)  # type: ignore[method-assign]
-    strategy = LocalSGDAveraging()
+    strategy = LocalSGDAveraging(aggregator=aggregator)
     engine = RoundEngine(
         grid,
         strategy,
@@ -374,18 +376,24 @@ def main() -> None:
     parser.add_argument(
         "--guard", action="store_true", help="the platform's default update guard (off: none)"
     )
+    parser.add_argument(
+        "--aggregator",
+        default=RunConfig().aggregator,
+        help="local-SGD's (default: the platform's, %(default)s)",
+    )
     args = parser.parse_args()
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
     shapes = model_shapes(args.params)
     load_before = os.getloadavg()
+    agg = args.aggregator
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.replies:
             runs = [
-                measure(n, shapes, Path(tmp), guard=args.guard, memory=False)
+                measure(n, shapes, Path(tmp), guard=args.guard, memory=False, aggregator=agg)
                 for _ in range(args.repeat)
             ]
-            peak = measure(n, shapes, Path(tmp), guard=args.guard, memory=True)
+            peak = measure(n, shapes, Path(tmp), guard=args.guard, memory=True, aggregator=agg)
             results.append(summarize(n, runs, args.params, peak["peak_memory_mib"]))
             print(json.dumps(results[-1]), file=sys.stderr)
     model_mib = 4 * sum(int(np.prod(s)) for s in shapes.values()) / 2**20
@@ -398,6 +406,7 @@ def main() -> None:
                 "model_parameters": args.params,
                 "model_mib": round(model_mib, 2),
                 "guard": "platform default" if args.guard else "off",
+                "aggregator": agg,
                 "machine": {
                     "python": platform.python_version(),
                     "cpus": os.cpu_count(),

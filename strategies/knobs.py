@@ -30,8 +30,9 @@ from flplatform.core.errors import ConfigError
 from strategies.averaged_arrays import names_problem
 from strategies.codecs import make_codec  # the one parser of a spec (no torch
 
-MEAN, MEDIAN, TRIMMED_MEAN = "mean", "median", "trimmed-mean"
-AGGREGATORS = (MEAN, MEDIAN, TRIMMED_MEAN)  # local-SGD averaging's ways to combine updates
+MEAN, MEDIAN, TRIMMED_MEAN, CENTERED_CLIP = "mean", "median", "trimmed-mean", "centered-clip"
+# local-SGD averaging's ways to combine updates
+AGGREGATORS = (MEAN, MEDIAN, TRIMMED_MEAN, CENTERED_CLIP)
 REMOVALS = ("zero", "subtract")  # how FetchSGD's applied step leaves its error sketch
 
 DELAYED_SYNC_ONLY = SyncOnly(
@@ -103,7 +104,8 @@ def codec_problem(codec: object) -> Problem:
 # ------------------------------------------------------------------ one object per strategy
 @dataclass(frozen=True)
 class LocalSGDKnobs:
-    """``LocalSGDAveraging``'s knobs (FedAvg, FedAvgM, median, trimmed mean)."""
+    """``LocalSGDAveraging``'s knobs (FedAvg, FedAvgM, DiLoCo; mean, median, trimmed mean,
+    centred clipping)."""
 
     eta: float
     beta: float
@@ -114,6 +116,7 @@ class LocalSGDKnobs:
     codec: str
     aggregator: str
     trim_fraction: float
+    clip_radius: float
     averaged_arrays: Sequence[str]
 
     def problems(self) -> list[Problem]:
@@ -142,6 +145,12 @@ class LocalSGDKnobs:
             codec_problem(self.codec),
             one_of(self.aggregator, "aggregator", AGGREGATORS),
             number(self.trim_fraction, "trim-fraction", at_least=0.0, below=0.5),
+            number(
+                self.clip_radius,
+                "clip-radius",
+                above=0.0,
+                says="a number > 0 (centered-clip's radius, in median recent distances)",
+            ),
         ]
 
 

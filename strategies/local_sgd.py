@@ -22,7 +22,10 @@ Robust aggregation (``aggregator = "median"`` or ``"trimmed-mean"``): the round'
 the coordinate-wise median, or the mean after cutting ``trim_fraction`` of the values at
 each end, of the updates (Flower's ``aggregate_median`` / ``aggregate_trimmed_avg``). Like
 Flower's FedMedian and FedTrimmedAvg they weigh sites equally, and they hold the round's
-updates (one model-sized array per site) instead of one running sum.
+updates (one model-sized array per site) instead of one running sum. Centred clipping
+(``aggregator = "centered-clip"``, ``strategies.centered_clip``) streams: each update is
+clipped to ``clip_radius`` median recent distances from the last step's Δ̄ as it arrives,
+and the sites keep their weights.
 
 With a codec (``codec = "topk:0.01"``, ``"int8"`` or ``"int4"``, strategies/codecs.py) the site's
 ``codec_mod`` uploads Δ_n compressed with error feedback,
@@ -56,7 +59,7 @@ from flplatform.core.checks import require
 from flplatform.core.errors import StepRefused, UpdateRejected
 from flplatform.core.flower_internals import aggregate_median, aggregate_trimmed_avg
 from flplatform.core.reply_checks import check_arrays, check_num_examples, reply_parts
-from flplatform.core.state import StateReader
+from flplatform.core.state import MISSING, StateReader
 from flplatform.engine import Contribution, EngineStrategy, Update
 from flplatform.engine.replies import first_number, record_of
 from flplatform.engine.wire import measure
@@ -69,8 +72,9 @@ from strategies.aggregation import (
     model_delta,
 )
 from strategies.averaged_arrays import averaged_of, named_arrays
+from strategies.centered_clip import CenteredClip
 from strategies.codecs import Codec, Identity, make_codec, with_averaged
-from strategies.knobs import MEAN, MEDIAN, LocalSGDKnobs
+from strategies.knobs import CENTERED_CLIP, MEAN, MEDIAN, LocalSGDKnobs
 from strategies.layout import Layout
 from strategies.sampling import evaluation_messages, mean_evaluation, sample_sites
 
@@ -165,10 +169,12 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
     codec : str
         Upload compression the sites' ``codec_mod`` applies (``none``, ``int8``, ``int4``,
         ``topk:<k>``, ``topk:<fraction>``), with error feedback at the site.
-    aggregator : {"mean", "median", "trimmed-mean"}
+    aggregator : {"mean", "median", "trimmed-mean", "centered-clip"}
         How the round's updates are combined (see the module).
     trim_fraction : float
         ``trimmed-mean``: the fraction of values cut at each end, in [0, 0.5).
+    clip_radius : float
+        ``centered-clip``: the radius τ in median recent distances from the centre, > 0.
     averaged_arrays : sequence of str
         Arrays (names or shell patterns) the codec must send exactly, like the running
         statistics and integer arrays it finds by itself: buffers the training sets
@@ -189,6 +195,7 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         codec: str = "none",
         aggregator: str = MEAN,
         trim_fraction: float = 0.2,
+        clip_radius: float = 1.0,
         averaged_arrays: Sequence[str] = (),
     ) -> None:
         require(
@@ -202,13 +209,17 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
                 codec=codec,
                 aggregator=aggregator,
                 trim_fraction=trim_fraction,
+                clip_radius=clip_radius,
                 averaged_arrays=averaged_arrays,
             ).problems()
         )
         self.averaged_arrays = tuple(averaged_arrays)
         self.aggregator = aggregator
         self.trim_fraction = trim_fraction
-        self._held: list[dict[str, np.ndarray]] = []  # robust aggregators: the round's updates
+        self.clip_radius = clip_radius
+        self._held: list[dict[str, np.ndarray]] = []  # median, trimmed mean: the round's updates
+        # centred clipping: its centre and recent distances (None: another aggregator)
+        self._centered = CenteredClip(clip_radius) if aggregator == CENTERED_CLIP else None
         self.eta = eta
         self.beta = beta
         self.nesterov = nesterov
@@ -239,7 +250,7 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         """Log the configuration."""
         log.info(
             "LocalSGDAveraging: eta=%s beta=%s nesterov=%s momentum_every=%s "
-            "fraction_train=%s fraction_evaluate=%s seed=%s aggregator=%s",
+            "fraction_train=%s fraction_evaluate=%s seed=%s aggregator=%s clip_radius=%s",
             self.eta,
             self.beta,
             self.nesterov,
@@ -248,6 +259,7 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
             self.fraction_evaluate,
             self.seed,
             self.aggregator,
+            self.clip_radius,
         )
 
     # ------------------------------------------------------------ Flower hooks
@@ -322,6 +334,8 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         self._use_current(arrays)
         self._acc = WeightedDeltaSum(into=self._spent_sums)
         self._held = []
+        if self._centered is not None:
+            self._centered.current = []  # a round that never finished left its distances
         self._loss_sum, self._loss_weight = 0.0, 0.0
 
     def read_update(self, reply: Message, *, base: ArrayRecord) -> Update:
@@ -358,16 +372,31 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         )
         return Update(contribution, vector=list(delta.values()), payload=delta)
 
-    def add_update(self, update: Update, *, weight: float, scale: float = 1.0) -> None:
-        """Add w·s·Δ_n to the round's sum (or hold s·Δ_n for a robust aggregator)."""
+    def add_update(self, update: Update, *, weight: float, scale: float = 1.0) -> str | None:
+        """Add w·s·Δ_n to the round's sum (centred clipping: w·α·(s·Δ_n − c)), or hold s·Δ_n
+        for the median and the trimmed mean."""
         delta: dict[str, np.ndarray] = update.payload
-        if self.aggregator == MEAN:
+        if self._centered is not None:
+            # Δ is the strategy's own float64 (read_update), and nothing reads it again
+            if scale != 1.0:
+                for part in delta.values():
+                    np.multiply(part, scale, out=part)
+            alpha = self._centered.offset(delta)
+            self._acc.add(delta, weight, scale=alpha, spent=True)
+            self._spare = delta
+            self._add_loss(update, weight)
+            return self._centered.note(alpha)
+        elif self.aggregator == MEAN:
             # added, nothing reads Δ again (EngineStrategy.add_update): scaled in place, and
             # its memory holds the next one
             self._acc.add(delta, weight, scale=scale, spent=True)
             self._spare = delta
         else:
             self._held.append({k: v * scale for k, v in delta.items()} if scale != 1 else delta)
+        self._add_loss(update, weight)
+        return None
+
+    def _add_loss(self, update: Update, weight: float) -> None:
         loss = update.contribution.train_loss
         if loss is not None:
             self._loss_sum += weight * loss
@@ -386,14 +415,20 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
 
     def finish_aggregation(self) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Apply the server update; None when no update was accepted this round."""
-        count = self._acc.count if self.aggregator == MEAN else len(self._held)
+        summed = self.aggregator in (MEAN, CENTERED_CLIP)
+        count = self._acc.count if summed else len(self._held)
         if count == 0:
+            if self._centered is not None:
+                self._centered.end_round(stepped=False)
             return None, None
-        mean = self._acc.mean(spent=True) if self.aggregator == MEAN else self._robust_mean()
+        mean = self._acc.mean(spent=True) if summed else self._robust_mean()
+        if self._centered is not None:
+            mean = self._centered.recentre(mean)
+            self._centered.propose(mean)
         # Free the round's sum before the next round, whether or not the step is taken;
         # its memory holds the next round's.
         self._acc, self._held = WeightedDeltaSum(), []
-        self._spent_sums = mean if self.aggregator == MEAN else {}
+        self._spent_sums = mean if summed else {}
         try:
             new = apply_server_update(
                 self._current,
@@ -408,7 +443,11 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
                 averaged=averaged_of(self._current, self.codec.averaged),
             )
         except StepRefused as exc:
+            if self._centered is not None:
+                self._centered.end_round(stepped=False)
             raise StepRefused(f"the server step: {exc.reason}") from None
+        if self._centered is not None:
+            self._centered.end_round(stepped=True)
         metrics = MetricRecord({"num-updates": count})
         if self._loss_weight > 0:
             metrics[keys.TRAIN_LOSS] = self._loss_sum / self._loss_weight
@@ -427,7 +466,8 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The server momentum v and the sites whose compressed uploads were taken; with
-        delayed Nesterov, the Δ̄ summed since the momentum last moved and the steps taken.
+        delayed Nesterov, the Δ̄ summed since the momentum last moved and the steps taken;
+        with centred clipping, its centre and the distances of past rounds.
 
         Everything else is the round's (reset by ``begin_aggregation``) or derived from
         the model the engine hands over (``_current``, the codec's layout).
@@ -442,6 +482,8 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
             state["pending"] = {k: v.copy() for k, v in optimizer.pending.items()}
             state["steps"] = optimizer.steps
             state["momentum-every"] = self.momentum_every
+        if self._centered is not None:
+            state.update(self._centered.state_dict())
         return state
 
     def load_state_dict(
@@ -455,16 +497,26 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         """
         reader = StateReader(type(self).__name__, nodes)
         delayed = ("pending", "steps", "momentum-every") if self.momentum_every > 1 else ()
-        saved_every = state.get("momentum-every", 1) if isinstance(state, Mapping) else 1
+        centered = ("center", "distances") if self._centered is not None else ()
+        saved = state if isinstance(state, Mapping) else {}
+        saved_every = saved.get("momentum-every", 1)
         if saved_every != self.momentum_every:  # the pending sum is of saved_every steps
             reader.add(
                 f"the state was saved with server-momentum-every {saved_every!r:.20}, this run "
                 f"has {self.momentum_every}: resume it with the value it ran with"
             )
-        fields = reader.fields(state, "", "velocity", "compressing", *delayed)
+        if ("center" in saved) != bool(centered):
+            reader.add(
+                f"the state was saved {'with' if 'center' in saved else 'without'} aggregator "
+                f"{CENTERED_CLIP}, this run has {self.aggregator}: resume it with the "
+                "aggregator it ran with"
+            )
+        fields = reader.fields(state, "", "velocity", "compressing", *delayed, *centered)
         velocity = compressing = None
         pending: dict[str, np.ndarray] | None = {}
         steps: int | None = 0
+        center: dict[str, np.ndarray] | None = {}
+        distances: list[list[float]] | None = []
         if fields is not None:
             saved = fields["velocity"]
             # Empty until the first step with momentum; then one array per model array.
@@ -478,11 +530,19 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
                 model = self._current if held and self._current else None
                 pending = reader.arrays(held, "pending", like=model)
                 steps = reader.integer(fields["steps"], "steps", minimum=0)
+            if centered:
+                kept = fields["center"]
+                model = self._current if kept and self._current else None
+                center = reader.arrays(kept, "center", like=model)
+                distances = _distance_rounds(reader, fields["distances"])
         reader.raise_if_any()
         assert velocity is not None and compressing is not None  # noted otherwise
         assert pending is not None and steps is not None
         self.state.optimizer = ServerOptimizerState(velocity, pending, steps)
         self._compressing = compressing
+        if self._centered is not None:
+            assert center is not None and distances is not None
+            self._centered.restore(center, distances)
 
     # -------------------------------------------------------------- driving
 
@@ -490,6 +550,19 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
     def ledger_name(self) -> str:
         """The strategy's name in the ledger."""
         return SITE_ALGORITHM
+
+
+def _distance_rounds(reader: StateReader, value: Any) -> list[list[float]] | None:
+    """Centred clipping's saved distances: a list of rounds, each a list of numbers >= 0."""
+    if value is MISSING:  # noted by ``fields``
+        return None
+    if not isinstance(value, list) or not all(isinstance(r, list) for r in value):
+        reader.add(f"'distances' must be a list of lists of numbers, got {value!r:.60}")
+        return None
+    rounds = [[reader.real(d, "distances", minimum=0.0) for d in r] for r in value]
+    if any(d is None for r in rounds for d in r):
+        return None
+    return rounds  # type: ignore[return-value]
 
 
 def aggregate_batch(

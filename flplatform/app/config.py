@@ -324,9 +324,10 @@ class RunConfig:
         ),
     )
     aggregator: str = field(
-        default="mean",
+        default="centered-clip",
         metadata=about(
-            "Local-SGD: combine updates by their weighted mean, median or trimmed-mean.",
+            "Local-SGD: combine updates by their weighted mean, median, trimmed-mean or "
+            "centered-clip (each clipped to clip-radius recent distances from the last step).",
             strategies=(LOCAL_SGD,),  # (the strategy checks the name: one message)
         ),
     )
@@ -334,6 +335,14 @@ class RunConfig:
         default=0.2,
         metadata=about(
             "Local-SGD trimmed-mean: fraction cut at each end, in [0, 0.5).",
+            strategies=(LOCAL_SGD,),
+        ),
+    )
+    clip_radius: float = field(
+        default=1.0,
+        metadata=about(
+            "Local-SGD centered-clip: the radius, in median distances of recent updates from "
+            "the last step's, > 0.",
             strategies=(LOCAL_SGD,),
         ),
     )

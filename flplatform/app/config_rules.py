@@ -228,6 +228,7 @@ def strategy_knobs(config: RunConfig) -> StrategyKnobs:
         codec=config.codec,
         aggregator=config.aggregator,
         trim_fraction=config.trim_fraction,
+        clip_radius=config.clip_radius,
         averaged_arrays=split_names(config.averaged_arrays),
     )
 

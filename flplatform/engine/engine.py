@@ -1057,8 +1057,9 @@ class RoundEngine:
             )
             if decision.ruling is Ruling.REJECT:
                 raise UpdateRejected(decision.reason or "rejected by the update guard")
+            added = None
             if decision.ruling is Ruling.ADMIT:
-                self._add(update, decision, verdict.weight_scale)
+                added = self._add(update, decision, verdict.weight_scale)
         except UpdateRejected as exc:
             log.warning("rejected update from %s: %s", site, exc.reason)
             return self._failed_reply(
@@ -1077,17 +1078,18 @@ class RoundEngine:
             compute_seconds=finite(contribution.compute_seconds, minimum=0.0),
         )
         outcome = UpdateOutcome(
-            status=APPLIED, reason=_joined(contribution.note, decision.reason), **row
+            status=APPLIED, reason=_joined(contribution.note, decision.reason, added), **row
         )
         if decision.ruling is Ruling.WAIT:  # its row is final once the guard judges it
             state.waiting[ticket] = (outcome, update, verdict.weight_scale)
             outcome = self._settle(state, self.guard.ready()).get(ticket, outcome)
         return outcome
 
-    def _add(self, update: Update, decision: Decision, weight_scale: float) -> None:
-        """Add an admitted update with the guard's weight and scale (and the policy's)."""
+    def _add(self, update: Update, decision: Decision, weight_scale: float) -> str | None:
+        """Add an admitted update with the guard's weight and scale (and the policy's); the
+        strategy's note on how it counted."""
         scale = decision.scale * weight_scale
-        self.strategy.add_update(update, weight=decision.weight, scale=scale)
+        return self.strategy.add_update(update, weight=decision.weight, scale=scale)
 
     def _settle(
         self, state: _RoundState, decisions: dict[int, Decision] | None = None
@@ -1106,8 +1108,8 @@ class RoundEngine:
             final = outcome
             if decision.ruling is Ruling.ADMIT:
                 try:
-                    self._add(update, decision, weight_scale)
-                    final = replace(outcome, reason=_joined(outcome.reason, decision.reason))
+                    added = self._add(update, decision, weight_scale)
+                    final = replace(outcome, reason=_joined(outcome.reason, decision.reason, added))
                 except UpdateRejected as exc:
                     decision = Decision(Ruling.REJECT, reason=exc.reason)
             if decision.ruling is Ruling.REJECT:

@@ -124,13 +124,15 @@ class EngineStrategy(Protocol):
         """
         ...
 
-    def add_update(self, update: Update, *, weight: float, scale: float = 1.0) -> None:
+    def add_update(self, update: Update, *, weight: float, scale: float = 1.0) -> str | None:
         """Add ``update`` to the round: Σ += weight·scale·u, Σw += weight.
 
         ``weight`` is the examples it counts for (the claim, or the guard's cap);
         ``scale`` discounts the update itself (staleness, or the guard's clipping) without
         being renormalised away. Called at most once per update, after the guard is done
         with it: neither reads the update again, so a strategy may reuse its memory.
+        Returns a note for the ledger when the strategy counted it otherwise than asked
+        (a robust aggregator's clipping), else None.
         """
         ...
 

@@ -10,7 +10,9 @@ issue's target, per attack:
 (a) the honest sites' rounds go on: london and ohio have an ``applied`` update in every
     round from the attack's on, and the run finishes;
 (b) the attacker's updates are rejected, or applied with a clip/cap reason, in
-    ``history updates`` (the reason wording is guessed loosely, see ``Case.reasons``);
+    ``history updates`` (the reason wording is guessed loosely, see ``Case.reasons``;
+    a scaled update, which clipping holds only where it reaches beyond the honest ones,
+    at least three rounds in four);
     ALIE and IPM are built to look like honest updates: their updates must be applied
     every round, so that (c) is judged with the attack counted;
 (c) the final accuracy is no more than 2 points below the same run with the attacker
@@ -78,8 +80,9 @@ class Case:
     # Defence options beyond the defaults (the silent run of the federation is unaffected).
     defence: tuple[str, ...] = ()
     scale: float = 0.0  # attack.scale: 0 is the kind's default (clients/attacks.py)
-    # (b): "every" attacker update rejected or flagged, or "none": every one applied (an
-    # attack that looks honest, counted)
+    # (b): "every" attacker update rejected or flagged; "mostly": at least three in four
+    # (an update that clipping holds only when it reaches beyond the honest ones); or
+    # "none": every one applied (an attack that looks honest, counted)
     flagged: str = "every"
 
     @property
@@ -103,11 +106,14 @@ CASES = [
     Case("sign-flip", PLAIN, ("direction", "cosine"), defence=("update-min-cosine=0",)),
     # The process dies on round 2's message: that update is lost, with the reason why.
     Case("suicide", PLAIN, ("dead", "died", "crash", "killed", "lost", "no reply")),
-    # Not here, with the defaults: a scaled ×5 update (clipped to the median beyond 3×,
-    # counted whole within it) ended at 0.939 in one run and 0.894 in another, and a ×10
-    # sign flip (clipped every round) at 0.930 and 0.705, against 0.934 silent: the
-    # default norm bound cuts their harm (0.273 and 0.700 at 10×) but does not hold them
-    # within 2 points (benchmarks/bench_hostile.py measures them).
+    # A scaled ×5 update, with the defaults: the guard clips it to the median norm beyond
+    # 3×, and centred clipping (local-SGD's default aggregator) counts its offset from the
+    # last step at most the median distance; each round's row says which held it. A round
+    # where its offset is within the median distance counts it whole, and says nothing.
+    Case("scaled", PLAIN, ("norm", "centered-clip"), scale=5, flagged="mostly"),
+    # Not here, with the defaults: a ×10 sign flip, clipped to the median norm, is an
+    # update of honest size pointing away, which neither clipping sees; it needs the
+    # direction check above (benchmarks/bench_hostile.py measures it with the defaults).
     # The published attacks on robust aggregation, given the honest updates of the round.
     Case("alie", PLAIN, (), scale=1, flagged="none"),
     Case("ipm", PLAIN, (), flagged="none"),
@@ -268,7 +274,9 @@ def test_an_attacker_cannot_hurt_the_honest_sites(
         flagged = any(word in reason.lower() for word in case.reasons)
         if not (lost or status == "rejected" or flagged):
             unflagged[r] = (status, reason[:80])
-    if case.flagged == "every" and unflagged:
+    if (case.flagged == "every" and unflagged) or (
+        case.flagged == "mostly" and 4 * len(unflagged) > len(attacks)
+    ):
         first = dict(list(unflagged.items())[:3])
         problems.append(
             f"(b) {len(unflagged)} attacker updates neither rejected nor flagged with one of "

@@ -257,8 +257,18 @@ def codec_reply(codec: str) -> Respond:
         ({"beta": 0.9, "eta": 0.7, "nesterov": True}, model_reply),
         # cut 1 and 3: inside and at the end of a period of the delayed momentum
         ({"beta": 0.9, "nesterov": True, "momentum_every": 3}, model_reply),
+        ({"aggregator": "centered-clip", "clip_radius": 0.5}, model_reply),
+        ({"aggregator": "centered-clip", "beta": 0.5, "codec": "int8"}, codec_reply("int8")),
     ],
-    ids=["server-momentum", "momentum-and-codec", "median", "nesterov", "delayed-nesterov"],
+    ids=[
+        "server-momentum",
+        "momentum-and-codec",
+        "median",
+        "nesterov",
+        "delayed-nesterov",
+        "centered-clip",
+        "centered-clip-and-codec",
+    ],
 )
 @pytest.mark.parametrize("cut", [1, 3])
 def test_local_sgd_resumes_bit_for_bit(
@@ -514,6 +524,34 @@ def test_momentum_saved_for_a_run_without_momentum_is_refused() -> None:
     state = _trained_local_sgd().state_dict()
     with pytest.raises(CheckpointError, match="no server momentum"):
         LocalSGDAveraging(codec="int8").load_state_dict(state)
+
+
+def test_centered_clip_state_is_checked_and_needs_the_same_aggregator() -> None:
+    def make() -> LocalSGDAveraging:
+        return LocalSGDAveraging(aggregator="centered-clip")
+
+    run = Run(make(), model_reply, dict(OLD_IDS))
+    for server_round in (1, 2):
+        run.round(server_round)
+    strategy = run.strategy
+    state = strategy.state_dict()
+    assert list(state["center"]) == list(MODEL) and len(state["distances"]) == 2
+    bad = strategy.state_dict()
+    bad["center"]["w"] = np.zeros(7)
+    bad["distances"] = [[1.0, -2.0]]
+    with pytest.raises(CheckpointError) as caught:
+        strategy.load_state_dict(bad)
+    message = str(caught.value)
+    assert "'center.w' has shape (7,), this run needs (3, 4)" in message
+    assert "'distances' must be a finite number >= 0.0, got -2.0" in message
+    same(state, strategy.state_dict())
+    # The centre means nothing to another aggregator, and another's state lacks it.
+    with pytest.raises(
+        CheckpointError, match="saved with aggregator centered-clip, this run has mean"
+    ):
+        LocalSGDAveraging().load_state_dict(state)
+    with pytest.raises(CheckpointError, match="saved without aggregator centered-clip"):
+        make().load_state_dict(LocalSGDAveraging().state_dict())
 
 
 def test_a_bad_fetchsgd_state_names_every_problem_and_changes_nothing() -> None:

@@ -1,0 +1,138 @@
+"""Centred clipping: a robust mean that bounds how far one update can pull a round.
+
+Pure NumPy; imports no Flower. Karimireddy, He and Jaggi, "Learning from History for
+Byzantine Robust Optimization" (ICML 2021), in the form that streams: with the centre c
+(the last step's Δ̄, zero before the first) and a radius τ,
+
+    Δ̄ = c + Σ w_n α_n (Δ_n − c) / Σ w_n,   α_n = min(1, τ / ‖Δ_n − c‖),
+
+a single clipping iteration from the previous aggregate, which the paper found enough in
+practice. Each update is clipped as it arrives, so the server still holds
+one model-sized sum, not the round's updates (the median and the trimmed mean hold them).
+
+τ is ``radius`` times the median distance ‖Δ_n − c‖ of the updates of the last
+``window_rounds`` rounds and of this one so far, Δ_n's own counted (before clipping): it
+follows training as updates shrink, and no fewer than half of the recent updates stand
+inside it, so a minority of attackers cannot stretch it. Until ``min_reference`` distances
+are known (the first updates of a run) nothing is clipped; the update guard's norm bound
+still applies.
+
+What it bounds: whatever an update holds, it moves the round's mean by at most
+w_n·τ/Σ w from the centre, and in the direction it chooses only that far, so a site that
+scales its update or flips its sign weighs no more than an honest site at the median
+distance. What it cannot stop: an attacker that stays inside τ (ALIE's small shifts, IPM
+with a small ε) or that holds half the weight; and an honest site whose data differs from
+everyone's (the slowest site in k-sync) is pulled towards the centre too, and counts
+less while it does.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+Arrays = dict[str, np.ndarray]
+
+
+def _squared_norm(part: np.ndarray) -> float:
+    flat = part.reshape(-1)
+    return float(np.vdot(flat, flat).real)  # |z|², for complex arrays too
+
+
+@dataclass
+class CenteredClip:
+    """The centre, the recent distances and the radius rule (see the module).
+
+    ``offset`` makes an update's offset from the centre (in place) and the factor α it is
+    added with; ``recentre`` turns the mean of the offsets into the round's Δ̄, ``propose``
+    keeps it, and ``end_round`` makes it the centre once the step it made was taken.
+    """
+
+    radius: float = 1.0
+    window_rounds: int = 3
+    min_reference: int = 3
+    center: Arrays = field(default_factory=dict)  # empty: c = 0 (no step taken yet)
+    past: deque[list[float]] = field(default_factory=deque)  # distances of past rounds
+    current: list[float] = field(default_factory=list)  # this round's so far
+    _proposed: Arrays = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.past = deque(self.past, maxlen=self.window_rounds - 1)
+
+    def reference(self) -> float | None:
+        """τ / radius: the median recent distance, or None while too few are known."""
+        known = [d for past in self.past for d in past] + self.current
+        # the mean of the middle two for an even count
+        return statistics.median(known) if len(known) >= self.min_reference else None
+
+    def offset(self, delta: Mapping[str, np.ndarray]) -> float:
+        """Write Δ_n − c into ``delta``'s arrays (float64, the caller's to change) and
+        return α_n, the factor it counts with: min(1, τ/‖Δ_n − c‖)."""
+        total = 0.0
+        for key, part in delta.items():
+            kept = self.center.get(key)
+            if kept is not None:
+                np.subtract(part, kept, out=part)
+            total += _squared_norm(part)
+        distance = math.sqrt(total)
+        self.current.append(distance)  # counted in its own reference, as the round's others
+        reference = self.reference()
+        if reference is None or distance <= self.radius * reference:
+            return 1.0
+        return self.radius * reference / distance
+
+    def note(self, alpha: float) -> str | None:
+        """The ledger's note on the update ``offset`` just gave ``alpha`` (None: whole)."""
+        if alpha >= 1.0:
+            return None
+        distance = self.current[-1]
+        return (
+            f"centered-clip: offset {distance:.3g} from the last step > radius "
+            f"{alpha * distance:.3g}: counted x{alpha:.3g}"
+        )
+
+    def recentre(self, mean_offset: Arrays) -> Arrays:
+        """Δ̄ = c + the weighted mean of the clipped offsets, in ``mean_offset``'s arrays."""
+        for key, part in mean_offset.items():
+            kept = self.center.get(key)
+            if kept is not None:
+                np.add(part, kept, out=part)
+        return mean_offset
+
+    def propose(self, mean: Mapping[str, np.ndarray]) -> None:
+        """Keep a copy of the round's Δ̄ (in the memory of the centre before last): the next
+        centre once its step is taken (the server step may write into ``mean``)."""
+        for key, part in mean.items():
+            spare = self._proposed.get(key)
+            if spare is None or spare.shape != np.shape(part):
+                self._proposed[key] = np.array(part, dtype=np.float64)
+            else:
+                np.copyto(spare, part)
+
+    def end_round(self, *, stepped: bool) -> None:
+        """Close the round: its distances join the window and, when its step was taken
+        (``stepped``), the Δ̄ ``propose`` kept becomes the centre."""
+        self.past.append(self.current)
+        self.current = []
+        if stepped and self._proposed:
+            self.center, self._proposed = self._proposed, self.center
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The centre and the distances of past rounds (copies)."""
+        return {
+            "center": {k: v.copy() for k, v in self.center.items()},
+            "distances": [list(d) for d in self.past],
+        }
+
+    def restore(self, center: Arrays, distances: list[list[float]]) -> None:
+        """Set what ``state_dict`` saved (checked by the caller)."""
+        self.center = {k: np.array(v, dtype=np.float64) for k, v in center.items()}
+        self.past = deque((list(d) for d in distances), maxlen=self.window_rounds - 1)
+        self.current, self._proposed = [], {}
