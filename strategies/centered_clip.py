@@ -10,12 +10,18 @@ a single clipping iteration from the previous aggregate, which the paper found e
 practice. Each update is clipped as it arrives, so the server still holds
 one model-sized sum, not the round's updates (the median and the trimmed mean hold them).
 
-τ is ``radius`` times the median distance ‖Δ_n − c‖ of the updates of the last
-``window_rounds`` rounds and of this one so far, Δ_n's own counted (before clipping): it
-follows training as updates shrink, and no fewer than half of the recent updates stand
-inside it, so a minority of attackers cannot stretch it. Until ``min_reference`` distances
+τ is ``radius`` times the median distance ‖Δ_n − c‖ (before clipping) of the updates of
+this round so far, Δ_n's own counted, and of the ``window_rounds`` − 1 rounds with updates
+before it (as the update guard's norm window, this round counted): it follows training as
+updates shrink, and no fewer than half of the recent updates stand inside it, so a
+minority of attackers cannot stretch it. Until ``min_reference`` distances
 are known (the first updates of a run) nothing is clipped; the update guard's norm bound
 still applies.
+
+Arrays that the sites' data sets rather than their training moves (``skip``: BatchNorm's
+running statistics and counters, ``strategies.averaged_arrays``) keep the plain weighted
+mean, and count neither in the distance nor in the centre: clipped towards the last step
+they would stop being the sites' mean (a running variance could turn negative).
 
 What it bounds: whatever an update holds, it moves the round's mean by at most
 w_n·τ/Σ w from the centre, and in the direction it chooses only that far, so a site that
@@ -28,8 +34,8 @@ less while it does.
 
 from __future__ import annotations
 
+import bisect
 import math
-import statistics
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -49,52 +55,71 @@ def _squared_norm(part: np.ndarray) -> float:
 class CenteredClip:
     """The centre, the recent distances and the radius rule (see the module).
 
-    ``offset`` makes an update's offset from the centre (in place) and the factor α it is
-    added with; ``recentre`` turns the mean of the offsets into the round's Δ̄, ``propose``
+    ``clip`` turns an update into its clipped offset from the centre, α_n (Δ_n − c), in
+    place; ``recentre`` turns the weighted mean of those into the round's Δ̄, ``propose``
     keeps it, and ``end_round`` makes it the centre once the step it made was taken.
     """
 
     radius: float = 1.0
     window_rounds: int = 3
     min_reference: int = 3
+    skip: frozenset[str] = frozenset()  # arrays that keep the plain mean (see the module)
     center: Arrays = field(default_factory=dict)  # empty: c = 0 (no step taken yet)
     past: deque[list[float]] = field(default_factory=deque)  # distances of past rounds
     current: list[float] = field(default_factory=list)  # this round's so far
     _proposed: Arrays = field(default_factory=dict, repr=False)
+    _sorted: list[float] = field(default_factory=list, repr=False)  # past and current
 
     def __post_init__(self) -> None:
         self.past = deque(self.past, maxlen=self.window_rounds - 1)
+        self._sorted = sorted([d for past in self.past for d in past] + self.current)
+
+    def begin_round(self) -> None:
+        """Forget the distances of a round that never finished."""
+        if self.current:
+            self.current = []
+            self._sorted = sorted(d for past in self.past for d in past)
 
     def reference(self) -> float | None:
         """τ / radius: the median recent distance, or None while too few are known."""
-        known = [d for past in self.past for d in past] + self.current
-        # the mean of the middle two for an even count
-        return statistics.median(known) if len(known) >= self.min_reference else None
+        known, count = self._sorted, len(self._sorted)
+        if count < self.min_reference:
+            return None
+        middle = count // 2  # the mean of the middle two for an even count
+        return known[middle] if count % 2 else (known[middle - 1] + known[middle]) / 2
 
-    def offset(self, delta: Mapping[str, np.ndarray]) -> float:
-        """Write Δ_n − c into ``delta``'s arrays (float64, the caller's to change) and
-        return α_n, the factor it counts with: min(1, τ/‖Δ_n − c‖)."""
+    def clip(self, delta: Mapping[str, np.ndarray]) -> float:
+        """Write α_n (Δ_n − c) into ``delta``'s arrays (float64, the caller's to change;
+        those in ``skip`` are left as they are) and return α_n = min(1, τ/‖Δ_n − c‖)."""
         total = 0.0
         for key, part in delta.items():
+            if key in self.skip:
+                continue
             kept = self.center.get(key)
             if kept is not None:
                 np.subtract(part, kept, out=part)
             total += _squared_norm(part)
         distance = math.sqrt(total)
         self.current.append(distance)  # counted in its own reference, as the round's others
+        bisect.insort(self._sorted, distance)
         reference = self.reference()
         if reference is None or distance <= self.radius * reference:
             return 1.0
-        return self.radius * reference / distance
+        alpha = self.radius * reference / distance
+        for key, part in delta.items():
+            if key not in self.skip:
+                np.multiply(part, alpha, out=part)
+        return alpha
 
     def note(self, alpha: float) -> str | None:
-        """The ledger's note on the update ``offset`` just gave ``alpha`` (None: whole)."""
+        """The ledger's note on the update ``clip`` just gave ``alpha`` (None: whole)."""
         if alpha >= 1.0:
             return None
         distance = self.current[-1]
+        counted = math.floor(alpha * 1000) / 1000  # never "x1" for a clipped update
         return (
-            f"centered-clip: offset {distance:.3g} from the last step > radius "
-            f"{alpha * distance:.3g}: counted x{alpha:.3g}"
+            f"centered-clip: offset {distance:.4g} from the last step > radius "
+            f"{alpha * distance:.4g}: counted x{counted:.3f}"
         )
 
     def recentre(self, mean_offset: Arrays) -> Arrays:
@@ -109,6 +134,8 @@ class CenteredClip:
         """Keep a copy of the round's Δ̄ (in the memory of the centre before last): the next
         centre once its step is taken (the server step may write into ``mean``)."""
         for key, part in mean.items():
+            if key in self.skip:
+                continue
             spare = self._proposed.get(key)
             if spare is None or spare.shape != np.shape(part):
                 self._proposed[key] = np.array(part, dtype=np.float64)
@@ -116,10 +143,13 @@ class CenteredClip:
                 np.copyto(spare, part)
 
     def end_round(self, *, stepped: bool) -> None:
-        """Close the round: its distances join the window and, when its step was taken
-        (``stepped``), the Δ̄ ``propose`` kept becomes the centre."""
-        self.past.append(self.current)
+        """Close the round: its distances join the window (a round without updates leaves
+        it as it was) and, when its step was taken (``stepped``), the Δ̄ ``propose`` kept
+        becomes the centre."""
+        if self.current:
+            self.past.append(self.current)
         self.current = []
+        self._sorted = sorted(d for past in self.past for d in past)
         if stepped and self._proposed:
             self.center, self._proposed = self._proposed, self.center
 
@@ -136,3 +166,17 @@ class CenteredClip:
         self.center = {k: np.array(v, dtype=np.float64) for k, v in center.items()}
         self.past = deque((list(d) for d in distances), maxlen=self.window_rounds - 1)
         self.current, self._proposed = [], {}
+        self._sorted = sorted(d for past in self.past for d in past)
+
+    def misfits(self, model: Mapping[str, np.ndarray]) -> list[str]:
+        """How a restored centre does not fit ``model``'s clipped arrays (names, shapes)."""
+        if not self.center:
+            return []
+        wanted = [k for k in model if k not in self.skip]
+        if list(self.center) != wanted:
+            return [f"'center' holds arrays {list(self.center)[:6]}, this run's model {wanted[:6]}"]
+        return [
+            f"'center.{k}' has shape {v.shape}, this run needs {np.shape(model[k])}"
+            for k, v in self.center.items()
+            if v.shape != np.shape(model[k])
+        ]

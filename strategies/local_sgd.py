@@ -245,6 +245,9 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         self._loss_sum = 0.0
         self._loss_weight = 0.0
         self._compressing: set[int] = set()  # sites whose compressed uploads were taken
+        # load_state_dict ran before the model was known: its arrays are checked against
+        # the first model the strategy is handed
+        self._restored = False
 
     def summary(self) -> None:
         """Log the configuration."""
@@ -328,6 +331,9 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         if not self._fitted_codec:
             self.codec = fit_codec(self.codec, self.averaged_arrays, arrays)
             self._fitted_codec = True
+        if self._restored:
+            self._restored = False
+            self._check_restored()
 
     def begin_aggregation(self, server_round: int, arrays: ArrayRecord) -> None:
         """Start a new accumulator for the round producing the next version."""
@@ -335,7 +341,9 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         self._acc = WeightedDeltaSum(into=self._spent_sums)
         self._held = []
         if self._centered is not None:
-            self._centered.current = []  # a round that never finished left its distances
+            self._centered.begin_round()
+            # running statistics and counters keep the plain mean (strategies.centered_clip)
+            self._centered.skip = frozenset(averaged_of(self._current, self.codec.averaged))
         self._loss_sum, self._loss_weight = 0.0, 0.0
 
     def read_update(self, reply: Message, *, base: ArrayRecord) -> Update:
@@ -381,8 +389,8 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
             if scale != 1.0:
                 for part in delta.values():
                     np.multiply(part, scale, out=part)
-            alpha = self._centered.offset(delta)
-            self._acc.add(delta, weight, scale=alpha, spent=True)
+            alpha = self._centered.clip(delta)  # in place: α_n (Δ_n − c)
+            self._acc.add(delta, weight, spent=True)
             self._spare = delta
             self._add_loss(update, weight)
             return self._centered.note(alpha)
@@ -532,8 +540,9 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
                 steps = reader.integer(fields["steps"], "steps", minimum=0)
             if centered:
                 kept = fields["center"]
-                model = self._current if kept and self._current else None
-                center = reader.arrays(kept, "center", like=model)
+                skip = averaged_of(self._current, self.codec.averaged) if self._current else ()
+                clipped = {k: v for k, v in self._current.items() if k not in skip}
+                center = reader.arrays(kept, "center", like=clipped if kept and clipped else None)
                 distances = _distance_rounds(reader, fields["distances"])
         reader.raise_if_any()
         assert velocity is not None and compressing is not None  # noted otherwise
@@ -543,6 +552,21 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         if self._centered is not None:
             assert center is not None and distances is not None
             self._centered.restore(center, distances)
+        self._restored = not self._current
+
+    def _check_restored(self) -> None:
+        """The restored state against the first model handed over: the same arrays, the
+        same shapes; ``CheckpointError`` (the run stops) rather than every update failing."""
+        reader = StateReader(type(self).__name__)
+        optimizer = self.state.optimizer
+        for name, saved in (("velocity", optimizer.velocity), ("pending", optimizer.pending)):
+            if saved:
+                reader.arrays(saved, name, like=self._current)
+        if self._centered is not None:
+            self._centered.skip = frozenset(averaged_of(self._current, self.codec.averaged))
+            for problem in self._centered.misfits(self._current):
+                reader.add(problem)
+        reader.raise_if_any()
 
     # -------------------------------------------------------------- driving
 

@@ -70,8 +70,8 @@ def streamed_rounds(
         acc = WeightedDeltaSum()
         for delta, weight in updates:
             offset = {"x": np.array(delta, dtype=np.float64)}
-            alpha = clip.offset(offset)
-            acc.add(offset, weight, scale=alpha, spent=True)
+            clip.clip(offset)
+            acc.add(offset, weight, spent=True)
         mean = clip.recentre(acc.mean(spent=True))
         clip.propose(mean)
         clip.end_round(stepped=True)
@@ -144,14 +144,15 @@ def test_one_update_moves_the_mean_no_further_than_the_radius_allows(
     acc = WeightedDeltaSum()
     for delta, w in second:
         offset = {"x": delta.astype(np.float64)}
-        acc.add(offset, w, scale=clip.offset(offset), spent=True)
+        clip.clip(offset)
+        acc.add(offset, w, spent=True)
     before = {"x": acc.sums["x"].copy()}
     bad = {"x": hostile * factor}
-    alpha = clip.offset(bad)
+    clip.clip(bad)
     tau = clip.reference()  # its own distance counted: one rank of the median at most
     assert tau is not None
-    assert np.linalg.norm(alpha * bad["x"]) <= tau * (1 + 1e-9)
-    acc.add(bad, 1.0, scale=alpha, spent=True)
+    assert np.linalg.norm(bad["x"]) <= tau * (1 + 1e-9)
+    acc.add(bad, 1.0, spent=True)
     others = center + before["x"] / acc.total_weight
     mean = clip.recentre(acc.mean(spent=True))["x"]
     assert np.linalg.norm(mean - others) <= tau / acc.total_weight * (1 + 1e-9) + 1e-12
@@ -162,7 +163,8 @@ def streamed_rounds_into(clip: CenteredClip, rounds: list[list[tuple[np.ndarray,
         acc = WeightedDeltaSum()
         for delta, weight in updates:
             offset = {"x": np.array(delta, dtype=np.float64)}
-            acc.add(offset, weight, scale=clip.offset(offset), spent=True)
+            clip.clip(offset)
+            acc.add(offset, weight, spent=True)
         clip.propose(clip.recentre(acc.mean(spent=True)))
         clip.end_round(stepped=True)
 
@@ -174,7 +176,7 @@ def test_a_step_not_taken_leaves_the_centre() -> None:
     clip.propose({"x": np.full(3, 7.0)})
     clip.end_round(stepped=False)
     np.testing.assert_array_equal(clip.center["x"], kept)
-    assert list(clip.past) == [[math.sqrt(3)], []]  # the round still closed
+    assert list(clip.past) == [[math.sqrt(3)]]  # a round without updates leaves the window
 
 
 # ================================================================ through the strategy
@@ -245,6 +247,61 @@ def test_a_refused_step_keeps_the_centre() -> None:
     with pytest.raises(StepRefused, match="non-finite"):
         strategy.finish_aggregation()
     np.testing.assert_array_equal(strategy.state_dict()["center"]["w"], centre)
+
+
+def test_running_statistics_keep_the_sites_mean_and_stay_out_of_the_distance() -> None:
+    # Every site reports a running variance of 0.1 (from 1.0) and one sends its weights
+    # ×50: the weights are clipped, the variance is the sites' mean, 0.1, every round
+    # (clipped towards the last step it went below zero), and an integer counter of many
+    # more steps does not make its site an outlier.
+    model = {
+        "w": np.zeros(4, np.float32),
+        "bn.running_var": np.ones(3, np.float32),
+        "bn.num_batches_tracked": np.zeros((), np.int64),
+    }
+    strategy = LocalSGDAveraging(aggregator="centered-clip")
+    current = record(**model)
+    rng = np.random.default_rng(1)
+    for server_round in (1, 2, 3):
+        strategy.begin_aggregation(server_round, current)
+        sent = record_to_arrays(current)
+        notes = []
+        for site in range(4):
+            step = rng.normal(size=4).astype(np.float32) * (50 if site == 3 else 1)
+            trained = {
+                "w": sent["w"] + step,
+                "bn.running_var": np.full(3, 0.1, np.float32),
+                "bn.num_batches_tracked": np.array(
+                    sent["bn.num_batches_tracked"] + (300 if site else 100)
+                ),
+            }
+            update = strategy.read_update(reply(record(**trained), 10), base=current)
+            notes.append(strategy.add_update(update, weight=10))
+        arrays, _ = strategy.finish_aggregation()
+        assert arrays is not None
+        got = record_to_arrays(arrays)
+        np.testing.assert_allclose(got["bn.running_var"], 0.1, rtol=1e-6)
+        assert got["bn.num_batches_tracked"] == sent["bn.num_batches_tracked"] + 250
+        assert list(strategy.state_dict()["center"]) == ["w"]
+        if server_round > 1:  # the ×50 site is the one clipped hardest
+            assert notes[3] is not None
+        current = arrays
+
+
+def test_a_restored_centre_that_does_not_fit_the_model_stops_the_run_at_once() -> None:
+    base = record(w=np.zeros((3, 4), np.float32), b=np.zeros(3, np.float32))
+    strategy = LocalSGDAveraging(aggregator="centered-clip")
+    saved = {
+        "velocity": {},
+        "compressing": set(),
+        "center": {"w": np.zeros(7), "v": np.zeros(2)},
+        "distances": [[1.0, 2.0]],
+    }
+    strategy.load_state_dict(saved)  # the model is not known yet: checked when it is
+    from flplatform.core.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"'center' holds arrays \['w', 'v'\]"):
+        strategy.begin_aggregation(5, base)
 
 
 def test_clip_radius_is_checked() -> None:
