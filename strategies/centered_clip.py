@@ -55,9 +55,10 @@ def _squared_norm(part: np.ndarray) -> float:
 class CenteredClip:
     """The centre, the recent distances and the radius rule (see the module).
 
-    ``clip`` turns an update into its clipped offset from the centre, α_n (Δ_n − c), in
-    place; ``recentre`` turns the weighted mean of those into the round's Δ̄, ``propose``
-    keeps it, and ``end_round`` makes it the centre once the step it made was taken.
+    ``clip`` turns an update into its offset from the centre, Δ_n − c, in place, and says
+    the factor α_n it counts with; ``recentre`` turns the weighted mean of the clipped
+    offsets into the round's Δ̄, ``propose`` keeps it, and ``end_round`` makes it the
+    centre once the step it made was taken.
     """
 
     radius: float = 1.0
@@ -89,8 +90,9 @@ class CenteredClip:
         return known[middle] if count % 2 else (known[middle - 1] + known[middle]) / 2
 
     def clip(self, delta: Mapping[str, np.ndarray]) -> float:
-        """Write α_n (Δ_n − c) into ``delta``'s arrays (float64, the caller's to change;
-        those in ``skip`` are left as they are) and return α_n = min(1, τ/‖Δ_n − c‖)."""
+        """Write Δ_n − c into ``delta``'s arrays (float64, the caller's to change; those in
+        ``skip`` are left as they are) and return α_n = min(1, τ/‖Δ_n − c‖), the factor
+        the offset counts with (``shrink`` applies it where ``skip`` must stay whole)."""
         total = 0.0
         for key, part in delta.items():
             if key in self.skip:
@@ -105,11 +107,13 @@ class CenteredClip:
         reference = self.reference()
         if reference is None or distance <= self.radius * reference:
             return 1.0
-        alpha = self.radius * reference / distance
-        for key, part in delta.items():
+        return self.radius * reference / distance
+
+    def shrink(self, offset: Mapping[str, np.ndarray], alpha: float) -> None:
+        """Scale the clipped arrays of an offset by ``alpha`` in place (not ``skip``'s)."""
+        for key, part in offset.items():
             if key not in self.skip:
                 np.multiply(part, alpha, out=part)
-        return alpha
 
     def note(self, alpha: float) -> str | None:
         """The ledger's note on the update ``clip`` just gave ``alpha`` (None: whole)."""

@@ -389,8 +389,11 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
             if scale != 1.0:
                 for part in delta.values():
                     np.multiply(part, scale, out=part)
-            alpha = self._centered.clip(delta)  # in place: α_n (Δ_n − c)
-            self._acc.add(delta, weight, spent=True)
+            alpha = self._centered.clip(delta)  # in place: Δ_n − c
+            shrunk = alpha < 1.0 and bool(self._centered.skip)  # running statistics: whole
+            if shrunk:
+                self._centered.shrink(delta, alpha)
+            self._acc.add(delta, weight, scale=1.0 if shrunk else alpha, spent=True)
             self._spare = delta
             self._add_loss(update, weight)
             return self._centered.note(alpha)

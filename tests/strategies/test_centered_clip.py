@@ -70,8 +70,7 @@ def streamed_rounds(
         acc = WeightedDeltaSum()
         for delta, weight in updates:
             offset = {"x": np.array(delta, dtype=np.float64)}
-            clip.clip(offset)
-            acc.add(offset, weight, spent=True)
+            acc.add(offset, weight, scale=clip.clip(offset), spent=True)
         mean = clip.recentre(acc.mean(spent=True))
         clip.propose(mean)
         clip.end_round(stepped=True)
@@ -144,15 +143,14 @@ def test_one_update_moves_the_mean_no_further_than_the_radius_allows(
     acc = WeightedDeltaSum()
     for delta, w in second:
         offset = {"x": delta.astype(np.float64)}
-        clip.clip(offset)
-        acc.add(offset, w, spent=True)
+        acc.add(offset, w, scale=clip.clip(offset), spent=True)
     before = {"x": acc.sums["x"].copy()}
     bad = {"x": hostile * factor}
-    clip.clip(bad)
+    alpha = clip.clip(bad)
     tau = clip.reference()  # its own distance counted: one rank of the median at most
     assert tau is not None
-    assert np.linalg.norm(bad["x"]) <= tau * (1 + 1e-9)
-    acc.add(bad, 1.0, spent=True)
+    assert np.linalg.norm(alpha * bad["x"]) <= tau * (1 + 1e-9)
+    acc.add(bad, 1.0, scale=alpha, spent=True)
     others = center + before["x"] / acc.total_weight
     mean = clip.recentre(acc.mean(spent=True))["x"]
     assert np.linalg.norm(mean - others) <= tau / acc.total_weight * (1 + 1e-9) + 1e-12
@@ -163,8 +161,7 @@ def streamed_rounds_into(clip: CenteredClip, rounds: list[list[tuple[np.ndarray,
         acc = WeightedDeltaSum()
         for delta, weight in updates:
             offset = {"x": np.array(delta, dtype=np.float64)}
-            clip.clip(offset)
-            acc.add(offset, weight, spent=True)
+            acc.add(offset, weight, scale=clip.clip(offset), spent=True)
         clip.propose(clip.recentre(acc.mean(spent=True)))
         clip.end_round(stepped=True)
 
