@@ -39,6 +39,7 @@ def make_strategy(
             momentum_every=int(run["server-momentum-every"]),
             seed=seed,
             codec=codec,
+            aggregator=str(run["aggregator"]),
         )
     if name in ("delayed", "dts"):
         if name == "dts" and codec == "none":
