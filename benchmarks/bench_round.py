@@ -52,6 +52,13 @@ average 1.7 to 2.7 over the runs; 1M parameters, guard off; three invocations of
   round until the round closed (no reference norms yet): 779 MiB at 100 replies. It now
   judges them once it has ``min_reference`` norms (benchmarks/bench_server_memory.py).
 
+``--aggregator`` (default: the platform's, ``centered-clip``; ``LocalSGDAveraging()``'s own
+default is ``mean``): centred clipping adds two passes over each update (its offset from
+the centre, its norm). Measured 2026-11-29 (load average 1.0, 10 and 100 replies, median
+of 3): metering + decoding + aggregation 2.98 and 2.62 ms per reply with ``mean``, 3.47
+and 3.60 with ``centered-clip`` (aggregation alone 2.27 against 3.25 at 100 replies); peak
+memory 8 MiB more (the centre and the next one, float64). Neither met the 2 ms goal then.
+
     python benchmarks/bench_round.py [--replies 10 100 1000] [--params 1000000] [--repeat 3]
                                      [--guard] [--aggregator mean|centered-clip|...]
 """
