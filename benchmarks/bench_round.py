@@ -58,6 +58,8 @@ the centre, its norm). Measured 2026-11-29 (load average 1.0, 10 and 100 replies
 of 3): metering + decoding + aggregation 2.98 and 2.62 ms per reply with ``mean``, 3.47
 and 3.60 with ``centered-clip`` (aggregation alone 2.27 against 3.25 at 100 replies); peak
 memory 8 MiB more (the centre and the next one, float64). Neither met the 2 ms goal then.
+At 10M parameters (``--params 10000000 --repeat 1``, 100 replies): aggregation 23.2 ms per
+reply with ``mean``, 30.9 with ``centered-clip``; peak memory 897 and 973 MiB.
 
     python benchmarks/bench_round.py [--replies 10 100 1000] [--params 1000000] [--repeat 3]
                                      [--guard] [--aggregator mean|centered-clip|...]

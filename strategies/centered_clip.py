@@ -75,11 +75,15 @@ class CenteredClip:
         self.past = deque(self.past, maxlen=self.window_rounds - 1)
         self._sorted = sorted([d for past in self.past for d in past] + self.current)
 
+    def _forget_current(self) -> None:
+        """This round's distances out of the reference (the past rounds' stay)."""
+        self.current = []
+        self._sorted = sorted(d for past in self.past for d in past)
+
     def begin_round(self) -> None:
         """Forget the distances of a round that never finished."""
         if self.current:
-            self.current = []
-            self._sorted = sorted(d for past in self.past for d in past)
+            self._forget_current()
 
     def reference(self) -> float | None:
         """τ / radius: the median recent distance, or None while too few are known."""
@@ -152,8 +156,7 @@ class CenteredClip:
         becomes the centre."""
         if self.current:
             self.past.append(self.current)
-        self.current = []
-        self._sorted = sorted(d for past in self.past for d in past)
+        self._forget_current()
         if stepped and self._proposed:
             self.center, self._proposed = self._proposed, self.center
 
@@ -169,8 +172,8 @@ class CenteredClip:
         """Set what ``state_dict`` saved (checked by the caller)."""
         self.center = {k: np.array(v, dtype=np.float64) for k, v in center.items()}
         self.past = deque((list(d) for d in distances), maxlen=self.window_rounds - 1)
-        self.current, self._proposed = [], {}
-        self._sorted = sorted(d for past in self.past for d in past)
+        self._proposed = {}
+        self._forget_current()
 
     def misfits(self, model: Mapping[str, np.ndarray]) -> list[str]:
         """How a restored centre does not fit ``model``'s clipped arrays (names, shapes)."""

@@ -10,23 +10,28 @@ import re
 import numpy as np
 import pytest
 from flwr.app import (
-    Array,
-    ArrayRecord,
     ConfigRecord,
     Message,
     MessageType,
-    MetricRecord,
-    RecordDict,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from flplatform.core.arrays import record_to_arrays
+from flplatform.core import keys
+from flplatform.core.arrays import arrays_to_record, record_to_arrays
+from flplatform.core.checkpoint import CheckpointError
 from flplatform.core.errors import ConfigError, StepRefused
+from flplatform.engine import RoundSummary
+from flplatform.engine.engine import RoundEngine
+from flplatform.engine.guard import GuardOptions, UpdateGuard
 from strategies.aggregation import WeightedDeltaSum
 from strategies.centered_clip import CenteredClip
 from strategies.local_sgd import LocalSGDAveraging
+from tests.helpers.delayed_sites import digits_site
+from tests.helpers.scripted_grid import ScriptedGrid
+from tests.helpers.sites import digits_model
+from tests.strategies.test_local_sgd import record, reply
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -62,9 +67,13 @@ def naive_rounds(
 
 
 def streamed_rounds(
-    rounds: list[list[tuple[np.ndarray, float]]], radius: float
+    rounds: list[list[tuple[np.ndarray, float]]],
+    radius: float = 1.0,
+    *,
+    clip: CenteredClip | None = None,
 ) -> list[np.ndarray]:
-    clip = CenteredClip(radius)
+    """Each round's Δ̄ as the strategy forms it: updates clipped as they arrive, one sum."""
+    clip = clip or CenteredClip(radius)
     means = []
     for updates in rounds:
         acc = WeightedDeltaSum()
@@ -137,7 +146,7 @@ def test_one_update_moves_the_mean_no_further_than_the_radius_allows(
     # others alone (with its weight) would put it: its offset counts at most τ long.
     first = [(h, 1.0) for h in honest]
     clip = CenteredClip(1.0)
-    streamed_rounds_into(clip, [first])
+    streamed_rounds([first], clip=clip)
     center = clip.center["x"].copy()
     second = [(h + 0.1, 1.0) for h in honest]
     acc = WeightedDeltaSum()
@@ -156,19 +165,9 @@ def test_one_update_moves_the_mean_no_further_than_the_radius_allows(
     assert np.linalg.norm(mean - others) <= tau / acc.total_weight * (1 + 1e-9) + 1e-12
 
 
-def streamed_rounds_into(clip: CenteredClip, rounds: list[list[tuple[np.ndarray, float]]]) -> None:
-    for updates in rounds:
-        acc = WeightedDeltaSum()
-        for delta, weight in updates:
-            offset = {"x": np.array(delta, dtype=np.float64)}
-            acc.add(offset, weight, scale=clip.clip(offset), spent=True)
-        clip.propose(clip.recentre(acc.mean(spent=True)))
-        clip.end_round(stepped=True)
-
-
 def test_a_step_not_taken_leaves_the_centre() -> None:
     clip = CenteredClip(1.0)
-    streamed_rounds_into(clip, [[(np.ones(3), 1.0)]])
+    streamed_rounds([[(np.ones(3), 1.0)]], clip=clip)
     kept = clip.center["x"].copy()
     clip.propose({"x": np.full(3, 7.0)})
     clip.end_round(stepped=False)
@@ -177,20 +176,6 @@ def test_a_step_not_taken_leaves_the_centre() -> None:
 
 
 # ================================================================ through the strategy
-def record(**named: np.ndarray) -> ArrayRecord:
-    return ArrayRecord({k: Array(v) for k, v in named.items()})
-
-
-def reply(arrays: ArrayRecord, examples: int) -> Message:
-    instruction = Message(
-        RecordDict({"config": ConfigRecord()}), dst_node_id=4, message_type=MessageType.TRAIN
-    )
-    content = RecordDict(
-        {"arrays": arrays, "metrics": MetricRecord({"num-examples": examples, "train_loss": 0.5})}
-    )
-    return Message(content, reply_to=instruction)
-
-
 def test_the_strategy_forms_the_naive_rule_s_models_with_weights_and_guard_scales() -> None:
     rng = np.random.default_rng(3)
     model = {"w": np.zeros((2, 3), np.float32), "b": np.zeros(3, np.float32)}
@@ -295,8 +280,6 @@ def test_a_restored_centre_that_does_not_fit_the_model_stops_the_run_at_once() -
         "distances": [[1.0, 2.0]],
     }
     strategy.load_state_dict(saved)  # the model is not known yet: checked when it is
-    from flplatform.core.checkpoint import CheckpointError
-
     with pytest.raises(CheckpointError, match=r"'center' holds arrays \['w', 'v'\]"):
         strategy.begin_aggregation(5, base)
 
@@ -311,15 +294,6 @@ def test_a_scaled_site_is_clipped_and_the_ledger_says_so() -> None:
     """Through the round engine with digits sites: a site that sends its update ×50 is
     counted inside the radius (the guard off, so that only centred clipping holds
     it), and its rows say by how much."""
-    from flplatform.core import keys
-    from flplatform.core.arrays import arrays_to_record
-    from flplatform.engine import RoundSummary
-    from flplatform.engine.engine import RoundEngine
-    from flplatform.engine.guard import GuardOptions, UpdateGuard
-    from tests.helpers.delayed_sites import digits_site
-    from tests.helpers.scripted_grid import ScriptedGrid
-    from tests.helpers.sites import digits_model
-
     honest = digits_site(3, 4)
 
     def scaled(message: Message) -> Message:
