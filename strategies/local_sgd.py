@@ -324,13 +324,17 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         ``configure_train`` of a round; decoding it each time would cost a model-sized
         decode per dispatch.
         """
-        if arrays is not self._current_record:
+        changed = arrays is not self._current_record
+        if changed:
             self._current, self._current_record = record_views(arrays), arrays
             self._spent64, self._current64 = self._current64 or self._spent64, None
             self._layout = None
         if not self._fitted_codec:
             self.codec = fit_codec(self.codec, self.averaged_arrays, arrays)
             self._fitted_codec = True
+        if changed and self._centered is not None:
+            # running statistics and counters keep the plain mean (strategies.centered_clip)
+            self._centered.skip = frozenset(averaged_of(self._current, self.codec.averaged))
         if self._restored:
             self._restored = False
             self._check_restored()
@@ -342,8 +346,6 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         self._held = []
         if self._centered is not None:
             self._centered.begin_round()
-            # running statistics and counters keep the plain mean (strategies.centered_clip)
-            self._centered.skip = frozenset(averaged_of(self._current, self.codec.averaged))
         self._loss_sum, self._loss_weight = 0.0, 0.0
 
     def read_update(self, reply: Message, *, base: ArrayRecord) -> Update:
@@ -440,6 +442,7 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         # its memory holds the next round's.
         self._acc, self._held = WeightedDeltaSum(), []
         self._spent_sums = mean if summed else {}
+        stepped = False
         try:
             new = apply_server_update(
                 self._current,
@@ -453,12 +456,12 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
                 x64=self._current64,
                 averaged=averaged_of(self._current, self.codec.averaged),
             )
+            stepped = True
         except StepRefused as exc:
-            if self._centered is not None:
-                self._centered.end_round(stepped=False)
             raise StepRefused(f"the server step: {exc.reason}") from None
-        if self._centered is not None:
-            self._centered.end_round(stepped=True)
+        finally:
+            if self._centered is not None:  # the step's Δ̄ is the next centre if taken
+                self._centered.end_round(stepped=stepped)
         metrics = MetricRecord({"num-updates": count})
         if self._loss_weight > 0:
             metrics[keys.TRAIN_LOSS] = self._loss_sum / self._loss_weight
@@ -541,9 +544,9 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
                 model = self._current if held and self._current else None
                 pending = reader.arrays(held, "pending", like=model)
                 steps = reader.integer(fields["steps"], "steps", minimum=0)
-            if centered:
+            if self._centered is not None:
                 kept = fields["center"]
-                skip = averaged_of(self._current, self.codec.averaged) if self._current else ()
+                skip = self._centered.skip  # set with the model (_use_current)
                 clipped = {k: v for k, v in self._current.items() if k not in skip}
                 center = reader.arrays(kept, "center", like=clipped if kept and clipped else None)
                 distances = _distance_rounds(reader, fields["distances"])
@@ -566,7 +569,6 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
             if saved:
                 reader.arrays(saved, name, like=self._current)
         if self._centered is not None:
-            self._centered.skip = frozenset(averaged_of(self._current, self.codec.averaged))
             for problem in self._centered.misfits(self._current):
                 reader.add(problem)
         reader.raise_if_any()
