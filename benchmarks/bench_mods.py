@@ -64,7 +64,8 @@ runs (the step: 49.5 and 46.6 ms), their spread is what a user should expect:
                                        before           after
                                     ms   /step       ms        /step
     model_mod (local-SGD)          136    2.3        3          0.06-0.07
-    codec_mod int8                 390    6.7       98-111      2.0-2.4
+    codec_mod int8                 390    6.7       61-64 *     1.6-1.7 *
+    codec_mod int4                   -      -       74-79 *     1.9-2.2 *
     codec_mod topk:0.01            497    8.5       43-48       0.9-1.0
     delayed_mod                    368    6.3       31-38       0.6-0.8
     delayed + codec topk (DTS)     602   10.3       67-76       1.4-1.5
@@ -76,13 +77,16 @@ runs (the step: 49.5 and 46.6 ms), their spread is what a user should expect:
 At d = 100M (``--sizes 100000000 --repeats 2``; the step 564 ms) every case completes:
 0.05 (model_mod) to 4.3 (Sketched-SGD's sketch round) steps, peak RSS 11.7 GB.
 
-(the "before" step was 58 ms; its ratios are to that step). What is left is the
-algorithms' own work: the count sketch (r = 5 rows: five scatter-adds of d values, about
-80 ms at 10M on one core, up to 120 ms for Sketched-SGD's v) dominates both sketched mods,
-and int8's stochastic rounding draws one float64 uniform per coordinate (most of its
-82 ms). Misses: Sketched-SGD's sketch round (the sketch alone is about 2.4 steps, its
-accumulators u ← m·u + g, v ← v + u about 1); int8 and FetchSGD's sparse sync are at the
-goal's edge (2.0-2.4 steps).
+(the "before" step was 58 ms; its ratios are to that step. * Measured on a later day,
+the step 36-39 ms, after the quantizers made the decoded values and the new residual
+chunk by chunk, in larger chunks: the code before took 69 ms (int8) and 100-104 ms
+(int4) in the same runs.) What is left is the algorithms' own work: the count sketch
+(r = 5 rows: five scatter-adds of d values, about 80 ms at 10M on one core, up to 120 ms
+for Sketched-SGD's v) dominates both sketched mods, and stochastic rounding draws one
+float64 uniform per coordinate (about 18 ms at 10M; int4 adds its block scales).
+Misses: Sketched-SGD's sketch round (the sketch alone is about 2.4 steps, its
+accumulators u ← m·u + g, v ← v + u about 1); FetchSGD's sparse sync and int4 are at the
+goal's edge (2.0-2.4 and 1.9-2.2 steps).
 Flower's ``Array`` holds ``bytes``: a model-sized array a mod creates (the rebuilt model
 it hands on, a new kept state) is one copy into a new ``bytes``, about 4 ms per 40 MB
 once freed memory is reused (``strategies.mods.contract.reuse_freed_memory``; about 25 ms

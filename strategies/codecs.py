@@ -63,7 +63,9 @@ INT4_LEVELS = 7  # q ∈ [−7, 7], sent as the nibble q + 8: code 0 (q = −8) 
 INT4_ZERO = 8  # the nibble of q = 0, also the padding of an odd-length array's last byte
 INT4_BLOCK = 64  # elements per scale: a float32 scale adds half a bit per element
 # Elements quantized at a time (whole int4 blocks, an even count); results do not depend on it.
-QUANT_CHUNK = 1 << 14
+# Large enough that numpy's cost per call (a chunk takes about twenty) is small beside the
+# work, small enough that a chunk's float64 buffers stay in cache.
+QUANT_CHUNK = 1 << 15
 CODEC_SPECS = "'none', 'int8', 'int4', 'topk:<k>' (an integer >= 1) or 'topk:<fraction>' in (0, 1]"
 
 
@@ -221,7 +223,12 @@ class TopK:
 
 # ---------------------------------------------------------------------------- int8
 def quantize_int8(
-    x: np.ndarray, rng: np.random.Generator, *, chunk: int = QUANT_CHUNK
+    x: np.ndarray,
+    rng: np.random.Generator,
+    *,
+    chunk: int = QUANT_CHUNK,
+    decoded: np.ndarray | None = None,
+    residual: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.float32]:
     """Stochastic 8-bit quantization of one float array: (q int8 of x's shape, s float32).
 
@@ -232,7 +239,8 @@ def quantize_int8(
 
     Elements are processed ``chunk`` at a time so the float64 temporaries stay in cache;
     the generator yields the same stream however its draws are split, so q does not depend
-    on ``chunk``.
+    on ``chunk``. ``decoded`` and ``residual``: as in ``quantize_int4``, with the values
+    q·(s/127) that ``StochasticInt8.decode`` gives.
     """
     shape = np.shape(x)
     flat = np.asarray(x).reshape(-1)  # (n,) view
@@ -247,6 +255,8 @@ def quantize_int8(
         raise ValueError(f"max |x| = {m} does not fit a float32 scale")
     q = np.zeros(n, dtype=np.int8)  # (n,)
     if s == 0:
+        if decoded is not None:
+            decoded[...] = 0.0  # (the residual loses nothing)
         return q.reshape(shape), s
     width = min(chunk, n)
     y, low, u = np.empty(width), np.empty(width), np.empty(width)  # float64 (width,)
@@ -263,7 +273,28 @@ def quantize_int8(
         np.less(uk, yk, out=upk)
         lowk += upk
         q[start : start + k] = lowk
+        _deliver(lowk, float(s) / INT8_LEVELS, flat.dtype, start, decoded, residual)
     return q.reshape(shape), s
+
+
+def _deliver(
+    q: np.ndarray,
+    step: float | np.ndarray,
+    dtype: np.dtype,
+    start: int,
+    decoded: np.ndarray | None,
+    residual: np.ndarray | None,
+) -> None:
+    """A chunk's decoded values q·step (float64, rounded to ``dtype``: what the server
+    decodes) into ``decoded[start:]`` and subtracted from ``residual[start:]``, each when
+    given, while the chunk is in cache."""
+    if decoded is None and residual is None:
+        return
+    k = q.size
+    values = decoded[start : start + k] if decoded is not None else np.empty(k, dtype)
+    np.multiply(q, step, out=values, casting="same_kind")
+    if residual is not None:
+        residual[start : start + k] -= values
 
 
 @dataclass(frozen=True)
@@ -342,7 +373,12 @@ def _quantized_keys(layout: Layout, prefix: str, codec: str) -> set[str]:
 
 # ---------------------------------------------------------------------------- int4
 def quantize_int4(
-    x: np.ndarray, rng: np.random.Generator, *, chunk: int = QUANT_CHUNK
+    x: np.ndarray,
+    rng: np.random.Generator,
+    *,
+    chunk: int = QUANT_CHUNK,
+    decoded: np.ndarray | None = None,
+    residual: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Stochastic 4-bit quantization of one float array, a scale per block of 64 elements.
 
@@ -353,7 +389,13 @@ def quantize_int4(
     q = ⌊y⌋ + 1[U < y − ⌊y⌋], U ~ Uniform[0, 1) from ``rng.random`` (one float64 draw per
     element, in C order, zero blocks included), so E[q] = y and |q − y| < 1; a zero
     block gets s_b = 0 and q = 0. Elements go ``chunk`` at a time (a multiple of the
-    block), which changes no result.
+    block) through buffers that stay in cache, which changes no result.
+
+    For error feedback, which needs what the server will decode (q·s_b/7 in float64,
+    rounded to x's dtype, as ``dequantize_int4`` gives it), while each chunk's q is at
+    hand rather than in more passes over the model: ``decoded`` (flat, n elements, x's
+    dtype) receives those values, and ``residual`` (flat float64, n elements) has them
+    subtracted, each when given.
     """
     if chunk % (2 * INT4_BLOCK):
         raise ValueError(f"chunk must be a multiple of {2 * INT4_BLOCK}, got {chunk}")
@@ -361,12 +403,19 @@ def quantize_int4(
     n = flat.size
     scales = np.zeros(-(-n // INT4_BLOCK), dtype=np.float32)  # (⌈n/64⌉,)
     codes = np.empty(-(-n // 2), dtype=np.uint8)  # (⌈n/2⌉,)
+    width = min(chunk, scales.size * INT4_BLOCK)
+    y = np.empty(width)  # float64: x in whole blocks (zeros after), then y, then y − ⌊y⌋
+    q = np.empty(width + 1)  # ⌊y⌋, then q; one more for an odd n's padding level
+    u = np.empty(width)  # the uniforms
+    up = np.empty(width, dtype=bool)
+    pair = np.array([1.0, 16.0])  # two levels a byte: (q_2i + 8) + 16·(q_2i+1 + 8)
     for start in range(0, n, chunk):
-        piece = np.asarray(flat[start : start + chunk], dtype=np.float64)  # (k,)
-        k = piece.size
-        padded = np.zeros(-(-k // INT4_BLOCK) * INT4_BLOCK)  # whole blocks, zeros after
-        padded[:k] = piece
-        blocks = padded.reshape(-1, INT4_BLOCK)  # (blocks, 64)
+        k = min(chunk, n - start)
+        whole = -(-k // INT4_BLOCK) * INT4_BLOCK
+        yk, qk, uk, upk = y[:k], q[:k], u[:k], up[:k]
+        yk[...] = flat[start : start + k]
+        y[k:whole] = 0.0
+        blocks = y[:whole].reshape(-1, INT4_BLOCK)  # (blocks, 64)
         m = np.abs(blocks).max(axis=1)  # (blocks,) max|x| per block
         if not np.isfinite(m).all():
             raise ValueError("cannot quantize an array with NaN or Inf")
@@ -377,14 +426,20 @@ def quantize_int4(
             raise ValueError(f"max |x| = {m.max()} does not fit a float32 scale")
         scales[start // INT4_BLOCK : start // INT4_BLOCK + s.size] = s
         # |x| <= s ⇒ |y| <= 7: q fits [−7, 7]; a zero block divides by 1 (its x are 0)
-        y = blocks / np.where(s > 0, s, 1).astype(np.float64)[:, None] * INT4_LEVELS
-        y = y.reshape(-1)[:k]
-        q = np.floor(y)
-        q += rng.random(k) < (y - q)
-        nibbles = (q + INT4_ZERO).astype(np.uint8)  # (k,) in 1..15
-        if k % 2:
-            nibbles = np.append(nibbles, np.uint8(INT4_ZERO))
-        codes[start // 2 : start // 2 + nibbles.size // 2] = nibbles[0::2] | (nibbles[1::2] << 4)
+        np.divide(blocks, np.where(s > 0, s, 1).astype(np.float64)[:, None], out=blocks)
+        yk *= INT4_LEVELS
+        np.floor(yk, out=qk)
+        yk -= qk  # fractional part, exact
+        rng.random(out=uk)
+        np.less(uk, yk, out=upk)
+        qk += upk
+        if decoded is not None or residual is not None:
+            step = np.repeat(s.astype(np.float64) / INT4_LEVELS, INT4_BLOCK)[:k]
+            _deliver(qk, step, flat.dtype, start, decoded, residual)
+        q[k] = 0.0  # an odd n's last byte: level 0 in its high nibble
+        pairs = q[: k + k % 2].reshape(-1, 2)
+        packed = codes[start // 2 : start // 2 + pairs.shape[0]]
+        np.add(pairs @ pair, INT4_ZERO * 17, out=packed, casting="unsafe")  # exact, 17..255
     return codes, scales
 
 
@@ -405,7 +460,8 @@ def dequantize_int4(codes: np.ndarray, scales: np.ndarray, out: np.ndarray) -> b
         last = min(first + QUANT_CHUNK, size)
         levels = int4_levels(codes[first // 2 : (last + 1) // 2], last - first)
         blocks = scales[first // INT4_BLOCK : -(-last // INT4_BLOCK)]
-        if levels[np.repeat(blocks == 0, INT4_BLOCK)[: last - first]].any():
+        zero = blocks == 0
+        if zero.any() and levels[np.repeat(zero, INT4_BLOCK)[: last - first]].any():
             return False
         step = np.repeat(blocks.astype(np.float64) / INT4_LEVELS, INT4_BLOCK)
         with np.errstate(over="ignore"):
@@ -689,22 +745,23 @@ def _topk_feedback(
     return wire, sent
 
 
-def _int8_wire(x: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def _int8_wire(
+    x: np.ndarray,
+    rng: np.random.Generator,
+    *,
+    decoded: np.ndarray | None = None,
+    residual: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """``quantize_int8`` as the wire holds it: codes in x's shape, the scale a (1,) array."""
-    q, s = quantize_int8(x, rng)
+    q, s = quantize_int8(x, rng, decoded=decoded, residual=residual)
     return q, np.array([s], dtype=np.float32)
 
 
-def _dequantize_int8(codes: np.ndarray, scales: np.ndarray, out: np.ndarray) -> None:
-    """q·(s/127), s/127 in float64, into the flat ``out`` (as ``StochasticInt8.decode``)."""
-    scale = float(scales[0]) / INT8_LEVELS
-    np.multiply(codes.reshape(-1), scale, out=out, dtype=np.float64, casting="same_kind")
-
-
-# each quantizing codec's wire prefix, its quantizer (codes, scales) and their decoder
-_QUANTIZERS: dict[str, tuple[str, Any, Any]] = {
-    "int8": (INT8_PREFIX, _int8_wire, _dequantize_int8),
-    "int4": (INT4_PREFIX, quantize_int4, dequantize_int4),
+# each quantizing codec's wire prefix and its quantizer: (codes, scales), and the decoded
+# values into ``decoded=`` and out of ``residual=`` when given
+_QUANTIZERS: dict[str, tuple[str, Any]] = {
+    "int8": (INT8_PREFIX, _int8_wire),
+    "int4": (INT4_PREFIX, quantize_int4),
 }
 
 
@@ -715,7 +772,7 @@ def _quantized_encode(
 ) -> Wire:
     """``codec.encode``: every float array but the averaged ones quantized, in ``Layout``
     order, each drawing from ``rng`` in turn; the averaged ones sent exactly."""
-    prefix, quantize, _ = _QUANTIZERS[codec.name]
+    prefix, quantize = _QUANTIZERS[codec.name]
     layout = Layout.of(update, averaged=codec.averaged)
     _quantized_keys(layout, prefix, codec.name)  # refuse layouts whose wire keys collide
     _require_finite({n: update[n] for n in layout.averaged})
@@ -735,7 +792,7 @@ def _quantized_feedback(
     dense: bool,
 ) -> tuple[Wire, Arrays | None]:
     """``codec.encode`` of v in its dtypes and e ← v − decode, array by array."""
-    prefix, quantize, dequantize = _QUANTIZERS[codec.name]
+    prefix, quantize = _QUANTIZERS[codec.name]
     # as encode(unflatten(v)): every array cast (integers range-checked) before the keys
     values = [layout._cast(name, v[start : start + n]) for name, start, n in _spans(layout)]
     _quantized_keys(layout, prefix, codec.name)  # refuse layouts whose wire keys collide
@@ -743,17 +800,17 @@ def _quantized_feedback(
     sent: Arrays = {}
     for (name, start, n), shape, value in zip(_spans(layout), layout.shapes, values, strict=True):
         piece = v[start : start + n]
+        decoded: np.ndarray | None = None
         if name in layout.averaged:
             if not np.isfinite(value).all():
                 raise ValueError(f"cannot encode array '{name}': it contains NaN or Inf")
             decoded = value
-        else:
-            codes, scales = quantize(value.reshape(shape), rng)
+            piece -= decoded
+        else:  # e ← v − what the server will decode, as the codes are made
+            decoded = np.empty(n, dtype=value.dtype) if dense else None
+            codes, scales = quantize(value.reshape(shape), rng, decoded=decoded, residual=piece)
             wire[prefix + name], wire[prefix + name + SCALE_SUFFIX] = codes, scales
-            decoded = np.empty(n, dtype=value.dtype)
-            dequantize(codes, scales, decoded)  # its own codes: none under a zero scale
-        piece -= decoded
-        if dense:
+        if dense and decoded is not None:
             sent[name] = decoded.reshape(shape)
     wire.update(
         pack({name: values[layout._position[name]] for name in layout.averaged}, layout.averaged)

@@ -486,6 +486,38 @@ def test_int4_error_is_below_one_level_of_its_block(update: Arrays, seed: int) -
         assert (np.abs(dense[name].astype(np.float64).reshape(-1) - flat) <= bound).all()
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    x=hnp.arrays(np.float32, st.integers(0, 300), elements=ELEMENTS),
+    dtype=st.sampled_from([np.float16, np.float32, np.float64]),
+    codec=st.sampled_from(["int8", "int4"]),
+    seed=st.integers(0, 2**32),
+)
+def test_quantizers_give_what_decode_gives_and_take_it_from_the_residual(
+    x: np.ndarray, dtype: type, codec: str, seed: int
+) -> None:
+    """Error feedback's shortcut: the values a quantizer writes as it makes the codes are
+    exactly what the codec's decode gives from them, and the residual loses exactly those."""
+    with np.errstate(over="ignore"):
+        x = x.astype(dtype)
+    if not np.isfinite(x).all():
+        return  # past float16's range: refused before any code is made
+    before = rng(seed + 1).standard_normal(x.size)
+    decoded, residual = np.empty(x.size, dtype), before.copy()
+    quantize = quantize_int8 if codec == "int8" else quantize_int4
+    codes, scales = quantize(x, rng(seed), chunk=128, decoded=decoded, residual=residual)
+    plain = quantize(x, rng(seed), chunk=128)  # the outputs change no code
+    np.testing.assert_array_equal(codes, plain[0])
+    np.testing.assert_array_equal(scales, plain[1])
+    prefix = f"{codec}.w"
+    wire = {prefix: codes, prefix + ".scale": np.atleast_1d(np.float32(scales))}
+    with np.errstate(over="ignore"):
+        want = make_codec(codec).decode(wire, Layout.of({"w": x}))["w"]
+    assert want.dtype == decoded.dtype
+    np.testing.assert_array_equal(decoded, want)
+    np.testing.assert_array_equal(residual, before - want.astype(np.float64))
+
+
 def test_int4_refuses_models_whose_wire_keys_collide() -> None:
     model: Arrays = {"x": np.ones(2, np.float32), "x.scale": np.ones(1, np.float32)}
     with pytest.raises(ConfigError, match="int4 cannot encode this model: wire keys"):
