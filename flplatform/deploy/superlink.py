@@ -662,6 +662,9 @@ def start_deployment(
     return SimulationProcess(link, flwr_run, log_path, link_log, tree, superlink_port=link_port)
 
 
+# Seconds Flower may take to mark a finished run finished in the SuperLink's state before
+# the deployment stops it (else `flwr ls` shows the run failed once the SuperLink restarts).
+WIND_DOWN_SECONDS = 15.0
 # How often a deployment's follower reads the run's events for sites lost or back (s).
 PRESENCE_EVERY = 2.0
 
@@ -742,7 +745,9 @@ def run_deployment(
                 on_progress(record, done, failures)
 
         try:
-            return follow_run(start, follow, progress, poll_interval)
+            return follow_run(
+                start, follow, progress, poll_interval, wind_down_seconds=WIND_DOWN_SECONDS
+            )
         finally:
             for line in gateway_log.lines():
                 say(line)

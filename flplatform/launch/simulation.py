@@ -164,6 +164,8 @@ def follow_run(
     config: RunConfig,
     on_progress: ProgressCallback | None = None,
     poll_interval: float = 0.5,
+    *,
+    wind_down_seconds: float = 0.0,
 ) -> RunRecord:
     """Start a simulation with ``start``, follow its run to the end, stop every process.
 
@@ -172,16 +174,31 @@ def follow_run(
     CLI's SIGINT and SIGTERM, see ``processes.stop_signals``), during start-up too, stops
     them first, then marks the run failed with "stopped by the user (SIGINT)" and raises
     ``RunStopped``: nothing is left running that could write to the run afterwards.
+
+    ``wind_down_seconds``: once the ledger says the run ended, how long Flower may take to
+    end it too (``flwr run`` exits when the SuperLink has the ServerApp's exit) before
+    everything is stopped. A SuperLink whose state outlives the command (a deployment's)
+    otherwise keeps the run as running, and reports it failed when it next starts.
     """
     with ProcessTree() as tree:
         try:
             process = start(tree)
             run_id = _follow(process, config, on_progress, poll_interval)
+            _wind_down(process, wind_down_seconds)
             tree.stop()  # before the status is read: nothing may write to the run later
         except KeyboardInterrupt as exc:
             tree.stop()
             raise _stopped(config, exc) from None
     return _final_record(process, config, run_id)
+
+
+def _wind_down(process: SimulationProcess, seconds: float) -> None:
+    """Wait up to ``seconds`` for ``flwr run`` to exit by itself (its run ended in Flower)."""
+    deadline = time.monotonic() + seconds
+    while process.poll() is None and not process.superlink_exited():
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.1)
 
 
 def _stopped(config: RunConfig, exc: KeyboardInterrupt) -> RunStopped:

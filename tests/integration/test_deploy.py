@@ -5,7 +5,8 @@ keys, a split of the data, the server, then (while it waits for its sites) every
 node that must be refused: an unregistered key, no key, plain text, another deployment's
 CA, and a client of the Control API. Then the two sites train a 3-round federation with
 TLS and authentication. The ledger names the sites by their registered names, the
-refused nodes are in it nowhere, each refusal was reported, and every process is gone.
+refused nodes are in it nowhere, each refusal was reported, and every process is gone;
+Flower's own `flwr ls`, on the deployment's SuperLink state, has the run completed.
 Each machine (the server, each site) has a home of its own. The ledger is a PostgreSQL
 database whose password, given in the URL, must appear in no file and no output.
 """
@@ -189,6 +190,40 @@ def test_a_deployment_with_tls_and_registered_sites(tmp_path: Path, password_dat
         # marked deployed: `flplatform resume` will not train it on the server's machine
         events = [(e.kind, e.detail) for e in repository.list_events(run.id)]
         assert events == [(DEPLOYED_EVENT, {"sites": ["london", "ohio"], "address": address})]
+    # ---- Flower's view of the run: its SuperLink started again on the deployment's state
+    # (as the next `flplatform server` does; plain, on a port of its own), asked by `flwr ls`
+    (state,) = {path.parent for path in (server.home / "deployments").glob("*/superlink.db")}
+    flower_home = tmp_path / "flwr-ls"
+    flower_home.mkdir()
+    link_port = free_port()
+    (flower_home / "config.toml").write_text(
+        f'[superlink]\ndefault = "x"\n[superlink.x]\naddress = "127.0.0.1:{link_port}"\n'
+        "insecure = true\n"
+    )
+    flower = {**flower_environment(tmp_path / "ls-home"), "FLWR_HOME": str(flower_home)}
+    link_tree = ProcessTree()
+    try:
+        link_tree.popen(
+            [str(BIN / "flower-superlink"), "--insecure", "--database", str(state / "superlink.db"),
+             "--disable-runtime-dependency-installation", "--host", "127.0.0.1",
+             "--port", str(link_port)],
+            env=flower, stdout=(logs / "ls-superlink.log").open("wb"), stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        deadline, listed = time.monotonic() + 60, {}
+        while time.monotonic() < deadline:
+            answer = subprocess.run(
+                [str(BIN / "flwr"), "ls", "x", "--format", "json"],
+                env=flower, capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            listed = json.loads(answer.stdout)
+            if listed.get("success"):
+                break
+            time.sleep(1)
+    finally:
+        link_tree.stop()
+    # Before, the deployment stopped Flower as soon as the ledger said finished: the
+    # SuperLink's state kept the run `running` (`finished:failed` once Flower gave it up).
+    assert [r["status"] for r in listed.get("runs", [])] == ["finished:completed"], listed
     # ---- the password: in no output, and in no file of the server's home or the logs
     for path in [*server.home.rglob("*"), *logs.rglob("*")]:
         if path.is_file():

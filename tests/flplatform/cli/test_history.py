@@ -416,6 +416,9 @@ def test_data_split_writes_one_file_per_site(tmp_path: Path) -> None:
         "test.npz",
         "tokyo.npz",
     ]
+    # the administrator is told to move the sites' files off the server
+    said = " ".join(result.output.split())
+    assert "Copy each <site>.npz to its site" in said and "delete it here" in said
     again = runner.invoke(app, ["data", "split", "--out", str(out), "--sites", "london,tokyo"])
     assert again.exit_code != 0 and "overwrite" in again.output
 
