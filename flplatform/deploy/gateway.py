@@ -25,6 +25,7 @@ import argparse
 import base64
 import contextlib
 import http.server
+import json
 import socket
 import socketserver
 import ssl
@@ -90,6 +91,12 @@ MAX_CONNECTIONS_PER_SITE = 8
 # to carry its first signed request (a flood of new ones cannot push it out; the newcomer
 # is refused instead while every candidate is this young).
 EVICTION_GRACE_SECONDS = 5.0
+# Flower's error code when the SuperLink will not activate a registered node
+# (ApiErrorCode.FLEET_NODE_ACTIVATION_FAILED): a SuperNode with the site's key is active
+# already. After a crash that is the dead one, until its heartbeat lapses (about a
+# minute); the new one is told to retry (503, which Flower's SuperNode retries with
+# back-off) rather than refused for good, so that a site restarted at once rejoins.
+NODE_ACTIVATION_FAILED = 2004
 # Longest printed excerpt of what a refused peer sent (its request path).
 MAX_QUOTED = 80
 HANDSHAKE_SECONDS = 10.0
@@ -487,6 +494,10 @@ class _FleetHandler(http.server.BaseHTTPRequestHandler):
             self.server.reports.say(f"cannot reach the SuperLink at {upstream}: {exc}")
             self.send_error(502)
             return
+        if action == "activate-node" and self._counted_active_already(reply):
+            self._note_retry()
+            self.send_error(503, "the site's previous SuperNode is still counted active")
+            return
         self._note(reply.status_code)
         self.send_response(reply.status_code)
         for key, value in reply.headers.items():
@@ -535,6 +546,29 @@ class _FleetHandler(http.server.BaseHTTPRequestHandler):
             key=f"refused {source}: not the Fleet API",  # one line a minute, whatever paths
         )
         self.send_error(404, "only the Fleet API is served here")
+
+    def _counted_active_already(self, reply: httpx.Response) -> bool:
+        """Whether the SuperLink refused to activate a registered site's node because a
+        SuperNode with its key is active already (``NODE_ACTIVATION_FAILED``), for a
+        request that site signed: an unregistered key is still refused for good."""
+        if reply.status_code < 400 or self._signing_site() is None:
+            return False
+        try:
+            error = json.loads(reply.content)
+        except ValueError:
+            return False
+        return isinstance(error, dict) and error.get("code") == NODE_ACTIVATION_FAILED
+
+    def _note_retry(self) -> None:
+        """Report a registered site told to retry joining (once a minute per site)."""
+        source = self.client_address[0]
+        who = self.server.who(key_fingerprint(self.headers.get(PUBLIC_KEY_HEADER)))
+        self.server.reports.say(
+            f"{who} from {source} must wait to join: the SuperLink still counts its previous "
+            "SuperNode connected (a restart soon after a crash, or a second SuperNode with "
+            "its key); it retries until that one's heartbeat lapses",
+            key=f"retry {source}: {who}",
+        )
 
     def _note(self, status: int) -> None:
         """Report a node joining, leaving, or refused by SuperNode authentication."""

@@ -12,6 +12,7 @@ server refuses it, which is reported here in one line.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import socket
 import ssl
@@ -44,8 +45,8 @@ PROBE_SECONDS = 10.0
 # importing Flower takes a few seconds, more on a busy machine.
 START_SECONDS = 120.0
 # Seconds a SuperNode has to deregister after SIGTERM: the server then counts it gone at
-# once; a SuperNode killed outright is counted connected for up to a minute, and
-# refused if it comes back within that minute.
+# once; a SuperNode killed outright is counted connected for up to a minute, and one
+# restarted within that minute waits to join (the server's gateway has it retry).
 DEREGISTER_SECONDS = 5.0
 POLL_SECONDS = 0.5
 _NODE_ID = re.compile(r"SuperNode ID: (\d+)")
@@ -209,10 +210,9 @@ def refusal_reason(output: str, plan: SitePlan) -> str:
     """Why the SuperNode exited, from its output, in one line."""
     if "[code: 2004]" in output:
         return (
-            f"refused by the server: it does not accept {plan.name}'s key now — either "
+            f"refused by the server: it does not accept {plan.name}'s key — "
             f"{plan.name}.pub is not registered there (is {plan.name} in the server's --sites, "
-            f"with this key?), or the server counts {plan.name} connected already (another "
-            "SuperNode with this key, or a restart within a minute of a crash: retry in a minute)"
+            "with this key?)"
         )
     if "[code: 2001]" in output:
         return "refused by the server: it accepts only registered sites, and this node has no key"
@@ -231,7 +231,9 @@ def run_site(plan: SitePlan, *, home: Path, say: Say) -> None:
     the server, say); ``KeyboardInterrupt``/``StopRequested`` after stopping it.
     """
     env = flower_environment(home)
-    log = logs_dir(home) / f"site-{plan.name}.supernode.log"
+    # A log of this start's own: processes of a SuperNode killed before (Flower's SuperExec
+    # and ClientApps outlive it for a while) still write to theirs, at their own offsets.
+    log = logs_dir(home) / f"site-{plan.name}.supernode.{os.getpid()}.log"
     security = (
         ["--insecure"]
         if plan.ca_cert is None or plan.private_key is None
@@ -292,7 +294,7 @@ def _watch(
     """Say what the SuperNode does (connected, runs served, connection lost) until it exits."""
     offset = 0
     runs: set[str] = set()
-    connected = False
+    connected = waiting = False
     while True:
         tree.record()
         code = node.poll()
@@ -308,6 +310,11 @@ def _watch(
             elif _CONNECTION_FAILED in line and connected:
                 connected = False
                 say(f"lost the server {plan.server}; retrying until it is back")
+            elif _CONNECTION_FAILED in line and not waiting:
+                # the server down, or (after a crash of this site) its previous SuperNode
+                # still counted connected for up to a minute: the server says which
+                waiting = True
+                say(f"cannot join {plan.server} yet; retrying until it lets {plan.name} in")
             elif _RECONNECTED in line and not connected:
                 connected = True
                 say(f"reconnected to {plan.server}")

@@ -53,14 +53,22 @@ class Collected(Reports):
         raise AssertionError(f"no report with {text!r}; reports: {self.lines}")
 
 
+# Flower's answer to activating a node whose key it knows while a SuperNode with that key
+# is active (ApiErrorCode.FLEET_NODE_ACTIVATION_FAILED), or whose key it does not know.
+ACTIVATION_FAILED = b'{"code": 2004, "detail": "SuperNode could not be activated"}'
+
+
 class FleetStandIn(http.server.BaseHTTPRequestHandler):
-    """Answers like the Fleet API: 412 for activate-node, else the request echoed."""
+    """Answers like the Fleet API: activate-node refused (412, Flower's error), else the
+    request echoed."""
 
     protocol_version = "HTTP/1.1"
 
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers["content-length"]))
-        status = 412 if self.path.endswith("/activate-node") else 200
+        status = 200
+        if self.path.endswith("/activate-node"):
+            status, body = 412, ACTIVATION_FAILED
         self.send_response(status)
         self.send_header("x-path", self.path)
         self.send_header("x-seen-forwarded-for", self.headers.get("x-forwarded-for", ""))
@@ -176,6 +184,24 @@ def test_refused_nodes_are_reported_by_site_or_key(deployment: Deployment) -> No
             assert reply.status_code == 412  # the SuperLink's answer, passed on
     assert "counts this site connected already" in deployment.reports.wait_for("site london")
     assert "its key is not registered" in deployment.reports.wait_for("unregistered key SHA256:")
+
+
+def test_a_registered_site_refused_as_active_already_is_told_to_retry(
+    deployment: Deployment,
+) -> None:
+    """A site restarted soon after a crash: the SuperLink still counts its dead SuperNode
+    active and refuses the new one. For the site's own signed request the gateway answers
+    503, which Flower's SuperNode retries with back-off until it is let in; a key that is
+    not registered still gets the SuperLink's refusal, and exits."""
+    url = f"{deployment.url}/v1/fleet/activate-node"
+    with httpx.Client(verify=ssl.create_default_context(cafile=str(deployment.ca_cert))) as client:
+        site = client.post(url, content=b"", headers=signed_headers(deployment.london_key))
+        stranger = client.post(url, content=b"", headers=signed_headers(deployment.stranger_key))
+    assert site.status_code == 503
+    assert (stranger.status_code, stranger.content) == (412, ACTIVATION_FAILED)
+    line = deployment.reports.wait_for("must wait to join")
+    assert line.startswith("site london from 127.0.0.1 must wait to join")
+    assert "unregistered key" in deployment.reports.wait_for("refused a SuperNode with")
 
 
 def test_plain_http_and_a_foreign_ca_are_reported(deployment: Deployment) -> None:
