@@ -267,14 +267,23 @@ def quantize_int8(
         # |x| <= s ⇒ |x/s| <= 1 (division rounds monotonically) ⇒ |y| <= 127: q fits int8
         np.divide(flat[start : start + k], float(s), out=yk, dtype=np.float64)
         yk *= INT8_LEVELS
-        np.floor(yk, out=lowk)
-        yk -= lowk  # fractional part, exact
-        rng.random(out=uk)
-        np.less(uk, yk, out=upk)
-        lowk += upk
+        _round_stochastically(yk, lowk, uk, upk, rng)
         q[start : start + k] = lowk
         _deliver(lowk, float(s) / INT8_LEVELS, flat.dtype, start, decoded, residual)
     return q.reshape(shape), s
+
+
+def _round_stochastically(
+    y: np.ndarray, q: np.ndarray, u: np.ndarray, up: np.ndarray, rng: np.random.Generator
+) -> None:
+    """q ← ⌊y⌋ + 1[U < y − ⌊y⌋], U from ``rng.random`` (one draw per element, in order),
+    in place in the caller's buffers (float64 q and u, bool up); y is left holding its
+    fractional part."""
+    np.floor(y, out=q)
+    y -= q  # fractional part, exact
+    rng.random(out=u)
+    np.less(u, y, out=up)
+    q += up
 
 
 def _deliver(
@@ -428,11 +437,7 @@ def quantize_int4(
         # |x| <= s ⇒ |y| <= 7: q fits [−7, 7]; a zero block divides by 1 (its x are 0)
         np.divide(blocks, np.where(s > 0, s, 1).astype(np.float64)[:, None], out=blocks)
         yk *= INT4_LEVELS
-        np.floor(yk, out=qk)
-        yk -= qk  # fractional part, exact
-        rng.random(out=uk)
-        np.less(uk, yk, out=upk)
-        qk += upk
+        _round_stochastically(yk, qk, uk, upk, rng)
         if decoded is not None or residual is not None:
             step = np.repeat(s.astype(np.float64) / INT4_LEVELS, INT4_BLOCK)[:k]
             _deliver(qk, step, flat.dtype, start, decoded, residual)
