@@ -64,7 +64,7 @@ runs (the step: 49.5 and 46.6 ms), their spread is what a user should expect:
                                        before           after
                                     ms   /step       ms        /step
     model_mod (local-SGD)          136    2.3        3          0.06-0.07
-    codec_mod int8                 390    6.7       61-64 *     1.6-1.7 *
+    codec_mod int8                 390    6.7       61-64 *     1.6-1.8 *
     codec_mod int4                   -      -       74-79 *     1.9-2.2 *
     codec_mod topk:0.01            497    8.5       43-48       0.9-1.0
     delayed_mod                    368    6.3       31-38       0.6-0.8

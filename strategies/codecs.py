@@ -254,9 +254,8 @@ def quantize_int8(
     if not np.isfinite(s):
         raise ValueError(f"max |x| = {m} does not fit a float32 scale")
     q = np.zeros(n, dtype=np.int8)  # (n,)
-    if s == 0:
-        if decoded is not None:
-            decoded[...] = 0.0  # (the residual loses nothing)
+    if s == 0:  # (s may be −0.0: decode's q·s/127 is then −0.0, as given here)
+        _deliver(q, float(s) / INT8_LEVELS, flat.dtype, 0, decoded, residual)
         return q.reshape(shape), s
     width = min(chunk, n)
     y, low, u = np.empty(width), np.empty(width), np.empty(width)  # float64 (width,)
@@ -404,7 +403,7 @@ def quantize_int4(
     rounded to x's dtype, as ``dequantize_int4`` gives it), while each chunk's q is at
     hand rather than in more passes over the model: ``decoded`` (flat, n elements, x's
     dtype) receives those values, and ``residual`` (flat float64, n elements) has them
-    subtracted, each when given.
+    subtracted, each when given (both partly written if this raises).
     """
     if chunk % (2 * INT4_BLOCK):
         raise ValueError(f"chunk must be a multiple of {2 * INT4_BLOCK}, got {chunk}")

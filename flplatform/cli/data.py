@@ -31,8 +31,9 @@ def split(
 ) -> None:
     """Split a dataset into one file per site (plus test.npz for central evaluation).
 
-    Each site then reads only its own file (`flplatform site NAME --data NAME.npz`); the
-    server needs only test.npz and manifest.json (`--dataset OUT --partition files`).
+    Each site then reads only its own file (`flplatform site NAME --server … --data
+    NAME.npz`); the server needs only test.npz and manifest.json (`--dataset OUT
+    --partition files`).
     """
     from clients.site_files import write_site_files
 
@@ -48,7 +49,8 @@ def split(
     for line in manifest.describe():
         console.print(line)
     console.print(
-        "Copy each <site>.npz to its site (`flplatform site NAME --data NAME.npz`) and delete "
+        "Copy each <site>.npz to its site (`flplatform site NAME --server … --data NAME.npz`) "
+        "and delete "
         f"it here: a site's data should not stay on the server, which needs only {out}"
         "/test.npz and manifest.json (`--dataset "
         f"{out} --partition files`)."

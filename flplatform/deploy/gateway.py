@@ -95,8 +95,12 @@ EVICTION_GRACE_SECONDS = 5.0
 # (ApiErrorCode.FLEET_NODE_ACTIVATION_FAILED): a SuperNode with the site's key is active
 # already. After a crash that is the dead one, until its heartbeat lapses (about a
 # minute); the new one is told to retry (503, which Flower's SuperNode retries with
-# back-off) rather than refused for good, so that a site restarted at once rejoins.
+# back-off) rather than refused for good, so that a site restarted at once rejoins. For
+# this long at most since the site's first such refusal: a second SuperNode of a site that
+# is running (a copy of its directory), or a key the SuperLink no longer knows, then gets
+# the SuperLink's refusal and exits with it instead of waiting for ever.
 NODE_ACTIVATION_FAILED = 2004
+REJOIN_WINDOW_SECONDS = 180.0
 # Longest printed excerpt of what a refused peer sent (its request path).
 MAX_QUOTED = 80
 HANDSHAKE_SECONDS = 10.0
@@ -299,6 +303,9 @@ class FleetGateway(socketserver.ThreadingMixIn, http.server.HTTPServer):
         self.reports = reports
         self._count_lock = threading.Lock()
         self._open: dict[int, _Connection] = {}  # id(socket) → its connection, oldest first
+        # site fingerprint → when the SuperLink first refused it as active already (since
+        # its last activation), for REJOIN_WINDOW_SECONDS
+        self.refused_since: dict[str, float] = {}
         self.registry = SiteRegistry.read(config.registry) if config.registry else None
         family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
         self.address_family = family
@@ -469,10 +476,11 @@ class _FleetHandler(http.server.BaseHTTPRequestHandler):
         if int(length) > MAX_BODY_BYTES:
             self.send_error(413)
             return
-        if not self.server.is_site(self.request):
-            site = self._signing_site()
-            if site is not None:  # (without site authentication: none is)
-                self.server.mark_site(self.request, site)
+        signer = None  # the registered site that signed this request, where it matters
+        if action == "activate-node" or not self.server.is_site(self.request):
+            signer = self._signing_site()
+            if signer is not None and not self.server.is_site(self.request):
+                self.server.mark_site(self.request, signer)  # (without site auth: none)
         if int(length) > ANONYMOUS_BODY_BYTES and not self._trusted():
             source = self.client_address[0]
             self.server.reports.say(
@@ -494,7 +502,7 @@ class _FleetHandler(http.server.BaseHTTPRequestHandler):
             self.server.reports.say(f"cannot reach the SuperLink at {upstream}: {exc}")
             self.send_error(502)
             return
-        if action == "activate-node" and self._counted_active_already(reply):
+        if action == "activate-node" and signer is not None and self._told_to_retry(reply, signer):
             self._note_retry()
             self.send_error(503, "the site's previous SuperNode is still counted active")
             return
@@ -547,17 +555,23 @@ class _FleetHandler(http.server.BaseHTTPRequestHandler):
         )
         self.send_error(404, "only the Fleet API is served here")
 
-    def _counted_active_already(self, reply: httpx.Response) -> bool:
-        """Whether the SuperLink refused to activate a registered site's node because a
-        SuperNode with its key is active already (``NODE_ACTIVATION_FAILED``), for a
-        request that site signed: an unregistered key is still refused for good."""
-        if reply.status_code < 400 or self._signing_site() is None:
+    def _told_to_retry(self, reply: httpx.Response, signer: str) -> bool:
+        """Whether ``signer``'s activation, which the SuperLink answered with ``reply``, is
+        to be retried: refused as active already (``NODE_ACTIVATION_FAILED``) within
+        ``REJOIN_WINDOW_SECONDS`` of the site's first such refusal. An activation that
+        succeeds ends the site's window."""
+        refused_since = self.server.refused_since
+        if reply.status_code < 400:
+            refused_since.pop(signer, None)
             return False
         try:
             error = json.loads(reply.content)
         except ValueError:
             return False
-        return isinstance(error, dict) and error.get("code") == NODE_ACTIVATION_FAILED
+        if not (isinstance(error, dict) and error.get("code") == NODE_ACTIVATION_FAILED):
+            return False
+        first = refused_since.setdefault(signer, time.monotonic())
+        return time.monotonic() - first < REJOIN_WINDOW_SECONDS
 
     def _note_retry(self) -> None:
         """Report a registered site told to retry joining (once a minute per site)."""
@@ -566,7 +580,8 @@ class _FleetHandler(http.server.BaseHTTPRequestHandler):
         self.server.reports.say(
             f"{who} from {source} must wait to join: the SuperLink still counts its previous "
             "SuperNode connected (a restart soon after a crash, or a second SuperNode with "
-            "its key); it retries until that one's heartbeat lapses",
+            f"its key); it retries until that one's heartbeat lapses, for "
+            f"{REJOIN_WINDOW_SECONDS:.0f} s at most",
             key=f"retry {source}: {who}",
         )
 
@@ -592,7 +607,7 @@ class _FleetHandler(http.server.BaseHTTPRequestHandler):
             if who.startswith("site "):
                 why = (
                     "the SuperLink counts this site connected already (a second SuperNode "
-                    "with its key, or a restart within a minute of a crash)"
+                    "with its key, or the key's registration out of step with the server's)"
                 )
             else:
                 why = "its key is not registered (it is not one of --sites)"

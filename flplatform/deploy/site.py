@@ -210,9 +210,10 @@ def refusal_reason(output: str, plan: SitePlan) -> str:
     """Why the SuperNode exited, from its output, in one line."""
     if "[code: 2004]" in output:
         return (
-            f"refused by the server: it does not accept {plan.name}'s key — "
+            f"refused by the server: it does not accept {plan.name}'s key — either "
             f"{plan.name}.pub is not registered there (is {plan.name} in the server's --sites, "
-            "with this key?)"
+            f"with this key?), or another SuperNode with this key is connected (is {plan.name} "
+            "running elsewhere?)"
         )
     if "[code: 2001]" in output:
         return "refused by the server: it accepts only registered sites, and this node has no key"
@@ -294,7 +295,7 @@ def _watch(
     """Say what the SuperNode does (connected, runs served, connection lost) until it exits."""
     offset = 0
     runs: set[str] = set()
-    connected = waiting = False
+    joined = connected = waiting = False
     while True:
         tree.record()
         code = node.poll()
@@ -302,7 +303,7 @@ def _watch(
         new, offset = text[offset:], len(text)
         for line in new.splitlines():
             if match := _NODE_ID.search(line):
-                connected = True
+                joined = connected = True
                 say(f"connected to {plan.server} as node {match.group(1)}")
             elif (match := _RUN.search(line)) and match.group(1) not in runs:
                 runs.add(match.group(1))
@@ -310,12 +311,12 @@ def _watch(
             elif _CONNECTION_FAILED in line and connected:
                 connected = False
                 say(f"lost the server {plan.server}; retrying until it is back")
-            elif _CONNECTION_FAILED in line and not waiting:
+            elif _CONNECTION_FAILED in line and not joined and not waiting:
                 # the server down, or (after a crash of this site) its previous SuperNode
                 # still counted connected for up to a minute: the server says which
                 waiting = True
                 say(f"cannot join {plan.server} yet; retrying until it lets {plan.name} in")
-            elif _RECONNECTED in line and not connected:
+            elif _RECONNECTED in line and joined and not connected:
                 connected = True
                 say(f"reconnected to {plan.server}")
         if code is not None:

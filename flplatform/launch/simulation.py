@@ -184,7 +184,8 @@ def follow_run(
         try:
             process = start(tree)
             run_id = _follow(process, config, on_progress, poll_interval)
-            _wind_down(process, wind_down_seconds)
+            with contextlib.suppress(KeyboardInterrupt):  # the run has ended: stop now
+                _wind_down(process, wind_down_seconds)
             tree.stop()  # before the status is read: nothing may write to the run later
         except KeyboardInterrupt as exc:
             tree.stop()
@@ -196,6 +197,7 @@ def _wind_down(process: SimulationProcess, seconds: float) -> None:
     """Wait up to ``seconds`` for ``flwr run`` to exit by itself (its run ended in Flower)."""
     deadline = time.monotonic() + seconds
     while process.poll() is None and not process.superlink_exited():
+        process.tree.record()  # what starts meanwhile is stopped too
         if time.monotonic() >= deadline:
             return
         time.sleep(0.1)

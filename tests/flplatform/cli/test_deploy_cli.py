@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import socket
 import ssl
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,10 +19,11 @@ import numpy as np
 import pytest
 
 from flplatform.cli.deploy import INSECURE_SERVER_WARNING, INSECURE_SITE_WARNING
-from flplatform.core.errors import ConfigError
+from flplatform.core.errors import ConfigError, RunFailed
 from flplatform.deploy.certs import init_certs, make_site_key
-from flplatform.deploy.site import plan_site, probe_server
+from flplatform.deploy.site import _watch, plan_site, probe_server
 from flplatform.launch.flower import free_port
+from flplatform.launch.processes import ProcessTree
 from tests.helpers.cli import invoke, one_error_line
 
 
@@ -374,3 +376,45 @@ def test_probe_of_an_unreachable_server_is_a_note(tmp_path: Path, site_file: Pat
     )
     note = probe_server(plan)
     assert note is not None and "not reachable now" in note
+
+
+# ----------------------------------------------------------- what the site says
+# Flower 1.42's SuperNode log (coloured) of a site restarted soon after a crash: refused
+# as active already (told to retry) until the dead SuperNode's heartbeat lapsed, then
+# joined; later it lost the server and got it back.
+_C = "\x1b[93mWARNING \x1b[0m:   "
+_I = "\x1b[92mINFO \x1b[0m:      "
+RESTARTED_SITE_LOG = [
+    f"{_I}Starting Flower SuperNode",
+    f"{_C}Connection attempt failed, retrying in 0.15 seconds",
+    f"{_C}Connection attempt failed, retrying in 18.69 seconds",
+    f"{_I}Connection successful after 52.68 seconds and 9 tries.",
+    f"{_I}SuperNode ID: 3650004933250582873",
+    f"{_I}[RUN 6067156974662529844, ROUND 17]",
+    f"{_C}Connection attempt failed, retrying in 1.20 seconds",
+    f"{_I}Connection successful after 3.10 seconds and 2 tries.",
+    f"{_I}[RUN 6067156974662529844, ROUND 18]",
+]
+
+
+def test_a_site_says_it_waits_to_join_then_joins_and_later_reconnects(
+    tmp_path: Path, site_file: Path
+) -> None:
+    plan = plan_site(
+        "london", server="127.0.0.1:9094", certs_dir=None, data=site_file, insecure=True
+    )
+    log = tmp_path / "supernode.log"
+    log.write_text("\n".join(RESTARTED_SITE_LOG) + "\n")
+    said: list[str] = []
+    with ProcessTree() as tree:
+        node = tree.popen([sys.executable, "-c", "pass"])  # a SuperNode that has exited
+        node.wait()
+        with pytest.raises(RunFailed, match="london's SuperNode exited"):
+            _watch(node, tree, log, plan, said.append)
+    assert said == [
+        "cannot join 127.0.0.1:9094 yet; retrying until it lets london in",
+        "connected to 127.0.0.1:9094 as node 3650004933250582873",
+        "serving run 6067156974662529844",
+        "lost the server 127.0.0.1:9094; retrying until it is back",
+        "reconnected to 127.0.0.1:9094",
+    ]

@@ -24,6 +24,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 
 from flplatform.core.site_registry import RegisteredSite, SiteRegistry
+from flplatform.deploy import gateway as gateway_module
 from flplatform.deploy.certs import fingerprint, init_certs, make_site_key
 from flplatform.deploy.gateway import (
     PUBLIC_KEY_HEADER,
@@ -202,6 +203,20 @@ def test_a_registered_site_refused_as_active_already_is_told_to_retry(
     line = deployment.reports.wait_for("must wait to join")
     assert line.startswith("site london from 127.0.0.1 must wait to join")
     assert "unregistered key" in deployment.reports.wait_for("refused a SuperNode with")
+
+
+def test_a_site_refused_as_active_for_longer_than_the_window_gets_the_refusal(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second SuperNode of a running site (or a key the SuperLink no longer knows) does
+    not wait for ever: past the window since its first refusal it gets the SuperLink's."""
+    url = f"{deployment.url}/v1/fleet/activate-node"
+    with httpx.Client(verify=ssl.create_default_context(cafile=str(deployment.ca_cert))) as client:
+        first = client.post(url, content=b"", headers=signed_headers(deployment.london_key))
+        monkeypatch.setattr(gateway_module, "REJOIN_WINDOW_SECONDS", 0.0)
+        later = client.post(url, content=b"", headers=signed_headers(deployment.london_key))
+    assert first.status_code == 503
+    assert (later.status_code, later.content) == (412, ACTIVATION_FAILED)
 
 
 def test_plain_http_and_a_foreign_ca_are_reported(deployment: Deployment) -> None:
