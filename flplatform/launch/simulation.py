@@ -178,7 +178,7 @@ def follow_run(
     ``wind_down_seconds``: once the ledger says the run ended, how long Flower may take to
     end it too (``flwr run`` exits when the SuperLink has the ServerApp's exit) before
     everything is stopped. A SuperLink whose state outlives the command (a deployment's)
-    otherwise keeps the run as running, and reports it failed when it next starts.
+    otherwise keeps the run as running, until Flower gives it up as failed.
     """
     with ProcessTree() as tree:
         try:
