@@ -195,6 +195,8 @@ def follow_run(
 
 def _wind_down(process: SimulationProcess, seconds: float) -> None:
     """Wait up to ``seconds`` for ``flwr run`` to exit by itself (its run ended in Flower)."""
+    if seconds <= 0:  # a simulation's: nothing of it outlives the command
+        return
     deadline = time.monotonic() + seconds
     while process.poll() is None and not process.superlink_exited():
         process.tree.record()  # what starts meanwhile is stopped too
