@@ -49,6 +49,10 @@ START_SECONDS = 120.0
 # restarted within that minute waits to join (the server's gateway has it retry).
 DEREGISTER_SECONDS = 5.0
 POLL_SECONDS = 0.5
+# A site's SuperNode logs kept in the home's logs folder, this start's included: one per
+# start, so that a site restarted over and over (by hand, or a service manager) keeps its
+# last few crashes to read and does not fill the disk.
+KEPT_SITE_LOGS = 5
 _NODE_ID = re.compile(r"SuperNode ID: (\d+)")
 _RUN = re.compile(r"\[RUN (\d+)")
 _CONNECTION_FAILED = "Connection attempt failed"
@@ -225,6 +229,30 @@ def refusal_reason(output: str, plan: SitePlan) -> str:
     return telling_line(output)
 
 
+def site_log(home: Path, name: str) -> Path:
+    """The log of this start of site ``name``'s SuperNode, in the home's logs folder.
+
+    One of its own: processes of a SuperNode killed before (Flower's SuperExec and
+    ClientApps outlive it for a while) still write to theirs, at their own offsets. The
+    site's oldest logs beyond the newest ``KEPT_SITE_LOGS`` (this one counted) are removed;
+    a process still writing to one keeps its file until it exits.
+    """
+    logs = logs_dir(home)
+    pattern = re.compile(rf"site-{re.escape(name)}\.supernode\.\d+\.log")
+    earlier = [p for p in logs.iterdir() if pattern.fullmatch(p.name)]
+    earlier.sort(key=_modified, reverse=True)
+    for old in earlier[KEPT_SITE_LOGS - 1 :]:
+        old.unlink(missing_ok=True)
+    return logs / f"site-{name}.supernode.{os.getpid()}.log"
+
+
+def _modified(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:  # removed meanwhile by another start of the site
+        return 0.0
+
+
 def run_site(plan: SitePlan, *, home: Path, say: Say) -> None:
     """Start the site's SuperNode and stay with it until it exits or the user stops it.
 
@@ -232,9 +260,7 @@ def run_site(plan: SitePlan, *, home: Path, say: Say) -> None:
     the server, say); ``KeyboardInterrupt``/``StopRequested`` after stopping it.
     """
     env = flower_environment(home)
-    # A log of this start's own: processes of a SuperNode killed before (Flower's SuperExec
-    # and ClientApps outlive it for a while) still write to theirs, at their own offsets.
-    log = logs_dir(home) / f"site-{plan.name}.supernode.{os.getpid()}.log"
+    log = site_log(home, plan.name)
     security = (
         ["--insecure"]
         if plan.ca_cert is None or plan.private_key is None

@@ -7,6 +7,7 @@ probe a site makes before it starts is tested against real TLS and plain sockets
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import ssl
@@ -21,7 +22,7 @@ import pytest
 from flplatform.cli.deploy import INSECURE_SERVER_WARNING, INSECURE_SITE_WARNING
 from flplatform.core.errors import ConfigError, RunFailed
 from flplatform.deploy.certs import init_certs, make_site_key
-from flplatform.deploy.site import _watch, plan_site, probe_server
+from flplatform.deploy.site import KEPT_SITE_LOGS, _watch, plan_site, probe_server, site_log
 from flplatform.launch.flower import free_port
 from flplatform.launch.processes import ProcessTree
 from tests.helpers.cli import invoke, one_error_line
@@ -395,6 +396,25 @@ RESTARTED_SITE_LOG = [
     f"{_I}Connection successful after 3.10 seconds and 2 tries.",
     f"{_I}[RUN 6067156974662529844, ROUND 18]",
 ]
+
+
+def test_a_site_keeps_its_last_logs_and_no_other_sites(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    # Eight earlier starts of london (pid 100 the oldest), one of london2, one of ohio.
+    starts = [logs / f"site-london.supernode.{100 + i}.log" for i in range(8)]
+    others = [logs / "site-london2.supernode.7.log", logs / "site-ohio.supernode.1.log"]
+    for age, path in enumerate(reversed([*starts, *others])):
+        path.write_text("a SuperNode's output\n")
+        os.utime(path, (1e9 - age, 1e9 - age))
+    os.utime(others[0], (1.0, 1.0))  # older than all of london's: not london's to remove
+
+    log = site_log(tmp_path, "london")
+
+    assert log == logs / f"site-london.supernode.{os.getpid()}.log"
+    left = sorted(p.name for p in logs.iterdir())
+    kept = [p.name for p in starts[-(KEPT_SITE_LOGS - 1) :]]  # the newest, with this one's
+    assert left == sorted([*kept, *(p.name for p in others)])
 
 
 def test_a_site_says_it_waits_to_join_then_joins_and_later_reconnects(
