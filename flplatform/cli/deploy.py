@@ -9,6 +9,7 @@ process starts.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -21,13 +22,16 @@ from rich.text import Text
 from clients.catalog import BUILTIN_DATASETS
 from flplatform.app.config import SKETCHED, RunConfig
 from flplatform.cli.errors import handles_errors, stderr
+from flplatform.cli.history import resolve_run
 from flplatform.cli.history import rounds as show_rounds
 from flplatform.cli.history import sites as show_sites
 from flplatform.cli.options import config_values, table_options
 from flplatform.cli.progress import round_progress, say_run_done
 from flplatform.cli.render import OutputFormat, make_console
+from flplatform.cli.resume import reopen, resumable_config, resuming_line
 from flplatform.cli.run import APP_OPTIONS
 from flplatform.cli.simulate import check_top_k, ledger_option, network_spec
+from flplatform.core.checkpoint import CheckpointError
 from flplatform.core.errors import ConfigError
 from flplatform.deploy.superlink import (
     DEFAULT_ADDRESS,
@@ -40,10 +44,15 @@ from flplatform.deploy.superlink import (
 from flplatform.launch.app_directory import RunOverrides, parse_run_config, plan_run, read_app
 from flplatform.launch.flower import model_dirs, project_dir, work_home
 from flplatform.launch.simulation import check_ledger
-from storage import RunRecord
+from flplatform.run.ledger import owner_alive
+from flplatform.run.run_record import LAUNCH_KEY, refuse_deployed
+from storage import LedgerRepository, RunRecord
+from storage.repository import checkpointed_rounds
 from storage.session import detach_password
 
 console = make_console()
+# Seconds a killed server's ServerApp has to end before --resume calls the run alive.
+OWNER_EXIT_SECONDS = 15.0
 
 INSECURE_SERVER_WARNING = (
     "--insecure: no TLS and no site authentication. Anyone who can reach {address} can "
@@ -72,13 +81,13 @@ def _say(line: str) -> None:
 @table_options(optional=True)
 def server(
     sites: Annotated[
-        str,
+        str | None,
         typer.Option(
             help="The sites' names, comma-separated; each site's public key NAME.pub is in "
-            "--certs, and only these sites can join.",
+            "--certs, and only these sites can join (with --resume: the run's).",
             show_default=False,
         ),
-    ],
+    ] = None,
     certs: Annotated[
         Path | None,
         typer.Option(
@@ -122,6 +131,15 @@ def server(
             "join. For tests on a trusted network only.",
         ),
     ] = False,
+    resume: Annotated[
+        str | None,
+        typer.Option(
+            "--resume",
+            metavar="RUN",
+            help="Continue a run of this deployment that died (its id, or 'latest') from its "
+            "last committed round, on its own sites and with its own options.",
+        ),
+    ] = None,
     **options: Any,
 ) -> None:
     """Run a federation across sites on other machines: a SuperLink with TLS and site
@@ -129,16 +147,28 @@ def server(
     registered names. Stops every process at the end or on Ctrl-C."""
     if insecure:
         _warn(INSECURE_SERVER_WARNING.format(address=address))
+    given = {name: value for name, value in options.items() if value is not None}
+    resumed = None
+    if resume is not None:
+        resumed = _resumed_config(resume, sites, app_dir, run_config or (), given, db)
+        site_names: Sequence[str] = resumed.sites
+    elif sites is None:
+        raise ConfigError(
+            "--sites is missing: the sites' names, comma-separated (each NAME.pub in --certs)"
+        )
+    else:
+        site_names = sites.split(",")
     plan = plan_server(
-        sites=sites.split(","),
+        sites=site_names,
         certs_dir=certs,
         address=address,
         wait_timeout=wait_timeout,
         insecure=insecure,
     )
     tag = uuid.uuid4().hex
-    given = {name: value for name, value in options.items() if value is not None}
-    if app_dir is not None:
+    if resumed is not None:
+        run, follow, rounds, title = _resumed_run(resumed)
+    elif app_dir is not None:
         run, follow, rounds, title = _app_run(app_dir, plan, given, run_config or (), db, tag)
     else:
         run, follow, rounds, title = _builtin_run(plan, given, run_config or (), db, tag)
@@ -175,16 +205,7 @@ def _builtin_run(
     config = RunConfig.from_mapping(values)
     _check_test_set(config)
     config = replace(config, db=check_ledger(config))
-    # The ledger's URL travels without its password, which reaches the ServerApp in its
-    # environment (storage.session.detach_password), as in `flplatform simulate`.
-    ledger, password_env = detach_password(config.db)
-    run = DeployedRun(
-        app_dir=project_dir(),
-        run_config={**config.to_run_config(), "db": ledger},
-        tag=tag,
-        extra_env=password_env,
-        python_path=model_dirs(config.model),
-    )
+    run = _deployed_builtin(config)
     title = (
         f"Federation of {config.num_sites} sites ({', '.join(config.sites)}): "
         f"{config.num_server_rounds} round{'s' if config.num_server_rounds != 1 else ''} of "
@@ -192,6 +213,83 @@ def _builtin_run(
         f"model {config.model}, server evaluates on {config.dataset}"
     )
     return run, config, config.num_server_rounds, title
+
+
+def _deployed_builtin(config: RunConfig) -> DeployedRun:
+    """The built-in app with ``config`` (checked, its ledger reachable), to run on the sites.
+
+    The ledger's URL travels without its password, which reaches the ServerApp in its
+    environment (storage.session.detach_password), as in `flplatform simulate`.
+    """
+    ledger, password_env = detach_password(config.db)
+    return DeployedRun(
+        app_dir=project_dir(),
+        run_config={**config.to_run_config(), "db": ledger},
+        tag=config.run_tag,
+        extra_env=password_env,
+        python_path=model_dirs(config.model),
+    )
+
+
+def _resumed_config(
+    resume: str,
+    sites: str | None,
+    app_dir: Path | None,
+    items: Sequence[str],
+    given: Mapping[str, Any],
+    db: str | None,
+) -> RunConfig:
+    """The options of the deployed run ``resume`` names, set to resume it; checked, and
+    nothing changed yet (``ConfigError`` and ``CheckpointError`` say why it cannot be)."""
+    chosen = sorted({*given, *(["app"] if app_dir else []), *(["run-config"] if items else [])})
+    if set(chosen) - {"round_timeout"}:
+        names = ", ".join(f"--{n.replace('_', '-')}" for n in chosen if n != "round_timeout")
+        raise ConfigError(
+            f"{names}: a resumed run keeps its own options; with --resume give the "
+            "deployment's (--certs, --address, --wait-timeout, --insecure), --db and at "
+            "most --round-timeout"
+        )
+    url = ledger_option(db)
+    with LedgerRepository.open(url or None, create=False) as repository:
+        record = repository.get_run(resolve_run(repository, resume))
+        refuse_deployed(record, repository.list_events(record.id), on_deployment=True)
+        if LAUNCH_KEY in record.config:
+            raise ConfigError(
+                f"run {record.id} ran your own app (--app); resuming it on the sites is not "
+                "supported yet: start it again"
+            )
+        if repository.latest_checkpoint(record.id) is None:
+            raise CheckpointError(f"{checkpointed_rounds(record.id, [])}; start it again")
+    config = resumable_config(record, db=url, round_timeout=given.get("round_timeout"))
+    if sites is not None and tuple(s.strip() for s in sites.split(",")) != config.sites:
+        raise ConfigError(
+            f"--sites {sites}: run {record.id} trained on {','.join(config.sites)}; give "
+            "those, or leave --sites out"
+        )
+    _check_test_set(config)  # the run's: still where it was?
+    return replace(config, db=check_ledger(config))
+
+
+def _resumed_run(config: RunConfig) -> tuple[DeployedRun, RunConfig, int | None, str]:
+    """Reopen the run ``config`` resumes (a "resumed" event follows from its ServerApp).
+
+    A server killed outright leaves its ServerApp behind for a few seconds, until it sees
+    its command gone and ends (``run/owner.py``): the run's recorded owner. It is given
+    ``OWNER_EXIT_SECONDS`` to go before the run counts as running elsewhere.
+    """
+    deadline = time.monotonic() + OWNER_EXIT_SECONDS
+    with LedgerRepository.open(config.db or None, create=False) as repository:
+        record = repository.get_run(int(config.resume_run or 0))
+        while (
+            record.status == "running" and owner_alive(record.owner) and time.monotonic() < deadline
+        ):
+            time.sleep(0.5)
+        checkpoint = reopen(repository, record, force=None)
+    title = (
+        f"{resuming_line(record, checkpoint).plain}, on its {config.num_sites} sites "
+        f"({', '.join(config.sites)})"
+    )
+    return _deployed_builtin(config), config, config.num_server_rounds, title
 
 
 def _check_test_set(config: RunConfig) -> None:

@@ -33,7 +33,7 @@ from flplatform.launch.app_directory import AppRun, relaunch
 from flplatform.launch.simulation import resume_simulation, run_app
 from flplatform.run.ledger import owner_alive, process_owner
 from flplatform.run.run_record import LAUNCH_KEY, refuse_deployed, refuse_finished
-from storage import LedgerRepository, RunRecord
+from storage import CheckpointRecord, LedgerRepository, RunRecord
 from storage.repository import checkpointed_rounds
 
 console = make_console()
@@ -66,23 +66,8 @@ def resume(
             plan = relaunched(record, db=url or None, round_timeout=round_timeout)
         else:
             plan = resumable_config(record, db=url, round_timeout=round_timeout)
-        checkpoint = repository.latest_checkpoint(run_id)
-        if checkpoint is None:  # the ServerApp would say the same (ledger.load_checkpoint)
-            raise CheckpointError(f"{checkpointed_rounds(run_id, [])}; start it again")
-        alive = owner_alive(record.owner) if record.status == "running" else False
-        if alive and not force:
-            raise ConfigError(
-                f"run {run_id} is running in process {record.owner}, which is alive: stop it "
-                f"first (or pass --force if that process is not this run's)"
-            )
-        repository.reopen_run(run_id, owner=process_owner())
-    console.print(
-        Text.assemble(
-            "Resuming run ",
-            (str(run_id), "bold"),
-            f" ({record.name}) from round {checkpoint.round} of {record.num_rounds_planned}",
-        )
-    )
+        checkpoint = reopen(repository, record, force=force)
+    console.print(resuming_line(record, checkpoint))
     with round_progress(console, record.num_rounds_planned) as show:
         if isinstance(plan, AppRun):
             finished, followed = run_app(plan, on_progress=show), plan.db_url
@@ -91,6 +76,36 @@ def resume(
     console.print()
     show_rounds(str(finished.id), db=followed, fmt=OutputFormat.table)
     say_run_done(console, finished, followed, db, wall=False)
+
+
+def reopen(
+    repository: LedgerRepository, record: RunRecord, *, force: bool | None
+) -> CheckpointRecord:
+    """Mark ``record`` running again, owned by this command; its latest checkpoint.
+
+    ``CheckpointError`` if it has none, ``ConfigError`` if the process that runs it is
+    alive on this machine, unless ``force`` (None: the command has no ``--force``).
+    """
+    checkpoint = repository.latest_checkpoint(record.id)
+    if checkpoint is None:  # the ServerApp would say the same (ledger.load_checkpoint)
+        raise CheckpointError(f"{checkpointed_rounds(record.id, [])}; start it again")
+    alive = owner_alive(record.owner) if record.status == "running" else False
+    if alive and not force:
+        hint = "" if force is None else " (or pass --force if that process is not this run's)"
+        raise ConfigError(
+            f"run {record.id} is running in process {record.owner}, which is alive: stop it "
+            f"first{hint}"
+        )
+    repository.reopen_run(record.id, owner=process_owner())
+    return checkpoint
+
+
+def resuming_line(record: RunRecord, checkpoint: CheckpointRecord) -> Text:
+    return Text.assemble(
+        "Resuming run ",
+        (str(record.id), "bold"),
+        f" ({record.name}) from round {checkpoint.round} of {record.num_rounds_planned}",
+    )
 
 
 def relaunched(record: RunRecord, *, db: str | None, round_timeout: float | None) -> AppRun:

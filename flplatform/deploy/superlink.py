@@ -62,7 +62,7 @@ from flplatform.launch.flower import (
 from flplatform.launch.processes import ProcessTree
 from flplatform.launch.simulation import ProgressCallback, follow_run
 from flplatform.run.options import ConfigValue
-from flplatform.run.run_record import DEPLOYED_EVENT
+from flplatform.run.run_record import DEPLOYED_EVENT, DEPLOYMENT_ENV
 from storage import (
     RUN_RUNNING,
     LedgerRepository,
@@ -620,6 +620,7 @@ def start_deployment(
     link_log = logs / f"{log_name}.superlink.log"
     env = flower_environment(home, python_path=run.python_path)
     env.update(run.extra_env)
+    env[DEPLOYMENT_ENV] = plan.deployment_id  # a resumed run may reopen here: its sites train
     registry_path = None if plan.insecure else state / "registry.json"
     if registry_path is not None:
         env[REGISTRY_ENV] = str(registry_path)

@@ -11,6 +11,7 @@ the end. A run that fails before it can start is recorded too (:func:`record_fai
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -106,22 +107,40 @@ def refuse_finished(record: RunRecord) -> None:
 # The event ``flplatform server`` records on each run it deploys (detail: the sites and
 # the address): such a run's data is at its sites.
 DEPLOYED_EVENT = "deployed"
+# Set by ``flplatform server`` for the processes it starts, its ServerApp's among them (the
+# deployment's id): the run trains on the deployment's sites, not on this machine.
+DEPLOYMENT_ENV = "FLPLATFORM_DEPLOYMENT"
 
 
-def refuse_deployed(record: RunRecord, events: Sequence[RunEventRecord]) -> None:
-    """``ConfigError`` for a run that trained on a deployment's sites: ``flplatform
-    resume`` would start a local simulation, training on this machine's copies of their
-    data and crediting the sites with it. (Checked by ``flplatform resume`` before it
-    starts anything, and by ``LedgerRun.reopen`` for a resume asked for in any other way.)"""
+def refuse_deployed(
+    record: RunRecord, events: Sequence[RunEventRecord], *, on_deployment: bool = False
+) -> None:
+    """``ConfigError`` for a resume in the wrong place.
+
+    A run that trained on a deployment's sites resumes on them (``flplatform server
+    --resume``): ``flplatform resume`` would start a local simulation, training on this
+    machine's copies of their data and crediting the sites with it. A run that trained in
+    a simulation does not resume on a deployment (``on_deployment``): its sites are this
+    machine's. Checked by both commands before they start anything, and by
+    ``LedgerRun.reopen`` for a resume asked for in any other way.
+    """
     deployed = [e for e in events if e.kind == DEPLOYED_EVENT]
     if not deployed:
+        if on_deployment:
+            raise ConfigError(
+                f"run {record.id} did not train on a deployment's sites (a simulation on "
+                f"the machine that started it): resume it there with `flplatform resume "
+                f"{record.id}`"
+            )
+        return
+    if on_deployment:
         return
     sites = deployed[-1].detail.get("sites")
     named = f" ({', '.join(map(str, sites))})" if isinstance(sites, list) and sites else ""
     raise ConfigError(
         f"run {record.id} trained on the sites of a deployment{named}: `flplatform resume` "
-        "would train it on this machine, on data that belongs at the sites; resuming a "
-        "deployed run is not supported yet: start a new run with `flplatform server`"
+        "would train it on this machine, on data that belongs at the sites; resume it on "
+        f"them with `flplatform server --resume {record.id}` and the deployment's --certs"
     )
 
 
@@ -294,7 +313,11 @@ class LedgerRun:
             record = repository.get_run(run_id)
             refuse_finished(record)
             # Also for resume_run / resume-run given by hand, not only `flplatform resume`
-            refuse_deployed(record, repository.list_events(run_id))
+            refuse_deployed(
+                record,
+                repository.list_events(run_id),
+                on_deployment=bool(os.environ.get(DEPLOYMENT_ENV)),
+            )
             if record.strategy != strategy:
                 raise CheckpointError(
                     f"run {run_id} ran strategy {record.strategy!r}, not {strategy!r}; "

@@ -1,6 +1,6 @@
 """A deployment for real on 127.0.0.1: certificates, `flplatform server`, two `flplatform site`.
 
-One test, as a site administrator would do it: the CA and server certificate, two site
+The first test as a site administrator would do it: the CA and server certificate, two site
 keys, a split of the data, the server, then (while it waits for its sites) every kind of
 node that must be refused: an unregistered key, no key, plain text, another deployment's
 CA, and a client of the Control API. Then the two sites train a 3-round federation with
@@ -8,7 +8,8 @@ TLS and authentication. The ledger names the sites by their registered names, th
 refused nodes are in it nowhere, each refusal was reported, and every process is gone;
 Flower's own `flwr ls`, on the deployment's SuperLink state, has the run completed.
 Each machine (the server, each site) has a home of its own. The ledger is a PostgreSQL
-database whose password, given in the URL, must appear in no file and no output.
+database whose password, given in the URL, must appear in no file and no output. The
+second kills the server mid-run and resumes the run on the sites still running.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy.engine import make_url
@@ -228,3 +230,93 @@ def test_a_deployment_with_tls_and_registered_sites(tmp_path: Path, password_dat
     for path in [*server.home.rglob("*"), *logs.rglob("*")]:
         if path.is_file():
             assert password.encode() not in path.read_bytes(), f"password in {path}"
+
+
+def test_a_server_killed_outright_resumes_the_run_on_its_sites(tmp_path: Path) -> None:
+    """Issue 35's resume: the server's command SIGKILLed after round 2 (the OOM killer, a
+    reboot), the sites left running; `flplatform server --resume` trains the rest on them.
+    The server's machine never holds a site's data file (it could train on nothing else
+    than its test set), and the rounds it had committed stay as they were."""
+    server = Machine(tmp_path / "server")
+    sites = {name: Machine(tmp_path / name) for name in ("london", "ohio")}
+    certs = server.home / "certs"
+    assert server.run("certs", "init", "--out", str(certs)).returncode == 0
+    for name, site in sites.items():
+        assert site.run("certs", "site", name, "--out", str(site.home / "certs")).returncode == 0
+        shutil.copy(certs / "ca.crt", site.home / "certs")
+        shutil.copy(site.home / "certs" / f"{name}.pub", certs)
+    split = server.home / "split"
+    made = server.run("data", "split", "--out", str(split), "--sites", "london,ohio")
+    assert made.returncode == 0, made.stderr
+    for name, site in sites.items():  # as the split step says: the sites' files leave
+        shutil.move(split / f"{name}.npz", site.home / f"{name}.npz")
+    ledger = f"sqlite:///{server.home / 'runs.db'}"
+    address = f"127.0.0.1:{free_port()}"
+    deployment = ("--certs", str(certs), "--address", address, "--db", ledger)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    tree = ProcessTree()
+    try:
+        first = server.start(
+            tree, logs / "server.log", "server", *deployment, "--sites", "london,ohio",
+            "--rounds", "4", "--local-epochs", "1", "--dataset", str(split),
+            "--partition", "files", "--wait-timeout", "180",
+        )  # fmt: skip
+        wait_for_text(logs / "server.log", "listening for sites", first, tree, 120)
+        members = {
+            name: site.start(
+                tree,
+                logs / f"{name}.log",
+                "site",
+                name,
+                "--server",
+                address,
+                "--certs",
+                str(site.home / "certs"),
+                "--data",
+                str(site.home / f"{name}.npz"),
+            )  # fmt: skip
+            for name, site in sites.items()
+        }
+        deadline = time.monotonic() + 300
+        before: list[Any] = []
+        while len(before) < 2 and time.monotonic() < deadline:
+            tree.record()
+            assert first.poll() is None, (logs / "server.log").read_text()[-3000:]
+            time.sleep(0.5)
+            with LedgerRepository.open(ledger) as repository:
+                runs = repository.list_runs()
+                before = repository.list_rounds(runs[0].id) if runs else []
+        first.kill()  # the command alone: what it started must follow it
+        assert first.wait(10) == -signal.SIGKILL
+
+        resumed = server.start(
+            tree, logs / "resume.log", "server", *deployment, "--resume", "latest",
+            "--wait-timeout", "180",
+        )  # fmt: skip
+        assert resumed.wait(300) == 0, (logs / "resume.log").read_text()[-4000:]
+        output = (logs / "resume.log").read_text()
+        for name, proc in members.items():
+            assert proc.poll() is None, (logs / f"{name}.log").read_text()
+            proc.send_signal(signal.SIGTERM)
+        for proc in members.values():
+            proc.wait(30)
+    finally:
+        tree.stop()
+
+    assert "Resuming run 1 (" in output and f"from round {len(before)} of 4" in output
+    assert "on its 2 sites (london, ohio)" in output
+    with LedgerRepository.open(ledger) as repository:
+        (run,) = repository.list_runs()
+        rounds = repository.list_rounds(run.id)
+        updates = repository.list_updates(run.id)
+        events = [e.kind for e in repository.list_events(run.id)]
+    assert run.status == "finished", run.error
+    assert [r.num_applied for r in rounds] == [2, 2, 2, 2]
+    assert rounds[: len(before)] == before  # committed rounds are not written again
+    assert {(u.round, u.site) for u in updates if u.status == "applied"} == {
+        (r, s) for r in range(1, 5) for s in ("london", "ohio")
+    }
+    assert events == [DEPLOYED_EVENT, "resumed", DEPLOYED_EVENT]
+    # Nothing at the server to train on but its test set: the sites' files are theirs.
+    assert not [p for p in server.home.rglob("*.npz") if p.name in ("london.npz", "ohio.npz")]

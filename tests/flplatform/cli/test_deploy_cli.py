@@ -25,7 +25,10 @@ from flplatform.deploy.certs import init_certs, make_site_key
 from flplatform.deploy.site import KEPT_SITE_LOGS, _watch, plan_site, probe_server, site_log
 from flplatform.launch.flower import free_port
 from flplatform.launch.processes import ProcessTree
+from flplatform.run.run_record import DEPLOYED_EVENT, LAUNCH_KEY
+from storage import LedgerRepository
 from tests.helpers.cli import invoke, one_error_line
+from tests.helpers.resumable_runs import record_run, simulate_config
 
 
 @pytest.fixture
@@ -62,6 +65,86 @@ def site(*args: str) -> tuple[int, str]:
 
 
 # ====================================================================== server
+def test_server_needs_its_sites_unless_it_resumes(server_dir: Path) -> None:
+    code, output = server("--certs", str(server_dir), "--address", address())
+    assert code == 2
+    assert one_error_line(output) == (
+        "error: --sites is missing: the sites' names, comma-separated (each NAME.pub in --certs)"
+    )
+
+
+@pytest.fixture
+def deployed_ledger(sqlite_ledger: str, tmp_path: Path) -> tuple[str, int, int]:
+    """A ledger with a deployed run of london and ohio, and a simulated one: each killed
+    after 2 of 4 rounds."""
+    config = {**simulate_config("d1"), "sites": "london,ohio"}
+    deployed = record_run(sqlite_ledger, tmp_path, config=config, tag="d1", rounds=2)
+    simulated = record_run(sqlite_ledger, tmp_path, config=config, tag="s1", rounds=2)
+    with LedgerRepository.open(sqlite_ledger) as repo:
+        repo.add_event(deployed, DEPLOYED_EVENT, {"sites": ["london", "ohio"], "address": "x:1"})
+    return sqlite_ledger, deployed, simulated
+
+
+@pytest.mark.parametrize(
+    "given,said",
+    [
+        (
+            ["--rounds", "9", "--lr", "0.5"],
+            "error: --lr, --rounds: a resumed run keeps its own options; with --resume give "
+            "the deployment's (--certs, --address, --wait-timeout, --insecure), --db and at "
+            "most --round-timeout",
+        ),
+        (
+            ["--sites", "london,tokyo"],
+            "error: --sites london,tokyo: run {deployed} trained on london,ohio; give those, "
+            "or leave --sites out",
+        ),
+        (
+            ["--resume", "{simulated}"],
+            "error: run {simulated} did not train on a deployment's sites (a simulation on the "
+            "machine that started it): resume it there with `flplatform resume {simulated}`",
+        ),
+    ],
+    ids=["options", "other-sites", "simulated-run"],
+)
+def test_server_resume_refuses_before_anything_starts(
+    server_dir: Path, deployed_ledger: tuple[str, int, int], given: list[str], said: str
+) -> None:
+    url, deployed, simulated = deployed_ledger
+    run = {"deployed": deployed, "simulated": simulated}
+    args = ["--resume", str(deployed), *(item.format(**run) for item in given)]
+    code, output = server("--certs", str(server_dir), "--address", address(), "--db", url, *args)
+    assert code == 2, output
+    assert one_error_line(output) == said.format(**run)
+    with LedgerRepository.open(url) as repo:  # neither run touched
+        assert [repo.get_run(r).status for r in (deployed, simulated)] == ["running"] * 2
+        assert [e.kind for e in repo.list_events(deployed)] == [DEPLOYED_EVENT]
+
+
+def test_server_resume_of_a_finished_or_own_app_run_is_one_line(
+    server_dir: Path, deployed_ledger: tuple[str, int, int], tmp_path: Path
+) -> None:
+    url, deployed, _ = deployed_ledger
+    app_run = record_run(
+        url, tmp_path, config={**simulate_config("a1"), LAUNCH_KEY: {}}, tag="a1", rounds=1
+    )
+    with LedgerRepository.open(url) as repo:
+        repo.add_event(app_run, DEPLOYED_EVENT, {"sites": ["london", "ohio"], "address": "x:1"})
+        repo.finish_run(deployed, status="finished")
+    common = ("--certs", str(server_dir), "--address", address(), "--db", url, "--resume")
+    code, output = server(*common, str(deployed))
+    assert (code, one_error_line(output)) == (
+        2,
+        f"error: run {deployed} finished; there is nothing to resume",
+    )
+    code, output = server(*common, str(app_run))
+    assert (code, one_error_line(output)) == (
+        2,
+        f"error: run {app_run} ran your own app (--app); resuming it on the sites is not "
+        "supported yet: start it again",
+    )
+
+
 def test_server_without_certs_names_certs_init_and_insecure() -> None:
     code, output = server("--sites", "london,ohio", "--address", address())
     assert code == 2

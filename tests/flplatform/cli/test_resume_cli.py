@@ -9,57 +9,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord
 
-from flplatform.app.config import RunConfig
-from flplatform.engine.events import RoundSummary
-from flplatform.run.ledger import SqlLedger, process_owner
+from flplatform.run.ledger import process_owner
 from flplatform.run.run_record import DEPLOYED_EVENT, LAUNCH_KEY
 from storage import LedgerRepository
 from tests.helpers.cli import invoke, one_error_line
-
-
-def simulate_config(tag: str) -> dict[str, Any]:
-    return {**RunConfig(num_server_rounds=4).to_run_config(), "run-tag": tag}
-
-
-def record_run(
-    url: str,
-    tmp_path: Path,
-    *,
-    config: dict[str, Any],
-    tag: str | None,
-    rounds: int,
-    owner: str | None = None,
-    status: str | None = None,
-) -> int:
-    """A run with ``rounds`` committed rounds, each with its checkpoint."""
-    t0 = time.time()
-    with LedgerRepository.open(url) as repo:
-        run_id = repo.create_run(
-            name="r",
-            strategy="local-sgd",
-            seed=0,
-            config=config,
-            num_rounds_planned=4,
-            tag=tag,
-            owner=owner,
-        )
-        sink = SqlLedger(repo, run_id, checkpoint_dir=tmp_path / "ckpt")
-        for step in range(1, rounds + 1):
-            state = {
-                "kind": "flplatform-run-state",
-                "server_round": step,
-                "model_version": step,
-                "model": ArrayRecord({"w": Array(np.full(3, step, np.float32))}),
-                "engine": {},
-            }
-            sink.record_round(RoundSummary(step, step, t0, t0 + 0.1, {}, None, ()), state)
-        if status is not None:
-            repo.finish_run(run_id, status=status, error="boom" if status == "failed" else None)
-    return run_id
+from tests.helpers.resumable_runs import record_run, simulate_config
 
 
 @pytest.fixture
@@ -81,8 +37,8 @@ def test_a_deployed_run_is_refused_rather_than_trained_on_this_machine(
     assert result.exit_code == 2
     assert one_error_line(result.output).endswith(
         f"run {run_id} trained on the sites of a deployment (london, ohio): `flplatform "
-        "resume` would train it on this machine, on data that belongs at the sites; resuming "
-        "a deployed run is not supported yet: start a new run with `flplatform server`"
+        "resume` would train it on this machine, on data that belongs at the sites; resume "
+        f"it on them with `flplatform server --resume {run_id}` and the deployment's --certs"
     )
     with LedgerRepository.open(url) as repo:  # untouched: not reopened, no event added
         assert repo.get_run(run_id).status == "running"
@@ -103,6 +59,32 @@ def test_a_deployed_run_is_refused_however_the_resume_is_asked_for(
         LedgerRun.reopen(url, run_id, strategy="local-sgd", num_rounds=4)
     with LedgerRepository.open(url) as repo:
         assert [e.kind for e in repo.list_events(run_id)] == [DEPLOYED_EVENT]
+
+
+def test_a_deployment_reopens_its_own_runs_only(
+    url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What ``flplatform server`` marks its processes with (``DEPLOYMENT_ENV``): there, a
+    deployed run resumes (on its sites), and a simulated one does not."""
+    from flplatform.core.errors import ConfigError
+    from flplatform.run.run_record import DEPLOYMENT_ENV, LedgerRun
+
+    deployed = record_run(url, tmp_path, config=simulate_config("t6"), tag="t6", rounds=2)
+    simulated = record_run(url, tmp_path, config=simulate_config("t5"), tag="t5", rounds=2)
+    with LedgerRepository.open(url) as repo:
+        repo.add_event(deployed, DEPLOYED_EVENT, {"sites": ["london"], "address": "x:1"})
+    monkeypatch.setenv(DEPLOYMENT_ENV, "ca-0123456789ab")
+
+    with pytest.raises(ConfigError) as refused:
+        LedgerRun.reopen(url, simulated, strategy="local-sgd", num_rounds=4)
+    assert str(refused.value) == (
+        f"run {simulated} did not train on a deployment's sites (a simulation on the machine "
+        f"that started it): resume it there with `flplatform resume {simulated}`"
+    )
+    reopened = LedgerRun.reopen(url, deployed, strategy="local-sgd", num_rounds=4)
+    reopened.repository.close()
+    assert (reopened.run_id, reopened.run_key) == (deployed, "t6")
+    assert reopened.resume_state is not None and reopened.resume_state["server_round"] == 2
 
 
 def test_a_finished_run_is_refused(url: str, tmp_path: Path) -> None:
