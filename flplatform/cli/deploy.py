@@ -31,6 +31,15 @@ from flplatform.cli.render import OutputFormat, make_console
 from flplatform.cli.resume import reopen, resumable_config, resuming_line
 from flplatform.cli.run import APP_OPTIONS
 from flplatform.cli.simulate import check_top_k, ledger_option, network_spec
+from flplatform.cli.tracking import (
+    ExperimentOption,
+    MlflowOption,
+    TensorboardOption,
+    check_folder,
+    check_stores,
+    exporting,
+    live_export,
+)
 from flplatform.core.checkpoint import CheckpointError
 from flplatform.core.errors import ConfigError
 from flplatform.deploy.superlink import (
@@ -131,6 +140,9 @@ def server(
             "join. For tests on a trusted network only.",
         ),
     ] = False,
+    mlflow: MlflowOption = None,
+    tensorboard: TensorboardOption = None,
+    experiment: ExperimentOption = "flplatform",
     resume: Annotated[
         str | None,
         typer.Option(
@@ -147,6 +159,7 @@ def server(
     registered names. Stops every process at the end or on Ctrl-C."""
     if insecure:
         _warn(INSECURE_SERVER_WARNING.format(address=address))
+    check_folder(tensorboard)
     given = {name: value for name, value in options.items() if value is not None}
     resumed = None
     if resume is not None:
@@ -167,14 +180,21 @@ def server(
     )
     tag = uuid.uuid4().hex
     if resumed is not None:
+        if mlflow is not None or tensorboard is not None:  # before the run is reopened
+            check_stores(resumed.db, mlflow, tensorboard, experiment)
         run, follow, rounds, title = _resumed_run(resumed)
     elif app_dir is not None:
         run, follow, rounds, title = _app_run(app_dir, plan, given, run_config or (), db, tag)
     else:
         run, follow, rounds, title = _builtin_run(plan, given, run_config or (), db, tag)
     console.print(Text(title))
-    with round_progress(console, rounds) as show:
-        record = run_deployment(plan, run, follow, home=work_home(), say=_say, on_progress=show)
+    with (
+        live_export(follow.db, mlflow, tensorboard, experiment) as live,
+        round_progress(console, rounds) as show,
+    ):
+        record = run_deployment(
+            plan, run, follow, home=work_home(), say=_say, on_progress=exporting(show, live)
+        )
     console.print()
     _finish(record, follow.db, db)
 

@@ -290,9 +290,10 @@ def test_a_server_killed_outright_resumes_the_run_on_its_sites(tmp_path: Path) -
         first.kill()  # the command alone: what it started must follow it
         assert first.wait(10) == -signal.SIGKILL
 
+        mlflow = f"sqlite:///{tmp_path / 'mlflow.db'}"
         resumed = server.start(
             tree, logs / "resume.log", "server", *deployment, "--resume", "latest",
-            "--wait-timeout", "180",
+            "--wait-timeout", "180", "--mlflow", mlflow, "--experiment", "deployment",
         )  # fmt: skip
         assert resumed.wait(300) == 0, (logs / "resume.log").read_text()[-4000:]
         output = (logs / "resume.log").read_text()
@@ -318,5 +319,16 @@ def test_a_server_killed_outright_resumes_the_run_on_its_sites(tmp_path: Path) -
         (r, s) for r in range(1, 5) for s in ("london", "ohio")
     }
     assert events == [DEPLOYED_EVENT, "resumed", DEPLOYED_EVENT]
+    # Logged to MLflow as it trained (--mlflow): every round, those before the kill too.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=mlflow)
+    [logged] = client.search_runs([client.get_experiment_by_name("deployment").experiment_id])
+    assert logged.info.status == "FINISHED"
+    accuracy = client.get_metric_history(logged.info.run_id, "accuracy")
+    assert sorted((m.step, m.value) for m in accuracy) == [
+        (r.round, r.metrics["accuracy"]) for r in rounds
+    ]
+    assert "was logged to MLflow" in output
     # Nothing at the server to train on but its test set: the sites' files are theirs.
     assert not [p for p in server.home.rglob("*.npz") if p.name in ("london.npz", "ohio.npz")]
