@@ -41,7 +41,7 @@ from flplatform.cli.tracking import (
     live_export,
 )
 from flplatform.core.checkpoint import CheckpointError
-from flplatform.core.errors import ConfigError
+from flplatform.core.errors import ConfigError, RunFailed, RunStopped
 from flplatform.deploy.superlink import (
     DEFAULT_ADDRESS,
     DEFAULT_WAIT_SECONDS,
@@ -53,8 +53,8 @@ from flplatform.deploy.superlink import (
 from flplatform.launch.app_directory import RunOverrides, parse_run_config, plan_run, read_app
 from flplatform.launch.flower import model_dirs, project_dir, work_home
 from flplatform.launch.simulation import check_ledger
-from flplatform.run.ledger import owner_alive
-from flplatform.run.run_record import LAUNCH_KEY, refuse_deployed
+from flplatform.run.ledger import owner_alive, process_owner
+from flplatform.run.run_record import DEPLOYED_EVENT, LAUNCH_KEY, refuse_deployed
 from storage import LedgerRepository, RunRecord
 from storage.repository import checkpointed_rounds
 from storage.session import detach_password
@@ -75,7 +75,7 @@ INSECURE_SITE_WARNING = (
     "way. Use it only for a test on a network you trust."
 )
 # -c keys the server sets itself.
-_SET_BY_SERVER = {"sites": "--sites", "db": "--db", "run-tag": None}
+_SET_BY_SERVER = {"sites": "--sites", "db": "--db", "run-tag": None, "resume-run": "--resume"}
 
 
 def _warn(text: str) -> None:
@@ -148,10 +148,19 @@ def server(
         typer.Option(
             "--resume",
             metavar="RUN",
-            help="Continue a run of this deployment that died (its id, or 'latest') from its "
-            "last committed round, on its own sites and with its own options.",
+            help="Continue a run of this deployment that died (its id, or 'latest': the "
+            "newest deployed run not finished) from its last committed round, on its own "
+            "sites and with its own options.",
         ),
     ] = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="With --resume: resume although the ledger says the run's process is "
+            "alive on this machine (a process that took its pid after a reboot).",
+        ),
+    ] = False,
     **options: Any,
 ) -> None:
     """Run a federation across sites on other machines: a SuperLink with TLS and site
@@ -182,19 +191,26 @@ def server(
     if resumed is not None:
         if mlflow is not None or tensorboard is not None:  # before the run is reopened
             check_stores(resumed.db, mlflow, tensorboard, experiment)
-        run, follow, rounds, title = _resumed_run(resumed)
+        run, follow, rounds, title = _resumed_run(resumed, plan, force=force)
+    elif force:
+        raise ConfigError("--force goes with --resume only")
     elif app_dir is not None:
         run, follow, rounds, title = _app_run(app_dir, plan, given, run_config or (), db, tag)
     else:
         run, follow, rounds, title = _builtin_run(plan, given, run_config or (), db, tag)
     console.print(Text(title))
-    with (
-        live_export(follow.db, mlflow, tensorboard, experiment) as live,
-        round_progress(console, rounds) as show,
-    ):
-        record = run_deployment(
-            plan, run, follow, home=work_home(), say=_say, on_progress=exporting(show, live)
-        )
+    try:
+        with (
+            live_export(follow.db, mlflow, tensorboard, experiment) as live,
+            round_progress(console, rounds) as show,
+        ):
+            record = run_deployment(
+                plan, run, follow, home=work_home(), say=_say, on_progress=exporting(show, live)
+            )
+    except RunFailed as exc:
+        if resumed is not None and not isinstance(exc, RunStopped):
+            _fail_reopened(resumed, exc.reason)
+        raise
     console.print()
     _finish(record, follow.db, db)
 
@@ -259,8 +275,9 @@ def _resumed_config(
     given: Mapping[str, Any],
     db: str | None,
 ) -> RunConfig:
-    """The options of the deployed run ``resume`` names, set to resume it; checked, and
-    nothing changed yet (``ConfigError`` and ``CheckpointError`` say why it cannot be)."""
+    """The options of the deployed run ``resume`` names ('latest': the newest deployed run
+    not finished), set to resume it; checked, and nothing changed yet (``ConfigError`` and
+    ``CheckpointError`` say why it cannot be)."""
     chosen = sorted({*given, *(["app"] if app_dir else []), *(["run-config"] if items else [])})
     if set(chosen) - {"round_timeout"}:
         names = ", ".join(f"--{n.replace('_', '-')}" for n in chosen if n != "round_timeout")
@@ -271,8 +288,10 @@ def _resumed_config(
         )
     url = ledger_option(db)
     with LedgerRepository.open(url or None, create=False) as repository:
-        record = repository.get_run(resolve_run(repository, resume))
-        refuse_deployed(record, repository.list_events(record.id), on_deployment=True)
+        if resume.strip().lower() == "latest":
+            record = _latest_deployed(repository)
+        else:
+            record = repository.get_run(resolve_run(repository, resume))
         if LAUNCH_KEY in record.config:
             raise ConfigError(
                 f"run {record.id} ran your own app (--app); resuming it on the sites is not "
@@ -290,26 +309,67 @@ def _resumed_config(
     return replace(config, db=check_ledger(config))
 
 
-def _resumed_run(config: RunConfig) -> tuple[DeployedRun, RunConfig, int | None, str]:
-    """Reopen the run ``config`` resumes (a "resumed" event follows from its ServerApp).
+def _latest_deployed(repository: LedgerRepository) -> RunRecord:
+    """The newest run that trained on a deployment and did not finish."""
+    for record in repository.list_runs():  # newest first
+        if record.status != "finished" and any(
+            e.kind == DEPLOYED_EVENT for e in repository.list_events(record.id)
+        ):
+            return record
+    raise ConfigError(
+        f"no deployed run to resume in the ledger {repository.url} (every one finished, or "
+        "none trained on sites): give its id, and --db if it is recorded elsewhere"
+    )
+
+
+def _resumed_run(
+    config: RunConfig, plan: ServerPlan, *, force: bool
+) -> tuple[DeployedRun, RunConfig, int | None, str]:
+    """Reopen the run ``config`` resumes, on ``plan``'s deployment (a "resumed" event
+    follows from its ServerApp).
 
     A server killed outright leaves its ServerApp behind for a few seconds, until it sees
     its command gone and ends (``run/owner.py``): the run's recorded owner. It is given
     ``OWNER_EXIT_SECONDS`` to go before the run counts as running elsewhere.
     """
+    run = _deployed_builtin(config)  # what can fail, before the run is reopened
     deadline = time.monotonic() + OWNER_EXIT_SECONDS
     with LedgerRepository.open(config.db or None, create=False) as repository:
-        record = repository.get_run(int(config.resume_run or 0))
+        run_id = int(config.resume_run or 0)
+        record = repository.get_run(run_id)
+        refuse_deployed(record, repository.list_events(run_id), on_deployment=plan.deployment_id)
         while (
-            record.status == "running" and owner_alive(record.owner) and time.monotonic() < deadline
+            not force
+            and record.status == "running"
+            and owner_alive(record.owner)
+            and time.monotonic() < deadline
         ):
             time.sleep(0.5)
-        checkpoint = reopen(repository, record, force=None)
+            record = repository.get_run(run_id)
+        if not force and record.status == "running" and owner_alive(record.owner):
+            raise ConfigError(
+                f"run {run_id} is still running in process {record.owner} after "
+                f"{OWNER_EXIT_SECONDS:g} s: stop that server first, or, if it is not this "
+                "run's (a process that took its pid after a reboot), pass --force"
+            )
+        checkpoint = reopen(repository, record, force=True)
     title = (
         f"{resuming_line(record, checkpoint).plain}, on its {config.num_sites} sites "
         f"({', '.join(config.sites)})"
     )
-    return _deployed_builtin(config), config, config.num_server_rounds, title
+    # Logs of their own: those of the start that died say why it did.
+    run = replace(run, log_name=f"{config.run_tag[:12]}.resumed-{time.strftime('%Y%m%d-%H%M%S')}")
+    return run, config, config.num_server_rounds, title
+
+
+def _fail_reopened(config: RunConfig, reason: str) -> None:
+    """Mark the run a resume reopened failed, if it is still this command's: the resume
+    stopped before its ServerApp could (sites that never came, a SuperLink that would
+    not start)."""
+    with LedgerRepository.open(config.db or None, create=False) as repository:
+        record = repository.get_run(int(config.resume_run or 0))
+        if record.status == "running" and record.owner == process_owner():
+            repository.finish_run(record.id, status="failed", error=reason)
 
 
 def _check_test_set(config: RunConfig) -> None:

@@ -78,23 +78,20 @@ def resume(
     say_run_done(console, finished, followed, db, wall=False)
 
 
-def reopen(
-    repository: LedgerRepository, record: RunRecord, *, force: bool | None
-) -> CheckpointRecord:
+def reopen(repository: LedgerRepository, record: RunRecord, *, force: bool) -> CheckpointRecord:
     """Mark ``record`` running again, owned by this command; its latest checkpoint.
 
     ``CheckpointError`` if it has none, ``ConfigError`` if the process that runs it is
-    alive on this machine, unless ``force`` (None: the command has no ``--force``).
+    alive on this machine, unless ``force``.
     """
     checkpoint = repository.latest_checkpoint(record.id)
     if checkpoint is None:  # the ServerApp would say the same (ledger.load_checkpoint)
         raise CheckpointError(f"{checkpointed_rounds(record.id, [])}; start it again")
     alive = owner_alive(record.owner) if record.status == "running" else False
     if alive and not force:
-        hint = "" if force is None else " (or pass --force if that process is not this run's)"
         raise ConfigError(
             f"run {record.id} is running in process {record.owner}, which is alive: stop it "
-            f"first{hint}"
+            f"first (or pass --force if that process is not this run's)"
         )
     repository.reopen_run(record.id, owner=process_owner())
     return checkpoint

@@ -121,6 +121,13 @@ class DeployedRun:
     tag: str
     extra_env: Mapping[str, str] = field(default_factory=dict)  # reaches the ServerApp
     python_path: tuple[Path, ...] = ()
+    # The logs' names in the home's logs folder: the tag's start; a resume's, its own, so
+    # that the logs of the start that died are kept.
+    log_name: str = ""
+
+    @property
+    def logs(self) -> str:
+        return self.log_name or self.tag[:12]
 
 
 def plan_server(
@@ -616,7 +623,7 @@ def start_deployment(
     Every process is started in ``tree`` (the caller stops them, also when this raises).
     """
     logs = logs_dir(home)
-    log_name = run.tag[:12]
+    log_name = run.logs
     link_log = logs / f"{log_name}.superlink.log"
     env = flower_environment(home, python_path=run.python_path)
     env.update(run.extra_env)
@@ -718,7 +725,7 @@ def run_deployment(
     marked: set[int] = set()
     presence = PresenceLines(say)
     with deployment_state(home, plan) as state:
-        gateway_log = LogTail(home / "logs" / f"{run.tag[:12]}.gateway.log")
+        gateway_log = LogTail(home / "logs" / f"{run.logs}.gateway.log")
 
         def start(tree: ProcessTree) -> SimulationProcess:
             return start_deployment(
@@ -732,7 +739,11 @@ def run_deployment(
                 say(line)
             if record is not None and record.id not in marked:
                 # A ledger that hiccups must not end the deployment: tried again next poll.
-                detail = {"sites": list(plan.sites), "address": str(plan.address)}
+                detail = {
+                    "sites": list(plan.sites),
+                    "address": str(plan.address),
+                    "deployment": plan.deployment_id,
+                }
                 try:
                     with LedgerRepository.open(follow.db or None) as repository:
                         repository.add_event(record.id, DEPLOYED_EVENT, detail)

@@ -32,6 +32,7 @@ from flplatform.launch.processes import ProcessTree, listens_on
 from flplatform.launch.staging import staged_app
 from flplatform.run.options import OPTIONS_ENV, ConfigValue
 from flplatform.run.owner import OWNER_ENV, owner_token
+from flplatform.run.run_record import DEPLOYMENT_ENV
 from storage.session import PASSWORD_ENV, detach_password, flplatform_home
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -79,6 +80,7 @@ def flower_environment(home: Path, *, python_path: Sequence[Path] = ()) -> dict[
     env = dict(os.environ)
     # Options for flplatform.start() are the run's own (set by start_app), never inherited.
     env.pop(OPTIONS_ENV, None)
+    env.pop(DEPLOYMENT_ENV, None)  # flplatform server sets it for its own processes only
     # A ledger password reaches the ServerApp in a password file (storage.session.
     # detach_password), not in the environment of every process: Ray's included.
     env.pop(PASSWORD_ENV, None)

@@ -113,16 +113,17 @@ DEPLOYMENT_ENV = "FLPLATFORM_DEPLOYMENT"
 
 
 def refuse_deployed(
-    record: RunRecord, events: Sequence[RunEventRecord], *, on_deployment: bool = False
+    record: RunRecord, events: Sequence[RunEventRecord], *, on_deployment: str | None = None
 ) -> None:
     """``ConfigError`` for a resume in the wrong place.
 
     A run that trained on a deployment's sites resumes on them (``flplatform server
     --resume``): ``flplatform resume`` would start a local simulation, training on this
     machine's copies of their data and crediting the sites with it. A run that trained in
-    a simulation does not resume on a deployment (``on_deployment``): its sites are this
-    machine's. Checked by both commands before they start anything, and by
-    ``LedgerRun.reopen`` for a resume asked for in any other way.
+    a simulation does not resume on a deployment (``on_deployment``: its id, where the
+    resume runs), nor a deployed run on another deployment (another CA). Checked by both
+    commands before they start anything, and by ``LedgerRun.reopen`` for a resume asked
+    for in any other way.
     """
     deployed = [e for e in events if e.kind == DEPLOYED_EVENT]
     if not deployed:
@@ -134,6 +135,12 @@ def refuse_deployed(
             )
         return
     if on_deployment:
+        recorded = deployed[-1].detail.get("deployment")
+        if isinstance(recorded, str) and recorded != on_deployment:
+            raise ConfigError(
+                f"run {record.id} trained on another deployment ({recorded}; this one is "
+                f"{on_deployment}): resume it with that deployment's --certs"
+            )
         return
     sites = deployed[-1].detail.get("sites")
     named = f" ({', '.join(map(str, sites))})" if isinstance(sites, list) and sites else ""
@@ -316,7 +323,7 @@ class LedgerRun:
             refuse_deployed(
                 record,
                 repository.list_events(run_id),
-                on_deployment=bool(os.environ.get(DEPLOYMENT_ENV)),
+                on_deployment=os.environ.get(DEPLOYMENT_ENV) or None,
             )
             if record.strategy != strategy:
                 raise CheckpointError(

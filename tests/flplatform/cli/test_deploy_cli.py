@@ -15,6 +15,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -119,6 +120,85 @@ def test_server_resume_refuses_before_anything_starts(
     with LedgerRepository.open(url) as repo:  # neither run touched
         assert [repo.get_run(r).status for r in (deployed, simulated)] == ["running"] * 2
         assert [e.kind for e in repo.list_events(deployed)] == [DEPLOYED_EVENT]
+
+
+def test_server_resume_latest_is_the_newest_deployed_run_not_finished(
+    server_dir: Path, deployed_ledger: tuple[str, int, int]
+) -> None:
+    url, deployed, _ = deployed_ledger  # a simulated run came after it
+    common = ("--certs", str(server_dir), "--address", address(), "--db", url, "--resume")
+    code, output = server(*common, "latest", "--sites", "london,tokyo")
+    assert (code, one_error_line(output)) == (
+        2,
+        f"error: --sites london,tokyo: run {deployed} trained on london,ohio; give those, or "
+        "leave --sites out",
+    )
+    with LedgerRepository.open(url) as repo:
+        repo.finish_run(deployed, status="finished")
+    code, output = server(*common, "latest")
+    assert code == 2
+    assert one_error_line(output).startswith("error: no deployed run to resume in the ledger ")
+
+
+def test_server_resume_of_another_deployments_run_is_refused(
+    server_dir: Path, deployed_ledger: tuple[str, int, int]
+) -> None:
+    url, deployed, _ = deployed_ledger
+    with LedgerRepository.open(url) as repo:  # it ran on another CA's deployment since
+        repo.add_event(
+            deployed, DEPLOYED_EVENT, {"sites": ["london", "ohio"], "deployment": "ca-0ther"}
+        )
+    code, output = server(
+        "--certs", str(server_dir), "--address", address(), "--db", url, "--resume", "latest"
+    )
+    assert code == 2
+    assert one_error_line(output).startswith(
+        f"error: run {deployed} trained on another deployment (ca-0ther; this one is ca-"
+    )
+    with LedgerRepository.open(url) as repo:
+        assert repo.get_run(deployed).status == "running"
+
+
+def test_server_resume_plans_the_run_and_fails_it_if_it_cannot_start(
+    server_dir: Path, deployed_ledger: tuple[str, int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What reaches the deployment: the run's own options and tag, set to resume; when
+    the resume stops before its ServerApp could (its sites never came), the run it
+    reopened is failed with the reason, not left running."""
+    from flplatform.cli import deploy as deploy_cli
+
+    url, deployed, _ = deployed_ledger
+    started: list[Any] = []
+
+    def sites_never_come(plan: Any, run: Any, follow: Any, **_: Any) -> None:
+        started.append((plan, run, follow))
+        raise RunFailed("sites did not connect within 1 s: london, ohio")
+
+    monkeypatch.setattr(deploy_cli, "run_deployment", sites_never_come)
+    code, output = server(
+        "--certs", str(server_dir), "--address", address(), "--db", url, "--resume",
+        str(deployed), "--round-timeout", "30",
+    )  # fmt: skip
+    assert code == RunFailed.exit_code, output
+    assert f"Resuming run {deployed} (r) from round 2 of 4, on its 2 sites (london, ohio)" in (
+        output
+    )
+    [(plan, run, follow)] = started
+    assert plan.sites == ("london", "ohio")
+    assert {k: run.run_config[k] for k in ("resume-run", "run-tag", "sites", "round-timeout")} == {
+        "resume-run": deployed,
+        "run-tag": "d1",
+        "sites": "london,ohio",
+        "round-timeout": 30.0,
+    }
+    assert run.logs.startswith("d1.resumed-")  # the logs of the start that died are kept
+    assert (follow.run_tag, follow.resume_run) == ("d1", deployed)
+    with LedgerRepository.open(url) as repo:
+        record = repo.get_run(deployed)
+    assert (record.status, record.error) == (
+        "failed",
+        "sites did not connect within 1 s: london, ohio",
+    )
 
 
 def test_server_resume_of_a_finished_or_own_app_run_is_one_line(

@@ -85,6 +85,22 @@ def test_a_deployment_reopens_its_own_runs_only(
     reopened.repository.close()
     assert (reopened.run_id, reopened.run_key) == (deployed, "t6")
     assert reopened.resume_state is not None and reopened.resume_state["server_round"] == 2
+    with LedgerRepository.open(url) as repo:  # resumed on another CA's deployment since
+        repo.add_event(deployed, DEPLOYED_EVENT, {"sites": ["london"], "deployment": "ca-1"})
+    with pytest.raises(ConfigError, match=r"trained on another deployment \(ca-1; this one"):
+        LedgerRun.reopen(url, deployed, strategy="local-sgd", num_rounds=4)
+
+
+def test_the_deployment_marker_is_never_inherited(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Only flplatform server's own processes carry it: a shell that exported it does not
+    make a simulation's ServerApp resume a deployed run."""
+    from flplatform.launch.flower import flower_environment
+    from flplatform.run.run_record import DEPLOYMENT_ENV
+
+    monkeypatch.setenv(DEPLOYMENT_ENV, "ca-0123456789ab")
+    assert DEPLOYMENT_ENV not in flower_environment(tmp_path)
 
 
 def test_a_finished_run_is_refused(url: str, tmp_path: Path) -> None:
