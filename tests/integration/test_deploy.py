@@ -237,7 +237,8 @@ def test_a_deployment_with_tls_and_registered_sites(tmp_path: Path, password_dat
 
 def test_a_server_killed_outright_resumes_the_run_on_its_sites(tmp_path: Path) -> None:
     """Issue 35's resume: the server's command SIGKILLed after round 2 (the OOM killer, a
-    reboot), the sites left running; `flplatform server --resume` trains the rest on them.
+    reboot), the sites left running; `flplatform server --resume` trains the rest on them,
+    with the state they kept (DTS: delayed averages, top-k with error feedback).
     The server's machine never holds a site's data file (it could train on nothing else
     than its test set), and the rounds it had committed stay as they were."""
     server = Machine(tmp_path / "server")
@@ -263,6 +264,7 @@ def test_a_server_killed_outright_resumes_the_run_on_its_sites(tmp_path: Path) -
         first = server.start(
             tree, logs / "server.log", "server", *deployment, "--sites", "london,ohio",
             "--rounds", "4", "--local-epochs", "1", "--dataset", str(split),
+            "--strategy", "delayed", "--codec", "topk:0.1",
             "--partition", "files", "--wait-timeout", "180",
         )  # fmt: skip
         wait_for_text(logs / "server.log", "listening for sites", first, tree, 120)
@@ -326,6 +328,8 @@ def test_a_server_killed_outright_resumes_the_run_on_its_sites(tmp_path: Path) -
         (r, s) for r in range(1, 5) for s in ("london", "ohio")
     }
     assert events == [DEPLOYED_EVENT, "resumed", DEPLOYED_EVENT]
+    # DTS: each site's delayed periods and top-k residuals outlived the server, on its disk
+    assert not [u.reason for u in updates if u.reason and "lost its state" in u.reason]
     # Logged to MLflow as it trained (--mlflow): every round, those before the kill too.
     from mlflow.tracking import MlflowClient
 
