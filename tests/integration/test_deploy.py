@@ -39,6 +39,17 @@ BIN = Path(sys.executable).parent
 ROUNDS = 3
 
 
+def start_site(
+    site: Machine, name: str, address: str, data: Path, tree: ProcessTree, logs: Path
+) -> subprocess.Popen[bytes]:
+    """`flplatform site NAME` on its machine, with its certs folder and data file."""
+    certs = str(site.home / "certs")
+    return site.start(
+        tree, logs / f"{name}.log", "site", name, "--server", address, "--certs", certs,
+        "--data", str(data),
+    )  # fmt: skip
+
+
 def test_a_deployment_with_tls_and_registered_sites(tmp_path: Path, password_database: str) -> None:
     server = Machine(tmp_path / "server")
     sites = {name: Machine(tmp_path / name) for name in ("london", "ohio", "evil")}
@@ -133,18 +144,7 @@ def test_a_deployment_with_tls_and_registered_sites(tmp_path: Path, password_dat
 
         # ---- the sites
         members = {
-            name: sites[name].start(
-                tree,
-                logs / f"{name}.log",
-                "site",
-                name,
-                "--server",
-                address,
-                "--certs",
-                str(sites[name].home / "certs"),
-                "--data",
-                str(data[name]),
-            )  # fmt: skip
+            name: start_site(sites[name], name, address, data[name], tree, logs)
             for name in ("london", "ohio")
         }
         deadline = time.monotonic() + 300
@@ -269,18 +269,7 @@ def test_a_server_killed_outright_resumes_the_run_on_its_sites(tmp_path: Path) -
         )  # fmt: skip
         wait_for_text(logs / "server.log", "listening for sites", first, tree, 120)
         members = {
-            name: site.start(
-                tree,
-                logs / f"{name}.log",
-                "site",
-                name,
-                "--server",
-                address,
-                "--certs",
-                str(site.home / "certs"),
-                "--data",
-                str(site.home / f"{name}.npz"),
-            )  # fmt: skip
+            name: start_site(site, name, address, site.home / f"{name}.npz", tree, logs)
             for name, site in sites.items()
         }
         deadline = time.monotonic() + 300
