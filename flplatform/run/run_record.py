@@ -104,8 +104,8 @@ def refuse_finished(record: RunRecord) -> None:
         raise ConfigError(f"run {record.id} finished; there is nothing to resume")
 
 
-# The event ``flplatform server`` records on each run it deploys (detail: the sites and
-# the address): such a run's data is at its sites.
+# The event ``flplatform server`` records on each run it deploys (detail: the sites, the
+# address and the deployment's id): such a run's data is at its sites.
 DEPLOYED_EVENT = "deployed"
 # Set by ``flplatform server`` for the processes it starts, its ServerApp's among them (the
 # deployment's id): the run trains on the deployment's sites, not on this machine.
