@@ -599,16 +599,22 @@ def aggregate_batch(
 ) -> tuple[ArrayRecord | None, MetricRecord | None]:
     """Flower's batch ``aggregate_train`` through a strategy's streaming hooks.
 
-    Error replies are skipped and malformed ones logged, as the engine does.
+    Error replies are skipped and malformed ones logged, as the engine does; what the
+    engine would note in an update's ledger row (an aggregator's clipping) is logged.
     """
     strategy.begin_aggregation(server_round, base)
     for reply in replies:
         if reply.has_error():
             continue
+        node = reply.metadata.src_node_id
         try:
-            strategy.accumulate(reply, base=base)
+            update = strategy.read_update(reply, base=base)
+            note = strategy.add_update(update, weight=update.contribution.num_examples)
         except UpdateRejected as exc:
-            log.warning("skipping reply from node %s: %s", reply.metadata.src_node_id, exc)
+            log.warning("skipping reply from node %s: %s", node, exc)
+            continue
+        if note:
+            log.info("round %s, reply from node %s: %s", server_round, node, note)
     try:
         return strategy.finish_aggregation()
     except StepRefused as exc:

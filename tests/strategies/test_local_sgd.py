@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 from flwr.app import (
@@ -57,6 +59,28 @@ def test_batch_hook_equals_streaming_and_hand_computed_average() -> None:
     assert arrays is not None and metrics is not None
     np.testing.assert_allclose(record_to_arrays(arrays)["w"], np.full((2, 2), 3.25))
     assert metrics["train_loss"] == pytest.approx((1 * 1.0 + 3 * 0.2) / 4)
+
+
+def test_batch_hook_logs_what_centred_clipping_did(caplog: pytest.LogCaptureFixture) -> None:
+    # Flower's own start() has no ledger: the clipped update's note goes to the log. Three
+    # sites at 0.5 in all 6 coordinates, one at 40, the centre 0 (no step yet): distances
+    # 0.5·√6 = 1.225 (three) and 40·√6 = 97.98; the median of the four, 1.225, is the
+    # radius, so the far one counts α = 1/80 = 0.0125 of its offset (said as x0.012).
+    near = record(w=np.full((2, 2), 0.5, np.float32), b=np.full(2, 0.5, np.float32))
+    far = record(w=np.full((2, 2), 40, np.float32), b=np.full(2, 40, np.float32))
+    replies = [reply(near, 1), reply(near, 1), reply(near, 1), reply(far, 1)]
+    strategy = LocalSGDAveraging(aggregator="centered-clip")
+    list(strategy.configure_train(1, BASE, ConfigRecord(), _OneNodeGrid()))
+    with caplog.at_level(logging.INFO, logger="flplatform"):
+        arrays, _ = strategy.aggregate_train(1, replies)
+    assert arrays is not None
+    notes = [r.getMessage() for r in caplog.records if "centered-clip" in r.getMessage()]
+    assert notes == [
+        "round 1, reply from node 4: centered-clip: offset 97.98 from the last step > "
+        "radius 1.225: counted x0.012"
+    ]
+    # (3 · 0.5 + 40 / 80) / 4 = 0.5 everywhere
+    np.testing.assert_allclose(record_to_arrays(arrays)["w"], np.full((2, 2), 0.5), rtol=1e-6)
 
 
 def test_server_learning_rate_scales_the_step() -> None:
