@@ -62,9 +62,9 @@ test-resume: setup-dev
 	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m resume
 
 # Real deployments on 127.0.0.1: `flplatform certs`, `server` and two `site`s with TLS and
-# registered keys, and the nodes that must be refused (tests/integration/test_deploy.py); raw
-# Flower SuperLink and SuperNodes whose traffic count must equal the ledger's bytes
-# (tests/integration/test_wire_bytes.py); a SuperLink killed mid-run, under `server` and with
+# registered keys, the nodes that must be refused, Flower's traffic count equal to the
+# ledger's bytes, and a server killed mid-run then resumed on its sites
+# (tests/integration/test_deploy.py); a SuperLink killed mid-run, under `server` and with
 # nobody following the run (tests/integration/test_superlink_death.py).
 test-deploy: setup-dev
 	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m deploy

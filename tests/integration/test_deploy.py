@@ -9,6 +9,8 @@ refused nodes are in it nowhere, each refusal was reported, and every process is
 Flower's own `flwr ls`, on the deployment's SuperLink state, has the run completed.
 Each machine (the server, each site) has a home of its own. The ledger is a PostgreSQL
 database whose password, given in the URL, must appear in no file and no output. The
+ledger's bytes are the wire's: its totals equal Flower's own count of the run's traffic
+(`flwr ls`), within 1 % each way, with federated evaluation and the sites' queries. The
 second kills the server mid-run and resumes the run on the sites still running.
 """
 
@@ -26,7 +28,9 @@ from typing import Any
 
 import pytest
 from sqlalchemy.engine import make_url
+from typer.testing import CliRunner
 
+from flplatform.cli.app import app
 from flplatform.launch.flower import flower_environment, free_port
 from flplatform.launch.processes import ProcessTree
 from flplatform.run.run_record import DEPLOYED_EVENT
@@ -91,6 +95,7 @@ def test_a_deployment_with_tls_and_registered_sites(tmp_path: Path, password_dat
             "server", "--certs", str(certs), "--sites", "london,ohio", "--address", address,
             "--rounds", str(ROUNDS), "--local-epochs", "1", "--dataset", str(split),
             "--partition", "files", "--db", ledger, "--wait-timeout", "180",
+            "--fraction-evaluate", "1.0",
         )  # fmt: skip
         wait_for_text(logs / "server.log", "listening for sites", server_proc, tree, 120)
 
@@ -224,11 +229,45 @@ def test_a_deployment_with_tls_and_registered_sites(tmp_path: Path, password_dat
             if listed.get("success"):
                 break
             time.sleep(1)
+        # Flower's own count of the run's traffic (inbound: from the nodes)
+        runs = listed.get("runs", [{}])
+        answer = subprocess.run(
+            [str(BIN / "flwr"), "ls", "x", "--run-id", str(runs[0].get("run-id")),
+             "--format", "json"],
+            env=flower, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        (counted,) = json.loads(answer.stdout)["runs"]
     finally:
         link_tree.stop()
     # Before, the deployment stopped Flower as soon as the ledger said finished: the
     # SuperLink's state kept the run `running` (`finished:failed` once Flower gave it up).
-    assert [r["status"] for r in listed.get("runs", [])] == ["finished:completed"], listed
+    assert [r["status"] for r in runs] == ["finished:completed"], listed
+    # ---- the ledger's bytes are the wire's: its totals (as a user reads them) against
+    # Flower's count, within 1 % each way; training, evaluation and the sites' queries
+    shown = CliRunner().invoke(app, ["history", "runs", "--db", ledger, "--format", "json"])
+    assert shown.exit_code == 0, shown.output
+    (totals,) = json.loads(shown.output)
+    traffic = counted["network-traffic"]
+    up, down = traffic["inbound-bytes"], traffic["outbound-bytes"]
+    print(  # the measured agreement, for the report (pytest -s)
+        f"ledger up {totals['bytes_up']} / Flower inbound {up} "
+        f"({totals['bytes_up'] / up - 1:+.4%}); ledger down {totals['bytes_down']} / "
+        f"Flower outbound {down} ({totals['bytes_down'] / down - 1:+.4%})"
+    )
+    assert totals["bytes_up"] == pytest.approx(up, rel=0.01)
+    assert totals["bytes_down"] == pytest.approx(down, rel=0.01)
+    queries = CliRunner().invoke(
+        app, ["history", "traffic", "latest", "--db", ledger, "--kind", "query", "-f", "json"]
+    )
+    assert queries.exit_code == 0, queries.output
+    asked = json.loads(queries.output)
+    assert sorted(q["site"] for q in asked) == ["london", "ohio"]
+    assert all(q["messages"] == 1 and q["bytes_up"] > 0 and q["bytes_down"] > 0 for q in asked)
+    with LedgerRepository.open(ledger) as repository:  # every site evaluated every round
+        evaluated = repository.list_evaluations(run.id)
+    assert sorted((e.round, e.site) for e in evaluated) == [
+        (r, site) for r in range(1, ROUNDS + 1) for site in ("london", "ohio")
+    ]
     # ---- the password: in no output, and in no file of the server's home or the logs
     for path in [*server.home.rglob("*"), *logs.rglob("*")]:
         if path.is_file():
