@@ -56,7 +56,7 @@ test-fast: setup-dev
 test-hostile: setup-dev
 	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m hostile
 
-# Every strategy and mode killed with SIGKILL at three committed rounds and resumed, compared
+# Every strategy and mode killed with SIGKILL twice (a run, then its resume) and resumed, compared
 # bit for bit with the run left alone (tests/integration/test_resume.py).
 test-resume: setup-dev
 	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m resume

@@ -33,7 +33,9 @@ pytestmark = pytest.mark.usefixtures("task_identity")
 
 P = 8
 MU = 2.0  # updates per second per site: mean compute 0.5 s
-TOLERANCE = 0.05
+# 8%: the closed forms of neighbouring modes and Ks differ by far more (k-sync's K = 1 and
+# K = 2 by a factor of two), and the runs are seeded, so a miss is a change, not chance.
+TOLERANCE = 0.08
 
 
 def harmonic(n: int) -> float:
@@ -61,8 +63,9 @@ def expected_step(mode: str, k: int) -> tuple[float, float]:
 
 
 def steps_for(cv: float) -> int:
-    """At least 2 000 steps, and enough that 5% is 3.5 standard errors of the mean."""
-    return max(2000, math.ceil((3.5 * cv / TOLERANCE) ** 2))
+    """At least 1 000 steps, and enough that the tolerance is 3.5 standard errors of the
+    mean."""
+    return max(1000, math.ceil((3.5 * cv / TOLERANCE) ** 2))
 
 
 def mean_step_seconds(
@@ -107,8 +110,8 @@ def test_mean_time_per_step_matches_the_closed_form(mode: str, k: int) -> None:
 def test_k_async_is_never_slower_than_k_sync_with_shifted_exponential_times(k: int) -> None:
     # Partial work is kept by K-async; K-sync throws it away and the shift is paid again.
     compute = ComputeModel("shifted-exponential", mean_seconds=1.0 / MU, shift_seconds=0.3)
-    k_sync = mean_step_seconds("k-sync", k, 2000, compute)
-    k_async = mean_step_seconds("k-async", k, 2000, compute)
+    k_sync = mean_step_seconds("k-sync", k, 1000, compute)
+    k_async = mean_step_seconds("k-async", k, 1000, compute)
     assert k_async <= k_sync
     # K-sync restarts everyone, so each step costs at least the shift.
     assert k_sync >= 0.3
