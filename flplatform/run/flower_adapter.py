@@ -23,9 +23,11 @@ it runs fully synchronously only (``engine_policy``).
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -44,6 +46,27 @@ from flplatform.engine import AggregationPolicy, Contribution, EngineStrategy, S
 from flplatform.engine.replies import first_number
 
 log = logging.getLogger("flplatform.run.flower_adapter")
+
+
+@contextmanager
+def _collections_of_new_objects_only() -> Iterator[None]:
+    """Hide the process's existing objects from the garbage collector for the block.
+
+    Flower's ``ArrayRecord.to_numpy_ndarrays(keep_input=False)`` calls ``gc.collect()``
+    after every array it converts, and QFedAvg and Bulyan convert every reply that way: in
+    a ServerApp process (torch, Flower and the ledger loaded) each full collection walks
+    the whole heap. Frozen, a collection walks only what the aggregation made; the arrays
+    Flower drops are freed as before (by their reference counts, not the collector). A
+    heap the user froze already is left as it is.
+    """
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class FlowerStrategyAdapter(EngineStrategy):
@@ -271,7 +294,8 @@ class FlowerStrategyAdapter(EngineStrategy):
         if not replies:
             return None, None
         try:
-            arrays, metrics = self.strategy.aggregate_train(self._round, replies)
+            with _collections_of_new_objects_only():
+                arrays, metrics = self.strategy.aggregate_train(self._round, replies)
         except InconsistentMessageReplies as exc:
             log.warning("%s refused the replies of round %d: %s", self.name, self._round, exc)
             return None, None

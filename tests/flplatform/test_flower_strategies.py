@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 import pytest
@@ -32,19 +33,6 @@ from tests.helpers.scripted_grid import Behaviour, FlowerGrid, ScriptedGrid
 from tests.helpers.sites import replying_site
 
 pytestmark = pytest.mark.usefixtures("task_identity")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _garbage_collector_off_the_suites_objects() -> Iterator[None]:
-    """Flower's ``ArrayRecord.to_numpy_ndarrays(keep_input=False)`` calls ``gc.collect()``
-    per array, and QFedAvg and Bulyan take every reply that way: in a pytest-xdist worker
-    that has run a thousand tests, each collection walks millions of objects, and four of
-    these tests of 3 rounds on 4-float models took 67 s of the suite. Frozen here, the
-    collections walk only what this module's tests create."""
-    gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()
 
 
 SITES = 7
@@ -181,7 +169,15 @@ def test_each_flower_strategy_steps_as_under_flowers_own_start(name: str) -> Non
         reject_replays=False,
         update_norm_ratio=0,
     )
-    theirs = STRATEGIES[name]().start(FlowerGrid(sites()), FLOATS, num_rounds=ROUNDS)
+    # Flower's own start converts every reply with gc.collect() per array (QFedAvg,
+    # Bulyan): with the worker's heap frozen, as the adapter freezes it for ours, those
+    # collections walk only the round's objects, not a thousand tests' (67 s of the suite).
+    gc.collect()
+    gc.freeze()
+    try:
+        theirs = STRATEGIES[name]().start(FlowerGrid(sites()), FLOATS, num_rounds=ROUNDS)
+    finally:
+        gc.unfreeze()
     ours_w, theirs_w = ours.arrays["w"].numpy(), theirs.arrays["w"].numpy()
     assert ours_w.dtype == np.float32  # Flower's own FedAdam and QFedAvg end in float64
     np.testing.assert_allclose(ours_w, theirs_w, rtol=1e-5)
@@ -201,6 +197,43 @@ def test_fedadam_says_once_that_its_float64_weights_are_cast_back(
         )
     (said,) = [r.message for r in caplog.records if "cast back" in r.message]
     assert "Flower's FedAdam returned 'w' float64 (the model's float32)" in said
+
+
+class _HeapWatchingFedAvg(FedAvg):
+    """FedAvg that notes, each round, how many objects the garbage collector cannot see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen_while_aggregating: list[int] = []
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> Any:
+        self.frozen_while_aggregating.append(gc.get_freeze_count())
+        return super().aggregate_train(server_round, replies)
+
+
+def test_aggregation_runs_with_the_heap_hidden_from_flowers_collections() -> None:
+    # Flower's QFedAvg and Bulyan call gc.collect() per array of every reply: with the
+    # process's objects frozen, each walks only what the aggregation made. After it, the
+    # collector sees everything again; a heap the user froze stays frozen.
+    gc.collect()
+    assert gc.get_freeze_count() == 0
+    strategy = _HeapWatchingFedAvg()
+    start(strategy, ScriptedGrid(sites()), FLOATS, num_rounds=ROUNDS, reject_replays=False)
+    assert len(strategy.frozen_while_aggregating) == ROUNDS
+    assert all(count > 1000 for count in strategy.frozen_while_aggregating)
+    assert gc.get_freeze_count() == 0
+
+    gc.freeze()
+    try:
+        users = gc.get_freeze_count()
+        strategy = _HeapWatchingFedAvg()
+        start(strategy, ScriptedGrid(sites()), FLOATS, num_rounds=1, reject_replays=False)
+        # nothing added (frozen objects that died since are gone from the count)
+        assert len(strategy.frozen_while_aggregating) == 1
+        assert 0 < strategy.frozen_while_aggregating[0] <= users
+        assert gc.get_freeze_count() > 0  # not unfrozen
+    finally:
+        gc.unfreeze()
 
 
 def test_an_integer_counter_is_the_sites_weighted_mean_rounded_to_the_nearest() -> None:
