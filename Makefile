@@ -41,12 +41,12 @@ demo: setup
 # run can break unseen. One pytest-xdist worker per core and one more, four at most (each
 # starts Flower and Ray; the deployment tests spend most of their time waiting on Flower's
 # polling, which the extra worker fills: on 2 cores the CPU sat 9% idle with 2 workers, 2%
-# with 3), the longest tests first (tests/conftest.py), one queued per worker at a time;
+# with 3), the longest tests first (tests/conftest.py), a few queued per worker at a time;
 # tests that share a module's costly baseline keep to one worker (xdist_group).
 # The PostgreSQL contract tests run against a server the tests start (tests/postgres.py):
 # FLPLATFORM_REQUIRE_POSTGRES=1 makes them fail, not skip, if it cannot be started.
-WORKERS := $(shell $(PYTHON) -c "import os; print(min(4, (os.cpu_count() or 1) + 1))")
-PYTEST_WORKERS := -n $(WORKERS) --maxschedchunk 1 --dist loadgroup
+WORKERS := $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0)) + 1))")
+PYTEST_WORKERS := -n $(WORKERS) --dist loadgroup
 test: setup-dev
 	FLPLATFORM_REQUIRE_POSTGRES=1 $(BIN)/python -m pytest -q $(PYTEST_WORKERS)
 

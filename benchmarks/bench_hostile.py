@@ -24,12 +24,12 @@ over a matrix of federations: ``--aggregators mean,median,trimmed-mean``, ``--at
 1/4,2/10`` (f of n sites attack: the last f partitions), ``--splits non-iid,iid``
 (Dirichlet α = 0.5, or IID), ``--modes sync,k-sync,k-async`` (K = n/2); each combination, on top
 of the attack's own federation (plain, FedAvgM, FetchSGD), is a federation with its own
-silent baseline (the same sites, the attackers silent). Matrix runs are timed on the
-simulated clock (the world network, seeded exponential compute times), so that an
-attacker that spends real time computing the honest updates does not arrive late in
-k-async. Without these options an attack runs in the suite's federation (three sites,
-california attacking). ``honest_rejected`` counts the honest sites' rejected updates of
-each run.
+silent baseline (the same sites, the attackers silent). Every run is timed on the
+simulated clock (the attack app's world network; matrix runs with seeded exponential
+compute times), so that an attacker that spends real time computing the honest updates
+does not arrive late in k-async. Without these options an attack runs in the suite's
+federation (three sites, california attacking). ``honest_rejected`` counts the honest
+sites' rejected updates of each run.
 
 Time: ``wall_seconds`` of each run, and ``wall_ratio_to_silent``, what the attack cost the
 others in time (a site whose process dies every round is benched, doubling: target ≤ 1.5).

@@ -24,8 +24,9 @@ pytest_plugins = ["tests.postgres"]
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 os.environ.setdefault("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")
-# One Ray actor per simulation: the suite runs a simulation per core at once, so a second
-# actor (one more process importing torch, about 5 CPU-s a start-up) only adds work, and
+# One Ray actor per simulation: the suite runs more simulations at once than there are
+# cores, so a second actor (one more process importing torch, about 5 CPU-s a start-up) only
+# adds work, and
 # results on the simulated clock do not depend on it. Tests of a site that dies or sleeps
 # past the real round timeout set it back to two, so the other sites train meanwhile.
 os.environ.setdefault("FLPLATFORM_SIMULATION_ACTORS", "1")

@@ -52,16 +52,18 @@ log = logging.getLogger("flplatform.run.flower_adapter")
 def _collections_of_new_objects_only() -> Iterator[None]:
     """Hide the process's existing objects from the garbage collector for the block.
 
-    Flower's ``ArrayRecord.to_numpy_ndarrays(keep_input=False)`` calls ``gc.collect()``
-    after every array it converts, and QFedAvg and Bulyan convert every reply that way: in
-    a ServerApp process (torch, Flower and the ledger loaded) each full collection walks
-    the whole heap. Frozen, a collection walks only what the aggregation made; the arrays
-    Flower drops are freed as before (by their reference counts, not the collector). A
-    heap the user froze already is left as it is.
+    Flower's ``ArrayRecord.to_numpy_ndarrays(keep_input=False)`` ends with a full
+    ``gc.collect()`` (and runs one per 200 MB converted), and QFedAvg and Bulyan convert
+    replies that way, one collection each: in a ServerApp process (torch, Flower and the
+    ledger loaded) each walks the whole heap. Frozen, a collection walks only what the
+    aggregation made; the arrays Flower drops are freed as before (by their reference
+    counts, not the collector). The young generations are collected first (cheap), so
+    their garbage does not wait in the oldest one. A heap the user froze is left as it is.
     """
     if gc.get_freeze_count():
         yield
         return
+    gc.collect(1)
     gc.freeze()
     try:
         yield

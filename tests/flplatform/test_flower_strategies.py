@@ -169,10 +169,9 @@ def test_each_flower_strategy_steps_as_under_flowers_own_start(name: str) -> Non
         reject_replays=False,
         update_norm_ratio=0,
     )
-    # Flower's own start converts every reply with gc.collect() per array (QFedAvg,
-    # Bulyan): with the worker's heap frozen, as the adapter freezes it for ours, those
-    # collections walk only the round's objects, not a thousand tests' (67 s of the suite).
-    gc.collect()
+    # Flower's own start converts replies with a full gc.collect() each (QFedAvg, Bulyan):
+    # with the worker's heap frozen, as the adapter freezes it for ours, those collections
+    # walk only the round's objects, not a thousand tests' (67 s of the suite).
     gc.freeze()
     try:
         theirs = STRATEGIES[name]().start(FlowerGrid(sites()), FLOATS, num_rounds=ROUNDS)
@@ -212,9 +211,9 @@ class _HeapWatchingFedAvg(FedAvg):
 
 
 def test_aggregation_runs_with_the_heap_hidden_from_flowers_collections() -> None:
-    # Flower's QFedAvg and Bulyan call gc.collect() per array of every reply: with the
-    # process's objects frozen, each walks only what the aggregation made. After it, the
-    # collector sees everything again; a heap the user froze stays frozen.
+    # Flower's QFedAvg and Bulyan run a full gc.collect() for each reply they convert: with
+    # the process's objects frozen, each walks only what the aggregation made. After it,
+    # the collector sees everything again; a heap the user froze stays frozen.
     gc.collect()
     assert gc.get_freeze_count() == 0
     strategy = _HeapWatchingFedAvg()

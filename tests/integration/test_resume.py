@@ -8,8 +8,8 @@ after the ledger shows the round it was aimed at; the next resume is killed the 
 later round, and the last one runs to the end. The sites die with everything else: they
 find their state in their snapshots on disk (``strategies/mods/contract.py``).
 
-Every strategy and mode, killed twice each: the second kill is of a resumed run, at a
-point of the strategy's own (a delayed pipeline still filling, then full; FetchSGD right
+Every strategy and mode, killed twice each, once as a fresh run and once as its resume, at
+rounds of the strategy's own (a delayed pipeline still filling, then full; FetchSGD right
 after its first step). ``make test-resume`` runs them alone.
 """
 

@@ -33,8 +33,8 @@ pytestmark = pytest.mark.usefixtures("task_identity")
 
 P = 8
 MU = 2.0  # updates per second per site: mean compute 0.5 s
-# 8%: the closed forms of neighbouring modes and Ks differ by far more (k-sync's K = 1 and
-# K = 2 by a factor of two), and the runs are seeded, so a miss is a change, not chance.
+# 8%: the closed forms for neighbouring Ks differ by far more (k-sync's K = 1 and K = 2 by
+# a factor of two), and the runs are seeded, so a miss is a change, not chance.
 TOLERANCE = 0.08
 
 
