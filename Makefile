@@ -45,7 +45,9 @@ demo: setup
 # tests that share a module's costly baseline keep to one worker (xdist_group).
 # The PostgreSQL contract tests run against a server the tests start (tests/postgres.py):
 # FLPLATFORM_REQUIRE_POSTGRES=1 makes them fail, not skip, if it cannot be started.
-WORKERS := $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0)) + 1))")
+# The cores this process may use (a container's or taskset's), where the OS says (Linux).
+WORKERS := $(shell $(PYTHON) -c "import os; use = getattr(os, 'sched_getaffinity', None); \
+	print(min(4, (len(use(0)) if use else os.cpu_count() or 1) + 1))")
 PYTEST_WORKERS := -n $(WORKERS) --dist loadgroup
 test: setup-dev
 	FLPLATFORM_REQUIRE_POSTGRES=1 $(BIN)/python -m pytest -q $(PYTEST_WORKERS)
