@@ -60,7 +60,8 @@ def cross_silo(
     members = demo_members(chosen)
     url = check_ledger(members[0])
     if mlflow is not None or tensorboard is not None:
-        check_stores(url, mlflow, tensorboard, "flplatform")
+        # checked on the first panel's experiment: the check creates the one it names
+        check_stores(url, mlflow, tensorboard, demo_experiment(chosen[0]))
     first = members[0]
     console.print(
         f"The cross-silo demo: {len(members)} runs in {len(chosen)} panels, {first.num_sites} "

@@ -105,6 +105,9 @@ def test_the_cross_silo_demo_runs_its_panels_in_one_sweep_and_plots_each(tmp_pat
         logged = client.search_runs([experiment.experiment_id])
         assert sorted(r.info.run_name for r in logged) == sorted(m.run_name for m in panel.members)
         assert all(len(client.get_metric_history(r.info.run_id, "bytes_up")) == 2 for r in logged)
+    # no other experiment of ours (the store's check left no empty "flplatform" behind)
+    named = {e.name for e in client.search_experiments()} - {"Default"}
+    assert named == {demo_experiment(panel) for panel in panels}
     with LedgerRepository.open(db) as repo:
         runs = repo.list_runs()[::-1]
         # Every member a finished run of its own, under its name, with its own options.
