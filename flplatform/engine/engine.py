@@ -67,6 +67,7 @@ from flplatform.engine.events import (
     REJECTED,
     SITE_BACK_EVENT,
     SITE_LOST_EVENT,
+    STOPPED_EARLY_EVENT,
     Dispatch,
     EvaluationOutcome,
     LedgerSink,
@@ -257,6 +258,7 @@ class RoundEngine:
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
         federated_evaluation: bool = False,
         resume: Mapping[str, Any] | None = None,
+        should_stop: Callable[[int, Result], bool] | None = None,
     ) -> Result:
         """Run server steps up to round ``num_rounds`` and return Flower's ``Result``.
 
@@ -264,6 +266,11 @@ class RoundEngine:
         on from the round after the one it was taken at, with everything restored and
         the work that was in flight sent again (see ``resume_from``); ``initial_arrays``
         is ignored and the initial evaluation is not repeated.
+
+        ``should_stop``: asked after each recorded round with the round and the result so
+        far (``result.arrays`` is that round's model); True ends the run there, with a
+        ``STOPPED_EARLY_EVENT``. A resumed run asks it first about the round it resumes
+        after, so that a run stopped just before its process died stops again.
         """
         result = self._result = Result(arrays=initial_arrays)
         if resume is None:
@@ -286,6 +293,8 @@ class RoundEngine:
                     result.evaluate_metrics_serverapp[0] = initial
         else:
             self.resume_from(resume)
+            if self._asked_to_stop(should_stop, self._finished_round, num_rounds):
+                return result
 
         for server_round in range(self._finished_round + 1, num_rounds + 1):
             self._server_round = server_round
@@ -350,8 +359,23 @@ class RoundEngine:
                 raise HalvesDisagree(disagreements[0])
             if stop is not None:
                 raise stop
+            if self._asked_to_stop(should_stop, server_round, num_rounds):
+                break
         result.arrays = self.arrays
         return result
+
+    def _asked_to_stop(
+        self, should_stop: Callable[[int, Result], bool] | None, server_round: int, planned: int
+    ) -> bool:
+        """Whether ``should_stop`` ends the run after ``server_round`` (recorded if so)."""
+        if should_stop is None or server_round < 1 or server_round >= planned:
+            return False
+        self._result.arrays = self.arrays
+        if not should_stop(server_round, self._result):
+            return False
+        log.info("should_stop: the run ends after round %d of %d", server_round, planned)
+        self.ledger.record_event(STOPPED_EARLY_EVENT, {"round": server_round, "planned": planned})
+        return True
 
     # ============================================================ checkpointing
     def state_dict(self) -> dict[str, Any]:
@@ -557,6 +581,11 @@ class RoundEngine:
             state.outcomes.append(self._no_update(saved.dispatch, DROPPED, REFUSED))
             state.failed_nodes.add(node_id)
             self.sites.refuse(node_id, time.monotonic() + REFUSED_BACKOFF)
+
+    @property
+    def finished_round(self) -> int:
+        """The last round recorded (0 before the first)."""
+        return self._finished_round
 
     @property
     def simulated_seconds(self) -> float | None:

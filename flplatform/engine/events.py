@@ -111,6 +111,9 @@ class RoundSummary:
 # SuperNode the SuperLink stopped listing (it gets no work meanwhile), and one listed again.
 SITE_LOST_EVENT = "site-lost"
 SITE_BACK_EVENT = "site-back"
+# A run ended before its planned rounds because the ServerApp's ``should_stop`` said so
+# (detail: round, planned).
+STOPPED_EARLY_EVENT = "stopped-early"
 
 
 def presence_sentence(kind: str, detail: Mapping[str, Any]) -> str:
@@ -156,7 +159,8 @@ class LedgerSink(Protocol):
 
     def record_event(self, kind: str, detail: dict[str, Any]) -> None:
         """Record something that happened to the run besides its rounds (a site lost or
-        back: ``SITE_LOST_EVENT``, ``SITE_BACK_EVENT``), committed now."""
+        back: ``SITE_LOST_EVENT``, ``SITE_BACK_EVENT``; ``STOPPED_EARLY_EVENT``), committed
+        now."""
         ...
 
 

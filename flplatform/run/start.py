@@ -31,6 +31,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
 
+from flplatform.core.errors import ConfigError
 from flplatform.engine import EngineStrategy, RoundSummary
 from flplatform.engine.engine import RoundEngine
 from flplatform.engine.guard import GuardOptions, UpdateGuard
@@ -98,6 +99,7 @@ def start(
     resume_run: int | None = DEFAULT_OPTIONS.resume_run,
     on_round: Callable[[RoundSummary], None] | None = None,
     site_config: Mapping[str, ConfigValue] | None = None,
+    should_stop: Callable[[int, Result], bool] | None = None,
 ) -> Result:
     """Run ``strategy`` over ``grid`` for ``num_rounds`` rounds with the platform's parts.
 
@@ -200,6 +202,13 @@ def start(
         ``keys.RUN_CONFIG``), which the built-in ClientApp reads over its own run config:
         how each run of a sweep tells the shared sites its data and model. None sends
         nothing.
+    should_stop : callable, optional
+        ``(round, result) -> bool``, as Flower 1.43's ``Strategy.start`` takes it: asked
+        after each recorded round with the result so far (``result.arrays`` that round's
+        model, the metrics of every round until it); True ends the run after that round,
+        finished with the rounds it has and a ``stopped-early`` event in the ledger
+        (``flplatform history events``). A run resumed after its process died asks it
+        again about its last round before going on.
 
     Returns
     -------
@@ -217,6 +226,10 @@ def start(
         If the run could not start (too few sites) or stopped early (``NoProgress``, or
         the SuperLink that runs it exited).
     """
+    if should_stop is not None and not callable(should_stop):
+        raise ConfigError(
+            f"should_stop must be a function (round, result) -> bool, got {should_stop!r}"
+        )
     given = PlatformOptions(
         num_rounds=num_rounds,
         timeout=timeout,
@@ -295,6 +308,7 @@ def start(
             # strategy that evaluates nothing sends none).
             federated_evaluation=True,
             resume=resume,
+            should_stop=should_stop,
         )
 
     def record_failure(exc: BaseException) -> None:
@@ -305,7 +319,8 @@ def start(
     # is RunFailed naming it) is recorded before it is raised.
     result = run_watched(grid, run_rounds, on_failure=record_failure)
     if run is not None:
-        final = result.evaluate_metrics_serverapp.get(options.num_rounds)
+        # the last round's (should_stop may have ended the run before the planned last)
+        final = result.evaluate_metrics_serverapp.get(engine.finished_round if engine else 0)
         run.finish(
             final_metrics=final,
             simulated_seconds=engine.simulated_seconds if engine is not None else None,
@@ -333,8 +348,9 @@ class PlatformStart:
         train_config: ConfigRecord | None = None,
         evaluate_config: ConfigRecord | None = None,
         evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None,
+        should_stop: Callable[[int, Result], bool] | None = None,
     ) -> Result:
-        """Flower's ``start`` signature; see the class."""
+        """Flower's ``start`` signature (with 1.43's ``should_stop``); see the class."""
         return start(
             cast(EngineStrategy, self),  # every subclass is one; start() checks it
             grid,
@@ -344,4 +360,5 @@ class PlatformStart:
             train_config=train_config,
             evaluate_config=evaluate_config,
             evaluate_fn=evaluate_fn,
+            should_stop=should_stop,
         )

@@ -24,7 +24,7 @@ from flwr.app import (
     RecordDict,
 )
 from flwr.serverapp.exception import InconsistentMessageReplies
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy import FedAvg, Result
 
 from flplatform.app.comparison import run_setup
 from flplatform.core import keys
@@ -154,6 +154,136 @@ def test_a_run_that_stops_early_is_recorded_failed_with_the_reason(db: str) -> N
         assert run.error == raised.value.reason
         assert "num-examples" in (run.error or "")
         assert len(repo.list_rounds(run.id)) == 2  # stopped after two such rounds
+
+
+# ====================================================================== should_stop
+def _accuracy_by_round(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+    """A central evaluation whose accuracy grows by 0.1 a round."""
+    return MetricRecord({"accuracy": server_round / 10})
+
+
+def test_should_stop_ends_the_run_after_the_round_it_says_finished_and_recorded(
+    db: str, tmp_path: Path
+) -> None:
+    asked: list[tuple[int, list[int], float]] = []
+
+    def reached_30_percent(server_round: int, result: Result) -> bool:
+        # As Flower 1.43 calls it: the round, and the result so far (that round's model)
+        accuracy = result.evaluate_metrics_serverapp[server_round]["accuracy"]
+        asked.append((server_round, sorted(result.evaluate_metrics_serverapp), accuracy))
+        np.testing.assert_allclose(model_of(result.arrays), WEIGHTED_MEAN)
+        return bool(accuracy >= 0.3)
+
+    result = start(
+        LocalSGDAveraging(),
+        ScriptedGrid(two_sites()),
+        MODEL,
+        num_rounds=10,
+        ledger=db,
+        checkpoint_dir=str(tmp_path / "checkpoints"),
+        evaluate_fn=_accuracy_by_round,
+        should_stop=reached_30_percent,
+        reject_replays=False,
+    )
+    assert asked == [(1, [0, 1], 0.1), (2, [0, 1, 2], 0.2), (3, [0, 1, 2, 3], 0.3)]
+    assert sorted(result.evaluate_metrics_serverapp) == [0, 1, 2, 3]
+    assert sorted(result.train_metrics_clientapp) == [1, 2, 3]
+    with LedgerRepository.open(db) as repo:
+        (run,) = repo.list_runs()
+        assert (run.status, run.rounds_completed, run.num_rounds_planned) == ("finished", 3, 10)
+        assert run.final_metrics == {"accuracy": 0.3}  # the last round's, not round 10's
+        events = [(e.kind, e.detail) for e in repo.list_events(run.id)]
+        assert events == [("stopped-early", {"round": 3, "planned": 10})]
+        # round 3's model is the run's final one (flplatform export)
+        assert [(c.round, c.kept) for c in repo.list_checkpoints(run.id)] == [(3, True)]
+
+
+def test_should_stop_is_not_asked_after_the_last_round_nor_by_a_run_that_goes_on(
+    db: str,
+) -> None:
+    asked: list[int] = []
+    start(
+        LocalSGDAveraging(),
+        ScriptedGrid(two_sites()),
+        MODEL,
+        num_rounds=3,
+        ledger=db,
+        should_stop=lambda server_round, result: asked.append(server_round) or False,
+        reject_replays=False,
+    )
+    assert asked == [1, 2]
+    with LedgerRepository.open(db) as repo:
+        (run,) = repo.list_runs()
+        assert (run.status, run.rounds_completed) == ("finished", 3)
+        assert repo.list_events(run.id) == []
+
+
+def test_a_run_stopped_just_before_its_process_died_stops_again_when_resumed(
+    db: str, tmp_path: Path
+) -> None:
+    class Died(Exception):
+        """The process dying right after round 3 was committed, before should_stop."""
+
+    def die_after_round_3(summary: RoundSummary) -> None:
+        if summary.server_round == 3:
+            raise Died
+
+    options = dict(
+        num_rounds=6, ledger=db, checkpoint_dir=str(tmp_path / "checkpoints"), reject_replays=False
+    )
+    with pytest.raises(Died):
+        start(
+            LocalSGDAveraging(), ScriptedGrid(two_sites()), MODEL, on_round=die_after_round_3,
+            **options,
+        )  # fmt: skip
+    with LedgerRepository.open(db) as repo:
+        (run,) = repo.list_runs()
+        assert (run.status, run.rounds_completed) == ("failed", 3)
+    asked: list[int] = []
+
+    def stop_at_3(server_round: int, result: Result) -> bool:
+        asked.append(server_round)
+        return server_round >= 3
+
+    start(
+        LocalSGDAveraging(), ScriptedGrid(two_sites()), MODEL, resume_run=run.id,
+        should_stop=stop_at_3, **options,
+    )  # fmt: skip
+    assert asked == [3]  # asked about the round it resumed after, and no round trained
+    with LedgerRepository.open(db) as repo:
+        run = repo.get_run(run.id)
+        assert (run.status, run.rounds_completed) == ("finished", 3)
+        assert [e.kind for e in repo.list_events(run.id)] == ["resumed", "stopped-early"]
+
+
+def test_should_stop_is_checked_and_its_failure_fails_the_run(db: str) -> None:
+    with pytest.raises(ConfigError, match="should_stop must be a function"):
+        start(LocalSGDAveraging(), ScriptedGrid(two_sites()), MODEL, should_stop=0.9)  # type: ignore[arg-type]
+
+    def broken(server_round: int, result: Result) -> bool:
+        raise KeyError("accuracy")  # no central evaluation: no such metric
+
+    with pytest.raises(KeyError):
+        start(
+            LocalSGDAveraging(), ScriptedGrid(two_sites()), MODEL, num_rounds=4, ledger=db,
+            should_stop=broken, reject_replays=False,
+        )  # fmt: skip
+    with LedgerRepository.open(db) as repo:
+        (run,) = repo.list_runs()
+        assert (run.status, run.rounds_completed) == ("failed", 1)
+        assert run.error == "KeyError: 'accuracy'"
+
+
+def test_should_stop_through_flowers_own_start_signature() -> None:
+    # A ServerApp written for Flower 1.43: strategy.start(..., should_stop=...)
+    result = LocalSGDAveraging().start(
+        ScriptedGrid(two_sites()),
+        MODEL,
+        num_rounds=5,
+        evaluate_fn=_accuracy_by_round,
+        should_stop=lambda server_round, result: server_round == 2,
+    )
+    assert sorted(result.evaluate_metrics_serverapp) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("sync", ["k-sync", "k-async"])
