@@ -3,7 +3,7 @@
 The first test as a site administrator would do it: the CA and server certificate, two site
 keys, a split of the data, the server, then (while it waits for its sites) every kind of
 node that must be refused: an unregistered key, no key, plain text, another deployment's
-CA, and a client of the Control API. Then the two sites train a 3-round federation with
+CA, and a client of the Control API. Then the two sites train a 2-round federation with
 TLS and authentication. The ledger names the sites by their registered names, the
 refused nodes are in it nowhere, each refusal was reported, and every process is gone;
 Flower's own `flwr ls`, on the deployment's SuperLink state, has the run completed.
@@ -11,7 +11,8 @@ Each machine (the server, each site) has a home of its own. The ledger is a Post
 database whose password, given in the URL, must appear in no file and no output. The
 ledger's bytes are the wire's: its totals equal Flower's own count of the run's traffic
 (`flwr ls`), within 1 % each way, with federated evaluation and the sites' queries. The
-second kills the server mid-run and resumes the run on the sites still running.
+second kills the server mid-run, resumes the run on the sites still running, then runs it
+again on the same sites, left alone: the resumed run ends with the same model, bit for bit.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from sqlalchemy.engine import make_url
 from typer.testing import CliRunner
 
@@ -40,7 +42,7 @@ from tests.helpers.processes import Machine, wait_for_text
 pytestmark = [pytest.mark.slow, pytest.mark.deploy]
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-ROUNDS = 3
+ROUNDS = 2
 
 
 def start_site(
@@ -277,9 +279,10 @@ def test_a_deployment_with_tls_and_registered_sites(tmp_path: Path, password_dat
 def test_a_server_killed_outright_resumes_the_run_on_its_sites(tmp_path: Path) -> None:
     """Issue 35's resume: the server's command SIGKILLed after round 2 (the OOM killer, a
     reboot), the sites left running; `flplatform server --resume` trains the rest on them,
-    with the state they kept (DTS: delayed averages, top-k with error feedback).
-    The server's machine never holds a site's data file (it could train on nothing else
-    than its test set), and the rounds it had committed stay as they were."""
+    with the state they kept (DTS: delayed averages, top-k with error feedback), and ends
+    as the same run left alone does (run next, on the same sites). The server's machine
+    never holds a site's data file (it could train on nothing else than its test set), and
+    the rounds it had committed stay as they were."""
     server = Machine(tmp_path / "server")
     sites = {name: Machine(tmp_path / name) for name in ("london", "ohio")}
     certs = server.home / "certs"
@@ -298,14 +301,14 @@ def test_a_server_killed_outright_resumes_the_run_on_its_sites(tmp_path: Path) -
     deployment = ("--certs", str(certs), "--address", address, "--db", ledger)
     logs = tmp_path / "logs"
     logs.mkdir()
+    run_options = (
+        "--sites", "london,ohio", "--rounds", "4", "--local-epochs", "1",
+        "--dataset", str(split), "--strategy", "delayed", "--codec", "topk:0.1",
+        "--partition", "files", "--wait-timeout", "180",
+    )  # fmt: skip
     tree = ProcessTree()
     try:
-        first = server.start(
-            tree, logs / "server.log", "server", *deployment, "--sites", "london,ohio",
-            "--rounds", "4", "--local-epochs", "1", "--dataset", str(split),
-            "--strategy", "delayed", "--codec", "topk:0.1",
-            "--partition", "files", "--wait-timeout", "180",
-        )  # fmt: skip
+        first = server.start(tree, logs / "server.log", "server", *deployment, *run_options)
         wait_for_text(logs / "server.log", "listening for sites", first, tree, 120)
         members = {
             name: start_site(site, name, address, site.home / f"{name}.npz", tree, logs)
@@ -330,6 +333,10 @@ def test_a_server_killed_outright_resumes_the_run_on_its_sites(tmp_path: Path) -
         )  # fmt: skip
         assert resumed.wait(300) == 0, (logs / "resume.log").read_text()[-4000:]
         output = (logs / "resume.log").read_text()
+        # The same run again, left alone, on the same sites (they reconnect to the new
+        # server): what the resumed run must end as.
+        alone = server.start(tree, logs / "alone.log", "server", *deployment, *run_options)
+        assert alone.wait(300) == 0, (logs / "alone.log").read_text()[-4000:]
         for name, proc in members.items():
             assert proc.poll() is None, (logs / f"{name}.log").read_text()
             proc.send_signal(signal.SIGTERM)
@@ -342,11 +349,13 @@ def test_a_server_killed_outright_resumes_the_run_on_its_sites(tmp_path: Path) -
     assert "Resuming run 1 (" in output and len(before) <= resumed_from < 4
     assert "on its 2 sites (london, ohio)" in output
     with LedgerRepository.open(ledger) as repository:
-        (run,) = repository.list_runs()
+        run, reference = sorted(repository.list_runs(), key=lambda r: r.id)
         rounds = repository.list_rounds(run.id)
         updates = repository.list_updates(run.id)
         events = [e.kind for e in repository.list_events(run.id)]
+        reference_rounds = repository.list_rounds(reference.id)
     assert run.status == "finished", run.error
+    assert reference.status == "finished", reference.error
     assert [r.num_applied for r in rounds] == [2, 2, 2, 2]
     assert rounds[: len(before)] == before  # committed rounds are not written again
     assert sum(u.status == "applied" for u in updates if u.round > resumed_from) == 2 * (
@@ -358,6 +367,22 @@ def test_a_server_killed_outright_resumes_the_run_on_its_sites(tmp_path: Path) -
     assert events == [DEPLOYED_EVENT, "resumed", DEPLOYED_EVENT]
     # DTS: each site's delayed periods and top-k residuals outlived the server, on its disk
     assert not [u.reason for u in updates if u.reason and "lost its state" in u.reason]
+    # ... so the resumed run ends as the run left alone: the same model, bit for bit, and
+    # the same accuracy every round (two sites: their sum does not depend on which
+    # replied first).
+    models = {
+        r.id: server.run("export", str(r.id), "--db", ledger, "--out", str(tmp_path / f"{r.id}.pt"))
+        for r in (run, reference)
+    }
+    assert all(done.returncode == 0 for done in models.values()), models
+    resumed_model = torch.load(tmp_path / f"{run.id}.pt", weights_only=True)
+    alone_model = torch.load(tmp_path / f"{reference.id}.pt", weights_only=True)
+    assert list(resumed_model) == list(alone_model)
+    for name, tensor in alone_model.items():
+        assert torch.equal(resumed_model[name], tensor), name
+    assert [r.metrics["accuracy"] for r in rounds] == [
+        r.metrics["accuracy"] for r in reference_rounds
+    ]
     # Logged to MLflow as it trained (--mlflow): every round, those before the kill too.
     from mlflow.tracking import MlflowClient
 
