@@ -575,10 +575,10 @@ def wait_for_sites(
         if registry is not None:
             missing = [s.name for s in registry.sites if s.node_id not in online]
             joined = [s.name for s in registry.sites if s.node_id in online]
-        else:  # nodes name themselves: count them
+        else:  # nodes name themselves (when the run asks them): count them
             short = len(plan.sites) - len(online)
             missing = [f"{short} of {len(plan.sites)} nodes"] if short > 0 else []
-            joined = [f"{len(online)} nodes"] if online else []
+            joined = [f"{len(online)} unauthenticated nodes (--insecure)"] if online else []
         if not missing:
             on_poll()  # the gateway's last reports first
             say(f"all {len(plan.sites)} sites connected: {', '.join(joined)}")
@@ -677,6 +677,42 @@ WIND_DOWN_SECONDS = 15.0
 PRESENCE_EVERY = 2.0
 
 
+class InsecureNames:
+    """Says once which names the run's sites gave themselves, where nothing checks them.
+
+    Without a registry (``--insecure``) a node is whoever it says it is: its answer to the
+    engine's query names it in the ledger. Once as many sites as planned are recorded, the
+    names and node ids are said, and any name ``--sites`` did not list is warned about.
+    """
+
+    def __init__(self, plan: ServerPlan, say: Say) -> None:
+        self.plan = plan
+        self.say = say
+        self.done = not plan.insecure
+
+    def poll(self, run_id: int, db: str | None) -> None:
+        if self.done:
+            return
+        try:
+            with LedgerRepository.open(db, create=False) as repository:
+                recorded = repository.list_sites(run_id)
+        except FLPlatformError:
+            return  # a ledger that hiccups: read again next time
+        if len(recorded) < len(self.plan.sites):
+            return
+        self.done = True
+        self.say(
+            "the sites named themselves (unauthenticated, --insecure): "
+            + ", ".join(f"{site.name} (node {site.node_id})" for site in recorded)
+        )
+        unlisted = sorted({site.name for site in recorded} - set(self.plan.sites))
+        if unlisted:
+            self.say(
+                f"warning: {', '.join(unlisted)} not among --sites {','.join(self.plan.sites)}: "
+                "without --certs any node may join under any name"
+            )
+
+
 class PresenceLines:
     """Says each site-lost and site-back event of a run once, as the engine recorded it."""
 
@@ -724,6 +760,7 @@ def run_deployment(
     """
     marked: set[int] = set()
     presence = PresenceLines(say)
+    names = InsecureNames(plan, say)
     with deployment_state(home, plan) as state:
         gateway_log = LogTail(home / "logs" / f"{run.logs}.gateway.log")
 
@@ -752,6 +789,7 @@ def run_deployment(
                 else:
                     marked.add(record.id)
             if record is not None:
+                names.poll(record.id, follow.db or None)
                 presence.poll(record.id, follow.db or None, final=record.status != RUN_RUNNING)
             if on_progress is not None:
                 on_progress(record, done, failures)

@@ -200,6 +200,10 @@ def test_flplatform_server_whose_superlink_died_fails_the_run_and_exits_in_one_l
         reason = f"the SuperLink at 127.0.0.1:{port} is gone (killed by SIGKILL): "
         assert run.status == "failed" and (run.error or "").startswith(reason), run.error
         assert "Traceback" not in output
+        # --insecure: the nodes are counted, then named as they named themselves
+        assert f"all {len(SITES)} sites connected: {len(SITES)} unauthenticated nodes" in output
+        named = next(line for line in output.splitlines() if "named themselves" in line)
+        assert all(f"{name} (node " in named for name in SITES), named
         last = output.strip().splitlines()[-1]
         assert last.startswith(f"error: run {run.id} failed: {reason}"), last
         time.sleep(3)
