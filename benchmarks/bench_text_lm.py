@@ -20,7 +20,10 @@ fewer rounds than FedAvgM, and the best plan reaches it at least 10× sooner in 
 time than sync sgd.
 
 One Flower start-up per run, 5 runs a seed; on a 2-core machine with the defaults
-(12 rounds of 20 steps) about 10 minutes a seed, most of it sync sgd's 240 rounds.
+(12 rounds of 20 steps) 10 to 15 minutes a seed, half of it sync sgd's 240 rounds. The
+sites' AdamW restarts every round, so sync sgd's one step is AdamW's first (about lr times
+the gradient's sign per coordinate), averaged: the every-step baseline of this app, not
+data-parallel AdamW with its optimizer state kept.
 
     python benchmarks/bench_text_lm.py [--seeds 0 1 2] [--rounds 12] [--local-steps 20] [--out FILE]
 """
