@@ -4,10 +4,10 @@ The byte-level transformer of ``examples/text_lm`` (471k parameters, 64-byte win
 sites on the world network, each holding other packages of the standard library's source
 (non-IID by construction), the server's loss on the top-level modules no site holds. Every
 plan spends the same site steps (``--rounds`` × ``--local-steps`` per site, AdamW restarted
-each round); "sync sgd" communicates after every step (one step a round: synchronous
-data-parallel SGD with a global batch of 8 × 32 windows):
+each round); "sync sgd" communicates after every step (one step a round, a global batch
+of 8 × 32 windows; see below for what that step is):
 
-- sync sgd: one local step a round, FedAvg's mean (the baseline the others beat in time);
+- sync sgd: one local step a round, FedAvg's mean (the README's "every step" row);
 - fedavg, fedavgm (server momentum 0.9, η = 0.7), diloco (Nesterov 0.9, η = 0.7:
   Douillard et al. 2023's outer step);
 - dts: delayed updates (D = 1) with top-1% uploads, FedAvg's step.

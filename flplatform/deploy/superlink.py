@@ -681,24 +681,28 @@ class InsecureNames:
     """Says once which names the run's sites gave themselves, where nothing checks them.
 
     Without a registry (``--insecure``) a node is whoever it says it is: its answer to the
-    engine's query names it in the ledger. Once as many sites as planned are recorded, the
-    names and node ids are said, and any name ``--sites`` did not list is warned about.
+    engine's query names it in the ledger. Once as many sites as planned are recorded (or
+    the run has ended with fewer), the names and node ids are said, and any name
+    ``--sites`` did not list is warned about. The ledger is read every ``PRESENCE_EVERY``
+    seconds at most.
     """
 
     def __init__(self, plan: ServerPlan, say: Say) -> None:
         self.plan = plan
         self.say = say
         self.done = not plan.insecure
+        self.next_read = 0.0
 
-    def poll(self, run_id: int, db: str | None) -> None:
-        if self.done:
+    def poll(self, run_id: int, db: str | None, *, final: bool = False) -> None:
+        if self.done or (time.monotonic() < self.next_read and not final):
             return
+        self.next_read = time.monotonic() + PRESENCE_EVERY
         try:
             with LedgerRepository.open(db, create=False) as repository:
                 recorded = repository.list_sites(run_id)
         except FLPlatformError:
             return  # a ledger that hiccups: read again next time
-        if len(recorded) < len(self.plan.sites):
+        if not recorded or (len(recorded) < len(self.plan.sites) and not final):
             return
         self.done = True
         self.say(
@@ -789,7 +793,7 @@ def run_deployment(
                 else:
                     marked.add(record.id)
             if record is not None:
-                names.poll(record.id, follow.db or None)
+                names.poll(record.id, follow.db or None, final=record.status != RUN_RUNNING)
                 presence.poll(record.id, follow.db or None, final=record.status != RUN_RUNNING)
             if on_progress is not None:
                 on_progress(record, done, failures)

@@ -267,10 +267,12 @@ class RoundEngine:
         the work that was in flight sent again (see ``resume_from``); ``initial_arrays``
         is ignored and the initial evaluation is not repeated.
 
-        ``should_stop``: asked after each recorded round with the round and the result so
-        far (``result.arrays`` is that round's model); True ends the run there, with a
-        ``STOPPED_EARLY_EVENT``. A resumed run asks it first about the round it resumes
-        after, so that a run stopped just before its process died stops again.
+        ``should_stop``: asked after each recorded round but the last, with the round and
+        the result so far (``result.arrays`` is that round's model); True ends the run
+        there, with a ``STOPPED_EARLY_EVENT``. The stop rules (``NoProgress``, halves that
+        disagree) are applied first: a failing run fails. A resumed run asks it first
+        about the round it resumes after (once its sites are back), so that a run stopped
+        just before its process died stops again.
         """
         result = self._result = Result(arrays=initial_arrays)
         if resume is None:

@@ -203,12 +203,12 @@ def start(
         how each run of a sweep tells the shared sites its data and model. None sends
         nothing.
     should_stop : callable, optional
-        ``(round, result) -> bool``, as Flower 1.43's ``Strategy.start`` takes it: asked
-        after each recorded round with the result so far (``result.arrays`` that round's
-        model, the metrics of every round until it); True ends the run after that round,
-        finished with the rounds it has and a ``stopped-early`` event in the ledger
-        (``flplatform history events``). A run resumed after its process died asks it
-        again about its last round before going on.
+        ``(round, result) -> bool``, the keyword Flower 1.43's ``Strategy.start`` adds:
+        asked after each recorded round but the last, with the result so far
+        (``result.arrays`` that round's model, the metrics of every round until it); True
+        ends the run after that round, finished with the rounds it has and a
+        ``stopped-early`` event in the ledger (``flplatform history events``). A run
+        resumed after its process died asks it again about its last round before going on.
 
     Returns
     -------
@@ -223,8 +223,8 @@ def start(
     StorageError
         If the ledger cannot be opened or written.
     RunFailed
-        If the run could not start (too few sites) or stopped early (``NoProgress``, or
-        the SuperLink that runs it exited).
+        If the run could not start (too few sites) or failed before its end
+        (``NoProgress``, or the SuperLink that runs it exited).
     """
     if should_stop is not None and not callable(should_stop):
         raise ConfigError(
@@ -320,7 +320,11 @@ def start(
     result = run_watched(grid, run_rounds, on_failure=record_failure)
     if run is not None:
         # the last round's (should_stop may have ended the run before the planned last)
-        final = result.evaluate_metrics_serverapp.get(engine.finished_round if engine else 0)
+        final = (
+            result.evaluate_metrics_serverapp.get(engine.finished_round)
+            if engine is not None
+            else None
+        )
         run.finish(
             final_metrics=final,
             simulated_seconds=engine.simulated_seconds if engine is not None else None,

@@ -234,7 +234,7 @@ def test_a_run_stopped_just_before_its_process_died_stops_again_when_resumed(
     with pytest.raises(Died):
         start(
             LocalSGDAveraging(), ScriptedGrid(two_sites()), MODEL, on_round=die_after_round_3,
-            **options,
+            evaluate_fn=_accuracy_by_round, **options,
         )  # fmt: skip
     with LedgerRepository.open(db) as repo:
         (run,) = repo.list_runs()
@@ -247,12 +247,13 @@ def test_a_run_stopped_just_before_its_process_died_stops_again_when_resumed(
 
     start(
         LocalSGDAveraging(), ScriptedGrid(two_sites()), MODEL, resume_run=run.id,
-        should_stop=stop_at_3, **options,
+        should_stop=stop_at_3, evaluate_fn=_accuracy_by_round, **options,
     )  # fmt: skip
     assert asked == [3]  # asked about the round it resumed after, and no round trained
     with LedgerRepository.open(db) as repo:
         run = repo.get_run(run.id)
         assert (run.status, run.rounds_completed) == ("finished", 3)
+        assert run.final_metrics == {"accuracy": 0.3}  # round 3's, from the restored history
         assert [e.kind for e in repo.list_events(run.id)] == ["resumed", "stopped-early"]
 
 

@@ -76,8 +76,9 @@ def test_flwr_run_dot_trains_and_writes_the_ledger(flplatform_home: Path) -> Non
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     # The ServerApp inherited FLPLATFORM_HOME, so the default ledger is in our home.
     with LedgerRepository.open(f"sqlite:///{flplatform_home / 'ledger.db'}") as repo:
-        runs = {run.config["strategy"]: run for run in repo.list_runs()}
-        assert sorted(runs) == sorted(MEMBERS)
+        listed = repo.list_runs()
+        runs = {run.config["strategy"]: run for run in listed}
+        assert len(listed) == len(MEMBERS) and sorted(runs) == sorted(MEMBERS)
         for strategy, run in runs.items():
             assert run.status == "finished", (strategy, run.error)
             assert [s.name for s in repo.list_sites(run.id)] == ["a", "b", "c"]

@@ -151,12 +151,21 @@ def test_a_window_is_the_bytes_at_its_position(tmp_path: Path) -> None:
     assert len(task.windows([first, second], count=100, seed=3)) == len(text) // span
 
 
-def test_the_servers_test_windows_come_from_modules_no_site_holds() -> None:
-    test = task.load_test_data(count=64)
-    assert test.shape == (64, task.CONTEXT + 1)
-    site_files = {file for unit in task.packages(STDLIB) for file in unit.files}
-    modules = set(STDLIB.glob("*.py"))
-    assert modules and not modules & site_files
+def test_the_servers_test_windows_come_from_the_top_level_modules(tmp_path: Path) -> None:
+    """Each test window is text of the top-level modules (none of a package's, which are
+    the sites'); a library without source files is refused."""
+    root = _fake_stdlib(tmp_path / "lib", {"alpha": {"a.py": b"p" * 3000}})
+    noise = np.random.default_rng(1).integers(0, 256, 4000, dtype=np.uint8).tobytes()
+    (root / "one.py").write_bytes(noise[:2000])
+    (root / "two.py").write_bytes(noise[2000:])
+    text = (root / "one.py").read_bytes() + b"\n" + (root / "two.py").read_bytes()
+    test = task.load_test_data(count=16, root=root)
+    assert test.shape == (16, task.CONTEXT + 1)
+    assert all(bytes(window.tolist()) in text for window in test)
+    (root / "one.py").unlink()
+    (root / "two.py").unlink()
+    with pytest.raises(task.DataError, match="without its source"):
+        task.load_test_data(root=root)
 
 
 # ------------------------------------------------------------------------------ model

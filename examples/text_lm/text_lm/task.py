@@ -122,7 +122,8 @@ def windows(files: tuple[Path, ...] | list[Path], count: int, seed: int) -> torc
 def load_data(
     partition_id: int, num_partitions: int, *, windows_per_site: int, root: Path | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This site's windows of its packages' source: 90% to train on, 10% to validate on."""
+    """This site's windows of its packages' source: the first tenth, in file order (a
+    hold-out by file), to validate on, the rest to train on."""
     held = site_packages(root or stdlib_dir(), num_partitions)[partition_id]
     files = [file for unit in held for file in unit.files]
     data = windows(files, windows_per_site, seed=partition_id)
