@@ -68,6 +68,7 @@ from storage import (
     LedgerRepository,
     RoundRecord,
     RunRecord,
+    SiteRecord,
     UpdateRecord,
 )
 
@@ -677,56 +678,24 @@ WIND_DOWN_SECONDS = 15.0
 PRESENCE_EVERY = 2.0
 
 
-class InsecureNames:
-    """Says once which names the run's sites gave themselves, where nothing checks them.
+class PresenceLines:
+    """Says each site-lost and site-back event of a run once, as the engine recorded it;
+    and, for ``--insecure`` (``unauthenticated``: the sites ``--sites`` listed), once which
+    names the sites gave themselves.
 
-    Without a registry (``--insecure``) a node is whoever it says it is: its answer to the
-    engine's query names it in the ledger. Once as many sites as planned are recorded (or
-    the run has ended with fewer), the names and node ids are said, and any name
-    ``--sites`` did not list is warned about. The ledger is read every ``PRESENCE_EVERY``
-    seconds at most.
+    Without a registry a node is whoever it says it is: its answer to the engine's query
+    names it in the ledger. Once as many sites as listed are recorded (or the run has ended
+    with fewer), their names and node ids are said, and a name not listed is warned about.
     """
 
-    def __init__(self, plan: ServerPlan, say: Say) -> None:
-        self.plan = plan
-        self.say = say
-        self.done = not plan.insecure
-        self.next_read = 0.0
-
-    def poll(self, run_id: int, db: str | None, *, final: bool = False) -> None:
-        if self.done or (time.monotonic() < self.next_read and not final):
-            return
-        self.next_read = time.monotonic() + PRESENCE_EVERY
-        try:
-            with LedgerRepository.open(db, create=False) as repository:
-                recorded = repository.list_sites(run_id)
-        except FLPlatformError:
-            return  # a ledger that hiccups: read again next time
-        if not recorded or (len(recorded) < len(self.plan.sites) and not final):
-            return
-        self.done = True
-        self.say(
-            "the sites named themselves (unauthenticated, --insecure): "
-            + ", ".join(f"{site.name} (node {site.node_id})" for site in recorded)
-        )
-        unlisted = sorted({site.name for site in recorded} - set(self.plan.sites))
-        if unlisted:
-            self.say(
-                f"warning: {', '.join(unlisted)} not among --sites {','.join(self.plan.sites)}: "
-                "without --certs any node may join under any name"
-            )
-
-
-class PresenceLines:
-    """Says each site-lost and site-back event of a run once, as the engine recorded it."""
-
-    def __init__(self, say: Say) -> None:
+    def __init__(self, say: Say, *, unauthenticated: Sequence[str] | None = None) -> None:
         self.say = say
         self.seen: set[int] = set()
         self.next_read = 0.0
+        self.unnamed = tuple(unauthenticated) if unauthenticated is not None else None
 
     def poll(self, run_id: int, db: str | None, *, final: bool = False) -> None:
-        """Say the events not said yet: at most every ``PRESENCE_EVERY`` seconds, and
+        """Say what was not said yet: at most every ``PRESENCE_EVERY`` seconds, and
         always when ``final`` (the run has ended: its last events are said too)."""
         if time.monotonic() < self.next_read and not final:
             return
@@ -734,12 +703,28 @@ class PresenceLines:
         try:
             with LedgerRepository.open(db, create=False) as repository:
                 events = repository.list_events(run_id)
+                sites = repository.list_sites(run_id) if self.unnamed is not None else []
         except FLPlatformError:
             return  # a ledger that hiccups: read again next time
+        if sites and (final or len(sites) >= len(self.unnamed or ())):
+            self._say_names(sites)
         for event in events:
             if event.id not in self.seen and event.kind in (SITE_LOST_EVENT, SITE_BACK_EVENT):
                 self.seen.add(event.id)
                 self.say(presence_sentence(event.kind, event.detail))
+
+    def _say_names(self, sites: Sequence[SiteRecord]) -> None:
+        listed, self.unnamed = self.unnamed or (), None
+        self.say(
+            "the sites named themselves (unauthenticated, --insecure): "
+            + ", ".join(f"{site.name} (node {site.node_id})" for site in sites)
+        )
+        unlisted = sorted({site.name for site in sites} - set(listed))
+        if unlisted:
+            self.say(
+                f"warning: {', '.join(unlisted)} not among --sites {','.join(listed)}: "
+                "without --certs any node may join under any name"
+            )
 
 
 def run_deployment(
@@ -763,8 +748,7 @@ def run_deployment(
     ``PRESENCE_EVERY`` seconds).
     """
     marked: set[int] = set()
-    presence = PresenceLines(say)
-    names = InsecureNames(plan, say)
+    presence = PresenceLines(say, unauthenticated=plan.sites if plan.insecure else None)
     with deployment_state(home, plan) as state:
         gateway_log = LogTail(home / "logs" / f"{run.logs}.gateway.log")
 
@@ -793,7 +777,6 @@ def run_deployment(
                 else:
                     marked.add(record.id)
             if record is not None:
-                names.poll(record.id, follow.db or None, final=record.status != RUN_RUNNING)
                 presence.poll(record.id, follow.db or None, final=record.status != RUN_RUNNING)
             if on_progress is not None:
                 on_progress(record, done, failures)

@@ -4,14 +4,10 @@ and, with --insecure, the names the sites gave themselves."""
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 
 from flplatform.deploy import superlink
-from flplatform.deploy.certs import init_certs, make_site_key
-from flplatform.deploy.superlink import InsecureNames, PresenceLines
+from flplatform.deploy.superlink import PresenceLines
 from flplatform.engine.events import SITE_BACK_EVENT, SITE_LOST_EVENT
 from flplatform.run.run_record import DEPLOYED_EVENT
 from storage import LedgerRepository
@@ -74,11 +70,15 @@ def test_the_last_events_of_a_run_are_said_whenever_it_ended(sqlite_ledger: str)
 
 
 # ------------------------------------------------------------------- --insecure names
-def _insecure_plan() -> superlink.ServerPlan:
-    return superlink.plan_server(
-        sites=["london", "ohio"], certs_dir=None, address="127.0.0.1:9", wait_timeout=1,
-        insecure=True,
-    )  # fmt: skip
+def _run_with_sites(db: str, *names: str) -> int:
+    """A run whose sites named themselves ``names`` (node ids 11, 12, ...)."""
+    with LedgerRepository.open(db) as repository:
+        run_id = repository.create_run(
+            name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=5
+        )
+        for node, name in enumerate(names, start=11):
+            repository.add_site(run_id, name=name, node_id=node)
+    return run_id
 
 
 def test_insecure_sites_are_named_as_they_named_themselves_and_strangers_warned_of(
@@ -86,17 +86,14 @@ def test_insecure_sites_are_named_as_they_named_themselves_and_strangers_warned_
 ) -> None:
     monkeypatch.setattr(superlink, "PRESENCE_EVERY", 0.0)
     said: list[str] = []
-    names = InsecureNames(_insecure_plan(), said.append)
+    lines = PresenceLines(said.append, unauthenticated=("london", "ohio"))
+    run_id = _run_with_sites(sqlite_ledger, "london")
+    lines.poll(run_id, sqlite_ledger)  # one of two: not yet
+    assert said == []
     with LedgerRepository.open(sqlite_ledger) as repository:
-        run_id = repository.create_run(
-            name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=5
-        )
-        repository.add_site(run_id, name="london", node_id=11)
-        names.poll(run_id, sqlite_ledger)  # one of two: not yet
-        assert said == []
         repository.add_site(run_id, name="mallory", node_id=12)
-        names.poll(run_id, sqlite_ledger)
-        names.poll(run_id, sqlite_ledger)  # said once
+    lines.poll(run_id, sqlite_ledger)
+    lines.poll(run_id, sqlite_ledger)  # said once
     assert said == [
         "the sites named themselves (unauthenticated, --insecure): london (node 11), "
         "mallory (node 12)",
@@ -107,31 +104,13 @@ def test_insecure_sites_are_named_as_they_named_themselves_and_strangers_warned_
 
 def test_insecure_names_are_said_when_the_run_ends_short_of_sites(sqlite_ledger: str) -> None:
     said: list[str] = []
-    names = InsecureNames(_insecure_plan(), said.append)
-    with LedgerRepository.open(sqlite_ledger) as repository:
-        run_id = repository.create_run(
-            name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=5
-        )
-        repository.add_site(run_id, name="london", node_id=11)
-    names.poll(run_id, sqlite_ledger, final=True)
+    lines = PresenceLines(said.append, unauthenticated=("london", "ohio"))
+    lines.poll(_run_with_sites(sqlite_ledger, "london"), sqlite_ledger, final=True)
     assert said == ["the sites named themselves (unauthenticated, --insecure): london (node 11)"]
 
 
-def test_registered_sites_are_not_named_again(sqlite_ledger: str, tmp_path: Path) -> None:
-    certs = tmp_path / "certs"
-    init_certs(certs)
-    for name in ("london", "ohio"):
-        shutil.copy(make_site_key(name, tmp_path / name).public_key, certs)
-    plan = superlink.plan_server(
-        sites=["london", "ohio"], certs_dir=certs, address="127.0.0.1:9", wait_timeout=1,
-        insecure=False,
-    )  # fmt: skip
+def test_registered_sites_are_not_named_again(sqlite_ledger: str) -> None:
     said: list[str] = []
-    with LedgerRepository.open(sqlite_ledger) as repository:
-        run_id = repository.create_run(
-            name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=5
-        )
-        repository.add_site(run_id, name="london", node_id=11)
-        repository.add_site(run_id, name="ohio", node_id=12)
-    InsecureNames(plan, said.append).poll(run_id, sqlite_ledger, final=True)
-    assert said == []  # their keys named them (the registry), checked by the gateway
+    lines = PresenceLines(said.append)  # a deployment with --certs: their keys named them
+    lines.poll(_run_with_sites(sqlite_ledger, "london", "ohio"), sqlite_ledger, final=True)
+    assert said == []
