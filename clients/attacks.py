@@ -90,6 +90,7 @@ from typing import Any
 import numpy as np
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 
+from clients.site import run_config_of
 from flplatform.core import keys
 from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.core.checks import as_site_names, integer, number, one_of, require
@@ -135,6 +136,8 @@ SCALE_KEY = "attack.scale"  # 0: the kind's default
 _REPLAY_ARRAYS = f"{keys.ATTACK_STATE}.arrays"
 _REPLAY_METRICS = f"{keys.ATTACK_STATE}.metrics"
 _REPLAY_CONFIG = f"{keys.ATTACK_STATE}.config"
+_REPLAY_ROUND = f"{keys.ATTACK_STATE}.round"
+_ROUND = "round"
 _COUNT = f"{keys.ATTACK_STATE}.count"
 _TRAININGS = "trainings"
 # Flower's Error code of a silent site's reply: there is no code for "chose not to answer".
@@ -342,13 +345,14 @@ def attack_mod(plan: AttackPlan | None = None) -> Mod:
     """A ClientApp mod that makes the chosen site's training replies hostile.
 
     ``plan``: the attack; None reads it from the run config at each message
-    (``AttackPlan.from_run_config``). List it first in ``mods``.
+    (``AttackPlan.from_run_config``; in a sweep, the member's own, which its messages
+    carry). List it first in ``mods``.
     """
 
     def mod(msg: Message, context: Context, call_next: TrainFunction) -> Message:
         if not is_training(msg):
             return call_next(msg, context)
-        attack = plan or AttackPlan.from_run_config(context.run_config)
+        attack = plan or AttackPlan.from_run_config(run_config_of(msg, context))
         if not attack.chooses(context):
             return call_next(msg, context)
         server_round = _server_round(msg, context)
@@ -361,14 +365,14 @@ def attack_mod(plan: AttackPlan | None = None) -> Mod:
         if attack.kind == SILENT and hostile:
             reason = f"silent attacker: no update from round {attack.start_round} on"
             return Message(Error(code=_SILENT_CODE, reason=reason), reply_to=msg)
-        if attack.kind == REPLAY and hostile and _REPLAY_ARRAYS in context.state:
+        if attack.kind == REPLAY and hostile and _remembered_before(context, server_round):
             return _replayed(msg, context)
         # ---- attacks that rewrite the honest reply
         reply = call_next(msg, context)
         if reply.has_error():
             return reply
-        if attack.kind == REPLAY and _REPLAY_ARRAYS not in context.state:
-            _remember(reply, context)
+        if attack.kind == REPLAY and not _remembered_before(context, server_round):
+            _remember(reply, context, server_round)
         if not hostile or attack.kind in (SUICIDE, CRASH_LOOP, REPLAY):
             return reply
         if attack.kind in OMNISCIENT:
@@ -388,8 +392,17 @@ def _server_round(msg: Message, context: Context) -> int:
     return sent if isinstance(sent, int) and not isinstance(sent, bool) else count
 
 
-def _remember(reply: Message, context: Context) -> None:
+def _remembered_before(context: Context, server_round: int) -> bool:
+    """Whether a reply of an earlier round of this run is kept. One kept in this round or
+    a later one is another run's: the runs of a sweep share the site's context, and each
+    starts again from round 1."""
+    kept = context.state.config_records.get(_REPLAY_ROUND, ConfigRecord()).get(_ROUND)
+    return isinstance(kept, int) and kept < server_round
+
+
+def _remember(reply: Message, context: Context, server_round: int) -> None:
     """Keep the reply's records, copied (the reply itself goes on to be serialized)."""
+    context.state[_REPLAY_ROUND] = ConfigRecord({_ROUND: server_round})
     content = reply.content
     if keys.ARRAYS in content.array_records:
         arrays = record_to_arrays(content.array_records[keys.ARRAYS])

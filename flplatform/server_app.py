@@ -15,7 +15,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from flplatform.app.config import RunConfig
 from flplatform.app.federation import run_federation, run_members
-from flplatform.app.sweep import sweep_members
+from flplatform.app.sweep import sweep_app_keys, sweep_members
 
 log = logging.getLogger("flplatform")
 
@@ -31,6 +31,11 @@ def main(grid: Grid, context: Context) -> None:
         log.info("run config: keys not ours, left to the app: %s", ", ".join(ignored))
     members = sweep_members(context.run_config)
     if members:
-        run_members(grid, members)
+        run_members(
+            grid,
+            members,
+            app_keys=sweep_app_keys(context.run_config),
+            sites_run_config=context.run_config,
+        )
     else:
         run_federation(grid, RunConfig.from_mapping(context.run_config, allow_unknown=True))

@@ -2,7 +2,8 @@
 
 :func:`run_federation` runs one; :func:`run_members` runs a sweep's members one after
 another on the same Grid (``flplatform.app.sweep``), each sending its sites the data and model
-keys of its own run config (``site_config``).
+keys of its own run config and its own app keys where the sites' run config says otherwise
+(``site_config``).
 """
 
 from __future__ import annotations
@@ -184,8 +185,40 @@ def site_config_of(config: RunConfig) -> dict[str, ConfigValue]:
     return {key: values[key] for key in SITE_KEYS}
 
 
-def run_members(grid: Grid, members: Sequence[RunConfig]) -> None:
+def member_site_config(
+    member: RunConfig,
+    app_keys: Mapping[str, ConfigValue],
+    sites_run_config: Mapping[str, Any] | None,
+) -> dict[str, ConfigValue] | None:
+    """What a sweep member's messages tell its sites beyond their own run config: its data
+    and model keys and its own app keys; None where the sites' run config already says
+    the same (a sweep of strategies on one dataset sends nothing more than a lone run).
+
+    ``sites_run_config``: the run config the sites hold (the Flower run's); None when
+    unknown, and then everything is sent.
+    """
+    told = {**site_config_of(member), **app_keys}
+    if sites_run_config is None:
+        return told
+    same_data = SiteDataConfig.from_run_config({**sites_run_config, **told}) == (
+        SiteDataConfig.from_run_config(sites_run_config)
+    )
+    same_app = all(sites_run_config.get(key) == value for key, value in app_keys.items())
+    return None if same_data and same_app else told
+
+
+def run_members(
+    grid: Grid,
+    members: Sequence[RunConfig],
+    *,
+    app_keys: Sequence[Mapping[str, ConfigValue]] = (),
+    sites_run_config: Mapping[str, Any] | None = None,
+) -> None:
     """Run a sweep's members in order on ``grid``, each a run of its own in the ledger.
+
+    Each member's messages tell the sites its data and model keys and its ``app_keys``
+    (the app's own keys, per member, ``sweep.sweep_app_keys``) where they differ from
+    ``sites_run_config``, the run config the sites hold (``member_site_config``).
 
     A member that fails with a domain error is recorded failed (``start`` records it) and
     the next one runs; anything else (Ctrl-C, SystemExit, a bug) stops the sweep. Between
@@ -202,8 +235,11 @@ def run_members(grid: Grid, members: Sequence[RunConfig]) -> None:
             drain = functools.partial(_drain, tracked, after=members[index - 1])
             run_watched(tracked, drain, lambda _: None)
         log.info("sweep: run %d of %d, %s", index + 1, len(members), member.run_name)
+        own = app_keys[index] if index < len(app_keys) else {}
         try:
-            run_federation(tracked, member, site_config=site_config_of(member))
+            run_federation(
+                tracked, member, site_config=member_site_config(member, own, sites_run_config)
+            )
         except FLPlatformError as exc:
             log.error("sweep: run %s failed: %s", member.run_name, exc.reason)
             if watch is not None and watch.gone is not None:

@@ -182,16 +182,44 @@ def sweep_members(run_config: Mapping[str, Any]) -> list[RunConfig]:
     """The members a Flower run config holds under ``sweep`` (empty: it holds none).
 
     Each member is the run config's options with its own overrides, validated. Keys that
-    are not ours (an app's own) are left to the app, as for a single run.
+    are not ours (an app's own) are left to the app, as for a single run
+    (:func:`sweep_app_keys`).
 
     Raises
     ------
     ConfigError
         If ``sweep`` is not a JSON list of objects, or a member is not a valid run.
     """
+    listed = _listed(run_config)
+    if listed is None:
+        return []
+    members = [
+        RunConfig.from_mapping({**run_config, **overrides, SWEEP_KEY: ""}, allow_unknown=True)
+        for overrides in listed
+    ]
+    check_members(members)
+    return members
+
+
+def sweep_app_keys(run_config: Mapping[str, Any]) -> list[dict[str, ConfigValue]]:
+    """Each member's own values of the app's keys (those that are not ours), in order.
+
+    ``{"attack.kind": "huge"}`` in a member of the attack app's sweep: its sites read it
+    from the member's messages (``clients.site.run_config_of``), as a single run's sites
+    read the run config.
+    """
+    known = set(option_keys())
+    return [
+        {key: value for key, value in overrides.items() if key.replace("_", "-") not in known}
+        for overrides in _listed(run_config) or []
+    ]
+
+
+def _listed(run_config: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """The JSON list of each member's overrides under ``sweep`` (None: no sweep)."""
     text = str(run_config.get(SWEEP_KEY, "")).strip()
     if not text:
-        return []
+        return None
     try:
         listed = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -203,12 +231,14 @@ def sweep_members(run_config: Mapping[str, Any]) -> list[RunConfig]:
         raise ConfigError(
             f"run config '{SWEEP_KEY}' must be a JSON list of objects (each run's options)"
         )
-    members = [
-        RunConfig.from_mapping({**run_config, **overrides, SWEEP_KEY: ""}, allow_unknown=True)
-        for overrides in listed
-    ]
-    check_members(members)
-    return members
+    require(
+        f"run config '{SWEEP_KEY}': run {index + 1}'s '{key}' is {type(value).__name__}; "
+        "a run-config value is a string, a number or a boolean"
+        for index, overrides in enumerate(listed)
+        for key, value in overrides.items()
+        if not isinstance(value, str | int | float | bool)
+    )
+    return listed
 
 
 # ======================================================================= helpers

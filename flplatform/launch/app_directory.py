@@ -255,9 +255,17 @@ def plan_run(app: FlowerApp, given: RunOverrides, *, tag: str) -> AppRun:
 
     _check_home_outside(app)
     overrides = parse_run_config(app, given.run_config)
-    for key, option in (("db", "--db"), ("run-tag", None)):
+    for key, instead in (
+        ("db", "use --db"),
+        ("run-tag", "flplatform run sets it to follow the run"),
+        # Each member would be a run of its own, under a tag the command does not follow.
+        (
+            "sweep",
+            "flplatform run follows one run; run a sweep with `flplatform simulate` "
+            "(comma-separated values) or `flwr run APP` (the sweep key's JSON list)",
+        ),
+    ):
         if key in overrides:
-            instead = f"use {option}" if option else "flplatform run sets it to follow the run"
             raise ConfigError(f"-c {key}: {instead}")
     values = _checked_values(app, given)
     options: dict[str, Any] = {}

@@ -351,6 +351,33 @@ def test_replay_resends_the_first_reply_without_training() -> None:
         assert dict(reply.content[keys.METRICS]) == dict(first.content[keys.METRICS])
 
 
+def test_a_replay_in_the_next_run_of_a_sweep_replays_that_runs_first_reply() -> None:
+    # The runs of a sweep share the site's context, each starting again at round 1.
+    ctx, user = context(2), Trainer()
+    plan = AttackPlan("replay", site="2", start_round=1)
+    call(plan, 1, ctx, user)
+    call(plan, 2, ctx, user)
+    again = call(plan, 1, ctx, user)  # the next run: trained, not the last run's reply
+    replayed = call(plan, 2, ctx, user)
+    assert user.calls == 2
+    np.testing.assert_array_equal(sent(again)["w"], model()["w"] + np.float32(0.125))
+    np.testing.assert_array_equal(sent(replayed)["w"], sent(again)["w"])
+
+
+def test_without_a_plan_each_message_names_its_runs_attack() -> None:
+    # A sweep's member sends its own attack.* keys with its messages (the sites' run
+    # config is the first member's): the mod reads them from there.
+    ctx = context(2)
+    ctx.run_config.update({"attack.kind": "silent", "attack.site": "california"})
+    silent = attack_mod()(train_message(2), ctx, lambda m, c: Trainer()(m, c))
+    assert silent.has_error()
+    msg = train_message(2)
+    msg.content[keys.RUN_CONFIG] = ConfigRecord({"attack.kind": "huge"})
+    huge = attack_mod()(msg, ctx, lambda m, c: Trainer()(m, c))
+    assert not huge.has_error()
+    np.testing.assert_array_equal(sent(huge)["w"], np.float32(HUGE_VALUE))
+
+
 def test_silent_replies_with_an_error_and_trains_nothing() -> None:
     user = Trainer()
     reply = call(AttackPlan("silent", site="2", start_round=2), 2, context(2), user)

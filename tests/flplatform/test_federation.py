@@ -14,7 +14,13 @@ import pytest
 from flwr.app import Array, ArrayRecord, Message, MessageType, MetricRecord, RecordDict
 
 from flplatform.app.config import RunConfig
-from flplatform.app.federation import SITE_KEYS, InFlightGrid, run_members, site_config_of
+from flplatform.app.federation import (
+    SITE_KEYS,
+    InFlightGrid,
+    member_site_config,
+    run_members,
+    site_config_of,
+)
 from flplatform.core import keys
 from flplatform.engine import Synchrony
 from flplatform.engine.engine import RoundEngine
@@ -83,6 +89,44 @@ def test_a_sites_data_keys_are_the_ones_the_site_reads() -> None:
         "sites",
         "standardize-features",
     }
+
+
+def test_a_member_tells_its_sites_only_what_their_run_config_does_not_say() -> None:
+    base = {"sites": "x,y", "seed": 4, "alpha": 0.5, "attack.kind": "none"}
+    held = {**base, "num-server-rounds": 3}  # the sites' run config: the first member's
+    same = RunConfig.from_mapping({**base, "strategy": "fetchsgd", "k": 10}, allow_unknown=True)
+    # Another strategy on the same data and model: the sites know all they need.
+    assert member_site_config(same, {}, held) is None
+    assert member_site_config(same, {"attack.kind": "none"}, held) is None
+    # Another seed, or its own value of an app key: its data keys and app keys go.
+    reseeded = RunConfig.from_mapping({**base, "seed": 5}, allow_unknown=True)
+    assert member_site_config(reseeded, {}, held) == site_config_of(reseeded)
+    attacked = member_site_config(same, {"attack.kind": "huge"}, held)
+    assert attacked == {**site_config_of(same), "attack.kind": "huge"}
+    # Not knowing the sites' run config, everything goes.
+    assert member_site_config(same, {}, None) == site_config_of(same)
+
+
+def test_a_sweep_on_the_sites_own_data_sends_no_data_keys(tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path / 'ledger.db'}"
+    base = {"sites": "a,b", "num-server-rounds": 1, "local-steps": 1, "db": db}
+    members = [
+        RunConfig.from_mapping({**base, "seed": 1, "name": "one", "run-tag": "t1"}),
+        RunConfig.from_mapping({**base, "seed": 1, "lr": 0.5, "name": "two", "run-tag": "t2"}),
+        RunConfig.from_mapping({**base, "seed": 2, "name": "three", "run-tag": "t3"}),
+    ]
+    grid = ScriptedGrid({1: echoing("a"), 2: echoing("b")})
+    held = members[0].to_run_config()
+    run_members(grid, members, app_keys=[{}, {}, {"mine": 1}], sites_run_config=held)
+
+    told = [m.content.config_records.get(keys.RUN_CONFIG) for m in grid.pushed]
+    lrs = [m.content.config_records[keys.CONFIG].get(keys.LR) for m in grid.pushed]
+    # The first two members (the second's messages are those with its lr) train on the
+    # sites' own data; every message of the third says its seed and its app key.
+    third = max(i for i, lr in enumerate(lrs) if lr == 0.5) + 1
+    assert 0 < lrs.index(0.5) < third < len(told)
+    assert told[:third] == [None] * third
+    assert all(t is not None and (t["seed"], t["mine"]) == (2, 1) for t in told[third:])
 
 
 def test_ctrl_c_in_a_member_stops_the_sweep(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from flplatform.app.sweep import (
     check_members,
     expand,
     expand_values,
+    sweep_app_keys,
     sweep_members,
     sweep_run_config,
 )
@@ -231,6 +232,14 @@ def test_the_app_own_keys_stay_beside_a_sweep() -> None:
     members = _tagged(expand(BASE, {"seed": [1, 2]}).members)
     run_config = {**sweep_run_config(members), "learning-rate": 0.3}
     assert sweep_members(run_config) == members
+    assert sweep_app_keys(run_config) == [{}, {}]
+    # Each member's own values of the app's keys, beside its options.
+    listed = json.loads(str(run_config[SWEEP_KEY]))
+    listed[1]["attack.kind"] = "huge"
+    own = {**run_config, SWEEP_KEY: json.dumps(listed)}
+    assert sweep_members(own) == members
+    assert sweep_app_keys(own) == [{}, {"attack.kind": "huge"}]
+    assert sweep_app_keys(BASE.to_run_config()) == []
 
 
 @pytest.mark.parametrize(
@@ -239,6 +248,7 @@ def test_the_app_own_keys_stay_beside_a_sweep() -> None:
         ("[{", "must be a JSON list of each run's options; it is not JSON"),
         ('{"seed": 1}', "must be a JSON list of objects"),
         ('[{"seed": "x"}]', "seed must be an integer"),
+        ('[{}, {"attack.kind": ["huge"]}]', "run 2's 'attack.kind' is list; a run-config value"),
     ],
 )
 def test_a_malformed_sweep_is_a_config_error(text: str, says: str) -> None:

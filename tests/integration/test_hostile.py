@@ -1,16 +1,16 @@
-"""The hostile-site suite: one real Flower simulation per attack, against the attacker silent.
+"""The hostile-site suite: one real run per attack, against the attacker silent.
 
-Each test runs the attack app (tests/integration/apps/attack_app: flplatform's
-ServerApp and the built-in site behind ``clients.attacks.attack_mod``) with
-``flplatform run``: digits, the MLP, three sites (london, ohio, california; Dirichlet
-α = 0.5), sync, 20 rounds, the platform's site defaults (2 local epochs, lr 0.1, site
-momentum 0.9), on the world network's virtual clock (the app's ``network``). California
-attacks from round 2; round 1 is honest in every run. On the virtual clock replies are
-judged in simulated order, so a run repeats itself exactly, and an attack whose every
-update is rejected ends where the silent run ends; on the wall clock the order replies
-come in changes a round's sum (and centred clipping's radius) in the last bits, and twenty
-rounds of training made that up to 2.3 points between two runs of one seed. The issue's
-target, per attack:
+Each test judges one run of the attack app (tests/integration/apps/attack_app:
+flplatform's ServerApp and the built-in site behind ``clients.attacks.attack_mod``), as
+``flplatform run APP -c attack.kind=...`` runs it by hand: digits, the MLP, three sites
+(london, ohio, california; Dirichlet α = 0.5), sync, 20 rounds, the platform's site
+defaults (2 local epochs, lr 0.1, site momentum 0.9), on the world network's virtual
+clock (the app's ``network``). California attacks from round 2; round 1 is honest in
+every run. On the virtual clock replies are judged in simulated order, so a run repeats
+itself exactly, and an attack whose every update is rejected ends where the silent run
+ends; on the wall clock the order replies come in changes a round's sum (and centred
+clipping's radius) in the last bits, and twenty rounds of training made that up to 2.3
+points between two runs of one seed. The issue's target, per attack:
 
 (a) the honest sites' rounds go on: london and ohio have an ``applied`` update in every
     round from the attack's on, and the run finishes;
@@ -30,16 +30,19 @@ compare noise. The bound is one-sided: a defence that caps an attacker's weight 
 keeps its honest update (``examples``) trains on three sites' data and may beat the
 two-site silent run (the honest three-site run ends 2.5 points above it).
 
-Each silent baseline runs once per federation (plain; server momentum 0.9; FetchSGD),
-cached for the module; a federation's attacks share one pytest-xdist worker. Simulations
-take 30-60 s each on a 2-core machine.
+The runs are one Flower run, started once for the module: a sweep (the run config's
+``sweep`` key, as ``flwr run APP`` takes it) of each federation's silent run (plain;
+server momentum 0.9; FetchSGD) and each attack in its federation, every run its own in
+the ledger, each member's options and ``attack.*`` keys reaching the sites with its
+messages; the tests share one pytest-xdist worker. ``suicide`` runs alone, with the
+honest sites in an actor of their own. The sweep takes about a minute on a 2-core
+machine, most of it Flower's start-up; a run of 20 rounds, a few seconds.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +51,8 @@ from typer.testing import CliRunner
 
 from flplatform.cli.app import app
 from flplatform.launch.app_directory import read_app
-from flplatform.launch.flower import ACTORS_ENV
+from flplatform.launch.flower import ACTORS_ENV, start_app
+from flplatform.launch.processes import ProcessTree
 from storage import LedgerRepository, RoundRecord, RunRecord, UpdateRecord
 
 ATTACK_APP = Path(__file__).parent / "apps" / "attack_app"
@@ -148,95 +152,139 @@ class Outcome:
         return sum(tail) / FINAL_ROUNDS
 
 
-def run_hostile(home: Path, kind: str, federation: tuple[str, ...], scale: float = 0.0) -> Outcome:
-    """``flplatform run`` the attack app with ``kind`` attacking; read its ledger back.
+def run_sweep_of(home: Path, cases: list[Case]) -> dict[Case, Outcome]:
+    """The attack app's runs of ``cases``, each in its own federation, in one Flower run:
+    a sweep, started as ``flwr run APP`` starts one (our launcher: a SuperLink on
+    127.0.0.1, FLWR_HOME in ``home``); each read back from its ledger, the attacker's rows
+    as ``history updates`` shows them.
 
-    The CLI's exit code is not asserted here: an attack may fail the run (that is what
+    The sweep's exit code is not asserted here: an attack may fail its run (that is what
     the tests judge), and its ledger still says what happened.
     """
     app_dir = home / "attack_app"
     if not app_dir.exists():  # Flower builds its FAB from the directory: a private copy
         shutil.copytree(ATTACK_APP, app_dir, ignore=shutil.ignore_patterns("__pycache__"))
     db = f"sqlite:///{home / 'ledger.db'}"
-    args = ["run", str(app_dir), "--db", db, "-c", f"attack.kind={kind}"]
-    args += ["-c", f"attack.scale={float(scale)}"]
-    for item in federation:
-        args += ["-c", item]
-    began = time.perf_counter()
-    result = runner.invoke(app, args)
-    wall = time.perf_counter() - began
+    members = [
+        {
+            **_items(case.federation + case.defence),
+            "name": " ".join((case.id, *case.federation)),
+            "run-tag": f"hostile-{index}",
+            "attack.kind": case.kind,
+            "attack.scale": float(case.scale),
+        }
+        for index, case in enumerate(cases)
+    ]
+    with ProcessTree() as tree:
+        process = start_app(
+            app_dir,
+            home=home,
+            log_name="hostile",
+            tree=tree,
+            run_config={"db": db, "sweep": json.dumps(members)},
+            num_sites=len(HONEST) + 1,
+        )
+        process.run.wait(timeout=900)
+    outcomes = {}
     with LedgerRepository.open(db) as repo:
-        run = repo.list_runs()[0]  # this home's newest
-        rounds, updates = repo.list_rounds(run.id), repo.list_updates(run.id)
-    # The attacker's rows as a user reads them: `history updates RUN --site ... --format json`.
-    shown = runner.invoke(
-        app,
-        ["history", "updates", str(run.id), "--site", ATTACKER, "--db", db, "--format", "json"],
-    )
-    assert shown.exit_code == 0, shown.output
-    reasons = {
-        row["round"]: (row["status"], row["reason"] or "") for row in json.loads(shown.output)
-    }
-    return Outcome(run, rounds, updates, reasons, wall, result.output)
+        runs = {run.tag: run for run in repo.list_runs()}
+        for case, member in zip(cases, members, strict=True):
+            run = runs.get(member["run-tag"])
+            assert run is not None, (case.id, process.log_tail(60))
+            rounds, updates = repo.list_rounds(run.id), repo.list_updates(run.id)
+            # The attacker's rows as a user reads them: `history updates RUN --site ...`.
+            shown = runner.invoke(
+                app,
+                ["history", "updates", str(run.id), "--site", ATTACKER, "--db", db]
+                + ["--format", "json"],
+            )
+            assert shown.exit_code == 0, shown.output
+            reasons = {
+                row["round"]: (row["status"], row["reason"] or "")
+                for row in json.loads(shown.output)
+            }
+            outcomes[case] = Outcome(
+                run, rounds, updates, reasons, run.wall_seconds or 0.0, process.log_tail(60)
+            )
+    return outcomes
+
+
+def _items(items: tuple[str, ...]) -> dict[str, object]:
+    """``key=value`` run-config items, each value a number where it reads as one."""
+    pairs = dict(item.split("=", 1) for item in items)
+    return {key: _number(value) for key, value in pairs.items()}
+
+
+def _number(text: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def silent(federation: tuple[str, ...]) -> Case:
+    """The run of ``federation`` with the attacker silent: each attack's baseline."""
+    return Case("silent", federation, ())
 
 
 @pytest.fixture(scope="module")
-def silent_runs() -> dict[tuple[str, ...], Outcome]:
-    """The silent-attacker run of each federation (filled by ``silent_baseline``, once each)."""
+def swept() -> dict[Case, Outcome]:
+    """Every run of the sweep, by case (filled by ``sweep_runs``, once)."""
     return {}
 
 
-def silent_baseline(
-    cache: dict[tuple[str, ...], Outcome],
-    federation: tuple[str, ...],
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Outcome:
-    if federation not in cache:
-        home = tmp_path_factory.mktemp("silent")
+def sweep_runs(
+    cache: dict[Case, Outcome], tmp_path_factory: pytest.TempPathFactory
+) -> dict[Case, Outcome]:
+    """Each federation's silent run and every attack but ``suicide``, in one sweep."""
+    if not cache:
+        home = tmp_path_factory.mktemp("hostile")
+        federations = list(dict.fromkeys(c.federation for c in CASES))
+        cases = [silent(f) for f in federations] + [c for c in CASES if c.kind != "suicide"]
         with pytest.MonkeyPatch.context() as patch:  # its own home, as flplatform_home gives
             patch.setenv("FLPLATFORM_HOME", str(home))
             patch.setenv("FLWR_HOME", str(home / "flwr"))
-            cache[federation] = run_hostile(home, "silent", federation)
-        baseline = cache[federation]
-        # The baseline itself must be sound: every round applied both honest sites.
-        assert baseline.run.status == "finished", (baseline.run.error, baseline.output[-3000:])
-        assert [r.num_applied for r in baseline.rounds[START_ROUND - 1 :]] == [2] * (
-            ROUNDS - START_ROUND + 1
-        )
-        print(
-            f"\nsilent {' '.join(federation) or 'plain'}: final accuracy "
-            f"{baseline.final_accuracy:.4f} (last rounds {baseline.accuracies[-5:]}), "
-            f"{baseline.wall_seconds:.1f} s"
-        )
-    return cache[federation]
+            cache.update(run_sweep_of(home, cases))
+        for federation in federations:
+            baseline = cache[silent(federation)]
+            # The baseline itself must be sound: every round applied both honest sites.
+            assert baseline.run.status == "finished", (baseline.run.error, baseline.output)
+            assert [r.num_applied for r in baseline.rounds[START_ROUND - 1 :]] == [2] * (
+                ROUNDS - START_ROUND + 1
+            )
+            print(
+                f"\nsilent {' '.join(federation) or 'plain'}: final accuracy "
+                f"{baseline.final_accuracy:.4f} (last rounds {baseline.accuracies[-5:]}), "
+                f"{baseline.wall_seconds:.1f} s"
+            )
+    return cache
 
 
 @pytest.mark.parametrize(
     "case",
-    # The attacks of one federation on one pytest-xdist worker (`--dist loadgroup`), so
-    # that its silent baseline runs once.
-    [
-        pytest.param(c, id=c.id, marks=pytest.mark.xdist_group(f"hostile {c.federation}"))
-        for c in CASES
-    ],
+    # On one pytest-xdist worker (`--dist loadgroup`), so that the sweep runs once.
+    [pytest.param(c, id=c.id, marks=pytest.mark.xdist_group("hostile")) for c in CASES],
 )
 def test_an_attacker_cannot_hurt_the_honest_sites(
     case: Case,
     flplatform_home: Path,
-    silent_runs: dict[tuple[str, ...], Outcome],
+    swept: dict[Case, Outcome],
     tmp_path_factory: pytest.TempPathFactory,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    runs = sweep_runs(swept, tmp_path_factory)
+    baseline = runs[silent(case.federation)]
     if case.kind == "suicide":  # the honest sites train in another actor, as for a user
         monkeypatch.setenv(ACTORS_ENV, "2")
-    attacked = run_hostile(flplatform_home, case.kind, case.federation + case.defence, case.scale)
-    silent = silent_baseline(silent_runs, case.federation, tmp_path_factory)
+        attacked = run_sweep_of(flplatform_home, [case])[case]
+    else:
+        attacked = runs[case]
     # Recorded for the report whatever the checks below find (run with -s to see it).
     by_round = [round(a, 3) for a in attacked.accuracies]
     shown = {r: (status, reason[:60]) for r, (status, reason) in attacked.ledger_reasons.items()}
     print(
         f"\n{case.id}: final accuracy {attacked.final_accuracy:.4f} against silent "
-        f"{silent.final_accuracy:.4f}; run {attacked.run.status} after "
+        f"{baseline.final_accuracy:.4f}; run {attacked.run.status} after "
         f"{len(attacked.rounds)} rounds; {attacked.wall_seconds:.1f} s; accuracy by round "
         f"{by_round}; attacker {shown}"
     )
@@ -296,10 +344,10 @@ def test_an_attacker_cannot_hurt_the_honest_sites(
         problems.append(f"(b) the attack was not counted in every round: {not_applied}")
 
     # (c) the final accuracy is within 2 points of the silent run's
-    if attacked.final_accuracy < silent.final_accuracy - MAX_LOSS:
+    if attacked.final_accuracy < baseline.final_accuracy - MAX_LOSS:
         problems.append(
             f"(c) final accuracy {attacked.final_accuracy:.4f}, silent "
-            f"{silent.final_accuracy:.4f} (last rounds {by_round[-3:]} against "
-            f"{[round(a, 3) for a in silent.accuracies[-3:]]})"
+            f"{baseline.final_accuracy:.4f} (last rounds {by_round[-3:]} against "
+            f"{[round(a, 3) for a in baseline.accuracies[-3:]]})"
         )
     assert not problems, "\n".join(problems)

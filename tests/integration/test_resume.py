@@ -10,7 +10,8 @@ find their state in their snapshots on disk (``strategies/mods/contract.py``).
 
 Every strategy and mode, killed twice each, once as a fresh run and once as its resume, at
 rounds of the strategy's own (a delayed pipeline still filling, then full; FetchSGD right
-after its first step). ``make test-resume`` runs them alone.
+after its first step). The runs left alone are one sweep, each case a member (one Flower
+start-up for the five). ``make test-resume`` runs them alone.
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ from flwr.app.message import make_message
 from flwr.common.constant import SUPERLINK_NODE_ID
 from typer.testing import CliRunner
 
+from flplatform.app.config import RunConfig
 from flplatform.cli.app import app
 from flplatform.core.ledger_rows import Kind, UpdateColumns, columns
 from flplatform.engine.wire import delivery_bytes, reply_traffic
+from flplatform.launch.simulation import run_sweep
 from storage import LedgerRepository
 from tests.helpers.processes import flplatform_cli, kill_after, wait_ok
 
@@ -166,24 +169,52 @@ def _rows(db: str, run_id: int) -> list[dict]:
     return rounds + sorted(updates, key=lambda u: repr(key(u)))
 
 
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, int]]:
+    """Every case's run left alone: its ledger, and each case's run id there.
+
+    One sweep (one Flower start-up), each case a member run as it would run alone: the
+    members train on the same data, so their messages carry what a lone run's carry, and
+    each is compared with its resumed run bit for bit, bytes included.
+    """
+    home = tmp_path_factory.mktemp("references")
+    db = f"sqlite:///{home / 'reference.db'}"
+    members = [
+        RunConfig.from_mapping(
+            {**BASE, **options, "num-server-rounds": ROUNDS, "db": db, "name": name}
+        )
+        for name, options, _ in CASES
+    ]
+    with pytest.MonkeyPatch.context() as patch:  # its own home, as flplatform_home gives
+        patch.setenv("FLPLATFORM_HOME", str(home))
+        patch.setenv("FLWR_HOME", str(home / "flwr"))
+        patch.setenv("FLPLATFORM_SITE_STATE", str(home / "site-state"))
+        records = run_sweep(members)
+    return db, {record.name: record.id for record in records}
+
+
 @pytest.mark.parametrize(
     "case,kills",
-    [pytest.param(name, k, id=name, marks=pytest.mark.resume) for name, _, k in CASES],
+    [
+        # on one pytest-xdist worker (`--dist loadgroup`), so that the references run once
+        pytest.param(
+            name, k, id=name, marks=[pytest.mark.resume, pytest.mark.xdist_group("resume")]
+        )
+        for name, _, k in CASES
+    ],
 )
 @pytest.mark.usefixtures("flplatform_home")
 def test_a_run_killed_and_resumed_ends_bit_for_bit_as_the_uninterrupted_run(
     tmp_path: Path,
     case: str,
     kills: tuple[int, ...],
+    references: tuple[str, dict[str, int]],
 ) -> None:
     options = next(o for name, o, _ in CASES if name == case)
     log = tmp_path / "output.txt"
     args = ["simulate", *_options({**BASE, **options}), "--rounds", str(ROUNDS)]
-    reference_db = f"sqlite:///{tmp_path / 'reference.db'}"
-    wait_ok(flplatform_cli([*args, "--db", reference_db], tmp_path, log), log)
-    with LedgerRepository.open(reference_db) as repository:
-        [reference] = repository.list_runs()
-    reference_id = reference.id
+    reference_db, reference_ids = references
+    reference_id = reference_ids[case]
 
     db = f"sqlite:///{tmp_path / 'ledger.db'}"
     LedgerRepository.open(db).close()  # created first, so that both processes find it

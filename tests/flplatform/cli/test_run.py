@@ -181,6 +181,11 @@ def test_the_generic_serverapp_checks_its_run_config_up_front() -> None:
     assert one_error_line(result.output) == "error: -c db: use --db"
     result = invoke(["run", str(PLAIN_APP), "-c", "run-tag=mine"])
     assert "-c run-tag: flplatform run sets it" in one_error_line(result.output)
+    # A sweep's members are runs of their own, which the command would not follow: it
+    # would stop the simulation when the first one ends.
+    result = invoke(["run", str(PLAIN_APP), "-c", 'sweep=\'[{"seed": 1}, {"seed": 2}]\''])
+    assert result.exit_code == 2
+    assert "-c sweep: flplatform run follows one run" in one_error_line(result.output)
 
 
 # ============================================================== what reaches the app
