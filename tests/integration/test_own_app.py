@@ -8,6 +8,7 @@ loop, ``@app.train(mods=[flplatform_mod()])``, and a ServerApp calling
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -54,6 +55,18 @@ def assert_trained(run: RunRecord, rounds: list[RoundRecord], num_rounds: int) -
     assert sum(r.num_applied for r in rounds) >= 2 * num_rounds - 2
     assert all(r.bytes_up > 0 and r.bytes_down > 0 for r in rounds)
     assert "accuracy" in rounds[-1].metrics
+
+
+def test_each_seed_round_and_site_draws_batches_and_dropout_of_its_own() -> None:
+    spec = importlib.util.spec_from_file_location("own_app_task", OWN_APP / "own_app" / "task.py")
+    assert spec is not None and spec.loader is not None
+    task = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(task)
+    triples = [(s, r, p) for s in range(3) for r in range(6) for p in range(4)]
+    drawn = [task.site_seeds(*triple) for triple in triples]
+    every = [seed for pair in drawn for seed in pair]
+    assert len(set(every)) == len(every)  # no triple repeats another's, nor its own twice
+    assert drawn == [task.site_seeds(*triple) for triple in triples]
 
 
 @pytest.mark.slow

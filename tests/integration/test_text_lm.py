@@ -182,6 +182,14 @@ def test_the_model_predicts_each_byte_from_the_bytes_before_it_only() -> None:
     assert not torch.equal(logits[:, 40:], after[:, 40:])
 
 
+def test_each_seed_round_and_site_draws_batches_of_its_own() -> None:
+    triples = [(s, r, p) for s in range(3) for r in range(6) for p in range(8)]
+    seeds = [task.site_seed(*triple) for triple in triples]
+    assert len(set(seeds)) == len(triples)  # seed 1's round 1 is not seed 0's round 2
+    assert task.site_seed(1, 1, 0) != task.site_seed(0, 2, 0)
+    assert seeds == [task.site_seed(*triple) for triple in triples]  # and again the same
+
+
 def test_training_lowers_the_loss_from_a_uniform_guess() -> None:
     torch.manual_seed(0)
     model = task.ByteTransformer(width=32, layers=1, heads=2)

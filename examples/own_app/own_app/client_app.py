@@ -14,7 +14,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from own_app.task import Net, load_data
+from own_app.task import Net, load_data, site_seeds
 from own_app.task import test as test_fn
 from own_app.task import train as train_fn
 from strategies.mods import flplatform_mod
@@ -34,16 +34,18 @@ def train(msg: Message, context: Context) -> Message:
     config = msg.content["config"]
     run = context.run_config
     partition_id, num_partitions = _partition(context)
-    seed = int(config.get("seed", run["seed"])) + int(config.get("server-round", 0))
+    # Batches and dropout (torch's global generator) seeded per (seed, round, site): a run
+    # is reproducible, and one resumed after a crash repeats the uninterrupted one exactly.
+    batch_seed, dropout_seed = site_seeds(
+        int(config.get("seed", run["seed"])), int(config.get("server-round", 0)), partition_id
+    )
     trainloader, _ = load_data(
         partition_id,
         num_partitions,
         int(config.get("batch-size", run["batch-size"])),
-        seed=seed,
+        seed=batch_seed,
     )
-    # Dropout draws from torch's global generator: seeded per round and site, a run is
-    # reproducible, and one resumed after a crash repeats the uninterrupted one exactly.
-    torch.manual_seed(seed * 1000 + partition_id)
+    torch.manual_seed(dropout_seed)
     train_loss = train_fn(
         model,
         trainloader,

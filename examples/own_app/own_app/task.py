@@ -44,6 +44,13 @@ def _digits() -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
     return images, torch.tensor(y, dtype=torch.long), order
 
 
+def site_seeds(seed: int, server_round: int, partition_id: int) -> tuple[int, int]:
+    """Two seeds (batch order, dropout) of this run, round and site: every triple its own
+    (a sum like seed + round would give seed 1's round 1 the batches of seed 0's round 2)."""
+    batches, dropout = np.random.SeedSequence([seed, server_round, partition_id]).generate_state(2)
+    return int(batches), int(dropout)
+
+
 def load_data(
     partition_id: int, num_partitions: int, batch_size: int, seed: int = 0
 ) -> tuple[DataLoader, DataLoader]:
@@ -52,7 +59,7 @@ def load_data(
     part = np.array_split(order[TEST_EXAMPLES:], num_partitions)[partition_id]
     n_val = len(part) // 5
     train, val = part[n_val:], part[:n_val]
-    generator = torch.Generator().manual_seed(seed * 1000 + partition_id)
+    generator = torch.Generator().manual_seed(seed)  # the training batches' order
     trainloader = DataLoader(
         TensorDataset(images[train], labels[train]),
         batch_size=batch_size,

@@ -11,7 +11,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from strategies.mods import flplatform_mod
-from text_lm.task import ByteTransformer, load_data, site_name
+from text_lm.task import ByteTransformer, load_data, site_name, site_seed
 from text_lm.task import test as test_fn
 from text_lm.task import train as train_fn
 
@@ -38,14 +38,16 @@ def train(msg: Message, context: Context) -> Message:
     data, _ = load_data(partition_id, num_partitions, windows_per_site=int(run["windows-per-site"]))
     # Batches drawn per (seed, round, site): a run is reproducible, and one resumed after
     # a crash repeats the uninterrupted one.
-    seed = (int(config.get("seed", run["seed"])) + int(config.get("server-round", 0))) * 1000
+    seed = site_seed(
+        int(config.get("seed", run["seed"])), int(config.get("server-round", 0)), partition_id
+    )
     train_loss = train_fn(
         model,
         data,
         steps=int(config.get("local-steps", run["local-steps"])),
         batch_size=int(config.get("batch-size", run["batch-size"])),
         lr=float(config.get("lr", run["learning-rate"])),
-        seed=seed + partition_id,
+        seed=seed,
     )
     metrics = MetricRecord({"train_loss": train_loss, "num-examples": len(data)})
     content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": metrics})

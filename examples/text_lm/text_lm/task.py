@@ -189,6 +189,12 @@ def _loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCABULARY), batch[:, 1:].reshape(-1))
 
 
+def site_seed(seed: int, server_round: int, partition_id: int) -> int:
+    """The batches' seed of this run, round and site: every triple its own (a sum like
+    seed + round would give seed 1's round 1 the batches of seed 0's round 2)."""
+    return int(np.random.SeedSequence([seed, server_round, partition_id]).generate_state(1)[0])
+
+
 def train(
     model: nn.Module,
     data: torch.Tensor,
