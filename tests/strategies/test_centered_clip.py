@@ -29,9 +29,9 @@ from strategies.aggregation import WeightedDeltaSum
 from strategies.centered_clip import CenteredClip
 from strategies.local_sgd import LocalSGDAveraging
 from tests.helpers.delayed_sites import digits_site
+from tests.helpers.replies import record, reply
 from tests.helpers.scripted_grid import ScriptedGrid
 from tests.helpers.sites import digits_model
-from tests.strategies.test_local_sgd import record, reply
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 

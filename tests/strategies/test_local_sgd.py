@@ -7,13 +7,7 @@ import logging
 import numpy as np
 import pytest
 from flwr.app import (
-    Array,
-    ArrayRecord,
     ConfigRecord,
-    Message,
-    MessageType,
-    MetricRecord,
-    RecordDict,
 )
 
 from flplatform.core import keys
@@ -24,24 +18,11 @@ from flplatform.engine.engine import RoundEngine
 from strategies.local_sgd import LocalSGDAveraging
 from strategies.sampling import sample_sites
 from tests.helpers.delayed_sites import digits_site
+from tests.helpers.replies import record, reply
 from tests.helpers.scripted_grid import ScriptedGrid
 from tests.helpers.sites import digits_model
 
 pytestmark = pytest.mark.usefixtures("task_identity")
-
-
-def record(**arrays: np.ndarray) -> ArrayRecord:
-    return ArrayRecord({k: Array(v) for k, v in arrays.items()})
-
-
-def reply(arrays: ArrayRecord | None, examples: object, loss: float = 0.5) -> Message:
-    instruction = Message(
-        RecordDict({"config": ConfigRecord()}), dst_node_id=4, message_type=MessageType.TRAIN
-    )
-    content = RecordDict({"metrics": MetricRecord({"num-examples": examples, "train_loss": loss})})
-    if arrays is not None:
-        content["arrays"] = arrays
-    return Message(content, reply_to=instruction)
 
 
 BASE = record(w=np.zeros((2, 2), np.float32), b=np.zeros(2, np.float32))
