@@ -136,7 +136,7 @@ SCALE_KEY = "attack.scale"  # 0: the kind's default
 _REPLAY_ARRAYS = f"{keys.ATTACK_STATE}.arrays"
 _REPLAY_METRICS = f"{keys.ATTACK_STATE}.metrics"
 _REPLAY_CONFIG = f"{keys.ATTACK_STATE}.config"
-_REPLAY_ROUND = f"{keys.ATTACK_STATE}.round"
+_REPLAY_ROUND = f"{keys.ATTACK_STATE}.round"  # the latest round a replayer was asked for
 _ROUND = "round"
 _COUNT = f"{keys.ATTACK_STATE}.count"
 _TRAININGS = "trainings"
@@ -365,14 +365,16 @@ def attack_mod(plan: AttackPlan | None = None) -> Mod:
         if attack.kind == SILENT and hostile:
             reason = f"silent attacker: no update from round {attack.start_round} on"
             return Message(Error(code=_SILENT_CODE, reason=reason), reply_to=msg)
-        if attack.kind == REPLAY and hostile and _remembered_before(context, server_round):
+        if attack.kind == REPLAY:
+            _forget_another_runs_reply(context, server_round)
+        if attack.kind == REPLAY and hostile and _REPLAY_ARRAYS in context.state:
             return _replayed(msg, context)
         # ---- attacks that rewrite the honest reply
         reply = call_next(msg, context)
         if reply.has_error():
             return reply
-        if attack.kind == REPLAY and not _remembered_before(context, server_round):
-            _remember(reply, context, server_round)
+        if attack.kind == REPLAY and _REPLAY_ARRAYS not in context.state:
+            _remember(reply, context)
         if not hostile or attack.kind in (SUICIDE, CRASH_LOOP, REPLAY):
             return reply
         if attack.kind in OMNISCIENT:
@@ -392,17 +394,20 @@ def _server_round(msg: Message, context: Context) -> int:
     return sent if isinstance(sent, int) and not isinstance(sent, bool) else count
 
 
-def _remembered_before(context: Context, server_round: int) -> bool:
-    """Whether a reply of an earlier round of this run is kept. One kept in this round or
-    a later one is another run's: the runs of a sweep share the site's context, and each
-    starts again from round 1."""
-    kept = context.state.config_records.get(_REPLAY_ROUND, ConfigRecord()).get(_ROUND)
-    return isinstance(kept, int) and kept < server_round
+def _forget_another_runs_reply(context: Context, server_round: int) -> None:
+    """Drop the kept reply when the rounds start again: the runs of a sweep share the
+    site's context, each from round 1, and a run replays its own first reply."""
+    state = context.state
+    seen = state.config_records.get(_REPLAY_ROUND, ConfigRecord()).get(_ROUND)
+    if isinstance(seen, int) and server_round < seen:
+        for key in (_REPLAY_ARRAYS, _REPLAY_METRICS, _REPLAY_CONFIG):
+            if key in state:
+                del state[key]
+    state[_REPLAY_ROUND] = ConfigRecord({_ROUND: server_round})
 
 
-def _remember(reply: Message, context: Context, server_round: int) -> None:
+def _remember(reply: Message, context: Context) -> None:
     """Keep the reply's records, copied (the reply itself goes on to be serialized)."""
-    context.state[_REPLAY_ROUND] = ConfigRecord({_ROUND: server_round})
     content = reply.content
     if keys.ARRAYS in content.array_records:
         arrays = record_to_arrays(content.array_records[keys.ARRAYS])

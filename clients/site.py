@@ -107,8 +107,8 @@ class SiteDataConfig:
 def run_config_of(msg: Message, context: Context) -> dict[str, Any]:
     """The run config this message's work belongs to: the node's, under the message's own.
 
-    The runs of a sweep share one Flower run, whose run config is the first run's; each
-    run's messages carry its data and model keys (``keys.RUN_CONFIG``).
+    The runs of a sweep share one Flower run and its run config; a run's messages carry
+    the data, model and app keys it reads differently (``keys.RUN_CONFIG``).
     """
     sent = msg.content.config_records.get(keys.RUN_CONFIG)
     return {**context.run_config, **(sent or {})}

@@ -1,10 +1,11 @@
 """`make test`'s workers keep an xdist_group together (pytest-xdist's ``--dist loadgroup``).
 
-The hostile suite runs each federation's sweep once for the module, and the tests that
-share it carry one ``xdist_group``: spread over workers, each would run the sweep again,
-minutes each. Grouping rests on pytest letting pytest-xdist rename a test's node id, which
-pytest 9.2 stopped (pyproject.toml's dev extra pins below it); this runs two grouped tests
-on two workers, as `make test` runs the suite, and checks they shared one.
+The hostile suite runs its sweep once for the module, as the resume tests their runs
+left alone, and the tests that share one carry one ``xdist_group``: spread over workers,
+each worker would run it again. Grouping rests on pytest letting pytest-xdist rename a
+test's node id, which pytest 9.2 stopped (pyproject.toml's dev extra pins below it); this
+runs two grouped tests on two workers, as `make test` runs the suite, and checks they
+shared one.
 """
 
 from __future__ import annotations

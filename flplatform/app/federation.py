@@ -2,8 +2,7 @@
 
 :func:`run_federation` runs one; :func:`run_members` runs a sweep's members one after
 another on the same Grid (``flplatform.app.sweep``), each sending its sites the data and model
-keys of its own run config and its own app keys where the sites' run config says otherwise
-(``site_config``).
+keys and its own app keys where the sites' run config says otherwise (``site_config``).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from clients.training import evaluate, pick_device
 from flplatform.app.config import RunConfig
 from flplatform.app.config_rules import strategy_knobs
 from flplatform.core import keys
-from flplatform.core.errors import FLPlatformError
+from flplatform.core.errors import ConfigError, FLPlatformError
 from flplatform.engine import AggregationPolicy
 from flplatform.engine.link import run_watched, superlink_watch, watch_superlink
 from flplatform.engine.mailbox import PULL_CHUNK, TTL_GRACE_SECONDS
@@ -43,7 +42,7 @@ from strategies.sketched_sgd import SketchedSGD
 log = logging.getLogger("flplatform")
 
 # The run-config keys a site reads (``SiteDataConfig``): what a sweep member sends its
-# sites, whose own run config is the sweep's first member's.
+# sites where their own run config (the Flower run's) says otherwise.
 SITE_KEYS = tuple(f.name.replace("_", "-") for f in fields(SiteDataConfig))
 
 
@@ -190,20 +189,24 @@ def member_site_config(
     app_keys: Mapping[str, ConfigValue],
     sites_run_config: Mapping[str, Any] | None,
 ) -> dict[str, ConfigValue] | None:
-    """What a sweep member's messages tell its sites beyond their own run config: its data
-    and model keys and its own app keys; None where the sites' run config already says
-    the same (a sweep of strategies on one dataset sends nothing more than a lone run).
-
-    ``sites_run_config``: the run config the sites hold (the Flower run's); None when
-    unknown, and then everything is sent.
+    """What a sweep member's messages tell its sites: its data and model keys and its own
+    app keys; None where the sites' run config (the Flower run's; None: unknown) already
+    says the same, so that a sweep of strategies on one dataset sends what a lone run
+    sends. Anything in doubt is sent: sending more costs bytes, not correctness.
     """
     told = {**site_config_of(member), **app_keys}
     if sites_run_config is None:
         return told
-    same_data = SiteDataConfig.from_run_config({**sites_run_config, **told}) == (
-        SiteDataConfig.from_run_config(sites_run_config)
+    try:
+        same_data = SiteDataConfig.from_run_config({**sites_run_config, **told}) == (
+            SiteDataConfig.from_run_config(sites_run_config)
+        )
+    except ConfigError:  # a base value every member overrides: the sites read the member's
+        return told
+    same_app = all(
+        type(sites_run_config.get(key)) is type(value) and sites_run_config.get(key) == value
+        for key, value in app_keys.items()
     )
-    same_app = all(sites_run_config.get(key) == value for key, value in app_keys.items())
     return None if same_data and same_app else told
 
 
@@ -214,11 +217,9 @@ def run_members(
     app_keys: Sequence[Mapping[str, ConfigValue]] = (),
     sites_run_config: Mapping[str, Any] | None = None,
 ) -> None:
-    """Run a sweep's members in order on ``grid``, each a run of its own in the ledger.
-
-    Each member's messages tell the sites its data and model keys and its ``app_keys``
-    (the app's own keys, per member, ``sweep.sweep_app_keys``) where they differ from
-    ``sites_run_config``, the run config the sites hold (``member_site_config``).
+    """Run a sweep's members in order on ``grid``, each a run of its own in the ledger,
+    each telling its sites what ``member_site_config`` says (``app_keys``: each member's
+    own values of the app's keys, ``sweep.sweep_app_keys``).
 
     A member that fails with a domain error is recorded failed (``start`` records it) and
     the next one runs; anything else (Ctrl-C, SystemExit, a bug) stops the sweep. Between

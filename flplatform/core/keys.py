@@ -12,8 +12,8 @@ ARRAYS = "arrays"
 CONFIG = "config"
 METRICS = "metrics"
 SITE_INFO = "site-info"
-# the run config a site reads its data and model keys from, over its own (a ConfigRecord
-# in every message of a sweep's run: the sites' own run config is another run's)
+# the run config a site reads its data, model and app keys from, over its own (a
+# ConfigRecord in the messages of a sweep's run that reads them differently)
 RUN_CONFIG = "run-config"
 
 # ---- ConfigRecord keys sent to sites

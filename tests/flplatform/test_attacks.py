@@ -364,9 +364,18 @@ def test_a_replay_in_the_next_run_of_a_sweep_replays_that_runs_first_reply() -> 
     np.testing.assert_array_equal(sent(replayed)["w"], sent(again)["w"])
 
 
+def test_a_second_message_of_the_first_round_replays_its_first_reply() -> None:
+    # Sketched-SGD's values request, or k-async's next work, in the round of the first reply.
+    ctx, user = context(2), Trainer()
+    plan = AttackPlan("replay", site="2", start_round=1)
+    first, second = call(plan, 1, ctx, user), call(plan, 1, ctx, user)
+    assert user.calls == 1
+    np.testing.assert_array_equal(sent(second)["w"], sent(first)["w"])
+
+
 def test_without_a_plan_each_message_names_its_runs_attack() -> None:
     # A sweep's member sends its own attack.* keys with its messages (the sites' run
-    # config is the first member's): the mod reads them from there.
+    # config is the Flower run's): the mod reads them from there.
     ctx = context(2)
     ctx.run_config.update({"attack.kind": "silent", "attack.site": "california"})
     silent = attack_mod()(train_message(2), ctx, lambda m, c: Trainer()(m, c))

@@ -103,8 +103,14 @@ def test_a_member_tells_its_sites_only_what_their_run_config_does_not_say() -> N
     assert member_site_config(reseeded, {}, held) == site_config_of(reseeded)
     attacked = member_site_config(same, {"attack.kind": "huge"}, held)
     assert attacked == {**site_config_of(same), "attack.kind": "huge"}
-    # Not knowing the sites' run config, everything goes.
+    # Not knowing the sites' run config, everything goes; nor where it cannot be read (a
+    # value every member overrides), nor for an app key equal only in value (1 and True).
     assert member_site_config(same, {}, None) == site_config_of(same)
+    assert member_site_config(same, {}, {**held, "seed": "x"}) == site_config_of(same)
+    assert member_site_config(same, {"mine": True}, {**held, "mine": 1}) == {
+        **site_config_of(same),
+        "mine": True,
+    }
 
 
 def test_a_sweep_on_the_sites_own_data_sends_no_data_keys(tmp_path: Path) -> None:

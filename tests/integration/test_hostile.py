@@ -152,14 +152,15 @@ class Outcome:
         return sum(tail) / FINAL_ROUNDS
 
 
-def run_sweep_of(home: Path, cases: list[Case]) -> dict[Case, Outcome]:
+def run_sweep_of(home: Path, cases: list[Case]) -> dict[Case, Outcome | str]:
     """The attack app's runs of ``cases``, each in its own federation, in one Flower run:
     a sweep, started as ``flwr run APP`` starts one (our launcher: a SuperLink on
     127.0.0.1, FLWR_HOME in ``home``); each read back from its ledger, the attacker's rows
     as ``history updates`` shows them.
 
     The sweep's exit code is not asserted here: an attack may fail its run (that is what
-    the tests judge), and its ledger still says what happened.
+    the tests judge), and its ledger still says what happened; a run that never began is
+    the end of the sweep's log instead.
     """
     app_dir = home / "attack_app"
     if not app_dir.exists():  # Flower builds its FAB from the directory: a private copy
@@ -185,12 +186,14 @@ def run_sweep_of(home: Path, cases: list[Case]) -> dict[Case, Outcome]:
             num_sites=len(HONEST) + 1,
         )
         process.run.wait(timeout=900)
-    outcomes = {}
+    outcomes: dict[Case, Outcome | str] = {}
     with LedgerRepository.open(db) as repo:
         runs = {run.tag: run for run in repo.list_runs()}
         for case, member in zip(cases, members, strict=True):
             run = runs.get(member["run-tag"])
-            assert run is not None, (case.id, process.log_tail(60))
+            if run is None:
+                outcomes[case] = f"run {case.id} never began:\n{process.log_tail(60)}"
+                continue
             rounds, updates = repo.list_rounds(run.id), repo.list_updates(run.id)
             # The attacker's rows as a user reads them: `history updates RUN --site ...`.
             shown = runner.invoke(
@@ -228,14 +231,14 @@ def silent(federation: tuple[str, ...]) -> Case:
 
 
 @pytest.fixture(scope="module")
-def swept() -> dict[Case, Outcome]:
+def swept() -> dict[Case, Outcome | str]:
     """Every run of the sweep, by case (filled by ``sweep_runs``, once)."""
     return {}
 
 
 def sweep_runs(
-    cache: dict[Case, Outcome], tmp_path_factory: pytest.TempPathFactory
-) -> dict[Case, Outcome]:
+    cache: dict[Case, Outcome | str], tmp_path_factory: pytest.TempPathFactory
+) -> dict[Case, Outcome | str]:
     """Each federation's silent run and every attack but ``suicide``, in one sweep."""
     if not cache:
         home = tmp_path_factory.mktemp("hostile")
@@ -244,9 +247,13 @@ def sweep_runs(
         with pytest.MonkeyPatch.context() as patch:  # its own home, as flplatform_home gives
             patch.setenv("FLPLATFORM_HOME", str(home))
             patch.setenv("FLWR_HOME", str(home / "flwr"))
-            cache.update(run_sweep_of(home, cases))
+            try:
+                cache.update(run_sweep_of(home, cases))
+            except Exception as exc:  # each later test fails with it, none runs it again
+                cache.update({case: f"the sweep failed: {exc!r}" for case in cases})
+                raise
         for federation in federations:
-            baseline = cache[silent(federation)]
+            baseline = outcome(cache, silent(federation))
             # The baseline itself must be sound: every round applied both honest sites.
             assert baseline.run.status == "finished", (baseline.run.error, baseline.output)
             assert [r.num_applied for r in baseline.rounds[START_ROUND - 1 :]] == [2] * (
@@ -260,6 +267,13 @@ def sweep_runs(
     return cache
 
 
+def outcome(runs: dict[Case, Outcome | str], case: Case) -> Outcome:
+    """The run of ``case``; the test fails with the sweep's log if it never began."""
+    found = runs[case]
+    assert isinstance(found, Outcome), found
+    return found
+
+
 @pytest.mark.parametrize(
     "case",
     # On one pytest-xdist worker (`--dist loadgroup`), so that the sweep runs once.
@@ -268,17 +282,17 @@ def sweep_runs(
 def test_an_attacker_cannot_hurt_the_honest_sites(
     case: Case,
     flplatform_home: Path,
-    swept: dict[Case, Outcome],
+    swept: dict[Case, Outcome | str],
     tmp_path_factory: pytest.TempPathFactory,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     runs = sweep_runs(swept, tmp_path_factory)
-    baseline = runs[silent(case.federation)]
+    baseline = outcome(runs, silent(case.federation))
     if case.kind == "suicide":  # the honest sites train in another actor, as for a user
         monkeypatch.setenv(ACTORS_ENV, "2")
-        attacked = run_sweep_of(flplatform_home, [case])[case]
+        attacked = outcome(run_sweep_of(flplatform_home, [case]), case)
     else:
-        attacked = runs[case]
+        attacked = outcome(runs, case)
     # Recorded for the report whatever the checks below find (run with -s to see it).
     by_round = [round(a, 3) for a in attacked.accuracies]
     shown = {r: (status, reason[:60]) for r, (status, reason) in attacked.ledger_reasons.items()}
