@@ -28,7 +28,7 @@ from flplatform.cli.history import sites as show_sites
 from flplatform.cli.options import config_values, table_options
 from flplatform.cli.progress import round_progress, say_run_done
 from flplatform.cli.render import OutputFormat, make_console
-from flplatform.cli.resume import reopen, resumable_config, resuming_line
+from flplatform.cli.resume import relaunched, reopen, resumable_config, resuming_line
 from flplatform.cli.run import APP_OPTIONS
 from flplatform.cli.simulate import check_top_k, ledger_option, network_spec
 from flplatform.cli.tracking import (
@@ -50,7 +50,13 @@ from flplatform.deploy.superlink import (
     plan_server,
     run_deployment,
 )
-from flplatform.launch.app_directory import RunOverrides, parse_run_config, plan_run, read_app
+from flplatform.launch.app_directory import (
+    AppRun,
+    RunOverrides,
+    parse_run_config,
+    plan_run,
+    read_app,
+)
 from flplatform.launch.flower import model_dirs, project_dir, work_home
 from flplatform.launch.simulation import check_ledger
 from flplatform.run.ledger import owner_alive, process_owner
@@ -173,7 +179,9 @@ def server(
     resumed = None
     if resume is not None:
         resumed = _resumed_config(resume, sites, app_dir, run_config or (), given, db)
-        site_names: Sequence[str] = resumed.sites
+        site_names: Sequence[str] = (
+            resumed.sites if isinstance(resumed, RunConfig) else resumed.site_names
+        )
     elif sites is None:
         raise ConfigError(
             "--sites is missing: the sites' names, comma-separated (each NAME.pub in --certs)"
@@ -190,7 +198,7 @@ def server(
     tag = uuid.uuid4().hex
     if resumed is not None:
         if mlflow is not None or tensorboard is not None:  # before the run is reopened
-            check_stores(resumed.db, mlflow, tensorboard, experiment)
+            check_stores(_ledger_of(resumed), mlflow, tensorboard, experiment)
         run, follow, rounds, title = _resumed_run(resumed, plan, force=force)
     elif force:
         raise ConfigError("--force goes with --resume only")
@@ -274,10 +282,11 @@ def _resumed_config(
     items: Sequence[str],
     given: Mapping[str, Any],
     db: str | None,
-) -> RunConfig:
+) -> RunConfig | AppRun:
     """The options of the deployed run ``resume`` names ('latest': the newest deployed run
-    not finished), set to resume it; checked, and nothing changed yet (``ConfigError`` and
-    ``CheckpointError`` say why it cannot be)."""
+    not finished), set to resume it: the built-in task's, or a run of your own app (--app)
+    planned again from its recorded launch, as ``flplatform resume`` plans one; checked,
+    and nothing changed yet (``ConfigError`` and ``CheckpointError`` say why it cannot be)."""
     chosen = sorted({*given, *(["app"] if app_dir else []), *(["run-config"] if items else [])})
     if set(chosen) - {"round_timeout"}:
         names = ", ".join(f"--{n.replace('_', '-')}" for n in chosen if n != "round_timeout")
@@ -292,19 +301,22 @@ def _resumed_config(
             record = _latest_deployed(repository)
         else:
             record = repository.get_run(resolve_run(repository, resume))
-        if LAUNCH_KEY in record.config:
-            raise ConfigError(
-                f"run {record.id} ran your own app (--app); resuming it on the sites is not "
-                "supported yet: start it again"
-            )
         if repository.latest_checkpoint(record.id) is None:
             raise CheckpointError(f"{checkpointed_rounds(record.id, [])}; start it again")
-    config = resumable_config(record, db=url, round_timeout=given.get("round_timeout"))
-    if sites is not None and tuple(s.strip() for s in sites.split(",")) != config.sites:
+    timeout = given.get("round_timeout")
+    if LAUNCH_KEY in record.config:
+        planned = relaunched(record, db=url or None, round_timeout=timeout)
+        trained_on = tuple(planned.site_names)
+    else:
+        config = resumable_config(record, db=url, round_timeout=timeout)
+        trained_on = config.sites
+    if sites is not None and tuple(s.strip() for s in sites.split(",")) != trained_on:
         raise ConfigError(
-            f"--sites {sites}: run {record.id} trained on {','.join(config.sites)}; give "
+            f"--sites {sites}: run {record.id} trained on {','.join(trained_on)}; give "
             "those, or leave --sites out"
         )
+    if LAUNCH_KEY in record.config:
+        return planned
     _check_test_set(config)  # the run's: still where it was?
     return replace(config, db=check_ledger(config))
 
@@ -323,19 +335,23 @@ def _latest_deployed(repository: LedgerRepository) -> RunRecord:
 
 
 def _resumed_run(
-    config: RunConfig, plan: ServerPlan, *, force: bool
+    resumed: RunConfig | AppRun, plan: ServerPlan, *, force: bool
 ) -> tuple[DeployedRun, RunConfig, int | None, str]:
-    """Reopen the run ``config`` resumes, on ``plan``'s deployment (a "resumed" event
+    """Reopen the run ``resumed`` resumes, on ``plan``'s deployment (a "resumed" event
     follows from its ServerApp).
 
     A server killed outright leaves its ServerApp behind for a few seconds, until it sees
     its command gone and ends (``run/owner.py``): the run's recorded owner. It is given
     ``OWNER_EXIT_SECONDS`` to go before the run counts as running elsewhere.
     """
-    run = _deployed_builtin(config)  # what can fail, before the run is reopened
+    # what can fail, before the run is reopened
+    if isinstance(resumed, RunConfig):
+        run, follow = _deployed_builtin(resumed), resumed
+    else:
+        run, follow = _deployed_app(resumed), _followed(resumed)
+    run_id = _resumed_id(resumed)
     deadline = time.monotonic() + OWNER_EXIT_SECONDS
-    with LedgerRepository.open(config.db or None, create=False) as repository:
-        run_id = int(config.resume_run or 0)
+    with LedgerRepository.open(follow.db or None, create=False) as repository:
         record = repository.get_run(run_id)
         refuse_deployed(record, repository.list_events(run_id), on_deployment=plan.deployment_id)
         while (
@@ -354,20 +370,32 @@ def _resumed_run(
             )
         checkpoint = reopen(repository, record, force=True)
     title = (
-        f"{resuming_line(record, checkpoint).plain}, on its {config.num_sites} sites "
-        f"({', '.join(config.sites)})"
+        f"{resuming_line(record, checkpoint).plain}, on its {len(plan.sites)} sites "
+        f"({', '.join(plan.sites)})"
     )
     # Logs of their own: those of the start that died say why it did.
-    run = replace(run, log_name=f"{config.run_tag[:12]}.resumed-{time.strftime('%Y%m%d-%H%M%S')}")
-    return run, config, config.num_server_rounds, title
+    run = replace(run, log_name=f"{run.tag[:12]}.resumed-{time.strftime('%Y%m%d-%H%M%S')}")
+    return run, follow, record.num_rounds_planned, title
 
 
-def _fail_reopened(config: RunConfig, reason: str) -> None:
+def _resumed_id(resumed: RunConfig | AppRun) -> int:
+    """The id of the run a resume continues."""
+    if isinstance(resumed, RunConfig):
+        return int(resumed.resume_run or 0)
+    return int(resumed.options["resume_run"])
+
+
+def _ledger_of(resumed: RunConfig | AppRun) -> str:
+    """The ledger URL of the run a resume continues."""
+    return resumed.db if isinstance(resumed, RunConfig) else resumed.db_url
+
+
+def _fail_reopened(resumed: RunConfig | AppRun, reason: str) -> None:
     """Mark the run a resume reopened failed, if it is still this command's: the resume
     stopped before its ServerApp could (sites that never came, a SuperLink that would
     not start)."""
-    with LedgerRepository.open(config.db or None, create=False) as repository:
-        record = repository.get_run(int(config.resume_run or 0))
+    with LedgerRepository.open(_ledger_of(resumed) or None, create=False) as repository:
+        record = repository.get_run(_resumed_id(resumed))
         if record.status == "running" and record.owner == process_owner():
             repository.finish_run(record.id, status="failed", error=reason)
 
@@ -402,19 +430,27 @@ def _app_run(
     planned = plan_run(
         app, RunOverrides(sites=plan.sites, db=db, run_config=tuple(items), **given), tag=tag
     )
-    run = DeployedRun(
-        app_dir=app.path,
-        run_config=planned.run_config,
-        tag=tag,
-        extra_env=planned.environment(),
-        python_path=planned.python_path,
-    )
-    follow = replace(RunConfig(), db=planned.db_url, run_tag=tag)
     title = (
         f"Federation of {len(plan.sites)} sites ({', '.join(plan.sites)}): "
         f"app {app.name} ({app.path})"
     )
-    return run, follow, planned.num_rounds, title
+    return _deployed_app(planned), _followed(planned), planned.num_rounds, title
+
+
+def _deployed_app(planned: AppRun) -> DeployedRun:
+    """A user's app, planned as ``flplatform run`` plans it, to run on the sites."""
+    return DeployedRun(
+        app_dir=planned.app.path,
+        run_config=planned.run_config,
+        tag=planned.tag,
+        extra_env=planned.environment(),
+        python_path=planned.python_path,
+    )
+
+
+def _followed(planned: AppRun) -> RunConfig:
+    """What finds an app's run in the ledger: its ledger and its tag."""
+    return replace(RunConfig(), db=planned.db_url, run_tag=planned.tag)
 
 
 def _finish(record: RunRecord, url: str, db: str | None) -> None:

@@ -7,6 +7,7 @@ probe a site makes before it starts is tested against real TLS and plain sockets
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -30,6 +31,8 @@ from flplatform.run.run_record import DEPLOYED_EVENT, LAUNCH_KEY
 from storage import LedgerRepository
 from tests.helpers.cli import invoke, one_error_line
 from tests.helpers.resumable_runs import record_run, simulate_config
+
+OWN_APP = Path(__file__).resolve().parents[3] / "examples" / "own_app"
 
 
 @pytest.fixture
@@ -220,9 +223,63 @@ def test_server_resume_of_a_finished_or_own_app_run_is_one_line(
     code, output = server(*common, str(app_run))
     assert (code, one_error_line(output)) == (
         2,
-        f"error: run {app_run} ran your own app (--app); resuming it on the sites is not "
-        "supported yet: start it again",
+        f"error: run {app_run}'s recorded launch ('flplatform-run' in its config) names no app "
+        "directory; it cannot be launched again",
     )
+
+
+def test_server_resume_of_an_own_app_run_launches_the_app_again_on_its_sites(
+    server_dir: Path, sqlite_ledger: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run of `flplatform server --app DIR` resumes as `flplatform resume` resumes a
+    `flplatform run`: the recorded app directory and options, planned again, to continue
+    the run (its tag, resume_run for start()) on the sites it trained on."""
+    from flplatform.cli import deploy as deploy_cli
+
+    app_dir = tmp_path / "own_app"
+    shutil.copytree(OWN_APP, app_dir, ignore=shutil.ignore_patterns("__pycache__"))
+    launch = {
+        "app": str(app_dir),
+        "cwd": str(tmp_path),
+        "options": {"sites": ["london", "ohio"], "rounds": 4, "run_config": ["learning-rate=0.2"]},
+    }
+    config = {"sites": "london,ohio", "learning-rate": 0.2, LAUNCH_KEY: launch}
+    app_run = record_run(sqlite_ledger, tmp_path, config=config, tag="a1", rounds=2)
+    with LedgerRepository.open(sqlite_ledger) as repo:
+        repo.add_event(app_run, DEPLOYED_EVENT, {"sites": ["london", "ohio"], "address": "x:1"})
+    started: list[Any] = []
+
+    def sites_never_come(plan: Any, run: Any, follow: Any, **_: Any) -> None:
+        started.append((plan, run, follow))
+        raise RunFailed("sites did not connect within 1 s: london, ohio")
+
+    monkeypatch.setattr(deploy_cli, "run_deployment", sites_never_come)
+    code, output = server(
+        "--certs", str(server_dir), "--address", address(), "--db", sqlite_ledger, "--resume",
+        "latest",
+    )  # fmt: skip
+    assert code == RunFailed.exit_code, output
+    assert f"Resuming run {app_run} (r) from round 2 of 4, on its 2 sites (london, ohio)" in (
+        output
+    )
+    [(plan, run, follow)] = started
+    assert plan.sites == ("london", "ohio")
+    assert run.app_dir == app_dir and run.tag == "a1" and run.logs.startswith("a1.resumed-")
+    assert run.run_config["learning-rate"] == 0.2 and run.run_config["num-server-rounds"] == 4
+    options = json.loads(run.extra_env["FLPLATFORM_OPTIONS"])  # what start() is given
+    assert (options["resume_run"], options["tag"], options["required_sites"]) == (app_run, "a1", 2)
+    assert (follow.run_tag, follow.db) == ("a1", sqlite_ledger)
+    with LedgerRepository.open(sqlite_ledger) as repo:
+        assert repo.get_run(app_run).status == "failed"  # reopened, then failed with the reason
+    # Its app directory gone: one line, and the run left as it was.
+    shutil.rmtree(app_dir)
+    code, output = server(
+        "--certs", str(server_dir), "--address", address(), "--db", sqlite_ledger, "--resume",
+        str(app_run),
+    )  # fmt: skip
+    assert code == 2 and "own_app" in one_error_line(output), output
+    with LedgerRepository.open(sqlite_ledger) as repo:
+        assert repo.get_run(app_run).error == "sites did not connect within 1 s: london, ohio"
 
 
 def test_server_without_certs_names_certs_init_and_insecure() -> None:
