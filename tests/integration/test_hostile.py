@@ -356,6 +356,16 @@ def test_an_attacker_cannot_hurt_the_honest_sites(
     }
     if case.flagged == "none" and not_applied:
         problems.append(f"(b) the attack was not counted in every round: {not_applied}")
+    # An attack that looks honest must still have been made: had its keys not reached the
+    # attacker, it would have trained honestly, and on the virtual clock every such run of
+    # the sweep would be the same run.
+    lookalikes = [
+        c.id
+        for c in CASES
+        if c != case and c.flagged == "none" and outcome(runs, c).accuracies == attacked.accuracies
+    ]
+    if case.flagged == "none" and lookalikes:
+        problems.append(f"(b) the run is the same as {lookalikes}'s: was the attack made?")
 
     # (c) the final accuracy is within 2 points of the silent run's
     if attacked.final_accuracy < baseline.final_accuracy - MAX_LOSS:
