@@ -56,7 +56,7 @@ test: setup-dev
 test-fast: setup-dev
 	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m "not slow"
 
-# One real simulation per attack against the attacker silent (tests/integration/test_hostile.py),
+# A real run per attack against the attacker silent, all in one sweep (tests/integration/test_hostile.py),
 # and the faults: SIGTERM, a dead SuperLink, a dying site (tests/integration/test_lifecycle.py).
 test-hostile: setup-dev
 	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m hostile
