@@ -89,6 +89,22 @@ def deployed_ledger(sqlite_ledger: str, tmp_path: Path) -> tuple[str, int, int]:
     return sqlite_ledger, deployed, simulated
 
 
+@pytest.fixture
+def sites_never_come(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """``flplatform server``'s deployment stubbed: what it was asked to run (plan, run,
+    follow), each time, is listed; its sites never come."""
+    from flplatform.cli import deploy as deploy_cli
+
+    started: list[Any] = []
+
+    def never(plan: Any, run: Any, follow: Any, **_: Any) -> None:
+        started.append((plan, run, follow))
+        raise RunFailed("sites did not connect within 1 s: london, ohio")
+
+    monkeypatch.setattr(deploy_cli, "run_deployment", never)
+    return started
+
+
 @pytest.mark.parametrize(
     "given,said",
     [
@@ -163,21 +179,12 @@ def test_server_resume_of_another_deployments_run_is_refused(
 
 
 def test_server_resume_plans_the_run_and_fails_it_if_it_cannot_start(
-    server_dir: Path, deployed_ledger: tuple[str, int, int], monkeypatch: pytest.MonkeyPatch
+    server_dir: Path, deployed_ledger: tuple[str, int, int], sites_never_come: list[Any]
 ) -> None:
     """What reaches the deployment: the run's own options and tag, set to resume; when
     the resume stops before its ServerApp could (its sites never came), the run it
     reopened is failed with the reason, not left running."""
-    from flplatform.cli import deploy as deploy_cli
-
     url, deployed, _ = deployed_ledger
-    started: list[Any] = []
-
-    def sites_never_come(plan: Any, run: Any, follow: Any, **_: Any) -> None:
-        started.append((plan, run, follow))
-        raise RunFailed("sites did not connect within 1 s: london, ohio")
-
-    monkeypatch.setattr(deploy_cli, "run_deployment", sites_never_come)
     code, output = server(
         "--certs", str(server_dir), "--address", address(), "--db", url, "--resume",
         str(deployed), "--round-timeout", "30",
@@ -186,7 +193,7 @@ def test_server_resume_plans_the_run_and_fails_it_if_it_cannot_start(
     assert f"Resuming run {deployed} (r) from round 2 of 4, on its 2 sites (london, ohio)" in (
         output
     )
-    [(plan, run, follow)] = started
+    [(plan, run, follow)] = sites_never_come
     assert plan.sites == ("london", "ohio")
     assert {k: run.run_config[k] for k in ("resume-run", "run-tag", "sites", "round-timeout")} == {
         "resume-run": deployed,
@@ -229,13 +236,11 @@ def test_server_resume_of_a_finished_or_own_app_run_is_one_line(
 
 
 def test_server_resume_of_an_own_app_run_launches_the_app_again_on_its_sites(
-    server_dir: Path, sqlite_ledger: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    server_dir: Path, sqlite_ledger: str, tmp_path: Path, sites_never_come: list[Any]
 ) -> None:
     """A run of `flplatform server --app DIR` resumes as `flplatform resume` resumes a
     `flplatform run`: the recorded app directory and options, planned again, to continue
     the run (its tag, resume_run for start()) on the sites it trained on."""
-    from flplatform.cli import deploy as deploy_cli
-
     app_dir = tmp_path / "own_app"
     shutil.copytree(OWN_APP, app_dir, ignore=shutil.ignore_patterns("__pycache__"))
     launch = {
@@ -247,13 +252,6 @@ def test_server_resume_of_an_own_app_run_launches_the_app_again_on_its_sites(
     app_run = record_run(sqlite_ledger, tmp_path, config=config, tag="a1", rounds=2)
     with LedgerRepository.open(sqlite_ledger) as repo:
         repo.add_event(app_run, DEPLOYED_EVENT, {"sites": ["london", "ohio"], "address": "x:1"})
-    started: list[Any] = []
-
-    def sites_never_come(plan: Any, run: Any, follow: Any, **_: Any) -> None:
-        started.append((plan, run, follow))
-        raise RunFailed("sites did not connect within 1 s: london, ohio")
-
-    monkeypatch.setattr(deploy_cli, "run_deployment", sites_never_come)
     code, output = server(
         "--certs", str(server_dir), "--address", address(), "--db", sqlite_ledger, "--resume",
         "latest",
@@ -262,7 +260,7 @@ def test_server_resume_of_an_own_app_run_launches_the_app_again_on_its_sites(
     assert f"Resuming run {app_run} (r) from round 2 of 4, on its 2 sites (london, ohio)" in (
         output
     )
-    [(plan, run, follow)] = started
+    [(plan, run, follow)] = sites_never_come
     assert plan.sites == ("london", "ohio")
     assert run.app_dir == app_dir and run.tag == "a1" and run.logs.startswith("a1.resumed-")
     assert run.run_config["learning-rate"] == 0.2 and run.run_config["num-server-rounds"] == 4
