@@ -205,26 +205,30 @@ class AttackPlan:
             scale=float(raw_scale),
         )
 
-    def chooses(self, context: Context) -> bool:
-        """Whether the site running in ``context`` is one of the attackers."""
-        return self.kind != NONE and bool(self.sites & site_labels(context))
+    def chooses(self, context: Context, run_config: Mapping[str, Any] | None = None) -> bool:
+        """Whether the site running in ``context`` is one of the attackers (``run_config``:
+        the run's, by default the context's)."""
+        return self.kind != NONE and bool(self.sites & site_labels(context, run_config))
 
 
-def site_labels(context: Context) -> set[str]:
+def site_labels(context: Context, run_config: Mapping[str, Any] | None = None) -> set[str]:
     """Every label that names this site: its partition id, its node-config name, the name
-    the run config's ``sites`` list gives its partition."""
+    the run config's ``sites`` list gives its partition (``run_config``: the run's, by
+    default the context's)."""
     node = context.node_config
     labels = {str(node[key]) for key in (keys.PARTITION_ID, keys.SITE_NAME) if key in node}
     partition = node.get(keys.PARTITION_ID)
     if isinstance(partition, int):
-        labels |= _partition_labels(context, partition)
+        labels |= _partition_labels(
+            context.run_config if run_config is None else run_config, partition
+        )
     return labels
 
 
-def _partition_labels(context: Context, partition: int) -> set[str]:
+def _partition_labels(run_config: Mapping[str, Any], partition: int) -> set[str]:
     """A simulated partition's labels: its id, and its name in the run config's ``sites``."""
     labels = {str(partition)}
-    sites = context.run_config.get("sites")
+    sites = run_config.get("sites")
     if sites is not None:
         try:  # a count names the default sites, as the server does (sites = 4)
             names = as_site_names("sites", sites)
@@ -352,8 +356,9 @@ def attack_mod(plan: AttackPlan | None = None) -> Mod:
     def mod(msg: Message, context: Context, call_next: TrainFunction) -> Message:
         if not is_training(msg):
             return call_next(msg, context)
-        attack = plan or AttackPlan.from_run_config(run_config_of(msg, context))
-        if not attack.chooses(context):
+        run_config = run_config_of(msg, context)
+        attack = plan or AttackPlan.from_run_config(run_config)
+        if not attack.chooses(context, run_config):
             return call_next(msg, context)
         server_round = _server_round(msg, context)
         hostile = server_round >= attack.start_round
@@ -508,7 +513,8 @@ def _honest_updates(
             f"needs a simulation ('{keys.PARTITION_ID}' and '{keys.NUM_PARTITIONS}' in the "
             "node config)"
         )
-    attackers = {j for j in range(total) if _partition_labels(context, j) & attack.sites}
+    run_config = run_config_of(msg, context)
+    attackers = {j for j in range(total) if _partition_labels(run_config, j) & attack.sites}
     base = sent_model(msg)
     updates = []
     # The message as sent (its work number orders the site's batches), each honest site in

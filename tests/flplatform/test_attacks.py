@@ -206,6 +206,14 @@ def test_a_site_is_named_by_partition_run_config_name_or_node_name() -> None:
         run_config={"sites": 6},
     )  # a count names the default sites, as the server does
     assert site_labels(counted) == {"3", "tokyo"}
+    # A sweep member naming its sites otherwise: its names, which its messages carry.
+    renamed = {"sites": "paris,rome,oslo"}
+    assert site_labels(context(2), renamed) == {"2", "oslo"}
+    msg = train_message(2)
+    msg.content[keys.RUN_CONFIG] = ConfigRecord({**renamed, "attack.kind": "silent"})
+    ctx = context(2)
+    ctx.run_config.update({"attack.kind": "huge", "attack.site": "oslo"})
+    assert attack_mod()(msg, ctx, lambda m, c: Trainer()(m, c)).has_error()  # oslo: silent
 
 
 def test_several_sites_attack_together() -> None:
