@@ -208,9 +208,8 @@ def sweep_app_keys(run_config: Mapping[str, Any]) -> list[dict[str, ConfigValue]
     from the member's messages (``clients.site.run_config_of``), as a single run's sites
     read the run config.
     """
-    known = set(option_keys())
     return [
-        {key: value for key, value in overrides.items() if key.replace("_", "-") not in known}
+        {key: overrides[key] for key in RunConfig.unknown_keys(overrides)}
         for overrides in _listed(run_config) or []
     ]
 

@@ -199,9 +199,9 @@ def start(
         Called with every finished round's ``RoundSummary`` (each is also logged).
     site_config : mapping, optional
         Run-config keys sent to the sites with every message (a ``ConfigRecord`` under
-        ``keys.RUN_CONFIG``), which the built-in ClientApp reads over its own run config:
-        how each run of a sweep tells the shared sites its data and model. None sends
-        nothing.
+        ``keys.RUN_CONFIG``), which a ClientApp reads over its own run config
+        (``clients.site.run_config_of``): how a run of a sweep tells the shared sites the
+        data, model and app keys it reads differently. None sends nothing.
     should_stop : callable, optional
         ``(round, result) -> bool``, the keyword Flower 1.43's ``Strategy.start`` adds:
         asked after each recorded round but the last, with the result so far
