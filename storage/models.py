@@ -290,7 +290,8 @@ class Update(Base):
     """One site update (``ledger_rows.UpdateColumns``), recorded at the server step
     (``round``) that handled it.
 
-    Migration 0003 added the simulated-clock columns, 0004 those of delayed updates.
+    Migration 0003 added the simulated-clock columns, 0004 those of delayed updates, 0008
+    the streaming-sync ``fragment``.
     """
 
     __table__ = _row_table(

@@ -283,7 +283,8 @@ class UpdateRecord(_Record, UpdateColumns[datetime], StoredRowKeys):
     The ``virtual_*`` and ``transfer_seconds`` fields are on the simulated clock; ``None`` in a
     wall-clock run. ``period``, ``average_applied`` and ``delay`` are those of a delayed
     compensated update; ``None`` for every other strategy and for rows older than migration
-    0004.
+    0004. ``fragment`` is the model fragment a streaming-sync update carried; ``None`` for
+    updates of the whole model and for rows older than migration 0008.
     """
 
 

@@ -49,9 +49,12 @@ Arrays = dict[str, np.ndarray]
 
 
 def _add(total: Arrays | None, update: Mapping[str, np.ndarray]) -> Arrays:
-    if total is None:
-        return {k: np.array(v, dtype=np.float64) for k, v in update.items()}
-    return {k: total[k] + update[k] for k in total}
+    """total + update in float64, array by array; either may hold only some of the model's
+    arrays (streaming sync sends one fragment)."""
+    out = dict(total or {})
+    for k, v in update.items():
+        out[k] = np.array(v, dtype=np.float64) if k not in out else out[k] + v
+    return out
 
 
 @dataclass
@@ -98,15 +101,18 @@ class SitePeriods:
             return dict(global_model)
         updates = [*self.pending.values(), *([self.carry] if self.carry else [])]
         for update in updates:
-            if set(update) != set(global_model) or any(
-                np.shape(update[k]) != np.shape(v) for k, v in global_model.items()
+            # a kept step may hold only some arrays (streaming sync: one fragment)
+            if not set(update) <= set(global_model) or any(
+                np.shape(v) != np.shape(global_model[k]) for k, v in update.items()
             ):
                 raise ConfigError(
                     "the site's kept updates do not fit the model the server sent "
                     "(was the model changed mid-run?); restart the site to clear its state"
                 )
         return {
-            k: sum_in_float64([v, *(update[k] for update in updates)], np.asarray(v).dtype)
+            k: sum_in_float64(
+                [v, *(update[k] for update in updates if k in update)], np.asarray(v).dtype
+            )
             for k, v in global_model.items()
         }
 
@@ -117,25 +123,31 @@ class SitePeriods:
         trained: Mapping[str, np.ndarray],
         *,
         compensate: bool,
+        fragment: Collection[str] | None = None,
     ) -> Arrays:
         """A_{n,period} = (trained − start) + carry, rounded to the model's dtypes: what is
         sent (the float64 difference rounded, ``strategies.layout.difference``).
 
         Compensating, it is also kept (exactly as sent, so the site's model is the sum
         of what the server knows) until its average arrives.
+
+        ``fragment`` (streaming sync, compensating): only these arrays are sent and kept;
+        the others' change stays in the carry, in float64, until their fragment's period.
         """
-        if compensate and self.carry is not None:
-            carry = self.carry
-            sent = {
-                k: sum_in_float64(
-                    [trained[k], start[k], carry[k]], start[k].dtype, signs=(1, -1, 1)
-                )
-                for k in start
-            }
+        if compensate and (self.carry is not None or fragment is not None):
+            carry = self.carry or {}
+            sent, kept = {}, {}
+            for k in start:
+                terms = [trained[k], start[k], *([carry[k]] if k in carry else [])]
+                signs = (1, -1, 1)[: len(terms)]
+                if fragment is None or k in fragment:
+                    sent[k] = sum_in_float64(terms, start[k].dtype, signs=signs)
+                else:
+                    kept[k] = sum_in_float64(terms, np.dtype(np.float64), signs=signs)
+            self.carry = kept or None
         else:
             sent = difference(trained, start)
         if compensate:
-            self.carry = None
             self.pending[period] = sent  # in the model's dtypes: the same values as sent
         return sent
 

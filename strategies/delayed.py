@@ -20,17 +20,30 @@ round trip leaves the critical path. D = 0 is local-SGD averaging, D = 0 with p 
 synchronous SGD.
 
 Choices: site momentum restarts every period (A_{n,r} is the period's net change, so the
-swap leaves no residue); the server applies Ā_r with learning rate η and no momentum
-(server momentum would make x_r differ from x_0 + Σ η Ā_j, which the swap relies on);
-every site takes part in every period (no sampling). The reply's ``arrays`` hold A_{n,r},
-not a model: the site half is ``strategies.mods.delayed_mod`` around the site's own train
-function; a ClientApp without it replies with no ``period`` and is rejected, the reason
-saying so.
+swap leaves no residue); the server applies Ā_r with learning rate η, and with an outer
+momentum β if asked (heavy ball, or Nesterov: DiLoCo's outer step, ``strategies.aggregation``;
+the swap holds either way, as the site rebuilds its model on the x_v it is sent, whatever
+step made it); every site takes part in every period (no sampling). The reply's
+``arrays`` hold A_{n,r}, not a model: the site half is ``strategies.mods.delayed_mod``
+around the site's own train function; a ClientApp without it replies with no ``period``
+and is rejected, the reason saying so.
 
 With a codec (``codec="topk:0.01"``, DTS's recipe) sites upload A_{n,r} compressed with
 error feedback and the server decodes it before averaging; the ledger counts the bytes
 that crossed. A site that lost its kept periods (a restarted SuperNode) says so: its
 unsettled periods are dropped and its update, trained from the global model, counts.
+
+Streaming sync (``fragments`` F > 1; Douillard et al. 2025, "Streaming DiLoCo with
+overlapping communication"): the model's arrays are split into F fragments
+(``strategies.fragments``) and round r averages and steps fragment (r − 1) mod F only, so
+each fragment is synced every F rounds with the change its sites made since its last sync
+(the rest of A_{n,r} waits in the site's carry). The outer step of a fragment reaches the
+sites D rounds late and is swapped in by the compensation above; DiLoCo-style mixing
+(x ← α·x_local + (1 − α)·x_global) would instead blend away the site's own progress of
+those D rounds, which the swap keeps exactly, and with D = 0 the swap is DiLoCo itself.
+Downloads are fragments too: a site is sent the arrays changed since the global version it
+holds (first contact, a failed or lost message: the whole model). The momentum of a
+fragment moves only when it is stepped.
 """
 
 from __future__ import annotations
@@ -77,6 +90,7 @@ from strategies.aggregation import (
 from strategies.averaged_arrays import averaged_of
 from strategies.codecs import Codec, Identity, make_codec
 from strategies.compensation import ServerPeriods
+from strategies.fragments import Fragments, changed_since, fragment_of_round, split_fragments
 from strategies.knobs import DELAYED_SYNC_ONLY, DelayedKnobs
 from strategies.layout import Layout
 from strategies.local_sgd import (
@@ -87,6 +101,7 @@ from strategies.local_sgd import (
     state_lost_note,
 )
 from strategies.sampling import evaluation_messages, mean_evaluation
+from strategies.sparse_sync import DENSE, sent_pair
 
 log = logging.getLogger("flplatform.strategies.delayed")
 
@@ -109,6 +124,11 @@ class DelayedState:
     losses: dict[int, tuple[float, float]] = field(default_factory=dict)  # Σ n·loss, Σ n
     replied: dict[int, set[int]] = field(default_factory=dict)  # node → periods it answered
     drafted: dict[int, Work] = field(default_factory=dict)  # node → its last drafted work
+    optimizer: ServerOptimizerState = field(default_factory=ServerOptimizerState)  # β > 0
+    # Streaming sync: node → the global version it holds (confirmed by a reply), and node →
+    # (version its outstanding message carries, version it held before, if known).
+    synced: dict[int, int] = field(default_factory=dict)
+    syncing: dict[int, tuple[int, int | None]] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything above as checkpoint data (node ids as they are)."""
@@ -131,9 +151,17 @@ class DelayedState:
             "awaited": dict(periods.awaited),
             "replied": {n: set(p) for n, p in self.replied.items()},
             "drafted": {
-                n: {"period": w.period, "model_version": w.model_version, "delay": w.delay}
+                n: {
+                    "period": w.period,
+                    "model_version": w.model_version,
+                    "delay": w.delay,
+                    "fragment": w.fragment,
+                }
                 for n, w in self.drafted.items()
             },
+            "velocity": {k: v.copy() for k, v in self.optimizer.velocity.items()},
+            "synced": dict(self.synced),
+            "syncing": {n: list(pair) for n, pair in self.syncing.items()},
         }
 
     @classmethod
@@ -154,7 +182,10 @@ class DelayedState:
             *("version", "models", "open", "losses", "next_period", "unsettled"),
             *("included", "awaited", "replied", "drafted"),
         )
-        fields = reader.fields(state, "", *names)
+        # Saved before outer momentum and streaming sync: none of either then.
+        later = ("velocity", "synced", "syncing")
+        present = [n for n in later if isinstance(state, Mapping) and n in state]
+        fields = reader.fields(state, "", *names, *present)
         if fields is None:
             return None
         version = reader.integer(fields["version"], "version", minimum=0)
@@ -175,6 +206,24 @@ class DelayedState:
         open_ = reader.keyed(
             fields["open"], "open", lambda v, at: _weighted_sum(reader, v, at, like=like)
         )
+        # A fragment's sums and momentum hold its arrays only: each array of the model.
+        velocity = (
+            reader.arrays(fields["velocity"], "velocity", like=_part(like, fields["velocity"]))
+            if "velocity" in fields
+            else {}
+        )
+        synced = (
+            reader.keyed(fields["synced"], "synced", reader.integer, by_node=True)
+            if "synced" in fields
+            else {}
+        )
+        syncing = (
+            reader.keyed(
+                fields["syncing"], "syncing", lambda v, at: sent_pair(reader, v, at), by_node=True
+            )
+            if "syncing" in fields
+            else {}
+        )
         by_node = {"by_node": True}
         next_period = reader.keyed(fields["next_period"], "next_period", reader.integer, **by_node)
         awaited = reader.keyed(fields["awaited"], "awaited", reader.integer, **by_node)
@@ -185,7 +234,10 @@ class DelayedState:
             fields["drafted"], "drafted", lambda v, at: _work(reader, v, at), **by_node
         )
         parts = (version, models, open_, losses, next_period, awaited, unsettled, included)
-        if any(p is None for p in (*parts, replied, drafted)) or reader.problems.problems:
+        later_parts = (velocity, synced, syncing)
+        if any(p is None for p in (*parts, *later_parts, replied, drafted)) or (
+            reader.problems.problems
+        ):
             return None
         periods = ServerPeriods(
             delay,
@@ -202,7 +254,16 @@ class DelayedState:
             losses=losses or {},
             replied=replied or {},
             drafted=drafted or {},
+            optimizer=ServerOptimizerState(velocity=velocity or {}),
+            synced=synced or {},
+            syncing=syncing or {},
         )
+
+
+def _says_lost(content: RecordDict) -> bool:
+    """Whether a reply says its site lost its kept state."""
+    metrics = record_of(content, keys.METRICS, MetricRecord)
+    return metrics is not None and metrics.get(keys.STATE_LOST) == 1
 
 
 def _record(reader: StateReader, value: Any, where: str) -> ArrayRecord | None:
@@ -247,14 +308,23 @@ def _loss(reader: StateReader, value: Any, where: str) -> tuple[float, float] | 
     return None if total is None or weight is None else (total, weight)
 
 
+def _part(like: Mapping[str, np.ndarray] | None, saved: Any) -> Mapping[str, np.ndarray] | None:
+    """The model arrays ``saved`` (a mapping of arrays) names, for ``StateReader.arrays``:
+    each must be an array of the model (a fragment's sums hold its arrays only)."""
+    if like is None or not isinstance(saved, Mapping):
+        return like
+    return {k: like[k] for k in saved if k in like} if set(saved) <= set(like) else like
+
+
 def _weighted_sum(
     reader: StateReader, value: Any, where: str, *, like: Mapping[str, np.ndarray] | None
 ) -> WeightedDeltaSum | None:
-    """A period's open accumulator: Σ w·s·A (float64, the model's arrays), Σ w, count."""
+    """A period's open accumulator: Σ w·s·A (float64, the model's arrays, or a fragment's),
+    Σ w, count."""
     fields = reader.fields(value, where, "sums", "total_weight", "count")
     if fields is None:
         return None
-    sums = reader.arrays(fields["sums"], f"{where}.sums", like=like)
+    sums = reader.arrays(fields["sums"], f"{where}.sums", like=_part(like, fields["sums"]))
     total = reader.real(fields["total_weight"], f"{where}.total_weight", minimum=0.0)
     count = reader.integer(fields["count"], f"{where}.count", minimum=1)
     if sums is None or total is None or count is None:
@@ -269,9 +339,16 @@ def _work(reader: StateReader, value: Any, where: str) -> Work | None:
     period = reader.integer(fields["period"], f"{where}.period", minimum=1)
     version = reader.integer(fields["model_version"], f"{where}.model_version", minimum=0)
     delay = reader.integer(fields["delay"], f"{where}.delay", minimum=0)
-    if period is None or version is None or delay is None:
+    saved = value.get("fragment") if isinstance(value, Mapping) else None  # None: whole model
+    fragment = None if saved is None else reader.integer(saved, f"{where}.fragment", minimum=0)
+    if (
+        period is None
+        or version is None
+        or delay is None
+        or (saved is not None and fragment is None)
+    ):
         return None
-    return Work(period, version, delay=delay)
+    return Work(period, version, delay=delay, fragment=fragment)
 
 
 class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
@@ -288,6 +365,13 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         global model alone (False: plain delayed SGD, the ablation).
     eta : float
         Server learning rate η applied to each average.
+    beta : float
+        Outer momentum β in [0, 1) on the averages (0: none).
+    nesterov : bool
+        Nesterov momentum instead of heavy ball (needs β > 0): DiLoCo's outer step.
+    fragments : int
+        F ≥ 1: streaming sync, each round syncing one of F fragments of the model (1: the
+        whole model every round). Needs compensation.
     fraction_evaluate : float
         Fraction of idle sites asked to evaluate the global model after each round.
     seed : int
@@ -307,6 +391,9 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         num_rounds: int,
         compensate: bool = True,
         eta: float = 1.0,
+        beta: float = 0.0,
+        nesterov: bool = False,
+        fragments: int = 1,
         fraction_evaluate: float = 0.0,
         seed: int = 0,
         codec: str = "none",
@@ -318,6 +405,9 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
                 num_rounds=num_rounds,
                 compensate=compensate,
                 eta=eta,
+                beta=beta,
+                nesterov=nesterov,
+                fragments=fragments,
                 fraction_evaluate=fraction_evaluate,
                 codec=codec,
                 averaged_arrays=averaged_arrays,
@@ -328,6 +418,12 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         self.num_rounds = num_rounds
         self.compensate = bool(compensate)
         self.eta = eta
+        self.beta = beta
+        self.nesterov = bool(nesterov)
+        self.fragments = fragments
+        self._split: Fragments = ()  # the fragments' arrays, once the model is known
+        # (version, held version) → the arrays a site holding that version lacks
+        self._downloads: dict[tuple[int, int], ArrayRecord] = {}
         self.seed = seed
         self.codec: Codec = make_codec(codec)
         self._fitted_codec = False  # whether the codec was fitted to the model (once)
@@ -340,10 +436,14 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
     def summary(self) -> None:
         """Log the configuration."""
         log.info(
-            "DelayedCompensated: delay=%s compensate=%s eta=%s rounds=%s",
+            "DelayedCompensated: delay=%s compensate=%s eta=%s beta=%s nesterov=%s "
+            "fragments=%s rounds=%s",
             self.delay,
             self.compensate,
             self.eta,
+            self.beta,
+            self.nesterov,
+            self.fragments,
             self.num_rounds,
         )
 
@@ -383,15 +483,51 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
             )
             if not isinstance(self.codec, Identity):
                 site_config.update(codec_config(self.codec))
-            content = RecordDict(
-                {keys.ARRAYS: self.state.models[version], keys.CONFIG: site_config}
-            )
+            model = self.state.models[version]
+            fragment = None
+            if self.fragments > 1:
+                model, site_config[keys.SYNC_FROM] = self._download(node_id, version)
+                site_config[keys.FRAGMENTS] = self.fragments
+                fragment = fragment_of_round(period, self.fragments)
+            content = RecordDict({keys.ARRAYS: model, keys.CONFIG: site_config})
             messages.append(Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN))
             periods.sent(node_id, period)
             # The model lacks the averages of rounds version + 1 … period − 1: D of them
             # once the pipeline is full.
-            self.state.drafted[node_id] = Work(period, version, delay=max(0, period - 1 - version))
+            self.state.drafted[node_id] = Work(
+                period, version, delay=max(0, period - 1 - version), fragment=fragment
+            )
         return messages
+
+    def _download(self, node_id: int, version: int) -> tuple[ArrayRecord, int]:
+        """Streaming sync: what ``node_id`` needs to hold x_version, (record, the version it
+        must hold first or DENSE): the arrays of the fragments changed since the version it
+        holds, or the whole model when that is unknown (first contact, a failed or lost
+        message) or every fragment changed since."""
+        model = self.state.models[version]
+        # Taken, not read: until the site answers this message, what it holds is not known.
+        held = self.state.synced.pop(node_id, None)
+        self.state.syncing[node_id] = (version, held)
+        if held is None or held > version:
+            return model, DENSE
+        changed = changed_since(held, version, self.fragments)
+        if len(changed) == self.fragments:
+            return model, DENSE
+        if (version, held) not in self._downloads:
+            # one record per (version, held): the engine measures each content once
+            names = {name for f in changed for name in self._split[f]}
+            arrays = {k: model[k] for k in model if k in names}  # the model's order
+            self._downloads = {
+                key: record for key, record in self._downloads.items() if key[0] >= version
+            }
+            self._downloads[(version, held)] = ArrayRecord(arrays)
+        return self._downloads[(version, held)], held
+
+    def _fragment_arrays(self, period: int) -> tuple[str, ...]:
+        """The arrays period ``period``'s updates carry (all of them without fragments)."""
+        if self.fragments == 1:
+            return tuple(self._current)
+        return self._split[fragment_of_round(period, self.fragments)]
 
     def work_for(self, message: Message, *, server_round: int, model_version: int) -> Work:
         """Period q and the model x_{q−1−D} of the message drafted for its site."""
@@ -419,10 +555,14 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         return mean_evaluation(replies)
 
     def _fit_codec(self, arrays: ArrayRecord) -> None:
-        """Fit the codec to the model once (``strategies.local_sgd.fit_codec``)."""
+        """Fit the codec, and split the fragments, to the model once
+        (``strategies.local_sgd.fit_codec``, ``strategies.fragments.split_fragments``)."""
         if not self._fitted_codec:
             self.codec = fit_codec(self.codec, self.averaged_arrays, arrays)
             self._fitted_codec = True
+        if self.fragments > 1 and not self._split:
+            sizes = [(name, int(np.prod(arrays[name].shape))) for name in arrays]
+            self._split = split_fragments(sizes, self.fragments)  # ConfigError: too few arrays
 
     # ------------------------------------------------- streaming aggregation
     def begin_aggregation(self, server_round: int, arrays: ArrayRecord) -> None:
@@ -445,6 +585,8 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         if asked is not None and not reply.has_error():
             self.state.replied.setdefault(node_id, set()).add(asked)
         content = reply.content
+        if reply.has_error() or _says_lost(content):
+            self.state.syncing.pop(node_id, None)  # unknown: the whole model next time
         reject_state_lost(content, "it trains from the global model next period")
         record, metrics = reply_parts(reply)
         period = metrics.get(keys.PERIOD)
@@ -454,6 +596,10 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
                 f"{period!r}: does the site's ClientApp train with strategies.mods' delayed_mod() "
                 "(or flplatform_mod())?"
             )
+        # The site's mod ran: it holds the global model its message carried.
+        syncing = self.state.syncing.pop(node_id, None)
+        if syncing is not None:
+            self.state.synced[node_id] = syncing[0]
         if asked is None:
             raise UpdateRejected("no update was awaited from this site (a duplicate reply?)")
         if period != asked or period not in periods.unsettled.get(node_id, set()):
@@ -477,14 +623,18 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
             update = record_to_arrays(record)
         except Exception as exc:  # not .npy bytes, pickled objects, truncated data
             raise UpdateRejected(f"arrays cannot be decoded: {exc}") from None
-        update = self._decode(content, update)
+        update = self._decode(content, update, self._fragment_arrays(period))
         loss = first_number(metrics, keys.TRAIN_LOSS_ALIASES)
         seconds = first_number(metrics, (keys.COMPUTE_SECONDS,))
         contribution = Contribution(
             num_examples, train_loss=loss, compute_seconds=seconds, note=note
         )
         payload = (node_id, period, update)
-        return Update(contribution, vector=list(update.values()), payload=payload)
+        # the guard compares an update with those of the same fragment only
+        kind = "delta"
+        if self.fragments > 1:
+            kind = f"delta/fragment-{fragment_of_round(period, self.fragments)}"
+        return Update(contribution, vector=list(update.values()), kind=kind, payload=payload)
 
     def add_update(self, update: Update, *, weight: float, scale: float = 1.0) -> None:
         """Add w·s·A_{n,q} to the accumulator of period q; the site's period is counted."""
@@ -498,19 +648,23 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
             total, loss_weight = self.state.losses.get(period, (0.0, 0.0))
             self.state.losses[period] = (total + weight * loss, loss_weight + weight)
 
-    def _decode(self, content: RecordDict, received: dict[str, np.ndarray]) -> dict:
-        """A_{n,q} from the reply's arrays: as sent, or decoded with the run's codec."""
+    def _decode(
+        self, content: RecordDict, received: dict[str, np.ndarray], names: Sequence[str]
+    ) -> dict:
+        """A_{n,q} from the reply's arrays (the model's ``names``: a fragment's, or all): as
+        sent, or decoded with the run's codec."""
+        expected = {k: self._current[k] for k in names}
         config = record_of(content, keys.CONFIG, ConfigRecord)
         named = None if config is None else config.get(keys.CODEC)
         if isinstance(self.codec, Identity) and named in (None, "none"):
-            check_arrays(received, self._current)
+            check_arrays(received, expected)
             return received
         if named != self.codec.name:
             raise UpdateRejected(
                 f"reply compressed with codec {named!r}, but this run asked for '{self.codec.name}'"
             )
-        decoded = self.codec.decode(received, Layout.of(self._current))  # UpdateRejected
-        return {k: decoded[k] for k in self._current}
+        decoded = self.codec.decode(received, Layout.of(expected))  # UpdateRejected
+        return {k: decoded[k] for k in expected}
 
     def finish_aggregation(self) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """x_r = x_{r−1} + η·Ā_r; a round without included updates leaves x unchanged.
@@ -523,16 +677,19 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         metrics = MetricRecord({"num-updates": acc.count if acc else 0})
         refused: StepRefused | None = None
         if acc is not None and acc.count:
+            stepped = {k: self._current[k] for k in self._fragment_arrays(self._round)}
             try:
-                self._current = apply_server_update(
-                    self._current,
+                new = apply_server_update(
+                    stepped,
                     acc.mean(),
                     eta=self.eta,
-                    beta=0.0,
-                    state=ServerOptimizerState(),
+                    beta=self.beta,
+                    nesterov=self.nesterov,
+                    state=state.optimizer,
                     # buffers: their mean change, no η
-                    averaged=averaged_of(self._current, self.codec.averaged),
+                    averaged=averaged_of(stepped, self.codec.averaged),
                 )
+                self._current = {k: new.get(k, v) for k, v in self._current.items()}
             except StepRefused as exc:  # an empty average: x unchanged, still a version
                 refused = exc
                 # No site's update of this period is in the model: none may swap it out.

@@ -101,6 +101,19 @@ def codec_problem(codec: object) -> Problem:
     return None
 
 
+def momentum_problems(beta: object, nesterov: bool) -> list[Problem]:
+    """What is wrong with a server (outer) momentum β and its Nesterov flag."""
+    return [
+        unit_interval(beta, "server-momentum", says="in [0, 1) (the server momentum β)"),
+        (
+            "server-nesterov needs server-momentum > 0 (Nesterov momentum looks one "
+            "velocity ahead; with β = 0 there is none)"
+            if nesterov and beta == 0.0
+            else None
+        ),
+    ]
+
+
 # ------------------------------------------------------------------ one object per strategy
 @dataclass(frozen=True)
 class LocalSGDKnobs:
@@ -124,13 +137,7 @@ class LocalSGDKnobs:
         return [
             names_problem(self.averaged_arrays),
             eta_problem(self.eta),
-            unit_interval(self.beta, "server-momentum", says="in [0, 1) (the server momentum β)"),
-            (
-                "server-nesterov needs server-momentum > 0 (Nesterov momentum looks one "
-                "velocity ahead; with β = 0 there is none)"
-                if self.nesterov and self.beta == 0.0
-                else None
-            ),
+            *momentum_problems(self.beta, self.nesterov),
             integer(self.momentum_every, "server-momentum-every", minimum=1),
             (
                 "server-momentum-every > 1 is delayed Nesterov: set server-nesterov true"
@@ -162,6 +169,9 @@ class DelayedKnobs:
     num_rounds: int
     compensate: bool
     eta: float
+    beta: float
+    nesterov: bool
+    fragments: int
     fraction_evaluate: float
     codec: str
     averaged_arrays: Sequence[str]
@@ -173,6 +183,19 @@ class DelayedKnobs:
             delay_problem(self.delay),
             integer(self.num_rounds, "num-rounds", minimum=1),
             eta_problem(self.eta),
+            *momentum_problems(self.beta, self.nesterov),
+            integer(
+                self.fragments,
+                "fragments",
+                minimum=1,
+                says=">= 1 (streaming sync's fragments; 1: the whole model every round)",
+            ),
+            (
+                "fragments > 1 needs compensation: the arrays a period does not sync wait in "
+                "the site's carry, which plain delayed SGD does not keep"
+                if is_integer(self.fragments) and int(self.fragments) > 1 and not self.compensate
+                else None
+            ),
             *sampling_problems(fraction_train=1.0, fraction_evaluate=self.fraction_evaluate),
             codec_problem(self.codec),
         ]

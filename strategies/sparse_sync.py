@@ -203,7 +203,7 @@ class SparseModel:
         )
         synced = reader.keyed(fields["synced"], f"{where}.synced", reader.integer, by_node=True)
         sent = reader.keyed(
-            fields["sent"], f"{where}.sent", lambda v, at: _sent_pair(reader, v, at), by_node=True
+            fields["sent"], f"{where}.sent", lambda v, at: sent_pair(reader, v, at), by_node=True
         )
         if flat is None or version is None or changes is None or synced is None or sent is None:
             return None
@@ -256,7 +256,7 @@ class SparseModel:
         return self.record
 
 
-def _sent_pair(reader: StateReader, value: Any, where: str) -> tuple[int, int | None] | None:
+def sent_pair(reader: StateReader, value: Any, where: str) -> tuple[int, int | None] | None:
     """(version the outstanding message carries, version the site held before or None)."""
     if not isinstance(value, tuple | list) or len(value) != 2:
         reader.add(f"'{where}' must be a pair (sent version, held version), got {value!r:.60}")

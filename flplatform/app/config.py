@@ -27,6 +27,7 @@ from flplatform.app.config_rules import (
     DELAYED_MISUSE,
     FETCHSGD,
     LOCAL_SGD,
+    MOMENTUM_EVERY_MISUSE,
     SERVER_MOMENTUM_MISUSE,
     SERVER_NESTEROV_MISUSE,
     SKETCHED,
@@ -116,17 +117,17 @@ class RunConfig:
     server_momentum: float = field(
         default=0.0,
         metadata=about(
-            "Local-SGD: server momentum β (> 0 is FedAvgM).",
-            strategies=(LOCAL_SGD,),
+            "Local-SGD and delayed: server (outer) momentum β (local-SGD: > 0 is FedAvgM).",
+            strategies=(LOCAL_SGD, DELAYED),
             misuse=SERVER_MOMENTUM_MISUSE,
         ),
     )
     server_nesterov: bool = field(
         default=False,
         metadata=about(
-            "Local-SGD: Nesterov server momentum instead of heavy ball (needs "
+            "Local-SGD and delayed: Nesterov server momentum instead of heavy ball (needs "
             "server-momentum > 0; DiLoCo's outer step).",
-            strategies=(LOCAL_SGD,),
+            strategies=(LOCAL_SGD, DELAYED),
             misuse=SERVER_NESTEROV_MISUSE,
         ),
     )
@@ -137,7 +138,7 @@ class RunConfig:
             "(delayed Nesterov, for the async modes); each step moves the model by "
             "server-lr·Δ̄/N besides. 1: every step.",
             strategies=(LOCAL_SGD,),
-            misuse=SERVER_NESTEROV_MISUSE,
+            misuse=MOMENTUM_EVERY_MISUSE,
         ),
     )
     fraction_train: float = field(default=1.0, metadata=about("Fraction of sites per round."))
@@ -268,6 +269,15 @@ class RunConfig:
         default=True,
         metadata=about(
             "Delayed: swap each site's stale steps for the averages (ablation: off).",
+            strategies=(DELAYED,),
+            misuse=DELAYED_MISUSE,
+        ),
+    )
+    fragments: int = field(
+        default=1,
+        metadata=about(
+            "Delayed: streaming sync, the model split into F fragments and each round "
+            "syncing one of them (1: the whole model every round).",
             strategies=(DELAYED,),
             misuse=DELAYED_MISUSE,
         ),

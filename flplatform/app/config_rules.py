@@ -68,12 +68,14 @@ CODEC_MISUSE = (
     "'{strategy}' uploads sketches: leave codec 'none'"
 )
 SERVER_NESTEROV_MISUSE = (
-    "{name} shapes local-sgd's server momentum (server-momentum), which strategy "
-    "'{strategy}' does not use: leave {name} at its default"
+    "{name} shapes the server momentum (server-momentum) of strategies local-sgd and "
+    "delayed, which strategy '{strategy}' does not use: leave {name} at its default"
+)
+MOMENTUM_EVERY_MISUSE = (
+    "{name} is local-sgd's delayed Nesterov momentum (for its asynchronous modes); strategy "
+    "'{strategy}' does not use it: leave {name} at its default"
 )
 SERVER_MOMENTUM_MISUSE = {
-    DELAYED: "strategy 'delayed' applies each average with server-lr and no server momentum "
-    "(sites swap in x_0 + Σ server-lr·Ā exactly); leave {name} at its default",
     FETCHSGD: "server-momentum is local-SGD's server momentum β; FetchSGD's sketch momentum ρ "
     "is sketch-momentum: set that instead",
     SKETCHED_SGD: "server-momentum is local-SGD's server momentum β; Sketched-SGD's step "
@@ -190,6 +192,9 @@ def strategy_knobs(config: RunConfig) -> StrategyKnobs:
             num_rounds=config.num_server_rounds,
             compensate=config.compensation,
             eta=config.server_lr,
+            beta=config.server_momentum,
+            nesterov=config.server_nesterov,
+            fragments=config.fragments,
             fraction_evaluate=config.fraction_evaluate,
             codec=config.codec,
             averaged_arrays=split_names(config.averaged_arrays),

@@ -409,7 +409,8 @@ def updates(
     The table cuts long reasons short; JSON and CSV carry every field of every update whole.
     Times in the table are seconds: compute as the site reported it, reply from dispatch to
     arrival on the wall clock; a simulated run also shows dispatch and arrival on its
-    simulated clock, a delayed run each update's delay.
+    simulated clock, a delayed run each update's delay, a streaming-sync run the model
+    fragment each update carried.
     """
     statuses = parse_statuses(status)
     with LedgerRepository.open(db, create=False) as repository:
@@ -418,6 +419,7 @@ def updates(
         records = repository.list_updates(run_id, round=round_, site=site, status=statuses)
         simulated = any(u.virtual_dispatched_at is not None for u in records)
         delayed = any(u.delay is not None for u in records)
+        fragmented = any(u.fragment is not None for u in records)
         filters = [
             *([f"round {round_}"] if round_ is not None else []),
             *([f"site {site}"] if site is not None else []),
@@ -437,6 +439,7 @@ def updates(
                 Column("version", drop=6),
                 Column("staleness", drop=1),
                 *([Column("delay", drop=2)] if delayed else []),
+                *([Column("fragment", drop=2)] if fragmented else []),
                 Column("examples", drop=7),
                 Column("train\nloss", drop=5),
                 "bytes\nup",
@@ -459,6 +462,7 @@ def updates(
                     u.version_trained_on,
                     u.staleness,
                     *([u.delay] if delayed else []),
+                    *([u.fragment] if fragmented else []),
                     u.num_examples,
                     u.train_loss,
                     human_bytes(u.bytes_up),

@@ -36,11 +36,14 @@ SEED = "seed"
 DELAY = "delay"
 COMPENSATE = "compensate"
 INCLUDED_PERIODS = "included-periods"  # the site's periods that made it into the averages
+# streaming sync (strategies/fragments.py): p, the fragments the model is split into; period
+# q's update carries fragment (q − 1) mod p
+FRAGMENTS = "fragments"
 # upload compression (strategies/codecs.py): the codec a site encodes its update with;
 # a compressed reply names it in its own ``config`` record
 CODEC = "codec"
-# sketched aggregation (strategies/fetchsgd.py): the sketch's hashes and shape, and the
-# version whose changes a sparse download carries (-1: the whole model)
+# sketched aggregation (strategies/fetchsgd.py): the sketch's hashes and shape, and (also
+# streaming sync's) the version whose changes a sparse download carries (-1: the whole model)
 SKETCH_SEED = "sketch-seed"
 SKETCH_ROWS = "sketch-rows"
 SKETCH_COLS = "sketch-cols"

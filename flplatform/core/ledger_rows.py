@@ -205,6 +205,9 @@ class UpdateColumns(Generic[When]):
     delay : int or None
         Delayed strategy only: ``period - 1 - average_applied``, how many rounds old that
         average was (0 is local SGD).
+    fragment : int or None
+        Streaming sync only: the index of the model fragment the update carried (0-based);
+        ``None`` when it carried the whole model.
     """
 
     dispatched_round: int = field(metadata=column(Kind.COUNT32))
@@ -230,6 +233,8 @@ class UpdateColumns(Generic[When]):
     period: int | None = field(default=None, metadata=column(Kind.COUNT32))
     average_applied: int | None = field(default=None, metadata=column(Kind.COUNT32))
     delay: int | None = field(default=None, metadata=column(Kind.COUNT32))
+    # Migration 0008: streaming sync; None for strategies that send the whole model.
+    fragment: int | None = field(default=None, metadata=column(Kind.COUNT32))
 
 
 @dataclass(frozen=True, kw_only=True)

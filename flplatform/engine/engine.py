@@ -897,6 +897,7 @@ class RoundEngine:
             bytes_down=bytes_down,
             period=work.period,
             delay=work.delay,
+            fragment=work.fragment,
             schedule=self.clock.schedule(
                 site=self.sites.name(node_id),
                 bytes_down=bytes_down,

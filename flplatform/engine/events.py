@@ -74,6 +74,9 @@ class Dispatch:
     period: int = 0
     # declared by the strategy with the period (``Work.delay``): the ledger's delay columns
     delay: int | None = None
+    # declared by the strategy too (``Work.fragment``): the model fragment the message
+    # carries under streaming sync, the ledger's ``fragment``; None: the whole model
+    fragment: int | None = None
     # the clock's plan for this message: clock time of dispatch, earliest arrival, ...
     schedule: Schedule = field(default_factory=lambda: Schedule(dispatched_at=math.nan))
 

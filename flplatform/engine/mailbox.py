@@ -516,13 +516,15 @@ _DISPATCH = (
     "period",
     "delay",
 )
+# Saved since streaming sync; a checkpoint written before has none (the whole model).
+_OPTIONAL_DISPATCH = ("fragment",)
 
 
 def dispatch_state(dispatch: Dispatch) -> dict[str, Any]:
     """A dispatch as checkpoint data (its message id and deadline end with the run)."""
     schedule = dispatch.schedule
     return {
-        **{name: getattr(dispatch, name) for name in _DISPATCH},
+        **{name: getattr(dispatch, name) for name in (*_DISPATCH, *_OPTIONAL_DISPATCH)},
         "schedule": [getattr(schedule, name) for name in _SCHEDULE],
     }
 
@@ -540,6 +542,9 @@ def dispatch_from_state(
     ok &= problems.number(saved["dispatched_at"], "dispatched_at")
     if saved["delay"] is not None:
         ok &= problems.number(saved["delay"], "delay", integer=True)
+    fragment = saved.get("fragment")
+    if fragment is not None:
+        ok &= problems.number(fragment, "fragment", integer=True)
     if saved["message_type"] != MessageType.TRAIN:
         problems.add(f"only training work is saved, not {saved['message_type']!r}")
         ok = False
@@ -574,6 +579,7 @@ def dispatch_from_state(
         message_type=saved["message_type"],
         period=saved["period"],
         delay=saved["delay"],
+        fragment=fragment,
         schedule=Schedule(**schedule),
     )
 

@@ -2,10 +2,11 @@
 
 One function per kind of row; none decides anything. The staleness of an update is the
 model version now minus the one it was trained on; simulated times are written on a
-virtual clock only; the delay columns come from what the strategy declared (``Work``).
-Bytes are Fleet API bytes (``flplatform.engine.wire``): a row's ``bytes_down`` is its
-message's delivery plus the acknowledgement of its reply's push, its ``bytes_up`` the reply
-(with the request that fetched the message); a row without a reply has ``bytes_up`` 0.
+virtual clock only; the delay and fragment columns come from what the strategy declared
+(``Work``). Bytes are Fleet API bytes (``flplatform.engine.wire``): a row's ``bytes_down``
+is its message's delivery plus the acknowledgement of its reply's push, its ``bytes_up``
+the reply (with the request that fetched the message); a row without a reply has
+``bytes_up`` 0.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def _update_row(dispatch: Dispatch, *, site: str, version: int, **fields: Any) -
         version_trained_on=dispatch.model_version,
         staleness=version - dispatch.model_version,
         dispatched_at=dispatch.dispatched_at,
+        fragment=dispatch.fragment,
         **fields,
         **period_fields(dispatch),
     )

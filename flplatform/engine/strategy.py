@@ -79,11 +79,15 @@ class Work:
         Delayed updates: how many averages the model lacks at the period's start (the
         ledger's ``delay``; its ``period`` and ``average_applied`` are then written too).
         None: the update has no period columns.
+    fragment : int, optional
+        Streaming sync: the index of the model fragment the update carries (0-based); None:
+        the whole model.
     """
 
     period: int
     model_version: int
     delay: int | None = None
+    fragment: int | None = None
 
 
 @runtime_checkable

@@ -125,12 +125,19 @@ def compress_upload(
     lost = state is None and config.get(keys.STATE_EXPECTED) is True
     state = state or new_state()
     feedback = ErrorFeedback()
-    residual = state.groups.get(RESIDUAL)
-    if residual is not None and {k: v.shape for k, v in residual.items()} == {
-        k: np.shape(v) for k, v in update.items()
-    }:
+    kept = state.groups.get(RESIDUAL) or {}
+    # The residual of each array uploaded before; an update of only some arrays (streaming
+    # sync's fragment) leaves the others' residuals for their own uploads.
+    residual = {k: v for k, v in kept.items() if k in update and v.shape == np.shape(update[k])}
+    others = {k: v for k, v in kept.items() if k not in update}
+    if residual:
         # read, never written: the saved arrays are used as they are (no copy)
-        feedback.residual = {k: v.astype(np.float64, copy=False) for k, v in residual.items()}
+        feedback.residual = {
+            k: residual[k].astype(np.float64, copy=False)
+            if k in residual
+            else np.zeros(np.shape(v), dtype=np.float64)
+            for k, v in update.items()
+        }
     # else: none yet, or a model of another shape (the run changed): e = 0
     calls = next_call(state)
     seed = config.get(keys.SEED, 0)
@@ -143,7 +150,7 @@ def compress_upload(
         "codec",
     )
     wire, sent = feedback.compress(update, codec, rng=rng, dense=dense)
-    state.groups[RESIDUAL] = dict(feedback.residual)
+    state.groups[RESIDUAL] = {**others, **feedback.residual}
     save_state(msg, context, keys.CODEC_STATE, state)
     return wire, None if sent is None else {k: sent[k] for k in update}, lost
 

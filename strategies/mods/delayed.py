@@ -15,6 +15,14 @@ model stays the sum of what the server knows; the residual follows in later uplo
 A site whose kept periods are gone while the server says it holds some (a restarted
 SuperNode) trains from the global model it was sent, as plain delayed SGD would, and
 says so; the server drops that site's unsettled periods.
+
+Streaming sync (the server's ``fragments`` p > 1, ``strategies.fragments``): the period's
+update carries only fragment (q − 1) mod p of A_{n,q} + carry (the split is computed here
+from the model, as the server computes it); the other arrays' change stays in the carry
+until their fragment's period. The site keeps the global model it last received, and the
+server sends only the arrays changed since that version (``sync-from``); a site that no
+longer holds it replies that it lost its state, without training, and is sent the whole
+model next period.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from flplatform.core import keys
 from flplatform.core.errors import ConfigError
 from strategies.codecs import make_codec
 from strategies.compensation import SitePeriods
+from strategies.fragments import fragment_of_round, split_fragments
 from strategies.mods.codec import compress_upload, requested_codec
 from strategies.mods.contract import (
     Mod,
@@ -41,11 +50,15 @@ from strategies.mods.contract import (
     round_config,
     sent_model,
     site_algorithm,
+    state_lost_reply,
 )
 from strategies.mods.snapshots import load_state, save_state
+from strategies.sparse_sync import DENSE
 
 CARRY = "carry"
 PENDING = "pending."  # + the period: one group per kept step
+MODEL = "model"  # streaming sync: the global model the site last received ...
+VERSION = "version"  # ... and its version
 
 
 @dataclass(frozen=True)
@@ -56,6 +69,8 @@ class DelayedSiteConfig:
     version: int
     compensate: bool
     included: tuple[int, ...]
+    fragments: int = 1  # streaming sync's p (1: the whole model every period)
+    sync_from: int = DENSE  # the version whose changes the message carries (-1: all)
 
     @classmethod
     def from_record(cls, config: ConfigRecord) -> DelayedSiteConfig:
@@ -73,7 +88,24 @@ class DelayedSiteConfig:
             isinstance(p, int) and not isinstance(p, bool) for p in included
         ):
             raise ConfigError(f"round config '{keys.INCLUDED_PERIODS}' must be a list of rounds")
-        return cls(int(period), int(version), compensate, tuple(included))  # type: ignore[arg-type]
+        fragments = _integer(config, keys.FRAGMENTS, default=1, low=1)
+        sync_from = _integer(config, keys.SYNC_FROM, default=DENSE, low=DENSE)
+        return cls(
+            int(period),  # type: ignore[arg-type]
+            int(version),  # type: ignore[arg-type]
+            compensate,
+            tuple(int(p) for p in included),
+            fragments,
+            sync_from,
+        )
+
+
+def _integer(config: ConfigRecord, key: str, *, default: int, low: int) -> int:
+    """An optional integer of the round config, checked (``ConfigError`` if not)."""
+    value = config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"round config '{key}' must be an integer >= {low}, got {value!r}")
+    return value
 
 
 def load_site_periods(context: Context, msg: Message | None = None) -> SitePeriods | None:
@@ -87,6 +119,11 @@ def load_site_periods(context: Context, msg: Message | None = None) -> SitePerio
         if msg is None
         else load_state(msg, context, keys.DELAYED_STATE)
     )
+    return periods_of(state)
+
+
+def periods_of(state: ModState | None) -> SitePeriods | None:
+    """The kept periods and carry in a delayed-update state; None for no state."""
     if state is None:
         return None
     periods = SitePeriods()
@@ -99,16 +136,54 @@ def load_site_periods(context: Context, msg: Message | None = None) -> SitePerio
     return periods
 
 
-def save_site_periods(context: Context, periods: SitePeriods, msg: Message | None = None) -> None:
+def save_site_periods(
+    context: Context,
+    periods: SitePeriods,
+    msg: Message | None = None,
+    *,
+    synced: tuple[dict[str, np.ndarray], int] | None = None,
+) -> None:
     """Write the kept periods back as the site's one delayed-update record (and, with
-    ``msg``, as the snapshot of its work)."""
+    ``msg``, as the snapshot of its work); ``synced``: the global model the site holds and
+    its version (streaming sync)."""
     groups = {f"{PENDING}{period}": update for period, update in periods.pending.items()}
     if periods.carry is not None:
         groups[CARRY] = periods.carry
+    meta: dict[str, int] = {}
+    if synced is not None:
+        groups[MODEL], meta[VERSION] = synced
     if msg is None:
-        ModState({}, groups).save(context, keys.DELAYED_STATE)
+        ModState(meta, groups).save(context, keys.DELAYED_STATE)
     else:
-        save_state(msg, context, keys.DELAYED_STATE, ModState({}, groups))
+        save_state(msg, context, keys.DELAYED_STATE, ModState(meta, groups))
+
+
+def synced_model(
+    msg: Message, delayed: DelayedSiteConfig, state: ModState | None
+) -> dict[str, np.ndarray] | None:
+    """The global model x_version, from the message and the model the site holds: the
+    message's arrays are the whole model, or (``sync-from`` v) those changed since v.
+
+    None when the site does not hold a version the changes bring up to x_version (its
+    state was lost). Arrays come in the server's model's key order.
+    """
+    sent = sent_model(msg)
+    if delayed.sync_from == DENSE:
+        return sent
+    held = None if state is None else state.meta.get(VERSION)
+    stored = None if state is None else state.groups.get(MODEL)
+    # Changes since an older version than the site holds still bring it to x_version:
+    # they hold every array changed since, at its current value.
+    if stored is None or held is None or not delayed.sync_from <= held <= delayed.version:
+        return None
+    for name, array in sent.items():
+        like = stored.get(name)
+        if like is None or like.shape != array.shape or like.dtype != array.dtype:
+            raise ConfigError(
+                f"the server's fragment download holds array '{name}', which is not an array "
+                "of the model this site holds (was the model changed mid-run?)"
+            )
+    return {name: sent.get(name, array) for name, array in stored.items()}
 
 
 def delayed_mod() -> Mod:
@@ -119,9 +194,17 @@ def delayed_mod() -> Mod:
             return call_next(msg, context)
         raw = round_config(msg)
         delayed = DelayedSiteConfig.from_record(raw)
-        global_model = sent_model(msg)
+        state = load_state(msg, context, keys.DELAYED_STATE)
+        global_model = synced_model(msg, delayed, state)
+        if global_model is None:
+            return state_lost_reply(msg, f"the global model of version {delayed.sync_from}")
+        fragment = None
+        if delayed.fragments > 1:
+            sizes = [(name, int(array.size)) for name, array in global_model.items()]
+            fragments = split_fragments(sizes, delayed.fragments)  # ConfigError: too few arrays
+            fragment = fragments[fragment_of_round(delayed.period, delayed.fragments)]
 
-        kept = load_site_periods(context, msg)
+        kept = periods_of(state)
         lost = kept is None and raw.get(keys.STATE_EXPECTED) is True
         periods = kept or SitePeriods()
         periods.settle(delayed.version, delayed.included)
@@ -135,7 +218,11 @@ def delayed_mod() -> Mod:
         if not isinstance(result, UserResult):
             return result
         update = periods.record(
-            delayed.period, start, result.trained, compensate=delayed.compensate
+            delayed.period,
+            start,
+            result.trained,
+            compensate=delayed.compensate,
+            fragment=fragment,
         )
         metrics = MetricRecord({**result.metrics, keys.PERIOD: delayed.period})
         config: dict[str, str] = {keys.UPDATE_KIND: keys.DELTA}
@@ -155,7 +242,8 @@ def delayed_mod() -> Mod:
                 # server knows, the residual travels in a later upload.
                 periods.pending[delayed.period] = sent
             update, config[keys.CODEC] = wire, codec.name
-        save_site_periods(context, periods, msg)
+        synced = (global_model, delayed.version) if delayed.fragments > 1 else None
+        save_site_periods(context, periods, msg, synced=synced)
         return reply_with(msg, update, mark_lost(metrics, lost), config=config, extra=result.extra)
 
     return mod

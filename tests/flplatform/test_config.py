@@ -114,6 +114,26 @@ def test_the_period_sets_the_local_steps_of_delayed_updates() -> None:
     assert not build_policy(RunConfig()).pipelined
 
 
+def test_streaming_diloco_is_delayed_updates_with_fragments_and_an_outer_nesterov_step() -> None:
+    from flplatform.app.federation import build_strategy
+
+    config = RunConfig.from_mapping(
+        {
+            "strategy": "delayed",
+            "delay": 1,
+            "fragments": 4,
+            "codec": "int4",
+            "server-momentum": 0.9,
+            "server-nesterov": "true",
+            "server-lr": 0.7,
+        }
+    )
+    strategy = build_strategy(config)
+    assert (strategy.delay, strategy.fragments, strategy.codec.name) == (1, 4, "int4")
+    assert (strategy.eta, strategy.beta, strategy.nesterov) == (0.7, 0.9, True)
+    assert build_strategy(RunConfig.from_mapping({"strategy": "delayed"})).fragments == 1
+
+
 @pytest.mark.parametrize(
     ("values", "message"),
     [
@@ -154,12 +174,16 @@ def test_the_period_sets_the_local_steps_of_delayed_updates() -> None:
         ({"strategy": "delayed", "delay": -1}, "delay must be an integer >= 0"),
         ({"strategy": "delayed", "period": -5}, "period must be >= 0"),
         ({"strategy": "delayed", "sync": "k-sync"}, "runs with sync mode 'sync' only"),
-        ({"strategy": "delayed", "server-momentum": 0.9}, "leave server-momentum at its default"),
         (
             {"strategy": "fetchsgd", "k": 50, "server-nesterov": True},
-            r"^server-nesterov shapes local-sgd's server momentum \(server-momentum\), which "
-            "strategy 'fetchsgd' does not use: leave server-nesterov at its default$",
+            r"^server-nesterov shapes the server momentum \(server-momentum\) of strategies "
+            "local-sgd and delayed, which strategy 'fetchsgd' does not use: leave "
+            "server-nesterov at its default$",
         ),
+        ({"strategy": "delayed", "server-nesterov": True}, "server-nesterov needs server-mom"),
+        ({"strategy": "delayed", "fragments": 0}, "fragments must be >= 1"),
+        ({"strategy": "delayed", "fragments": 2, "compensation": False}, "needs compensation"),
+        ({"fragments": 4}, "fragments shape delayed compensated updates: use them with"),
         ({"server-nesterov": True}, "server-nesterov needs server-momentum > 0"),
         ({"strategy": "diloco", "server-momentum": 0.9}, "set server-nesterov true"),
         (
@@ -169,8 +193,9 @@ def test_the_period_sets_the_local_steps_of_delayed_updates() -> None:
         ({"server-momentum-every": 0}, "server-momentum-every must be an integer >= 1, got 0"),
         (
             {"strategy": "delayed", "server-momentum-every": 2},
-            r"^server-momentum-every shapes local-sgd's server momentum \(server-momentum\), "
-            "which strategy 'delayed' does not use: leave server-momentum-every at its default$",
+            r"^server-momentum-every is local-sgd's delayed Nesterov momentum \(for its "
+            r"asynchronous modes\); strategy 'delayed' does not use it: leave "
+            "server-momentum-every at its default$",
         ),
         ({"strategy": "delayed", "fraction-train": 0.5}, "fraction-train must be 1"),
         ({"standardize-features": True}, "standardize-features .* set fraction-evaluate > 0"),

@@ -55,3 +55,42 @@ def test_delayed_updates_hide_round_trips_on_the_world_network(tmp_path: Path) -
     sites = json.loads(shown.output)
     # Periods 1, 2, 3..6 applied averages 0, 1, 2 rounds old: mean (0 + 1 + 4·2) / 6.
     assert all(s["mean_delay"] == pytest.approx(1.5) for s in sites)
+
+
+def test_streaming_sync_sends_one_fragment_each_way_per_period(tmp_path: Path) -> None:
+    """Streaming DiLoCo's recipe (F = 4, τ = D = 1, 4-bit uploads, Nesterov outer step) in a
+    real simulation: each update carries its period's fragment, and after first contact a
+    site is sent only the fragment that changed."""
+    db = f"sqlite:///{tmp_path / 'ledger.db'}"
+    args = [
+        *("simulate", "--strategy", "delayed", "--delay", "1", "--fragments", "4"),
+        *("--codec", "int4", "--server-momentum", "0.9", "--server-nesterov"),
+        *("--server-lr", "0.7", "--period", "20", "--network", "world"),
+    ]
+    result = runner.invoke(app, [*args, "--rounds", "8", "--db", db])
+    assert result.exit_code == 0, result.output
+
+    with LedgerRepository.open(db) as repo:
+        (run,) = repo.list_runs()
+        assert run.status == "finished" and run.config["fragments"] == 4
+        rounds = repo.list_rounds(run.id)
+        assert rounds[-1].metrics["accuracy"] > 0.5
+        updates = repo.list_updates(run.id)
+        assert all(u.status == "applied" for u in updates)
+        assert all(u.fragment == (u.period - 1) % 4 for u in updates)
+        by_period = defaultdict(list)
+        for u in updates:
+            by_period[u.period].append(u)
+        first = min(u.bytes_down for u in by_period[1])  # the whole model
+        # Period q is sent the fragment round q − 2 changed: over periods 3 to 6, each of
+        # the MLP's four arrays once (the first, 64 × hidden, is most of the model), so
+        # about one model in all, where whole downloads would be four.
+        cycle = [max(u.bytes_down for u in by_period[q]) for q in range(3, 7)]
+        assert sum(cycle) < 1.3 * first
+        assert all(size < first / 2 for size in cycle[1:])  # fragments 1, 2, 3: small arrays
+        # uploads: one fragment in 4 bits, far below a float32 model
+        assert max(u.bytes_up for u in updates) < first / 4
+
+    shown = runner.invoke(app, ["history", "updates", str(run.id), "--db", db, "--format", "json"])
+    assert shown.exit_code == 0, shown.output
+    assert sorted({row["fragment"] for row in json.loads(shown.output)}) == [0, 1, 2, 3]

@@ -66,7 +66,20 @@ CASES = [
         {"server-momentum": 0.9, "sync": "k-async", "k": 2, "codec": "topk:0.1"},
         (2, 4),
     ),
-    ("delayed-d2", {"strategy": "delayed", "delay": 2}, (2, 3)),
+    # streaming sync: the sites hold the global model and fragments of their steps, the
+    # server what each site holds, a fragment's open sums and its momentum (plain delayed
+    # updates resume in tests/integration/test_deploy.py)
+    (
+        "delayed-d2-streaming",
+        {
+            "strategy": "delayed",
+            "delay": 2,
+            "fragments": 3,
+            "codec": "int4",
+            "server-momentum": 0.9,
+        },
+        (2, 3),
+    ),
     ("fetchsgd", {"strategy": "fetchsgd", "k": 200, "sketch-momentum": 0.9}, (1, 3)),
     ("sketched-sgd", {"strategy": "sketched-sgd", "k": 200, "step-momentum": 0.9}, (2, 3)),
 ]

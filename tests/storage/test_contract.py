@@ -944,6 +944,26 @@ def test_delayed_update_fields_round_trip(repo: LedgerRepository) -> None:
     assert json.loads(json.dumps(stored[2].to_dict()))["delay"] is None
 
 
+def test_update_fragments_round_trip(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    repo.add_site(run_id, name="london", node_id=1)
+    rows = [
+        update("london", fragment=0),
+        update("london", "dropped", arrived_at=None, fragment=2),
+        update("london", fragment=2**31 - 1),
+        update("london"),  # the whole model
+    ]
+    record(repo, run_id, 1, rows)
+    stored = repo.list_updates(run_id)
+    assert [u.fragment for u in stored] == [0, 2, 2**31 - 1, None]
+    assert [json.loads(json.dumps(u.to_dict()))["fragment"] for u in stored] == [
+        0,
+        2,
+        2**31 - 1,
+        None,
+    ]
+
+
 def test_updates_of_other_strategies_have_no_delay(repo: LedgerRepository) -> None:
     run_id = make_run(repo)
     repo.add_site(run_id, name="a", node_id=1)

@@ -224,7 +224,7 @@ def _fill_an_0001_ledger(connection: Connection) -> None:
 
 
 def test_an_0001_ledger_upgrades_keeping_its_rows_and_downgrades_back(ledger_url: str) -> None:
-    assert head_revision() == "0007"
+    assert head_revision() == "0008"
     engine = create_ledger_engine(ledger_url)
     try:
         with engine.begin() as connection:
@@ -600,6 +600,54 @@ def test_an_0005_ledger_upgrades_to_wire_traffic_keeping_every_row_and_downgrade
         assert repo.get_run(1).bytes_up == 111
 
 
+def test_an_0007_ledger_upgrades_to_update_fragments_keeping_its_rows_and_downgrades_back(
+    ledger_url: str,
+) -> None:
+    engine = create_ledger_engine(ledger_url)
+    try:
+        with engine.begin() as connection:
+            command.upgrade(alembic_config(connection), "0007")
+            _fill_an_0001_ledger(connection)  # 0002 to 0007 only added; these rows still fit
+        with engine.connect() as connection:
+            assert current_revisions(connection) == {"0007"}
+            assert "fragment" not in _columns(connection, "updates")
+            before = _row_counts(connection)
+    finally:
+        engine.dispose()
+
+    with LedgerRepository.open(ledger_url) as repo:  # opening upgrades to head
+        with repo._engine.connect() as connection:
+            assert current_revisions(connection) == {head_revision()}
+            [fragment] = [
+                c for c in inspect(connection).get_columns("updates") if c["name"] == "fragment"
+            ]
+            assert fragment["nullable"]
+            assert _row_counts(connection) == before
+            _assert_no_schema_diff(connection)
+        # The old row is intact and reads as an update of the whole model.
+        [old_update] = repo.list_updates(1)
+        assert (old_update.site, old_update.bytes_up, old_update.fragment) == ("london", 111, None)
+
+        # The new field works next to the old row, 0 (the first fragment) included.
+        record(repo, 1, 2, [update("london", fragment=2), update("london", fragment=0)])
+        assert [u.fragment for u in repo.list_updates(1)] == [None, 2, 0]
+
+        with repo._engine.begin() as connection:
+            command.downgrade(alembic_config(connection), "0007")
+        with repo._engine.connect() as connection:
+            assert current_revisions(connection) == {"0007"}
+            assert "fragment" not in _columns(connection, "updates")
+            # Every other column and every row survives the drop (no cascade, no rebuild).
+            assert _columns(connection, "updates") >= DELAY_COLUMNS | VIRTUAL_COLUMNS["updates"]
+            assert _row_counts(connection) == {**before, "rounds": 2, "updates": 3}
+
+    with LedgerRepository.open(ledger_url) as repo:  # and back up to head
+        with repo._engine.connect() as connection:
+            assert current_revisions(connection) == {head_revision()}
+            _assert_no_schema_diff(connection)
+        assert [u.fragment for u in repo.list_updates(1)] == [None, None, None]
+
+
 def test_a_schema_from_a_newer_flplatform_is_refused(ledger_url: str) -> None:
     with LedgerRepository.open(ledger_url) as repo, repo._engine.begin() as connection:
         connection.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = 'f00dcafe'"))
@@ -748,6 +796,9 @@ def test_every_migration_file_would_ship_in_a_wheel() -> None:
         "0003_virtual_time.py",
         "0004_delayed_updates.py",
         "0005_checkpoints.py",
+        "0006_traffic.py",
+        "0007_forget_passwords.py",
+        "0008_update_fragment.py",
     } <= {f.name for f in files}
     for path in files:
         in_package = path.suffix == ".py" and (path.parent / "__init__.py").exists()

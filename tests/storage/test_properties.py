@@ -78,6 +78,8 @@ def updates(draw: st.DrawFn, clock: str) -> UpdateInput:
         period=draw(st.none() | st.integers(0, 50)),
         average_applied=draw(st.none() | st.integers(0, 50)),
         delay=draw(st.none() | st.integers(0, 3) | st.integers(0, 2**31 - 1)),
+        # Streaming sync's column; never summarised.
+        fragment=draw(st.none() | st.integers(0, 2**31 - 1)),
         **virtual,
     )
 

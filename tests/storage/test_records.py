@@ -133,6 +133,17 @@ def test_update_input_normalises_delay_fields() -> None:
     assert [getattr(zeros, name) for name in DELAY_FIELDS] == [0, 0, 0]
 
 
+def test_update_input_checks_and_normalises_the_fragment() -> None:
+    assert update("a").fragment is None
+    given = update("a", fragment=np.int64(2))
+    assert given.fragment == 2 and type(given.fragment) is int
+    assert update("a", fragment=0).fragment == 0  # the first fragment
+    with pytest.raises(StorageError, match="update field 'fragment' must be between 0 and"):
+        update("a", fragment=-1)
+    with pytest.raises(StorageError, match="update field 'fragment' must be an integer"):
+        update("a", fragment=1.0)
+
+
 def test_site_summary_serialises_staleness_counts_as_integer_pairs() -> None:
     summary = SiteSummary(
         site_id=1,

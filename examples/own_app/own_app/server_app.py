@@ -45,7 +45,14 @@ def make_strategy(
         if name == "dts" and codec == "none":
             codec = DTS_CODEC
         return DelayedCompensated(
-            delay=int(run["delay"]), num_rounds=num_rounds, eta=eta, seed=seed, codec=codec
+            delay=int(run["delay"]),
+            num_rounds=num_rounds,
+            eta=eta,
+            beta=float(run["server-momentum"]),
+            nesterov=bool(run["server-nesterov"]),
+            fragments=int(run["fragments"]),
+            seed=seed,
+            codec=codec,
         )
     k, rows, cols = int(run["top-k"]), int(run["sketch-rows"]), int(run["sketch-cols"])
     if name == "fetchsgd":

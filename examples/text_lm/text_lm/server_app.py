@@ -1,5 +1,6 @@
 """text-lm's ServerApp: the transformer, central evaluation on modules no site holds, and
-flplatform's local-SGD family (FedAvg, FedAvgM, DiLoCo) or delayed updates (DTS).
+flplatform's local-SGD family (FedAvg, FedAvgM, DiLoCo) or delayed updates (DTS; with
+fragments and an outer Nesterov step, streaming DiLoCo).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def make_strategy(name: str, run: dict, num_rounds: int) -> LocalSGDAveraging | 
             delay=int(run["delay"]),
             num_rounds=num_rounds,
             eta=eta,
+            beta=float(run["server-momentum"]),
+            nesterov=bool(run["server-nesterov"]),
+            fragments=int(run["fragments"]),
             seed=seed,
             codec=DTS_CODEC if name == "dts" and codec == "none" else codec,
         )

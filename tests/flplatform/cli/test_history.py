@@ -391,6 +391,60 @@ def test_sites_show_a_delay_column_only_for_delayed_runs(
     } == {None}
 
 
+def test_updates_show_a_fragment_column_only_when_an_update_carried_one(
+    new_sqlite_ledger: Callable[[str], str], ledger: str
+) -> None:
+    url = new_sqlite_ledger("streaming.db")
+    t0 = time.time()
+    with LedgerRepository.open(url) as repo:
+        run_id = repo.create_run(
+            name="streaming", strategy="local-sgd", seed=3, config={}, num_rounds_planned=3
+        )
+        repo.add_site(run_id, name="london", node_id=1, num_examples=100)
+        # One update a round: fragments 0 and 1, then one of the whole model.
+        for rnd, fragment in ((1, 0), (2, 1), (3, None)):
+            repo.record_round(
+                run_id,
+                round=rnd,
+                model_version=rnd,
+                started_at=t0 + rnd,
+                finished_at=t0 + rnd + 0.5,
+                metrics={},
+                train_loss=0.5,
+                updates=[
+                    UpdateInput(
+                        site="london",
+                        dispatched_round=rnd,
+                        version_trained_on=rnd - 1,
+                        staleness=0,
+                        bytes_up=1000,
+                        bytes_down=1000,
+                        status="applied",
+                        dispatched_at=t0 + rnd,
+                        arrived_at=t0 + rnd + 0.4,
+                        fragment=fragment,
+                    )
+                ],
+            )
+    header, rows = read_table(history("updates", "1", "--db", url))
+    at = header.index("fragment")
+    assert [rows[r][at] for r in ("1", "2", "3")] == ["0", "1", "-"]
+    assert [
+        u["fragment"] for u in json.loads(history("updates", "1", "--db", url, "-f", "json"))
+    ] == [
+        0,
+        1,
+        None,
+    ]
+
+    # Updates of the whole model look as before: no column, but JSON still carries the field.
+    header, _ = read_table(history("updates", "1", "--db", ledger))
+    assert "fragment" not in header
+    assert {
+        u["fragment"] for u in json.loads(history("updates", "1", "--db", ledger, "-f", "json"))
+    } == {None}
+
+
 def test_table_cells_for_durations_and_staleness() -> None:
     assert [human_seconds(s) for s in (None, 0.0, 42.54, 65.0, 3725.0)] == [
         "-",

@@ -160,7 +160,7 @@ KEYS = {
     "updates 1": "id,run_id,site_id,site,round,dispatched_round,version_trained_on,staleness,"
     "bytes_up,bytes_down,compute_seconds,status,reason,num_examples,train_loss,dispatched_at,"
     "arrived_at,virtual_dispatched_at,virtual_arrived_at,virtual_compute_seconds,"
-    "transfer_seconds,period,average_applied,delay",
+    "transfer_seconds,period,average_applied,delay,fragment",
     "traffic 1": "id,run_id,site_id,site,round,kind,messages,bytes_up,bytes_down",
     "checkpoints 1": "id,run_id,round,model_version,path,size_bytes,kept,created_at,file_present",
     "events 1": "id,run_id,at,kind,detail",
