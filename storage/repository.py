@@ -396,6 +396,7 @@ class LedgerRepository:
         created_at: float | None = None,
         network: str | None = None,
         owner: str | None = None,
+        event: tuple[str, dict[str, Any]] | None = None,
     ) -> int:
         """Record a new run with status ``"running"``.
 
@@ -421,6 +422,9 @@ class LedgerRepository:
         owner : str or None
             ``"host:pid"`` of the process that records the run (a resume refuses a run whose
             owner is still alive).
+        event : (str, dict) or None
+            An event (kind, detail) recorded with the run, in the same transaction: no one
+            ever sees the run without it (a deployed run's ``deployed`` event).
 
         Returns
         -------
@@ -446,6 +450,14 @@ class LedgerRepository:
             network=check_name("network", network, max_length=NAME_LENGTH, optional=True),
             owner=check_name("owner", owner, max_length=NAME_LENGTH, optional=True),
         )
+        first = None
+        if event is not None:
+            kind, detail = event
+            first = RunEvent(
+                at=row.created_at,
+                kind=check_name("event kind", kind, max_length=EVENT_KIND_LENGTH),
+                detail=check_json_object("event detail", detail),
+            )
         taken = f"a run tagged {tag!r} already exists in {self.url}; pick another tag"
         with self._session("create a run", write=True) as session:
             if tag is not None and session.scalar(select(Run.id).where(Run.tag == tag)):
@@ -456,6 +468,9 @@ class LedgerRepository:
             except IntegrityError:
                 # Another process took the tag between our check and our insert.
                 raise StorageError(taken) from None
+            if first is not None:
+                first.run_id = row.id
+                session.add(first)
             return row.id
 
     def finish_run(

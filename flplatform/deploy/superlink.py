@@ -62,7 +62,7 @@ from flplatform.launch.flower import (
 from flplatform.launch.processes import ProcessTree
 from flplatform.launch.simulation import ProgressCallback, follow_run
 from flplatform.run.options import ConfigValue
-from flplatform.run.run_record import DEPLOYED_EVENT, DEPLOYMENT_ENV
+from flplatform.run.run_record import DEPLOYMENT_ENV
 from storage import (
     RUN_RUNNING,
     LedgerRepository,
@@ -628,7 +628,11 @@ def start_deployment(
     link_log = logs / f"{log_name}.superlink.log"
     env = flower_environment(home, python_path=run.python_path)
     env.update(run.extra_env)
-    env[DEPLOYMENT_ENV] = plan.deployment_id  # a resumed run may reopen here: its sites train
+    # its ServerApp records the run deployed with the run itself (run_record.DEPLOYED_EVENT),
+    # and a resumed run may reopen here: its sites train
+    env[DEPLOYMENT_ENV] = json.dumps(
+        {"sites": list(plan.sites), "address": str(plan.address), "deployment": plan.deployment_id}
+    )
     registry_path = None if plan.insecure else state / "registry.json"
     if registry_path is not None:
         env[REGISTRY_ENV] = str(registry_path)
@@ -742,12 +746,11 @@ def run_deployment(
     ``follow``: the ``RunConfig`` by which the run is found (its ``db`` and ``run_tag``).
     Returns the finished run; raises ``RunFailed`` when the sites do not come or the run
     fails, ``RunStopped`` on Ctrl-C or SIGTERM; every process is stopped in any case. The
-    run gets a ``deployed`` event naming the sites as soon as it is in the ledger, so that
-    ``flplatform resume`` will not train it here (``run_record.refuse_deployed``). A site
-    the run loses, or gets back, is said at once (the engine's ledger events, read every
-    ``PRESENCE_EVERY`` seconds).
+    run's ServerApp records it with a ``deployed`` event naming the sites (``DEPLOYMENT_ENV``),
+    so that ``flplatform resume`` will not train it here (``run_record.refuse_deployed``).
+    A site the run loses, or gets back, is said at once (the engine's ledger events, read
+    every ``PRESENCE_EVERY`` seconds).
     """
-    marked: set[int] = set()
     presence = PresenceLines(say, unauthenticated=plan.sites if plan.insecure else None)
     with deployment_state(home, plan) as state:
         gateway_log = LogTail(home / "logs" / f"{run.logs}.gateway.log")
@@ -762,20 +765,6 @@ def run_deployment(
         ) -> None:
             for line in gateway_log.lines():
                 say(line)
-            if record is not None and record.id not in marked:
-                # A ledger that hiccups must not end the deployment: tried again next poll.
-                detail = {
-                    "sites": list(plan.sites),
-                    "address": str(plan.address),
-                    "deployment": plan.deployment_id,
-                }
-                try:
-                    with LedgerRepository.open(follow.db or None) as repository:
-                        repository.add_event(record.id, DEPLOYED_EVENT, detail)
-                except FLPlatformError as exc:
-                    say(f"could not mark run {record.id} deployed yet: {exc}")
-                else:
-                    marked.add(record.id)
             if record is not None:
                 presence.poll(record.id, follow.db or None, final=record.status != RUN_RUNNING)
             if on_progress is not None:

@@ -10,6 +10,7 @@ the end. A run that fails before it can start is recorded too (:func:`record_fai
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -107,9 +108,29 @@ def refuse_finished(record: RunRecord) -> None:
 # The event ``flplatform server`` records on each run it deploys (detail: the sites, the
 # address and the deployment's id): such a run's data is at its sites.
 DEPLOYED_EVENT = "deployed"
-# Set by ``flplatform server`` for the processes it starts, its ServerApp's among them (the
-# deployment's id): the run trains on the deployment's sites, not on this machine.
+# Set by ``flplatform server`` for the processes it starts, its ServerApp's among them: the
+# deployment as JSON (its id, the sites, the address). The run trains on the deployment's
+# sites, not on this machine, and its ServerApp records it so (``DEPLOYED_EVENT``) with the
+# run's own row, and again when it reopens the run.
 DEPLOYMENT_ENV = "FLPLATFORM_DEPLOYMENT"
+
+
+def deployment_detail(environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """The deployment ``DEPLOYMENT_ENV`` describes (``deployment``: its id, ``sites``,
+    ``address``), or None outside one; ``ConfigError`` when it is not such JSON."""
+    raw = (os.environ if environ is None else environ).get(DEPLOYMENT_ENV)
+    if not raw:
+        return None
+    try:
+        detail = json.loads(raw)
+    except ValueError:
+        detail = None
+    if not isinstance(detail, dict) or not isinstance(detail.get("deployment"), str):
+        raise ConfigError(
+            f"{DEPLOYMENT_ENV} must be the JSON `flplatform server` writes (an object with "
+            f"the deployment's id), got {raw!r:.80}"
+        )
+    return detail
 
 
 def refuse_deployed(
@@ -269,6 +290,7 @@ class LedgerRun:
         from flplatform.run.ledger import process_owner
         from storage import LedgerRepository
 
+        deployed = deployment_detail()
         repository = LedgerRepository.open(None if ledger in DEFAULT_LEDGER else ledger)
         try:
             run_id = repository.create_run(
@@ -280,6 +302,7 @@ class LedgerRun:
                 tag=tag or None,
                 network=network or None,
                 owner=process_owner(),
+                event=None if deployed is None else (DEPLOYED_EVENT, deployed),
             )
         except BaseException:
             repository.close()
@@ -315,6 +338,7 @@ class LedgerRun:
         from flplatform.run.ledger import load_checkpoint, owner_alive, process_owner
         from storage import LedgerRepository
 
+        deployed = deployment_detail()
         repository = LedgerRepository.open(None if ledger in DEFAULT_LEDGER else ledger)
         try:
             record = repository.get_run(run_id)
@@ -323,7 +347,7 @@ class LedgerRun:
             refuse_deployed(
                 record,
                 repository.list_events(run_id),
-                on_deployment=os.environ.get(DEPLOYMENT_ENV) or None,
+                on_deployment=None if deployed is None else deployed["deployment"],
             )
             if record.strategy != strategy:
                 raise CheckpointError(
@@ -344,6 +368,8 @@ class LedgerRun:
             # it can follow it): then the owner is that command, alive.
             if record.status != "running" or owner_alive(record.owner) is False:
                 repository.reopen_run(run_id, owner=process_owner())
+            if deployed is not None:  # on the deployment's sites again
+                repository.add_event(run_id, DEPLOYED_EVENT, deployed)
         except BaseException:
             repository.close()
             raise

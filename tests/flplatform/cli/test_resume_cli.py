@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -73,7 +74,8 @@ def test_a_deployment_reopens_its_own_runs_only(
     simulated = record_run(url, tmp_path, config=simulate_config("t5"), tag="t5", rounds=2)
     with LedgerRepository.open(url) as repo:
         repo.add_event(deployed, DEPLOYED_EVENT, {"sites": ["london"], "address": "x:1"})
-    monkeypatch.setenv(DEPLOYMENT_ENV, "ca-0123456789ab")
+    here = {"sites": ["london"], "address": "x:1", "deployment": "ca-0123456789ab"}
+    monkeypatch.setenv(DEPLOYMENT_ENV, json.dumps(here))
 
     with pytest.raises(ConfigError) as refused:
         LedgerRun.reopen(url, simulated, strategy="local-sgd", num_rounds=4)
@@ -85,6 +87,10 @@ def test_a_deployment_reopens_its_own_runs_only(
     reopened.repository.close()
     assert (reopened.run_id, reopened.run_key) == (deployed, "t6")
     assert reopened.resume_state is not None and reopened.resume_state["server_round"] == 2
+    with LedgerRepository.open(url) as repo:  # on this deployment's sites again, said so
+        events = [(e.kind, e.detail) for e in repo.list_events(deployed)]
+        assert [kind for kind, _ in events].count(DEPLOYED_EVENT) == 2
+        assert events[-1] == (DEPLOYED_EVENT, here)
     with LedgerRepository.open(url) as repo:  # resumed on another CA's deployment since
         repo.add_event(deployed, DEPLOYED_EVENT, {"sites": ["london"], "deployment": "ca-1"})
     with pytest.raises(ConfigError, match=r"trained on another deployment \(ca-1; this one"):
@@ -99,8 +105,40 @@ def test_the_deployment_marker_is_never_inherited(
     from flplatform.launch.flower import flower_environment
     from flplatform.run.run_record import DEPLOYMENT_ENV
 
-    monkeypatch.setenv(DEPLOYMENT_ENV, "ca-0123456789ab")
+    monkeypatch.setenv(DEPLOYMENT_ENV, json.dumps({"deployment": "ca-0123456789ab"}))
     assert DEPLOYMENT_ENV not in flower_environment(tmp_path)
+
+
+def test_a_run_on_a_deployment_is_never_in_the_ledger_unmarked(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its ServerApp records the ``deployed`` event with the run's own row (one
+    transaction): a server killed a moment after the run began still leaves a run that
+    only `flplatform server --resume` will resume, on its sites."""
+    from flplatform.core.errors import ConfigError
+    from flplatform.run.run_record import DEPLOYMENT_ENV, LedgerRun
+
+    here = {"sites": ["london", "ohio"], "address": "x:1", "deployment": "ca-0123456789ab"}
+    monkeypatch.setenv(DEPLOYMENT_ENV, json.dumps(here))
+    run = LedgerRun.open(url, name="n", strategy="local-sgd", seed=0, config={}, num_rounds=3)
+    run.repository.close()
+    with LedgerRepository.open(url) as repo:
+        record = repo.get_run(run.run_id)
+        [event] = repo.list_events(run.run_id)
+        assert (event.kind, event.detail, event.at) == (DEPLOYED_EVENT, here, record.created_at)
+    monkeypatch.delenv(DEPLOYMENT_ENV)
+    with pytest.raises(ConfigError, match=r"trained on the sites of a deployment \(london, ohio"):
+        LedgerRun.reopen(url, run.run_id, strategy="local-sgd", num_rounds=3)
+    # a run outside a deployment has no such event; a marker that is not the server's JSON
+    # is refused before anything is recorded
+    plain = LedgerRun.open(url, name="p", strategy="local-sgd", seed=0, config={}, num_rounds=3)
+    plain.repository.close()
+    monkeypatch.setenv(DEPLOYMENT_ENV, "ca-0123456789ab")
+    with pytest.raises(ConfigError, match="FLPLATFORM_DEPLOYMENT must be the JSON"):
+        LedgerRun.open(url, name="q", strategy="local-sgd", seed=0, config={}, num_rounds=3)
+    with LedgerRepository.open(url) as repo:
+        assert repo.list_events(plain.run_id) == []
+        assert sorted(r.name for r in repo.list_runs()) == ["n", "p"]
 
 
 def test_a_finished_run_is_refused(url: str, tmp_path: Path) -> None:
