@@ -63,7 +63,9 @@ class SitePeriods:
 
     ``pending`` maps a period r to A_{n,r} for every period whose average the site has
     not yet received; ``carry`` sums the steps of periods the server left out, to be
-    re-sent with the next update. At most D + 1 pending vectors exist at a time.
+    re-sent with the next update (streaming sync: with the next update of their arrays'
+    fragment, and the change to the arrays a period did not send). At most D + 1 pending
+    vectors exist at a time.
     """
 
     pending: dict[int, Arrays] = field(default_factory=dict)
@@ -89,9 +91,12 @@ class SitePeriods:
         if update is not None:
             self.carry = _add(self.carry, update)
 
-    def local_model(self, global_model: Mapping[str, np.ndarray], *, compensate: bool) -> Arrays:
+    def local_model(
+        self, global_model: Mapping[str, np.ndarray], *, compensate: bool, partial: bool = False
+    ) -> Arrays:
         """x_local = x_v + Σ pending A_j + carry, summed in float64 and rounded to each
-        array's dtype (new arrays); x_v's own arrays without compensation.
+        array's dtype (new arrays); x_v's own arrays without compensation. ``partial``
+        (streaming sync): a kept step may hold only some of the model's arrays.
 
         The float64 sum runs over blocks of ``SUM_BLOCK`` coordinates, so no float64 copy
         of the model exists; each coordinate is summed in the same order as a whole-array
@@ -101,10 +106,9 @@ class SitePeriods:
             return dict(global_model)
         updates = [*self.pending.values(), *([self.carry] if self.carry else [])]
         for update in updates:
-            # a kept step may hold only some arrays (streaming sync: one fragment)
-            if not set(update) <= set(global_model) or any(
-                np.shape(v) != np.shape(global_model[k]) for k, v in update.items()
-            ):
+            names = set(update)
+            fits = names == set(global_model) or (partial and names <= set(global_model))
+            if not fits or any(np.shape(v) != np.shape(global_model[k]) for k, v in update.items()):
                 raise ConfigError(
                     "the site's kept updates do not fit the model the server sent "
                     "(was the model changed mid-run?); restart the site to clear its state"

@@ -6,7 +6,8 @@ for the latest global average:
 * Period r at site n: p local steps from its local model give the accumulated step
   A_{n,r}; the site keeps it and sends it tagged with r.
 * Round r's average Ā_r = Σ w_n A_{n,r} / Σ w_n (weights: examples) over the sites whose
-  round-r update was included; the global model is x_r = x_{r−1} + η·Ā_r.
+  round-r update was included; the global model is x_r = x_{r−1} + η·Ā_r (with an outer
+  momentum, its step on Ā_r).
 * A site may start period q as soon as it has sent period q − 1 and x_{q−1−D} exists:
   it is sent that D-round-old model, tells which of its own periods made it into the
   averages, and rebuilds x_local = x_{q−1−D} + (its periods since) — the swap
@@ -68,7 +69,7 @@ from flwr.serverapp.strategy import Strategy
 from flplatform.core import keys
 from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.core.checks import require
-from flplatform.core.errors import StepRefused, UpdateRejected
+from flplatform.core.errors import ConfigError, StepRefused, UpdateRejected
 from flplatform.core.reply_checks import check_arrays, check_num_examples, reply_parts
 from flplatform.core.state import StateReader
 from flplatform.engine import (
@@ -172,8 +173,10 @@ class DelayedState:
         *,
         delay: int,
         model: Mapping[str, np.ndarray] | None,
+        fragments: int = 1,
     ) -> DelayedState | None:
-        """The state ``state_dict()`` wrote, checked against a run with this ``delay``.
+        """The state ``state_dict()`` wrote, checked against a run with this ``delay`` and
+        ``fragments``.
 
         ``model``: the arrays the strategy holds already, which every saved model must
         match (None: they need only match one another). Problems go to ``reader``.
@@ -203,17 +206,38 @@ class DelayedState:
         decoded = _decoded_models(reader, models or {}, model)
         like = model or next(iter(decoded.values()), None)
         losses = reader.keyed(fields["losses"], "losses", lambda v, at: _loss(reader, v, at))
+        split = None
+        if fragments > 1 and like is not None:
+            try:
+                split = split_fragments([(k, int(v.size)) for k, v in like.items()], fragments)
+            except ConfigError as exc:
+                reader.add(str(exc))
+
         open_ = reader.keyed(
             fields["open"], "open", lambda v, at: _weighted_sum(reader, v, at, like=like)
         )
-        # A fragment's sums and momentum hold its arrays only: each array of the model.
+        for period, acc in (open_ or {}).items():  # a period's sums: its fragment's arrays
+            if like is None or (fragments > 1 and split is None):
+                break
+            expected = tuple(like) if split is None else split[fragment_of_round(period, fragments)]
+            if tuple(acc.sums) != expected:
+                reader.add(
+                    f"'open[{period}]' holds arrays {list(acc.sums)[:6]}, but period {period} "
+                    f"sums {list(expected)[:6]}"
+                )
+        # the momentum holds the arrays stepped so far: each an array of the model
         velocity = (
             reader.arrays(fields["velocity"], "velocity", like=_part(like, fields["velocity"]))
             if "velocity" in fields
             else {}
         )
         synced = (
-            reader.keyed(fields["synced"], "synced", reader.integer, by_node=True)
+            reader.keyed(
+                fields["synced"],
+                "synced",
+                lambda v, at: reader.integer(v, at, minimum=0),
+                by_node=True,
+            )
             if "synced" in fields
             else {}
         )
@@ -333,13 +357,15 @@ def _weighted_sum(
 
 
 def _work(reader: StateReader, value: Any, where: str) -> Work | None:
-    fields = reader.fields(value, where, "period", "model_version", "delay")
+    # saved since streaming sync (None: the whole model); older checkpoints lack it
+    later = ("fragment",) if isinstance(value, Mapping) and "fragment" in value else ()
+    fields = reader.fields(value, where, "period", "model_version", "delay", *later)
     if fields is None:
         return None
     period = reader.integer(fields["period"], f"{where}.period", minimum=1)
     version = reader.integer(fields["model_version"], f"{where}.model_version", minimum=0)
     delay = reader.integer(fields["delay"], f"{where}.delay", minimum=0)
-    saved = value.get("fragment") if isinstance(value, Mapping) else None  # None: whole model
+    saved = fields.get("fragment")
     fragment = None if saved is None else reader.integer(saved, f"{where}.fragment", minimum=0)
     if (
         period is None
@@ -529,6 +555,12 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
             return tuple(self._current)
         return self._split[fragment_of_round(period, self.fragments)]
 
+    def message_not_sent(self, message: Message) -> None:
+        """The engine did not send this drafted message: its site holds what it held."""
+        sent_and_held = self.state.syncing.pop(message.metadata.dst_node_id, None)
+        if sent_and_held is not None and sent_and_held[1] is not None:
+            self.state.synced[message.metadata.dst_node_id] = sent_and_held[1]
+
     def work_for(self, message: Message, *, server_round: int, model_version: int) -> Work:
         """Period q and the model x_{q−1−D} of the message drafted for its site."""
         return self.state.drafted.pop(message.metadata.dst_node_id)
@@ -585,7 +617,7 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         if asked is not None and not reply.has_error():
             self.state.replied.setdefault(node_id, set()).add(asked)
         content = reply.content
-        if reply.has_error() or _says_lost(content):
+        if reply.has_error() or (_says_lost(content) and keys.ARRAYS not in content):
             self.state.syncing.pop(node_id, None)  # unknown: the whole model next time
         reject_state_lost(content, "it trains from the global model next period")
         record, metrics = reply_parts(reply)
@@ -667,10 +699,11 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         return {k: decoded[k] for k in expected}
 
     def finish_aggregation(self) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """x_r = x_{r−1} + η·Ā_r; a round without included updates leaves x unchanged.
+        """x_r = x_{r−1} + η·Ā_r (with momentum, the momentum's step; with fragments, on
+        round r's fragment only); a round without included updates leaves x unchanged.
 
-        Every round makes a version (an empty average is zero), so version r is always
-        x_0 + Σ_{j ≤ r} η·Ā_j, the model sites starting period r + 1 + D are sent.
+        Every round makes a version (an empty average is zero), so version r is the model
+        sites starting period r + 1 + D are sent.
         """
         state = self.state
         acc = state.open.pop(self._round, None)
@@ -721,7 +754,13 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
     ) -> None:
         """Restore ``state_dict()``; ``CheckpointError`` lists every problem, nothing changed."""
         reader = StateReader(type(self).__name__, nodes)
-        restored = DelayedState.read(reader, state, delay=self.delay, model=self._current or None)
+        restored = DelayedState.read(
+            reader,
+            state,
+            delay=self.delay,
+            model=self._current or None,
+            fragments=self.fragments,
+        )
         reader.raise_if_any()
         assert restored is not None  # a problem was noted otherwise
         self.state = restored

@@ -1,10 +1,10 @@
 """Streaming sync's fragments: which of the model's arrays each round syncs (pure maths).
 
 Douillard et al., "Streaming DiLoCo with overlapping communication" (2025). The model's
-arrays are split into p fragments, by array, in the model's own key order, as balanced by
+arrays are split into F fragments, by array, in the model's own key order, as balanced by
 size as a contiguous split allows (the largest fragment as small as it can be: that is the
-peak a round sends). Round r syncs fragment (r − 1) mod p, so every fragment is synced once
-every p rounds, and a round's peak traffic is one fragment instead of the whole model.
+peak a round sends). Round r syncs fragment (r − 1) mod F, so every fragment is synced once
+every F rounds, and a round's peak traffic is one fragment instead of the whole model.
 
 No Flower and no torch: a model is an ordered mapping of names to array sizes.
 """
@@ -76,7 +76,7 @@ def _split_at(names: list[str], values: list[int], cap: int, count: int) -> Frag
 
 
 def fragment_of_round(server_round: int, count: int) -> int:
-    """The fragment round ``server_round`` (from 1) syncs: (r − 1) mod p."""
+    """The fragment round ``server_round`` (from 1) syncs: (r − 1) mod F."""
     return (server_round - 1) % count
 
 

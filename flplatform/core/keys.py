@@ -36,8 +36,8 @@ SEED = "seed"
 DELAY = "delay"
 COMPENSATE = "compensate"
 INCLUDED_PERIODS = "included-periods"  # the site's periods that made it into the averages
-# streaming sync (strategies/fragments.py): p, the fragments the model is split into; period
-# q's update carries fragment (q − 1) mod p
+# streaming sync (strategies/fragments.py): F, the fragments the model is split into; period
+# q's update carries fragment (q − 1) mod F
 FRAGMENTS = "fragments"
 # upload compression (strategies/codecs.py): the codec a site encodes its update with;
 # a compressed reply names it in its own ``config`` record

@@ -113,12 +113,14 @@ def compress_upload(
     codec: Codec,
     *,
     dense: bool = True,
+    partial: bool = False,
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None, bool]:
     """Encode update + residual and keep the new residual.
 
     Returns the wire, what the server will decode from it (in the update's order; None
     unless ``dense``), and whether the site had lost the residual the server expected it
-    to hold.
+    to hold. ``partial``: ``update`` holds some of the model's arrays (streaming sync's
+    fragment); the other arrays' residuals wait for their own uploads.
     """
     config = round_config(msg)
     state = load_state(msg, context, keys.CODEC_STATE)
@@ -126,18 +128,18 @@ def compress_upload(
     state = state or new_state()
     feedback = ErrorFeedback()
     kept = state.groups.get(RESIDUAL) or {}
-    # The residual of each array uploaded before; an update of only some arrays (streaming
-    # sync's fragment) leaves the others' residuals for their own uploads.
-    residual = {k: v for k, v in kept.items() if k in update and v.shape == np.shape(update[k])}
-    others = {k: v for k, v in kept.items() if k not in update}
-    if residual:
-        # read, never written: the saved arrays are used as they are (no copy)
-        feedback.residual = {
-            k: residual[k].astype(np.float64, copy=False)
-            if k in residual
-            else np.zeros(np.shape(v), dtype=np.float64)
+    others: dict[str, np.ndarray] = {}
+    if partial:  # each array's residual, from its own last upload (none yet: 0)
+        others = {k: v for k, v in kept.items() if k not in update}
+        kept = {
+            k: kept[k] if k in kept and kept[k].shape == np.shape(v) else np.zeros(np.shape(v))
             for k, v in update.items()
         }
+    if kept and {k: v.shape for k, v in kept.items()} == {
+        k: np.shape(v) for k, v in update.items()
+    }:
+        # read, never written: the saved arrays are used as they are (no copy)
+        feedback.residual = {k: v.astype(np.float64, copy=False) for k, v in kept.items()}
     # else: none yet, or a model of another shape (the run changed): e = 0
     calls = next_call(state)
     seed = config.get(keys.SEED, 0)

@@ -16,8 +16,8 @@ A site whose kept periods are gone while the server says it holds some (a restar
 SuperNode) trains from the global model it was sent, as plain delayed SGD would, and
 says so; the server drops that site's unsettled periods.
 
-Streaming sync (the server's ``fragments`` p > 1, ``strategies.fragments``): the period's
-update carries only fragment (q − 1) mod p of A_{n,q} + carry (the split is computed here
+Streaming sync (the server's ``fragments`` F > 1, ``strategies.fragments``): the period's
+update carries only fragment (q − 1) mod F of A_{n,q} + carry (the split is computed here
 from the model, as the server computes it); the other arrays' change stays in the carry
 until their fragment's period. The site keeps the global model it last received, and the
 server sends only the arrays changed since that version (``sync-from``); a site that no
@@ -69,7 +69,7 @@ class DelayedSiteConfig:
     version: int
     compensate: bool
     included: tuple[int, ...]
-    fragments: int = 1  # streaming sync's p (1: the whole model every period)
+    fragments: int = 1  # streaming sync's F (1: the whole model every period)
     sync_from: int = DENSE  # the version whose changes the message carries (-1: all)
 
     @classmethod
@@ -211,7 +211,9 @@ def delayed_mod() -> Mod:
         # Asked again for a period it already computed: its reply never counted (lost or
         # late), so that work is carried into this update instead of overwritten.
         periods.retry(delayed.period)
-        start = periods.local_model(global_model, compensate=delayed.compensate)
+        start = periods.local_model(
+            global_model, compensate=delayed.compensate, partial=fragment is not None
+        )
         asked = requested_codec(msg)  # a bad spec fails before the user's training
 
         result = call_user(msg, context, call_next, start)
@@ -234,7 +236,7 @@ def delayed_mod() -> Mod:
         )
         if codec is not None:
             wire, sent, lost_residual = compress_upload(
-                msg, context, update, codec, dense=delayed.compensate
+                msg, context, update, codec, dense=delayed.compensate, partial=fragment is not None
             )
             lost = lost or lost_residual
             if sent is not None:

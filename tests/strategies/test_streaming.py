@@ -253,7 +253,7 @@ def test_the_codec_residual_of_each_fragment_waits_for_its_next_upload() -> None
         msg = Message(
             RecordDict({keys.CONFIG: config}), dst_node_id=1, message_type=MessageType.TRAIN
         )
-        _, sent, lost = compress_upload(msg, site, update, codec, dense=True)
+        _, sent, lost = compress_upload(msg, site, update, codec, dense=True, partial=True)
         assert not lost and sent is not None and list(sent) == list(names)
         for k in names:
             true_sum[k] += update[k]
@@ -282,3 +282,62 @@ def test_bad_fragment_knobs_are_refused_with_what_is_allowed() -> None:
     strategy = DelayedCompensated(delay=1, num_rounds=5, fragments=5)
     with pytest.raises(ConfigError, match="fragments = 5, but the model has 4 arrays"):
         run(strategy, sites(1), 5)
+
+
+def test_streaming_state_round_trips_and_bad_state_is_refused() -> None:
+    from flplatform.core.checkpoint import CheckpointError
+    from flplatform.engine import Work
+
+    def fresh() -> DelayedCompensated:
+        return DelayedCompensated(delay=1, num_rounds=6, beta=0.9, fragments=2)
+
+    strategy = fresh()
+    run(strategy, sites(2), 4)
+    strategy.state.drafted[1] = Work(5, 3, delay=1, fragment=0)  # work in flight
+    saved = strategy.state_dict()
+    # the next period's messages are out: what each site held is noted with them
+    assert saved["syncing"] and sorted(saved["velocity"]) == sorted(SHAPES)
+    restored = fresh()
+    restored.load_state_dict(saved)
+    assert restored.state.drafted == {1: Work(5, 3, delay=1, fragment=0)}
+    assert restored.state.syncing == strategy.state.syncing
+    for k, v in strategy.state.optimizer.velocity.items():
+        np.testing.assert_array_equal(restored.state.optimizer.velocity[k], v)
+
+    # written before outer momentum and fragments: none of their fields
+    old = {k: v for k, v in saved.items() if k not in ("velocity", "synced", "syncing")}
+    old["drafted"] = {1: {"period": 5, "model_version": 3, "delay": 1}}
+    plain = DelayedCompensated(delay=1, num_rounds=6)
+    plain.load_state_dict(old)
+    assert plain.state.drafted == {1: Work(5, 3, delay=1)} and plain.state.synced == {}
+
+    a_b = {"a": np.zeros(6), "b": np.zeros((3, 2))}  # fragment 0 of 2: arrays a and b
+    for bad, says in (
+        ({**saved, "synced": {1: -1}}, r"'synced\[1\]' must be >= 0, got -1"),
+        (
+            {**saved, "open": {5: {"sums": {"a": np.zeros(6)}, "total_weight": 1.0, "count": 1}}},
+            r"'open\[5\]' holds arrays \['a'\], but period 5 sums \['a', 'b'\]",
+        ),
+    ):
+        with pytest.raises(CheckpointError, match=says):
+            fresh().load_state_dict(bad)
+    good = fresh()
+    good.load_state_dict({**saved, "open": {5: {"sums": a_b, "total_weight": 1.0, "count": 1}}})
+    assert sorted(good.state.open[5].sums) == ["a", "b"]
+
+
+def test_a_message_not_sent_leaves_the_site_holding_what_it_held() -> None:
+    rounds = 6
+    behaviours = sites(2)
+    strategy = DelayedCompensated(delay=0, num_rounds=rounds, fragments=2)
+    run(strategy, behaviours, 3)
+    held = dict(strategy.state.synced)
+    assert held  # both sites answered: their versions are known
+    grid = ScriptedGrid(behaviours)  # type: ignore[arg-type]
+    [message, *_] = strategy.configure_train(
+        4, strategy.state.models[strategy.state.version], ConfigRecord(), grid
+    )
+    node = message.metadata.dst_node_id
+    assert node not in strategy.state.synced  # taken while the message is out
+    strategy.message_not_sent(message)
+    assert strategy.state.synced[node] == held[node]
