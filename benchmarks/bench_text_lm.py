@@ -22,7 +22,7 @@ plan's period's, both ways; the first sends every site the whole model in every 
 The target is the loss sync sgd ends at plus 2%, unless ``--target-loss`` says otherwise.
 Goals (issue "Frontier"): DiLoCo reaches the target in fewer rounds than FedAvgM;
 streaming DiLoCo's largest sync moves at least 4× fewer bytes than DiLoCo's while its
-final loss is within 2% of DiLoCo's; and the best plan reaches the target at least 10×
+final loss is at most 2% above DiLoCo's; and the best plan reaches the target at least 10×
 sooner in simulated time than sync sgd.
 
 One Flower start-up per run, 6 runs a seed; on a 2-core machine with the defaults
@@ -33,11 +33,13 @@ data-parallel AdamW with its optimizer state kept.
 
     python benchmarks/bench_text_lm.py [--seeds 0 1 2] [--rounds 12] [--local-steps 20]
         [--plans LABEL ...] [--target-loss L] [--out FILE]
+    python benchmarks/bench_text_lm.py --summarise FILE   # means and goals of a saved run
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shutil
@@ -185,7 +187,7 @@ def summarise(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
             and diloco["peak_round_bytes"] >= 4 * streaming["peak_round_bytes"]
             and streaming["final_loss"] is not None
             and diloco["final_loss"] is not None
-            and abs(streaming["final_loss"] - diloco["final_loss"]) <= 0.02 * diloco["final_loss"],
+            and streaming["final_loss"] <= TARGET_SLACK * diloco["final_loss"],
             "best_10x_sooner_than_sync_sgd": best is not None
             and sync["seconds_to_target"] is not None
             and sync["seconds_to_target"] >= 10 * best,
@@ -207,7 +209,18 @@ def main() -> None:
         help="run only these (without 'sync sgd', give --target-loss)",
     )
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument(
+        "--summarise",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="recompute the means and goals of a run's JSON (--out) instead of running",
+    )
     args = parser.parse_args()
+    if args.summarise is not None:
+        saved = json.loads(args.summarise.read_text())
+        emit({**saved, **summarise(saved["per_seed"])}, args.out)
+        return
     if "sync sgd" not in args.plans and args.target_loss is None:
         parser.error("without the 'sync sgd' plan, give --target-loss")
     if args.local_steps % FRAGMENTS:

@@ -40,8 +40,8 @@ overlapping communication"): the model's arrays are split into F fragments
 each fragment is synced every F rounds with the change its sites made since its last sync
 (the rest of A_{n,r} waits in the site's carry). The outer step of a fragment reaches the
 sites D rounds late and is swapped in by the compensation above; DiLoCo-style mixing
-(x ← α·x_local + (1 − α)·x_global) would instead blend away the site's own progress of
-those D rounds, which the swap keeps exactly, and with D = 0 the swap is DiLoCo itself.
+(x ← α·x_local + (1 − α)·x_global) would instead blend away part of the site's own
+progress of those D rounds, which the swap keeps exactly; with D = 0 the swap is DiLoCo.
 Downloads are fragments too: a site is sent the arrays changed since the global version it
 holds (first contact, a failed or lost message: the whole model). The momentum of a
 fragment moves only when it is stepped.
