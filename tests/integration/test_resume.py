@@ -16,6 +16,7 @@ start-up for the five). ``make test-resume`` runs them alone.
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import fields
 from pathlib import Path
@@ -251,6 +252,35 @@ def test_a_run_killed_and_resumed_ends_bit_for_bit_as_the_uninterrupted_run(
         events = repository.list_events(run_id)
     assert run.status == "finished"
     assert sum(e.kind == "resumed" for e in events) == len(kills)
+
+
+@pytest.mark.resume
+@pytest.mark.xdist_group("resume")  # the references' worker
+def test_streaming_sync_sends_one_fragment_each_way_per_period(
+    references: tuple[str, dict[str, int]],
+) -> None:
+    """The streaming member left alone (F = 3, D = 2, int4, momentum), in the ledger: each
+    update carries its period's fragment, and after first contact a site is sent only the
+    fragment that changed since the version it holds."""
+    db, ids = references
+    run_id = ids["delayed-d2-streaming"]
+    with LedgerRepository.open(db) as repository:
+        updates = repository.list_updates(run_id)
+    assert updates and all(u.status == "applied" for u in updates)
+    assert all(u.fragment == (u.period - 1) % 3 for u in updates)
+    down = {u.period: max(v.bytes_down for v in updates if v.period == u.period) for u in updates}
+    first = down[1]  # the whole model
+    # periods 2 and 3 are sent version 0 again: nothing changed; period q ≥ 4 the fragment
+    # round q − 3 changed: over periods 4 to 6 each of the MLP's fragments once (the first,
+    # its 64 × hidden weight, is most of the model), about one model in all
+    assert down[2] < first / 10 and down[3] < first / 10
+    assert sum(down[q] for q in (4, 5, 6)) < 1.3 * first
+    assert down[5] < first / 2 and down[6] < first / 2
+    # uploads: one fragment in 4 bits, far below a float32 model
+    assert max(u.bytes_up for u in updates) < first / 4
+    shown = runner.invoke(app, ["history", "updates", str(run_id), "--db", db, "--format", "json"])
+    assert shown.exit_code == 0, shown.output
+    assert sorted({row["fragment"] for row in json.loads(shown.output)}) == [0, 1, 2]
 
 
 @pytest.mark.resume

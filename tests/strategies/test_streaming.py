@@ -3,7 +3,7 @@ the downloads that carry only what changed, a site that lost its state, and the 
 error feedback across fragments.
 
 Everything runs through the real engine, strategy and site mod over an in-process grid;
-the Flower simulation path is in tests/integration/test_delayed.py.
+the Flower simulation path is in tests/integration/test_resume.py (its streaming case).
 """
 
 from __future__ import annotations
