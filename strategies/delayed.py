@@ -98,11 +98,12 @@ from strategies.local_sgd import (
     aggregate_batch,
     codec_config,
     fit_codec,
+    lost_without_update,
     reject_state_lost,
     state_lost_note,
 )
 from strategies.sampling import evaluation_messages, mean_evaluation
-from strategies.sparse_sync import DENSE, sent_pair
+from strategies.sparse_sync import DENSE, HeldVersions, sent_pair
 
 log = logging.getLogger("flplatform.strategies.delayed")
 
@@ -126,10 +127,7 @@ class DelayedState:
     replied: dict[int, set[int]] = field(default_factory=dict)  # node → periods it answered
     drafted: dict[int, Work] = field(default_factory=dict)  # node → its last drafted work
     optimizer: ServerOptimizerState = field(default_factory=ServerOptimizerState)  # β > 0
-    # Streaming sync: node → the global version it holds (confirmed by a reply), and node →
-    # (version its outstanding message carries, version it held before, if known).
-    synced: dict[int, int] = field(default_factory=dict)
-    syncing: dict[int, tuple[int, int | None]] = field(default_factory=dict)
+    held: HeldVersions = field(default_factory=HeldVersions)  # streaming sync's downloads
 
     def state_dict(self) -> dict[str, Any]:
         """Everything above as checkpoint data (node ids as they are)."""
@@ -161,8 +159,8 @@ class DelayedState:
                 for n, w in self.drafted.items()
             },
             "velocity": {k: v.copy() for k, v in self.optimizer.velocity.items()},
-            "synced": dict(self.synced),
-            "syncing": {n: list(pair) for n, pair in self.syncing.items()},
+            "synced": dict(self.held.synced),
+            "syncing": {n: list(pair) for n, pair in self.held.sent.items()},
         }
 
     @classmethod
@@ -279,15 +277,8 @@ class DelayedState:
             replied=replied or {},
             drafted=drafted or {},
             optimizer=ServerOptimizerState(velocity=velocity or {}),
-            synced=synced or {},
-            syncing=syncing or {},
+            held=HeldVersions(synced or {}, syncing or {}),
         )
-
-
-def _says_lost(content: RecordDict) -> bool:
-    """Whether a reply says its site lost its kept state."""
-    metrics = record_of(content, keys.METRICS, MetricRecord)
-    return metrics is not None and metrics.get(keys.STATE_LOST) == 1
 
 
 def _record(reader: StateReader, value: Any, where: str) -> ArrayRecord | None:
@@ -531,9 +522,7 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         holds, or the whole model when that is unknown (first contact, a failed or lost
         message) or every fragment changed since."""
         model = self.state.models[version]
-        # Taken, not read: until the site answers this message, what it holds is not known.
-        held = self.state.synced.pop(node_id, None)
-        self.state.syncing[node_id] = (version, held)
+        held = self.state.held.take(node_id, version)
         if held is None or held > version:
             return model, DENSE
         changed = changed_since(held, version, self.fragments)
@@ -557,9 +546,7 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
 
     def message_not_sent(self, message: Message) -> None:
         """The engine did not send this drafted message: its site holds what it held."""
-        sent_and_held = self.state.syncing.pop(message.metadata.dst_node_id, None)
-        if sent_and_held is not None and sent_and_held[1] is not None:
-            self.state.synced[message.metadata.dst_node_id] = sent_and_held[1]
+        self.state.held.withdraw(message.metadata.dst_node_id)
 
     def work_for(self, message: Message, *, server_round: int, model_version: int) -> Work:
         """Period q and the model x_{q−1−D} of the message drafted for its site."""
@@ -617,8 +604,8 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         if asked is not None and not reply.has_error():
             self.state.replied.setdefault(node_id, set()).add(asked)
         content = reply.content
-        if reply.has_error() or (_says_lost(content) and keys.ARRAYS not in content):
-            self.state.syncing.pop(node_id, None)  # unknown: the whole model next time
+        if reply.has_error() or lost_without_update(content):
+            self.state.held.forget(node_id)  # the whole model next time
         reject_state_lost(content, "it trains from the global model next period")
         record, metrics = reply_parts(reply)
         period = metrics.get(keys.PERIOD)
@@ -629,9 +616,7 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
                 "(or flplatform_mod())?"
             )
         # The site's mod ran: it holds the global model its message carried.
-        syncing = self.state.syncing.pop(node_id, None)
-        if syncing is not None:
-            self.state.synced[node_id] = syncing[0]
+        self.state.held.confirm(node_id)
         if asked is None:
             raise UpdateRejected("no update was awaited from this site (a duplicate reply?)")
         if period != asked or period not in periods.unsettled.get(node_id, set()):

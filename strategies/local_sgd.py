@@ -640,10 +640,15 @@ def state_lost_note(metrics: MetricRecord, consequence: str) -> str | None:
     return f"site lost its state (a restarted SuperNode?): {consequence}"
 
 
+def lost_without_update(content: RecordDict) -> bool:
+    """Whether a reply says its site lost its state and so carries no update."""
+    metrics = record_of(content, keys.METRICS, MetricRecord)
+    return metrics is not None and metrics.get(keys.STATE_LOST) == 1 and keys.ARRAYS not in content
+
+
 def reject_state_lost(content: RecordDict, resync: str) -> None:
     """Reject a reply that says the site lost its state and so carries no update."""
-    metrics = record_of(content, keys.METRICS, MetricRecord)
-    if metrics is not None and metrics.get(keys.STATE_LOST) == 1 and keys.ARRAYS not in content:
+    if lost_without_update(content):
         config = record_of(content, keys.CONFIG, ConfigRecord)
         what = config.get(keys.STATE_LOST_DETAIL) if config is not None else None
         lacking = f" ({what})" if isinstance(what, str) else ""

@@ -52,11 +52,11 @@ from flplatform.core.errors import ConfigError, StepRefused, UpdateRejected
 from flplatform.core.reply_checks import check_num_examples, reply_parts
 from flplatform.core.state import MISSING, StateReader
 from flplatform.engine import Contribution, Update
-from flplatform.engine.replies import first_number, record_of
+from flplatform.engine.replies import first_number
 from strategies.averaged_arrays import AVERAGED
 from strategies.count_sketch import CountSketch, sketch_device
 from strategies.knobs import SketchedSGDKnobs
-from strategies.local_sgd import reject_state_lost, state_lost_note
+from strategies.local_sgd import lost_without_update, reject_state_lost, state_lost_note
 from strategies.mods.sketched_sgd import (
     CANDIDATES,
     VALUES,
@@ -364,12 +364,11 @@ class SketchedSGD(SketchedStrategy):
     def read_update(self, reply: Message, *, base: ArrayRecord) -> Update:
         """Read a site's sketch (sketch round) or its values at the candidates."""
         node_id = reply.metadata.src_node_id
-        said = record_of(reply.content, keys.METRICS, MetricRecord)
-        if said is not None and said.get(keys.STATE_LOST) == 1 and keys.ARRAYS not in reply.content:
+        if lost_without_update(reply.content):
             # Its accumulators and model are gone: nothing it owes is pending any more,
             # and its next message carries the whole model.
             self._forget_zero(node_id)
-            self.model.synced.pop(node_id, None)
+            self.model.held.synced.pop(node_id, None)
             self.state.sketched.discard(node_id)
         reject_state_lost(reply.content, "it is sent the whole model and restarts u = v = 0")
         record, metrics = reply_parts(reply)

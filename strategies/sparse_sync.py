@@ -63,6 +63,42 @@ class ChangeLog:
         return torch.unique(torch.cat([self.changes[v] for v in needed]))
 
 
+@dataclass
+class HeldVersions:
+    """Which global model version each site holds, as the server knows it.
+
+    ``synced``: node → the version it holds, confirmed by a reply. While a message carrying
+    a download is out, ``sent``: node → (the version it carries, the version the site held
+    before, if known). Taken, not read: until the site answers, what it holds is not known,
+    so a failed or lost message is followed by the whole model.
+    """
+
+    synced: dict[int, int] = field(default_factory=dict)
+    sent: dict[int, tuple[int, int | None]] = field(default_factory=dict)
+
+    def take(self, node_id: int, version: int) -> int | None:
+        """A message carrying ``version`` is drafted for ``node_id``: the version it held
+        (None: unknown, the whole model is sent)."""
+        held = self.synced.pop(node_id, None)
+        self.sent[node_id] = (version, held)
+        return held
+
+    def confirm(self, node_id: int) -> None:
+        """``node_id`` answered its message: it holds the version that message carried."""
+        if node_id in self.sent:
+            self.synced[node_id] = self.sent.pop(node_id)[0]
+
+    def withdraw(self, node_id: int) -> None:
+        """``node_id``'s drafted message was never sent: it still holds what it held."""
+        version_and_held = self.sent.pop(node_id, None)
+        if version_and_held is not None and version_and_held[1] is not None:
+            self.synced[node_id] = version_and_held[1]
+
+    def forget(self, node_id: int) -> None:
+        """What ``node_id`` holds after its message is unknown (it failed, or lost its state)."""
+        self.sent.pop(node_id, None)
+
+
 class SparseModel:
     """The server's model x, its versions, and what each site holds of it.
 
@@ -78,9 +114,7 @@ class SparseModel:
         self.record: ArrayRecord | None = None  # x as sent to sites
         self.version = 0
         self.changes = ChangeLog()
-        self.synced: dict[int, int] = {}  # node → version it holds (confirmed by a reply)
-        # node → (version its outstanding message carries, version it held before, if known)
-        self._sent: dict[int, tuple[int, int | None]] = {}
+        self.held = HeldVersions()  # what each site holds of it
 
     @property
     def averaged(self) -> tuple[str, ...]:
@@ -125,10 +159,7 @@ class SparseModel:
         """
         if self.layout is None or self.record is None:
             raise RuntimeError("SparseModel.adopt runs before the first download")
-        # Taken, not read: until the site replies to this message, what it holds is not
-        # known (a failed or lost message is followed by the whole model).
-        held = self.synced.pop(node_id, None)
-        self._sent[node_id] = (self.version, held)
+        held = self.held.take(node_id, self.version)
         changed = None if held is None else self.changes.changed_since(held, self.version)
         if held is None or changed is None or len(changed) > DENSE_ABOVE * self.layout.size:
             return self.record, DENSE
@@ -138,14 +169,11 @@ class SparseModel:
 
     def confirm(self, node_id: int) -> None:
         """``node_id`` answered its message: it holds the version that message carried."""
-        if node_id in self._sent:
-            self.synced[node_id] = self._sent.pop(node_id)[0]
+        self.held.confirm(node_id)
 
     def withdraw(self, node_id: int) -> None:
         """``node_id``'s drafted message was never sent: it still holds what it held."""
-        version_and_held = self._sent.pop(node_id, None)
-        if version_and_held is not None and version_and_held[1] is not None:
-            self.synced[node_id] = version_and_held[1]
+        self.held.withdraw(node_id)
 
     def state_dict(self) -> dict[str, Any]:
         """x, its version and change log, and what each site holds (node ids as they are).
@@ -159,8 +187,8 @@ class SparseModel:
             "order": list(self.order),
             "version": self.version,
             "changes": {v: i.numpy().copy() for v, i in self.changes.changes.items()},
-            "synced": dict(self.synced),
-            "sent": {node: tuple(pair) for node, pair in self._sent.items()},
+            "synced": dict(self.held.synced),
+            "sent": {node: tuple(pair) for node, pair in self.held.sent.items()},
         }
 
     @classmethod
@@ -210,7 +238,7 @@ class SparseModel:
         model.flat = torch.from_numpy(flat)
         model.version = version
         model.changes.changes = {v: torch.from_numpy(i) for v, i in changes.items()}
-        model.synced, model._sent = synced, sent
+        model.held = HeldVersions(synced, sent)
         return model
 
     def apply(

@@ -335,7 +335,7 @@ def test_a_site_out_of_sync_fails_once_then_gets_the_whole_model() -> None:
 
     (msg,) = strategy.configure_train(1, base, ConfigRecord(), Grid())  # type: ignore[arg-type]
     assert msg.content[keys.CONFIG][keys.SYNC_FROM] == -1  # first contact: dense
-    strategy.model.synced[3] = 0  # as if the site had replied, but it lost its state
+    strategy.model.held.synced[3] = 0  # as if the site had replied, but it lost its state
     (sparse,) = strategy.configure_train(1, base, ConfigRecord(), Grid())  # type: ignore[arg-type]
     assert sparse.content[keys.CONFIG][keys.SYNC_FROM] == 0
     # A site holding nothing cannot apply changes: it lost its state.

@@ -300,7 +300,7 @@ def test_streaming_state_round_trips_and_bad_state_is_refused() -> None:
     restored = fresh()
     restored.load_state_dict(saved)
     assert restored.state.drafted == {1: Work(5, 3, delay=1, fragment=0)}
-    assert restored.state.syncing == strategy.state.syncing
+    assert restored.state.held.sent == strategy.state.held.sent
     for k, v in strategy.state.optimizer.velocity.items():
         np.testing.assert_array_equal(restored.state.optimizer.velocity[k], v)
 
@@ -309,7 +309,7 @@ def test_streaming_state_round_trips_and_bad_state_is_refused() -> None:
     old["drafted"] = {1: {"period": 5, "model_version": 3, "delay": 1}}
     plain = DelayedCompensated(delay=1, num_rounds=6)
     plain.load_state_dict(old)
-    assert plain.state.drafted == {1: Work(5, 3, delay=1)} and plain.state.synced == {}
+    assert plain.state.drafted == {1: Work(5, 3, delay=1)} and plain.state.held.synced == {}
 
     a_b = {"a": np.zeros(6), "b": np.zeros((3, 2))}  # fragment 0 of 2: arrays a and b
     for bad, says in (
@@ -331,13 +331,13 @@ def test_a_message_not_sent_leaves_the_site_holding_what_it_held() -> None:
     behaviours = sites(2)
     strategy = DelayedCompensated(delay=0, num_rounds=rounds, fragments=2)
     run(strategy, behaviours, 3)
-    held = dict(strategy.state.synced)
+    held = dict(strategy.state.held.synced)
     assert held  # both sites answered: their versions are known
     grid = ScriptedGrid(behaviours)  # type: ignore[arg-type]
     [message, *_] = strategy.configure_train(
         4, strategy.state.models[strategy.state.version], ConfigRecord(), grid
     )
     node = message.metadata.dst_node_id
-    assert node not in strategy.state.synced  # taken while the message is out
+    assert node not in strategy.state.held.synced  # taken while the message is out
     strategy.message_not_sent(message)
-    assert strategy.state.synced[node] == held[node]
+    assert strategy.state.held.synced[node] == held[node]
