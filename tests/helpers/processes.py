@@ -104,19 +104,18 @@ def flplatform_cli(args: list[str], cwd: Path, log: Path) -> subprocess.Popen[by
     )
 
 
-def kill_after(
+def wait_for_rounds(
     cli: subprocess.Popen[bytes],
     db: str,
     run_id: int | None,
     rounds: int,
     *,
     resumes: int = 0,
-    probe: Callable[[Leftovers], None] | None = None,
-) -> int:
-    """SIGKILL the command and everything below it once the run has ``rounds`` rounds and
-    ``resumes`` resumed events: a resume is killed only once it has resumed, even when the
-    command killed before it committed one more round than it was killed for. ``probe``
-    looks at the processes first, while they run."""
+) -> tuple[int, Leftovers]:
+    """Wait, while the command runs, until the run has ``rounds`` rounds and ``resumes``
+    resumed events: a resume counts only once it has resumed, even when the command before
+    it committed one more round than it was stopped for. Returns the run's id and every
+    process the command started meanwhile."""
     leftovers = Leftovers(cli.pid)
     deadline = time.monotonic() + STARTUP_SECONDS
     with LedgerRepository.open(db) as repository:
@@ -132,10 +131,25 @@ def kill_after(
                     or sum(e.kind == "resumed" for e in repository.list_events(run.id)) >= resumes
                 )
             ):
-                break
-            assert cli.poll() is None, "the command ended before the kill"
+                return run.id, leftovers
+            assert cli.poll() is None, "the command ended before the round came"
             assert time.monotonic() < deadline, "the round did not come"
             time.sleep(0.05)
+
+
+def kill_after(
+    cli: subprocess.Popen[bytes],
+    db: str,
+    run_id: int | None,
+    rounds: int,
+    *,
+    resumes: int = 0,
+    probe: Callable[[Leftovers], None] | None = None,
+) -> int:
+    """SIGKILL the command and everything below it once the run has ``rounds`` rounds and
+    ``resumes`` resumed events (:func:`wait_for_rounds`). ``probe`` looks at the processes
+    first, while they run."""
+    found, leftovers = wait_for_rounds(cli, db, run_id, rounds, resumes=resumes)
     if probe is not None:
         probe(leftovers)
     cli.kill()
@@ -145,7 +159,7 @@ def kill_after(
     cli.wait()
     time.sleep(1.0)
     assert leftovers.alive() == []
-    return run.id
+    return found
 
 
 def wait_ok(cli: subprocess.Popen[bytes], log: Path) -> None:

@@ -28,11 +28,18 @@ from flplatform.cli.app import app
 from flplatform.core.errors import StorageError
 from storage import LedgerRepository
 from storage.session import PASSWORD_ENV, split_password
-from tests.helpers.processes import Leftovers, cmdline, flplatform_cli, kill_after, wait_ok
+from tests.helpers.processes import (
+    Leftovers,
+    cmdline,
+    flplatform_cli,
+    kill_after,
+    wait_for_rounds,
+    wait_ok,
+)
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 runner = CliRunner()
-ROUNDS = 8  # of the run killed and resumed
+ROUNDS = 8  # of the run killed, then resumed to its end
 
 
 def files_holding(root: Path, secret: str) -> list[Path]:
@@ -132,8 +139,8 @@ def test_a_run_recorded_without_its_password_resumes_with_it_from_the_environmen
     public, password = split_password(password_database)
     assert password
     log = tmp_path / "cli.log"
-    # Rounds to spare after each kill: a probe reads every process's environment before
-    # the kill lands, and a loaded machine's resume finished a 4-round run meanwhile.
+    # Rounds to spare after each look: a probe reads every process's environment while the
+    # command runs, and a loaded machine's resume finished a 4-round run meanwhile.
     simulate = ["simulate", "--sites", "2", "--rounds", str(ROUNDS), "--local-steps", "2"]
     cli = flplatform_cli([*simulate, "--db", password_database], tmp_path, log)
     probed: dict[str, tuple[int, list[str]]] = {}
@@ -153,11 +160,11 @@ def test_a_run_recorded_without_its_password_resumes_with_it_from_the_environmen
     with LedgerRepository.open(public) as repository:  # killed after round 1, or just after
         done = repository.get_run(run_id).rounds_completed
     # Looked at once the resume committed a round of its own: its processes are all up.
-    kill_after(resume, public, run_id, done + 1, resumes=1, probe=probe("env", resume.pid))
+    probe("env", resume.pid)(wait_for_rounds(resume, public, run_id, done + 1, resumes=1)[1])
     for name, (running, holding) in probed.items():
         # SuperLink, SuperExec, the simulation and Ray's processes were looked at
         assert running >= 5 and holding == [], (name, running, holding)
-    wait_ok(flplatform_cli(["resume", str(run_id), "--db", public], tmp_path, log), log)
+    wait_ok(resume, log)
 
     with LedgerRepository.open(public) as repository:
         run = repository.get_run(run_id)
