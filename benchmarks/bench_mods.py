@@ -23,7 +23,13 @@ and ``Context``s, as in tests/strategies/test_mods.py. Steady state per mod:
 - ``model_mod`` (local-SGD): stateless; ``codec_mod int8`` / ``topk:0.01``: a float64
   error-feedback residual held; ``delayed_mod`` (D = 1): period 3 on version 1, two kept
   periods (in the model's dtypes), one settled by this message; DTS: ``delayed_mod``
-  outside ``codec_mod("topk:0.01")``, with both states;
+  outside ``codec_mod("topk:0.01")``, with both states; streaming sync (F = 4 fragments,
+  D = 1, int4 as streaming DiLoCo sends it, the server naming the codec): the site holds
+  the global model of version q − 3, its kept fragments of periods q − 2 and q − 1, a
+  float64 carry of the arrays period q − 1 did not send and a residual per array; it is
+  sent the one fragment round q − 2 stepped and replies with fragment (q − 1) mod F:
+  period 5 the MLP's 784 × h weight (most of the model), period 6 its h biases (the
+  weight's change goes to the carry);
 - ``fetchsgd_mod``: the site holds version 0 and is sent version 1 whole (dense sync of a
   known site: it still loads the model it held) or as k = 0.1% changed coordinates;
   r = 5 rows, c = 5k columns;
@@ -41,6 +47,8 @@ as the same Arrays), ``read_reply`` (``read_trained``: views, checks), ``delta``
 u + e, encode, the new residual), ``codec_state_load`` / ``codec_state_save``,
 ``accumulate`` (``SiteAccumulators.stepped`` and finiteness), ``sketch`` (``sketch_of``),
 ``reply_record`` (the upload's record). ``unaccounted`` = overhead − their sum.
+``site_state_mib``: what the site keeps between calls (the arrays in ``context.state``)
+in the steady state.
 
 The training step it wraps: one SGD step (forward, backward, ``optimizer.step``, momentum
 0.9) of the same MLP on a batch of 32 random MNIST-shaped inputs, on CPU, median of
@@ -130,6 +138,7 @@ from flplatform.core import keys
 from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from strategies.codecs import Codec, ErrorFeedback, make_codec
 from strategies.compensation import SitePeriods
+from strategies.fragments import fragment_of_round, split_fragments
 from strategies.layout import Layout, difference
 from strategies.mods import codec_mod, delayed_mod, fetchsgd_mod, model_mod, sketched_sgd_mod
 from strategies.mods.codec import RESIDUAL
@@ -141,7 +150,8 @@ from strategies.mods.contract import (
     reuse_freed_memory,
     sent_model,
 )
-from strategies.mods.delayed import load_site_periods, save_site_periods
+from strategies.mods.delayed import DelayedSiteConfig, load_site_periods, save_site_periods
+from strategies.mods.delayed import synced_model as streaming_synced_model
 from strategies.mods.fetchsgd import SKETCH, remember_model, sketch_of, synced_model
 from strategies.mods.sketched_sgd import (
     ACCUMULATORS,
@@ -371,20 +381,25 @@ def contract_parts(msg: Message, seen: Seen) -> dict[str, Callable[[], object]]:
     }
 
 
-def codec_parts(context: Context, update: Arrays, codec: Codec) -> dict[str, Callable[[], object]]:
-    """``compress_upload``: load the residual, compress with error feedback, save it."""
+def codec_parts(
+    context: Context, update: Arrays, codec: Codec, *, dense: bool = False
+) -> dict[str, Callable[[], object]]:
+    """``compress_upload``: load the residual, compress with error feedback, save it. An
+    update of some of the model's arrays (streaming sync) uses and replaces their
+    residuals only."""
     rng = np.random.default_rng(0)
     state = ModState.load(context, keys.CODEC_STATE)
     assert state is not None
-    stored = state.groups[RESIDUAL]
+    stored = {k: v for k, v in state.groups[RESIDUAL].items() if k in update}
+    others = {k: v for k, v in state.groups[RESIDUAL].items() if k not in update}
 
     def compress() -> ErrorFeedback:
         feedback = ErrorFeedback()
         feedback.residual = {k: v.astype(np.float64, copy=False) for k, v in stored.items()}
-        feedback.compress(update, codec, rng=rng, dense=False)
+        feedback.compress(update, codec, rng=rng, dense=dense)
         return feedback
 
-    after = compress().residual
+    after = {**others, **compress().residual}
     return {
         "codec_state_load": lambda: ModState.load(context, keys.CODEC_STATE),
         "error_feedback": compress,
@@ -494,6 +509,83 @@ def delayed_case(model: Arrays, rng: np.random.Generator, spec: str | None) -> C
         return result
 
     return Case(mod, msg, context, parts)
+
+
+STREAMING_FRAGMENTS = 4
+STREAMING_CODEC = "int4"
+
+
+def streaming_case(model: Arrays, rng: np.random.Generator, period: int) -> Case:
+    """Streaming sync (F = 4, D = 1, int4 as streaming DiLoCo sends it), period ``period``:
+    version q − 2 as the one fragment round q − 2 stepped, to a site holding version q − 3
+    (its model, its kept fragments of periods q − 2 and q − 1, the carry of every array
+    period q − 1 did not send, a residual per array); the reply is fragment (q − 1) mod F."""
+    context = site_context()
+    names = [(name, int(array.size)) for name, array in model.items()]
+    fragments = split_fragments(names, STREAMING_FRAGMENTS)
+    sent_of = {
+        j: fragments[fragment_of_round(j, STREAMING_FRAGMENTS)] for j in range(1, period + 1)
+    }
+    version, held = period - 2, period - 3
+    kept = SitePeriods(
+        pending={
+            j: small_like({k: model[k] for k in sent_of[j]}, rng, own=True)
+            for j in (version, period - 1)
+        },
+        carry=small_like({k: v for k, v in model.items() if k not in sent_of[period - 1]}, rng),
+    )
+    save_site_periods(context, kept, synced=(dict(model), held))
+    save_residual(context, model, rng)
+    config: dict[str, Any] = {
+        keys.SITE_ALGORITHM: keys.DELAYED,
+        keys.SERVER_ROUND: period,
+        keys.MODEL_VERSION: version,
+        keys.INCLUDED_PERIODS: [version],
+        keys.STATE_EXPECTED: True,
+        keys.FRAGMENTS: STREAMING_FRAGMENTS,
+        keys.SYNC_FROM: held,
+        keys.CODEC: STREAMING_CODEC,
+        keys.SEED: 0,
+    }
+    stepped = changed({k: model[k] for k in sent_of[version]}, 1.0, rng)
+    msg = train_message(stepped, **config)
+    codec = make_codec(STREAMING_CODEC)
+    fragment = sent_of[period]
+
+    def parts(seen: Seen | None) -> dict[str, Callable[[], object]]:
+        assert seen is not None
+        state = ModState.load(context, keys.DELAYED_STATE)
+        delayed = DelayedSiteConfig.from_record(msg.content[keys.CONFIG])
+        global_model = streaming_synced_model(msg, delayed, state)
+        assert global_model is not None
+        periods = load_site_periods(context)
+        assert periods is not None
+        periods.settle(version, (version,))
+
+        def rebuild() -> Arrays:
+            return periods.local_model(global_model, compensate=True, partial=True)
+
+        def delta() -> Arrays:
+            again = SitePeriods(pending=dict(periods.pending), carry=periods.carry)
+            return again.record(
+                period, seen.start, seen.trained, compensate=True, fragment=fragment
+            )
+
+        update = delta()
+        after = SitePeriods(pending=dict(periods.pending), carry=periods.carry)
+        after.record(period, seen.start, seen.trained, compensate=True, fragment=fragment)
+        upload = codec.encode(update, rng=np.random.default_rng(0))
+        return {
+            **contract_parts(msg, seen),
+            "state_load": lambda: ModState.load(context, keys.DELAYED_STATE),
+            "rebuild": lambda: (streaming_synced_model(msg, delayed, state), rebuild()),
+            "delta": delta,
+            **codec_parts(context, update, codec, dense=True),
+            "state_save": lambda: save_site_periods(context, after, synced=(global_model, version)),
+            "reply_record": lambda: arrays_to_record(upload),
+        }
+
+    return Case(delayed_mod(), msg, context, parts)
 
 
 def sketch_config(d: int) -> dict[str, int]:
@@ -679,6 +771,10 @@ CASES: dict[str, Callable[[Arrays, np.random.Generator], Case]] = {
     "codec_mod topk:0.01": lambda m, r: codec_case(m, r, "topk:0.01"),
     "delayed_mod": lambda m, r: delayed_case(m, r, None),
     "delayed_mod + codec_mod topk:0.01 (DTS)": lambda m, r: delayed_case(m, r, "topk:0.01"),
+    # period 5 sends the MLP's first fragment, its 784 × h weight (most of the model);
+    # period 6 the h biases, the weight's change going to the float64 carry
+    "delayed_mod streaming F=4 int4, large fragment": lambda m, r: streaming_case(m, r, 5),
+    "delayed_mod streaming F=4 int4, small fragment": lambda m, r: streaming_case(m, r, 6),
     "fetchsgd_mod dense sync": lambda m, r: fetchsgd_case(m, r, sparse=False),
     "fetchsgd_mod sparse sync": lambda m, r: fetchsgd_case(m, r, sparse=True),
     "sketched_sgd_mod sketch round": sketched_case,
@@ -729,6 +825,12 @@ def measure(case: Case, repeats: int, rng: np.random.Generator) -> dict[str, Any
             return None
 
     restore()
+    state_bytes = sum(
+        len(array.data)
+        for record in context.state.values()
+        if isinstance(record, ArrayRecord)
+        for array in record.values()
+    )
     reply = call()
     if reply.has_error() or keys.STATE_LOST in reply.content.metric_records[keys.METRICS]:
         raise RuntimeError(f"the mod did not answer in its steady state: {reply.content}")
@@ -747,6 +849,8 @@ def measure(case: Case, repeats: int, rng: np.random.Generator) -> dict[str, Any
         "user_noop_seconds": wall["user"],
         "breakdown": wall["breakdown"],
         "breakdown_cpu": cpu["breakdown"],
+        # what the site keeps between calls (context.state's arrays), in its steady state
+        "site_state_mib": state_bytes / 2**20,
     }
 
 
