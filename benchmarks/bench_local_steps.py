@@ -1,11 +1,21 @@
-"""Local steps, outer optimizers and delayed updates on a language model: examples/text_lm.
+"""Local steps, outer optimizers and delayed updates on a language model and a CNN.
 
-The byte-level transformer of ``examples/text_lm`` (471k parameters, 64-byte windows), 8
-sites on the world network, each holding other packages of the standard library's source
-(non-IID by construction), the server's loss on the top-level modules no site holds. Every
-plan spends the same site steps (``--rounds`` × ``--local-steps`` per site, AdamW restarted
-each round); "sync sgd" communicates after every step (one step a round, a global batch
-of 8 × 32 windows; see below for what that step is):
+Two tasks, 8 sites on the world network:
+
+- ``text_lm`` (default): the byte-level transformer of ``examples/text_lm`` (471k
+  parameters, 64-byte windows), each site holding other packages of the standard library's
+  source (non-IID by construction), the server's loss on the top-level modules no site
+  holds; the sites' AdamW restarts every round;
+- ``cnn``: the built-in app's CNN (two 3×3 convolution blocks, 16 and 32 channels, then
+  Linear(1568, 64) and Linear(64, 10): 105,866 parameters, 95% of them in the first dense
+  layer) on the built-in 28×28 MNIST sample (``mnist5k``), split across the sites by a
+  Dirichlet draw (α = 0.5: each site holds a few classes mostly), the server's loss on
+  the held-out test split; the sites' SGD (lr 0.1, momentum 0.9: the app's defaults)
+  restarts every round.
+
+Every plan spends the same site steps (``--rounds`` × ``--local-steps`` per site); "sync
+sgd" communicates after every step (one step a round, a global batch of 8 sites' batches;
+see below for what that step is):
 
 - sync sgd: one local step a round, FedAvg's mean (the README's "every step" row);
 - fedavg, fedavgm (server momentum 0.9, η = 0.7), diloco (Nesterov 0.9, η = 0.7:
@@ -15,25 +25,28 @@ of 8 × 32 windows; see below for what that step is):
   one synced a round (each every --local-steps steps, as DiLoCo's whole model), its outer
   Nesterov step reaching the sites one round late (τ = D = 1), 4-bit uploads.
 
-Per run: the final loss (nats per byte, the mean of the last 3 evaluations), the simulated
-seconds and the bytes (up + down, every site's) until the loss first reaches the target,
-and the largest bytes of one sync after the first (one round's updates, or a delayed
-plan's period's, both ways; the first sends every site the whole model in every plan).
-The target is the loss sync sgd ends at plus 2%, unless ``--target-loss`` says otherwise.
+Per run: the final loss (the mean of the last 3 evaluations), the simulated seconds and
+the bytes (up + down, every site's) until the loss first reaches the target, and the
+largest bytes of one sync after the first (one round's updates, or a delayed plan's
+period's, both ways; the first sends every site the whole model in every plan). The
+target is the loss sync sgd ends at plus 2%, unless ``--target-loss`` says otherwise.
 Goals (issue "Frontier"): DiLoCo reaches the target in fewer rounds than FedAvgM;
 streaming DiLoCo's largest sync moves at least 4× fewer bytes than DiLoCo's while its
 final loss is at most 2% above DiLoCo's; and the best plan reaches the target at least 10×
-sooner in simulated time than sync sgd.
+sooner in simulated time than sync sgd. Streaming's fragments are whole arrays
+(``strategies.fragments``): on the CNN, whose first dense layer is one fragment of 95% of
+the model, its largest sync can only shrink by what 4-bit uploads save.
 
 One Flower start-up per run, 6 runs a seed; on a 2-core machine with the defaults
-(12 rounds of 20 steps) about 15 minutes a seed, half of it sync sgd's 240 rounds. The
-sites' AdamW restarts every round, so sync sgd's one step is AdamW's first (about lr times
-the gradient's sign per coordinate), averaged: the every-step baseline of this app, not
-data-parallel AdamW with its optimizer state kept.
+(12 rounds of 20 steps) about 15 minutes a seed for text_lm, half of it sync sgd's 240
+rounds, and about 4 for the CNN. The sites' optimizer restarts every round, so sync sgd's
+one step is the optimizer's first (for AdamW, about lr times the gradient's sign per
+coordinate), averaged: the every-step baseline of these apps, not data-parallel training
+with its optimizer state kept.
 
-    python benchmarks/bench_text_lm.py [--seeds 0 1 2] [--rounds 12] [--local-steps 20]
-        [--plans LABEL ...] [--target-loss L] [--out FILE]
-    python benchmarks/bench_text_lm.py --summarise FILE   # means and goals of a saved run
+    python benchmarks/bench_local_steps.py [--task text_lm|cnn] [--seeds 0 1 2]
+        [--rounds 12] [--local-steps 20] [--plans LABEL ...] [--target-loss L] [--out FILE]
+    python benchmarks/bench_local_steps.py --summarise FILE   # means and goals of a saved run
 """
 
 from __future__ import annotations
@@ -51,11 +64,15 @@ from typing import Any
 
 from bench_support import emit, fresh_home
 
+from flplatform.app.config import RunConfig
 from flplatform.launch.app_directory import RunOverrides, plan_run, read_app
-from flplatform.launch.simulation import run_app
-from storage import LedgerRepository
+from flplatform.launch.simulation import run_app, run_simulation
+from storage import LedgerRepository, RunRecord
 
 APP = Path(__file__).resolve().parents[1] / "examples" / "text_lm"
+TASKS = ("text_lm", "cnn")
+# the CNN task: the built-in app's options besides the plan's
+CNN = {"model": "cnn", "dataset": "mnist5k", "partition": "dirichlet", "alpha": 0.5}
 SITES = 8
 FINAL_ROUNDS = 3
 TARGET_SLACK = 1.02  # the target: sync sgd's final loss plus 2%
@@ -80,27 +97,36 @@ PLANS: dict[str, tuple[str, dict[str, Any], int | None]] = {
 
 
 def run_plan(
-    app_dir: Path, db: str, label: str, seed: int, rounds: int, local_steps: int
+    app_dir: Path | None, db: str, label: str, seed: int, rounds: int, local_steps: int
 ) -> dict[str, Any]:
-    """One ``flplatform run`` of the app; its rounds' losses, clocks and bytes."""
+    """One run of the plan: ``flplatform run`` of text_lm's app (``app_dir``), or of the
+    built-in app with the CNN (None); its rounds' losses, clocks and bytes."""
     strategy, keys, split = PLANS[label]
     steps = 1 if split is None else local_steps // split
     total_rounds = rounds * local_steps // steps  # the same site steps in every plan
-    items = [f"{key}={str(value).lower()}" for key, value in keys.items()]
-    items.append(f"local-steps={steps}")
-    given = RunOverrides(
-        sites=tuple(f"site-{i}" for i in range(SITES)),
-        rounds=total_rounds,
-        network="world",
-        seed=seed,
-        db=db,
-        strategy=strategy,
-        name=f"{label} seed {seed}",
-        run_config=tuple(items),
-    )
-    plan = plan_run(read_app(app_dir), given, tag=uuid.uuid4().hex)
+    sites = tuple(f"site-{i}" for i in range(SITES))
+    name = f"{label} seed {seed}"
     began = time.perf_counter()
-    record = run_app(plan)
+    record: RunRecord
+    if app_dir is None:
+        options = {**CNN, **keys, "local-steps": steps, "strategy": strategy}
+        options |= {"sites": ",".join(sites), "num-server-rounds": total_rounds}
+        options |= {"network": "world", "seed": seed, "db": db, "name": name}
+        record = run_simulation(RunConfig.from_mapping(options))
+    else:
+        items = [f"{key}={str(value).lower()}" for key, value in keys.items()]
+        items.append(f"local-steps={steps}")
+        given = RunOverrides(
+            sites=sites,
+            rounds=total_rounds,
+            network="world",
+            seed=seed,
+            db=db,
+            strategy=strategy,
+            name=name,
+            run_config=tuple(items),
+        )
+        record = run_app(plan_run(read_app(app_dir), given, tag=uuid.uuid4().hex))
     wall = time.perf_counter() - began
     with LedgerRepository.open(db) as repository:
         done = repository.list_rounds(record.id)
@@ -140,12 +166,14 @@ def to_target(run: dict[str, Any], target: float) -> dict[str, Any]:
 
 
 def measure_seed(
-    seed: int, rounds: int, local_steps: int, target: float | None, plans: list[str]
+    task: str, seed: int, rounds: int, local_steps: int, target: float | None, plans: list[str]
 ) -> dict[str, Any]:
     """The plans on one seed, in a fresh home."""
     home = fresh_home()
-    app_dir = home / "text_lm"  # Flower builds its FAB from the directory: a clean copy
-    shutil.copytree(APP, app_dir, ignore=shutil.ignore_patterns("__pycache__"))
+    app_dir = None
+    if task == "text_lm":
+        app_dir = home / "text_lm"  # Flower builds its FAB from the directory: a clean copy
+        shutil.copytree(APP, app_dir, ignore=shutil.ignore_patterns("__pycache__"))
     db = f"sqlite:///{home / 'ledger.db'}"
     runs = {label: run_plan(app_dir, db, label, seed, rounds, local_steps) for label in plans}
     if target is None:
@@ -197,6 +225,7 @@ def summarise(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", choices=TASKS, default="text_lm")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--rounds", type=int, default=12, help="rounds of the local-step plans")
     parser.add_argument("--local-steps", type=int, default=20)
@@ -227,12 +256,13 @@ def main() -> None:
         parser.error(f"--local-steps must be a multiple of {FRAGMENTS} (streaming's rounds)")
     started = time.perf_counter()
     per_seed = [
-        measure_seed(seed, args.rounds, args.local_steps, args.target_loss, args.plans)
+        measure_seed(args.task, seed, args.rounds, args.local_steps, args.target_loss, args.plans)
         for seed in args.seeds
     ]
     emit(
         {
-            "benchmark": "local steps, outer optimizers and delayed updates on text_lm",
+            "benchmark": f"local steps, outer optimizers and delayed updates on {args.task}",
+            "task": args.task,
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
             "setup": {
                 "sites": SITES,
