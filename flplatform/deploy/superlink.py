@@ -46,7 +46,7 @@ from flplatform.core.site_registry import REGISTRY_ENV, RegisteredSite, SiteRegi
 from flplatform.deploy.addresses import Address, parse_address
 from flplatform.deploy.certs import ServerCerts, check_site_name, fingerprint, site_public_key
 from flplatform.deploy.gateway import READY_LINE
-from flplatform.engine.events import SITE_BACK_EVENT, SITE_LOST_EVENT, presence_sentence
+from flplatform.engine.events import PRESENCE_EVENTS, presence_sentence
 from flplatform.launch.flower import (
     OWNER_ONLY_UMASK,
     SimulationProcess,
@@ -713,7 +713,7 @@ class PresenceLines:
         if sites and (final or len(sites) >= len(self.unnamed or ())):
             self._say_names(sites)
         for event in events:
-            if event.id not in self.seen and event.kind in (SITE_LOST_EVENT, SITE_BACK_EVENT):
+            if event.id not in self.seen and event.kind in PRESENCE_EVENTS:
                 self.seen.add(event.id)
                 self.say(presence_sentence(event.kind, event.detail))
 

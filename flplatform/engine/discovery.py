@@ -16,7 +16,7 @@ from flplatform.engine.events import Dispatch, LedgerSink, SiteInfo, TrafficOutc
 from flplatform.engine.mailbox import TTL_GRACE_SECONDS, Mailbox
 from flplatform.engine.replies import site_info
 from flplatform.engine.sites import Sites
-from flplatform.engine.wire import Traffic, reply_traffic
+from flplatform.engine.wire import Traffic, made_by_superlink, reply_traffic
 
 log = logging.getLogger("flplatform.engine")
 
@@ -31,8 +31,11 @@ def introduce(
     model_version: int,
     timeout: float,
     server_round: int | None = None,
-) -> None:
+) -> list[int]:
     """Send each node a QUERY; add every one as a site, in the ledger and on the clock.
+    Returns the nodes that did not answer within ``timeout``: those whose query is still
+    out (given up on: busy until Flower hands it back) and those Flower answered for (the
+    query expired, the node unavailable).
 
     A plain Flower ClientApp that does not answer queries still joins, named after its
     node id (and stays busy until Flower hands its query back). Sites are added in
@@ -45,15 +48,7 @@ def introduce(
     (at ``server_round``: see ``LedgerSink.record_traffic``); a reply that comes later
     adds its own.
     """
-    queries = [
-        Message(
-            RecordDict({keys.CONFIG: ConfigRecord()}),
-            dst_node_id=node_id,
-            message_type=MessageType.QUERY,
-            ttl=timeout + TTL_GRACE_SECONDS,
-        )
-        for node_id in node_ids
-    ]
+    queries = [site_query(node_id, timeout) for node_id in node_ids]
     exchanged = mailbox.exchange(queries, model_version=model_version, timeout=timeout)
     replies = {d.node_id: r for d, r in exchanged}
     refused = sorted(n for n, r in replies.items() if r is not None and r.has_error())
@@ -65,6 +60,11 @@ def introduce(
             len(node_ids),
         )
     unanswered = {d.node_id for d, r in exchanged if d.message_id and r is None}
+    # Flower answered for the node (the query expired, the node went unavailable): the
+    # node holds no message now, but its SuperNode said nothing either
+    unheard = unanswered | {
+        d.node_id for d, r in exchanged if r is not None and made_by_superlink(r)
+    }
     taken = sites.names()
     registry = SiteRegistry.from_environment()
     named = [registered(site_info(n, replies.get(n)), registry) for n in node_ids]
@@ -85,10 +85,22 @@ def introduce(
             "claimed_name": claims.get(info.node_id),
         }
         ledger.add_site(info, {**profile, **{k: v for k, v in said.items() if v is not None}})
-    traffic = [_query_traffic(d, r, sites.name(d.node_id)) for d, r in exchanged if d.message_id]
+    traffic = [query_traffic(d, r, sites.name(d.node_id)) for d, r in exchanged if d.message_id]
     if traffic:  # (a query the SuperLink refused crossed no wire)
         ledger.record_traffic(traffic, server_round)
     log.info("sites: %s", ", ".join(sites.name(n) for n in node_ids))
+    return sorted(unheard, key=sites.position)
+
+
+def site_query(node_id: int, timeout: float) -> Message:
+    """The QUERY that asks a node who it is (answered by the ClientApp's query function),
+    expiring at the SuperLink a little after the ``timeout`` it is awaited for."""
+    return Message(
+        RecordDict({keys.CONFIG: ConfigRecord()}),
+        dst_node_id=node_id,
+        message_type=MessageType.QUERY,
+        ttl=timeout + TTL_GRACE_SECONDS,
+    )
 
 
 def registered(info: SiteInfo, registry: SiteRegistry | None) -> tuple[SiteInfo, str | None]:
@@ -113,7 +125,7 @@ def registered(info: SiteInfo, registry: SiteRegistry | None) -> tuple[SiteInfo,
     return replace(info, name=name), claimed
 
 
-def _query_traffic(dispatch: Dispatch, reply: Message | None, site: str) -> TrafficOutcome:
+def query_traffic(dispatch: Dispatch, reply: Message | None, site: str) -> TrafficOutcome:
     """A pushed query's bytes, with its reply's when it came in time."""
     reply_bytes = reply_traffic(reply) if reply is not None else Traffic()
     return TrafficOutcome(

@@ -56,7 +56,7 @@ from flplatform.engine import rows
 from flplatform.engine.bench import SiteBench
 from flplatform.engine.clock import Clock, Schedule, WallClock, planned_steps
 from flplatform.engine.digest import arrays_digest
-from flplatform.engine.discovery import introduce
+from flplatform.engine.discovery import introduce, query_traffic, site_query
 from flplatform.engine.divergence import DivergenceWatch, ReportedLoss
 from flplatform.engine.evaluation import evaluate_round
 from flplatform.engine.events import (
@@ -67,6 +67,7 @@ from flplatform.engine.events import (
     REJECTED,
     SITE_BACK_EVENT,
     SITE_LOST_EVENT,
+    SITE_SILENT_EVENT,
     STOPPED_EARLY_EVENT,
     Dispatch,
     EvaluationOutcome,
@@ -172,6 +173,13 @@ class RoundEngine:
     startup_timeout : float
         Seconds to wait for the required nodes to connect and introduce themselves
         (simulated sites start Ray actors and import torch first).
+    query_timeout : float, optional
+        Seconds a connected node has to answer the site query (the first message it gets
+        from the run), when shorter than the wait above. A node that does not answer is
+        *silent*: named at once (a warning and a ``site-silent`` ledger event), given no
+        work, so that no round waits for it, and asked again each round while Flower
+        holds no message of it, until it answers (``site-back``). None: the startup
+        timeout at the start, the round timeout for nodes that join later.
     poll_interval : float
         Seconds between pulls when nothing arrived.
     on_round : callable, optional
@@ -206,6 +214,7 @@ class RoundEngine:
         round_timeout: float = 600.0,
         required_sites: int = 1,
         startup_timeout: float = 300.0,
+        query_timeout: float | None = None,
         poll_interval: float = 0.05,
         on_round: Callable[[RoundSummary], None] | None = None,
         max_failed_rounds: int = DEFAULT_MAX_FAILED_ROUNDS,
@@ -222,6 +231,7 @@ class RoundEngine:
         self.round_timeout = round_timeout
         self.required_sites = required_sites
         self.startup_timeout = startup_timeout
+        self.query_timeout = query_timeout
         self.poll_interval = poll_interval
         self.on_round = on_round
         self.failure_streak = FailureStreak(max_failed_rounds)
@@ -630,28 +640,53 @@ class RoundEngine:
         if new:
             self._introduce(new, timeout=self.round_timeout)
         self._mark_listed(node_ids)
+        self._ask_silent()
 
     def _mark_listed(self, node_ids: set[int]) -> None:
         """The sites the SuperLink lists now: the others get no work; each that left or
         came back since the last look gets a warning and a ledger event."""
         left, back = self.sites.set_connected(node_ids)
-        connected, total = self.sites.census().connected, len(self.sites)
         for kind, nodes in ((SITE_LOST_EVENT, left), (SITE_BACK_EVENT, back)):
             for node_id in nodes:
-                detail = {
-                    "site": self.sites.name(node_id),
-                    "round": self._server_round,
-                    "connected": connected,
-                    "sites": total,
-                }
-                log.warning("%s", presence_sentence(kind, detail))
-                try:
-                    self.ledger.record_event(kind, detail)
-                except FLPlatformError as exc:  # the warning is said; the run goes on
-                    log.warning("could not record %s of site %s: %s", kind, detail["site"], exc)
+                self._say_presence(kind, node_id)
+
+    def _say_presence(self, kind: str, node_id: int, **more: float) -> None:
+        """A warning and a ledger event: a site left, fell silent or is back."""
+        detail = {
+            "site": self.sites.name(node_id),
+            "round": self._server_round,
+            "connected": self.sites.census().connected,
+            "sites": len(self.sites),
+            **more,
+        }
+        log.warning("%s", presence_sentence(kind, detail))
+        try:
+            self.ledger.record_event(kind, detail)
+        except FLPlatformError as exc:  # the warning is said; the run goes on
+            log.warning("could not record %s of site %s: %s", kind, detail["site"], exc)
+
+    def _ask_silent(self) -> None:
+        """Ask each silent site that Flower holds no message of who it is, again, without
+        waiting: its answer, when Flower hands it back, makes it a site again
+        (:meth:`_pull`); Flower's error (expired, node unavailable) leaves it silent, to
+        be asked again. No round waits for these queries."""
+        nodes = self.sites.silent_idle()
+        if not nodes:
+            return
+        timeout = self.query_timeout if self.query_timeout is not None else self.round_timeout
+        queries = [site_query(node_id, timeout) for node_id in nodes]
+        sent = self.mailbox.post(queries, model_version=self.version, timeout=timeout)
+        for dispatch in sent:
+            if dispatch.message_id:  # refused: asked again next time
+                self.sites.give_up(dispatch.node_id)
+        traffic = [query_traffic(d, None, self.sites.name(d.node_id)) for d in sent if d.message_id]
+        if traffic:
+            self.ledger.record_traffic(traffic, self._server_round)
 
     def _introduce(self, node_ids: Sequence[int], *, timeout: float) -> None:
-        introduce(
+        if self.query_timeout is not None:
+            timeout = min(timeout, self.query_timeout)
+        unanswered = introduce(
             node_ids,
             mailbox=self.mailbox,
             sites=self.sites,
@@ -661,6 +696,9 @@ class RoundEngine:
             timeout=timeout,
             server_round=self._server_round,
         )
+        for node_id in unanswered:
+            if self.sites.set_silent(node_id, True):
+                self._say_presence(SITE_SILENT_EVENT, node_id, waited=timeout)
         # The examples a site declares when it joins cap what its updates may claim.
         for node_id in node_ids:
             info = self.sites.info(node_id)
@@ -958,6 +996,11 @@ class RoundEngine:
             dispatch = reply.dispatch
             if not reply.cancelled:  # its row is written; the site is free again
                 self.sites.release(dispatch.node_id)
+                # A silent site's SuperNode answered at last (not Flower's stand-in for
+                # an expired message or a node gone): it gets work again.
+                if self.sites.is_silent(dispatch.node_id) and not made_by_superlink(reply.reply):
+                    self.sites.set_silent(dispatch.node_id, False)
+                    self._say_presence(SITE_BACK_EVENT, dispatch.node_id)
                 # A training update the site did send: a row for its bytes. The reply to
                 # an evaluation or a query, or a site's error, only adds its bytes.
                 if reply.reply.has_content() and dispatch.message_type == MessageType.TRAIN:

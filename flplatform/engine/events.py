@@ -114,21 +114,38 @@ class RoundSummary:
 # SuperNode the SuperLink stopped listing (it gets no work meanwhile), and one listed again.
 SITE_LOST_EVENT = "site-lost"
 SITE_BACK_EVENT = "site-back"
+# A listed site that left the site query unanswered (detail: site, round, waited seconds,
+# connected, sites): it gets no work, so no round waits for it, until it answers (then a
+# SITE_BACK_EVENT).
+SITE_SILENT_EVENT = "site-silent"
+# The events that say who can train: said live by the engine and `flplatform server`.
+PRESENCE_EVENTS = (SITE_LOST_EVENT, SITE_SILENT_EVENT, SITE_BACK_EVENT)
 # A run ended before its planned rounds because the ServerApp's ``should_stop`` said so
 # (detail: round, planned).
 STOPPED_EARLY_EVENT = "stopped-early"
 
 
 def presence_sentence(kind: str, detail: Mapping[str, Any]) -> str:
-    """What a site-lost or site-back event says (its detail: site, round, connected,
-    sites), for the server's log and for ``flplatform server``'s console alike."""
-    what = (
-        "left: the SuperLink no longer lists its SuperNode, and it gets no work until it is back"
-        if kind == SITE_LOST_EVENT
-        else "is back"
-    )
+    """What a site-lost, site-silent or site-back event says (its detail: site, round,
+    connected, sites; waited for site-silent), for the server's log and for ``flplatform
+    server``'s console alike."""
+    if kind == SITE_LOST_EVENT:
+        what = (
+            "left: the SuperLink no longer lists its SuperNode, and it gets no work until it "
+            "is back"
+        )
+    elif kind == SITE_SILENT_EVENT:
+        what = (
+            f"is silent: its SuperNode is connected but did not answer the site query within "
+            f"{float(detail.get('waited', 0)):g} s (no ClientApp answered for it), and it "
+            "gets no work until it answers"
+        )
+    else:
+        what = "is back"
+    server_round = detail.get("round")
     return (
-        f"round {detail.get('round')}: site {detail.get('site')} {what} "
+        f"{f'round {server_round}' if server_round else 'before round 1'}: "
+        f"site {detail.get('site')} {what} "
         f"({detail.get('connected')} of {detail.get('sites')} sites connected)"
     )
 

@@ -425,6 +425,39 @@ class Mailbox:
         answers these. Evaluation and queries are measurements beside training: wall times
         only, and they do not move a virtual clock.
         """
+        dispatches = self._send(messages, model_version=model_version, timeout=timeout)
+        pending = {d.message_id: d for d in dispatches if d.message_id}
+        replies: dict[str, Message] = {}
+        deadline = dispatches[0].deadline if dispatches else 0.0
+        while pending and time.monotonic() < deadline:
+            got = 0
+            waiting = list(pending)
+            for start in range(0, len(waiting), PULL_CHUNK):
+                for reply in self.grid.pull_messages(waiting[start : start + PULL_CHUNK]):
+                    message_id = reply.metadata.reply_to_message_id
+                    if pending.pop(message_id, None) is not None:
+                        replies[message_id] = reply
+                        self.replied_at[message_id] = time.time()
+                        got += 1
+            if not got:
+                time.sleep(self.poll_interval)
+        self._give_up_unanswered(pending.values())
+        return [(d, replies.get(d.message_id)) for d in dispatches]
+
+    def post(
+        self, messages: list[Message], *, model_version: int, timeout: float
+    ) -> list[Dispatch]:
+        """Push messages nobody waits for: each is given up on at once, its site busy
+        until Flower hands back the reply (or its TTL's error), which :meth:`pull` returns
+        as late. Returns each message's dispatch (an empty message id if refused)."""
+        dispatches = self._send(messages, model_version=model_version, timeout=timeout)
+        self._give_up_unanswered(d for d in dispatches if d.message_id)
+        return dispatches
+
+    def _send(
+        self, messages: list[Message], *, model_version: int, timeout: float
+    ) -> list[Dispatch]:
+        """Stamp, push and measure messages beside training; their dispatches."""
         if not messages:
             return []
         messages = self.stamp(messages)
@@ -448,25 +481,13 @@ class Mailbox:
                     message_type=msg.metadata.message_type,
                 )
             )
-        pending = {d.message_id: d for d in dispatches if d.message_id}
-        replies: dict[str, Message] = {}
-        while pending and time.monotonic() < deadline:
-            got = 0
-            waiting = list(pending)
-            for start in range(0, len(waiting), PULL_CHUNK):
-                for reply in self.grid.pull_messages(waiting[start : start + PULL_CHUNK]):
-                    message_id = reply.metadata.reply_to_message_id
-                    if pending.pop(message_id, None) is not None:
-                        replies[message_id] = reply
-                        self.replied_at[message_id] = time.time()
-                        got += 1
-            if not got:
-                time.sleep(self.poll_interval)
-        for dispatch in pending.values():
+        return dispatches
+
+    def _give_up_unanswered(self, dispatches: Iterable[Dispatch]) -> None:
+        for dispatch in dispatches:
             self.given_up[dispatch.message_id] = dispatch
             # busy for as long as Flower holds it: no pipelined work reaches back past it
             self.clock.rest(self.name(dispatch.node_id))
-        return [(d, replies.get(d.message_id)) for d in dispatches]
 
 
 def address(

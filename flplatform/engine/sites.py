@@ -12,6 +12,10 @@ site through the phases as its messages go out and come back::
 A cancelled site is IDLE at once (in clock order) although Flower still holds its
 cancelled message; the mailbox keeps that message and pushes the site's next one when it
 comes back, so a site never holds two messages.
+
+A site is *silent* when it left the engine's site query unanswered (connected, but no
+ClientApp answers for it): whatever its phase, it is offered no work and not counted as
+connected, so no round waits for it, until a message of its comes back answered.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ class SiteState:
     until: float = 0.0
     # TRAINING: when its work was planned (the policy sees outstanding work in that order).
     planned: int = 0
+    # It left the site query unanswered and has answered nothing since: no work meanwhile.
+    silent: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,26 @@ class Sites:
         self._census = None
         return left, back
 
+    def set_silent(self, node_id: int, silent: bool) -> bool:
+        """Mark the site silent (its site query went unanswered) or heard from again;
+        whether that changed anything."""
+        state = self._states.get(node_id)
+        if state is None or state.silent == silent:
+            return False
+        state.silent = silent
+        self._census = None
+        return True
+
+    def is_silent(self, node_id: int) -> bool:
+        state = self._states.get(node_id)
+        return state is not None and state.silent
+
+    def silent_idle(self) -> list[int]:
+        """Silent sites that are connected and hold no message: to be asked again."""
+        return [
+            n for n, s in self._states.items() if s.silent and s.connected and s.phase is Phase.IDLE
+        ]
+
     # ---------------------------------------------------------------- phases
     def idle(self) -> tuple[int, ...]:
         """Connected sites with nothing outstanding, in join order."""
@@ -156,7 +182,7 @@ class Sites:
         backing_off = False
         for node_id, state in self._states.items():
             phase = state.phase
-            if state.connected:
+            if state.connected and not state.silent:
                 connected += 1
                 if phase is Phase.IDLE or (phase is Phase.REFUSED and state.until <= now):
                     idle.append(node_id)
@@ -267,9 +293,11 @@ class Sites:
                 problems.add(f"site {saved['name']!r}: {exc}")
                 continue
             away = saved["phase"] == "away"
+            now = self._states.get(new)
             restored[new] = SiteState(
                 info,
-                connected=self._states[new].connected if new in self._states else True,
+                connected=now.connected if now is not None else True,
+                silent=now.silent if now is not None else False,
                 phase=Phase.AWAY if away else Phase.IDLE,
                 until=float(saved["until"]) if away else 0.0,
             )

@@ -53,11 +53,18 @@ from flplatform.run.parts import (
     network_label,
     strategy_name,
 )
-from flplatform.run.run_record import open_run
+from flplatform.run.run_record import deployment_detail, open_run
 
 # What users call: ``flplatform.start(...)``, ``PlatformStart`` (a strategy's base) and
 # ``options_environment`` (the environment ``flplatform run`` hands a ServerApp).
 __all__ = ["PlatformStart", "options_environment", "start"]
+
+# On a deployment (`flplatform server`), how long a connected site has to answer the site
+# query, the run's first message to it. A healthy site answers within seconds (Flower's
+# 3 s polling, a fresh ClientApp process importing the app); one that has not answered in
+# a minute runs no ClientApp for the run (a SuperNode left stale by a server stop, say):
+# it is named, and no round waits for it until it answers (flplatform.engine.engine).
+DEPLOYED_QUERY_SECONDS = 60.0
 
 
 # =================================================================== the call
@@ -282,6 +289,7 @@ def start(
             clock=clock,
             ledger=run.sink if run is not None else None,
             round_timeout=options.timeout,
+            query_timeout=DEPLOYED_QUERY_SECONDS if deployment_detail() is not None else None,
             required_sites=options.required_sites,
             on_round=round_reporter(on_round),
             max_failed_rounds=options.max_failed_rounds,

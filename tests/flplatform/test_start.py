@@ -115,6 +115,36 @@ def test_start_records_the_run_its_rounds_and_updates(db: str) -> None:
         ]
 
 
+def test_on_a_deployment_a_silent_site_is_named_after_the_query_deadline(
+    db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under `flplatform server` (DEPLOYMENT_ENV), a connected site that answers nothing
+    is named once the deployment's query deadline passes, and the run trains without it
+    (tests/flplatform/engine/test_silent_sites.py has the engine's side)."""
+    import flplatform.run.start as start_module
+    from flplatform.engine.events import SITE_SILENT_EVENT
+    from flplatform.run.run_record import DEPLOYMENT_ENV
+
+    monkeypatch.setattr(start_module, "DEPLOYED_QUERY_SECONDS", 0.2)
+    monkeypatch.setenv(DEPLOYMENT_ENV, json.dumps({"deployment": "ca-0123456789ab"}))
+    sites = {**two_sites(), 3: lambda msg: None}  # its SuperNode runs no ClientApp
+    start(
+        LocalSGDAveraging(),
+        ScriptedGrid(sites),
+        MODEL,
+        num_rounds=2,
+        ledger=db,
+        reject_replays=False,  # the scripted sites send the same model every round
+    )
+    with LedgerRepository.open(db) as repo:
+        (run,) = repo.list_runs()
+        silent = [e.detail for e in repo.list_events(run.id) if e.kind == SITE_SILENT_EVENT]
+        rounds = repo.list_rounds(run.id)
+    assert run.status == "finished"
+    assert [(d["site"], d["waited"]) for d in silent] == [("node-3", 0.2)]
+    assert [r.num_applied for r in rounds] == [2, 2]
+
+
 def test_checkpoint_every_zero_keeps_only_the_final_model(db: str, tmp_path: Path) -> None:
     start(
         LocalSGDAveraging(),

@@ -1,0 +1,158 @@
+"""A connected site that answers nothing is named at once and no round waits for it.
+
+Issue "Deploy 2": after a server stop, a SuperNode accepted the next run's messages and
+never ran a ClientApp for them, and every round waited out its timeout. The engine's site
+query (the run's first message to a site) now has a deadline of its own
+(``query_timeout``; 60 s on a deployment): a site that leaves it unanswered is *silent* —
+a warning and a ``site-silent`` event, no work, asked again while Flower holds no message
+of it — until its SuperNode answers (``site-back``), and then it trains again.
+
+The real ``RoundEngine`` and local-SGD strategy over a scripted grid, writing a real
+SQLite ledger.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import pytest
+from flwr.app import Error, Message, MessageType, Metadata
+from flwr.app.message import make_message
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+
+from flplatform.engine.engine import RoundEngine
+from flplatform.engine.events import SITE_BACK_EVENT, SITE_SILENT_EVENT, presence_sentence
+from flplatform.run.ledger import SqlLedger
+from storage import LedgerRepository
+from strategies.local_sgd import LocalSGDAveraging
+from tests.helpers.scripted_grid import Behaviour, ScriptedGrid
+from tests.helpers.scripted_sites import MODEL, good, scripted
+
+pytestmark = pytest.mark.usefixtures("task_identity")
+
+QUERY_TIMEOUT = 0.2  # s: the scripted sites answer at once, or never
+
+
+def silent_until(answers: Callable[[], bool], behaviour: Behaviour) -> Behaviour:
+    """A site whose SuperNode answers nothing until ``answers()``, then as ``behaviour``."""
+    return lambda msg: behaviour(msg) if answers() else None
+
+
+def expired(msg: Message) -> Message:
+    """What the SuperLink hands back for a message whose TTL ran out unanswered."""
+    metadata = Metadata(
+        run_id=msg.metadata.run_id,
+        message_id="",
+        src_node_id=SUPERLINK_NODE_ID,
+        dst_node_id=SUPERLINK_NODE_ID,
+        reply_to_message_id=msg.metadata.message_id,
+        group_id=msg.metadata.group_id,
+        created_at=msg.metadata.created_at,
+        ttl=0.0,
+        message_type=msg.metadata.message_type,
+    )
+    return make_message(
+        metadata=metadata, error=Error(code=ErrorCode.MESSAGE_UNAVAILABLE, reason="expired")
+    )
+
+
+def run(
+    ledger: str, grid: ScriptedGrid, rounds: int
+) -> tuple[list[int], dict[int, list[str]], list[tuple[str, dict]]]:  # type: ignore[type-arg]
+    """The engine over ``grid``: each round's applied count, who trained, the events."""
+    with LedgerRepository.open(ledger) as repository:
+        run_id = repository.create_run(
+            name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=rounds
+        )
+        engine = RoundEngine(
+            grid,
+            LocalSGDAveraging(),
+            ledger=SqlLedger(repository, run_id),
+            required_sites=3,
+            query_timeout=QUERY_TIMEOUT,
+            poll_interval=0.0,
+        )
+        engine.run(MODEL, num_rounds=rounds)
+        rounds_ = repository.list_rounds(run_id)
+        updates = repository.list_updates(run_id)
+        events = [(e.kind, e.detail) for e in repository.list_events(run_id)]
+    trained = {
+        r.round: sorted(u.site for u in updates if u.round == r.round and u.status == "applied")
+        for r in rounds_
+    }
+    return [r.num_applied for r in rounds_], trained, events
+
+
+def sent_to(grid: ScriptedGrid, node_id: int, kind: str) -> int:
+    return sum(
+        1
+        for m in grid.pushed
+        if m.metadata.dst_node_id == node_id and m.metadata.message_type == kind
+    )
+
+
+def test_a_site_that_answers_nothing_is_named_at_once_and_given_no_work(
+    sqlite_ledger: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    sites = {
+        1: scripted("london", good),
+        2: silent_until(lambda: False, scripted("ohio", good)),
+        3: scripted("tokyo", good),
+    }
+    grid = ScriptedGrid(sites)
+    with caplog.at_level(logging.WARNING, logger="flplatform.engine"):
+        applied, trained, events = run(sqlite_ledger, grid, 3)
+
+    assert applied == [2, 2, 2]
+    assert all(names == ["london", "tokyo"] for names in trained.values())
+    # never asked to train, so no round could wait for it; its one query is still out
+    assert sent_to(grid, 2, MessageType.TRAIN) == 0
+    assert sent_to(grid, 2, MessageType.QUERY) == 1
+    detail = {"site": "node-2", "round": None, "connected": 2, "sites": 3, "waited": QUERY_TIMEOUT}
+    assert events == [(SITE_SILENT_EVENT, detail)]
+    said = presence_sentence(SITE_SILENT_EVENT, detail)
+    assert said.startswith("before round 1: site node-2 is silent: its SuperNode is connected")
+    assert "no work until it answers (2 of 3 sites connected)" in said
+    assert said in caplog.text
+
+
+def test_a_silent_site_that_answers_at_last_trains_again(sqlite_ledger: str) -> None:
+    trained_by_london = 0
+
+    def london(msg: Message) -> Message:
+        nonlocal trained_by_london
+        if msg.metadata.message_type == MessageType.TRAIN:
+            trained_by_london += 1
+        return scripted("london", good)(msg)
+
+    # ohio's SuperNode runs its ClientApp again once london has trained twice: its
+    # pending query is answered, then it trains like the others
+    ohio = silent_until(lambda: trained_by_london >= 2, scripted("ohio", good))
+    grid = ScriptedGrid({1: london, 2: ohio, 3: scripted("tokyo", good)})
+    applied, trained, events = run(sqlite_ledger, grid, 5)
+
+    assert [kind for kind, _ in events] == [SITE_SILENT_EVENT, SITE_BACK_EVENT]
+    back = events[1][1]
+    assert back["site"] == "node-2" and back["connected"] == 3 and back["round"] in (2, 3)
+    assert applied[:2] == [2, 2] and applied[-1] == 3
+    assert "node-2" not in trained[1] + trained[2]
+    assert trained[5] == ["london", "node-2", "tokyo"]
+    assert sent_to(grid, 2, MessageType.QUERY) == 1  # answered the query it held
+
+
+def test_a_silent_sites_expired_query_is_asked_again_not_turned_into_work(
+    sqlite_ledger: str,
+) -> None:
+    # Flower expires ohio's queries (its SuperNode never answers them): each time the
+    # engine asks again, and never sends it training work meanwhile
+    ohio: Behaviour = lambda msg: expired(msg)  # noqa: E731
+    grid = ScriptedGrid(
+        {1: scripted("london", good), 2: ohio, 3: scripted("tokyo", good)}, delay_pulls=1
+    )
+    applied, trained, events = run(sqlite_ledger, grid, 4)
+
+    assert applied == [2, 2, 2, 2]
+    assert sent_to(grid, 2, MessageType.TRAIN) == 0
+    assert sent_to(grid, 2, MessageType.QUERY) >= 3  # asked again each round or so
+    assert [kind for kind, _ in events] == [SITE_SILENT_EVENT]  # said once, not every time
