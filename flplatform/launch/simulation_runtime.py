@@ -10,9 +10,10 @@ the rest of the run and healthy sites are dropped, round after round.
 
 Flower's backend config has no setting for this. Ray's own (``max_restarts`` on the actor)
 is not enough: a message handed to the actor while it restarts fails too
-(``ActorUnavailableError``), dropping another healthy site. So the pool puts a new actor
-in the dead one's place instead: messages sent to an actor that is still starting wait
-for it, so the next site handed to it only waits. A site's ``Context`` lives in the
+(``ActorUnavailableError``), dropping another healthy site. So the pool starts a new actor
+in the dead one's place instead, and takes it in once its process is up (it imports
+torch and the app first: seconds): meanwhile the next sites go to the actors that are
+alive, rather than wait in line for the new one. A site's ``Context`` lives in the
 driver process, so nothing of any site's state is lost. The dying site's message is
 answered with Flower's error, which the engine records as that site's dropped update with
 the reason; the other sites go on, and the dying site too, on its next message.
@@ -47,6 +48,10 @@ from flplatform.launch.processes import process_table
 from flplatform.run.owner import named_owner, owner_gone
 
 log = logging.getLogger("flplatform")
+# Taking an idle actor from Flower's pool, one worker thread at a time; and how often a
+# worker looks again while every actor is busy or starting.
+_POOL_LOCK = threading.Lock()
+_POOL_WAIT_SECONDS = 0.01
 
 
 def replace_dead_actors() -> None:
@@ -70,11 +75,34 @@ def replace_dead_actors() -> None:
         dead = self._future_to_actor.pop(future)
         with contextlib.suppress(Exception):  # dead already; this only frees its handle
             ray.kill(dead, no_restart=True)
-        self.pool.append(self.create_actor_fn())
+        replacement = self.create_actor_fn()
+        started = replacement.__ray_ready__.remote()  # Ray's own: answered once it is up
+
+        def join_when_started() -> None:
+            # An actor that failed to start joins anyway: its first message fails and it
+            # is replaced in turn, as a dead one is.
+            with contextlib.suppress(Exception):
+                ray.get(started)
+            self.pool.append(replacement)  # list.append: atomic beside Flower's threads
+
+        threading.Thread(target=join_when_started, name="actor-replacement", daemon=True).start()
         log.warning("a ClientApp's process died; its Ray actor is replaced by a new one")
+
+    submit = pool_class.submit
+
+    def submit_to_a_live_actor(self: Any, actor_fn: Any, job: Any) -> Any:
+        # Flower runs one worker thread per actor and pops an idle actor without looking:
+        # while a replacement starts there is one actor fewer, so a worker waits here for
+        # the first one free (a live one done with its job, or the replacement).
+        while True:
+            with _POOL_LOCK:
+                if self.pool:
+                    return submit(self, actor_fn, job)
+            time.sleep(_POOL_WAIT_SECONDS)
 
     add_actor_back_to_pool.replaces_dead_actors = True  # type: ignore[attr-defined]
     pool_class.add_actor_back_to_pool = add_actor_back_to_pool
+    pool_class.submit = submit_to_a_live_actor
 
 
 def _actor_died(future: Any) -> bool:
