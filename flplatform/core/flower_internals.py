@@ -9,8 +9,8 @@ form, and each is reached through this module only:
   header's dividers and the array chunk size;
 * median and trimmed-mean aggregation reuse ``flwr.server.strategy.aggregate``;
 * a simulation runs Flower's ``flwr-simulation`` entry point with a patched actor pool
-  that replaces a Ray actor whose process died (``BasicActorPool`` and its private
-  ``_future_to_actor``, ``pool`` and ``create_actor_fn``);
+  that replaces a Ray actor whose process died (``BasicActorPool``, its ``submit`` and
+  its private ``_future_to_actor``, ``pool`` and ``create_actor_fn``);
 * an app directory is staged with the file filter ``flwr run`` applies, a deployment
   writes its connection into Flower's ``config.toml`` starting from Flower's default
   text, and a ClientApp module is imported under Flower's own import lock.
@@ -116,6 +116,7 @@ def actor_pool() -> Any:
     """Flower's simulation actor pool class, with the members the dead-actor patch uses
     (``launch.simulation_runtime``) checked; the private ones are set per instance."""
     internal(_ACTOR_MODULE, "BasicActorPool.add_actor_back_to_pool")
+    internal(_ACTOR_MODULE, "BasicActorPool.submit")
     return internal(_ACTOR_MODULE, "BasicActorPool")
 
 

@@ -95,9 +95,11 @@ from flplatform.engine.replies import (
     record_of,
     reported_losses,
     reported_metrics,
+    site_info,
 )
 from flplatform.engine.rows import (
     REFUSED,
+    SILENT,
     UNAVAILABLE,
     no_reply_within,
     refused_at_site,
@@ -505,7 +507,8 @@ class RoundEngine:
         planned = {mapping.get(n, n): i for i, n in enumerate(engine["planned"])}
         working = [w for w in work if w.tray != "cancelled"]  # a cancelled site is free
         for saved in sorted(working, key=lambda w: planned.get(w.dispatch.node_id, len(planned))):
-            self.sites.train(saved.dispatch)
+            if not self.sites.is_silent(saved.dispatch.node_id):  # else: dropped, not sent
+                self.sites.train(saved.dispatch)
         self._resend = work
         self._finished_round = int(state["server_round"])
         log.info(
@@ -584,6 +587,14 @@ class RoundEngine:
     def _resend_saved(self, state: _RoundState) -> None:
         """A resumed run: send the work that was in flight at the checkpoint, unchanged."""
         work, self._resend = self._resend, []
+        # A silent site's query of this start-up is still out: it gets none of its work
+        # (a site never holds two messages), and what it was training is dropped.
+        for saved in [w for w in work if self.sites.is_silent(w.dispatch.node_id)]:
+            if saved.tray != "cancelled":
+                node_id = saved.dispatch.node_id
+                self._site_work[node_id] = self._site_work.get(node_id, 1) - 1
+                state.outcomes.append(self._no_update(saved.dispatch, DROPPED, SILENT))
+        work = [w for w in work if not self.sites.is_silent(w.dispatch.node_id)]
         for saved in self.mailbox.resend(work, self.round_timeout):
             node_id = saved.dispatch.node_id
             if saved.tray == "cancelled":  # its deferred work need not wait for it
@@ -646,6 +657,7 @@ class RoundEngine:
         """The sites the SuperLink lists now: the others get no work; each that left or
         came back since the last look gets a warning and a ledger event."""
         left, back = self.sites.set_connected(node_ids)
+        back = [n for n in back if not self.sites.is_silent(n)]  # back when it answers
         for kind, nodes in ((SITE_LOST_EVENT, left), (SITE_BACK_EVENT, back)):
             for node_id in nodes:
                 self._say_presence(kind, node_id)
@@ -665,12 +677,26 @@ class RoundEngine:
         except FLPlatformError as exc:  # the warning is said; the run goes on
             log.warning("could not record %s of site %s: %s", kind, detail["site"], exc)
 
+    def _heard_from(self, node_id: int, reply: Message) -> None:
+        """A silent site's SuperNode answered at last: it gets work again (said as back
+        when the SuperLink lists it; else when it is listed again). It keeps the name it
+        was given when it fell silent (on a deployment, its registered one); the examples
+        its answer declares cap its updates' claims, as if it had answered in time."""
+        self.sites.set_silent(node_id, False)
+        info = site_info(node_id, reply)
+        if info.num_examples is not None:
+            self.guard.declare(node_id, info.num_examples)
+        if self.sites.is_connected(node_id):
+            self._say_presence(SITE_BACK_EVENT, node_id)
+
     def _ask_silent(self) -> None:
         """Ask each silent site that Flower holds no message of who it is, again, without
         waiting: its answer, when Flower hands it back, makes it a site again
         (:meth:`_pull`); Flower's error (expired, node unavailable) leaves it silent, to
         be asked again. No round waits for these queries."""
-        nodes = self.sites.silent_idle()
+        # (a site never holds two messages: a resumed run's silent site may be idle while
+        # the query of its start-up is still out)
+        nodes = [n for n in self.sites.silent_idle() if not self.mailbox.holds(n)]
         if not nodes:
             return
         timeout = self.query_timeout if self.query_timeout is not None else self.round_timeout
@@ -731,7 +757,7 @@ class RoundEngine:
             if pulled:
                 waiting_since = time.monotonic()
                 continue
-            if self.mailbox.empty():
+            if self.mailbox.empty(besides=self.sites.silent()):
                 # The step is still open: sites may join; if none can be given work for
                 # a whole round timeout, the run cannot go on.
                 if time.monotonic() - waiting_since > self.round_timeout:
@@ -996,11 +1022,13 @@ class RoundEngine:
             dispatch = reply.dispatch
             if not reply.cancelled:  # its row is written; the site is free again
                 self.sites.release(dispatch.node_id)
-                # A silent site's SuperNode answered at last (not Flower's stand-in for
-                # an expired message or a node gone): it gets work again.
-                if self.sites.is_silent(dispatch.node_id) and not made_by_superlink(reply.reply):
-                    self.sites.set_silent(dispatch.node_id, False)
-                    self._say_presence(SITE_BACK_EVENT, dispatch.node_id)
+                if self.sites.is_silent(dispatch.node_id):
+                    if made_by_superlink(reply.reply):
+                        # Flower's stand-in (its query expired, its node is gone): still
+                        # silent, asked again; no progress for the round's wait either
+                        count -= 1
+                    else:
+                        self._heard_from(dispatch.node_id, reply.reply)
                 # A training update the site did send: a row for its bytes. The reply to
                 # an evaluation or a query, or a site's error, only adds its bytes.
                 if reply.reply.has_content() and dispatch.message_type == MessageType.TRAIN:

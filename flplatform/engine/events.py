@@ -144,7 +144,7 @@ def presence_sentence(kind: str, detail: Mapping[str, Any]) -> str:
         what = "is back"
     server_round = detail.get("round")
     return (
-        f"{f'round {server_round}' if server_round else 'before round 1'}: "
+        f"{f'round {server_round}' if server_round else 'at start-up'}: "
         f"site {detail.get('site')} {what} "
         f"({detail.get('connected')} of {detail.get('sites')} sites connected)"
     )

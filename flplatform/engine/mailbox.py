@@ -21,7 +21,7 @@ import heapq
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,9 +131,24 @@ class Mailbox:
         self._seq = 0  # arrivals' order of pulling (ties on the clock)
 
     # ------------------------------------------------------------------ state
-    def empty(self) -> bool:
-        """Nothing out and nothing waiting to be judged."""
-        return not (self.awaited or self.given_up or self.cancelled or self.arrivals)
+    def empty(self, *, besides: Collection[int] = ()) -> bool:
+        """Nothing out and nothing waiting to be judged, besides given-up messages of the
+        nodes ``besides`` (silent sites' queries: no work can come of them)."""
+        return not (
+            self.awaited
+            or self.cancelled
+            or self.arrivals
+            or any(d.node_id not in besides for d in self.given_up.values())
+        )
+
+    def holds(self, node_id: int) -> bool:
+        """Whether Flower holds a message of ``node_id`` (awaited, given up on, cancelled)
+        or one waits to be pushed to it."""
+        return node_id in self.deferred or any(
+            d.node_id == node_id
+            for tray in (self.awaited, self.given_up, self.cancelled)
+            for d in tray.values()
+        )
 
     def holds_cancelled(self, node_id: int) -> bool:
         """Whether Flower still holds a cancelled training message of ``node_id``."""

@@ -30,6 +30,7 @@ from flplatform.engine.wire import reply_traffic
 
 REFUSED = "refused by the SuperLink (node not connected, or the message too large)"
 UNAVAILABLE = "unavailable: sat this work out (simulated availability)"
+SILENT = "not sent again after the resume: its site is silent (no answer to the site query)"
 SITE_REFUSED = "refused at the site: "  # + the mod's sentence
 
 

@@ -149,6 +149,14 @@ class Sites:
         state = self._states.get(node_id)
         return state is not None and state.silent
 
+    def silent(self) -> set[int]:
+        """The silent sites."""
+        return {n for n, s in self._states.items() if s.silent}
+
+    def is_connected(self, node_id: int) -> bool:
+        state = self._states.get(node_id)
+        return state is not None and state.connected
+
     def silent_idle(self) -> list[int]:
         """Silent sites that are connected and hold no message: to be asked again."""
         return [

@@ -48,10 +48,12 @@ from flplatform.launch.processes import process_table
 from flplatform.run.owner import named_owner, owner_gone
 
 log = logging.getLogger("flplatform")
-# Taking an idle actor from Flower's pool, one worker thread at a time; and how often a
-# worker looks again while every actor is busy or starting.
+# Taking an idle actor from Flower's pool, one worker thread at a time; how often a
+# worker looks again while every actor is busy or starting; and how long a replacement
+# actor may take to start (or a message wait for an actor) before that is said.
 _POOL_LOCK = threading.Lock()
 _POOL_WAIT_SECONDS = 0.01
+_ACTOR_START_SECONDS = 300.0
 
 
 def replace_dead_actors() -> None:
@@ -79,26 +81,41 @@ def replace_dead_actors() -> None:
         started = replacement.__ray_ready__.remote()  # Ray's own: answered once it is up
 
         def join_when_started() -> None:
-            # An actor that failed to start joins anyway: its first message fails and it
-            # is replaced in turn, as a dead one is.
-            with contextlib.suppress(Exception):
-                ray.get(started)
+            # An actor that failed to start (or is still not up) joins anyway: its first
+            # message fails and it is replaced in turn, as a dead one is.
+            try:
+                ray.get(started, timeout=_ACTOR_START_SECONDS)
+            except ray.exceptions.GetTimeoutError:
+                log.warning(
+                    "a replacement Ray actor did not start within %.0f s; its sites wait for it",
+                    _ACTOR_START_SECONDS,
+                )
+            except Exception:  # noqa: BLE001 - a failed start shows at its first message
+                pass
             self.pool.append(replacement)  # list.append: atomic beside Flower's threads
 
         threading.Thread(target=join_when_started, name="actor-replacement", daemon=True).start()
         log.warning("a ClientApp's process died; its Ray actor is replaced by a new one")
 
-    submit = pool_class.submit
-
     def submit_to_a_live_actor(self: Any, actor_fn: Any, job: Any) -> Any:
-        # Flower runs one worker thread per actor and pops an idle actor without looking:
-        # while a replacement starts there is one actor fewer, so a worker waits here for
-        # the first one free (a live one done with its job, or the replacement).
+        # Flower's ``submit``, except for how the actor is taken: Flower runs one worker
+        # thread per actor and pops an idle actor without looking; while a replacement
+        # starts there is one actor fewer, so a worker waits here for the first one free
+        # (a live one done with its job, or the replacement), taking it under a lock.
+        waited = time.monotonic()
         while True:
             with _POOL_LOCK:
-                if self.pool:
-                    return submit(self, actor_fn, job)
+                actor = self.pool.pop() if self.pool else None
+            if actor is not None:
+                break
+            if time.monotonic() - waited > _ACTOR_START_SECONDS:
+                # Flower answers the site's message with this error: no endless wait
+                raise RuntimeError(f"no Ray actor was free for {_ACTOR_START_SECONDS:.0f} s")
             time.sleep(_POOL_WAIT_SECONDS)
+        app_fn, message, cid, context = job
+        future = actor_fn(actor, app_fn, message, cid, context)
+        self._future_to_actor[future] = actor
+        return future
 
     add_actor_back_to_pool.replaces_dead_actors = True  # type: ignore[attr-defined]
     pool_class.add_actor_back_to_pool = add_actor_back_to_pool

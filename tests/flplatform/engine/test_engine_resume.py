@@ -39,10 +39,13 @@ from flplatform.core import keys
 from flplatform.core.arrays import record_to_arrays
 from flplatform.core.checkpoint import CheckpointError, read_state, write_state
 from flplatform.core.errors import RunFailed
+from flplatform.core.site_registry import REGISTRY_ENV, RegisteredSite, SiteRegistry
 from flplatform.engine import RoundSummary, SiteInfo, Synchrony
 from flplatform.engine.clock import VirtualClock, WallClock
 from flplatform.engine.engine import RoundEngine
+from flplatform.engine.events import SITE_SILENT_EVENT
 from flplatform.engine.guard import GuardOptions, UpdateGuard
+from flplatform.engine.rows import SILENT
 from flplatform.network import ComputeModel, Network, SiteProfile
 from strategies.local_sgd import LocalSGDAveraging
 from tests.helpers.fleet_oracle import naive_delivery, naive_reply
@@ -352,6 +355,55 @@ def test_a_site_that_does_not_come_back_fails_the_resume_clearly(tmp_path: Path)
     )
     with pytest.raises(RunFailed, match=r"site\(s\) s3 of the checkpoint did not connect"):
         resumed.run(model(), num_rounds=ROUNDS, resume=state)
+
+
+def test_sites_silent_at_the_resume_get_none_of_their_saved_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Resumed on a deployment (a site registry names the nodes) while the SuperNodes of
+    s3 and s4 answer nothing: both are silent; s4's work in flight at the cut is dropped,
+    not sent again, s3's reply pulled before the cut is judged, neither is sent anything
+    but its one query (a site never holds two messages: the scripted grid refuses a
+    second), and s1 and s2 finish the run."""
+    disk: Disk = {}
+    first = MemoryLedger(tmp_path / "first")
+    train = ConfigRecord({keys.LOCAL_STEPS: 2})
+    with pytest.raises(Cut):
+        engine("async", FIRST_NODES, disk, first, cut_after=2).run(
+            model(), num_rounds=ROUNDS, train_config=train
+        )
+    state = read_state(first.states[2])
+    mailbox = state["engine"]["mailbox"]
+    # at this cut: s4's work out, s3's reply pulled but not judged
+    assert [w["node_id"] for w in mailbox["work"]] == [FIRST_NODES["s4"]]
+    assert FIRST_NODES["s3"] in [a["node_id"] for a in mailbox["arrivals"]]
+    registry = SiteRegistry(
+        tuple(RegisteredSite(n, RESUMED_NODES[n], f"SHA256:{n}") for n in NAMES)
+    )
+    registry.write(tmp_path / "registry.json")
+    monkeypatch.setenv(REGISTRY_ENV, str(tmp_path / "registry.json"))
+    second = MemoryLedger(tmp_path / "second")
+    resumed = engine("async", RESUMED_NODES, disk, second, query_timeout=0.2)
+    grid = resumed.grid
+    assert isinstance(grid, ScriptedGrid)
+    silent = {RESUMED_NODES["s3"], RESUMED_NODES["s4"]}
+    for node in silent:
+        grid.behaviours[node] = lambda msg: None
+    resumed.run(model(), num_rounds=ROUNDS, resume=state, train_config=train)
+
+    assert sorted((kind, d["site"], d["round"]) for kind, d in second.events) == [
+        (SITE_SILENT_EVENT, "s3", None),
+        (SITE_SILENT_EVENT, "s4", None),
+    ]
+    for node in silent:
+        sent = [m.metadata.message_type for m in grid.pushed if m.metadata.dst_node_id == node]
+        assert sent == [MessageType.QUERY]
+    updates = [u for summary in second.rounds for u in summary.updates]
+    assert [(u.site, u.status, u.reason) for u in updates if u.site == "s4"] == [
+        ("s4", "dropped", SILENT)
+    ]
+    assert [u.site for u in updates if u.site == "s3"] == ["s3"]  # its pulled reply, judged
+    assert [s.server_round for s in second.rounds] == list(range(3, ROUNDS + 1))
 
 
 def test_a_state_of_another_kind_is_refused(tmp_path: Path) -> None:

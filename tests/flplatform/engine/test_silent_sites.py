@@ -21,6 +21,7 @@ from flwr.app import Error, Message, MessageType, Metadata
 from flwr.app.message import make_message
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 
+from flplatform.core.errors import RunFailed
 from flplatform.engine.engine import RoundEngine
 from flplatform.engine.events import SITE_BACK_EVENT, SITE_SILENT_EVENT, presence_sentence
 from flplatform.run.ledger import SqlLedger
@@ -112,7 +113,7 @@ def test_a_site_that_answers_nothing_is_named_at_once_and_given_no_work(
     detail = {"site": "node-2", "round": None, "connected": 2, "sites": 3, "waited": QUERY_TIMEOUT}
     assert events == [(SITE_SILENT_EVENT, detail)]
     said = presence_sentence(SITE_SILENT_EVENT, detail)
-    assert said.startswith("before round 1: site node-2 is silent: its SuperNode is connected")
+    assert said.startswith("at start-up: site node-2 is silent: its SuperNode is connected")
     assert "no work until it answers (2 of 3 sites connected)" in said
     assert said in caplog.text
 
@@ -134,6 +135,8 @@ def test_a_silent_site_that_answers_at_last_trains_again(sqlite_ledger: str) -> 
 
     assert [kind for kind, _ in events] == [SITE_SILENT_EVENT, SITE_BACK_EVENT]
     back = events[1][1]
+    # named as it was when it fell silent (no registry here: by its node id; on a
+    # deployment, by its registered name): a late answer renames no site
     assert back["site"] == "node-2" and back["connected"] == 3 and back["round"] in (2, 3)
     assert applied[:2] == [2, 2] and applied[-1] == 3
     assert "node-2" not in trained[1] + trained[2]
@@ -156,3 +159,31 @@ def test_a_silent_sites_expired_query_is_asked_again_not_turned_into_work(
     assert sent_to(grid, 2, MessageType.TRAIN) == 0
     assert sent_to(grid, 2, MessageType.QUERY) >= 3  # asked again each round or so
     assert [kind for kind, _ in events] == [SITE_SILENT_EVENT]  # said once, not every time
+
+
+@pytest.mark.parametrize("expires", [False, True], ids=["held", "expired"])
+def test_with_every_site_silent_the_round_fails_instead_of_waiting_for_ever(
+    sqlite_ledger: str, expires: bool
+) -> None:
+    # No SuperNode answers: Flower holds the queries (its TTL is long), or expires them
+    # and the sites are asked again and again; no work can come of either, so the round
+    # gives up after its timeout
+    silent: Behaviour = (lambda msg: expired(msg)) if expires else (lambda msg: None)
+    grid = ScriptedGrid({1: silent, 2: silent}, delay_pulls=1)
+    with LedgerRepository.open(sqlite_ledger) as repository:
+        run_id = repository.create_run(
+            name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=2
+        )
+        engine = RoundEngine(
+            grid,
+            LocalSGDAveraging(),
+            ledger=SqlLedger(repository, run_id),
+            required_sites=2,
+            query_timeout=QUERY_TIMEOUT,
+            round_timeout=1.0,
+            poll_interval=0.0,
+        )
+        with pytest.raises(RunFailed, match="round 1: no site could be given work within 1 s"):
+            engine.run(MODEL, num_rounds=2)
+    if not expires:  # given up while Flower still held the queries, not after it let go
+        assert sorted(d.node_id for d in engine.mailbox.given_up.values()) == [1, 2]
