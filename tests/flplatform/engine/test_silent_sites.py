@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from flwr.app import Error, Message, MessageType, Metadata
@@ -58,22 +59,31 @@ def expired(msg: Message) -> Message:
     )
 
 
+def engine_over(
+    grid: ScriptedGrid, repository: LedgerRepository, rounds: int, **options: float
+) -> tuple[RoundEngine, int]:
+    """The engine over ``grid`` (every site required) and its run in ``repository``."""
+    run_id = repository.create_run(
+        name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=rounds
+    )
+    engine = RoundEngine(
+        grid,
+        LocalSGDAveraging(),
+        ledger=SqlLedger(repository, run_id),
+        required_sites=len(grid.behaviours),
+        query_timeout=QUERY_TIMEOUT,
+        poll_interval=0.0,
+        **options,  # type: ignore[arg-type]
+    )
+    return engine, run_id
+
+
 def run(
     ledger: str, grid: ScriptedGrid, rounds: int
-) -> tuple[list[int], dict[int, list[str]], list[tuple[str, dict]]]:  # type: ignore[type-arg]
+) -> tuple[list[int], dict[int, list[str]], list[tuple[str, dict[str, Any]]]]:
     """The engine over ``grid``: each round's applied count, who trained, the events."""
     with LedgerRepository.open(ledger) as repository:
-        run_id = repository.create_run(
-            name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=rounds
-        )
-        engine = RoundEngine(
-            grid,
-            LocalSGDAveraging(),
-            ledger=SqlLedger(repository, run_id),
-            required_sites=3,
-            query_timeout=QUERY_TIMEOUT,
-            poll_interval=0.0,
-        )
+        engine, run_id = engine_over(grid, repository, rounds)
         engine.run(MODEL, num_rounds=rounds)
         rounds_ = repository.list_rounds(run_id)
         updates = repository.list_updates(run_id)
@@ -121,7 +131,7 @@ def test_a_site_that_answers_nothing_is_named_at_once_and_given_no_work(
 def test_a_silent_site_that_answers_at_last_trains_again(sqlite_ledger: str) -> None:
     trained_by_london = 0
 
-    def london(msg: Message) -> Message:
+    def london(msg: Message) -> Message | None:
         nonlocal trained_by_london
         if msg.metadata.message_type == MessageType.TRAIN:
             trained_by_london += 1
@@ -171,18 +181,7 @@ def test_with_every_site_silent_the_round_fails_instead_of_waiting_for_ever(
     silent: Behaviour = (lambda msg: expired(msg)) if expires else (lambda msg: None)
     grid = ScriptedGrid({1: silent, 2: silent}, delay_pulls=1)
     with LedgerRepository.open(sqlite_ledger) as repository:
-        run_id = repository.create_run(
-            name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=2
-        )
-        engine = RoundEngine(
-            grid,
-            LocalSGDAveraging(),
-            ledger=SqlLedger(repository, run_id),
-            required_sites=2,
-            query_timeout=QUERY_TIMEOUT,
-            round_timeout=1.0,
-            poll_interval=0.0,
-        )
+        engine, _ = engine_over(grid, repository, 2, round_timeout=1.0)
         with pytest.raises(RunFailed, match="round 1: no site could be given work within 1 s"):
             engine.run(MODEL, num_rounds=2)
     if not expires:  # given up while Flower still held the queries, not after it let go
