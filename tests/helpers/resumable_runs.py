@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from flwr.app import Array, ArrayRecord
@@ -27,7 +27,7 @@ def record_run(
     tag: str | None,
     rounds: int,
     owner: str | None = None,
-    status: str | None = None,
+    status: Literal["finished", "failed"] | None = None,
 ) -> int:
     """A run with ``rounds`` committed rounds, each with its checkpoint."""
     t0 = time.time()
