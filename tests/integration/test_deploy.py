@@ -13,6 +13,8 @@ ledger's bytes are the wire's: its totals equal Flower's own count of the run's 
 (`flwr ls`), within 1 % each way, with federated evaluation and the sites' queries. The
 second kills the server mid-run, resumes the run on the sites still running, then runs it
 again on the same sites, left alone: the resumed run ends with the same model, bit for bit.
+The third has a registered site whose SuperNode runs no ClientApp: it is named silent after
+the site query's deadline and no round waits for it.
 """
 
 from __future__ import annotations
@@ -396,3 +398,75 @@ def test_a_server_killed_outright_resumes_the_run_on_its_sites(tmp_path: Path) -
     assert "was logged to MLflow" in output
     # Nothing at the server to train on but its test set: the sites' files are theirs.
     assert not [p for p in server.home.rglob("*.npz") if p.name in ("london.npz", "ohio.npz")]
+
+
+def test_a_site_that_runs_no_clientapp_is_named_and_no_round_waits_for_it(tmp_path: Path) -> None:
+    """Issue 35's silent site: a registered SuperNode that takes the run's messages and
+    never runs a ClientApp for them (here: Flower's "process" isolation with no ClientApp
+    process beside it; after a server stop, a stale SuperNode). The server names it once
+    the site query's deadline passes (60 s on a deployment) and trains on the other site:
+    no round waits for it, and the ledger says why it trained nothing."""
+    server = Machine(tmp_path / "server")
+    sites = {name: Machine(tmp_path / name) for name in ("london", "ohio")}
+    certs = server.home / "certs"
+    assert server.run("certs", "init", "--out", str(certs)).returncode == 0
+    for name, site in sites.items():
+        assert site.run("certs", "site", name, "--out", str(site.home / "certs")).returncode == 0
+        shutil.copy(certs / "ca.crt", site.home / "certs")
+        shutil.copy(site.home / "certs" / f"{name}.pub", certs)
+    split = server.home / "split"
+    made = server.run("data", "split", "--out", str(split), "--sites", "london,ohio")
+    assert made.returncode == 0, made.stderr
+    for name, site in sites.items():
+        shutil.move(split / f"{name}.npz", site.home / f"{name}.npz")
+    ledger = f"sqlite:///{server.home / 'runs.db'}"
+    address = f"127.0.0.1:{free_port()}"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    tree = ProcessTree()
+    try:
+        run = server.start(
+            tree, logs / "server.log", "server", "--certs", str(certs), "--address", address,
+            "--db", ledger, "--sites", "london,ohio", "--rounds", str(ROUNDS),
+            "--local-epochs", "1", "--dataset", str(split), "--partition", "files",
+            "--wait-timeout", "180",
+        )  # fmt: skip
+        wait_for_text(logs / "server.log", "listening for sites", run, tree, 120)
+        london = start_site(
+            sites["london"], "london", address, sites["london"].home / "london.npz", tree, logs
+        )
+        ohio = sites["ohio"]
+        tree.popen(
+            [
+                str(BIN / "flower-supernode"),
+                *("--root-certificates", str(ohio.home / "certs" / "ca.crt")),
+                *("--auth-supernode-private-key", str(ohio.home / "certs" / "ohio.key")),
+                *("--superlink", address, "--isolation", "process"),
+                *("--node-config", f'data-path="{ohio.home / "ohio.npz"}" site-name="ohio"'),
+            ],
+            env=ohio.env,
+            cwd=str(ohio.home),
+            stdout=(logs / "ohio.log").open("wb"),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        assert run.wait(400) == 0, (logs / "server.log").read_text()[-4000:]
+        assert london.poll() is None, (logs / "london.log").read_text()
+    finally:
+        tree.stop()
+
+    output = (logs / "server.log").read_text()
+    assert "at start-up: site ohio is silent: its SuperNode is connected but did not answer" in (
+        output
+    )
+    with LedgerRepository.open(ledger) as repository:
+        [record] = repository.list_runs()
+        rounds = repository.list_rounds(record.id)
+        updates = repository.list_updates(record.id)
+        events = [(e.kind, e.detail) for e in repository.list_events(record.id)]
+    assert record.status == "finished", record.error
+    assert [r.num_applied for r in rounds] == [1] * ROUNDS
+    assert {u.site for u in updates} == {"london"}  # ohio was sent no work at all
+    silent = [d for kind, d in events if kind == "site-silent"]
+    # the deployment's deadline, not the 300 s the start waited before
+    assert [(d["site"], d["waited"]) for d in silent] == [("ohio", 60.0)]
