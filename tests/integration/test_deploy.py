@@ -278,13 +278,9 @@ def test_a_deployment_with_tls_and_registered_sites(tmp_path: Path, password_dat
             assert password.encode() not in path.read_bytes(), f"password in {path}"
 
 
-def test_a_server_killed_outright_resumes_the_run_on_its_sites(tmp_path: Path) -> None:
-    """Issue 35's resume: the server's command SIGKILLed after round 2 (the OOM killer, a
-    reboot), the sites left running; `flplatform server --resume` trains the rest on them,
-    with the state they kept (DTS: delayed averages, top-k with error feedback), and ends
-    as the same run left alone does (run next, on the same sites). The server's machine
-    never holds a site's data file (it could train on nothing else than its test set), and
-    the rounds it had committed stay as they were."""
+def two_site_deployment(tmp_path: Path) -> tuple[Machine, dict[str, Machine], Path, Path]:
+    """The server's CA, london's and ohio's keys registered, the data split and each site's
+    file moved to its machine, as the README's steps say; (server, sites, certs, split)."""
     server = Machine(tmp_path / "server")
     sites = {name: Machine(tmp_path / name) for name in ("london", "ohio")}
     certs = server.home / "certs"
@@ -298,6 +294,17 @@ def test_a_server_killed_outright_resumes_the_run_on_its_sites(tmp_path: Path) -
     assert made.returncode == 0, made.stderr
     for name, site in sites.items():  # as the split step says: the sites' files leave
         shutil.move(split / f"{name}.npz", site.home / f"{name}.npz")
+    return server, sites, certs, split
+
+
+def test_a_server_killed_outright_resumes_the_run_on_its_sites(tmp_path: Path) -> None:
+    """Issue 35's resume: the server's command SIGKILLed after round 2 (the OOM killer, a
+    reboot), the sites left running; `flplatform server --resume` trains the rest on them,
+    with the state they kept (DTS: delayed averages, top-k with error feedback), and ends
+    as the same run left alone does (run next, on the same sites). The server's machine
+    never holds a site's data file (it could train on nothing else than its test set), and
+    the rounds it had committed stay as they were."""
+    server, sites, certs, split = two_site_deployment(tmp_path)
     ledger = f"sqlite:///{server.home / 'runs.db'}"
     address = f"127.0.0.1:{free_port()}"
     deployment = ("--certs", str(certs), "--address", address, "--db", ledger)
@@ -406,19 +413,7 @@ def test_a_site_that_runs_no_clientapp_is_named_and_no_round_waits_for_it(tmp_pa
     process beside it; after a server stop, a stale SuperNode). The server names it once
     the site query's deadline passes (60 s on a deployment) and trains on the other site:
     no round waits for it, and the ledger says why it trained nothing."""
-    server = Machine(tmp_path / "server")
-    sites = {name: Machine(tmp_path / name) for name in ("london", "ohio")}
-    certs = server.home / "certs"
-    assert server.run("certs", "init", "--out", str(certs)).returncode == 0
-    for name, site in sites.items():
-        assert site.run("certs", "site", name, "--out", str(site.home / "certs")).returncode == 0
-        shutil.copy(certs / "ca.crt", site.home / "certs")
-        shutil.copy(site.home / "certs" / f"{name}.pub", certs)
-    split = server.home / "split"
-    made = server.run("data", "split", "--out", str(split), "--sites", "london,ohio")
-    assert made.returncode == 0, made.stderr
-    for name, site in sites.items():
-        shutil.move(split / f"{name}.npz", site.home / f"{name}.npz")
+    server, sites, certs, split = two_site_deployment(tmp_path)
     ledger = f"sqlite:///{server.home / 'runs.db'}"
     address = f"127.0.0.1:{free_port()}"
     logs = tmp_path / "logs"
