@@ -368,7 +368,7 @@ class SketchedSGD(SketchedStrategy):
             # Its accumulators and model are gone: nothing it owes is pending any more,
             # and its next message carries the whole model.
             self._forget_zero(node_id)
-            self.model.held.synced.pop(node_id, None)
+            self.model.forget(node_id)
             self.state.sketched.discard(node_id)
         reject_state_lost(reply.content, "it is sent the whole model and restarts u = v = 0")
         record, metrics = reply_parts(reply)

@@ -95,8 +95,10 @@ class HeldVersions:
             self.synced[node_id] = version_and_held[1]
 
     def forget(self, node_id: int) -> None:
-        """What ``node_id`` holds after its message is unknown (it failed, or lost its state)."""
+        """What ``node_id`` holds is unknown (its message failed, or it lost its state): it
+        is sent the whole model next."""
         self.sent.pop(node_id, None)
+        self.synced.pop(node_id, None)
 
 
 class SparseModel:
@@ -174,6 +176,10 @@ class SparseModel:
     def withdraw(self, node_id: int) -> None:
         """``node_id``'s drafted message was never sent: it still holds what it held."""
         self.held.withdraw(node_id)
+
+    def forget(self, node_id: int) -> None:
+        """What ``node_id`` holds is unknown: its next download is the whole model."""
+        self.held.forget(node_id)
 
     def state_dict(self) -> dict[str, Any]:
         """x, its version and change log, and what each site holds (node ids as they are).

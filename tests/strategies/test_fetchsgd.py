@@ -363,6 +363,24 @@ def test_a_withdrawn_download_leaves_the_sites_version_known() -> None:
     assert record_to_arrays(record)["sync.indices"].tolist() == [2]
 
 
+def test_a_forgotten_site_is_sent_the_whole_model_whether_or_not_a_download_was_out() -> None:
+    """A site that lost its state between messages (Sketched-SGD's values round sends no
+    download) or while one was out: its next download is the whole model."""
+    model = SparseModel()
+    model.adopt(arrays_to_record({"w": np.zeros(10, np.float32)}))
+    model.download(7)
+    model.confirm(7)  # it holds version 0
+    model.apply(torch.tensor([2]), torch.tensor([1.0]))
+    model.forget(7)  # no download out
+    assert model.download(7)[1] == DENSE
+    model.confirm(7)
+    model.apply(torch.tensor([3]), torch.tensor([1.0]))
+    assert model.download(7)[1] == 1  # sparse, and out
+    model.forget(7)
+    model.withdraw(7)  # nothing to give back: what it holds stays unknown
+    assert model.download(7)[1] == DENSE
+
+
 def test_sites_drawn_as_away_keep_their_sparse_downloads() -> None:
     """Simulated availability: a site's drafted message is not sent, and it is not re-sent
     the whole model next time (one dense download per site, at first contact)."""
