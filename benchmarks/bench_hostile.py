@@ -51,7 +51,7 @@ digest). ``guard_default`` and ``guard_with_direction`` time the engine's own
     python benchmarks/bench_hostile.py [--attacks huge,examples,sign-flip:10,...] [--rounds 20]
         [--aggregators mean,median] [--attackers 1/4,2/10] [--splits non-iid,iid]
         [--modes sync,k-async] [--defence-off KEY=VALUE ...] [--defence-on KEY=VALUE ...]
-        [--repeats 20] [--skip-simulations] [--out FILE]
+        [--federation KEY=VALUE ...] [--repeats 20] [--skip-simulations] [--out FILE]
 
     # the published attacks, at the defaults (about 25 minutes on 2 cores: 12 federations,
     # 5 runs each; ALIE's own z is 0 for 1 attacker of 4, so z = 1 here; the README's
@@ -59,6 +59,13 @@ digest). ``guard_default`` and ``guard_with_direction`` time the engine's own
     python benchmarks/bench_hostile.py --attacks alie:1,ipm,scaled:5,sign-flip:10 \
         --aggregators centered-clip --attackers 1/4,2/10 --splits non-iid,iid \
         --modes sync,k-sync,k-async --defence-off
+
+    # the direction check on the CNN (8 sites, one local step a round: the honest updates
+    # it rejects with no attacker, the README's guard section; about 1 minute)
+    python benchmarks/bench_hostile.py --attacks sign-flip:10 --aggregators centered-clip \
+        --attackers 2/8 --splits non-iid --modes sync --defence-off \
+        --defence-on update-min-cosine=-0.1 --rounds 30 \
+        --federation model=cnn dataset=mnist5k local-epochs=0 local-steps=1
 """
 
 from __future__ import annotations
@@ -356,11 +363,18 @@ def measure_attacks(
     off: Sequence[str],
     on: Sequence[str],
     matrix: Mapping[str, tuple[str, ...]] | None = None,
+    every: Sequence[str] = (),
 ) -> dict[str, Any]:
+    """Each attack in its federations (the matrix's, or its own), against the attacker
+    silent there, with and without the defence; ``every``: run-config items added to every
+    federation (the app must declare their keys)."""
     home = fresh_home()
     app_dir = home / "attack_app"  # Flower builds its FAB from the directory: a clean copy
     shutil.copytree(ATTACK_APP, app_dir, ignore=shutil.ignore_patterns("__pycache__"))
     db = f"sqlite:///{home / 'ledger.db'}"
+    undeclared = declared(app_dir, every)[1]
+    if undeclared:
+        raise SystemExit(f"--federation: the attack app declares no key of {undeclared}")
     off_known, off_missing = declared(app_dir, off)
     on_known, on_missing = declared(app_dir, on)
     # The app declares the guard's options, or the defence is not in this build.
@@ -384,7 +398,7 @@ def measure_attacks(
             federation = f"{federation} {own}" if own != "plain" else federation
         row: dict[str, Any] = {"attack": attack, "federation": federation}
         for label, extra in settings.items():
-            items = (*base, *federation_items, *extra)
+            items = (*base, *federation_items, *every, *extra)
             if (federation, label) not in silent:
                 silent[(federation, label)] = run_attack(app_dir, db, SILENT, items, rounds)
             attacked = run_attack(app_dir, db, attack, items, rounds)
@@ -403,6 +417,7 @@ def measure_attacks(
         row.setdefault("with_defence", None)
         results[f"{attack} @ {federation}" if matrix else attack] = row
     return {
+        "federation_items": list(every),
         "defence": {
             "present": defended,
             "with": list(on_known),
@@ -431,6 +446,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help="default: the app's (20)")
     parser.add_argument("--defence-off", nargs="*", default=list(DEFENCE_OFF), metavar="K=V")
     parser.add_argument("--defence-on", nargs="*", default=[], metavar="K=V")
+    parser.add_argument(
+        "--federation",
+        nargs="*",
+        default=[],
+        metavar="K=V",
+        help="run-config items of every federation, e.g. another task: model=cnn "
+        "dataset=mnist5k local-epochs=0 local-steps=1",
+    )
     parser.add_argument(
         "--aggregators", default="", help="matrix: centered-clip,mean,median,trimmed-mean"
     )
@@ -473,7 +496,9 @@ def main() -> None:
     }
     if not args.skip_simulations:
         report.update(
-            measure_attacks(chosen, args.rounds, args.defence_off, args.defence_on, matrix)
+            measure_attacks(
+                chosen, args.rounds, args.defence_off, args.defence_on, matrix, args.federation
+            )
         )
     report["wall_seconds"] = round(time.perf_counter() - began, 1)
     emit(report, args.out)

@@ -12,7 +12,9 @@ each with its reason for the ledger:
   their last accepted weight where they declared none):
   ``w ≤ s/(1−s) · Σ_{m≠n} w_m``. A claim of 10¹² examples cannot own the average.
 * **Norm.** ‖u‖ is compared with the reference: the median of the norms accepted in the
-  last ``window_rounds`` rounds and in this one so far, for updates of the same kind.
+  last ``window_rounds`` rounds and in this one so far, for updates of the same kind, and
+  of the newest before them while those hold fewer than ``min_reference`` (a round of the
+  async modes applies one update: ``trim_window``).
   One beyond ``norm_ratio`` × reference is clipped to the reference (scale = ref/‖u‖) or
   rejected; one beyond ``REJECT_BEYOND`` (100) × reference, or ``norm_ratio``² × if that
   is more, is rejected either way: no honest update is a hundred medians long, and
@@ -119,7 +121,8 @@ class GuardOptions:
     cap_declared : bool
         Cap a site's weight at the examples it declared when it joined.
     window_rounds : int
-        Rounds of accepted norms the reference is taken over (the current one too).
+        Rounds of accepted norms the reference is taken over (the current one too), and
+        earlier ones' newest norms while these hold fewer than ``min_reference``.
     min_reference : int
         Norms needed before an update is judged on arrival; before that it waits for the
         round's end.
@@ -243,6 +246,22 @@ class _Kind:
         return [n for past in self.rounds for n in past] + self.current
 
 
+def trim_window(rounds: deque[list[float]], *, keep: int, at_least: int) -> None:
+    """Drop the oldest rounds of ``rounds`` beyond the newest ``keep``, but keep the newest
+    of their values that the rest lacks to hold ``at_least`` (merged into the oldest round
+    kept). A window of rounds alone holds too few values where a round applies one update
+    (async, K = 1): an update then waits and is judged against a median that counts it,
+    and a site sending every other round could triple its norm each time, unclipped."""
+    while len(rounds) > keep:
+        oldest = rounds.popleft()
+        missing = at_least - sum(len(values) for values in rounds)
+        if missing > 0 and oldest:
+            if not rounds:  # keep = 0: the values needed stand as one round
+                rounds.append(oldest[-missing:])
+                return
+            rounds[0] = oldest[-missing:] + rounds[0]
+
+
 def _mapping(problems: StateProblems, value: Any, name: str) -> Mapping[Any, Any]:
     if isinstance(value, Mapping):
         return value
@@ -336,6 +355,7 @@ class UpdateGuard:
         self._declared: dict[int, int] = {}
         self._waiting: list[_Waiting] = []
         self._round = 0
+        self._kept_rounds = self.options.window_rounds - 1  # past rounds in a norm window
 
     # ------------------------------------------------------------------ sites
     def declare(self, site: int, num_examples: int | None) -> None:
@@ -459,6 +479,7 @@ class UpdateGuard:
         """The round closed: its norms join the window, its mean the direction."""
         for state in self._kinds.values():
             state.rounds.append(state.current)
+            trim_window(state.rounds, keep=self._kept_rounds, at_least=self.options.min_reference)
             state.current = []
             if state.direction_sum is not None and state.direction_weight > 0:
                 mean = [part / state.direction_weight for part in state.direction_sum]
@@ -532,8 +553,8 @@ class UpdateGuard:
                 ).items()
                 if _mean_cosine_ok(problems, judged, name, site)
             }
-            window: deque[list[float]] = deque(maxlen=self.options.window_rounds - 1)
-            window.extend([float(n) for n in norms] for norms in rounds)
+            window = deque([float(n) for n in norms] for norms in rounds)
+            trim_window(window, keep=self._kept_rounds, at_least=self.options.min_reference)
             kinds[name] = _Kind(
                 rounds=window,
                 direction=None if direction is None else [np.array(p) for p in direction],
@@ -565,7 +586,7 @@ class UpdateGuard:
     def _kind(self, kind: str) -> _Kind:
         state = self._kinds.get(kind)
         if state is None:
-            state = self._kinds[kind] = _Kind(rounds=deque(maxlen=self.options.window_rounds - 1))
+            state = self._kinds[kind] = _Kind(rounds=deque())
         return state
 
     def _weight(self, site: int, claimed: int) -> tuple[float, list[str]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from flplatform.engine.guard import (
     UpdateGuard,
     cosine,
     median,
+    trim_window,
     vector_norm,
 )
 
@@ -453,3 +455,69 @@ def test_waiting_updates_are_judged_once_min_reference_norms_are_there() -> None
     sketch = guard.consider(6, site=6, kind="sketch", claimed=10, vector=vec(5.0, 0))
     assert sketch.ruling is Ruling.WAIT and guard.ready() == {}
     assert list(guard.settle()) == [6]  # the round's close judges what still waits
+
+
+# ------------------------------------------------ one update a round (async, K = 1)
+def test_a_site_sending_every_other_round_cannot_grow_its_norm_round_by_round() -> None:
+    """Found by a review: with a window of rounds alone, a round that applies one update
+    left two norms known, so each update waited and was judged against a median that
+    counted it: a site sending three times the largest recent norm was admitted whole,
+    every other round (3, 9, 27, ... 2187 by round 14)."""
+    guard = UpdateGuard(GuardOptions())  # ratio 3, window of 3 rounds, min_reference 3
+    counted, waited = [], []
+    for server_round in range(1, 15):
+        guard.begin_round(server_round)
+        honest = server_round % 2 == 1
+        known = (
+            [n for past in guard._kinds["delta"].rounds for n in past] if server_round > 1 else []
+        )
+        norm = 1.0 if honest else 3.0 * max(known, default=1.0)
+        decision = guard.consider(
+            server_round, site=1 if honest else 2, kind="delta", claimed=10, vector=vec(norm, 0)
+        )
+        if decision.ruling is Ruling.WAIT:
+            waited.append(server_round)
+            decision = guard.ready().get(server_round) or guard.settle()[server_round]
+        assert decision.ruling is Ruling.ADMIT
+        if not honest:
+            counted.append(norm * decision.scale)
+        guard.round_finished()
+    assert waited == [1, 2, 3]  # from round 4 three norms are known: judged on arrival
+    assert max(counted) <= 3.0 + 1e-9  # at most three honest norms, however many turns
+
+
+def test_the_window_keeps_whole_rounds_and_enough_norms_before_them() -> None:
+    rounds = deque([[1.0], [2.0], [3.0]])
+    trim_window(rounds, keep=2, at_least=3)  # one norm a round: the oldest stays, merged
+    assert list(rounds) == [[1.0, 2.0], [3.0]]
+    rounds.append([4.0])
+    trim_window(rounds, keep=2, at_least=3)
+    assert list(rounds) == [[2.0, 3.0], [4.0]]  # the newest three
+    synchronous = deque([[1.0] * 4, [2.0] * 4, [3.0] * 4])
+    trim_window(synchronous, keep=2, at_least=3)  # four a round: the oldest round goes
+    assert list(synchronous) == [[2.0] * 4, [3.0] * 4]
+    alone = deque([[1.0, 2.0], [3.0]])
+    trim_window(alone, keep=0, at_least=2)  # no past round kept, but two norms
+    assert list(alone) == [[2.0, 3.0]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rounds=st.lists(st.lists(st.integers(0, 99), max_size=4), min_size=1, max_size=8),
+    keep=st.integers(0, 4),
+    at_least=st.integers(1, 6),
+)
+def test_the_window_holds_the_last_rounds_and_the_newest_values_a_reference_needs(
+    rounds: list[list[int]], keep: int, at_least: int
+) -> None:
+    window = deque([float(v) for v in values] for values in rounds)
+    trim_window(window, keep=keep, at_least=at_least)
+    # naive: the last ``keep`` rounds whole, then older values newest first until
+    # ``at_least`` are held (or none are left)
+    split = max(0, len(rounds) - keep)
+    recent = [v for values in rounds[split:] for v in values]
+    older = [v for values in rounds[:split] for v in values]
+    needed = max(0, at_least - len(recent))
+    wanted = older[max(0, len(older) - needed) :] if needed else []
+    assert [v for values in window for v in values] == [float(v) for v in wanted + recent]
+    assert len(window) <= max(keep, 1)
