@@ -651,7 +651,14 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         kind = "delta"
         if self.fragments > 1:
             kind = f"delta/fragment-{fragment_of_round(period, self.fragments)}"
-        return Update(contribution, vector=list(update.values()), kind=kind, payload=payload)
+        averaged = set(averaged_of(update, self.codec.averaged))  # judged apart by the guard
+        return Update(
+            contribution,
+            vector=[part for k, part in update.items() if k not in averaged],
+            averaged=[part for k, part in update.items() if k in averaged],
+            kind=kind,
+            payload=payload,
+        )
 
     def add_update(self, update: Update, *, weight: float, scale: float = 1.0) -> None:
         """Add w·s·A_{n,q} to the accumulator of period q; the site's period is counted."""

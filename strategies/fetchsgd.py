@@ -265,9 +265,12 @@ class FetchSGD(SketchedStrategy):
             compute_seconds=first_number(metrics, (keys.COMPUTE_SECONDS,)),
         )
         # Sketches are linear: a table's norm and direction stand for its update's.
-        vector = [table, *changes.values()]
         return Update(
-            contribution, vector=vector, kind="sketch", payload=(table, changes, unchanged)
+            contribution,
+            vector=[table],
+            averaged=list(changes.values()),
+            kind="sketch",
+            payload=(table, changes, unchanged),
         )
 
     def add_update(self, update: Update, *, weight: float, scale: float = 1.0) -> None:

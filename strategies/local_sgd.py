@@ -230,6 +230,9 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         self.codec: Codec = make_codec(codec)
         self._fitted_codec = False  # whether the codec was fitted to the model (once)
         self._layout: Layout | None = None
+        # the model's arrays averaged as they are (running statistics, counters), set with
+        # the model: the guard judges them apart, centred clipping leaves them whole
+        self._averaged: tuple[str, ...] = ()
         self.state = LocalSGDState()
         self._acc = WeightedDeltaSum()
         self._current: dict[str, np.ndarray] = {}
@@ -332,9 +335,11 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         if not self._fitted_codec:
             self.codec = fit_codec(self.codec, self.averaged_arrays, arrays)
             self._fitted_codec = True
-        if changed and self._centered is not None:
-            # running statistics and counters keep the plain mean (strategies.centered_clip)
-            self._centered.skip = frozenset(averaged_of(self._current, self.codec.averaged))
+        if changed:
+            self._averaged = averaged_of(self._current, self.codec.averaged)
+            if self._centered is not None:
+                # running statistics and counters keep the plain mean (strategies.centered_clip)
+                self._centered.skip = frozenset(self._averaged)
         if self._restored:
             self._restored = False
             self._check_restored()
@@ -380,7 +385,12 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         contribution = Contribution(
             num_examples, train_loss=loss, compute_seconds=seconds, note=note
         )
-        return Update(contribution, vector=list(delta.values()), payload=delta)
+        return Update(
+            contribution,
+            vector=[part for k, part in delta.items() if k not in self._averaged],
+            averaged=[part for k, part in delta.items() if k in self._averaged],
+            payload=delta,
+        )
 
     def add_update(self, update: Update, *, weight: float, scale: float = 1.0) -> str | None:
         """Add w·s·Δ_n to the round's sum (centred clipping: w·α·(s·Δ_n − c)), or hold s·Δ_n
@@ -454,7 +464,7 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
                 state=self.state.optimizer,
                 spent=True,
                 x64=self._current64,
-                averaged=averaged_of(self._current, self.codec.averaged),
+                averaged=self._averaged,
             )
             stepped = True
         except StepRefused as exc:

@@ -224,7 +224,7 @@ def averaged_values(
 
 def averaged_changes(record: ArrayRecord, model: SparseModel) -> dict[str, np.ndarray]:
     """What a site's training did to the arrays it sent whole: its value − x, flat float64
-    (``averaged_values`` checks them). The guard sees these beside the sketch or values."""
+    (``averaged_values`` checks them). The guard judges them apart (``Update.averaged``)."""
     assert model.layout is not None
     return {
         name: value.reshape(-1).astype(np.float64) - model.flat[model.span(name)].numpy()

@@ -415,8 +415,13 @@ class SketchedSGD(SketchedStrategy):
             raise UpdateRejected(f"node {node_id}'s sketch was not counted this step")
         changes = averaged_changes(record, self.model)
         payload = (node_id, values, changes)
-        vector = [values, *changes.values()]
-        return Update(Contribution(num_examples), vector=vector, kind="values", payload=payload)
+        return Update(
+            Contribution(num_examples),
+            vector=[values],
+            averaged=list(changes.values()),
+            kind="values",
+            payload=payload,
+        )
 
     def add_update(self, update: Update, *, weight: float, scale: float = 1.0) -> None:
         """Sketch round: add w·s·S(g_n). Values round: add the values, weighted as the

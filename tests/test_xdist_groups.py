@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-GROUPED = '''
+GROUPED = """
 import os
 
 import pytest
@@ -25,7 +25,7 @@ import pytest
 def test_grouped(n):
     with open(os.environ["WORKERS_FILE"], "a") as seen:
         seen.write(os.environ["PYTEST_XDIST_WORKER"] + "\\n")
-'''
+"""
 
 
 def test_an_xdist_group_runs_on_one_worker(tmp_path: Path) -> None:

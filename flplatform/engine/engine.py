@@ -1156,6 +1156,7 @@ class RoundEngine:
                 kind=update.kind,
                 claimed=update.contribution.num_examples,
                 vector=update.vector,
+                averaged=update.averaged,
                 fingerprint=fingerprint(reply) if self.guard.options.reject_replays else None,
             )
             if decision.ruling is Ruling.REJECT:

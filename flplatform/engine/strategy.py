@@ -51,6 +51,10 @@ class Update:
     vector : sequence of arrays
         What the update adds to the round, before weighting: the guard judges its norm
         and direction. (Model deltas, a sketch table, values at coordinates.)
+    averaged : sequence of arrays
+        What it adds to the arrays the round averages as they are (running statistics,
+        counters: ``strategies.averaged_arrays``), kept out of ``vector``: the guard
+        judges them apart (``flplatform.engine.guard.AVERAGED_KIND``).
     kind : str
         Updates are compared only with those of the same kind ("delta", "sketch", ...).
     payload : object
@@ -61,6 +65,7 @@ class Update:
     vector: Sequence[np.ndarray]
     kind: str = "delta"
     payload: Any = None
+    averaged: Sequence[np.ndarray] = ()
 
 
 @dataclass(frozen=True)

@@ -504,9 +504,10 @@ def test_the_guard_sees_what_training_did_to_the_averaged_arrays() -> None:
     trained = np.array([3, 0.5], np.float32)
     reply = sketch_reply({"sketch": TABLE, "averaged/float32": trained})
     update = strategy.read_update(reply, base=base)
-    assert len(update.vector) == 2
+    # the sketch is judged as the update's norm and direction, the averaged arrays apart
+    assert len(update.vector) == 1 and len(update.averaged) == 1
     np.testing.assert_array_equal(update.vector[0], TABLE)
-    np.testing.assert_array_equal(update.vector[1], [2, -0.5])  # value − x
+    np.testing.assert_array_equal(update.averaged[0], [2, -0.5])  # value − x
 
 
 def test_fetchsgd_settings_are_checked() -> None:

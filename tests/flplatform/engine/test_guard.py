@@ -521,3 +521,62 @@ def test_the_window_holds_the_last_rounds_and_the_newest_values_a_reference_need
     wanted = older[max(0, len(older) - needed) :] if needed else []
     assert [v for values in window for v in values] == [float(v) for v in wanted + recent]
     assert len(window) <= max(keep, 1)
+
+
+# ------------------------------------ arrays averaged as they are (running statistics)
+def test_counters_in_an_update_do_not_hide_its_weights_scaled_a_hundredfold() -> None:
+    """Found by a review: a ResNet's update after 20 local steps had norm 94.1, of which its
+    BatchNorm counters 89.4 and running statistics 29.1, its weights 1.9; judged in one
+    norm, an update with its weights ×100 (norm 214 against a median of 94) was admitted
+    whole. Judged apart, the weights are clipped and the counters admitted."""
+    guard = UpdateGuard(GuardOptions())
+    guard.begin_round(1)
+    counters = vec(89.4, 29.1)
+    for site in (1, 2, 3):
+        guard.consider(
+            site, site=site, kind="delta", claimed=10, vector=vec(1.9), averaged=counters
+        )
+    assert all(d.ruling is Ruling.ADMIT and d.scale == 1.0 for d in guard.ready().values())
+    guard.round_finished()
+    guard.begin_round(2)
+    scaled = guard.consider(4, site=4, kind="delta", claimed=10, vector=vec(190), averaged=counters)
+    assert scaled.ruling is Ruling.ADMIT and scaled.scale == pytest.approx(1.9 / 190)
+    honest = guard.consider(5, site=5, kind="delta", claimed=10, vector=vec(2.5), averaged=counters)
+    assert (honest.ruling, honest.scale) == (Ruling.ADMIT, 1.0)
+
+
+def test_running_statistics_far_beyond_their_median_reject_the_update() -> None:
+    guard = UpdateGuard(GuardOptions())
+    guard.begin_round(1)
+    first = [
+        guard.consider(t, site=t, kind="delta", claimed=10, vector=vec(1.0), averaged=vec(a))
+        for t, a in ((1, 1.0), (2, 1e6), (3, 2.0))
+    ]
+    assert [d.ruling for d in first] == [Ruling.WAIT] * 3
+    decisions = guard.ready()  # judged together: the median of {1, 1e6, 2} is 2
+    assert decisions[1].ruling is decisions[3].ruling is Ruling.ADMIT
+    assert decisions[2].ruling is Ruling.REJECT
+    assert "running statistics and counters: norm 1e+06" in (decisions[2].reason or "")
+    fourth = guard.consider(4, site=4, kind="delta", claimed=10, vector=vec(1.0), averaged=vec(3))
+    assert fourth.ruling is Ruling.WAIT and guard.ready()[4].ruling is Ruling.ADMIT
+    guard.round_finished()
+    guard.begin_round(2)
+    # on arrival against {1, 2} and the round before's: within 100x is admitted whole (they
+    # are averaged, not stepped: no clipping), beyond is rejected
+    within = guard.consider(4, site=4, kind="delta", claimed=10, vector=vec(1.0), averaged=vec(150))
+    assert (within.ruling, within.scale) == (Ruling.ADMIT, 1.0)
+    beyond = guard.consider(5, site=5, kind="delta", claimed=10, vector=vec(1.0), averaged=vec(1e4))
+    assert beyond.ruling is Ruling.REJECT and "beyond 100x" in (beyond.reason or "")
+    overflow = guard.consider(
+        6, site=6, kind="delta", claimed=10, vector=vec(1.0), averaged=vec(1e200, 1e200)
+    )
+    assert overflow.ruling is Ruling.REJECT and "overflows" in (overflow.reason or "")
+    # their window survives a checkpoint
+    guard.round_finished()
+    restored = UpdateGuard(GuardOptions())
+    restored.load_state_dict(guard.state_dict())
+    restored.begin_round(3)
+    again = restored.consider(
+        7, site=7, kind="delta", claimed=10, vector=vec(1.0), averaged=vec(1e4)
+    )
+    assert again.ruling is Ruling.REJECT and "running statistics" in (again.reason or "")
