@@ -43,6 +43,17 @@ AVERAGED = "averaged/"
 RUNNING_STATISTICS = ("running_mean", "running_var")
 
 
+def judged_changes(
+    changes: Mapping[str, np.ndarray], dtypes: Mapping[str, np.dtype[Any]]
+) -> list[np.ndarray]:
+    """What the update guard judges of an update's changes to its averaged arrays (name →
+    change, in any carrier dtype): those of the float arrays (running statistics). An
+    integer counter's change is the number of steps a site took, which follows the size
+    of its data, not its honesty: a site with a hundred times the median's batches would
+    have been rejected for it."""
+    return [change for name, change in changes.items() if np.dtype(dtypes[name]).kind == "f"]
+
+
 def averaged_arrays(
     dtypes: Mapping[str, np.dtype[Any]], named: Iterable[str] = ()
 ) -> tuple[str, ...]:

@@ -88,7 +88,7 @@ from strategies.aggregation import (
     WeightedDeltaSum,
     apply_server_update,
 )
-from strategies.averaged_arrays import averaged_of
+from strategies.averaged_arrays import averaged_of, judged_changes
 from strategies.codecs import Codec, Identity, make_codec
 from strategies.compensation import ServerPeriods
 from strategies.fragments import Fragments, changed_since, fragment_of_round, split_fragments
@@ -630,6 +630,11 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         )
         if note is not None:
             periods.forget(node_id, keep=period)
+        elif metrics.get(keys.RESIDUAL_LOST) == 1:
+            note = (
+                "site lost its error-feedback residual (a restarted SuperNode?): it restarted "
+                "at zero; its periods were kept"
+            )
         # The site has now settled everything up to the model it was sent, whatever
         # becomes of this update.
         periods.acknowledged(node_id, periods.version_for(period))
@@ -655,7 +660,10 @@ class DelayedCompensated(PlatformStart, Strategy, EngineStrategy):
         return Update(
             contribution,
             vector=[part for k, part in update.items() if k not in averaged],
-            averaged=[part for k, part in update.items() if k in averaged],
+            averaged=judged_changes(
+                {k: part for k, part in update.items() if k in averaged},
+                {k: self._current[k].dtype for k in update},
+            ),
             kind=kind,
             payload=payload,
         )

@@ -54,6 +54,7 @@ from strategies.sketched_common import (
     AveragedSum,
     SketchedStrategy,
     averaged_changes,
+    judged_averaged,
     sketch_table,
     unchanged_arrays,
 )
@@ -268,7 +269,7 @@ class FetchSGD(SketchedStrategy):
         return Update(
             contribution,
             vector=[table],
-            averaged=list(changes.values()),
+            averaged=judged_averaged(changes, self.model),
             kind="sketch",
             payload=(table, changes, unchanged),
         )

@@ -71,7 +71,7 @@ from strategies.aggregation import (
     float64_model,
     model_delta,
 )
-from strategies.averaged_arrays import averaged_of, named_arrays
+from strategies.averaged_arrays import averaged_of, judged_changes, named_arrays
 from strategies.centered_clip import CenteredClip
 from strategies.codecs import Codec, Identity, make_codec, with_averaged
 from strategies.knobs import CENTERED_CLIP, MEAN, MEDIAN, LocalSGDKnobs
@@ -388,7 +388,10 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         return Update(
             contribution,
             vector=[part for k, part in delta.items() if k not in self._averaged],
-            averaged=[part for k, part in delta.items() if k in self._averaged],
+            averaged=judged_changes(
+                {k: part for k, part in delta.items() if k in self._averaged},
+                {k: self._current[k].dtype for k in self._averaged},
+            ),
             payload=delta,
         )
 

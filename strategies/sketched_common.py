@@ -10,7 +10,7 @@ and ``start`` hooks run by the round engine (fully synchronous). Checks on a ske
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,7 @@ from flplatform.core.seeding import derive_seed
 from flplatform.engine import AggregationPolicy, EngineStrategy, Synchrony, Update
 from flplatform.engine.replies import record_of
 from flplatform.run.start import PlatformStart
-from strategies.averaged_arrays import AVERAGED
+from strategies.averaged_arrays import AVERAGED, judged_changes
 from strategies.codecs import averaged_from_wire, averaged_keys
 from strategies.knobs import sketched_sync_only
 from strategies.layout import Layout
@@ -230,6 +230,12 @@ def averaged_changes(record: ArrayRecord, model: SparseModel) -> dict[str, np.nd
         name: value.reshape(-1).astype(np.float64) - model.flat[model.span(name)].numpy()
         for name, value in averaged_values(record, model.layout, model.averaged).items()
     }
+
+
+def judged_averaged(changes: Mapping[str, np.ndarray], model: SparseModel) -> list[np.ndarray]:
+    """The ``averaged_changes`` the update guard judges (``judged_changes``: the float ones)."""
+    assert model.layout is not None
+    return judged_changes(changes, {name: model.layout.dtype_of(name) for name in changes})
 
 
 def unchanged_arrays(reply: Message, model: SparseModel) -> set[str]:

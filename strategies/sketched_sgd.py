@@ -70,6 +70,7 @@ from strategies.sketched_common import (
     AveragedSum,
     SketchedStrategy,
     averaged_changes,
+    judged_averaged,
     sketch_table,
 )
 from strategies.sparse_sync import SparseModel
@@ -418,7 +419,7 @@ class SketchedSGD(SketchedStrategy):
         return Update(
             Contribution(num_examples),
             vector=[values],
-            averaged=list(changes.values()),
+            averaged=judged_averaged(changes, self.model),
             kind="values",
             payload=payload,
         )

@@ -79,6 +79,9 @@ COMPUTE_SECONDS = "compute-seconds"
 FIRST_BATCH_LOSS = "first-batch-loss"
 PERIOD = "period"  # delayed updates: the period an accumulated step was computed for
 STATE_LOST = "state-lost"  # 1: the site's mod found its kept state gone (a restart)
+# 1: a delayed site found its codec's residual gone but its periods kept (they were saved
+# apart): the server keeps counting its periods, and notes the residual restarted at zero
+RESIDUAL_LOST = "residual-lost"
 # ---- a mod's reply config: what its arrays are, and why a state-lost reply has none
 UPDATE_KIND = "update"  # "delta": arrays are x_n − x (or a step), not a model
 # the algorithm whose mod answered (the message's site-algorithm; local-sgd without one):

@@ -234,11 +234,11 @@ def delayed_mod() -> Mod:
             if isinstance(named, str) and asked is not None
             else asked
         )
+        residual_lost = False
         if codec is not None:
-            wire, sent, lost_residual = compress_upload(
+            wire, sent, residual_lost = compress_upload(
                 msg, context, update, codec, dense=delayed.compensate, partial=fragment is not None
             )
-            lost = lost or lost_residual
             if sent is not None:
                 # Kept as the server will decode it: the model stays the sum of what the
                 # server knows, the residual travels in a later upload.
@@ -246,6 +246,11 @@ def delayed_mod() -> Mod:
             update, config[keys.CODEC] = wire, codec.name
         synced = (global_model, delayed.version) if delayed.fragments > 1 else None
         save_site_periods(context, periods, msg, synced=synced)
-        return reply_with(msg, update, mark_lost(metrics, lost), config=config, extra=result.extra)
+        metrics = mark_lost(metrics, lost)
+        if residual_lost and not lost:
+            # Its periods are intact (saved apart): said as lost, the server would drop them
+            # and the site would send them again, counted twice.
+            metrics = MetricRecord({**metrics, keys.RESIDUAL_LOST: 1})
+        return reply_with(msg, update, metrics, config=config, extra=result.extra)
 
     return mod

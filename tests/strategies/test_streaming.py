@@ -341,3 +341,68 @@ def test_a_message_not_sent_leaves_the_site_holding_what_it_held() -> None:
     assert node not in strategy.state.held.synced  # taken while the message is out
     strategy.message_not_sent(message)
     assert strategy.state.held.synced[node] == held[node]
+
+
+@pytest.mark.parametrize("fragments", [1, 3])
+def test_a_site_that_lost_only_its_codec_residual_keeps_its_periods(fragments: int) -> None:
+    """Found by a review: the residual and the periods are saved apart, so one can be
+    gone while the other is there. Said as a lost state, the server dropped the site's
+    periods and the site, still holding them, sent them again: counted twice. For each
+    site, what the server counted, what the site still holds unsent (its periods not yet
+    counted, the carry, the residual) and the residual that was lost add up to what its
+    training did."""
+    from strategies.mods.contract import ModState
+    from strategies.mods.delayed import periods_of
+
+    rounds, wipe_at = 10, 6
+    behaviours = sites(3)
+    trained = {n: {k: np.zeros(shape) for k, shape in SHAPES.items()} for n in behaviours}
+    wiped: dict[str, np.ndarray] = {}
+    for n, site in behaviours.items():
+
+        def step(msg: Message, state: Context, site: QuadraticSite = site, n: int = n) -> Message:
+            period = int(msg.content[keys.CONFIG][keys.SERVER_ROUND])
+            if n == 1 and period == wipe_at:  # the codec's snapshot alone is gone
+                for k, v in compress_residual(state).items():
+                    wiped[k] = v
+                del state.state[keys.CODEC_STATE]
+            reply = QuadraticSite.train(site, msg, state)
+            out = record_to_arrays(reply.content[keys.ARRAYS])
+            for k in SHAPES:
+                trained[n][k] += out[k].astype(np.float64) - site.starts[period][k]
+            return reply
+
+        site.train = step  # type: ignore[method-assign]
+    strategy = DelayedCompensated(delay=1, num_rounds=rounds, fragments=fragments, codec="int8")
+    counted = {n: {k: np.zeros(shape) for k, shape in SHAPES.items()} for n in behaviours}
+    add = strategy.add_update
+
+    def counting(update, *, weight: float, scale: float = 1.0):  # noqa: ANN001, ANN202
+        node, _, arrays = update.payload
+        for k, v in arrays.items():
+            counted[node][k] += np.asarray(v, np.float64) * scale
+        return add(update, weight=weight, scale=scale)
+
+    strategy.add_update = counting  # type: ignore[method-assign]
+    summaries: list[RoundSummary] = []
+    run(strategy, behaviours, rounds, on_round=summaries.append)
+    notes = [u.reason or "" for s in summaries for u in s.updates if u.site == "s1"]
+    assert sum("lost its error-feedback residual" in note for note in notes) == 1
+    assert not any("unsettled periods were dropped" in note for note in notes)
+    for n, site in behaviours.items():
+        periods = periods_of(ModState.load(site.state, keys.DELAYED_STATE))
+        assert periods is not None
+        included = strategy.state.periods.included.get(n, set())
+        unsent = {k: np.zeros(shape) for k, shape in SHAPES.items()}
+        for period, step_arrays in periods.pending.items():
+            if period not in included:
+                for k, v in step_arrays.items():
+                    unsent[k] += v
+        for k, v in (periods.carry or {}).items():
+            unsent[k] += v
+        residual = compress_residual(site.state)
+        for k in SHAPES:
+            lost = wiped.get(k, 0.0) if n == 1 else 0.0
+            np.testing.assert_allclose(
+                counted[n][k] + unsent[k] + residual.get(k, 0.0) + lost, trained[n][k], atol=1e-5
+            )
