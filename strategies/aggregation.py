@@ -259,6 +259,13 @@ def apply_server_update(
             if not np.isfinite(new).all():
                 raise StepRefused(f"array '{key}' would become non-finite")
             new = np.rint(new)
+            # beyond the dtype, a cast wraps round (1e30 in int64 is -2^63) without a word;
+            # float(max) + 1 is the first value out of range, whichever rounds float(max)
+            info = np.iinfo(base.dtype)
+            if new.size and (new.min() < info.min or new.max() >= float(info.max) + 1):
+                raise StepRefused(
+                    f"array '{key}' would leave {base.dtype}'s range [{info.min}, {info.max}]"
+                )
         with np.errstate(over="ignore"):  # overflow is what the check below looks for
             cast = new.astype(base.dtype, copy=False)
         if np.issubdtype(cast.dtype, np.inexact) and not np.isfinite(cast).all():

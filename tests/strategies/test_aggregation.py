@@ -390,6 +390,15 @@ def test_a_complex_base_is_promoted_as_numpy_promotes_it() -> None:
     np.testing.assert_array_equal(model_delta(received, base), received.astype(np.float64) - base)
 
 
+def model_values(rng: np.random.Generator, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    """A model array of ``dtype`` that the steps of these tests keep in its range (a step
+    past an integer dtype's is refused)."""
+    values = np.asarray(rng.normal(size=shape) * 10)
+    if np.issubdtype(np.dtype(dtype), np.unsignedinteger):
+        values = np.abs(values) + 20
+    return values.astype(dtype)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     dtype=REAL_DTYPES,
@@ -404,7 +413,7 @@ def test_a_spent_mean_gives_the_same_step_bit_for_bit(
 ) -> None:
     nesterov = nesterov and beta > 0  # Nesterov needs a momentum to look ahead with
     rng = np.random.default_rng(seed)
-    x = {"x": np.asarray(rng.normal(size=shape) * 10).astype(dtype)}
+    x = {"x": model_values(rng, shape, dtype)}
     mean = {"x": np.asarray(rng.normal(size=shape))}
     velocity = {"x": np.asarray(rng.normal(size=shape))}
     results = []
@@ -430,7 +439,7 @@ def test_delayed_nesterov_with_a_spent_mean_gives_the_same_step_bit_for_bit(
     dtype: type, shape: tuple[int, ...], due: bool, seed: int
 ) -> None:
     rng = np.random.default_rng(seed)
-    x = {"x": np.asarray(rng.normal(size=shape) * 10).astype(dtype)}
+    x = {"x": model_values(rng, shape, dtype)}
     mean = {"x": np.asarray(rng.normal(size=shape))}
     velocity, held = np.asarray(rng.normal(size=shape)), np.asarray(rng.normal(size=shape))
     results = []
@@ -499,3 +508,28 @@ def test_sums_and_the_float64_model_are_written_into_the_memory_given() -> None:
     for key in ("w", "n"):
         assert cast[key].dtype == np.float64
         np.testing.assert_array_equal(cast[key], new[key])
+
+
+@pytest.mark.parametrize(
+    ("dtype", "step"),
+    [(np.int64, 1e30), (np.int64, 2.0**63), (np.int64, -(2.0**63) - 4096), (np.int32, 2.0**31)],
+)
+def test_an_integer_array_pushed_out_of_its_range_refuses_the_step(
+    dtype: type, step: float
+) -> None:
+    """Found by a review: a step past an integer dtype's range was cast round it (1e30 and
+    2^63 in int64 became -2^63, with only a RuntimeWarning); it is refused, the state as
+    it was."""
+    state = ServerOptimizerState()
+    x = {"w": np.zeros(2, np.float32), "count": np.array([5], dtype)}
+    with pytest.raises(StepRefused, match="'count' would leave"):
+        apply_server_update(
+            x, {"w": np.ones(2), "count": np.array([step])}, eta=1.0, beta=0.0, state=state
+        )
+    assert state.steps == 0
+    # a step that still fits (exact in float64: beyond 2^53, x + η·step rounds)
+    edge = float(np.iinfo(dtype).max) - 5 if dtype == np.int32 else 2.0**52
+    fine = apply_server_update(
+        x, {"w": np.ones(2), "count": np.array([edge])}, eta=1.0, beta=0.0, state=state
+    )
+    assert fine["count"].dtype == dtype and int(fine["count"][0]) == int(edge) + 5
