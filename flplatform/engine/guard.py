@@ -233,8 +233,7 @@ class _Waiting:
     site: int
     kind: str
     norm: float
-    weight: float
-    notes: list[str]
+    claimed: int  # its weight is set when it is judged, with the others held beside it
     vector: Sequence[np.ndarray]
     averaged: float | None = None  # the norm of its averaged arrays, if it has any
 
@@ -444,7 +443,7 @@ class UpdateGuard:
             return decision
         if decision.ruling is Ruling.WAIT:  # its direction is judged after its norm
             self._waiting.append(
-                _Waiting(ticket, site, kind, norm, weight, notes, vector, averaged=extra)
+                _Waiting(ticket, site, kind, norm, claimed, vector, averaged=extra)
             )
             return decision
         pointing_away = self._direction_problem(vector, norm, state, site)
@@ -485,6 +484,7 @@ class UpdateGuard:
         by_kind: dict[str, list[_Waiting]] = {}
         for item in waiting:
             by_kind.setdefault(item.kind, []).append(item)
+        held = {item.site: float(item.claimed) for item in waiting}  # for the share cap
         for kind, items in by_kind.items():
             state = self._kind(kind)
             reference = median(state.norms() + [item.norm for item in items])
@@ -498,7 +498,8 @@ class UpdateGuard:
                     if item.averaged is None
                     else self._averaged_beyond(item.averaged, extra_reference)
                 )
-                decision = beyond or self._judge_norm(item.weight, item.norm, item.notes, reference)
+                weight, notes = self._weight(item.site, item.claimed, held=held)
+                decision = beyond or self._judge_norm(weight, item.norm, notes, reference)
                 if decision.ruling is Ruling.ADMIT:
                     pointing_away = self._direction_problem(
                         item.vector, item.norm, state, item.site
@@ -639,8 +640,13 @@ class UpdateGuard:
             state = self._kinds[kind] = _Kind(kind, rounds=deque())
         return state
 
-    def _weight(self, site: int, claimed: int) -> tuple[float, list[str]]:
-        """The weight the site's update gets, and notes on any cap."""
+    def _weight(
+        self, site: int, claimed: int, *, held: Mapping[int, float] | None = None
+    ) -> tuple[float, list[str]]:
+        """The weight the site's update gets, and notes on any cap. ``held``: the claims of
+        the updates judged with it (the first round's, which waited), which count among
+        the others' weights where nothing else is known of their sites: with no example
+        counts declared, nothing else is, and a claim of 10¹² owned the first round."""
         weight, notes = float(claimed), []
         declared = self._declared.get(site) if self.options.cap_declared else None
         if declared is not None and claimed > declared:
@@ -652,10 +658,17 @@ class UpdateGuard:
         share = self.options.max_share
         if share < 1.0:
             # fsum: exact whatever the order of the set (node ids change on resume)
+            known = set(self._declared) | set(self._last_weight)
+            unknown = {o: w for o, w in (held or {}).items() if o != site and o not in known}
             others = math.fsum(
-                self._declared.get(other, self._last_weight.get(other, 0.0))
-                for other in set(self._declared) | set(self._last_weight)
-                if other != site
+                [
+                    *(
+                        self._declared.get(other, self._last_weight.get(other, 0.0))
+                        for other in known
+                        if other != site
+                    ),
+                    *unknown.values(),
+                ]
             )
             cap = share / (1.0 - share) * others
             if others > 0 and weight > cap:

@@ -154,6 +154,22 @@ def test_weight_is_capped_by_the_declared_examples_and_the_share() -> None:
     assert "max-site-share 0.5" in (quiet.reason or "")
 
 
+def test_the_share_caps_the_first_rounds_claims_when_no_site_declared_any() -> None:
+    """Found by a review: the first round's updates wait for a reference, and their weight
+    was fixed on arrival, when (no site having declared its examples, as a plain Flower
+    ClientApp does not) nothing was known of the others: a claim of 10¹² owned round 1."""
+    guard = UpdateGuard(GuardOptions(max_share=0.5))
+    guard.begin_round(1)
+    for site, claimed in ((1, 100), (2, 10**12), (3, 100)):
+        held = guard.consider(site, site=site, kind="delta", claimed=claimed, vector=vec(1))
+        assert held.ruling is Ruling.WAIT
+    decisions = guard.ready()
+    # s/(1 − s) · others: the liar at most the two others' 200; they, beside the liar, whole
+    assert decisions[2].weight == pytest.approx(200)
+    assert "max-site-share 0.5" in (decisions[2].reason or "")
+    assert decisions[1].weight == decisions[3].weight == 100
+
+
 def test_a_sign_flipped_update_is_rejected_and_an_honest_one_admitted() -> None:
     guard = warmed(GuardOptions(norm_ratio=10, min_cosine=-0.1), [1.0, 1.0, 1.0])
     flipped = guard.consider(1, site=1, kind="delta", claimed=10, vector=vec(-1, 0.2))
