@@ -15,8 +15,8 @@ each with its reason for the ledger:
   last ``window_rounds`` rounds and in this one so far, for updates of the same kind, and
   of the newest before them while those hold fewer than ``min_reference`` (a round of the
   async modes applies one update: ``trim_window``). What an update adds to the arrays
-  averaged as they are (running statistics, counters) is not in that norm: it is judged
-  against its own median (``AVERAGED_KIND``).
+  averaged as they are (running statistics) is not in that norm: it is judged against its
+  own median (``AVERAGED_KIND``).
   One beyond ``norm_ratio`` × reference is clipped to the reference (scale = ref/‖u‖) or
   rejected; one beyond ``REJECT_BEYOND`` (100) × reference, or ``norm_ratio``² × if that
   is more, is rejected either way: no honest update is a hundred medians long, and
@@ -98,12 +98,13 @@ CLEARLY_AWAY = 0.5
 # Beyond this many reference norms an update is rejected even where clipping is the action.
 REJECT_BEYOND = 100.0
 # The kind (suffix) of what updates add to the arrays a round averages as they are (running
-# statistics, counters; ``strategies.averaged_arrays``). They are judged apart: in one norm
-# with the learned arrays they swamped it (a ResNet after 20 local steps: counters 89.4 and
+# statistics; ``strategies.averaged_arrays``; their integer counters, which count the steps
+# a site took, are judged by nothing: ``judged_changes``). Judged apart: in one norm with
+# the learned arrays they swamped it (a ResNet after 20 local steps: counters 89.4 and
 # running statistics 29.1 of an update's norm 94.1, its weights 1.9, so that an update with
 # its weights scaled ×100 stayed inside the norm bound), and their direction says nothing
-# of training's. They are not clipped (they are not summed as steps): an update whose
-# averaged arrays move more than REJECT_BEYOND times the median of theirs is rejected.
+# of training's. Not clipped (they are averaged, not stepped): an update whose running
+# statistics move more than REJECT_BEYOND times the median of theirs is rejected.
 AVERAGED_KIND = "/averaged"
 
 
@@ -405,8 +406,8 @@ class UpdateGuard:
         vector : sequence of arrays
             What the update adds (its norm and direction are judged).
         averaged : sequence of arrays
-            What it adds to the arrays the round averages as they are (running
-            statistics, counters): judged apart, see ``AVERAGED_KIND``.
+            What it adds to the float arrays the round averages as they are (running
+            statistics): judged apart, see ``AVERAGED_KIND``.
         fingerprint : tuple of str, optional
             Content ids of the reply's arrays (a replay has the same).
         """
@@ -518,7 +519,7 @@ class UpdateGuard:
             return Decision(
                 Ruling.REJECT,
                 reason=(
-                    f"running statistics and counters: norm {norm:.3g} is "
+                    f"running statistics: norm {norm:.3g} is "
                     f"{norm / reference:.3g}x the recent median {reference:.3g} "
                     f"(beyond {beyond:g}x)"
                 ),

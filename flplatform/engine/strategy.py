@@ -52,9 +52,9 @@ class Update:
         What the update adds to the round, before weighting: the guard judges its norm
         and direction. (Model deltas, a sketch table, values at coordinates.)
     averaged : sequence of arrays
-        What it adds to the arrays the round averages as they are (running statistics,
-        counters: ``strategies.averaged_arrays``), kept out of ``vector``: the guard
-        judges them apart (``flplatform.engine.guard.AVERAGED_KIND``).
+        What it adds to the float arrays the round averages as they are (running
+        statistics: ``strategies.averaged_arrays.judged_changes``), kept out of ``vector``:
+        the guard judges them apart (``flplatform.engine.guard.AVERAGED_KIND``).
     kind : str
         Updates are compared only with those of the same kind ("delta", "sketch", ...).
     payload : object
