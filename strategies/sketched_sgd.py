@@ -295,6 +295,7 @@ class SketchedSGD(SketchedStrategy):
     ) -> Iterable[Message]:
         """Sketch round: sync and train; values round: ask the sketches' sites for values."""
         self._use(arrays)
+        self._open(server_round)
         nodes = list(grid.get_node_ids())  # the engine's order: by site name
         if self._round_phase == StepPhase.VALUES:
             # Asked again while unanswered: a site drawn as away (simulated availability)
@@ -351,12 +352,20 @@ class SketchedSGD(SketchedStrategy):
         return Message(content, dst_node_id=node_id, message_type=MessageType.TRAIN)
 
     # ------------------------------------------------- streaming aggregation
-    def begin_aggregation(self, server_round: int, arrays: ArrayRecord) -> None:
-        """Start this round: a sketch round or the values round of the step in progress."""
-        self._use(arrays)
+    def _open(self, server_round: int) -> None:
+        """This round's phase and whom it asks, set once, by whichever hook comes first:
+        the engine begins a round before it drafts its messages, Flower's own loop
+        (``configure_train`` then the batch ``aggregate_train``) drafts them first."""
+        if server_round == self._round:
+            return
         self._round_phase = self.state.phase
         self._round = server_round
         self._asked, self._answered = set(), set()
+
+    def begin_aggregation(self, server_round: int, arrays: ArrayRecord) -> None:
+        """Start this round: a sketch round or the values round of the step in progress."""
+        self._use(arrays)
+        self._open(server_round)
         self._sum, self._weight, self._loss = None, 0.0, (0.0, 0.0)
         self._averaged = AveragedSum()
         if self.state.phase == StepPhase.SKETCH:

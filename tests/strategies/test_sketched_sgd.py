@@ -15,6 +15,7 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
+from flwr.serverapp.strategy import Strategy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,7 +35,7 @@ from strategies.sketched_sgd import SketchedSGD
 from tests.helpers import norm_model
 from tests.helpers.algorithms import collision_free_sketch
 from tests.helpers.delayed_sites import builtin_train, context, digits_site
-from tests.helpers.scripted_grid import Behaviour, ScriptedGrid
+from tests.helpers.scripted_grid import Behaviour, FlowerGrid, ScriptedGrid
 from tests.helpers.sites import digits_model
 
 pytestmark = pytest.mark.usefixtures("task_identity")
@@ -440,3 +441,30 @@ def _lr(lr: float) -> ConfigRecord:
 class _Nodes:
     def get_node_ids(self) -> list[int]:
         return [1]
+
+
+def test_flowers_own_loop_takes_a_step_every_two_rounds() -> None:
+    """Found by a review: under Flower's own loop (``Strategy.start``: configure_train,
+    then the batch aggregate_train, which begins the round's aggregation only then), the
+    round's phase was set after its messages were drafted: every round asked for sketches,
+    every values reply was refused, and the model never moved."""
+    sites = {n: digits_site(n - 1, 2, context(n)) for n in (1, 2)}
+    strategy = SketchedSGD(k=50, seed=1)
+    grid = FlowerGrid(sites)
+    first = digits_model()
+    result = Strategy.start(
+        strategy,
+        grid,  # type: ignore[arg-type]
+        first,
+        num_rounds=4,
+        train_config=ConfigRecord({keys.LOCAL_STEPS: 2, keys.LR: 0.1}),
+    )
+    phases = [
+        m.content[keys.CONFIG][keys.STEP_PHASE]
+        for m in grid.pushed
+        if m.metadata.message_type == MessageType.TRAIN
+    ]
+    assert phases == ["sketch"] * 2 + ["values"] * 2 + ["sketch"] * 2 + ["values"] * 2
+    assert strategy.model.version == 2  # a step each values round
+    moved = record_to_arrays(result.arrays)
+    assert any(not np.array_equal(moved[k], v) for k, v in record_to_arrays(first).items())
