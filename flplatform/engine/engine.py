@@ -142,8 +142,9 @@ class _RoundState:
     outcomes: list[UpdateOutcome] = field(default_factory=list)
     # replies that came back and failed: a site's error, or rejected by the strategy
     failed_replies: list[UpdateOutcome] = field(default_factory=list)
-    # updates the guard holds until the round closes: ticket → (its row, the update, scale)
-    waiting: dict[int, tuple[UpdateOutcome, Update, float]] = field(default_factory=dict)
+    # updates the guard holds until the round closes: ticket → (its row, the update, scale,
+    # its node)
+    waiting: dict[int, tuple[UpdateOutcome, Update, float, int]] = field(default_factory=dict)
     # every reply's losses as sent, non-finite ones too (the rows keep finite ones only)
     losses: list[ReportedLoss] = field(default_factory=list)
     # replies carrying a site's error (its process died, its code raised)
@@ -1185,7 +1186,7 @@ class RoundEngine:
             status=APPLIED, reason=_joined(contribution.note, decision.reason, added), **row
         )
         if decision.ruling is Ruling.WAIT:  # its row is final once the guard judges it
-            state.waiting[ticket] = (outcome, update, verdict.weight_scale)
+            state.waiting[ticket] = (outcome, update, verdict.weight_scale, dispatch.node_id)
             outcome = self._settle(state, self.guard.ready()).get(ticket, outcome)
         return outcome
 
@@ -1207,7 +1208,7 @@ class RoundEngine:
         for ticket in list(decisions):
             if ticket not in state.waiting:
                 continue
-            outcome, update, weight_scale = state.waiting.pop(ticket)
+            outcome, update, weight_scale, node_id = state.waiting.pop(ticket)
             decision = decisions[ticket]
             final = outcome
             if decision.ruling is Ruling.ADMIT:
@@ -1219,6 +1220,13 @@ class RoundEngine:
             if decision.ruling is Ruling.REJECT:
                 final = replace(outcome, status=REJECTED, reason=decision.reason)
                 state.applied -= 1
+                # no longer one of the round's K sites, unless another of its updates is
+                if not any(
+                    o is not outcome and o.status == APPLIED and o.site == outcome.site
+                    for o in state.outcomes
+                ):
+                    state.applied_nodes.discard(node_id)
+                state.failed_nodes.add(node_id)
                 state.failed_replies.append(final)
                 log.warning("rejected update from %s: %s", outcome.site, decision.reason)
             state.outcomes = [final if o is outcome else o for o in state.outcomes]

@@ -125,7 +125,7 @@ class Synchrony:
     k : int
         K of the K modes (``async`` is K = 1; ``sync`` waits for every sampled site).
     staleness_bound : int or None
-        s of stale-synchronous parallel (async modes); None for no bound.
+        s of stale-synchronous parallel (async modes); None (or -1) for no bound.
     weighting : {"none", "sqrt", "step"} or None
         Staleness weighting; None picks ``sqrt`` for ``buffered`` (as FedBuff) and
         ``none`` otherwise.
@@ -170,7 +170,8 @@ class Synchrony:
         self.batch = mode in BATCH_MODES
         self.k0: int | None = None if mode == "sync" else (1 if mode == "async" else k)
         self.k = self.k0
-        self.staleness_bound = staleness_bound
+        # -1 is "no bound" too, as synchrony_problems and the CLI say it
+        self.staleness_bound = None if staleness_bound == -1 else staleness_bound
         self.weighting = weighting or ("sqrt" if mode == "buffered" else "none")
         self.step_c = step_c
         self.adasync = adasync

@@ -29,6 +29,7 @@ from strategies.codecs import Codec, ErrorFeedback, Identity, make_codec, with_a
 from strategies.layout import difference
 from strategies.mods.contract import (
     Mod,
+    ModState,
     TrainFunction,
     UserResult,
     call_user,
@@ -78,11 +79,12 @@ def codec_mod(spec: str | None = None) -> Mod:
         if algorithm != keys.LOCAL_SGD:
             return call_next(msg, context)  # sketches are compressed already
         start = sent_model(msg)
+        loaded = codec_state(msg, context)
         result = call_user(msg, context, call_next, start)
         if not isinstance(result, UserResult):
             return result
         delta = difference(result.trained, start)
-        wire, _, lost = compress_upload(msg, context, delta, codec, dense=False)
+        wire, _, lost = compress_upload(msg, context, delta, codec, loaded, dense=False)
         return compressed_reply(msg, wire, mark_lost(result.metrics, lost), codec, result.extra)
 
     return mod
@@ -106,16 +108,30 @@ def requested_codec(msg: Message) -> Codec | None:
     return None if isinstance(codec, Identity) else codec
 
 
+def codec_state(msg: Message, context: Context) -> tuple[ModState, bool]:
+    """The codec's state as the work before ``msg``'s left it, and whether the residual
+    the server expected the site to hold was lost; for ``compress_upload``.
+
+    Read before the user's training, not after: reading drops the snapshots of this work
+    and later (a resumed run sends work again), and a training that then fails must not
+    leave them, or the next work would read a residual of the run the server abandoned.
+    """
+    state = load_state(msg, context, keys.CODEC_STATE)
+    lost = state is None and round_config(msg).get(keys.STATE_EXPECTED) is True
+    return state or new_state(), lost
+
+
 def compress_upload(
     msg: Message,
     context: Context,
     update: Mapping[str, np.ndarray],
     codec: Codec,
+    loaded: tuple[ModState, bool],
     *,
     dense: bool = True,
     partial: bool = False,
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None, bool]:
-    """Encode update + residual and keep the new residual.
+    """Encode update + residual and keep the new residual; ``loaded``: ``codec_state``'s.
 
     Returns the wire, what the server will decode from it (in the update's order; None
     unless ``dense``), and whether the site had lost the residual the server expected it
@@ -123,9 +139,7 @@ def compress_upload(
     fragment); the other arrays' residuals wait for their own uploads.
     """
     config = round_config(msg)
-    state = load_state(msg, context, keys.CODEC_STATE)
-    lost = state is None and config.get(keys.STATE_EXPECTED) is True
-    state = state or new_state()
+    state, lost = loaded
     feedback = ErrorFeedback()
     kept = state.groups.get(RESIDUAL) or {}
     others: dict[str, np.ndarray] = {}

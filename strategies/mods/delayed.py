@@ -37,7 +37,7 @@ from flplatform.core.errors import ConfigError
 from strategies.codecs import make_codec
 from strategies.compensation import SitePeriods
 from strategies.fragments import fragment_of_round, split_fragments
-from strategies.mods.codec import compress_upload, requested_codec
+from strategies.mods.codec import codec_state, compress_upload, requested_codec
 from strategies.mods.contract import (
     Mod,
     ModState,
@@ -215,6 +215,7 @@ def delayed_mod() -> Mod:
             global_model, compensate=delayed.compensate, partial=fragment is not None
         )
         asked = requested_codec(msg)  # a bad spec fails before the user's training
+        loaded = codec_state(msg, context) if asked is not None else None
 
         result = call_user(msg, context, call_next, start)
         if not isinstance(result, UserResult):
@@ -235,9 +236,15 @@ def delayed_mod() -> Mod:
             else asked
         )
         residual_lost = False
-        if codec is not None:
+        if codec is not None and loaded is not None:
             wire, sent, residual_lost = compress_upload(
-                msg, context, update, codec, dense=delayed.compensate, partial=fragment is not None
+                msg,
+                context,
+                update,
+                codec,
+                loaded,
+                dense=delayed.compensate,
+                partial=fragment is not None,
             )
             if sent is not None:
                 # Kept as the server will decode it: the model stays the sum of what the

@@ -713,3 +713,36 @@ def test_forgetting_a_run_deletes_every_sites_snapshots_of_it_and_nothing_else(
 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other-run"]
     assert outside.is_dir()  # a hostile key stays inside the root (safe_name)
+
+
+# (Sketched-SGD's work 4 is a values round: no training there to fail)
+@pytest.mark.parametrize("case", sorted(set(SCRIPTS) - {"sketched-sgd"}))
+def test_a_resent_work_whose_training_fails_leaves_no_later_snapshot(
+    tmp_path: Path, case: str
+) -> None:
+    """Found by a review: on a resume the server sends work 4 again; when the site's
+    training of it failed, the codec's snapshots of works 4 and 5 of the abandoned run
+    stayed (they were dropped only when the residual was read, after the training), and
+    work 5 then read a residual counting an upload the server never had. Each mod now
+    reads its state before the user's training: work 5 ends as on a site that never did
+    the abandoned works."""
+    mod, script, _ = SCRIPTS[case]
+
+    def failing(msg: Message, ctx: Context) -> Message:
+        if msg.content[keys.CONFIG][keys.SITE_WORK] == 4:
+            raise RuntimeError("CUDA out of memory")
+        return user_train(msg, ctx)
+
+    first = site(tmp_path / "resumed")
+    for n in range(1, 6):  # the abandoned run got as far as work 5
+        mod(script(n, ours(n)), first, user_train)
+    resumed = site(tmp_path / "resumed", node_id=9)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        mod(script(4, ours(4)), resumed, failing)
+    got = as_plain(mod(script(5, ours(5)), resumed, user_train))
+    reference = site(tmp_path / "reference")  # works 1 to 3, then the failed 4, then 5
+    for n in range(1, 4):
+        mod(script(n, ours(n)), reference, user_train)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        mod(script(4, ours(4)), reference, failing)
+    assert got == as_plain(mod(script(5, ours(5)), reference, user_train))

@@ -31,7 +31,7 @@ from flplatform.engine.engine import RoundEngine
 from strategies.codecs import make_codec
 from strategies.delayed import DelayedCompensated
 from strategies.fragments import split_fragments
-from strategies.mods.codec import compress_upload
+from strategies.mods.codec import codec_state, compress_upload
 from strategies.mods.delayed import delayed_mod
 from tests.helpers.delayed_sites import context
 from tests.helpers.scripted_grid import ScriptedGrid
@@ -253,7 +253,8 @@ def test_the_codec_residual_of_each_fragment_waits_for_its_next_upload() -> None
         msg = Message(
             RecordDict({keys.CONFIG: config}), dst_node_id=1, message_type=MessageType.TRAIN
         )
-        _, sent, lost = compress_upload(msg, site, update, codec, dense=True, partial=True)
+        loaded = codec_state(msg, site)
+        _, sent, lost = compress_upload(msg, site, update, codec, loaded, dense=True, partial=True)
         assert not lost and sent is not None and list(sent) == list(names)
         for k in names:
             true_sum[k] += update[k]
@@ -362,10 +363,6 @@ def test_a_site_that_lost_only_its_codec_residual_keeps_its_periods(fragments: i
 
         def step(msg: Message, state: Context, site: QuadraticSite = site, n: int = n) -> Message:
             period = int(msg.content[keys.CONFIG][keys.SERVER_ROUND])
-            if n == 1 and period == wipe_at:  # the codec's snapshot alone is gone
-                for k, v in compress_residual(state).items():
-                    wiped[k] = v
-                del state.state[keys.CODEC_STATE]
             reply = QuadraticSite.train(site, msg, state)
             out = record_to_arrays(reply.content[keys.ARRAYS])
             for k in SHAPES:
@@ -373,6 +370,15 @@ def test_a_site_that_lost_only_its_codec_residual_keeps_its_periods(fragments: i
             return reply
 
         site.train = step  # type: ignore[method-assign]
+
+    def wiping(msg: Message) -> Message:
+        config = msg.content.config_records.get(keys.CONFIG)
+        if config is not None and config.get(keys.SERVER_ROUND) == wipe_at:
+            state = behaviours[1].state  # the codec's snapshot alone is gone
+            wiped.update(compress_residual(state))
+            del state.state[keys.CODEC_STATE]
+        return behaviours[1](msg)
+
     strategy = DelayedCompensated(delay=1, num_rounds=rounds, fragments=fragments, codec="int8")
     counted = {n: {k: np.zeros(shape) for k, shape in SHAPES.items()} for n in behaviours}
     add = strategy.add_update
@@ -385,7 +391,7 @@ def test_a_site_that_lost_only_its_codec_residual_keeps_its_periods(fragments: i
 
     strategy.add_update = counting  # type: ignore[method-assign]
     summaries: list[RoundSummary] = []
-    run(strategy, behaviours, rounds, on_round=summaries.append)
+    run(strategy, {**behaviours, 1: wiping}, rounds, on_round=summaries.append)  # type: ignore[dict-item]
     notes = [u.reason or "" for s in summaries for u in s.updates if u.site == "s1"]
     assert sum("lost its error-feedback residual" in note for note in notes) == 1
     assert not any("unsettled periods were dropped" in note for note in notes)

@@ -7,14 +7,31 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, MessageType
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
 
 from flplatform.core import keys
 from flplatform.core.errors import ConfigError
-from flplatform.engine import APPLIED, CANCELLED, DROPPED, EngineView, Synchrony
+from flplatform.engine import (
+    APPLIED,
+    CANCELLED,
+    DROPPED,
+    Contribution,
+    EngineView,
+    Synchrony,
+    Update,
+)
 from flplatform.engine.clock import VirtualClock, WallClock
 from flplatform.engine.engine import UNAVAILABLE, RoundEngine
 from flplatform.engine.events import Dispatch
+from flplatform.engine.guard import GuardOptions, UpdateGuard
 from flplatform.engine.staleness import adasync_k, staleness_weight
 from flplatform.network import ComputeModel, Network, SiteProfile
 from flplatform.run.ledger import SqlLedger
@@ -406,3 +423,64 @@ def test_concurrency_lets_every_site_train(ledger) -> None:
 def test_batch_modes_count_updates_so_k_may_exceed_the_sites(ledger, mode) -> None:
     _, rows = run(ledger, mode, k=6, rounds=4, sites=4)
     assert Counter(u.round for u in rows if u.status == APPLIED) == {r: 6 for r in range(1, 5)}
+
+
+def test_a_staleness_bound_of_minus_one_is_no_bound_as_the_checks_say() -> None:
+    """Found by a review: -1 passed the checks ("or -1 for none") and was kept as a bound,
+    so that every update, fresh ones too, was dropped as stale."""
+    assert Synchrony("async", staleness_bound=-1).staleness_bound is None
+    assert Synchrony("async", staleness_bound=2).staleness_bound == 2
+    with pytest.raises(ConfigError, match="staleness-bound must be"):
+        Synchrony("async", staleness_bound=-2)
+
+
+class _NormStrategy(CountingStrategy):
+    """Each reply's update is the vector (v, 0), v from its metrics."""
+
+    def read_update(self, reply, *, base):  # noqa: ANN001, ANN201
+        value = float(reply.content[keys.METRICS]["v"])
+        return Update(Contribution(num_examples=1), vector=[np.array([value, 0.0])])
+
+
+@pytest.mark.parametrize("mode", ["k-sync", "k-async"])
+def test_an_update_the_guard_held_then_rejected_is_not_one_of_the_k_sites(mode: str) -> None:
+    """Found by a review: in the first round the guard holds updates until it has three
+    norms; one it then rejected still counted as one of the K sites, so the step was taken
+    with K − 1 updates (and k-sync cancelled the site that would have made up K)."""
+    norms = {1: 1.0, 2: 1.0, 3: 1000.0, 4: 1.0}  # the third to arrive sends an outlier
+
+    def behave(n: int):  # noqa: ANN202
+        def reply(msg: Message) -> Message:
+            if msg.metadata.message_type == MessageType.QUERY:
+                info = ConfigRecord({keys.SITE_NAME: f"s{n}"})
+                return Message(RecordDict({keys.SITE_INFO: info}), reply_to=msg)
+            metrics = MetricRecord({keys.NUM_EXAMPLES: 1, "v": norms[n]})
+            return Message(RecordDict({keys.METRICS: metrics}), reply_to=msg)
+
+        return reply
+
+    profiles = tuple(
+        SiteProfile(
+            name=f"s{n}",
+            rtt_seconds=0.0,
+            uplink_bps=float("inf"),
+            downlink_bps=float("inf"),
+            compute=ComputeModel("fixed", mean_seconds=1.0),
+            speed=1.0 / n,  # s1 to s4 finish at 1, 2, 3 and 4 s
+        )
+        for n in norms
+    )
+    summaries = []
+    engine = RoundEngine(
+        ScriptedGrid({n: behave(n) for n in norms}),
+        _NormStrategy(),
+        policy=Synchrony(mode, k=3),
+        clock=VirtualClock(Network(name="n", profiles=profiles), seed=1),
+        guard=UpdateGuard(GuardOptions(norm_ratio=3.0, reject_replays=False)),
+        required_sites=4,
+        poll_interval=0.0,
+        on_round=summaries.append,
+    )
+    engine.run(ArrayRecord(), num_rounds=1, train_config=ConfigRecord({keys.LOCAL_STEPS: 1}))
+    statuses = {u.site: u.status for u in summaries[0].updates}
+    assert statuses == {"s1": APPLIED, "s2": APPLIED, "s3": "rejected", "s4": APPLIED}
