@@ -246,7 +246,12 @@ class RoundEngine:
         self.divergence = DivergenceWatch()
         self.sites = Sites()  # every site that ever joined the run, and its state
         self.mailbox = Mailbox(
-            grid, self.clock, self.sites.name, poll_interval, site_config=site_config
+            grid,
+            self.clock,
+            self.sites.name,
+            poll_interval,
+            site_config=site_config,
+            position=self.sites.position,
         )
         self.versions = ModelVersions()
         self.version = 0

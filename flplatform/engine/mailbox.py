@@ -50,6 +50,9 @@ class Arrival:
     """A pulled reply waiting for its turn, in clock order."""
 
     arrived_at: float  # clock time
+    # ties on the clock go to the site that joined first (as ``Sites.next_back``), not to
+    # the order of pulling: Flower hands a pull's replies back in a set's order
+    place: int
     seq: int
     dispatch: Dispatch = field(compare=False)
     reply: Message = field(compare=False)
@@ -99,6 +102,9 @@ class Mailbox:
         Lands each pulled training reply (its place in clock order).
     name : callable
         Node id → site name (for the clock).
+    position : callable, optional
+        Node id → the site's place in join order (ties on the clock; None: the order of
+        pulling).
     poll_interval : float
         Seconds between pulls while ``exchange`` waits.
     site_config : ConfigRecord, optional
@@ -113,11 +119,13 @@ class Mailbox:
         poll_interval: float,
         *,
         site_config: ConfigRecord | None = None,
+        position: Callable[[int], int] | None = None,
     ) -> None:
         self.grid = grid
         self.site_config = site_config
         self.clock = clock
         self.name = name
+        self.position = position or (lambda node_id: 0)
         self.poll_interval = poll_interval
         self.awaited: dict[str, Dispatch] = {}
         self.given_up: dict[str, Dispatch] = {}
@@ -332,6 +340,7 @@ class Mailbox:
             self.arrivals,
             Arrival(
                 landing.arrived_at,
+                self.position(dispatch.node_id),
                 self._seq,
                 dispatch,
                 reply,
@@ -401,7 +410,10 @@ class Mailbox:
             if arrival is not None:
                 arrivals.append(arrival)
         problems.raise_if_any()
-        self.arrivals = arrivals  # saved in heap order: still a heap
+        for arrival in arrivals:  # this run's places (its node ids are new)
+            arrival.place = self.position(arrival.dispatch.node_id)
+        heapq.heapify(arrivals)
+        self.arrivals = arrivals
         self._seq = int(state["seq"])
         return work
 
@@ -693,6 +705,7 @@ def arrival_from_state(
         reply = Message(metadata=metadata, error=error_record)  # type: ignore[call-overload]
     return Arrival(
         float(saved["arrived_at"]),
+        0,  # its place: set by the mailbox that restores it
         saved["seq"],
         dispatch,
         reply,

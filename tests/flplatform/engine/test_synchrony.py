@@ -484,3 +484,39 @@ def test_an_update_the_guard_held_then_rejected_is_not_one_of_the_k_sites(mode: 
     engine.run(ArrayRecord(), num_rounds=1, train_config=ConfigRecord({keys.LOCAL_STEPS: 1}))
     statuses = {u.site: u.status for u in summaries[0].updates}
     assert statuses == {"s1": APPLIED, "s2": APPLIED, "s3": "rejected", "s4": APPLIED}
+
+
+class _ReversedGrid(ScriptedGrid):
+    """The same sites; a SuperLink that hands a pull's replies back in another order (as
+    Flower's, which returns them in a set's order)."""
+
+    def pull_messages(self, message_ids):  # noqa: ANN001, ANN201
+        return list(reversed(list(super().pull_messages(message_ids))))
+
+
+@pytest.mark.parametrize(("mode", "options"), [("k-sync", {"k": 1}), ("async", {})])
+def test_ties_on_the_clock_do_not_depend_on_the_order_replies_are_pulled(
+    mode: str, options: dict
+) -> None:
+    """Found by a review: arrivals at the same clock time (fixed compute times, alike
+    sites) were taken in the order Flower handed them back, so a seeded run could apply
+    another site when run again. Ties go to the site that joined first."""
+
+    def rounds(grid_type: type[ScriptedGrid]) -> list[list[tuple[str, str, int]]]:
+        grid = grid_type({n: idle_site(f"s{n}") for n in (1, 2, 3)})
+        summaries: list = []
+        engine = RoundEngine(
+            grid,
+            CountingStrategy(),
+            policy=Synchrony(mode, **options),
+            clock=VirtualClock(network(3, ComputeModel("fixed", mean_seconds=1.0)), seed=3),
+            required_sites=3,
+            poll_interval=0.0,
+            on_round=summaries.append,
+        )
+        engine.run(ArrayRecord(), num_rounds=3, train_config=ConfigRecord({keys.LOCAL_STEPS: 1}))
+        return [[(u.site, u.status, u.staleness) for u in s.updates] for s in summaries]
+
+    in_order = rounds(ScriptedGrid)
+    assert in_order == rounds(_ReversedGrid)
+    assert in_order[0][0][:2] == ("s1", APPLIED)  # the first to join
