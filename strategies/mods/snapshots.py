@@ -217,6 +217,19 @@ def _hold(
 
 
 # ================================================================== the files
+def _make_private(directory: Path) -> None:
+    """Create ``directory`` and each missing directory above it owner-only: ``mkdir(parents=
+    True, mode=...)`` gives the mode to the last one alone, and the run's key and the
+    site's name, which name the ones above, would be listed to every local user."""
+    missing = []
+    current = directory
+    while not current.exists():
+        missing.append(current)
+        current = current.parent
+    for path in reversed(missing):
+        path.mkdir(mode=0o700, exist_ok=True)
+
+
 def state_root(node_config: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Path:
     """The directory holding this site's snapshots of every run (see the module's doc).
 
@@ -323,7 +336,7 @@ class SiteSnapshots:
             },
         }
         path = self.path(key, index)
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _make_private(path.parent)
         size = write_state(path, tree)
         _remember(path, state, writer)
         for old in self.works(key)[: -self.keep]:

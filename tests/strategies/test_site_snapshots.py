@@ -596,6 +596,10 @@ def test_the_newest_four_snapshots_are_kept_owner_only(tmp_path: Path, case: str
             assert mode == 0o600, oct(mode)
     leftovers = [p for p in (tmp_path / RUN).rglob("*") if p.is_file() and p.suffix != ".npz"]
     assert leftovers == []  # no temporary file stays behind
+    # the directories it made, whose names are the run's key and the site's, too (the
+    # state root was there already: it keeps its own mode)
+    made = [tmp_path / RUN, *(p for p in (tmp_path / RUN).rglob("*") if p.is_dir())]
+    assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in made} == {oct(0o700)}
 
 
 # ============================================================== where they go
