@@ -217,6 +217,35 @@ def _hold(
 
 
 # ================================================================== the files
+# a snapshot being written: ``write_state``'s temporary file, named by its process
+_TEMPORARY = re.compile(r"\.work-\d+\.npz\.(\d+)\.tmp")
+
+
+def _remove_abandoned(folder: Path) -> None:
+    """Delete the temporary files of writers that died mid-write (killed, out of memory):
+    each is up to a snapshot's size, and another is left at every such death. A live
+    process's, this one's included, is being written and stays."""
+    for entry in folder.iterdir():
+        match = _TEMPORARY.fullmatch(entry.name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        try:
+            entry.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("cannot delete an abandoned snapshot file %s: %s", entry, exc)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this machine (one of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _make_private(directory: Path) -> None:
     """Create ``directory`` and each missing directory above it owner-only: ``mkdir(parents=
     True, mode=...)`` gives the mode to the last one alone, and the run's key and the
@@ -344,6 +373,7 @@ class SiteSnapshots:
                 self.path(key, old).unlink(missing_ok=True)
             except OSError as exc:
                 log.warning("cannot delete site snapshot %s: %s", self.path(key, old), exc)
+        _remove_abandoned(path.parent)
         return size
 
     def read(

@@ -8,8 +8,11 @@ uninterrupted site: one Flower context that handles every work in order.
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 import stat
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -750,3 +753,28 @@ def test_a_resent_work_whose_training_fails_leaves_no_later_snapshot(
     with pytest.raises(RuntimeError, match="out of memory"):
         mod(script(4, ours(4)), reference, failing)
     assert got == as_plain(mod(script(5, ours(5)), reference, user_train))
+
+
+def test_a_writer_that_died_mid_write_leaves_no_file_for_ever(tmp_path: Path) -> None:
+    """Found by a review: a process killed while writing a snapshot (the OOM killer) left
+    its temporary file, model-sized, and every such death another. The next write deletes
+    those of dead processes; a live one's (being written) stays."""
+    mod, script, (key,) = SCRIPTS["codec"]
+    ctx = site(tmp_path)
+    mod(script(1, ours(1)), ctx, user_train)
+    store = SiteSnapshots.of(ctx, RUN)
+    assert store is not None
+    folder = store.path(key, 1).parent
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead = folder / f".work-000000002.npz.{int(gone.stdout)}.tmp"
+    live = folder / f".work-000000009.npz.{os.getpid()}.tmp"  # (not this write's own)
+    for path in (dead, live):
+        path.write_bytes(b"half a snapshot")
+    mod(script(2, ours(2)), ctx, user_train)
+    assert not dead.exists() and live.exists()
+    assert store.works(key) == [1, 2]
