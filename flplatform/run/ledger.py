@@ -27,6 +27,7 @@ from typing import Any
 from flplatform.core.checkpoint import CheckpointError, read_state, write_state
 from flplatform.core.checks import require
 from flplatform.core.errors import FLPlatformError, NotFoundError, RunFailed, StorageError
+from flplatform.core.processes import pid_alive
 from flplatform.engine.events import RoundSummary, SiteInfo, TrafficOutcome
 from flplatform.run.options import DEFAULT_OPTIONS, option_problem
 from flplatform.run.owner import owner_gone
@@ -76,29 +77,7 @@ def owner_alive(owner: str | None) -> bool | None:
     host, _, pid = (owner or "").rpartition(":")
     if host != socket.gethostname() or not pid.isdigit():
         return None
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # there, another user's (whose /proc entry may be hidden)
-        return not _ended(int(pid), missing_means_ended=False)
-    return not _ended(int(pid), missing_means_ended=True)
-
-
-def _ended(pid: int, *, missing_means_ended: bool) -> bool:
-    """Whether ``pid``, which signal 0 still reaches, has ended: a zombie not yet reaped. A
-    killed run's server process stays one where nothing reaps orphans (a container whose PID 1
-    is not an init), yet it will never write to the run again.
-
-    ``missing_means_ended``: whether a missing ``/proc`` entry means reaped meanwhile (our
-    own process) rather than hidden (another user's, under ``hidepid``)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:  # no /proc at all (macOS): signal 0 is all there is
-        return missing_means_ended and Path("/proc/self/stat").exists()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[:1] in (["Z"], ["X"])
+    return pid_alive(int(pid))
 
 
 class SqlLedger:

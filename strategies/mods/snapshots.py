@@ -58,6 +58,7 @@ from flwr.app import ConfigRecord, Context, Message
 from flplatform.core import keys
 from flplatform.core.checkpoint import CheckpointError, read_state, write_state
 from flplatform.core.errors import ConfigError
+from flplatform.core.processes import pid_alive
 from strategies.mods.contract import ModState, round_config
 
 log = logging.getLogger("flplatform.strategies.mods.snapshots")
@@ -227,23 +228,12 @@ def _remove_abandoned(folder: Path) -> None:
     process's, this one's included, is being written and stays."""
     for entry in folder.iterdir():
         match = _TEMPORARY.fullmatch(entry.name)
-        if match is None or _alive(int(match.group(1))):
+        if match is None or pid_alive(int(match.group(1))):
             continue
         try:
             entry.unlink(missing_ok=True)
         except OSError as exc:
             log.warning("cannot delete an abandoned snapshot file %s: %s", entry, exc)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs on this machine (one of another user counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _make_private(directory: Path) -> None:

@@ -276,7 +276,7 @@ def test_a_killed_owner_not_yet_reaped_is_dead() -> None:
 def test_a_missing_proc_entry_is_reaped_for_our_own_processes_hidden_for_others() -> None:
     """Under /proc's hidepid another user's live process has no entry while signal 0 says
     it is there (PermissionError): it must not pass for dead."""
-    from flplatform.run.ledger import _ended
+    from flplatform.core.processes import _ended
 
     gone = 2**22 + 4321  # above Linux's default pid_max
     assert _ended(gone, missing_means_ended=False) is False
