@@ -30,6 +30,7 @@ import tomllib
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
+from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import Any
 
@@ -176,7 +177,8 @@ def read_app(path: str | Path) -> FlowerApp:
     from flwr.common.config import flatten_dict, validate_config
 
     try:
-        valid, errors, _warnings = validate_config(data, check_module=True, project_dir=app_dir)
+        with _imports_undone(_component_packages(data), app_dir):
+            valid, errors, _warnings = validate_config(data, check_module=True, project_dir=app_dir)
     except Exception as exc:  # Flower's checks raise on some malformed values
         valid, errors = False, [str(exc)]
     if not valid:
@@ -194,6 +196,61 @@ def read_app(path: str | Path) -> FlowerApp:
         clientapp=str(components["clientapp"]),
         config=dict(config),
     )
+
+
+def _component_packages(data: Mapping[str, Any]) -> set[str]:
+    """The top-level packages of the app's component references (``pkg`` of
+    ``pkg.module:app``), as far as the table says."""
+    components = data.get("tool", {}).get("flwr", {}).get("app", {}).get("components")
+    if not isinstance(components, dict):
+        return set()
+    return {
+        ref.partition(":")[0].split(".")[0]
+        for ref in components.values()
+        if isinstance(ref, str) and ref.partition(":")[0]
+    }
+
+
+@contextmanager
+def _imports_undone(packages: set[str], app_dir: Path) -> Iterator[None]:
+    """Run the block with those of ``packages`` that this directory would not import as
+    they are loaded (and every module below them) out of ``sys.modules``; then put back
+    exactly what was there.
+
+    Flower checks a component ``pkg.module:app`` with ``find_spec``, which imports ``pkg``:
+    a ``pkg`` imported before from elsewhere (another copy of the app, maybe removed since)
+    would answer for this directory's, and this one's would stay for the next app of the
+    same name. A package loaded from where this directory's path finds it (installed, or
+    the user's own import of this app) stays as it is.
+    """
+    search = [str(app_dir), *sys.path]  # as Flower looks: the app directory first
+
+    def loaded_from_here(name: str) -> bool:
+        module = sys.modules.get(name)
+        spec = PathFinder.find_spec(name, search)  # a top-level name: imports nothing
+        loaded = getattr(module, "__spec__", None)
+        return (
+            spec is not None
+            and loaded is not None
+            and spec.origin == loaded.origin
+            and list(spec.submodule_search_locations or ())
+            == list(loaded.submodule_search_locations or ())
+        )
+
+    undone = {name for name in packages if name not in sys.modules or not loaded_from_here(name)}
+
+    def below(name: str) -> bool:
+        return name.split(".", 1)[0] in undone
+
+    saved = {name: module for name, module in sys.modules.items() if below(name)}
+    for name in saved:
+        del sys.modules[name]
+    try:
+        yield
+    finally:
+        for name in [name for name in sys.modules if below(name)]:
+            del sys.modules[name]
+        sys.modules.update(saved)
 
 
 def parse_run_config(app: FlowerApp, items: Sequence[str]) -> dict[str, ConfigValue]:

@@ -370,6 +370,35 @@ def test_the_own_app_example_is_a_valid_flower_app() -> None:
     assert not {"sync", "network", "db", "run-tag", "k"} & set(own.config)
 
 
+def test_reading_an_app_leaves_no_import_behind_for_the_next_app_of_its_name(
+    tmp_path: Path,
+) -> None:
+    """Flower's check of the components imports their package (finding a submodule
+    imports its parent); a package of the same name read before, from another directory
+    since removed, made the next app's check fail ("Unable to load module"), in a
+    process reading two copies of an app (a sweep, a notebook, the test suite)."""
+    import sys
+
+    first = tmp_path / "copy"
+    shutil.copytree(OWN_APP, first, ignore=shutil.ignore_patterns("__pycache__"))
+    before = {name for name in sys.modules if name.split(".")[0] == "own_app"}
+    assert read_app(first).serverapp == "own_app.server_app:app"
+    assert {name for name in sys.modules if name.split(".")[0] == "own_app"} == before
+    shutil.rmtree(first)
+    assert read_app(OWN_APP).serverapp == "own_app.server_app:app"
+    # an app already imported (the user's own process) keeps its modules
+    sys.path.insert(0, str(OWN_APP))
+    try:
+        import own_app  # type: ignore[import-not-found]
+
+        read_app(OWN_APP)
+        assert sys.modules["own_app"] is own_app
+    finally:
+        sys.path.remove(str(OWN_APP))
+        for name in [n for n in sys.modules if n.split(".")[0] == "own_app"]:
+            del sys.modules[name]
+
+
 def test_every_override_goes_to_a_start_option_or_a_key_the_table_knows() -> None:
     """RunOverrides is the one list of `flplatform run`'s options: each start() keyword it
     sets is one of start()'s, and each of the guard's options is among them."""
