@@ -35,6 +35,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from flplatform.core.checks import SITE_NAME
 from flplatform.core.errors import ConfigError
+from flplatform.core.files import make_private_dirs
 
 DEFAULT_HOSTS = ("127.0.0.1", "localhost", "::1")
 LOOPBACK_HOSTS = ("127.0.0.1",)
@@ -355,8 +356,7 @@ def _refuse_existing(paths: Sequence[Path], *, force: bool, what: str) -> None:
 def _make_dir(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out} exists and is not a directory")
-    # A new directory is owner-only: it holds private keys.
-    out.mkdir(parents=True, exist_ok=True, mode=0o700)
+    make_private_dirs(out)  # it holds private keys; the ones above name the sites
 
 
 def _write(path: Path, data: bytes, mode: int) -> None:

@@ -42,6 +42,7 @@ from typing import Any
 
 from flplatform.app.config import RunConfig
 from flplatform.core.errors import ConfigError, FLPlatformError, RunFailed
+from flplatform.core.files import make_private_dirs
 from flplatform.core.site_registry import REGISTRY_ENV, RegisteredSite, SiteRegistry
 from flplatform.deploy.addresses import Address, parse_address
 from flplatform.deploy.certs import ServerCerts, check_site_name, fingerprint, site_public_key
@@ -243,7 +244,7 @@ def deployment_state(home: Path, plan: ServerPlan) -> Iterator[Path]:
     refused while the first runs.
     """
     state = home / "deployments" / plan.deployment_id
-    state.mkdir(parents=True, exist_ok=True, mode=0o700)
+    make_private_dirs(state)
     lock = (state / "server.lock").open("a+")
     try:
         try:

@@ -58,6 +58,7 @@ from flwr.app import ConfigRecord, Context, Message
 from flplatform.core import keys
 from flplatform.core.checkpoint import CheckpointError, read_state, write_state
 from flplatform.core.errors import ConfigError
+from flplatform.core.files import make_private_dirs
 from flplatform.core.processes import pid_alive
 from strategies.mods.contract import ModState, round_config
 
@@ -236,19 +237,6 @@ def _remove_abandoned(folder: Path) -> None:
             log.warning("cannot delete an abandoned snapshot file %s: %s", entry, exc)
 
 
-def _make_private(directory: Path) -> None:
-    """Create ``directory`` and each missing directory above it owner-only: ``mkdir(parents=
-    True, mode=...)`` gives the mode to the last one alone, and the run's key and the
-    site's name, which name the ones above, would be listed to every local user."""
-    missing = []
-    current = directory
-    while not current.exists():
-        missing.append(current)
-        current = current.parent
-    for path in reversed(missing):
-        path.mkdir(mode=0o700, exist_ok=True)
-
-
 def state_root(node_config: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> Path:
     """The directory holding this site's snapshots of every run (see the module's doc).
 
@@ -355,7 +343,7 @@ class SiteSnapshots:
             },
         }
         path = self.path(key, index)
-        _make_private(path.parent)
+        make_private_dirs(path.parent)
         size = write_state(path, tree)
         _remember(path, state, writer)
         for old in self.works(key)[: -self.keep]:

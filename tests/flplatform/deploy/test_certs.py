@@ -46,7 +46,10 @@ def sans(cert: x509.Certificate) -> tuple[set[str], set[str]]:
 
 
 def test_init_writes_a_ca_and_a_server_certificate_for_the_default_hosts(tmp_path: Path) -> None:
-    out = tmp_path / "certs"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o755)
+    out = shared / "deploy" / "certs"
     certs = init_certs(out)
     ca, server = load_cert(certs.ca_cert), load_cert(certs.server_cert)
     assert sans(server) == ({"localhost"}, {"127.0.0.1", "::1"})
@@ -62,7 +65,9 @@ def test_init_writes_a_ca_and_a_server_certificate_for_the_default_hosts(tmp_pat
         assert isinstance(key.curve, ec.SECP384R1)
         assert mode(key_file) == 0o600
     assert mode(certs.ca_cert) == mode(certs.server_cert) == 0o644
-    assert mode(out) == 0o700  # created here: it holds private keys
+    # created here, every one: it holds private keys, and the ones above name it
+    assert mode(out) == mode(out.parent) == 0o700
+    assert mode(shared) == 0o755  # an existing directory keeps its mode
 
 
 def test_init_covers_the_given_names_and_addresses(tmp_path: Path) -> None:
