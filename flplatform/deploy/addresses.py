@@ -12,7 +12,6 @@ from flplatform.core.errors import ConfigError
 _HOST_NAME = re.compile(
     r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?"
 )
-WILDCARD_HOSTS = ("0.0.0.0", "::")
 
 
 @dataclass(frozen=True)
@@ -27,8 +26,12 @@ class Address:
 
     @property
     def is_wildcard(self) -> bool:
-        """Whether it means every interface of this machine (a listening address)."""
-        return self.host in WILDCARD_HOSTS
+        """Whether it means every interface of this machine (a listening address), however
+        spelled (``0.0.0.0``, ``::``, ``0::0``)."""
+        try:
+            return ipaddress.ip_address(self.host).is_unspecified
+        except ValueError:  # a host name
+            return False
 
 
 def parse_address(text: str, option: str) -> Address:
@@ -40,9 +43,11 @@ def parse_address(text: str, option: str) -> Address:
         port_text = rest[1:] if bracket and rest.startswith(":") else ""
     else:
         host, _, port_text = spelled.rpartition(":")
+        if ":" in host:  # 2001:db8::1:9092 would be split at a guess
+            raise ConfigError(f"{option} {text!r}: an IPv6 address goes in brackets ({example})")
     if not host or not port_text:
         raise ConfigError(f"{option} {text!r} is not HOST:PORT ({example})")
-    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+    if not (port_text.isascii() and port_text.isdigit()) or not 1 <= int(port_text) <= 65535:
         raise ConfigError(f"{option} {text!r}: the port must be a number from 1 to 65535")
     try:
         ipaddress.ip_address(host)

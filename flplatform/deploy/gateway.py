@@ -29,6 +29,7 @@ import json
 import socket
 import socketserver
 import ssl
+import string
 import sys
 import threading
 import time
@@ -103,6 +104,13 @@ NODE_ACTIVATION_FAILED = 2004
 REJOIN_WINDOW_SECONDS = 180.0
 # Longest printed excerpt of what a refused peer sent (its request path).
 MAX_QUOTED = 80
+# A request's line and headers together (Flower's SuperNode sends well under 4 KiB: its
+# key, signature and timestamp): the standard library alone allows 100 headers of 64 KiB,
+# which made an anonymous connection hold 6 MB of headers, and the SuperLink read them.
+MAX_HEAD_BYTES = 64 * 2**10
+# An HTTP header name (RFC 9110's token) and a value the SuperLink can be handed (visible
+# ASCII, spaces and tabs): anything else is refused (400) before it reaches the SuperLink.
+_TOKEN = frozenset("!#$%&'*+-.^_`|~" + string.ascii_letters + string.digits)
 HANDSHAKE_SECONDS = 10.0
 # The Fleet client's own timeout is 30 s; a large object on a slow link may take longer.
 UPSTREAM_TIMEOUT = httpx.Timeout(connect=10.0, read=300.0, write=300.0, pool=None)
@@ -276,6 +284,43 @@ def quoted(text: str) -> str:
     return safe + ("…" if len(text) > MAX_QUOTED else "")
 
 
+class _HeadTooLarge(Exception):
+    """A request's line and headers passed ``MAX_HEAD_BYTES``."""
+
+
+class _BoundedHead:
+    """A connection's input whose ``readline`` (what request lines and headers are read
+    with) stops at ``MAX_HEAD_BYTES`` per request; ``read`` (the body) is unbounded here:
+    its length is checked before it is read."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self.left = MAX_HEAD_BYTES
+
+    def readline(self, limit: int = -1) -> bytes:
+        if self.left <= 0:
+            raise _HeadTooLarge
+        line = self._raw.readline(self.left if limit < 0 else min(limit, self.left))
+        self.left -= len(line)
+        if self.left <= 0 and not line.endswith(b"\n"):
+            raise _HeadTooLarge
+        return line
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+
+def _forwardable(headers: Any) -> bool:
+    """Whether every header has a token for a name and a value of visible ASCII, spaces
+    and tabs (what an HTTP client sends on: anything else made the forwarding fail)."""
+    for name, value in headers.items():
+        if not name or not set(name) <= _TOKEN:
+            return False
+        if not all(c == "\t" or " " <= c <= "~" for c in value):
+            return False
+    return True
+
+
 class _Refused(Exception):
     """The connection was refused and reported; nothing more to do with it."""
 
@@ -421,12 +466,20 @@ class FleetGateway(socketserver.ThreadingMixIn, http.server.HTTPServer):
         error = sys.exc_info()[1]
         if isinstance(error, _Refused | ConnectionError | TimeoutError | ssl.SSLError):
             return  # refused and reported, or the peer went away
-        # One line, never a traceback: the server's console relays this log.
-        self.reports.say(f"error serving {client_address[0]}: {type(error).__name__}: {error}")
+        # One line, never a traceback: the server's console relays this log. One a minute
+        # per peer and kind of error, whatever its text (which the peer may shape).
+        source = client_address[0]
+        kind = type(error).__name__
+        self.reports.say(
+            f"error serving {source}: {kind}: {quoted(str(error))}",
+            key=f"error serving {source}: {kind}",
+        )
 
     def server_close(self) -> None:
         super().server_close()
-        self.upstream.close()
+        upstream = getattr(self, "upstream", None)  # none yet when listening failed
+        if upstream is not None:
+            upstream.close()
 
     def who(self, fingerprint: str | None) -> str:
         """A node in words: its registered site, or its key's fingerprint."""
@@ -459,6 +512,26 @@ class _FleetHandler(http.server.BaseHTTPRequestHandler):
                 self.server.reports.say(f"refused {source}: {handshake_reason(exc)}")
                 raise _Refused from None
         super().setup()
+        self._head = _BoundedHead(self.rfile)
+        self.rfile = self._head  # type: ignore[assignment]  # read through, as a file
+
+    def handle_one_request(self) -> None:
+        self._head.left = MAX_HEAD_BYTES  # each request's line and headers
+        try:
+            super().handle_one_request()
+        except _HeadTooLarge:
+            self._refuse_head()
+
+    def _refuse_head(self) -> None:
+        source = self.client_address[0]
+        self.server.reports.say(
+            f"refused {source}: a request line and headers over {MAX_HEAD_BYTES:,} bytes",
+            key=f"refused {source}: large head",
+        )
+        self.close_connection = True
+        with contextlib.suppress(OSError):
+            self.wfile.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+            self.wfile.write(b"Connection: close\r\nContent-Length: 0\r\n\r\n")
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
         pass  # the SuperLink logs every request it serves; refusals are reported
@@ -473,24 +546,38 @@ class _FleetHandler(http.server.BaseHTTPRequestHandler):
         if length is None or not (length.isascii() and length.isdigit()):
             self.send_error(411 if length is None else 400)
             return
-        if int(length) > MAX_BODY_BYTES:
+        digits = length.lstrip("0") or "0"  # (int() refuses more than 4300 digits)
+        size = int(digits) if len(digits) <= len(str(MAX_BODY_BYTES)) else MAX_BODY_BYTES + 1
+        if size > MAX_BODY_BYTES:
             self.send_error(413)
+            return
+        if not _forwardable(self.headers):
+            source = self.client_address[0]
+            self.server.reports.say(
+                f"refused {source}: a header that is not HTTP's (its name not a token, or "
+                "its value not printable ASCII)",
+                key=f"refused {source}: malformed header",
+            )
+            self.send_error(400, "malformed header")
             return
         signer = None  # the registered site that signed this request, where it matters
         if action == "activate-node" or not self.server.is_site(self.request):
             signer = self._signing_site()
             if signer is not None and not self.server.is_site(self.request):
                 self.server.mark_site(self.request, signer)  # (without site auth: none)
-        if int(length) > ANONYMOUS_BODY_BYTES and not self._trusted():
+        if size > ANONYMOUS_BODY_BYTES and not self._trusted():
             source = self.client_address[0]
             self.server.reports.say(
-                f"refused {source}: a {int(length):,}-byte body without a registered site's "
+                f"refused {source}: a {size:,}-byte body without a registered site's "
                 "signature (above 1 MiB only sites may send)",
                 key=f"refused {source}: large unsigned body",
             )
             self.send_error(401)
             return
-        body = self.rfile.read(int(length))
+        body = self.rfile.read(size)
+        if len(body) != size:  # the peer closed first: nothing to forward
+            self.close_connection = True
+            return
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
         # The SuperLink trusts forwarding headers from 127.0.0.1, which we are: only the
         # peer's real address may reach it.
@@ -499,7 +586,10 @@ class _FleetHandler(http.server.BaseHTTPRequestHandler):
             reply = self.server.upstream.post(path, content=body, headers=headers)
         except httpx.HTTPError as exc:
             upstream = self.server.config.upstream
-            self.server.reports.say(f"cannot reach the SuperLink at {upstream}: {exc}")
+            self.server.reports.say(
+                f"cannot reach the SuperLink at {upstream}: {quoted(str(exc))}",
+                key=f"cannot reach the SuperLink: {type(exc).__name__}",
+            )
             self.send_error(502)
             return
         if action == "activate-node" and signer is not None and self._told_to_retry(reply, signer):

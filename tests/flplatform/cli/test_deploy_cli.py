@@ -334,6 +334,8 @@ def test_bad_site_lists_are_refused(server_dir: Path, sites: str, says: str) -> 
         ("127.0.0.1:http", "from 1 to 65535"),
         ("bad_host:9092", "neither an IP address nor a host name"),
         ("10.255.255.1:9092", "would refuse"),  # not in the certificate
+        ("2001:db8::1:9092", "goes in brackets"),  # host and port would be a guess
+        ("127.0.0.1:\u0669\u0660\u0669\u0662", "from 1 to 65535"),  # Arabic-Indic 9092
     ],
 )
 def test_bad_addresses_are_refused(server_dir: Path, spelled: str, says: str) -> None:
@@ -467,7 +469,11 @@ def test_site_missing_the_ca_certificate_says_who_sends_it(tmp_path: Path, site_
 
 @pytest.mark.parametrize(
     "server_address, says",
-    [("0.0.0.0:9092", "not a listening address"), ("9092", "is not HOST:PORT")],
+    [
+        ("0.0.0.0:9092", "not a listening address"),
+        ("[0::0]:9092", "not a listening address"),  # every interface, however spelled
+        ("9092", "is not HOST:PORT"),
+    ],
 )
 def test_site_needs_the_servers_reachable_address(
     tmp_path: Path, server_dir: Path, site_file: Path, server_address: str, says: str

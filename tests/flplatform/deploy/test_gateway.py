@@ -502,3 +502,106 @@ def test_one_site_cannot_hold_more_than_its_share_of_connections(
         tls.close()
     [line] = [line for line in deployment.reports.lines if line.startswith("closed the oldest")]
     assert "london" in line and f"at most {gateway.MAX_CONNECTIONS_PER_SITE} open" in line
+
+
+def test_a_request_head_is_bounded_and_never_reaches_the_superlink(deployment: Deployment) -> None:
+    """The standard library alone lets a request carry 100 headers of 64 KiB: an anonymous
+    connection held 6 MB of them (128 connections: 1.5 GB), and the SuperLink was handed
+    them. The line and headers are bounded together."""
+    from flplatform.deploy.gateway import MAX_HEAD_BYTES
+
+    filler = "".join(f"X-Pad-{n}: {'a' * 4000}\r\n" for n in range(MAX_HEAD_BYTES // 4000 + 1))
+    head = f"POST /v1/fleet/get-run HTTP/1.1\r\nHost: x\r\n{filler}Content-Length: 2\r\n\r\n"
+    reply = raw_request(deployment, head.encode(), b"{}")
+    assert reply.startswith(b"HTTP/1.1 431"), reply[:200]
+    assert b"x-path" not in reply
+    assert "headers over" in deployment.reports.wait_for("refused 127.0.0.1")
+    # a site's ordinary request still passes
+    ok = f"POST /v1/fleet/get-run HTTP/1.1\r\nHost: x\r\nX-Pad: {'a' * 4000}\r\n"
+    assert raw_request(deployment, f"{ok}Content-Length: 2\r\n\r\n".encode(), b"{}").startswith(
+        b"HTTP/1.1 200"
+    )
+
+
+def test_a_body_cut_short_is_not_forwarded(deployment: Deployment) -> None:
+    """The peer closes before its body's declared length: nothing reaches the SuperLink
+    (a truncated envelope was forwarded as whole)."""
+    seen: list[str] = []
+    original = FleetStandIn.do_POST
+
+    def recording(handler: FleetStandIn) -> None:
+        seen.append(handler.path)
+        original(handler)
+
+    context = ssl.create_default_context(cafile=str(deployment.ca_cert))
+    FleetStandIn.do_POST = recording  # type: ignore[method-assign]
+    try:
+        with (
+            socket.create_connection(("127.0.0.1", deployment.port), timeout=10) as raw,
+            context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+        ):
+            tls.sendall(b"POST /v1/fleet/push-messages HTTP/1.1\r\nHost: x\r\n")
+            tls.sendall(b"Content-Length: 1000\r\n\r\n" + b"x" * 10)
+            socket.socket.shutdown(tls, socket.SHUT_WR)  # TCP's: the TLS session stays
+            try:
+                answer = tls.recv(65536)
+            except (ssl.SSLError, OSError):
+                answer = b""
+            assert answer == b""  # closed, no answer
+        # a whole request afterwards is forwarded: the stand-in does record
+        head = b"POST /v1/fleet/get-run HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n"
+        assert raw_request(deployment, head, b"{}").startswith(b"HTTP/1.1 200")
+    finally:
+        FleetStandIn.do_POST = original  # type: ignore[method-assign]
+    assert seen == ["/v1/fleet/get-run"]
+
+
+@pytest.mark.parametrize(
+    "header",
+    [b"X-Bad(Name): 1", b"X-Latin: caf\xc3\xa9", b"X-Control: a\x1bb"],
+    ids=["name", "non-ascii", "control"],
+)
+def test_a_header_that_is_not_https_is_refused_in_one_line_a_minute(
+    deployment: Deployment, header: bytes
+) -> None:
+    """Such headers made the forwarding fail, reported as the SuperLink unreachable (a 502),
+    with the peer's text in a new log line per request."""
+    for n in range(5):
+        head = (
+            b"POST /v1/fleet/get-run HTTP/1.1\r\nHost: x\r\n"
+            + header
+            + str(n).encode()
+            + b"\r\nContent-Length: 2\r\n\r\n"
+        )
+        assert raw_request(deployment, head, b"{}").startswith(b"HTTP/1.1 400")
+    lines = deployment.reports.lines
+    assert len([line for line in lines if "refused 127.0.0.1" in line]) == 1, lines
+    assert not [line for line in lines if "SuperLink" in line or "error serving" in line]
+
+
+def test_a_content_length_of_thousands_of_digits_is_too_large(deployment: Deployment) -> None:
+    for length in ("9" * 5000, "0" * 5000 + "2"):
+        head = f"POST /v1/fleet/get-run HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n"
+        reply = raw_request(deployment, head.encode(), b"{}")
+        assert reply.startswith(b"HTTP/1.1 413" if length[0] == "9" else b"HTTP/1.1 200"), reply
+    assert not [line for line in deployment.reports.lines if "error serving" in line]
+
+
+def test_a_port_in_use_is_one_line_and_exit_code_2(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "flplatform.deploy.gateway", "--host", "127.0.0.1"]
+            + ["--port", str(port), "--upstream", "127.0.0.1:1"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 2, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stdout
+    assert "Traceback" not in done.stdout + done.stderr
