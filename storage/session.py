@@ -65,6 +65,8 @@ _QUERY_PASSWORD: Final = "password"
 # The password of text shaped like ``scheme://user:password@host`` that is no URL: all up to
 # the last "@" (a password may hold "/" or "@"; masking some of the host is harmless).
 _UNPARSED_PASSWORD: Final = re.compile(r"(//[^/@:]*):.*@")
+# ... and a query's password in such text
+_UNPARSED_QUERY_PASSWORD: Final = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
 
 
 def flplatform_home() -> Path:
@@ -174,7 +176,8 @@ def mask_db_url(url: str) -> str:
     try:
         parsed = make_url(url)
     except (ArgumentError, ValueError):
-        return _UNPARSED_PASSWORD.sub(r"\1:***@", url)
+        masked = _UNPARSED_PASSWORD.sub(r"\1:***@", url)
+        return _UNPARSED_QUERY_PASSWORD.sub(r"\1***", masked)
     if _QUERY_PASSWORD in parsed.query:
         parsed = parsed.update_query_dict({_QUERY_PASSWORD: "***"})
     if parsed.password is not None or _QUERY_PASSWORD in parsed.query:
@@ -474,7 +477,7 @@ def create_ledger_engine(url: str, *, wal: bool = True) -> Engine:
         file in a missing or unwritable directory.
     """
     parsed = _parse(url)
-    shown = parsed.render_as_string(hide_password=True)
+    shown = mask_db_url(url.strip())  # the password hidden also where the query holds it
     backend = parsed.get_backend_name()
     kwargs: dict[str, Any] = {}
     if backend == "sqlite":

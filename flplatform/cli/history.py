@@ -99,10 +99,9 @@ def resolve_run(repository: LedgerRepository, run: str) -> int:
                 f"no runs in {repository.url} yet; start one with flplatform simulate"
             )
         return runs[0].id
-    try:
-        return int(run)
-    except ValueError:
-        raise ConfigError(f"RUN must be a run id (an integer) or 'latest', got '{run}'") from None
+    if not (run.isascii() and run.isdigit()):  # int() also takes "1_1" (11) and "٣"
+        raise ConfigError(f"RUN must be a run id (an integer) or 'latest', got '{run}'")
+    return int(run)
 
 
 @app.command("runs")

@@ -222,7 +222,9 @@ def to_csv(records: Sequence[dict[str, Any]]) -> str:
         return ""
     buffer = io.StringIO()
     fieldnames = list(records[0])
-    writer = csv.DictWriter(buffer, fieldnames=fieldnames, lineterminator="\n")
+    # "\r\n" (RFC 4180's): Python 3.11 quotes a field holding a character of the line
+    # terminator only, and a site named "a\rb" split its row in two under "\n"
+    writer = csv.DictWriter(buffer, fieldnames=fieldnames, lineterminator="\r\n")
     writer.writeheader()
     for record in records:
         writer.writerow(

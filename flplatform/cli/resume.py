@@ -129,9 +129,9 @@ def resumable_config(record: RunRecord, *, db: str, round_timeout: float | None)
             "run by passing resume_run=<id> to flplatform.start(...)"
         )
     values = dict(record.config)
-    values.update({"resume-run": record.id, "run-tag": record.tag})
-    if db:
-        values["db"] = db
+    # the ledger it was read from ("": the default one), whatever its options say (runs of
+    # the default ledger recorded before migration 0007 say "<not a database URL: removed>")
+    values.update({"resume-run": record.id, "run-tag": record.tag, "db": db})
     if round_timeout is not None:
         values["round-timeout"] = round_timeout
     return RunConfig.from_mapping(values)

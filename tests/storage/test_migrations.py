@@ -812,6 +812,7 @@ def test_passwords_kept_in_old_runs_options_are_forgotten(ledger_url: str) -> No
         1: f"postgresql+psycopg://alice:{secret}@db.example:5433/ledger",
         2: f"postgresql+psycopg://alice@db.example/ledger?password={secret}&sslmode=require",
         3: "sqlite:////var/ledger.db",
+        4: "",  # the default ledger (`simulate` without --db)
     }
     runs = table("runs", column("id"), column("config", JSON))
     engine = create_ledger_engine(ledger_url)
@@ -819,7 +820,7 @@ def test_passwords_kept_in_old_runs_options_are_forgotten(ledger_url: str) -> No
         with engine.begin() as connection:
             command.upgrade(alembic_config(connection), "0006")
             _fill_an_0001_ledger(connection)  # run 1
-            for run_id in (2, 3):
+            for run_id in (2, 3, 4):
                 connection.execute(
                     text(
                         "INSERT INTO runs (id, name, strategy, seed, num_rounds_planned, status, "
@@ -841,5 +842,6 @@ def test_passwords_kept_in_old_runs_options_are_forgotten(ledger_url: str) -> No
         1: {"lr": 0.1, "db": "postgresql+psycopg://alice@db.example:5433/ledger"},
         2: {"lr": 0.1, "db": "postgresql+psycopg://alice@db.example/ledger?sslmode=require"},
         3: {"lr": 0.1, "db": "sqlite:////var/ledger.db"},  # no password: untouched
+        4: {"lr": 0.1, "db": ""},  # was "<not a database URL: removed>"
     }
     assert secret not in repr(configs)

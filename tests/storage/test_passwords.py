@@ -92,10 +92,31 @@ def test_a_url_that_cannot_be_parsed_is_refused_without_echoing_its_password() -
         ),
         # Too malformed to parse, with "/" in the password.
         ("postgresql://alice:s3/cr@t@db:notaport/x", "postgresql://alice:***@db:notaport/x"),
+        # ... or in the query
+        (
+            "postgresql+psycopg://u@h:notaport/db?sslmode=require&password=s3cret",
+            "postgresql+psycopg://u@h:notaport/db?sslmode=require&password=***",
+        ),
     ],
 )
 def test_masking_hides_the_password_wherever_the_url_holds_it(url: str, shown: str) -> None:
     assert mask_db_url(url) == shown
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql+nosuchdriver://u@h/db?password=s3cret",  # a driver not installed
+        "nosuch://u@h/db?password=s3cret",  # an unknown dialect
+        "postgresql+psycopg://u@h:notaport/db?password=s3cret",  # unparsable
+    ],
+)
+def test_a_ledger_that_cannot_be_opened_is_named_without_its_query_password(url: str) -> None:
+    """The messages named the URL with SQLAlchemy's hide_password, which hides the user's
+    password only, not the query's (libpq's ``password=``)."""
+    with pytest.raises(StorageError) as info:
+        LedgerRepository.open(url)
+    assert "s3cret" not in info.value.reason and "password=" in info.value.reason
 
 
 # ---------------------------------------------------------------------------- detach

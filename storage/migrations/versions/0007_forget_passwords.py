@@ -30,7 +30,9 @@ _runs = sa.table("runs", sa.column("id", sa.Integer()), sa.column("config", sa.J
 def without_password(url: str) -> str | None:
     """``url`` without its password (after the user name or as the query's ``password``);
     None when it holds none. A value that is no URL is replaced by a placeholder: it may be
-    a password typed in the wrong place."""
+    a password typed in the wrong place; an empty one (the default ledger) is kept."""
+    if not url.strip():
+        return None
     try:
         parsed = make_url(url)
     except (ArgumentError, ValueError):

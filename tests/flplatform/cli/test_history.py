@@ -182,8 +182,9 @@ def test_missing_run_is_one_line(ledger: str) -> None:
     result = runner.invoke(app, ["history", "rounds", "42", "--db", ledger])
     assert result.exit_code == 5
     assert "run 42 does not exist" in result.output
-    bad = runner.invoke(app, ["history", "sites", "abc", "--db", ledger])
-    assert bad.exit_code == 2 and "RUN must be a run id" in bad.output
+    for spelled in ("abc", "1_0", "\u0661", " 1"):  # not another run's id ("1_0": 10)
+        bad = runner.invoke(app, ["history", "sites", spelled, "--db", ledger])
+        assert bad.exit_code == 2 and "RUN must be a run id" in bad.output, spelled
 
 
 @pytest.fixture

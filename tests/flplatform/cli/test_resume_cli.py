@@ -281,3 +281,22 @@ def test_a_missing_proc_entry_is_reaped_for_our_own_processes_hidden_for_others(
     gone = 2**22 + 4321  # above Linux's default pid_max
     assert _ended(gone, missing_means_ended=False) is False
     assert _ended(gone, missing_means_ended=True) is Path("/proc/self/stat").exists()
+
+
+@pytest.mark.parametrize(
+    "recorded", ["", "<not a database URL: removed>", "sqlite:///elsewhere.db"]
+)
+def test_a_resumed_run_writes_to_the_ledger_it_was_read_from(
+    url: str, tmp_path: Path, recorded: str
+) -> None:
+    """Whatever its options recorded: the default ledger's runs recorded "" and migration
+    0007 made that "<not a database URL: removed>", which a resume without --db kept, and
+    a ledger file moved since names another place."""
+    from flplatform.cli.resume import resumable_config
+
+    config = {**simulate_config("t7"), "db": recorded}
+    run_id = record_run(url, tmp_path, config=config, tag="t7", rounds=2)
+    with LedgerRepository.open(url) as repo:
+        record = repo.get_run(run_id)
+    assert resumable_config(record, db="", round_timeout=None).db == ""
+    assert resumable_config(record, db=url, round_timeout=None).db == url

@@ -175,3 +175,15 @@ def test_json_and_csv_keep_their_fields(busy: str, command: str) -> None:
     assert rows and all(list(row) == expected for row in rows)
     out = runner.invoke(app, [*args, "--format", "csv"]).output
     assert next(csv.reader(io.StringIO(out))) == expected
+
+
+def test_csv_cells_with_line_breaks_and_delimiters_read_back_whole() -> None:
+    """A site or run name may hold a carriage return: with "\\n" rows, Python 3.11 left
+    it unquoted and a reader split the row in two."""
+    from flplatform.cli.render import to_csv
+
+    names = ["cr\rsite", "lf\nsite", "crlf\r\nsite", 'q"uote', "com,ma", " lead", "東京"]
+    records = [{"site": name, "n": i, "curve": [1, 2]} for i, name in enumerate(names)]
+    rows = list(csv.DictReader(io.StringIO(to_csv(records), newline="")))
+    assert [row["site"] for row in rows] == names
+    assert [row["n"] for row in rows] == [str(i) for i in range(len(names))]
