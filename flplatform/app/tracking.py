@@ -14,6 +14,7 @@ store. MLflow and TensorBoard are optional extras (``pip install 'flplatform[mlf
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -144,8 +145,15 @@ def _round_points(run: RunRecord, record: RoundRecord, updates: list[UpdateRecor
     }
     # The round's own metrics (the server's and sites' evaluation, the app's); one named
     # like a series of the platform's is kept beside it as metrics/<name>.
+    # (judged as MLflow names them too: "/bytes_up" and "round@seconds" are its bytes_up
+    # and round_seconds)
+    ours = {mlflow_name(key) for key in platform}
     values: dict[str, float | None] = {
-        (f"metrics/{key}" if key in platform or key.startswith("site/") else key): value
+        (
+            f"metrics/{key}"
+            if key in platform or mlflow_name(key) in ours or mlflow_name(key).startswith("site/")
+            else key
+        ): value
         for key, value in record.metrics.items()
         if value is not None
     }
@@ -180,20 +188,56 @@ def _mean(values: Iterable[float]) -> float | None:
 
 # ------------------------------------------------------------------------------ MLflow
 # What MLflow accepts in a metric or parameter name (mlflow.utils.validation, the portable
-# set: no colons), at most _MLFLOW_KEY_LENGTH characters, and no name that a path
-# normalisation would change (a//b, a/./b, /a).
-_MLFLOW_NAME_CHARACTERS = re.compile(r"[^/\w.\- ]", re.ASCII)
+# set: no colons; its \w is Unicode's, so that sites named 東京 and 大阪 keep two series),
+# at most _MLFLOW_KEY_LENGTH characters, and no name that a path normalisation would change
+# (a//b, a/./b, /a).
+_MLFLOW_NAME_CHARACTERS = re.compile(r"[^/\w.\- ]")
 _MLFLOW_KEY_LENGTH = 250
+_DIGEST_LENGTH = 8
 
 
 def mlflow_name(key: str) -> str:
-    """``key`` as MLflow accepts it: other characters become ``_``, empty, ``.`` and
-    ``..`` path parts are left out, and it is cut to 250 characters (an app's metric
-    ``acc@1`` is ``acc_1``)."""
+    """``key`` as MLflow accepts it: other characters become ``_`` (an app's metric
+    ``acc@1`` is ``acc_1``), empty, ``.`` and ``..`` path parts are left out. A name over
+    250 characters keeps its last part (``bytes_up`` of ``site/<a long name>/bytes_up``)
+    and the start of the rest, marked with a digest of the whole key: two long keys that
+    differ only past the cut stay two names."""
     parts = _MLFLOW_NAME_CHARACTERS.sub("_", key).split("/")
-    name = "/".join(part for part in parts if part not in ("", ".", ".."))
-    name = name[:_MLFLOW_KEY_LENGTH].rstrip("/")
-    return name or "_"
+    kept = [part for part in parts if part not in ("", ".", "..")]
+    name = "/".join(kept)
+    if len(name) <= _MLFLOW_KEY_LENGTH:
+        return name or "_"
+    digest = _digest(key)
+    last = kept[-1] if len(kept) > 1 and len(kept[-1]) < _MLFLOW_KEY_LENGTH // 2 else ""
+    room = _MLFLOW_KEY_LENGTH - len(digest) - 1 - (len(last) + 1 if last else 0)
+    head = name[: len(name) - len(last) - 1] if last else name
+    shortened = f"{head[:room].rstrip('/')}-{digest}"
+    return f"{shortened}/{last}" if last else shortened
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:_DIGEST_LENGTH]
+
+
+class _MlflowNames:
+    """Each key's MLflow name, one name per key within a run: a key whose name another key
+    took first (``top@k`` and ``top#k`` are both ``top_k``) gets the name with a digest of
+    its own added, so that neither hides the other."""
+
+    def __init__(self) -> None:
+        self._names: dict[str, str] = {}
+        self._taken: set[str] = set()
+
+    def __call__(self, key: str) -> str:
+        name = self._names.get(key)
+        if name is None:
+            name = mlflow_name(key)
+            if name in self._taken:
+                suffix = f"-{_digest(key)}"
+                name = name[: _MLFLOW_KEY_LENGTH - len(suffix)].rstrip("/") + suffix
+            self._names[key] = name
+            self._taken.add(name)
+        return name
 
 
 def artifact_location(tracking_uri: str) -> str | None:
@@ -220,6 +264,7 @@ class MlflowRun:
         from mlflow.entities import Param
 
         self.store = store
+        self.name = _MlflowNames()  # metric and parameter names share MLflow's namespace
         tags = {MLFLOW_SOURCE_TAG: series.source, "flplatform.run_id": str(series.run_id)}
         with store.errors():
             created = store.client.create_run(
@@ -228,17 +273,23 @@ class MlflowRun:
                 tags=tags,
                 start_time=_ms(series.started_at) if series.started_at else None,
             )
-            self.id = str(created.info.run_id)
-            params = [Param(mlflow_name(key), value) for key, value in series.params.items()]
-            for start in range(0, len(params), _MLFLOW_PARAMS_PER_BATCH):
-                store.client.log_batch(
-                    self.id, params=params[start : start + _MLFLOW_PARAMS_PER_BATCH]
-                )
+        self.id = str(created.info.run_id)
+        params = [Param(self.name(key), value) for key, value in series.params.items()]
+        try:
+            with store.errors():
+                for start in range(0, len(params), _MLFLOW_PARAMS_PER_BATCH):
+                    store.client.log_batch(
+                        self.id, params=params[start : start + _MLFLOW_PARAMS_PER_BATCH]
+                    )
+        except ConfigError:  # no half-made run left behind (it would count as exported)
+            with contextlib.suppress(Exception):  # the store may be what failed
+                store.client.delete_run(self.id)
+            raise
 
     def write(self, points: Sequence[Point]) -> None:
         from mlflow.entities import Metric
 
-        metrics = [Metric(mlflow_name(p.key), p.value, _ms(p.wall_time), p.step) for p in points]
+        metrics = [Metric(self.name(p.key), p.value, _ms(p.wall_time), p.step) for p in points]
         with self.store.errors():
             for start in range(0, len(metrics), _MLFLOW_METRICS_PER_BATCH):
                 self.store.client.log_batch(
@@ -377,7 +428,15 @@ def tensorboard_directory(root: Path, run_id: int, name: str) -> Path:
     """Where a run's event files go under ``root``: one folder per run, ``<id>-<name>``
     (characters other than letters, digits and ``-_.`` made ``_``)."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+    if len(safe.encode()) > _FOLDER_NAME_BYTES:  # a file name holds 255 bytes
+        kept = safe.encode()[:_FOLDER_NAME_BYTES].decode(errors="ignore")
+        safe = f"{kept}-{_digest(name)}"
     return root / f"{run_id}-{safe}"
+
+
+# A run's name in its TensorBoard folder, in bytes, at most: with the id, the digest and
+# dashes the folder's name stays within the 255 bytes a file system allows.
+_FOLDER_NAME_BYTES = 200
 
 
 def _summary_writer() -> Any:

@@ -20,8 +20,8 @@ from flplatform.cli.history import DbOption, RunsArgument, console, resolve_run
 from flplatform.core.checkpoint import CheckpointError
 from flplatform.core.errors import ConfigError, NotFoundError
 from flplatform.launch.simulation import ProgressCallback
-from flplatform.run.ledger import load_checkpoint
-from storage import LedgerRepository, RoundRecord, RunRecord, UpdateRecord
+from flplatform.run.ledger import load_checkpoint, owner_alive
+from storage import RUN_RUNNING, LedgerRepository, RoundRecord, RunRecord, UpdateRecord
 
 PANEL = "Experiment tracking"
 MlflowOption = Annotated[
@@ -73,6 +73,14 @@ def export_runs(
     check_folder(tensorboard)
     with LedgerRepository.open(db, create=False) as repository:
         run_ids = [resolve_run(repository, run) for run in selected]
+        for run_id in run_ids:
+            record = repository.get_run(run_id)
+            if record.status == RUN_RUNNING and owner_alive(record.owner):
+                raise ConfigError(
+                    f"run {run_id} is still training: export it once it ends (or log it "
+                    "as it trains: simulate and run take --mlflow and --tensorboard)"
+                )
+    mlflow_fails_fast()
     export_to(db, run_ids, mlflow, tensorboard, experiment, force=force)
 
 
@@ -141,6 +149,14 @@ def check_stores(
     LiveExport(db_url, mlflow=mlflow, tensorboard=tensorboard, experiment=experiment).check()
 
 
+def mlflow_fails_fast() -> None:
+    """A tracking server that is down fails the export in seconds, not after MLflow's
+    minutes of retries (250 s to an address where nothing listens); the user's own
+    settings of these stay."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+
 @contextlib.contextmanager
 def live_export(
     db_url: str, mlflow: str | None, tensorboard: Path | None, experiment: str
@@ -151,10 +167,7 @@ def live_export(
         yield None
         return
     check_folder(tensorboard)
-    # A tracking server that is down fails the export in seconds, not after MLflow's
-    # minutes of retries inside the loop that follows the run.
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    mlflow_fails_fast()
     live = LiveExport(db_url, mlflow=mlflow, tensorboard=tensorboard, experiment=experiment)
     live.check()
     try:

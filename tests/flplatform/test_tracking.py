@@ -7,6 +7,7 @@ back with MLflow's own client and TensorBoard's own reader.
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +31,7 @@ from flplatform.core.errors import ConfigError
 from storage import LedgerRepository
 from tests.helpers.cli import invoke, one_error_line
 from tests.helpers.comparison_ledger import T0, write_comparison_ledger
-from tests.helpers.ledger_records import record, update
+from tests.helpers.ledger_records import make_run, record, update
 
 
 @pytest.fixture
@@ -308,6 +309,13 @@ def test_an_export_that_fails_stops_saying_why_ends_its_run_failed_and_the_run_g
     assert [m.step for m in client.get_metric_history(logged.info.run_id, "accuracy")] == [1]
 
 
+LONG_SITE_KEY = f"site/{'s' * 300}/bytes_up"
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:8]
+
+
 @pytest.mark.parametrize(
     ("key", "name"),
     [
@@ -318,8 +326,10 @@ def test_an_export_that_fails_stops_saying_why_ends_its_run_failed_and_the_run_g
         ("/x/./y/../z/", "x/y/z"),
         ("top-1 (%)", "top-1 ___"),
         ("", "_"),
-        ("é:ü", "___"),
-        ("m" * 300, "m" * 250),
+        ("é:ü", "é_ü"),  # MLflow's \w is Unicode's
+        ("site/東京/bytes_up", "site/東京/bytes_up"),
+        ("m" * 300, "m" * 241 + "-" + digest("m" * 300)),
+        (LONG_SITE_KEY, f"site/{'s' * 227}-{digest(LONG_SITE_KEY)}/bytes_up"),
     ],
 )
 def test_metric_names_are_made_what_mlflow_accepts(key: str, name: str) -> None:
@@ -429,3 +439,122 @@ def test_a_run_ended_by_ctrl_c_is_caught_up_and_ended_in_mlflow(
     [logged] = client.search_runs([client.get_experiment_by_name("x").experiment_id])
     assert logged.info.status == "FAILED"
     assert [m.step for m in client.get_metric_history(logged.info.run_id, "accuracy")] == [1, 2]
+
+
+def test_site_series_stay_apart_whatever_the_sites_names(
+    sqlite_ledger: str, tmp_path: Path
+) -> None:
+    """Non-ASCII names all became "_" (東京 and 大阪 were one series, two values a step),
+    and long ones were cut to one name for bytes_up and bytes_down."""
+    from mlflow.tracking import MlflowClient
+
+    long_a, long_b = "a" * 240 + "-lab-one", "a" * 240 + "-lab-two"
+    sites = ["東京", "大阪", long_a, long_b]
+    with LedgerRepository.open(sqlite_ledger) as repository:
+        run_id = make_run(repository)
+        for node, site in enumerate(sites, start=1):
+            repository.add_site(run_id, name=site, node_id=node)
+        for step in (1, 2):
+            record(
+                repository,
+                run_id,
+                step,
+                [update(s, bytes_up=100 * (i + 1)) for i, s in enumerate(sites)],
+            )
+        series = run_series(repository, run_id)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    written = to_mlflow([series], uri)
+    client = MlflowClient(tracking_uri=uri)
+    metrics = client.get_run(written[run_id]).data.metrics
+    up = sorted(value for key, value in metrics.items() if key.endswith("/bytes_up"))
+    assert up == [100.0, 200.0, 300.0, 400.0]  # four series, each its own site's
+    for key in metrics:
+        history = client.get_metric_history(written[run_id], key)
+        assert sorted(m.step for m in history) == [1, 2], key  # one value a step
+    assert "site/東京/bytes_up" in metrics
+
+
+def test_names_that_mlflow_makes_the_same_are_kept_apart(
+    sqlite_ledger: str, tmp_path: Path
+) -> None:
+    """Options "top@k" and "top#k" were both the parameter top_k: MLflow refused the batch
+    and the export was impossible; an app's "/bytes_up" and "round@seconds" were written
+    into the platform's bytes_up and round_seconds."""
+    from mlflow.tracking import MlflowClient
+
+    with LedgerRepository.open(sqlite_ledger) as repository:
+        run_id = make_run(repository, config={"top@k": 1, "top#k": 2})
+        repository.add_site(run_id, name="lab", node_id=1)
+        record(
+            repository,
+            run_id,
+            1,
+            [update("lab")],
+            metrics={"/bytes_up": 7.0, "round@seconds": 99.0},
+        )
+        series = run_series(repository, run_id)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    stored = MlflowClient(tracking_uri=uri).get_run(to_mlflow([series], uri)[run_id]).data
+    assert sorted(v for k, v in stored.params.items() if k.startswith("top_k")) == ["1", "2"]
+    assert stored.metrics["bytes_up"] == 100.0 and stored.metrics["round_seconds"] == 3.5
+    assert stored.metrics["metrics/bytes_up"] == 7.0
+    assert stored.metrics["metrics/round_seconds"] == 99.0
+
+
+def test_an_export_whose_parameters_fail_leaves_no_run_behind(
+    sqlite_ledger: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run was made before its parameters were logged: when that failed it stayed,
+    RUNNING and tagged as exported, and every later export was refused as a repeat."""
+    from mlflow.tracking import MlflowClient
+
+    with LedgerRepository.open(sqlite_ledger) as repository:
+        run_id = make_run(repository)
+        repository.add_site(run_id, name="lab", node_id=1)
+        record(repository, run_id, 1, [update("lab")])
+        series = run_series(repository, run_id)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    original = MlflowClient.log_batch
+
+    def failing(self: MlflowClient, run_id: str, *args: object, **kwargs: object) -> None:
+        if kwargs.get("params"):
+            from mlflow.exceptions import MlflowException
+
+            raise MlflowException("the store refused the parameters")
+        original(self, run_id, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(MlflowClient, "log_batch", failing)
+    with pytest.raises(ConfigError, match="refused the parameters"):
+        to_mlflow([series], uri)
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("flplatform")
+    assert experiment is not None and client.search_runs([experiment.experiment_id]) == []
+    monkeypatch.setattr(MlflowClient, "log_batch", original)
+    assert run_id in to_mlflow([series], uri)  # not refused as exported before
+
+
+def test_a_run_still_training_is_not_exported_as_failed(sqlite_ledger: str, tmp_path: Path) -> None:
+    """Exported while it trained (`latest`), it was written to MLflow as FAILED, ended now."""
+    from flplatform.run.ledger import process_owner
+
+    with LedgerRepository.open(sqlite_ledger) as repository:
+        run_id = make_run(repository, owner=process_owner())  # this process: alive
+        repository.add_site(run_id, name="lab", node_id=1)
+        record(repository, run_id, 1, [update("lab")])
+    result = invoke(
+        ["history", "export", "latest", "--db", sqlite_ledger]
+        + ["--mlflow", f"sqlite:///{tmp_path / 'mlflow.db'}"]
+    )
+    assert result.exit_code == 2
+    assert f"run {run_id} is still training" in one_error_line(result.output)
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_long_run_name_has_a_tensorboard_folder(tmp_path: Path) -> None:
+    for name in ("n" * 255, "東" * 90):  # names the ledger takes (up to 255 characters)
+        folder = tensorboard_directory(tmp_path, 7, name)
+        folder.mkdir()  # within the 255 bytes a file name may have
+        assert len(folder.name.encode()) <= 255
+    assert tensorboard_directory(tmp_path, 7, "n" * 255) != tensorboard_directory(
+        tmp_path, 7, "n" * 254 + "m"
+    )
