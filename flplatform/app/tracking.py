@@ -559,6 +559,8 @@ class LiveExport:
         self.run_id: int | None = None
         self.written = 0  # rounds written
         self.stopped: str | None = None
+        # a resumed run's earlier MLflow export, deleted once this one has ended
+        self._earlier: tuple[_MlflowStore | None, list[str]] = (None, [])
 
     def check(self) -> None:
         """Refuse, before the run starts, an extra that is missing or a store that cannot
@@ -614,16 +616,33 @@ class LiveExport:
             except Exception as exc:  # as in update
                 self.stop(exc)
         self.runs = []
+        store, earlier = self._earlier
+        if self.stopped is None and store is not None:
+            try:
+                with store.errors():
+                    for old in earlier:  # replaced by this one, which holds every round
+                        store.client.delete_run(old)
+            except Exception as exc:  # as in update
+                self.stop(exc)
 
     def _open(self, repository: LedgerRepository, record: RunRecord) -> None:
+        """Open the exports. A resumed run's export before it stopped (this run's, by its
+        source) is replaced: this one writes every round again, its earlier ones first
+        (the MLflow run is deleted once this one has ended; the TensorBoard folder now)."""
         self.run_id = record.id
         header = _series(repository, record, ())
         if self.mlflow is not None:
-            self.runs.append(MlflowRun(_MlflowStore(self.mlflow, self.experiment), header))
+            store = _MlflowStore(self.mlflow, self.experiment)
+            self._earlier = (store, store.exported(header.source))
+            self.runs.append(MlflowRun(store, header))
         if self.tensorboard is not None:
             folder = tensorboard_directory(self.tensorboard, header.run_id, header.name)
-            if folder.exists():  # another ledger's run of the same id and name
-                raise ConfigError(f"{folder} already exists; give another --tensorboard folder")
+            if folder.exists():
+                _check_replaceable(folder, header)  # another ledger's run: refused
+                try:
+                    shutil.rmtree(folder)
+                except OSError as exc:
+                    raise DataError(f"cannot replace {folder}: {exc}") from None
             self.runs.append(TensorBoardRun(folder, header))
 
     def stop(self, exc: Exception) -> None:

@@ -558,3 +558,43 @@ def test_a_long_run_name_has_a_tensorboard_folder(tmp_path: Path) -> None:
     assert tensorboard_directory(tmp_path, 7, "n" * 255) != tensorboard_directory(
         tmp_path, 7, "n" * 254 + "m"
     )
+
+
+def test_a_resumed_run_logged_live_is_one_export_of_every_round(
+    sqlite_ledger: str, tmp_path: Path
+) -> None:
+    """The command following a run was killed after round 2 and the run resumed with the
+    same --mlflow and --tensorboard: the resume's export was a second MLflow run (the
+    first left RUNNING with rounds 1-2), and its TensorBoard folder, the same run's own,
+    was refused as another's, stopping the export."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    with LedgerRepository.open(sqlite_ledger) as repository:
+        run_id = repository.create_run(
+            name="live", strategy="local-sgd", seed=3, config={}, num_rounds_planned=4
+        )
+        repository.add_site(run_id, name="london", node_id=1)
+        first = LiveExport(sqlite_ledger, mlflow=uri, tensorboard=tmp_path / "tb")
+        for step in (1, 2):
+            commit_round(repository, run_id, step, london_up=100 * step)
+            first.update(repository.get_run(run_id), repository.list_rounds(run_id))
+        # killed: `first` is never closed; the resume follows the run with a new export
+        resumed = LiveExport(sqlite_ledger, mlflow=uri, tensorboard=tmp_path / "tb")
+        for step in (3, 4):
+            commit_round(repository, run_id, step, london_up=100 * step)
+            resumed.update(repository.get_run(run_id), repository.list_rounds(run_id))
+        repository.finish_run(run_id, status="finished")
+    resumed.close()
+    assert resumed.stopped is None
+    experiment = client.get_experiment_by_name("flplatform")
+    assert experiment is not None
+    [logged] = client.search_runs([experiment.experiment_id])
+    assert logged.info.status == "FINISHED"
+    history = client.get_metric_history(logged.info.run_id, "site/london/bytes_up")
+    assert sorted((m.step, m.value) for m in history) == [(s, 100.0 * s) for s in (1, 2, 3, 4)]
+    events = EventAccumulator(str(tmp_path / "tb" / f"{run_id}-live"))
+    events.Reload()
+    assert [s.step for s in events.Scalars("accuracy")] == [1, 2, 3, 4]
