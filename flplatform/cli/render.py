@@ -17,6 +17,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from flplatform.core.text import printable
+
 # Columns of a console whose output is not a terminal (and $COLUMNS is unset): every
 # table fits them (see ``Column``).
 PIPED_WIDTH = 100
@@ -140,7 +142,8 @@ def table(columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> Table:
     """A rich table of plain-text cells.
 
     The cells are plain text, never markup, whatever the console: a failure reason quoting
-    ``[conv1.weight]`` must show its brackets, and a run named ``[/x]`` must not raise.
+    ``[conv1.weight]`` must show its brackets, and a run named ``[/x]`` must not raise; and
+    never a terminal's control sequence (``printable``).
     """
     out = Table(header_style="bold")
     for column in columns:
@@ -148,7 +151,7 @@ def table(columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> Table:
             column.header, overflow="fold" if column.text else "ellipsis", no_wrap=not column.text
         )
     for row in rows:
-        out.add_row(*(Text(value) for value in row))
+        out.add_row(*(Text(printable(value)) for value in row))
     return out
 
 
@@ -193,7 +196,7 @@ def emit(
 
 def say(console: Console, text: str, *, style: str = "") -> None:
     """Print ``text`` literally, wrapped at the console's width (a table's note, say)."""
-    console.print(Text(text, style=style), soft_wrap=False)
+    console.print(Text(printable(text), style=style), soft_wrap=False)
 
 
 def finite(value: Any) -> Any:

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from flplatform.core import keys
+from flplatform.core.text import printable
 from flplatform.engine.events import SiteInfo
 
 MAX_COUNT = 2**62  # fits the ledger's signed 64-bit columns with room to sum
@@ -48,7 +49,7 @@ def condense_error(reason: str, limit: int = 300) -> str:
     # site's own exception is the last one that says something.
     telling = [line for line in exceptions if line.split(":", 1)[-1].strip()]
     chosen = (telling or exceptions or lines or ["no reason given"])[-1]
-    return chosen.replace("\x00", "")[:limit]
+    return printable(chosen.replace("\x00", ""))[:limit]
 
 
 def count(value: Any, *, maximum: int = MAX_COUNT) -> int | None:

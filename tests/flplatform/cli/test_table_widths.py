@@ -187,3 +187,21 @@ def test_csv_cells_with_line_breaks_and_delimiters_read_back_whole() -> None:
     rows = list(csv.DictReader(io.StringIO(to_csv(records), newline="")))
     assert [row["site"] for row in rows] == names
     assert [row["n"] for row in rows] == [str(i) for i in range(len(names))]
+
+
+def test_names_and_reasons_reach_the_terminal_without_control_sequences() -> None:
+    from flplatform.cli.render import Column, OutputFormat, emit
+
+    console = make_console(width=120)
+    with console.capture() as captured:
+        emit(
+            console,
+            OutputFormat.table,
+            title="Run \x1b]0;title\x07",
+            records=[],
+            columns=[Column("reason", text=True)],
+            rows=[["esc\x1b[2Jred \x9b31m\rhidden 東京"]],
+        )
+    shown = captured.get()
+    assert not any(c in shown for c in "\x1b\x07\x9b\r")
+    assert "esc?[2Jred ?31m?hidden 東京" in shown and "Run ?]0;title?" in shown

@@ -64,3 +64,12 @@ def test_only_flplatforms_own_refusals_are_rejections() -> None:
     assert refused_at_site(ours) and site_error(ours) == "refused at the site: no num-examples"
     assert not refused_at_site(flowers)
     assert site_error(flowers).startswith("site error 6: ")
+
+
+def test_a_sites_error_reaches_no_terminal_as_control_sequences() -> None:
+    """A hostile site's error reason is shown in the server's log and `history updates`:
+    its colours go, and every other control character shows as '?' (a terminal's title
+    set by OSC, C1's CSI)."""
+    said = "ValueError: x\x1b]0;pwned\x07 \x9b2J\tend \x1b[31mred\x1b[0m 東京\rhidden"
+    # (the carriage return ends the line, as splitlines has it: the error is the first)
+    assert condense_error(said) == "ValueError: x?]0;pwned? ?2J end red 東京"
