@@ -501,6 +501,17 @@ class TensorBoardRun:
             self.writer.close()
 
 
+def check_tensorboard_free(runs: Sequence[RunSeries], root: Path) -> None:
+    """Refuse (``ConfigError``) runs whose TensorBoard folder under ``root`` exists."""
+    there = [
+        str(folder)
+        for folder in (tensorboard_directory(root, r.run_id, r.name) for r in runs)
+        if folder.exists()
+    ]
+    if there:
+        raise ConfigError(f"{', '.join(there)} already exists; pass --force to replace it")
+
+
 def to_tensorboard(
     runs: Sequence[RunSeries], root: Path, *, replace: bool = False
 ) -> dict[int, Path]:
@@ -515,12 +526,11 @@ def to_tensorboard(
     DataError
         If the files cannot be written.
     """
+    if not replace:
+        check_tensorboard_free(runs, root)
     folders = {
         series.run_id: tensorboard_directory(root, series.run_id, series.name) for series in runs
     }
-    there = [str(folder) for folder in folders.values() if folder.exists()]
-    if there and not replace:
-        raise ConfigError(f"{', '.join(there)} already exists; pass --force to replace it")
     for series in runs:
         folder = folders[series.run_id]
         if folder.exists():

@@ -13,7 +13,13 @@ from typing import Annotated
 import typer
 from rich.text import Text
 
-from flplatform.app.tracking import LiveExport, run_series, to_mlflow, to_tensorboard
+from flplatform.app.tracking import (
+    LiveExport,
+    check_tensorboard_free,
+    run_series,
+    to_mlflow,
+    to_tensorboard,
+)
 from flplatform.cli.errors import handles_errors
 from flplatform.cli.export import model_arrays, write_model
 from flplatform.cli.history import DbOption, RunsArgument, console, resolve_run
@@ -105,11 +111,9 @@ def export_to(
     ):
         run_ids = list(dict.fromkeys(run_ids))
         runs = [run_series(repository, run_id) for run_id in run_ids]
-        if tensorboard is not None:
-            folders = to_tensorboard(runs, tensorboard, replace=force)
-            for series in runs:
-                folder = folders[series.run_id]
-                console.print(Text(f"Run {series.run_id} ({series.name}) → TensorBoard: {folder}"))
+        if tensorboard is not None and not force:
+            # refused before MLflow is written: a refusal leaves nothing half exported
+            check_tensorboard_free(runs, tensorboard)
         if mlflow is not None:
             models = {}
             for run_id in run_ids:
@@ -127,6 +131,11 @@ def export_to(
                         f"{written[series.run_id]} in experiment '{experiment}'{note}"
                     )
                 )
+        if tensorboard is not None:  # after MLflow, which refuses a repeat before writing
+            folders = to_tensorboard(runs, tensorboard, replace=force)
+            for series in runs:
+                folder = folders[series.run_id]
+                console.print(Text(f"Run {series.run_id} ({series.name}) → TensorBoard: {folder}"))
 
 
 def final_model(repository: LedgerRepository, run_id: int, folder: Path) -> Path | None:

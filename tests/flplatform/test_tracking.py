@@ -159,6 +159,31 @@ def test_history_export_writes_both_and_says_where(ledger: str, tmp_path: Path) 
     assert len(list((tmp_path / "tb").iterdir())) == 2  # runs 1 and 4 ('latest')
 
 
+@pytest.mark.parametrize("written_before", ["mlflow", "tensorboard"])
+def test_an_export_refused_by_one_store_writes_nothing_to_the_other(
+    ledger: str, tmp_path: Path, written_before: str
+) -> None:
+    """Exporting again to both stores, one of them holding the run already: refused, and
+    the other not written either (TensorBoard was written first, so that the retry then
+    needed --force for it)."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tb = tmp_path / "tb"
+    first = ["--mlflow", uri] if written_before == "mlflow" else ["--tensorboard", str(tb)]
+    assert invoke(["history", "export", "1", "--db", ledger, *first]).exit_code == 0
+    again = invoke(
+        ["history", "export", "1", "--db", ledger, "--mlflow", uri, "--tensorboard", str(tb)]
+    )
+    assert again.exit_code == 2 and "--force" in one_error_line(again.output)
+    if written_before == "mlflow":
+        assert not tb.exists()
+    else:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=uri)
+        experiment = client.get_experiment_by_name("flplatform")
+        assert experiment is None or client.search_runs([experiment.experiment_id]) == []
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [
