@@ -22,7 +22,9 @@ An attack is ``KIND`` or ``KIND:SCALE`` (``attack.scale``: ``scaled:5``, ``sign-
 ALIE's z ``alie:1``, IPM's ε ``ipm:0.1``; clients/attacks.py). The published attacks run
 over a matrix of federations: ``--aggregators mean,median,trimmed-mean``, ``--attackers
 1/4,2/10`` (f of n sites attack: the last f partitions), ``--splits non-iid,iid``
-(Dirichlet α = 0.5, or IID), ``--modes sync,k-sync,k-async`` (K = n/2); each combination, on top
+(Dirichlet α = 0.5, or IID), ``--modes sync,k-sync,k-async`` (K = n/2; a median or trimmed
+mean over rounds too small to outvote anyone, such as trimmed-mean's default 0.2 of 4 sites, is
+refused by the run's configuration and reported failed); each combination, on top
 of the attack's own federation (plain, FedAvgM, FetchSGD), is a federation with its own
 silent baseline (the same sites, the attackers silent). Every run is timed on the
 simulated clock (the attack app's world network; matrix runs with seeded exponential

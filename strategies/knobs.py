@@ -12,6 +12,7 @@ defaults, ``flplatform.app.config.RunConfig`` the command line's.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -112,6 +113,48 @@ def momentum_problems(beta: object, nesterov: bool) -> list[Problem]:
             else None
         ),
     ]
+
+
+def sample_size(fraction: float, num_sites: int) -> int:
+    """How many of ``num_sites`` a round's sample of ``fraction`` asks (at least one)."""
+    return max(1, int(round(fraction * num_sites)))
+
+
+def _least_trim(updates: int) -> str:
+    """The advice on the smallest trim-fraction that cuts one of ``updates`` at each end."""
+    least = math.ceil(1000 / updates) / 1000  # int(least · updates) ≥ 1, and typeable
+    return f"raise trim-fraction to at least {least:g}, " if least < 0.5 else ""
+
+
+def robust_aggregation_problem(aggregator: str, trim_fraction: float, most_updates: int) -> Problem:
+    """A median or trimmed mean over rounds too small to be robust: the plain mean in effect.
+
+    ``most_updates`` is the most updates a round combines (the sample in sync mode, K in
+    the K modes, 1 in async). The coordinate-wise median of two updates is their mean (of
+    one, the update itself); a trimmed mean cuts int(trim-fraction × n) values at each end,
+    none below 1/trim-fraction updates (Flower's maths). Either way one hostile site moves
+    the round as far as with the mean, while the user believes it outvoted.
+    """
+    rounds = (
+        "a round combines one update"
+        if most_updates == 1
+        else f"a round combines at most {most_updates} updates"
+    )
+    if aggregator == MEDIAN and most_updates < 3:
+        median_is = "the update itself" if most_updates == 1 else "their mean"
+        return (
+            f"aggregator 'median': {rounds}, whose median is {median_is}, so no site is "
+            "outvoted; use at least 3 updates a round (more sites, fraction-train or k), or "
+            "aggregator 'centered-clip', which bounds each update in any mode"
+        )
+    if aggregator == TRIMMED_MEAN and trim_fraction > 0 and int(trim_fraction * most_updates) < 1:
+        return (
+            f"aggregator 'trimmed-mean' with trim-fraction {trim_fraction:g}: {rounds} and "
+            f"cuts int({trim_fraction:g} x {most_updates}) = 0 of them at each end: the plain "
+            f"mean; {_least_trim(most_updates)}use more updates a round, or aggregator "
+            "'centered-clip'"
+        )
+    return None
 
 
 # ------------------------------------------------------------------ one object per strategy

@@ -74,7 +74,13 @@ from strategies.aggregation import (
 from strategies.averaged_arrays import averaged_of, judged_changes, named_arrays
 from strategies.centered_clip import CenteredClip
 from strategies.codecs import Codec, Identity, make_codec, with_averaged
-from strategies.knobs import CENTERED_CLIP, MEAN, MEDIAN, LocalSGDKnobs
+from strategies.knobs import (
+    CENTERED_CLIP,
+    MEAN,
+    MEDIAN,
+    LocalSGDKnobs,
+    robust_aggregation_problem,
+)
 from strategies.layout import Layout
 from strategies.sampling import evaluation_messages, mean_evaluation, sample_sites
 
@@ -218,6 +224,7 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         self.trim_fraction = trim_fraction
         self.clip_radius = clip_radius
         self._held: list[dict[str, np.ndarray]] = []  # median, trimmed mean: the round's updates
+        self._said_not_robust = False  # that a round was too small to outvote anyone, once
         # centred clipping: its centre and recent distances (None: another aggregator)
         self._centered = CenteredClip(clip_radius) if aggregator == CENTERED_CLIP else None
         self.eta = eta
@@ -484,6 +491,12 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         """The coordinate-wise median or trimmed mean of the held updates (Flower's maths)."""
         names = list(self._current)
         results = [([held[k] for k in names], 1) for held in self._held]
+        # A run's configuration refuses such rounds (flplatform.app.config_rules); an own
+        # ServerApp's sites are known only now.
+        problem = robust_aggregation_problem(self.aggregator, self.trim_fraction, len(results))
+        if problem is not None and not self._said_not_robust:
+            self._said_not_robust = True
+            log.warning("%s (said once)", problem)
         if self.aggregator == MEDIAN:
             combined = aggregate_median(results)
         else:

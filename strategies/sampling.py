@@ -18,6 +18,7 @@ from flplatform.core import keys
 from flplatform.core.errors import UpdateRejected
 from flplatform.core.reply_checks import check_num_examples
 from flplatform.core.seeding import rng_for
+from strategies.knobs import sample_size
 
 # The sites report Flower's own metric names; the ledger keeps the platform's.
 _EVAL_NAMES = {keys.EVAL_ACCURACY: keys.ACCURACY, keys.EVAL_LOSS: keys.LOSS}
@@ -31,7 +32,7 @@ def sample_sites(
     nodes = list(node_ids)
     if not nodes:
         return []
-    size = max(1, int(round(fraction * len(nodes))))
+    size = sample_size(fraction, len(nodes))
     if size >= len(nodes):
         return nodes
     picked = rng_for(seed, server_round, "sample").choice(len(nodes), size, replace=False)

@@ -21,6 +21,7 @@ from flplatform.engine.synchrony import (
     BATCH_MODES,
     SYNC_MODES,
     k_sites_problem,
+    most_updates_a_round,
     synchrony_problems,
 )
 from flplatform.run.options import option_problem
@@ -33,6 +34,8 @@ from strategies.knobs import (
     SketchedSGDKnobs,
     StrategyKnobs,
     codec_problem,
+    robust_aggregation_problem,
+    sample_size,
     sketched_sync_only,
 )
 
@@ -144,6 +147,18 @@ def problems(config: RunConfig) -> list[str]:
         )
         if config.strategy not in SKETCHED:  # their k counts coordinates, not updates
             problems.append(k_sites_problem(config.sync, config.sync_k, config.num_sites))
+        if config.strategy == LOCAL_SGD and not config.adasync:  # AdaSync's K grows
+            problems.append(
+                robust_aggregation_problem(
+                    config.aggregator,
+                    config.trim_fraction,
+                    most_updates_a_round(
+                        config.sync,
+                        k=config.sync_k,
+                        sampled=sample_size(config.fraction_train, config.num_sites),
+                    ),
+                )
+            )
         if config.sync in BATCH_MODES and config.fraction_train < 1.0:
             # Batch modes offer work again at every arrival: a per-offer fraction would
             # not bound how many sites train; concurrency does.

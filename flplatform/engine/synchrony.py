@@ -70,6 +70,14 @@ def k_sites_problem(sync: str, k: int, num_sites: int) -> str | None:
     )
 
 
+def most_updates_a_round(mode: str, *, k: int, sampled: int) -> int:
+    """The most updates one step combines in ``mode``: the sites sampled (sync), K (the K
+    modes, without AdaSync, which grows K), one (async)."""
+    if mode == "async":
+        return 1
+    return k if mode in K_MODES else sampled
+
+
 def synchrony_problems(
     mode: str,
     *,

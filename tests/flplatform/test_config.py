@@ -222,6 +222,47 @@ def test_batch_modes_refuse_a_sampling_fraction() -> None:
     assert RunConfig.from_mapping({"sync": "k-async", "fraction-train": 0.5}).sync == "k-async"
 
 
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        (
+            {"aggregator": "median", "sync": "async"},
+            "combines one update, whose median is the update",
+        ),
+        ({"aggregator": "median", "sites": "a,b"}, "at most 2 updates, whose median is their mean"),
+        ({"aggregator": "median", "fraction-train": 0.5}, "at most 2 updates"),  # 2 of 4
+        ({"aggregator": "median", "sync": "k-sync", "k": 2}, "at most 2 updates"),
+        ({"aggregator": "trimmed-mean"}, r"int\(0.2 x 4\) = 0 .* at least 0.25,"),
+        ({"aggregator": "trimmed-mean", "sites": "a,b,c"}, "at least 0.334,"),
+        (
+            {"aggregator": "trimmed-mean", "sites": "a,b", "trim-fraction": 0.4},
+            "the plain mean; use",
+        ),
+    ],
+)
+def test_a_robust_aggregator_that_could_outvote_no_one_is_refused(
+    values: dict, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        RunConfig.from_mapping(values)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"aggregator": "median"},  # 4 sites
+        {"aggregator": "median", "sync": "k-batch-async", "k": 3},
+        {"aggregator": "median", "sync": "k-sync", "k": 2, "adasync": True},  # K grows
+        {"aggregator": "trimmed-mean", "trim-fraction": 0.25},
+        {"aggregator": "trimmed-mean", "sites": "a,b,c", "trim-fraction": 0.334},
+        {"aggregator": "trimmed-mean", "sites": "a,b", "trim-fraction": 0},  # the mean, asked
+        {"aggregator": "centered-clip", "sync": "async"},
+    ],
+)
+def test_a_robust_aggregator_that_cuts_is_accepted(values: dict) -> None:
+    RunConfig.from_mapping(values)
+
+
 def test_max_failed_rounds_reaches_the_run_config() -> None:
     """The stop rule's knob: 3 by default, 0 (never stop) allowed, passed on to Flower."""
     assert RunConfig().max_failed_rounds == 3

@@ -248,6 +248,43 @@ def test_robust_aggregators_match_numpy_and_ignore_one_outlier(aggregator: str) 
     np.testing.assert_allclose(record_to_arrays(arrays)["w"], np.full((2, 2), expected))
 
 
+@pytest.mark.parametrize(
+    "aggregator,trim_fraction,updates",
+    [("median", 0.2, 2), ("median", 0.2, 1), ("trimmed-mean", 0.2, 4), ("trimmed-mean", 0.3, 3)],
+)
+def test_a_robust_aggregator_over_too_few_updates_to_cut_any_says_so(
+    aggregator: str, trim_fraction: float, updates: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Flower's maths over such a round is the plain (unweighted) mean: one site's outlier
+    moves it as far as with the mean, so an own ServerApp's user is told, once."""
+    strategy = LocalSGDAveraging(aggregator=aggregator, trim_fraction=trim_fraction)
+    values = [1.0, 2.0, 1e6, 4.0][:updates]
+    with caplog.at_level(logging.WARNING, logger="flplatform.strategies.local_sgd"):
+        for server_round in (1, 2):
+            strategy.begin_aggregation(server_round, BASE)
+            for v in values:
+                w = np.full((2, 2), v, np.float32)
+                strategy.accumulate(reply(record(w=w, b=np.zeros(2, np.float32)), 1), base=BASE)
+            arrays, _ = strategy.finish_aggregation()
+            assert arrays is not None
+            np.testing.assert_allclose(
+                record_to_arrays(arrays)["w"], np.full((2, 2), np.mean(values)), rtol=1e-6
+            )
+    said = [r.getMessage() for r in caplog.records if aggregator in r.getMessage()]
+    assert len(said) == 1 and ("outvoted" in said[0] or "= 0 of them" in said[0]), said
+
+
+def test_a_robust_aggregator_that_cuts_says_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    strategy = LocalSGDAveraging(aggregator="trimmed-mean", trim_fraction=0.25)
+    with caplog.at_level(logging.WARNING, logger="flplatform.strategies.local_sgd"):
+        strategy.begin_aggregation(1, BASE)
+        for v in (1.0, 2.0, 3.0, 1e6):
+            w = np.full((2, 2), v, np.float32)
+            strategy.accumulate(reply(record(w=w, b=np.zeros(2, np.float32)), 1), base=BASE)
+        strategy.finish_aggregation()
+    assert not caplog.records
+
+
 def test_a_step_that_overflows_is_refused_and_the_velocity_kept() -> None:
     from flplatform.core.errors import StepRefused
 
