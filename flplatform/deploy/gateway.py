@@ -25,6 +25,7 @@ import argparse
 import base64
 import contextlib
 import http.server
+import ipaddress
 import json
 import socket
 import socketserver
@@ -334,6 +335,25 @@ class _Connection:
     source: str
     opened: float = 0.0  # time.monotonic()
     site: str | None = None  # the site's key fingerprint
+    block: str = ""  # what it counts under (peer_block)
+
+
+def peer_block(address: str) -> str:
+    """What a peer's connections are counted under: its IPv4 address, or its IPv6 /64.
+
+    A host or a customer's network is given a whole IPv6 /64 (SLAAC needs one), so a peer
+    counted by its /128 could open MAX_CONNECTIONS_PER_ADDRESS connections from each of
+    2⁶⁴ addresses. An IPv4-mapped IPv6 address counts as its IPv4 address.
+    """
+    try:
+        ip = ipaddress.ip_address(address.partition("%")[0])  # without a zone (fe80::1%eth0)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 class FleetGateway(socketserver.ThreadingMixIn, http.server.HTTPServer):
@@ -374,10 +394,11 @@ class FleetGateway(socketserver.ThreadingMixIn, http.server.HTTPServer):
         carried no site's request when too many are open (refusing this one only when
         every open connection is a site's)."""
         source = client_address[0]
+        block = peer_block(source)
         now = time.monotonic()
         with self._count_lock:
             anonymous = [c for c in self._open.values() if not c.site]
-            here = [c for c in anonymous if c.source == source]
+            here = [c for c in anonymous if c.block == block]
             if len(here) >= MAX_CONNECTIONS_PER_ADDRESS:
                 full, candidates = True, here
             elif len(self._open) >= MAX_CONNECTIONS:
@@ -385,9 +406,9 @@ class FleetGateway(socketserver.ThreadingMixIn, http.server.HTTPServer):
                 # spreading its connections over many addresses
                 counts: dict[str, int] = {}
                 for c in anonymous:
-                    counts[c.source] = counts.get(c.source, 0) + 1
+                    counts[c.block] = counts.get(c.block, 0) + 1
                 full = True
-                candidates = sorted(anonymous, key=lambda c: -counts[c.source])
+                candidates = sorted(anonymous, key=lambda c: -counts[c.block])
             else:
                 full, candidates = False, []
             evicted = next(
@@ -397,7 +418,7 @@ class FleetGateway(socketserver.ThreadingMixIn, http.server.HTTPServer):
                 del self._open[id(evicted.sock)]
             crowded = full and evicted is None
             if not crowded:
-                self._open[id(request)] = _Connection(request, source, opened=now)
+                self._open[id(request)] = _Connection(request, source, opened=now, block=block)
         if evicted is not None:
             self.reports.say(
                 f"closed a connection from {evicted.source} for a new one: too many "
@@ -411,11 +432,16 @@ class FleetGateway(socketserver.ThreadingMixIn, http.server.HTTPServer):
         if crowded:
             self.reports.say(
                 f"refused {source}: too many connections open at once",
-                key=f"crowded {source}",
+                key=f"crowded {block}",
             )
             self.shutdown_request(request)
             return
-        super().process_request(request, client_address)
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread (the process is out of them): its slot is free
+            with self._count_lock:
+                self._open.pop(id(request), None)
+            raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:

@@ -605,3 +605,82 @@ def test_a_port_in_use_is_one_line_and_exit_code_2(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in done.stdout
     assert "Traceback" not in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    "address,block",
+    [
+        ("203.0.113.7", "203.0.113.7"),
+        ("2001:db8:0:0:1:2:3:4", "2001:db8::/64"),
+        ("2001:db8::ffff", "2001:db8::/64"),
+        ("2001:db8:0:1::5", "2001:db8:0:1::/64"),
+        ("::ffff:203.0.113.7", "203.0.113.7"),  # an IPv4 peer on a dual-stack socket
+        ("fe80::1%eth0", "fe80::/64"),
+        ("not an address", "not an address"),
+    ],
+)
+def test_a_peer_is_counted_by_its_ipv4_address_or_its_ipv6_64(address: str, block: str) -> None:
+    assert gateway_module.peer_block(address) == block
+
+
+@pytest.fixture
+def bare_gateway() -> Iterator[tuple[FleetGateway, Collected]]:
+    """A plain gateway that serves nothing by itself: connections are handed to it."""
+    reports = Collected()
+    server = FleetGateway(
+        GatewayConfig(host="127.0.0.1", port=free_port(), upstream="127.0.0.1:1"), reports
+    )
+    try:
+        yield server, reports
+    finally:
+        server.server_close()
+
+
+def test_one_peer_s_ipv6_64_shares_one_connection_budget(
+    bare_gateway: tuple[FleetGateway, Collected], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer given an IPv6 /64 opens connections from as many addresses in it as it likes:
+    they count as one peer's, while another /64's connection gets in."""
+    server, reports = bare_gateway
+    monkeypatch.setattr(gateway_module, "EVICTION_GRACE_SECONDS", 600.0)  # none is evicted
+    pairs = []
+
+    def connect(address: str) -> bool:
+        """Whether the gateway kept the connection open (a refused one is closed at once)."""
+        ours, theirs = socket.socketpair()
+        pairs.append((ours, theirs))
+        server.process_request(ours, (address, 40000, 0, 0))
+        theirs.setblocking(False)
+        try:
+            return theirs.recv(1) != b""  # b"": closed
+        except BlockingIOError:  # open, nothing sent
+            return True
+
+    try:
+        for number in range(gateway_module.MAX_CONNECTIONS_PER_ADDRESS):
+            assert connect(f"2001:db8::{number + 1:x}")
+        assert not connect("2001:db8::abcd")  # the /64's budget is spent
+        assert reports.wait_for("refused 2001:db8::abcd: too many connections")
+        assert connect("2001:db8:0:1::1")  # another /64
+    finally:
+        for ours, theirs in pairs:
+            theirs.close()
+            ours.close()
+
+
+def test_a_connection_whose_thread_cannot_start_gives_its_slot_back(
+    bare_gateway: tuple[FleetGateway, Collected], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, _ = bare_gateway
+
+    def no_thread(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    ours, theirs = socket.socketpair()
+    with monkeypatch.context() as patch:
+        patch.setattr(threading.Thread, "start", no_thread)
+        with pytest.raises(RuntimeError):
+            server.process_request(ours, ("203.0.113.7", 40000))
+    ours.close()
+    theirs.close()
+    assert not server._open  # would stay, evictable, until the gateway stopped
