@@ -323,7 +323,10 @@ def ledger_id(url: str) -> str:
     the password and the user are left out, so the name is safe on disk and two users of one
     PostgreSQL database share their runs' checkpoints. A readable prefix (the SQLite file's
     name, or the database's) is followed by a hash of the location, so two ledgers never
-    share a directory.
+    share a directory. A SQLite file is named by its real path (symbolic links resolved, also
+    where the file does not exist yet), so that one file reached through a link, or through a
+    linked directory, is one ledger: its runs' checkpoints in one directory, its runs
+    exported once. A path without links keeps the id it always had.
 
     Parameters
     ----------
@@ -338,6 +341,10 @@ def ledger_id(url: str) -> str:
     parsed = _parse(url)
     backend = parsed.get_backend_name()
     database = parsed.database or ""
+    if backend == "sqlite" and not (_is_sqlite_memory(parsed) or _is_sqlite_file_uri(parsed)):
+        # The file as SQLite reaches it; a file not created yet gets its directories' links
+        # resolved (realpath does not require it to exist), so its id holds once it is made.
+        database = os.path.realpath(database)
     location = "\x00".join((backend, parsed.host or "", str(parsed.port or ""), database))
     digest = hashlib.sha256(location.encode("utf-8", "surrogatepass")).hexdigest()[:12]
     name = Path(database).stem if backend == "sqlite" else database

@@ -1,14 +1,15 @@
 """A run's history as experiment-tracking series: MLflow runs and TensorBoard event files.
 
 :func:`run_series` reads one run of the ledger into a ``RunSeries``: its options as
-parameters, and per round (the step) what the round tables show: the metrics the server
-and sites reported, the training loss, bytes up and down, updates applied, rejected and
-dropped, the round's wall time, the time since the run started and its simulated time,
-and the staleness of the updates it applied; and per site, under ``site/<name>/``, the
-bytes each site sent and received, the updates it had applied, their staleness and its
-training loss. :func:`to_mlflow` and :func:`to_tensorboard` write series to a tracking
-store. MLflow and TensorBoard are optional extras (``pip install 'flplatform[mlflow]'``,
-``[tensorboard]``), imported only here, only when asked for; no Flower imports.
+parameters (not where its files were: ``_NOT_PARAMETERS``), and per round (the step)
+what the round tables show: the metrics the server and sites reported, the training
+loss, bytes up and down, updates applied, rejected and dropped, the round's wall time,
+the time since the run started and its simulated time, and the staleness of the updates
+it applied; and per site, under ``site/<name>/``, the bytes each site sent and received,
+the updates it had applied, their staleness and its training loss. :func:`to_mlflow` and
+:func:`to_tensorboard` write series to a tracking store. MLflow and TensorBoard are
+optional extras (``pip install 'flplatform[mlflow]'``, ``[tensorboard]``), imported only
+here, only when asked for; no Flower imports.
 """
 
 from __future__ import annotations
@@ -105,9 +106,22 @@ def _series(repository: LedgerRepository, run: RunRecord, points: tuple[Point, .
     )
 
 
+# Options that say where a run's files were, not how it trained: the ledger's URL (its host
+# and path; only the password is masked), the checkpoint folder, and how `flplatform run`
+# launched it (the app's and the working directory; the options it lists are parameters
+# of their own). Parameters are for comparing runs; these would only show whoever reads the
+# tracking store the layout of the machines, and differ between runs that trained alike.
+# ("flplatform-run" is flplatform.run.run_record.LAUNCH_KEY, spelled out: importing that
+# module would import Flower.)
+_NOT_PARAMETERS = frozenset({"db", "checkpoint-dir", "flplatform-run"})
+
+
 def _params(run: RunRecord) -> dict[str, str]:
-    """The run's options as strings, with what the ledger says of the run beside them."""
-    params = {key: _text(value) for key, value in sorted(run.config.items())}
+    """The run's options as strings (less those of ``_NOT_PARAMETERS``), with what the
+    ledger says of the run beside them."""
+    params = {
+        key: _text(value) for key, value in sorted(run.config.items()) if key not in _NOT_PARAMETERS
+    }
     params.update(
         {
             "strategy": run.strategy,

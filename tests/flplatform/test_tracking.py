@@ -8,12 +8,13 @@ back with MLflow's own client and TensorBoard's own reader.
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flplatform.app.tracking import (
@@ -361,6 +362,7 @@ def test_metric_names_are_made_what_mlflow_accepts(key: str, name: str) -> None:
     assert mlflow_name(key) == name
 
 
+@settings(deadline=None)  # the first example imports MLflow: seconds, where none ran before
 @given(st.text(max_size=300))
 def test_every_name_made_for_mlflow_passes_mlflows_own_checks(key: str) -> None:
     from mlflow.utils.validation import _validate_metric_name, _validate_param_name
@@ -623,3 +625,59 @@ def test_a_resumed_run_logged_live_is_one_export_of_every_round(
     events = EventAccumulator(str(tmp_path / "tb" / f"{run_id}-live"))
     events.Reload()
     assert [s.step for s in events.Scalars("accuracy")] == [1, 2, 3, 4]
+
+
+def test_a_ledger_reached_through_a_link_is_exported_once(ledger: str, tmp_path: Path) -> None:
+    """The ledger's id was its path as given: read through a link (to the file, or a linked
+    directory) it was another ledger, its runs exported to MLflow a second time and its
+    TensorBoard folders refused, even with --force, as another ledger's."""
+    link = tmp_path / "link.db"
+    link.symlink_to(tmp_path / "ledger.db")  # the `ledger` fixture's file
+    through_link = f"sqlite:///{link}"
+    with LedgerRepository.open(ledger) as real, LedgerRepository.open(through_link) as linked:
+        assert run_series(linked, 1).source == run_series(real, 1).source
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tb = str(tmp_path / "tb")
+    first = invoke(["history", "export", "1", "--db", ledger, "--mlflow", uri, "--tensorboard", tb])
+    assert first.exit_code == 0, first.output
+    again = invoke(["history", "export", "1", "--db", through_link, "--mlflow", uri])
+    assert again.exit_code == 2
+    assert "run 1 was exported to experiment 'flplatform'" in one_error_line(again.output)
+    # --force replaces the folder: its own run, not another ledger's
+    forced = invoke(
+        ["history", "export", "1", "--db", through_link, "--tensorboard", tb, "--force"]
+    )
+    assert forced.exit_code == 0, forced.output
+
+
+def test_where_a_run_kept_its_files_is_no_parameter(sqlite_ledger: str, tmp_path: Path) -> None:
+    """The ledger's URL (a host: only its password was masked), the checkpoint folder and
+    the app's and working directory were MLflow parameters and TensorBoard's options."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from flplatform.run.run_record import LAUNCH_KEY
+
+    config = {
+        "lr": 0.1,
+        "db": "postgresql+psycopg://fl@ledger.internal.example:5432/runs",
+        "checkpoint-dir": "/srv/fl/checkpoints",
+        LAUNCH_KEY: {"app": "/home/alice/app", "cwd": "/home/alice", "options": {"k": 2}},
+    }
+    with LedgerRepository.open(sqlite_ledger) as repository:
+        run_id = make_run(repository, config=config)
+        repository.add_site(run_id, name="lab", node_id=1)
+        record(repository, run_id, 1, [update("lab")])
+        series = run_series(repository, run_id)
+    assert series.params["lr"] == "0.1"
+    assert not {"db", "checkpoint-dir", LAUNCH_KEY} & set(series.params)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    stored = MlflowClient(tracking_uri=uri).get_run(to_mlflow([series], uri)[run_id]).data
+    folder = to_tensorboard([series], tmp_path / "tb")[run_id]
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    [options] = events.Tensors("options/text_summary")
+    table = options.tensor_proto.string_val[0].decode()
+    for written in (json.dumps(stored.params), table):
+        assert "lr" in written
+        assert [h for h in ("ledger.internal", "/srv/fl", "alice") if h in written] == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 from pathlib import Path
@@ -199,6 +200,70 @@ def test_the_ledger_id_names_the_database_never_its_password() -> None:
     assert "s3cret" not in alice and "alice" not in alice
     assert alice.startswith("postgresql-fl-")
     assert ledger_id("sqlite:////a/ledger.db") != ledger_id("sqlite:////b/ledger.db")
+
+
+def sqlite_url(path: Path | str) -> str:
+    return f"sqlite:///{path}"
+
+
+def test_one_sqlite_file_is_one_ledger_whatever_links_lead_to_it(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    (real / "sub").mkdir(parents=True)
+    (real / "ledger.db").touch()
+    (tmp_path / "link.db").symlink_to(real / "ledger.db")  # a link to the file
+    (tmp_path / "dir-link").symlink_to(real)  # a link to its directory
+    (tmp_path / "sub-link").symlink_to(real / "sub")  # ".." from here is real/, not tmp_path
+    its_id = ledger_id(sqlite_url(real / "ledger.db"))
+    assert ledger_id(sqlite_url(tmp_path / "link.db")) == its_id
+    assert ledger_id(sqlite_url(tmp_path / "dir-link" / "ledger.db")) == its_id
+    assert ledger_id(f"sqlite:///{tmp_path}/sub-link/../ledger.db") == its_id
+    # a ledger not created yet: the id it will keep once it is
+    assert ledger_id(sqlite_url(tmp_path / "dir-link" / "new.db")) == ledger_id(
+        sqlite_url(real / "new.db")
+    )
+
+
+def old_ledger_id(backend: str, database: str, readable: str) -> str:
+    """The id as it was made before links were resolved: the path hashed as given."""
+    location = "\x00".join((backend, "", "", database))
+    return f"{backend}-{readable}-{hashlib.sha256(location.encode()).hexdigest()[:12]}"
+
+
+def test_a_path_without_links_and_in_memory_or_uri_ledgers_keep_their_ids(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = tmp_path.resolve()  # no link on the way (checkpoint directories must not move)
+    assert ledger_id(sqlite_url(real / "ledger.db")) == old_ledger_id(
+        "sqlite", str(real / "ledger.db"), "ledger"
+    )
+    assert ledger_id("sqlite://") == old_ledger_id("sqlite", "", "memory")
+    assert ledger_id("sqlite:///:memory:") == old_ledger_id("sqlite", ":memory:", "memory")
+    # a file: URI is SQLite's to read (its query may name another file): taken as given
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere.db").touch()
+    Path("file:x.db").symlink_to(tmp_path / "elsewhere.db")
+    assert ledger_id("sqlite:///file:x.db?uri=true") == old_ledger_id(
+        "sqlite", "file:x.db", "file_x"
+    )
+
+
+def test_a_run_resumed_through_a_link_keeps_its_checkpoints_in_one_directory(
+    sqlite_ledger: str, tmp_path: Path
+) -> None:
+    ledger_file = tmp_path / "ledger.db"
+    (tmp_path / "link.db").symlink_to(ledger_file)
+    root = tmp_path / "ckpt"
+    kept = {"checkpoint_dir": root, "checkpoint_every": 1, "keep_checkpoints": 5}
+    with LedgerRepository.open(sqlite_url(ledger_file)) as first:
+        run_id = make_run(first)
+        SqlLedger(first, run_id, **kept).record_round(summary(1), state(1))
+    with LedgerRepository.open(sqlite_url(tmp_path / "link.db")) as through_link:
+        resumed = SqlLedger(through_link, run_id, **kept)
+        resumed.record_round(summary(2), state(2))
+        assert resumed.directory == run_checkpoint_directory(first, run_id, root)
+    assert [p.relative_to(root).parent for p in root.rglob("*.npz")] == [
+        Path(first.ledger_id) / f"run-{run_id}"
+    ] * 2
 
 
 def test_load_checkpoint_says_which_rounds_have_one(repo: LedgerRepository, tmp_path: Path) -> None:
