@@ -37,6 +37,7 @@ from flplatform.core.ledger_rows import (
     UpdateStatus,
 )
 
+from .migrations import SchemaUpgrade
 from .records import (
     CLOCK_VIRTUAL,
     CLOCK_WALL,
@@ -99,6 +100,7 @@ __all__ = [
     "RunEventRecord",
     "RunRecord",
     "RunStatus",
+    "SchemaUpgrade",
     "SiteRecord",
     "SiteSummary",
     "TrafficInput",

@@ -1,7 +1,8 @@
 """``LedgerRepository``: the only way the platform reads or writes the ledger database.
 
 Every public method runs in its own transaction and commits before it returns, so a process
-that dies mid-run leaves every recorded round readable and its run still ``"running"``. Input
+that dies mid-run leaves every recorded round readable and its run still ``"running"``; reads
+that must agree (a run and its rounds) go through ``snapshot()``, one read transaction. Input
 is validated before anything is written (``storage.validators``), and every database failure
 surfaces as a ``StorageError`` (or ``NotFoundError``) carrying the masked URL, never as a raw
 SQLAlchemy exception. Rows are mapped to records in ``storage.mapping`` and the per-site
@@ -10,6 +11,7 @@ totals are computed in ``storage.summaries``.
 
 from __future__ import annotations
 
+import copy
 import numbers
 import os
 import time
@@ -37,7 +39,7 @@ from flplatform.core.ledger_rows import (
 )
 
 from .mapping import row_values, to_record
-from .migrations import VERSION_TABLE, schema_objects, upgrade_to_head
+from .migrations import VERSION_TABLE, SchemaUpgrade, schema_objects, upgrade_to_head
 from .models import (
     EVENT_KIND_LENGTH,
     NAME_LENGTH,
@@ -174,10 +176,11 @@ class LedgerRepository:
     the traffic no update or evaluation holds.
 
     Open one with ``LedgerRepository.open(url)``; it migrates the schema to the current
-    revision first. Use it as a context manager, or call ``close()``. Every call takes its own
-    pooled connection, so threads may share a repository and processes may share a database;
-    the exception is an in-memory SQLite ledger (``sqlite://``), whose single connection must
-    be used by one thread at a time.
+    revision first (``schema_upgrade`` says when that changed an existing ledger). Use it as a
+    context manager, or call ``close()``. Every call takes its own pooled connection, so
+    threads may share a repository and processes may share a database; the exception is an
+    in-memory SQLite ledger (``sqlite://``), whose single connection must be used by one
+    thread at a time.
 
     Parameters
     ----------
@@ -185,15 +188,22 @@ class LedgerRepository:
         An engine whose database is already at the head revision.
     url : str
         The normalized URL of that database.
+    schema_upgrade : SchemaUpgrade or None
+        The upgrade opening made to the ledger's schema, if any.
     """
 
-    def __init__(self, engine: Engine, url: str) -> None:
+    def __init__(
+        self, engine: Engine, url: str, *, schema_upgrade: SchemaUpgrade | None = None
+    ) -> None:
         self._engine = engine
         self._url = url
         self._read: sessionmaker[Session]
         self._write: sessionmaker[Session]
         self._read, self._write = make_session_factories(engine)
         self._closed = False
+        # The one read transaction of a ``snapshot()``; None: each call has its own.
+        self._snapshot: Session | None = None
+        self.schema_upgrade = schema_upgrade
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -215,7 +225,9 @@ class LedgerRepository:
         Returns
         -------
         LedgerRepository
-            A repository over a database at the head revision.
+            A repository over a database at the head revision; its ``schema_upgrade`` is the
+            upgrade opening made, if any (a reader should say so: a flplatform older than
+            this one refuses the ledger from then on).
 
         Raises
         ------
@@ -223,7 +235,8 @@ class LedgerRepository:
             If the URL is malformed or names an unknown or missing driver, the server is
             unreachable, the path is unwritable, the file is not a database, the database
             belongs to another application (or, with ``create=False``, holds no ledger), or
-            the schema was written by a newer flplatform.
+            the schema was written by a newer flplatform (or is older, and the URL may only
+            read).
         """
         if url is None:
             if create:
@@ -249,7 +262,7 @@ class LedgerRepository:
         try:
             if not new_file and not is_in_memory(normalized):  # nothing to look at in either
                 _check_is_ledger(normalized, shown, create=create)
-            upgrade_to_head(engine)
+            schema_upgrade = upgrade_to_head(engine)
         except StorageError:
             engine.dispose()
             raise
@@ -265,7 +278,7 @@ class LedgerRepository:
             raise StorageError(
                 f"cannot open database {shown!r}: {_why(exc, path)}; {URL_HINT}"
             ) from exc
-        return cls(engine, normalized)
+        return cls(engine, normalized, schema_upgrade=schema_upgrade)
 
     def check_writable(self) -> None:
         """Raise ``StorageError`` now unless a run can be recorded here; writes nothing.
@@ -303,7 +316,8 @@ class LedgerRepository:
     def close(self) -> None:
         """Release the connections; the repository cannot be used afterwards."""
         self._closed = True
-        self._engine.dispose()
+        if self._snapshot is None:  # a snapshot's engine is its repository's
+            self._engine.dispose()
 
     def __enter__(self) -> LedgerRepository:
         return self
@@ -317,13 +331,50 @@ class LedgerRepository:
         self.close()
 
     @contextmanager
+    def snapshot(self) -> Iterator[LedgerRepository]:
+        """A repository whose reads all see the ledger as it was at one moment.
+
+        Each call of this repository is a transaction of its own, so a reader that reads a
+        run, then its rounds, then their updates while the run is being recorded could show
+        a run row and rounds (or updates) from different moments. Every read through the
+        snapshot is in one read transaction: on SQLite each sees the database as of the
+        first; elsewhere the transaction is ``REPEATABLE READ``, which on PostgreSQL means
+        the same. Writers go on meanwhile (SQLite in WAL mode, the ledger's; PostgreSQL),
+        and the snapshot refuses writes. Use it in one thread, within the block.
+
+        Yields
+        ------
+        LedgerRepository
+            This repository's reads, in one transaction, rolled back when the block ends.
+        """
+        if self._closed:
+            raise StorageError(f"cannot read a snapshot: the ledger {self.url} is closed")
+        engine = self._engine
+        if engine.dialect.name != "sqlite":  # SQLite's transactions are serializable already
+            engine = engine.execution_options(isolation_level="REPEATABLE READ")
+        session = sessionmaker(bind=engine, expire_on_commit=False)()
+        view = copy.copy(self)
+        view._snapshot = session
+        try:
+            yield view
+        finally:
+            view._closed = True
+            session.close()  # rolls back: nothing was written
+
+    @contextmanager
     def _session(self, action: str, *, write: bool = False) -> Iterator[Session]:
-        """A committed-on-exit session whose database errors become ``StorageError``."""
+        """A committed-on-exit session whose database errors become ``StorageError``; in a
+        snapshot, its one read transaction."""
         if self._closed:
             raise StorageError(f"cannot {action}: the ledger {self.url} is closed")
         try:
-            with session_scope(self._write if write else self._read) as session:
-                yield session
+            if self._snapshot is None:
+                with session_scope(self._write if write else self._read) as session:
+                    yield session
+            elif write:
+                raise StorageError(f"cannot {action}: a snapshot of {self.url} only reads")
+            else:
+                yield self._snapshot
         except FLPlatformError:
             raise
         except OperationalError as exc:

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Final
+from urllib.parse import quote
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, Connection, make_url
@@ -50,6 +51,16 @@ POSTGRES_CONNECT_TIMEOUT_S: Final = 10
 _WAL_RETRY_FIRST_DELAY_S: Final = 0.002
 _WAL_RETRY_MAX_DELAY_S: Final = 0.1
 _SQLITE_BUSY: Final = 5  # SQLITE_BUSY; the low byte of its extended codes (BUSY_SNAPSHOT, ...)
+
+# What a SQLite URL's query may hold: pysqlite's own arguments, which SQLAlchemy passes to
+# sqlite3.connect(), and SQLite's URI parameters (https://sqlite.org/uri.html), which SQLite
+# reads from a "file:" name opened with uri=True.
+_PYSQLITE_ARGUMENTS: Final = frozenset(
+    {"uri", "timeout", "isolation_level", "detect_types", "check_same_thread", "cached_statements"}
+)
+_SQLITE_URI_PARAMETERS: Final = frozenset(
+    {"mode", "immutable", "nolock", "cache", "psow", "vfs", "modeof"}
+)
 
 # Execution option read by the SQLite "begin" hook: "DEFERRED" (reads) or "IMMEDIATE" (writes).
 SQLITE_BEGIN_OPTION: Final = "flplatform_sqlite_begin"
@@ -152,8 +163,20 @@ def normalize_db_url(url: str) -> str:
     ):
         # Returned as given: re-rendering would percent-encode, e.g. ":memory:" as "%3Amemory%3A".
         return url.strip()
-    path = os.path.abspath(Path(parsed.database or "").expanduser())
+    path = _absolute(parsed.database or "")
     return parsed.set(database=path).render_as_string(hide_password=False)
+
+
+def _absolute(path: str) -> str:
+    """``path`` (``~`` expanded) made absolute against the current directory, naming the file
+    the operating system opens: a ``..`` after a symbolic link leads from the link's target,
+    so a path holding one has its directory resolved rather than shortened as text
+    (``abspath``, which SQLAlchemy's SQLite driver applies too, would name another file)."""
+    expanded = os.path.expanduser(path)
+    if ".." not in Path(expanded).parts:
+        return os.path.abspath(expanded)
+    directory, name = os.path.split(expanded)
+    return os.path.join(os.path.realpath(directory or "."), name)
 
 
 def mask_db_url(url: str) -> str:
@@ -399,6 +422,42 @@ def _check_sqlite_path(url: URL, shown: str) -> None:
         )
 
 
+def _with_sqlite_uri(url: URL, shown: str) -> URL:
+    """``url`` with its SQLite URI parameters (``?mode=ro``) made to reach SQLite.
+
+    SQLAlchemy hands them to SQLite only when the URL also says ``uri=true`` and its path is
+    a ``file:`` name. Otherwise it warns that it ignores them (a raw ``SAWarning`` on the
+    user's terminal) and opens the file read-write after all, or, given ``uri=true`` with a
+    plain path, creates an empty file named "ledger.db?mode=ro" beside the ledger. A user who
+    wrote ``sqlite:///ledger.db?mode=ro`` (or whose shell cut the URL at its unquoted ``&``)
+    meant that file, read-only: the URL is made the ``file:`` URI that says so. A query key
+    neither SQLite nor pysqlite knows (a typo, ``?mdoe=ro``) is refused, as SQLite would
+    silently ignore it too.
+    """
+    keys = set(url.query) - _PYSQLITE_ARGUMENTS
+    unknown = keys - _SQLITE_URI_PARAMETERS
+    if unknown:
+        raise StorageError(
+            f"cannot open database {shown!r}: SQLite takes no parameter "
+            f"{', '.join(repr(k) for k in sorted(unknown))}; its URLs take "
+            f"{', '.join(sorted(_SQLITE_URI_PARAMETERS))} (e.g. sqlite:///ledger.db?mode=ro) "
+            f"and {', '.join(sorted(_PYSQLITE_ARGUMENTS))}"
+        )
+    if not keys or _is_sqlite_memory(url):
+        return url
+    database = url.database or ""
+    if not database.startswith("file:"):
+        # SQLite decodes %HH in a URI's path; "?", "#" and "%" in a file name must be escaped.
+        database = "file:" + quote(_absolute(database), safe="/")
+    return url.set(database=database).update_query_dict({"uri": "true"})
+
+
+def _is_read_only_sqlite(url: URL) -> bool:
+    """Whether a SQLite URL opens its file for reading only (``mode=ro``, ``immutable=1``)."""
+    immutable = str(url.query.get("immutable", "0")).lower() not in ("0", "false", "no", "off")
+    return str(url.query.get("mode", "")).lower() == "ro" or immutable
+
+
 def _is_busy(exc: BaseException) -> bool:
     """Whether a driver error is SQLITE_BUSY ("database is locked"), extended codes included."""
     code = getattr(exc, "sqlite_errorcode", None)
@@ -489,6 +548,8 @@ def create_ledger_engine(url: str, *, wal: bool = True) -> Engine:
     kwargs: dict[str, Any] = {}
     if backend == "sqlite":
         _check_sqlite_path(parsed, shown)
+        if parsed.get_driver_name() == "pysqlite":
+            parsed = _with_sqlite_uri(parsed, shown)
         if _is_sqlite_memory(parsed):
             # Every connection to :memory: is a new, empty database: share one connection.
             kwargs.update(poolclass=StaticPool, connect_args={"check_same_thread": False})
@@ -511,7 +572,10 @@ def create_ledger_engine(url: str, *, wal: bool = True) -> Engine:
     except (ArgumentError, TypeError, ValueError) as exc:
         raise StorageError(f"cannot open database {shown!r}: {exc}; {URL_HINT}") from None
     if backend == "sqlite":
-        _install_sqlite_hooks(engine, wal=wal and not _is_sqlite_memory(parsed))
+        # A connection that may only read cannot switch a file to WAL (nor should it); it
+        # reads a file in either journal mode.
+        wal = wal and not (_is_sqlite_memory(parsed) or _is_read_only_sqlite(parsed))
+        _install_sqlite_hooks(engine, wal=wal)
     return engine
 
 

@@ -18,11 +18,10 @@ import numpy as np
 import typer
 
 from flplatform.cli.errors import handles_errors
-from flplatform.cli.history import DbOption, RunArgument, console, resolve_run
+from flplatform.cli.history import DbOption, RunArgument, console, read_ledger, resolve_run
 from flplatform.core.checkpoint import CheckpointError
 from flplatform.core.errors import ConfigError, DataError
 from flplatform.run.ledger import load_checkpoint
-from storage import LedgerRepository
 
 FORMATS = (".pt", ".npz")
 
@@ -55,7 +54,7 @@ def export(
         raise ConfigError(f"{out} already exists; pass --force to overwrite it")
     if not out.parent.is_dir():
         raise ConfigError(f"cannot write {out}: the directory {out.parent} does not exist")
-    with LedgerRepository.open(db, create=False) as repository:
+    with read_ledger(db) as repository:
         run_id = resolve_run(repository, run)
         checkpoint, state = load_checkpoint(repository, run_id, round_)
     arrays = model_arrays(state, f"the checkpoint of round {checkpoint.round} of run {run_id}")

@@ -12,6 +12,9 @@ carry every field of the records. Why an update was not applied (its ``reason``)
 per update by ``updates`` and, most common first, per round by ``rounds``. A run's note
 (why it failed, or a warning such as training that diverged) is a line under ``runs`` and
 ``rounds``. Every table fits the console (``flplatform.cli.render.Column``).
+
+Each view reads the ledger as it was at one moment (``read_ledger``), so a run being recorded
+shows a run row and rounds that agree.
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Annotated
 
 import typer
+from rich.text import Text
 
 from flplatform.app.comparison import (
     CLOCK_SIMULATED,
@@ -31,7 +36,7 @@ from flplatform.app.comparison import (
     run_setup,
     summarize_runs,
 )
-from flplatform.cli.errors import handles_errors
+from flplatform.cli.errors import handles_errors, stderr
 from flplatform.cli.render import (
     Column,
     OutputFormat,
@@ -90,6 +95,28 @@ COUNTS = "applied/\ndropped/\nrejected"
 FAILED_STATUSES = (UPDATE_DROPPED, UPDATE_REJECTED)
 
 
+@contextmanager
+def read_ledger(db: str | None) -> Iterator[LedgerRepository]:
+    """The ledger at ``db`` as of one moment: every read of a view agrees with the others.
+
+    Opening an older ledger upgrades its schema (a view reads every column this flplatform
+    knows); it is said in one line on stderr, naming both revisions, since a flplatform older
+    than this one refuses the ledger from then on, and whoever shares it should know.
+    """
+    with LedgerRepository.open(db, create=False) as repository:
+        if repository.schema_upgrade is not None:
+            old, new = repository.schema_upgrade.old, repository.schema_upgrade.new
+            stderr.print(
+                Text.assemble(
+                    ("note:", "bold yellow"),
+                    f" upgraded the schema of the ledger {repository.url} from revision {old} "
+                    f"to {new}, to read it; a flplatform older than this one no longer opens it",
+                )
+            )
+        with repository.snapshot() as ledger:
+            yield ledger
+
+
 def resolve_run(repository: LedgerRepository, run: str) -> int:
     """A run id from the user's RUN argument ('latest' or a number)."""
     if run == "latest":
@@ -121,7 +148,7 @@ def runs(
     ``bytes_down``, as Flower's SuperLink counts them (``history traffic RUN`` ends with
     them).
     """
-    with LedgerRepository.open(db, create=False) as repository:
+    with read_ledger(db) as repository:
         records = repository.list_runs(limit=limit)
         setups = [run_setup(r) for r in records]
         emit(
@@ -186,7 +213,7 @@ def compare(
     every byte of the run. JSON carries every field and each run's accuracy curve; CSV every
     field but the curve. `flplatform plot` draws the curves.
     """
-    with LedgerRepository.open(db, create=False) as repository:
+    with read_ledger(db) as repository:
         run_ids = [resolve_run(repository, run) for run in selected]
         summaries = summarize_runs(repository, run_ids, target=target)
     records = [s.to_dict() for s in summaries]
@@ -257,7 +284,7 @@ def rounds(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForm
     (``history updates RUN --round N`` lists them all); a run whose sites evaluated, their
     accuracy. The run's note (training diverged, why it failed) follows the table.
     """
-    with LedgerRepository.open(db, create=False) as repository:
+    with read_ledger(db) as repository:
         run_id = resolve_run(repository, run)
         record = repository.get_run(run_id)
         records = repository.list_rounds(run_id)
@@ -328,7 +355,7 @@ def sites(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForma
     (``query_bytes_up``, ``query_bytes_down``) and all of a site's bytes (``total_bytes_*``);
     ``history traffic`` lists what is neither an update nor an evaluation.
     """
-    with LedgerRepository.open(db, create=False) as repository:
+    with read_ledger(db) as repository:
         run_id = resolve_run(repository, run)
         record = repository.get_run(run_id)
         records = repository.site_summaries(run_id)
@@ -412,7 +439,7 @@ def updates(
     fragment each update carried.
     """
     statuses = parse_statuses(status)
-    with LedgerRepository.open(db, create=False) as repository:
+    with read_ledger(db) as repository:
         run_id = resolve_run(repository, run)
         record = repository.get_run(run_id)
         records = repository.list_updates(run_id, round=round_, site=site, status=statuses)
@@ -501,7 +528,7 @@ def traffic(
     """
     if kind is not None and kind not in TRAFFIC_KINDS:
         raise ConfigError(f"--kind must be one of {', '.join(TRAFFIC_KINDS)}, got '{kind}'")
-    with LedgerRepository.open(db, create=False) as repository:
+    with read_ledger(db) as repository:
         run_id = resolve_run(repository, run)
         record = repository.get_run(run_id)
         records = repository.list_traffic(run_id, site=site, kind=kind)
@@ -549,7 +576,7 @@ def checkpoints(
     and the final model) stay when later rounds are recorded. Any of them can be written out
     with `flplatform export RUN --round N`. A file no longer on disk is marked missing.
     """
-    with LedgerRepository.open(db, create=False) as repository:
+    with read_ledger(db) as repository:
         run_id = resolve_run(repository, run)
         record = repository.get_run(run_id)
         records = repository.list_checkpoints(run_id)
@@ -586,7 +613,7 @@ def checkpoints(
 @handles_errors
 def events(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputFormat.table) -> None:
     """One row per event of a run besides its rounds (a resume: who resumed it, from what)."""
-    with LedgerRepository.open(db, create=False) as repository:
+    with read_ledger(db) as repository:
         run_id = resolve_run(repository, run)
         record = repository.get_run(run_id)
         records = repository.list_events(run_id)

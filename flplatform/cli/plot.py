@@ -11,9 +11,8 @@ from rich.text import Text
 
 from flplatform.app.comparison import RunSummary, plot_runs, summarize_runs
 from flplatform.cli.errors import handles_errors
-from flplatform.cli.history import DbOption, RunsArgument, resolve_run
+from flplatform.cli.history import DbOption, RunsArgument, read_ledger, resolve_run
 from flplatform.cli.render import make_console
-from storage import LedgerRepository
 
 console = make_console()
 
@@ -59,7 +58,7 @@ def plot(
     Each run gets its own colour, line style and marker, and the legend sits beside the
     axes. `flplatform history compare` gives the same runs' numbers.
     """
-    with LedgerRepository.open(db, create=False) as repository:
+    with read_ledger(db) as repository:
         run_ids = [resolve_run(repository, run) for run in selected]
         # The target only draws a line here; 1.0 is a valid one when none is given.
         summaries = summarize_runs(repository, run_ids, target=1.0 if target is None else target)

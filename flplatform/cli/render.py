@@ -22,6 +22,9 @@ from flplatform.core.text import printable
 # Columns of a console whose output is not a terminal (and $COLUMNS is unset): every
 # table fits them (see ``Column``).
 PIPED_WIDTH = 100
+# What a spreadsheet reads as the start of a formula in a CSV cell (OWASP, "CSV Injection"):
+# a site's error reason "=HYPERLINK(...)" would run when the file is opened.
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 # Columns a free-text column keeps before the table drops optional columns to make room.
 TEXT_MIN_WIDTH = 16
 
@@ -219,6 +222,8 @@ def to_csv(records: Sequence[dict[str, Any]]) -> str:
     """CSV with one column per field; nested values as JSON.
 
     A non-finite number is an empty cell (null inside nested JSON), as JSON output has it.
+    Text that a spreadsheet would run as a formula is defused (``defused``); numbers,
+    negative ones included, are written as they are.
     """
     records = finite(records)
     if not records:
@@ -232,8 +237,21 @@ def to_csv(records: Sequence[dict[str, Any]]) -> str:
     for record in records:
         writer.writerow(
             {
-                k: json.dumps(v, allow_nan=False) if isinstance(v, dict | list) else v
+                k: json.dumps(v, allow_nan=False) if isinstance(v, dict | list) else defused(v)
                 for k, v in record.items()
             }
         )
     return buffer.getvalue()
+
+
+def defused(value: Any) -> Any:
+    """A CSV cell's value that no spreadsheet runs as a formula: text starting with one of
+    ``FORMULA_STARTS`` gets a leading ``'`` (OWASP's advice), which spreadsheets show as
+    text; anything else, numbers included, is returned as it is.
+
+    Names, reasons and notes come from sites and users, and a hostile site chooses its error
+    reason. Nested values are JSON, which starts with ``{`` or ``[``.
+    """
+    if isinstance(value, str) and value.startswith(FORMULA_STARTS):
+        return "'" + value
+    return value

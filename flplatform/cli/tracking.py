@@ -22,7 +22,7 @@ from flplatform.app.tracking import (
 )
 from flplatform.cli.errors import handles_errors
 from flplatform.cli.export import model_arrays, write_model
-from flplatform.cli.history import DbOption, RunsArgument, console, resolve_run
+from flplatform.cli.history import DbOption, RunsArgument, console, read_ledger, resolve_run
 from flplatform.core.checkpoint import CheckpointError
 from flplatform.core.errors import ConfigError, NotFoundError
 from flplatform.launch.simulation import ProgressCallback
@@ -77,7 +77,7 @@ def export_runs(
     if mlflow is None and tensorboard is None:
         raise ConfigError("say where to export: --mlflow URI, --tensorboard DIR, or both")
     check_folder(tensorboard)
-    with LedgerRepository.open(db, create=False) as repository:
+    with read_ledger(db) as repository:
         run_ids = [resolve_run(repository, run) for run in selected]
         for run_id in run_ids:
             record = repository.get_run(run_id)

@@ -7,10 +7,13 @@ upgrade runs in one transaction under a lock (``BEGIN IMMEDIATE`` on SQLite, an 
 transaction lock on PostgreSQL), so a second process opening a new database at the same moment
 waits, then finds it migrated. (On SQLite, connecting switches a new file to WAL first; that
 switch is retried by ``storage.session`` since SQLite's busy timeout does not cover it.)
+An upgrade of an existing ledger is reported (``SchemaUpgrade``): a flplatform older than the
+new revision refuses the ledger from then on, which whoever shares it should hear about.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -34,6 +37,18 @@ VERSION_TABLE: Final = "flplatform_alembic_version"
 
 # pg_advisory_xact_lock key: any constant no other application is likely to use ("FLPL").
 _POSTGRES_LOCK_KEY: Final = 0x464C504C
+
+
+@dataclass(frozen=True)
+class SchemaUpgrade:
+    """A ledger's schema brought from an older revision (``old``) to this code's (``new``).
+
+    After it, a flplatform that only knows ``old`` refuses the ledger ("revision ..., which
+    this flplatform does not know").
+    """
+
+    old: str
+    new: str
 
 
 def alembic_config(connection: Connection | None = None) -> Config:
@@ -112,8 +127,9 @@ def schema_objects(engine: Engine) -> tuple[str, ...]:
         return tuple(sorted({*inspector.get_table_names(), *inspector.get_view_names()}))
 
 
-def _upgrade_locked(engine: Engine) -> None:
-    """Upgrade to head in one transaction holding the backend's migration lock."""
+def _upgrade_locked(engine: Engine) -> set[str]:
+    """Upgrade to head in one transaction holding the backend's migration lock; return the
+    revisions found under the lock (another process may have upgraded in the meantime)."""
     with engine.connect() as connection:
         connection = connection.execution_options(**{SQLITE_BEGIN_OPTION: "IMMEDIATE"})
         with connection.begin():
@@ -121,12 +137,21 @@ def _upgrade_locked(engine: Engine) -> None:
                 connection.execute(
                     text("SELECT pg_advisory_xact_lock(:key)"), {"key": _POSTGRES_LOCK_KEY}
                 )
+            found = current_revisions(connection)
             # env.py sees the open transaction and runs inside it; the lock is held until
             # this block commits, so a waiting process then reads the final version table.
             command.upgrade(alembic_config(connection), "head")
+    return found
 
 
-def upgrade_to_head(engine: Engine) -> None:
+def _is_read_only(exc: DBAPIError) -> bool:
+    """Whether a driver error refused a write to a database opened for reading only (SQLite's
+    ``mode=ro`` or a read-only file, PostgreSQL's read-only transaction or standby)."""
+    message = str(exc.orig).lower()
+    return "readonly" in message or "read-only" in message
+
+
+def upgrade_to_head(engine: Engine) -> SchemaUpgrade | None:
     """Bring the ledger schema at ``engine`` to the head revision; a no-op when it is there.
 
     Parameters
@@ -134,21 +159,30 @@ def upgrade_to_head(engine: Engine) -> None:
     engine : Engine
         An engine from ``storage.session.create_ledger_engine``.
 
+    Returns
+    -------
+    SchemaUpgrade or None
+        The upgrade made to an existing ledger; None when the schema was at head already
+        (or another process upgraded it first), or the database was empty (a new ledger is
+        created, not upgraded).
+
     Raises
     ------
     StorageError
         If the database carries a revision this code does not know (written by a newer
-        flplatform).
+        flplatform), or an older one that a connection that may only read cannot upgrade.
     sqlalchemy.exc.SQLAlchemyError
         If the database cannot be reached or changed; the repository adds the URL and turns
         it into a ``StorageError``.
     """
     script = ScriptDirectory.from_config(alembic_config())
     head = script.get_current_head()
+    if head is None:  # pragma: no cover - the package always ships 0001_initial
+        raise StorageError(f"no ledger migrations found in {MIGRATIONS_DIR}; reinstall flplatform")
     with engine.connect() as connection:
         current = current_revisions(connection)
     if current == {head}:
-        return
+        return None
     known = {revision.revision for revision in script.walk_revisions()}
     unknown = current - known
     if unknown:
@@ -158,10 +192,21 @@ def upgrade_to_head(engine: Engine) -> None:
             "another database"
         )
     try:
-        _upgrade_locked(engine)
+        found = _upgrade_locked(engine)
     except DBAPIError as exc:
+        if current and _is_read_only(exc):
+            raise StorageError(
+                f"the ledger schema is at revision {', '.join(sorted(current))}, older than "
+                f"this flplatform's {head}, and this connection may only read, so it cannot "
+                "be upgraded; open it once with write access (which upgrades it; older "
+                "flplatform releases then refuse it) or read it with the flplatform that "
+                "wrote it"
+            ) from exc
         # Backends without a lock we know of (or a lock that failed) can still race; the loser
         # sees the winner's tables, and once the winner commits a retry finds head and stops.
         if "already exists" not in str(exc.orig).lower():
             raise
-        _upgrade_locked(engine)
+        found = _upgrade_locked(engine)
+    if not found or found == {head}:
+        return None
+    return SchemaUpgrade(old=", ".join(sorted(found)), new=head)

@@ -289,6 +289,27 @@ def test_rounds_are_listed_by_round_number(repo: LedgerRepository) -> None:
     assert [u.round for u in repo.list_updates(run_id)] == [1, 2, 3]
 
 
+def test_reads_through_a_snapshot_see_the_ledger_at_one_moment(repo: LedgerRepository) -> None:
+    run_id = make_run(repo)
+    repo.add_site(run_id, name="a", node_id=1)
+    record(repo, run_id, 1, [update("a")])
+
+    with repo.snapshot() as snapshot:
+        assert snapshot.get_run(run_id).rounds_completed == 1
+        # Another connection records a round and finishes the run between two reads.
+        record(repo, run_id, 2, [update("a", status="rejected", reason="late")])
+        repo.finish_run(run_id, status="finished")
+        assert [r.round for r in snapshot.list_rounds(run_id)] == [1]
+        assert [u.round for u in snapshot.list_updates(run_id)] == [1]
+        assert snapshot.get_run(run_id).status == "running"
+        assert [r.round for r in repo.list_rounds(run_id)] == [1, 2]  # it was committed
+        with pytest.raises(StorageError, match="only reads"):
+            snapshot.add_event(run_id, "note", {})
+    with pytest.raises(StorageError, match="closed"):
+        snapshot.list_rounds(run_id)
+    assert repo.get_run(run_id).rounds_completed == 2  # the repository is still open
+
+
 def test_a_round_is_recorded_once(repo: LedgerRepository) -> None:
     run_id = make_run(repo)
     repo.add_site(run_id, name="a", node_id=1)

@@ -24,7 +24,13 @@ from sqlalchemy import JSON, column, create_engine, insert, inspect, table, text
 from sqlalchemy.engine import Connection, make_url
 
 from flplatform.core.errors import StorageError
-from storage import CheckpointInput, EvaluationInput, LedgerRepository, TrafficInput
+from storage import (
+    CheckpointInput,
+    EvaluationInput,
+    LedgerRepository,
+    SchemaUpgrade,
+    TrafficInput,
+)
 from storage.migrations import (
     _POSTGRES_LOCK_KEY,
     MIGRATIONS_DIR,
@@ -646,6 +652,18 @@ def test_an_0007_ledger_upgrades_to_update_fragments_keeping_its_rows_and_downgr
             assert current_revisions(connection) == {head_revision()}
             _assert_no_schema_diff(connection)
         assert [u.fragment for u in repo.list_updates(1)] == [None, None, None]
+
+
+def test_opening_says_which_upgrade_it_made_to_an_older_ledger(ledger_url: str) -> None:
+    with LedgerRepository.open(ledger_url) as repo:  # a new ledger is created, not upgraded
+        assert repo.schema_upgrade is None
+        with repo._engine.begin() as connection:
+            command.downgrade(alembic_config(connection), "0007")
+
+    with LedgerRepository.open(ledger_url, create=False) as repo:
+        assert repo.schema_upgrade == SchemaUpgrade(old="0007", new=head_revision())
+    with LedgerRepository.open(ledger_url, create=False) as repo:
+        assert repo.schema_upgrade is None
 
 
 def test_a_schema_from_a_newer_flplatform_is_refused(ledger_url: str) -> None:

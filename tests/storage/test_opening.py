@@ -7,6 +7,8 @@ create one; ``check_writable`` finds a ledger a run could not write to before an
 
 from __future__ import annotations
 
+import sqlite3
+import warnings
 from pathlib import Path
 
 import pytest
@@ -103,6 +105,64 @@ def test_check_writable_refuses_a_ledger_that_can_only_be_read(tmp_path: Path) -
     )
 
 
+def ledger_with_a_run(path: Path) -> None:
+    with LedgerRepository.open(f"sqlite:///{path}") as repository:
+        repository.create_run(name="r", strategy="s", seed=0, config={}, num_rounds_planned=1)
+
+
+@pytest.mark.parametrize(
+    "database, query",
+    [
+        ("{path}", "mode=ro"),  # SQLAlchemy warned it ignored "mode" and opened it read-write
+        ("file:{path}", "mode=ro"),  # ... and then found no file named "file:..."
+        ("{path}", "mode=ro&uri=true"),  # SQLite made an empty file "ledger.db?mode=ro"
+        ("file:{path}", "mode=ro&uri=true"),  # what SQLAlchemy's documentation shows
+    ],
+)
+def test_sqlite_uri_parameters_reach_sqlite_without_a_warning(
+    tmp_path: Path, database: str, query: str
+) -> None:
+    folder = tmp_path / ("a b 100%" if database == "{path}" else "plain")
+    folder.mkdir()
+    path = folder / "ledger.db"
+    ledger_with_a_run(path)
+    url = f"sqlite:///{database.format(path=path)}?{query}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # SQLAlchemy's SAWarning reached the user's terminal
+        with LedgerRepository.open(url, create=False) as repository:
+            assert [run.name for run in repository.list_runs()] == ["r"]
+            with pytest.raises(StorageError, match="attempt to write a readonly database"):
+                repository.check_writable()
+    assert {p.name for p in folder.iterdir()} <= {"ledger.db", "ledger.db-wal", "ledger.db-shm"}
+
+
+def test_a_ledger_in_rollback_journal_mode_is_read_through_a_read_only_url(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "ledger.db"
+    ledger_with_a_run(path)
+    connection = sqlite3.connect(path)  # as a copy made by another tool may be
+    connection.execute("PRAGMA journal_mode = DELETE")
+    connection.close()
+    before = path.read_bytes()
+    # Each connection switched the file to WAL, which SQLite refuses a read-only one.
+    read_only = f"sqlite:///file:{path}?mode=ro&uri=true"
+    with LedgerRepository.open(read_only, create=False) as repository:
+        assert [run.name for run in repository.list_runs()] == ["r"]
+    assert path.read_bytes() == before
+
+
+def test_a_misspelt_sqlite_url_parameter_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.db"
+    ledger_with_a_run(path)
+    with pytest.raises(StorageError) as info:
+        LedgerRepository.open(f"sqlite:///{path}?mdoe=ro", create=False)
+    # SQLite, like SQLAlchemy, would ignore it: the ledger would be opened read-write.
+    assert "SQLite takes no parameter 'mdoe'; its URLs take cache, immutable, mode" in str(
+        info.value
+    )
+
+
 @pytest.mark.postgres
 def test_check_writable_refuses_a_read_only_postgres_session(postgres_database: str) -> None:
     LedgerRepository.open(postgres_database).close()
@@ -121,3 +181,23 @@ def test_a_sqlite_path_is_shown_as_written(tmp_path: Path) -> None:
     with LedgerRepository.open(f"sqlite:///{path}") as repository:
         # The normalized URL percent-encodes the brackets, spaces and "%".
         assert repository.url == f"sqlite:///{path}"
+
+
+@pytest.mark.parametrize("query", ["", "?mode=ro"])
+def test_a_path_with_dotdot_after_a_link_opens_the_file_the_system_opens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, query: str
+) -> None:
+    """``link/../ledger.db`` is, to the operating system, the file beside the link's target;
+    shortened as text it would be the file beside the link: another ledger."""
+    target = tmp_path / "real" / "sub"
+    target.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(target)
+    beside_target, beside_link = tmp_path / "real" / "ledger.db", tmp_path / "ledger.db"
+    with LedgerRepository.open(f"sqlite:///{beside_target}") as repository:
+        repository.create_run(
+            name="the run", config={}, strategy="local-sgd", seed=0, num_rounds_planned=1
+        )
+    LedgerRepository.open(f"sqlite:///{beside_link}").close()  # an empty ledger
+    monkeypatch.chdir(tmp_path)
+    with LedgerRepository.open(f"sqlite:///link/../ledger.db{query}", create=False) as repository:
+        assert [run.name for run in repository.list_runs()] == ["the run"]

