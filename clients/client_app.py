@@ -9,6 +9,7 @@ Nothing here imports server code.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -20,6 +21,7 @@ from clients.site import LocalSite, load_site, run_config_of
 from clients.training import evaluate as evaluate_model
 from clients.training import train_local
 from flplatform.core import keys
+from flplatform.core.checks import Problem, integer, positive, require, unit_interval
 from flplatform.core.errors import ConfigError
 from flplatform.core.seeding import rng_for
 from strategies.mods import flplatform_mod
@@ -42,18 +44,36 @@ class SiteTrainConfig:
 
     @classmethod
     def from_record(cls, config: ConfigRecord) -> SiteTrainConfig:
-        """Parse the round's config; a value of the wrong type is a ``ConfigError``."""
+        """Parse the round's config; a value of the wrong type or out of its range is a
+        ``ConfigError`` naming every such key (a batch size of 0 divided by zero, a
+        negative one trained on all but the last examples, 2.7 steps were taken as 2)."""
         values: dict[str, int | float] = {}
+        problems: list[Problem] = []
         for f in fields(cls):
             key = f.name.replace("_", "-")
             raw = config.get(key)
             if raw is None:
                 continue
-            want = float if f.type in ("float", float) else int
-            if isinstance(raw, bool) or not isinstance(raw, int | float):
-                raise ConfigError(f"round config '{key}' must be a number, got {raw!r}")
-            values[f.name] = want(raw)
+            name = f"round config '{key}'"
+            if f.type in ("float", float):
+                problem = _FLOAT_RULES[f.name](raw, name)
+                value: int | float = float(raw) if isinstance(raw, int | float) else 0.0
+            else:
+                whole = int(raw) if isinstance(raw, float) and raw.is_integer() else raw
+                problem = integer(whole, name, minimum=_LEAST[f.name])
+                value = whole if isinstance(whole, int) else 0
+            problems.append(problem)
+            values[f.name] = value
+        require(problems)
         return cls(**values)  # type: ignore[arg-type]
+
+
+# What the site accepts of the server's numbers (the server's own rules: flplatform.app).
+_FLOAT_RULES: dict[str, Callable[[object, str], Problem]] = {
+    "lr": lambda value, name: positive(value, name, says="a finite number > 0"),
+    "momentum": lambda value, name: unit_interval(value, name, says="a number in [0, 1)"),
+}
+_LEAST = {"server_round": 0, "seed": 0, "batch_size": 1, "local_steps": 0, "local_epochs": 0}
 
 
 def site_of(msg: Message, context: Context) -> LocalSite:

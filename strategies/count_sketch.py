@@ -52,6 +52,9 @@ from flplatform.core.seeding import derive_seed
 P = 2**31 - 1  # Mersenne prime; every table entry comes from a value < p
 MAX_DIM = 2**31  # coordinates below 2^31: H has fewer than 2^14 entries per row
 MAX_COLS = 2**30  # signed buckets (< 2c) fit int32 indices
+# Rows of a sketch: a median over more is of no use (the papers use 1 to 7), and each row's
+# hashes are drawn in a Python loop, so that a server's 10^12 rows would hang a site.
+MAX_ROWS = 255
 LOW_BITS = 17  # B = 131,072 coordinates per block: one row's L takes 512 KiB in int32
 BLOCK = 1 << LOW_BITS
 LARGEST_SAMPLE = 1 << 16  # entries in top_k_largest's threshold sample
@@ -110,6 +113,8 @@ class SketchHashes:
     def from_seed(cls, seed: int, rows: int, cols: int) -> SketchHashes:
         """Derive the parameters of row j from ``derive_seed(seed, "count-sketch", j, part)``."""
         require(_positive_int("rows", rows))
+        if rows > MAX_ROWS:  # before drawing them (the rest is checked once drawn)
+            raise ConfigError(f"count sketch rows must be at most {MAX_ROWS}, got {rows}")
 
         def draw(j: int, part: str, low: int) -> int:
             # low = 1 for multipliers (a = 0 would make a table constant)

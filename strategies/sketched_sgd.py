@@ -224,7 +224,8 @@ class SketchedSGD(SketchedStrategy):
             seed=seed,
             averaged_arrays=averaged_arrays,
         )
-        self.candidate_factor, self.momentum, self.eta = candidate_factor, momentum, eta
+        # floats on the wire whatever the caller gave (momentum=0 was sent as an integer)
+        self.candidate_factor, self.momentum, self.eta = candidate_factor, float(momentum), eta
         self.sketch: CountSketch | None = None  # fixed once the model is known
         self.state = SketchedSGDState()  # the step in progress and what sites are owed
         # ---- this round (begin_aggregation starts them afresh: not checkpointed)

@@ -55,10 +55,13 @@ def synced_model(msg: Message, state: ModState | None) -> dict[str, np.ndarray] 
     """The model the server holds, from the message and the site's stored copy.
 
     None when the message holds only changes and the site lacks the version they apply
-    to (its state was lost). Arrays come in the server's model's key order.
+    to (its state was lost), or holds a newer version than the message's (a message that
+    arrived late: its changes would leave a model that is neither version, as the delayed
+    mod's ``synced_model`` also refuses). Arrays come in the server's model's key order.
     """
     config = round_config(msg)
     sync_from = int_config(config, keys.SYNC_FROM, DENSE)
+    version = int_config(config, keys.MODEL_VERSION, 0)
     sent = sent_model(msg)
     if sync_from == DENSE:
         return sent
@@ -66,7 +69,7 @@ def synced_model(msg: Message, state: ModState | None) -> dict[str, np.ndarray] 
     stored = None if state is None else state.groups.get(MODEL)
     # Changes since an older version than the site holds still bring it to the server's
     # model: they cover every coordinate changed since, with its current value.
-    if stored is None or held is None or held < sync_from:
+    if stored is None or held is None or not sync_from <= held <= version:
         return None
     layout = Layout.of(stored)
     indices, values = sent.get(SYNC_INDICES), sent.get(SYNC_VALUES)
@@ -121,11 +124,8 @@ def sketched_upload(
     return {SKETCH: sketch(delta), **pack(trained, averaged)}, unchanged
 
 
-def sketch_of(
-    delta: np.ndarray, config_rows: int, config_cols: int, seed: int, device: torch.device
-) -> np.ndarray:
+def sketch_of(delta: np.ndarray, sketch: CountSketch, device: torch.device) -> np.ndarray:
     """S(delta): the r × c count sketch of a flat float vector, computed on ``device``."""
-    sketch = CountSketch.from_seed(len(delta), rows=config_rows, cols=config_cols, seed=seed)
     tensor = torch.from_numpy(delta.astype(np.float32, copy=False)).to(device)
     return sketch.sketch(tensor).cpu().numpy()
 
@@ -146,16 +146,15 @@ def fetchsgd_mod() -> Mod:
         if model is None:
             return state_lost_reply(msg, "the model this site was synced to")
         averaged = averaged_names(raw, model)
+        layout = Layout.of(model)
+        # checked before the user's training, which a malformed sketch would waste
+        sketch = CountSketch.from_seed(layout.size, rows=rows, cols=cols, seed=seed)
         result = call_user(msg, context, call_next, model)
         if not isinstance(result, UserResult):
             return result
         device = sketch_device()
         upload, unchanged = sketched_upload(
-            Layout.of(model),
-            result.trained,
-            model,
-            averaged,
-            lambda delta: sketch_of(delta, rows, cols, seed, device),
+            layout, result.trained, model, averaged, lambda delta: sketch_of(delta, sketch, device)
         )
         # Only now, with the work done, does the site hold the synced model.
         state = state or new_state()

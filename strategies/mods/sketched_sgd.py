@@ -31,7 +31,7 @@ from flplatform.core import keys
 from flplatform.core.arrays import record_views
 from flplatform.core.errors import ConfigError
 from strategies.averaged_arrays import pack
-from strategies.count_sketch import sketch_device
+from strategies.count_sketch import CountSketch, sketch_device
 from strategies.layout import Layout
 from strategies.mods.contract import (
     Mod,
@@ -133,8 +133,10 @@ def _sketch_reply(msg: Message, context: Context, call_next: TrainFunction) -> M
     zero_step = int_config(raw, keys.ZERO_STEP, 0)
     server_round = int_config(raw, keys.SERVER_ROUND, 0)
     momentum = raw.get(keys.STEP_MOMENTUM)
-    if isinstance(momentum, bool) or not isinstance(momentum, float) or not 0 <= momentum < 1:
+    # an int too: a server's momentum=0 reaches the site as the integer it was given
+    if isinstance(momentum, bool) or not isinstance(momentum, int | float) or not 0 <= momentum < 1:
         raise ConfigError(f"round config '{keys.STEP_MOMENTUM}' must be in [0, 1)")
+    momentum = float(momentum)
     kept = load_state(msg, context, keys.SKETCHED_STATE)
     model = synced_model(msg, kept)
     if model is None:
@@ -143,6 +145,8 @@ def _sketch_reply(msg: Message, context: Context, call_next: TrainFunction) -> M
     state = kept or new_state()
     layout = Layout.of(model)
     averaged = averaged_names(raw, model)
+    # checked before the user's training, which a malformed sketch would waste
+    sketch = CountSketch.from_seed(layout.size, rows=rows, cols=cols, seed=seed)
     stored = _accumulators(state, layout.size, momentum)
     zeroed = state.meta.get(ZEROED_STEP, 0)
     zero = None
@@ -166,7 +170,7 @@ def _sketch_reply(msg: Message, context: Context, call_next: TrainFunction) -> M
         raise ConfigError(
             "local training diverged (its update is not finite): lower lr or local-steps"
         )
-    table = sketch_of(accumulators.v.numpy(), rows, cols, seed, sketch_device())
+    table = sketch_of(accumulators.v.numpy(), sketch, sketch_device())
     # Only now, with the work done, does the site hold the synced model and its new v.
     remember_model(state, model, version)
     state.groups[ACCUMULATORS] = {"u": accumulators.u.numpy(), "v": accumulators.v.numpy()}

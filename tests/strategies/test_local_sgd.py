@@ -225,8 +225,30 @@ def test_site_config_reads_defaults_and_refuses_wrong_types() -> None:
     parsed = SiteTrainConfig.from_record(ConfigRecord({"lr": 0.05, "local-steps": 7, "seed": 3}))
     assert (parsed.lr, parsed.local_steps, parsed.seed, parsed.batch_size) == (0.05, 7, 3, 32)
     assert isinstance(parsed.local_steps, int) and isinstance(parsed.lr, float)
-    with pytest.raises(ConfigError, match="'lr' must be a number"):
+    with pytest.raises(ConfigError, match="'lr' must be a finite number"):
         SiteTrainConfig.from_record(ConfigRecord({"lr": "fast"}))
+
+
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"batch-size": 0}, "'batch-size' must be an integer >= 1, got 0"),  # divided by it
+        ({"batch-size": -4}, "'batch-size' must be an integer >= 1"),  # trained on n - 4
+        ({"local-steps": 2.7}, "'local-steps' must be an integer >= 0, got 2.7"),  # took 2
+        ({"lr": -1.0, "momentum": -0.5}, "2 problems: .*'lr'.*'momentum' must be a number in"),
+        ({"lr": float("nan")}, "'lr' must be a finite number > 0"),
+        ({"seed": True}, "'seed' must be an integer"),
+    ],
+)
+def test_site_config_out_of_range_is_refused_before_training(config: dict, message: str) -> None:
+    """The built-in client's round config, from a server that is not ours or not well: a
+    batch size of 0 raised ZeroDivisionError, a negative lr torch's ValueError."""
+    from clients.client_app import SiteTrainConfig
+
+    with pytest.raises(ConfigError, match=message):
+        SiteTrainConfig.from_record(ConfigRecord(config))
+    whole = SiteTrainConfig.from_record(ConfigRecord({"local-steps": 3.0}))
+    assert whole.local_steps == 3 and isinstance(whole.local_steps, int)
 
 
 # ------------------------------------------------------------- robust aggregators

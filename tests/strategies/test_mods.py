@@ -24,6 +24,7 @@ from flwr.app import (
 
 from flplatform.core import keys
 from flplatform.core.arrays import arrays_to_record, record_to_arrays
+from flplatform.core.errors import ConfigError
 from flplatform.engine import APPLIED, REJECTED, PeriodSync, RoundSummary, Synchrony
 from flplatform.engine.engine import RoundEngine
 from strategies.codecs import make_codec
@@ -42,7 +43,7 @@ from strategies.mods import (
 from strategies.mods.contract import Mod
 from strategies.mods.sketched_sgd import CANDIDATES, VALUES, StepPhase
 from strategies.sketched_sgd import SketchedSGD
-from strategies.sparse_sync import DENSE
+from strategies.sparse_sync import DENSE, SYNC_INDICES, SYNC_VALUES
 from tests.helpers.algorithms import ALGORITHMS
 from tests.helpers.delayed_sites import QuadraticSite, context, digits_site
 from tests.helpers.scripted_grid import ScriptedGrid
@@ -596,3 +597,63 @@ def test_a_reoffered_period_that_never_reached_the_site_expects_no_state() -> No
     strategy.accumulate(reply, base=base)
     (next_period,) = strategy.configure_train(1, base, ConfigRecord(), Grid())  # type: ignore[arg-type]
     assert next_period.content[keys.CONFIG][keys.STATE_EXPECTED] is True
+
+
+def test_sketched_sgd_with_an_integer_momentum_trains() -> None:
+    """``SketchedSGD(momentum=0)`` passes the server's check; the sites got the integer 0
+    and refused every sketch round of the run ("must be in [0, 1)")."""
+    strategy = SketchedSGD(k=4, sketch_rows=3, sketch_cols=64, momentum=0)
+    (request,) = [
+        m
+        for m in strategy.configure_train(
+            1, arrays_to_record(odd_model()), ConfigRecord(), ScriptedGrid([1])
+        )
+    ]
+    sent = request.content[keys.CONFIG][keys.STEP_MOMENTUM]
+    assert sent == 0.0 and isinstance(sent, float)
+    mod, config = CASES["sketched-sgd"]
+    for momentum in (0, 0.0):  # what an older server sent, and what it sends now
+        message = train_message(odd_model(), **{**config, keys.STEP_MOMENTUM: momentum})
+        reply = mod(message, context(1), UserTrain())
+        assert not reply.has_error(), reply.error
+
+
+def test_a_late_fetchsgd_sync_older_than_the_sites_model_is_not_applied() -> None:
+    """Changes from version 0 to 1 applied to the site's version 2 gave a model that is
+    neither (coordinate 0 back to version 1's, coordinate 1 still version 2's), and the site
+    then said it held version 1; it now asks for the whole model, as the delayed mod does."""
+    mod, config = CASES["fetchsgd"]
+    state, user = context(1), UserTrain()
+    start = {"w": np.zeros(6, np.float32)}
+    mod(train_message(start, **config), state, user)  # version 0, whole
+
+    def sync(version: int, indices: list[int], values: list[float]) -> Message:
+        changes = {
+            SYNC_INDICES: np.array(indices, np.int64),
+            SYNC_VALUES: np.array(values, np.float32),
+        }
+        return train_message(changes, **{**config, keys.MODEL_VERSION: version, keys.SYNC_FROM: 0})
+
+    assert not mod(sync(2, [0, 1], [5.0, 2.0]), state, user).has_error()
+    late = mod(sync(1, [0], [1.0]), state, user)
+    assert late.content[keys.METRICS][keys.STATE_LOST] == 1
+    assert len(user.received) == 2  # the user never trained on the mixed model
+    np.testing.assert_array_equal(user.received[-1]["w"], [5, 2, 0, 0, 0, 0])
+
+
+@pytest.mark.parametrize("case", ["fetchsgd", "sketched-sgd"])
+@pytest.mark.parametrize(
+    "rows,cols", [(4, 64), (3, 2**30), (10**12, 64)], ids=["even-rows", "huge-cols", "huge-rows"]
+)
+def test_a_malformed_sketch_is_refused_before_the_users_training(
+    case: str, rows: int, cols: int
+) -> None:
+    """A server's sketch size is checked before the user trains (the training was wasted,
+    then the message failed), and 10^12 rows are refused at once (their hashes were drawn
+    one by one: the site hung)."""
+    mod, config = CASES[case]
+    user = UserTrain()
+    sized = {**config, keys.SKETCH_ROWS: rows, keys.SKETCH_COLS: cols}
+    with pytest.raises(ConfigError, match="count sketch"):
+        mod(train_message(odd_model(), **sized), context(1), user)
+    assert user.received == []
