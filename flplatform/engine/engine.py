@@ -1006,6 +1006,7 @@ class RoundEngine:
         self._release_stuck(state)
         waiting = self.mailbox.waiting_ids()
         pulled = 0
+        left: list[str] = []
         for start in range(0, len(waiting), PULL_CHUNK):
             # What is pulled already is judged first (a K mode's round leaves the arrivals
             # beyond its K queued): another chunk only while the policy still wants
@@ -1013,8 +1014,16 @@ class RoundEngine:
             # per site in flight.
             self._judge_ready(state)
             if self.policy.ready_to_aggregate(self._view(state)):
+                left = waiting[start:]
                 break
             pulled += self._pull(waiting[start : start + PULL_CHUNK], state)
+        # Replies no step waits for (given up on, cancelled) are pulled whatever the policy
+        # says: they never make it ready, and they free their sites (a silent site's answer
+        # brings it back) and carry bytes. Behind the awaited ones, they were never pulled
+        # once more than a chunk of messages was out: a silent site was never heard again.
+        done_with = [i for i in left if i not in self.mailbox.awaited]
+        for start in range(0, len(done_with), PULL_CHUNK):
+            pulled += self._pull(done_with[start : start + PULL_CHUNK], state)
         self._judge_ready(state)
         return pulled
 
@@ -1085,6 +1094,11 @@ class RoundEngine:
 
     def _expire_overdue(self, state: _RoundState) -> None:
         now = time.monotonic()
+        # One last look before giving up: with many messages out, a reply that came in time
+        # may still wait at the SuperLink behind the chunks pulled so far.
+        overdue = [d.message_id for d in self.sites.training() if d.deadline < now and d.message_id]
+        for start in range(0, len(overdue), PULL_CHUNK):
+            self._pull(overdue[start : start + PULL_CHUNK], state)
         for dispatch in [d for d in self.sites.training() if d.deadline < now]:
             # Its site stays busy until Flower answers the message.
             self.sites.give_up(dispatch.node_id)

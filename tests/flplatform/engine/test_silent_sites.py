@@ -186,3 +186,78 @@ def test_with_every_site_silent_the_round_fails_instead_of_waiting_for_ever(
             engine.run(MODEL, num_rounds=2)
     if not expires:  # given up while Flower still held the queries, not after it let go
         assert sorted(d.node_id for d in engine.mailbox.given_up.values()) == [1, 2]
+
+
+class SuperLinkGrid(ScriptedGrid):
+    """As Flower's SuperLink: a node whose reply waits to be pulled may get a new message
+    (a silent site's query is asked again while the first is still held)."""
+
+    def __init__(self, behaviours: dict[int, Behaviour]) -> None:
+        super().__init__(behaviours)
+        self._busy = _NeverBusy()
+
+
+class _NeverBusy(dict):
+    def __contains__(self, key: object) -> bool:
+        return False
+
+
+def test_a_silent_site_among_more_sites_than_a_pull_takes_is_heard_when_it_answers(
+    sqlite_ledger: str,
+) -> None:
+    """Async mode with more messages out than one pull takes: the first chunk made the step
+    ready every round, so the replies given up on (the silent site's query), queued behind
+    the awaited ones, were never pulled, and the site never came back."""
+    from flplatform.engine import Synchrony
+    from flplatform.engine.mailbox import PULL_CHUNK
+
+    count = PULL_CHUNK + 4
+    holder: dict[str, RoundEngine] = {}
+
+    answering: list[bool] = []  # once its query was given up on, its ClientApp runs
+
+    def answers() -> bool:
+        engine = holder.get("engine")
+        if (
+            not answering
+            and engine is not None
+            and any(d.node_id == count for d in engine.mailbox.given_up.values())
+        ):
+            answering.append(True)
+        return bool(answering)
+
+    sites = {n: scripted(f"site-{n}", good) for n in range(1, count)}
+    sites[count] = silent_until(answers, scripted(f"site-{count}", good))
+    grid = SuperLinkGrid(sites)
+    with LedgerRepository.open(sqlite_ledger) as repository:
+        engine, run_id = engine_over(grid, repository, 150, policy=Synchrony("async"))
+        holder["engine"] = engine
+        engine.run(MODEL, num_rounds=150)
+        events = [(e.kind, e.detail) for e in repository.list_events(run_id)]
+        updates = repository.list_updates(run_id)
+    assert [kind for kind, _ in events] == [SITE_SILENT_EVENT, SITE_BACK_EVENT]
+    assert any(u.site == f"node-{count}" and u.status == "applied" for u in updates)
+
+
+def test_replies_that_came_in_time_are_not_dropped_behind_many_others(sqlite_ledger: str) -> None:
+    """Sixty sites in async mode that answer at once, rounds of 10 ms of server work, a
+    round timeout of 0.3 s: replies beyond the first chunks waited about a round each to
+    be pulled, and were dropped as "no reply within" although they were there."""
+    import time
+
+    from flplatform.engine import Synchrony
+
+    sites = {n: scripted(f"site-{n}", good) for n in range(1, 61)}
+    grid = SuperLinkGrid(sites)
+    with LedgerRepository.open(sqlite_ledger) as repository:
+        engine, run_id = engine_over(
+            grid,
+            repository,
+            120,
+            policy=Synchrony("async"),
+            round_timeout=0.3,
+            on_round=lambda summary: time.sleep(0.01),
+        )
+        engine.run(MODEL, num_rounds=120)
+        statuses = {u.status for u in repository.list_updates(run_id)}
+    assert statuses == {"applied"}
