@@ -183,11 +183,14 @@ class DivergenceWatch:
     def _take_first(
         self, server_round: int, train_loss: float | None, reported: Sequence[ReportedLoss]
     ) -> None:
-        """The run's first loss: this round's first-batch losses, else its train loss."""
+        """The run's first loss: this round's first-batch losses, else its train loss.
+
+        Only replies that counted: a refused one's loss (a hostile site's 10⁻⁹ over its
+        claimed 10¹² examples) would set a scale that every honest round then exceeds."""
         pairs = [
             (r.num_examples or 1, r.first_batch_loss)
             for r in reported
-            if r.first_batch_loss is not None
+            if r.first_batch_loss is not None and r.refused is None
         ]
         if pairs:
             total = sum(n for n, _ in pairs)

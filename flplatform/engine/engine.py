@@ -145,8 +145,10 @@ class _RoundState:
     # updates the guard holds until the round closes: ticket → (its row, the update, scale,
     # its node)
     waiting: dict[int, tuple[UpdateOutcome, Update, float, int]] = field(default_factory=dict)
-    # every reply's losses as sent, non-finite ones too (the rows keep finite ones only)
+    # every reply's losses as sent, non-finite ones too (the rows keep finite ones only),
+    # and where each row's are (an update the guard held is refused only when it settles)
     losses: list[ReportedLoss] = field(default_factory=list)
+    losses_of: dict[int, int] = field(default_factory=dict)  # id(row) → index in losses
     # replies carrying a site's error (its process died, its code raised)
     site_failures: list[UpdateOutcome] = field(default_factory=list)
     # the benched sites are offered this round after all: nothing could go without them
@@ -1136,6 +1138,7 @@ class RoundEngine:
                 self.sites.free(arrival.dispatch.node_id)
                 outcome = self._judge(arrival, state)
                 state.outcomes.append(outcome)
+                state.losses_of[id(outcome)] = len(state.losses)
                 state.losses.append(_reported_loss(outcome, arrival.reply))
                 if outcome.status in (DROPPED, REJECTED):
                     state.failed_nodes.add(arrival.dispatch.node_id)
@@ -1238,6 +1241,9 @@ class RoundEngine:
                     decision = Decision(Ruling.REJECT, reason=exc.reason)
             if decision.ruling is Ruling.REJECT:
                 final = replace(outcome, status=REJECTED, reason=decision.reason)
+                at = state.losses_of.get(id(outcome))
+                if at is not None:  # its losses are a refused reply's (the divergence watch)
+                    state.losses[at] = replace(state.losses[at], refused=decision.reason)
                 state.applied -= 1
                 # no longer one of the round's K sites, unless another of its updates is
                 if not any(

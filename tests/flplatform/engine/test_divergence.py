@@ -25,6 +25,7 @@ from flplatform.core import keys
 from flplatform.engine import RoundSummary
 from flplatform.engine.divergence import FACTOR, Divergence, DivergenceWatch, ReportedLoss
 from flplatform.engine.engine import RoundEngine
+from flplatform.engine.guard import UpdateGuard
 from flplatform.engine.replies import reported_losses
 from flplatform.run.ledger import SqlLedger
 from storage import LedgerRepository
@@ -105,6 +106,16 @@ def test_a_reply_refused_for_nan_values_is_divergence() -> None:
     )
     quiet = DivergenceWatch()
     assert quiet.observe(1, train_loss=0.7, reported=refused[2:]) is None
+
+
+def test_a_refused_reply_sets_no_first_loss() -> None:
+    """A hostile site's first-batch loss of 1e-9 over 10^12 claimed examples, its update
+    rejected: counted, it made the first loss 1e-9, and every honest round "diverged"."""
+    watch = DivergenceWatch()
+    hostile = ReportedLoss("x", 10**12, 1e-9, 1e-9, refused="norm 1e+06 is 1e+06x the median")
+    assert watch.observe(1, train_loss=2.0, reported=[said("a", 2.0, 2.4), hostile]) is None
+    assert watch.first == 2.4
+    assert watch.observe(2, train_loss=1.5, reported=[said("a", 1.5)]) is None
 
 
 def test_a_non_finite_round_loss_is_divergence_without_any_first_value() -> None:
@@ -231,3 +242,59 @@ def test_a_plain_client_gets_the_report_without_the_hint(
     # A run that then fails keeps the warning after its reason.
     repo.finish_run(run_id, status="failed", error="stopped")
     assert repo.get_run(run_id).error == f"stopped; {seen[2].warning}"
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_an_update_the_guard_held_then_rejected_sets_no_first_loss(
+    ledger: tuple[LedgerRepository, int],
+) -> None:
+    """Round 1's updates wait for three norms and are judged together; the one rejected
+    then (its norm beyond a hundred medians) was counted by the divergence watch as applied,
+    and its tiny first-batch loss over a huge claimed count made every later round a
+    false "training diverged" note on the run."""
+
+    def hostile(msg: Message) -> Message:
+        if msg.metadata.message_type == MessageType.QUERY:
+            info = ConfigRecord({keys.SITE_NAME: "a"})  # first: held, then rejected
+            return Message(RecordDict({keys.SITE_INFO: info}), reply_to=msg)
+        arrays = ArrayRecord({"w": Array(np.full(4, 1e6, np.float32))})
+        metrics = MetricRecord(
+            {keys.NUM_EXAMPLES: 10**12, keys.TRAIN_LOSS: 1e-9, keys.FIRST_BATCH_LOSS: 1e-9}
+        )
+        return Message(RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics}), reply_to=msg)
+
+    def honest(name: str) -> Behaviour:
+        steps = 0
+
+        def behave(msg: Message) -> Message:
+            nonlocal steps
+            if msg.metadata.message_type == MessageType.QUERY:
+                info = ConfigRecord({keys.SITE_NAME: name})
+                return Message(RecordDict({keys.SITE_INFO: info}), reply_to=msg)
+            steps += 1  # a new step each time (the same arrays twice are a replay)
+            sent = msg.content[keys.ARRAYS]["w"].numpy()
+            arrays = ArrayRecord({"w": Array(sent + np.float32(0.1 * steps))})
+            metrics = MetricRecord(
+                {keys.NUM_EXAMPLES: 10, keys.TRAIN_LOSS: 2.0, keys.FIRST_BATCH_LOSS: 2.4}
+            )
+            return Message(RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics}), reply_to=msg)
+
+        return behave
+
+    grid = ScriptedGrid({1: hostile, 2: honest("b"), 3: honest("c")})
+    repo, run_id = ledger
+    seen: list[RoundSummary] = []
+    RoundEngine(
+        grid,
+        LocalSGDAveraging(),
+        ledger=SqlLedger(repo, run_id),
+        guard=UpdateGuard(),  # the platform's default guard (start()'s)
+        poll_interval=0.0,
+        required_sites=3,
+        on_round=seen.append,
+    ).run(MODEL, num_rounds=4)
+    assert [s.warning for s in seen] == [None] * 4
+    rejected = repo.list_updates(run_id, round=1, site="a")
+    assert [u.status for u in rejected] == ["rejected"]
+    assert "beyond 100x" in (rejected[0].reason or "")
+    assert repo.get_run(run_id).error is None
