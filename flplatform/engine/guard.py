@@ -97,6 +97,11 @@ DIRECTION_MEMORY = 0.9
 CLEARLY_AWAY = 0.5
 # Beyond this many reference norms an update is rejected even where clipping is the action.
 REJECT_BEYOND = 100.0
+# Replies of one site whose fingerprints are kept for the replay check, newest: kept all, a
+# run of 100 sites and thousands of rounds grew every checkpoint without bound. A reply
+# older than this many of its site's is not known as a replay (its norm and direction are
+# still judged).
+REPLAY_MEMORY = 256
 # The kind (suffix) of what updates add to the arrays a round averages as they are (running
 # statistics; ``strategies.averaged_arrays``; their integer counters, which count the steps
 # a site took, are judged by nothing: ``judged_changes``). Judged apart: in one norm with
@@ -421,6 +426,8 @@ class UpdateGuard:
                     reason=f"identical to its reply of round {first}: a replayed update",
                 )
             seen[fingerprint] = self._round
+            if len(seen) > REPLAY_MEMORY:
+                del seen[next(iter(seen))]  # the oldest (dicts keep their insertion order)
         norm = vector_norm(vector)
         extra = vector_norm(averaged) if len(averaged) else None
         if not math.isfinite(norm) or (extra is not None and not math.isfinite(extra)):
@@ -614,7 +621,7 @@ class UpdateGuard:
                 cosines=cosines,
             )
         seen = {
-            node(site): {tuple(fp): int(r) for fp, r in prints.items()}
+            node(site): {tuple(fp): int(r) for fp, r in list(prints.items())[-REPLAY_MEMORY:]}
             for site, prints in _mapping(problems, state["seen"], "seen").items()
             if isinstance(prints, Mapping)
         }

@@ -138,6 +138,33 @@ def test_a_replayed_reply_is_rejected_naming_the_round_it_copies() -> None:
     assert other.ruling is Ruling.ADMIT
 
 
+def test_the_replay_check_keeps_a_bounded_memory_of_each_sites_replies() -> None:
+    """The newest REPLAY_MEMORY fingerprints of a site are kept (its checkpoint with them):
+    every one was kept before, and a run of many sites and rounds grew every checkpoint."""
+    from flplatform.engine.guard import REPLAY_MEMORY
+
+    guard = UpdateGuard(GuardOptions(norm_ratio=0))
+    for number in range(REPLAY_MEMORY + 1):
+        guard.begin_round(number + 1)
+        mark = (f"reply-{number}",)
+        assert (
+            guard.consider(
+                number, site=7, kind="delta", claimed=1, vector=vec(1), fingerprint=mark
+            ).ruling
+            is Ruling.ADMIT
+        )
+        guard.round_finished()
+    kept = guard.state_dict()["seen"][7]
+    assert len(kept) == REPLAY_MEMORY and ("reply-0",) not in kept
+    newest = guard.consider(
+        0, site=7, kind="delta", claimed=1, vector=vec(1), fingerprint=(f"reply-{REPLAY_MEMORY}",)
+    )
+    assert newest.ruling is Ruling.REJECT  # still known
+    restored = UpdateGuard(GuardOptions(norm_ratio=0))
+    restored.load_state_dict(guard.state_dict())
+    assert restored.state_dict()["seen"] == guard.state_dict()["seen"]
+
+
 def test_weight_is_capped_by_the_declared_examples_and_the_share() -> None:
     guard = UpdateGuard(GuardOptions(norm_ratio=0, max_share=0.5))
     for site, declared in ((1, 300), (2, 300), (3, 400)):
