@@ -31,6 +31,7 @@ from flplatform.run.ledger import SqlLedger
 from storage import LedgerRepository
 from strategies.local_sgd import LocalSGDAveraging
 from tests.helpers.scripted_grid import Behaviour, ScriptedGrid
+from tests.helpers.scripted_sites import scripted
 
 
 def said(site: str, train: float | None, first: float | None = None, n: int = 10) -> ReportedLoss:
@@ -184,13 +185,16 @@ def site(name: str, losses: list[float], *, scale: float | None = None) -> Behav
     return behave
 
 
-def run(grid: ScriptedGrid, ledger: tuple[LedgerRepository, int]) -> list[RoundSummary]:
+def run(
+    grid: ScriptedGrid, ledger: tuple[LedgerRepository, int], *, guard: UpdateGuard | None = None
+) -> list[RoundSummary]:
     repo, run_id = ledger
     seen: list[RoundSummary] = []
     RoundEngine(
         grid,
         LocalSGDAveraging(),
         ledger=SqlLedger(repo, run_id),
+        guard=guard,
         poll_interval=0.0,
         required_sites=len(grid.behaviours),
         on_round=seen.append,
@@ -253,47 +257,26 @@ def test_an_update_the_guard_held_then_rejected_sets_no_first_loss(
     and its tiny first-batch loss over a huge claimed count made every later round a
     false "training diverged" note on the run."""
 
+    def replying(values: np.ndarray, loss: float, first: float, examples: int) -> RecordDict:
+        arrays = ArrayRecord({"w": Array(values)})
+        metrics = {keys.NUM_EXAMPLES: examples, keys.TRAIN_LOSS: loss, keys.FIRST_BATCH_LOSS: first}
+        return RecordDict({keys.ARRAYS: arrays, keys.METRICS: MetricRecord(metrics)})
+
     def hostile(msg: Message) -> Message:
-        if msg.metadata.message_type == MessageType.QUERY:
-            info = ConfigRecord({keys.SITE_NAME: "a"})  # first: held, then rejected
-            return Message(RecordDict({keys.SITE_INFO: info}), reply_to=msg)
-        arrays = ArrayRecord({"w": Array(np.full(4, 1e6, np.float32))})
-        metrics = MetricRecord(
-            {keys.NUM_EXAMPLES: 10**12, keys.TRAIN_LOSS: 1e-9, keys.FIRST_BATCH_LOSS: 1e-9}
-        )
-        return Message(RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics}), reply_to=msg)
+        content = replying(np.full(4, 1e6, np.float32), 1e-9, 1e-9, 10**12)
+        return Message(content, reply_to=msg)
 
-    def honest(name: str) -> Behaviour:
-        steps = 0
+    def honest(msg: Message) -> Message:  # a new step each time (the same twice: a replay)
+        stepped = msg.content[keys.ARRAYS]["w"].numpy() + np.float32(0.1)
+        return Message(replying(stepped, 2.0, 2.4, 10), reply_to=msg)
 
-        def behave(msg: Message) -> Message:
-            nonlocal steps
-            if msg.metadata.message_type == MessageType.QUERY:
-                info = ConfigRecord({keys.SITE_NAME: name})
-                return Message(RecordDict({keys.SITE_INFO: info}), reply_to=msg)
-            steps += 1  # a new step each time (the same arrays twice are a replay)
-            sent = msg.content[keys.ARRAYS]["w"].numpy()
-            arrays = ArrayRecord({"w": Array(sent + np.float32(0.1 * steps))})
-            metrics = MetricRecord(
-                {keys.NUM_EXAMPLES: 10, keys.TRAIN_LOSS: 2.0, keys.FIRST_BATCH_LOSS: 2.4}
-            )
-            return Message(RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics}), reply_to=msg)
-
-        return behave
-
-    grid = ScriptedGrid({1: hostile, 2: honest("b"), 3: honest("c")})
-    repo, run_id = ledger
-    seen: list[RoundSummary] = []
-    RoundEngine(
-        grid,
-        LocalSGDAveraging(),
-        ledger=SqlLedger(repo, run_id),
-        guard=UpdateGuard(),  # the platform's default guard (start()'s)
-        poll_interval=0.0,
-        required_sites=3,
-        on_round=seen.append,
-    ).run(MODEL, num_rounds=4)
+    # "a" is judged first: held for the round's first three norms, then rejected
+    grid = ScriptedGrid(
+        {1: scripted("a", hostile), 2: scripted("b", honest), 3: scripted("c", honest)}
+    )
+    seen = run(grid, ledger, guard=UpdateGuard())  # the platform's default guard (start()'s)
     assert [s.warning for s in seen] == [None] * 4
+    repo, run_id = ledger
     rejected = repo.list_updates(run_id, round=1, site="a")
     assert [u.status for u in rejected] == ["rejected"]
     assert "beyond 100x" in (rejected[0].reason or "")
