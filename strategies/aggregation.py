@@ -255,7 +255,11 @@ def apply_server_update(
         else:
             new = np.array(base, dtype=np.float64)
             add_scaled(new, step, rate)  # x + η·step, without a model-sized η·step
-        if np.issubdtype(base.dtype, np.integer):
+        if base.dtype.kind == "b":  # a bit is on where the sites' mean rounds to 1
+            if not np.isfinite(new).all():
+                raise StepRefused(f"array '{key}' would become non-finite")
+            new = np.clip(np.rint(new), 0, 1)  # (astype(bool) turned a mean of 0.3 on)
+        elif np.issubdtype(base.dtype, np.integer):
             if not np.isfinite(new).all():
                 raise StepRefused(f"array '{key}' would become non-finite")
             new = np.rint(new)

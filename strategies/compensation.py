@@ -43,7 +43,7 @@ import numpy as np
 from flplatform.core.checks import require
 from flplatform.core.errors import ConfigError
 from strategies.knobs import delay_problem
-from strategies.layout import difference
+from strategies.layout import carried, difference
 
 Arrays = dict[str, np.ndarray]
 
@@ -185,8 +185,8 @@ def sum_in_float64(
                 acc += flat[begin:end]
         if dtype.kind == "f":
             flat_out[begin:end] = acc
-        else:  # integer and bool arrays: as astype from float64
-            flat_out[begin:end] = acc.astype(dtype)
+        else:  # integer and bool arrays: as astype from float64, no bool or unsigned wrap
+            flat_out[begin:end] = carried(acc, dtype)
     return out
 
 

@@ -262,7 +262,8 @@ def difference(trained: Mapping[str, np.ndarray], start: Mapping[str, np.ndarray
     copies: for float arrays one subtraction in their own dtype rounds the exact
     difference once, and rounding it to float64 first changes nothing (double rounding
     is innocuous when the wider format has at least 2p + 2 bits: 53 >= 2·24 + 2).
-    Integer and bool arrays go through float64, as before.
+    Integer and bool arrays go through float64. A bool or unsigned array cannot hold a
+    decrease, which travels as no change (``carried``) rather than wrapped around.
     """
     out: Arrays = {}
     for name, given in start.items():
@@ -271,5 +272,19 @@ def difference(trained: Mapping[str, np.ndarray], start: Mapping[str, np.ndarray
             with np.errstate(invalid="ignore", over="ignore"):  # non-finite: the caller judges
                 out[name] = np.subtract(value, given, out=np.empty(given.shape, given.dtype))
         else:
-            out[name] = np.asarray((value.astype(np.float64) - given).astype(given.dtype))
+            out[name] = carried(value.astype(np.float64) - given, given.dtype)
     return out
+
+
+def carried(delta: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """A float64 change as an array of ``dtype`` (integers truncated, as ``astype`` does).
+
+    A bool or unsigned array's decrease (a mask bit turned off, a counter that went down)
+    is sent as no change: in their dtype it wrapped round (a uint8 counter 5 → 3 sent 254,
+    and the server refused the step or set 133; a bit turned off sent True, turning it
+    on). Deltas travel in the model's dtypes (``strategies.mods``), so such arrays can only
+    grow: the mods' documentation says to keep them constant during training.
+    """
+    if dtype.kind in "ub":
+        delta = np.maximum(delta, 0.0)
+    return np.asarray(delta.astype(dtype))

@@ -55,9 +55,10 @@ Arrays nothing compresses: running statistics and integer and bool arrays
 user's strategy's ``averaged_arrays``: buffers no name tells apart). ``topk`` and
 ``int8``/``int4`` send their deltas exactly beside the compressed weights; FetchSGD and
 Sketched-SGD keep them out of the sketch, sites send their trained values whole and the
-server sets them to the sites' weighted mean. Deltas travel in the model's dtypes, so a
-bool or unsigned array can only grow through a delta upload (a mask bit turned off, an
-unsigned counter that decreases, does not reach the server): keep such arrays constant
+server sets them to the sites' weighted mean (a bool array: on where it rounds to 1).
+Deltas travel in the model's dtypes, so a bool or unsigned array can only grow through a
+delta upload (a mask bit turned off, an unsigned counter that decreases, is sent as no
+change: ``strategies.layout.carried``): keep such arrays constant
 during training, or use local-SGD without a codec, which sends the model whole. Flower's
 ``ArrayRecord`` cannot hold bfloat16 (NumPy has no such dtype): keep bfloat16 models'
 weights in float32 between rounds (autocast for speed).

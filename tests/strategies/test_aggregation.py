@@ -315,6 +315,20 @@ def test_integer_buffers_are_rounded_not_truncated() -> None:
     assert out["count"][0] == 12  # 11.5 rounds half to even → 12
 
 
+def test_a_bool_buffer_is_on_where_the_sites_mean_rounds_to_one() -> None:
+    """astype(bool) turned every nonzero mean on: a bit 3 of 10 sites' examples set was
+    set (FetchSGD, Sketched-SGD and the codecs round first: the same model now averages
+    alike under every strategy)."""
+    base = {"mask": np.array([True, True, False, False, False])}
+    sites = [
+        {"mask": np.array([True, False, True, False, True])},
+        {"mask": np.array([False, False, False, False, True])},
+    ]
+    out = streamed(base, sites, [3.0, 7.0])  # means 0.3, 0, 0.3, 0, 1
+    assert out["mask"].dtype == np.bool_
+    np.testing.assert_array_equal(out["mask"], [False, False, False, False, True])
+
+
 def test_zero_dimensional_arrays_are_summed_like_any_other() -> None:
     """A 0-d array (a BatchNorm counter) gets every site's update, not only the first's."""
     acc = WeightedDeltaSum()
@@ -429,6 +443,8 @@ def test_a_spent_mean_gives_the_same_step_bit_for_bit(
     plain = np.asarray(x["x"], dtype=np.float64) + eta * step_taken
     if np.issubdtype(np.dtype(dtype), np.integer):
         plain = np.rint(plain)
+    elif np.dtype(dtype) == np.bool_:  # on where the value rounds to 1 (or more)
+        plain = np.clip(np.rint(plain), 0, 1)
     assert results[0] == results[1] == results[2]
     assert results[0][1] == plain.astype(dtype).tobytes()
 
@@ -465,6 +481,8 @@ def test_delayed_nesterov_with_a_spent_mean_gives_the_same_step_bit_for_bit(
     plain = np.asarray(x["x"], dtype=np.float64) + 0.7 * (mean["x"] / 2 + (0.9 * v if due else 0))
     if np.issubdtype(np.dtype(dtype), np.integer):
         plain = np.rint(plain)
+    elif np.dtype(dtype) == np.bool_:  # on where the value rounds to 1 (or more)
+        plain = np.clip(np.rint(plain), 0, 1)
     assert results[0][1] == plain.astype(dtype).tobytes()
     left = np.zeros_like(pending) if due else pending
     assert results[0][2] == (v.tobytes(), left.tobytes(), 2 if due else 1)

@@ -117,3 +117,31 @@ def test_freed_memory_reuse_can_be_turned_off(monkeypatch) -> None:
     monkeypatch.setenv("FLPLATFORM_REUSE_FREED_MEMORY", "1")
     # glibc's Linux (this project's machines) accepts both settings
     assert reuse_freed_memory() is True
+
+
+def test_a_bool_or_unsigned_decrease_is_sent_as_no_change_not_wrapped() -> None:
+    """Deltas travel in the model's dtypes: a uint8 counter 5 -> 3 was sent as 254 (the
+    server then refused the step, or averaged two sites' 3 and 7 to 133) and a bit turned
+    off as True (turning it on). Such arrays can only grow (strategies.mods says so)."""
+    from strategies.layout import difference
+
+    start = {
+        "count": np.array([5, 5, 0], np.uint8),
+        "mask": np.array([True, False, True]),
+        "steps": np.array([5, 5], np.int64),
+    }
+    trained = {
+        "count": np.array([3, 7, 255], np.uint8),
+        "mask": np.array([False, True, True]),
+        "steps": np.array([3, 7], np.int64),
+    }
+    sent = difference(trained, start)
+    np.testing.assert_array_equal(sent["count"], np.array([0, 2, 255], np.uint8))
+    np.testing.assert_array_equal(sent["mask"], [False, True, False])
+    np.testing.assert_array_equal(sent["steps"], [-2, 2])  # signed: exact
+    kept = sum_in_float64(
+        [trained["count"], start["count"], np.array([1, 0, 0], np.float64)],
+        np.dtype(np.uint8),
+        signs=(1, -1, 1),
+    )  # with a carry (compensation), the same rule
+    np.testing.assert_array_equal(kept, np.array([0, 2, 255], np.uint8))
