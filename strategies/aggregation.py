@@ -255,21 +255,20 @@ def apply_server_update(
         else:
             new = np.array(base, dtype=np.float64)
             add_scaled(new, step, rate)  # x + η·step, without a model-sized η·step
-        if base.dtype.kind == "b":  # a bit is on where the sites' mean rounds to 1
-            if not np.isfinite(new).all():
-                raise StepRefused(f"array '{key}' would become non-finite")
-            new = np.clip(np.rint(new), 0, 1)  # (astype(bool) turned a mean of 0.3 on)
-        elif np.issubdtype(base.dtype, np.integer):
+        if base.dtype.kind in "biu":  # integers and bools: rounded to the nearest
             if not np.isfinite(new).all():
                 raise StepRefused(f"array '{key}' would become non-finite")
             new = np.rint(new)
-            # beyond the dtype, a cast wraps round (1e30 in int64 is -2^63) without a word;
-            # float(max) + 1 is the first value out of range, whichever rounds float(max)
-            info = np.iinfo(base.dtype)
-            if new.size and (new.min() < info.min or new.max() >= float(info.max) + 1):
-                raise StepRefused(
-                    f"array '{key}' would leave {base.dtype}'s range [{info.min}, {info.max}]"
-                )
+            if base.dtype.kind == "b":  # on where the sites' mean rounds to 1 (astype(bool)
+                new = np.clip(new, 0, 1)  # turned any nonzero mean on)
+            else:
+                # beyond the dtype, a cast wraps round (1e30 in int64 is -2^63) without a
+                # word; float(max) + 1 is the first value out of range, whichever rounds it
+                info = np.iinfo(base.dtype)
+                if new.size and (new.min() < info.min or new.max() >= float(info.max) + 1):
+                    raise StepRefused(
+                        f"array '{key}' would leave {base.dtype}'s range [{info.min}, {info.max}]"
+                    )
         with np.errstate(over="ignore"):  # overflow is what the check below looks for
             cast = new.astype(base.dtype, copy=False)
         if np.issubdtype(cast.dtype, np.inexact) and not np.isfinite(cast).all():
