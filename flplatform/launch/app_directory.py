@@ -41,7 +41,8 @@ from flplatform.engine.guard import GUARD_OPTIONS, guard_problems
 from flplatform.run.options import ConfigValue, option_problem
 
 GENERIC_SERVERAPP = "flplatform.server_app:app"
-# Sites when neither --sites nor the app's `sites` key says (Flower's default is 2).
+# Sites when neither --sites, the app's `sites` key nor its federation says (Flower's
+# default is 2).
 DEFAULT_NUM_SITES = 2
 
 
@@ -54,6 +55,10 @@ class FlowerApp:
     serverapp: str
     clientapp: str
     config: dict[str, ConfigValue]  # declared keys (flattened, dotted) → default values
+    # The simulated SuperNodes its default federation declares (``options.num-supernodes``
+    # in ``[tool.flwr.federations]``, the table apps written before Flower 1.41 have and
+    # that ``flwr run`` still reads); None where it declares none.
+    num_supernodes: int | None = None
 
     @property
     def uses_generic_serverapp(self) -> bool:
@@ -195,7 +200,30 @@ def read_app(path: str | Path) -> FlowerApp:
         serverapp=str(components["serverapp"]),
         clientapp=str(components["clientapp"]),
         config=dict(config),
+        num_supernodes=_federation_supernodes(data["tool"]["flwr"], pyproject),
     )
+
+
+def _federation_supernodes(flwr: Mapping[str, Any], pyproject: Path) -> int | None:
+    """``options.num-supernodes`` of the default federation in ``[tool.flwr.federations]``
+    (what ``flwr run APP_DIR`` simulates for such an app); None where none is declared."""
+    federations = flwr.get("federations")
+    if not isinstance(federations, Mapping):
+        return None
+    default = federations.get("default")
+    federation = federations.get(default) if isinstance(default, str) else None
+    if not isinstance(federation, Mapping):
+        return None
+    options = federation.get("options")
+    count = options.get("num-supernodes") if isinstance(options, Mapping) else None
+    if count is None:
+        return None  # a federation of a SuperLink's address, not a simulation
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ConfigError(
+            f"{pyproject}: [tool.flwr.federations.{default}] options.num-supernodes must "
+            f"be a whole number >= 1 (the sites simulated), got {count!r}"
+        )
+    return count
 
 
 def _component_packages(data: Mapping[str, Any]) -> set[str]:
@@ -590,7 +618,8 @@ def _checked_sites(names: object) -> tuple[str, ...]:
 
 
 def _declared_sites(app: FlowerApp, overrides: Mapping[str, ConfigValue]) -> tuple[str, ...]:
-    """Sites from the app's `sites` key (as overridden), else the default count."""
+    """Sites from the app's `sites` key (as overridden), else as many as its federation
+    declares, else the default count."""
     declared = overrides.get("sites", app.config.get("sites"))
     if declared is not None and str(declared).strip():
         names = _checked_sites(declared)
@@ -600,7 +629,8 @@ def _declared_sites(app: FlowerApp, overrides: Mapping[str, ConfigValue]) -> tup
         from flplatform.app.config import DEFAULT_SITES
 
         return DEFAULT_SITES
-    return tuple(f"site-{i + 1}" for i in range(DEFAULT_NUM_SITES))
+    count = app.num_supernodes if app.num_supernodes is not None else DEFAULT_NUM_SITES
+    return tuple(f"site-{i + 1}" for i in range(count))
 
 
 def _ledger_url(db: str | None) -> str:

@@ -254,6 +254,53 @@ def test_only_given_options_are_sent(tmp_path: Path) -> None:
     assert options_environment({"k": 3}) == {OPTIONS_ENV: '{"k": 3}'}
 
 
+FEDERATIONS = """
+[tool.flwr.federations]
+default = "local-simulation"
+
+[tool.flwr.federations.local-simulation]
+options.num-supernodes = {count}
+
+[tool.flwr.federations.remote]
+address = "127.0.0.1:9093"
+insecure = true
+"""
+
+
+@pytest.mark.usefixtures("flplatform_home")
+def test_the_apps_federation_says_how_many_sites_as_flwr_run_reads_it(tmp_path: Path) -> None:
+    """An app written before Flower 1.41 declares its simulation's size in its default
+    federation: ``flwr run`` simulates that many SuperNodes, and so does ``flplatform run``
+    unless --sites says otherwise."""
+    app = read_app(
+        write_app(tmp_path / "fed", TINY_APP + FEDERATIONS.format(count=5), TINY_MODULES)
+    )
+    assert app.num_supernodes == 5
+    plan = plan_run(app, RunOverrides(), tag="t1")
+    assert plan.site_names == ("site-1", "site-2", "site-3", "site-4", "site-5")
+    assert plan.options["required_sites"] == 5
+    assert plan_run(app, RunOverrides(sites=("a", "b")), tag="t2").num_sites == 2
+    # a default federation of a SuperLink's address simulates nothing: Flower's 2
+    remote = TINY_APP + FEDERATIONS.format(count=5).replace('"local-simulation"\n', '"remote"\n')
+    app = read_app(write_app(tmp_path / "remote", remote, TINY_MODULES))
+    assert app.num_supernodes is None
+    assert plan_run(app, RunOverrides(), tag="t3").num_sites == 2
+
+
+@pytest.mark.usefixtures("flplatform_home")
+@pytest.mark.parametrize("count", ["0", '"three"', "true", "2.5"])
+def test_a_federation_of_no_whole_number_of_supernodes_is_one_line(
+    tmp_path: Path, count: str
+) -> None:
+    write_app(tmp_path / "fed", TINY_APP + FEDERATIONS.format(count=count), TINY_MODULES)
+    result = invoke(["run", str(tmp_path / "fed")])
+    assert result.exit_code == 2, result.output
+    assert (
+        "[tool.flwr.federations.local-simulation] options.num-supernodes must be a whole "
+        "number >= 1"
+    ) in one_error_line(result.output)
+
+
 @pytest.mark.usefixtures("flplatform_home")
 def test_the_generic_serverapp_gets_its_own_keys(tmp_path: Path) -> None:
     plain = read_app(PLAIN_APP)
