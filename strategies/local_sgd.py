@@ -225,6 +225,7 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         self.clip_radius = clip_radius
         self._held: list[dict[str, np.ndarray]] = []  # median, trimmed mean: the round's updates
         self._said_not_robust = False  # that a round was too small to outvote anyone, once
+        self._warning: str | None = None  # ... until the engine takes it (take_warning)
         # centred clipping: its centre and recent distances (None: another aggregator)
         self._centered = CenteredClip(clip_radius) if aggregator == CENTERED_CLIP else None
         self.eta = eta
@@ -258,6 +259,12 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         # load_state_dict ran before the model was known: its arrays are checked against
         # the first model the strategy is handed
         self._restored = False
+
+    def take_warning(self) -> str | None:
+        """That a round was too small for the median or trimmed mean to outvote anyone
+        (once a run): an own ServerApp's sites are known only as it runs."""
+        warning, self._warning = self._warning, None
+        return warning
 
     def summary(self) -> None:
         """Log the configuration."""
@@ -496,6 +503,7 @@ class LocalSGDAveraging(PlatformStart, Strategy, EngineStrategy):
         problem = robust_aggregation_problem(self.aggregator, self.trim_fraction, len(results))
         if problem is not None and not self._said_not_robust:
             self._said_not_robust = True
+            self._warning = problem
             log.warning("%s (said once)", problem)
         if self.aggregator == MEDIAN:
             combined = aggregate_median(results)

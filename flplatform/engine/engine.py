@@ -811,7 +811,10 @@ class RoundEngine:
             updates=tuple(state.outcomes),
             virtual_started_at=state.clock_started_at if self.clock.virtual else None,
             virtual_finished_at=self.clock.now() if self.clock.virtual else None,
-            warning=self._diverged(server_round, train_loss, state.losses),
+            warning=_joined_warnings(
+                self._diverged(server_round, train_loss, state.losses),
+                self.strategy.take_warning(),
+            ),
         )
         return summary, train_metrics, state.failed_replies
 
@@ -1391,6 +1394,12 @@ class RoundEngine:
 def _applied(outcomes: Sequence[UpdateOutcome]) -> int:
     """How many updates a round accepted (applied, or buffered for a later aggregate)."""
     return sum(1 for u in outcomes if u.status in (APPLIED, BUFFERED))
+
+
+def _joined_warnings(*warnings: str | None) -> str | None:
+    """A round's warnings about the run, as one (None when there are none)."""
+    said = [w for w in warnings if w]
+    return "; ".join(said) if said else None
 
 
 def _example_weighted_loss(outcomes: Sequence[UpdateOutcome]) -> float | None:

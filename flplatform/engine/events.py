@@ -96,7 +96,8 @@ class RoundSummary:
     # Simulated times of the step; None on the wall clock.
     virtual_started_at: float | None = None
     virtual_finished_at: float | None = None
-    # What this round revealed about the whole run (training diverged), said once per run.
+    # What this round revealed about the whole run (training diverged; the strategy's
+    # ``take_warning``), each said once per run.
     warning: str | None = None
 
     @property

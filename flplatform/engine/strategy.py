@@ -232,6 +232,13 @@ class EngineStrategy(Protocol):
         """Log the strategy's configuration (default: nothing)."""
         return None
 
+    def take_warning(self) -> str | None:
+        """What the last step revealed about the whole run that the user must know (a
+        robust aggregator that outvoted no one), once; None when nothing (default). The
+        engine records it with the round, as it does a divergence report: the console
+        shows it while the run trains, and ``history`` with the run."""
+        return None
+
 
 class ForwardingGrid(Grid):
     """A Grid that forwards every call to ``grid``; subclasses change what they need.

@@ -292,6 +292,9 @@ def test_a_robust_aggregator_over_too_few_updates_to_cut_any_says_so(
             np.testing.assert_allclose(
                 record_to_arrays(arrays)["w"], np.full((2, 2), np.mean(values)), rtol=1e-6
             )
+            # ... and for the run's record (the engine's), once too
+            warning = strategy.take_warning()
+            assert (warning is not None) == (server_round == 1), (server_round, warning)
     said = [r.getMessage() for r in caplog.records if aggregator in r.getMessage()]
     assert len(said) == 1 and ("outvoted" in said[0] or "= 0 of them" in said[0]), said
 

@@ -186,13 +186,17 @@ def site(name: str, losses: list[float], *, scale: float | None = None) -> Behav
 
 
 def run(
-    grid: ScriptedGrid, ledger: tuple[LedgerRepository, int], *, guard: UpdateGuard | None = None
+    grid: ScriptedGrid,
+    ledger: tuple[LedgerRepository, int],
+    *,
+    guard: UpdateGuard | None = None,
+    strategy: LocalSGDAveraging | None = None,
 ) -> list[RoundSummary]:
     repo, run_id = ledger
     seen: list[RoundSummary] = []
     RoundEngine(
         grid,
-        LocalSGDAveraging(),
+        strategy or LocalSGDAveraging(),
         ledger=SqlLedger(repo, run_id),
         guard=guard,
         poll_interval=0.0,
@@ -281,3 +285,22 @@ def test_an_update_the_guard_held_then_rejected_sets_no_first_loss(
     assert [u.status for u in rejected] == ["rejected"]
     assert "beyond 100x" in (rejected[0].reason or "")
     assert repo.get_run(run_id).error is None
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_a_strategys_warning_about_the_run_is_the_rounds_and_the_runs_note(
+    ledger: tuple[LedgerRepository, int],
+) -> None:
+    """An own ServerApp's trimmed mean over two sites cuts nothing (known only once its
+    sites answer): said with round 1, as a divergence report is, so the console shows it
+    while the run trains and ``history`` with the run, not only the run's log file."""
+    grid = ScriptedGrid({1: site("a", [1.0]), 2: site("b", [1.0])})
+    seen = run(grid, ledger, strategy=LocalSGDAveraging(aggregator="trimmed-mean"))
+    warnings = [s.warning for s in seen]
+    assert warnings[1:] == [None, None, None]
+    assert warnings[0] is not None and warnings[0].startswith(
+        "aggregator 'trimmed-mean' with trim-fraction 0.2: a round combines at most 2 "
+        "updates and cuts int(0.2 x 2) = 0 of them at each end: the plain mean"
+    )
+    repo, run_id = ledger
+    assert repo.get_run(run_id).error == warnings[0]
