@@ -1349,6 +1349,8 @@ class RoundEngine:
             connected_nodes=census.connected,
             sent_for_round=self._sent_per_period.get(state.server_round, 0),
             periods_outstanding=frozenset(d.period for d in (*training.values(), *queued.values())),
+            held_this_round=len(state.waiting),
+            held_nodes=frozenset(node for *_, node in state.waiting.values()),
         )
 
     def _bench_failed_sites(self, state: _RoundState) -> None:

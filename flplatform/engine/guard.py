@@ -29,7 +29,10 @@ each with its reason for the ledger:
   Until ``min_reference`` norms are known (the first round) updates wait, and
   are judged together once ``min_reference`` of them are there (``ready``) or when the
   round closes (``settle``): a huge update that arrives first cannot become the
-  reference, and a round never holds more than ``min_reference`` − 1 updates.
+  reference, and a round never holds more than ``min_reference`` − 1 updates. The
+  policies count a held update toward K only once it is judged, and offer its site no
+  more work meanwhile (``EngineView.held_nodes``): in the modes that step on fewer than
+  ``min_reference`` updates, the first step waits for them, from as many sites.
 * **Direction** (off by default). A site whose updates point against the federation's
   recent direction (same kind) is rejected: a sign-flipped update points against what the
   other sites agree on. The direction is a moving average of the rounds' accepted means,

@@ -40,6 +40,11 @@ class EngineView:
     # and the periods of the messages still outstanding.
     sent_for_round: int = 0
     periods_outstanding: frozenset[int] = frozenset()
+    # Of the applied updates, those the update guard holds until it can judge them (no
+    # norm reference yet: the run's first updates), and their sites. They count toward K
+    # only once judged, or when nothing more can come.
+    held_this_round: int = 0
+    held_nodes: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)

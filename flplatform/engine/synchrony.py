@@ -265,7 +265,16 @@ class Synchrony:
                 d.server_round == view.server_round for d in view.outstanding.values()
             )
         counted = view.applied_this_round if self.batch else len(view.applied_nodes)
-        if counted < self._k_now() and self._more_can_come(view):
+        # An update the guard holds (no norm reference yet) is not counted while more can
+        # come: the guard judges the first updates together once it has enough of them, so
+        # the site that answers first cannot set the step alone (an async run's round 1
+        # then combines the guard's first few updates).
+        judged = (
+            counted - view.held_this_round
+            if self.batch
+            else len(view.applied_nodes - view.held_nodes)
+        )
+        if judged < self._k_now() and self._more_can_come(view):
             return False
         # Nothing happened yet (every site away or refused): keep waiting.
         return counted > 0 or view.dispatched_this_round > 0
@@ -286,9 +295,10 @@ class Synchrony:
         """Idle sites that could still add to this step.
 
         Not one whose update failed this step; in the modes that count different sites,
-        not one already counted (it could only repeat itself).
+        not one already counted (it could only repeat itself); nor one whose update the
+        guard holds (a fast site must not make the guard's first reference alone).
         """
-        skip = view.failed_nodes if self.batch else view.failed_nodes | view.applied_nodes
+        skip = view.failed_nodes | (view.held_nodes if self.batch else view.applied_nodes)
         return [n for n in view.idle_nodes if n not in skip]
 
     def to_cancel(self, view: EngineView) -> tuple[int, ...]:

@@ -18,6 +18,7 @@ from flwr.app import (
 )
 
 from flplatform.core import keys
+from flplatform.core.arrays import record_to_arrays
 from flplatform.core.errors import ConfigError
 from flplatform.engine import (
     APPLIED,
@@ -37,7 +38,7 @@ from flplatform.network import ComputeModel, Network, SiteProfile
 from flplatform.run.ledger import SqlLedger
 from strategies.local_sgd import LocalSGDAveraging
 from tests.helpers.idle_sites import CountingStrategy, idle_site, network
-from tests.helpers.scripted_grid import ScriptedGrid
+from tests.helpers.scripted_grid import Behaviour, ScriptedGrid
 from tests.helpers.sites import failing, site
 
 pytestmark = pytest.mark.usefixtures("task_identity")
@@ -520,3 +521,79 @@ def test_ties_on_the_clock_do_not_depend_on_the_order_replies_are_pulled(
     in_order = rounds(ScriptedGrid)
     assert in_order == rounds(_ReversedGrid)
     assert in_order[0][0][:2] == ("s1", APPLIED)  # the first to join
+
+
+# ======================================================== the guard's first reference
+def stepping(name: str, step: float) -> Behaviour:
+    """Introduces itself; each update moves every weight by ``step`` (new arrays each time:
+    no replay)."""
+
+    def behave(msg: Message) -> Message:
+        if msg.metadata.message_type == MessageType.QUERY:
+            return Message(
+                RecordDict({keys.SITE_INFO: ConfigRecord({keys.SITE_NAME: name})}), reply_to=msg
+            )
+        sent = record_to_arrays(msg.content[keys.ARRAYS])["w"]
+        arrays = ArrayRecord({"w": Array(sent + np.float32(step))})
+        metrics = MetricRecord({keys.NUM_EXAMPLES: 10, keys.TRAIN_LOSS: 0.5})
+        return Message(RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics}), reply_to=msg)
+
+    return behave
+
+
+@pytest.mark.parametrize(
+    ("mode", "options"),
+    [("async", {}), ("k-async", {"k": 1}), ("k-sync", {"k": 2}), ("k-batch-async", {"k": 1})],
+)
+def test_the_site_that_answers_first_cannot_set_the_first_step_alone(
+    ledger, mode: str, options: dict
+) -> None:
+    """A hostile site that skips training answers first, with an update a million times an
+    honest one. The guard has no norm reference before its first updates, so it holds
+    them: they count toward K only once judged together (three of them, from three
+    sites: a fast site is not offered work again while its update is held), so the first
+    step is not that one update. Before, async's round 1 applied it whole."""
+    repo, run_id = ledger
+    grid = ScriptedGrid(
+        {1: stepping("s1", 1e6), **{n: stepping(f"s{n}", 0.01 * n) for n in range(2, 6)}}
+    )
+    profiles = network(5, ComputeModel("fixed", mean_seconds=1.0)).profiles
+    fast = SiteProfile(**{**profiles[0].__dict__, "speed": 10.0})  # answers ten times first
+    engine = RoundEngine(
+        grid,
+        LocalSGDAveraging(),
+        policy=Synchrony(mode, **options),
+        clock=VirtualClock(Network(name="n", profiles=(fast, *profiles[1:])), seed=2),
+        ledger=SqlLedger(repo, run_id),
+        guard=UpdateGuard(),  # the platform's default (start()'s)
+        required_sites=5,
+        poll_interval=0.0,
+    )
+    engine.run(ArrayRecord({"w": Array(np.zeros(4, np.float32))}), num_rounds=3, train_config=STEP)
+    first = repo.list_updates(run_id, round=1)
+    # round 1 judged three sites' updates together: the attacker's once, and rejected
+    assert sorted(u.site for u in first if u.status != CANCELLED) == ["s1", "s2", "s3"]
+    assert [(u.status, "beyond 100x" in (u.reason or "")) for u in first if u.site == "s1"] == [
+        ("rejected", True)
+    ]
+    assert np.abs(record_to_arrays(engine.arrays)["w"]).max() < 1.0  # never the attacker's
+
+
+def test_with_fewer_sites_than_the_reference_needs_the_first_round_still_closes(ledger) -> None:
+    """Two sites in async mode: the guard's three norms never come, so round 1 closes once
+    nothing more can come, its two updates judged against each other (as a sync round of
+    two is), and the next rounds take one update each."""
+    repo, run_id = ledger
+    grid = ScriptedGrid({1: stepping("s1", 0.1), 2: stepping("s2", 0.2)})
+    engine = RoundEngine(
+        grid,
+        LocalSGDAveraging(),
+        policy=Synchrony("async"),
+        clock=VirtualClock(network(2, ComputeModel("fixed", mean_seconds=1.0)), seed=2),
+        ledger=SqlLedger(repo, run_id),
+        guard=UpdateGuard(),
+        required_sites=2,
+        poll_interval=0.0,
+    )
+    engine.run(ArrayRecord({"w": Array(np.zeros(4, np.float32))}), num_rounds=4, train_config=STEP)
+    assert [r.num_applied for r in repo.list_rounds(run_id)] == [2, 1, 1, 1]
