@@ -783,11 +783,13 @@ class RoundEngine:
 
         # ---- aggregate into the next model version
         self._settle(state)
+        stepped = True
         try:
             arrays, train_metrics = self.strategy.finish_aggregation()
         except StepRefused as exc:
             arrays, train_metrics = self._step_refused(state, exc)
-        self.guard.round_finished()
+            stepped = False
+        self.guard.round_finished(stepped=stepped)
         if arrays is not None:
             self.arrays = arrays
             self.version += 1

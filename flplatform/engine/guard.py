@@ -536,9 +536,15 @@ class UpdateGuard:
             )
         return None
 
-    def round_finished(self) -> None:
-        """The round closed: its norms join the window, its mean the direction."""
+    def round_finished(self, *, stepped: bool = True) -> None:
+        """The round closed: its norms join the window, its mean the direction; not when
+        the strategy refused the step (``stepped`` false): its updates then counted for
+        nothing, and must not move the reference either."""
         for state in self._kinds.values():
+            if not stepped:
+                state.current = []
+                state.direction_sum, state.direction_weight = None, 0.0
+                continue
             state.rounds.append(state.current)
             trim_window(state.rounds, keep=self._kept_rounds, at_least=self.options.min_reference)
             state.current = []

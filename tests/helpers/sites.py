@@ -1,6 +1,7 @@
 """Scripted sites for the round engine, the digits model, and a site whose SuperNode restarts.
 
-``site`` introduces itself and replies with its model set to a value; ``replying_site``
+``site`` introduces itself and replies with its model set to a value, ``stepping`` with the
+model it was sent moved by a step; ``replying_site``
 trains as a given ``Reply`` says (``trained``: a well-formed one), as a ClientApp would.
 Messages are real Flower messages; only the transport (tests/helpers/scripted_grid.py)
 is in-process.
@@ -54,6 +55,28 @@ def site(
         arrays = ArrayRecord({"w": Array(np.full_like(sent, value))})
         reported = MetricRecord({"num-examples": examples, "train_loss": loss, **(metrics or {})})
         return Message(RecordDict({"arrays": arrays, "metrics": reported}), reply_to=msg)
+
+    return behave
+
+
+def stepping(name: str, step: float) -> Behaviour:
+    """A site that introduces itself and moves every weight it is sent by ``step``, its
+    first weight by a millionth more each time (a site that trained twice on one model
+    sends other arrays: never a replay)."""
+    trained = 0
+
+    def behave(msg: Message) -> Message:
+        nonlocal trained
+        if msg.metadata.message_type == MessageType.QUERY:
+            record = ConfigRecord({keys.SITE_NAME: name})
+            return Message(RecordDict({keys.SITE_INFO: record}), reply_to=msg)
+        sent = record_to_arrays(msg.content[keys.ARRAYS])["w"]
+        moved = sent + np.float32(step)
+        moved[0] += np.float32(1e-6 * trained)
+        trained += 1
+        arrays = ArrayRecord({"w": Array(moved)})
+        metrics = MetricRecord({keys.NUM_EXAMPLES: 10, keys.TRAIN_LOSS: 0.5})
+        return Message(RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics}), reply_to=msg)
 
     return behave
 

@@ -13,16 +13,21 @@ from flwr.app import (
     ArrayRecord,
     Message,
     MessageType,
+    MetricRecord,
 )
 
 from flplatform.core import keys
 from flplatform.core.arrays import record_to_arrays
+from flplatform.core.errors import StepRefused
 from flplatform.engine import APPLIED, DROPPED, REJECTED, Synchrony
-from flplatform.engine.engine import REFUSED
+from flplatform.engine.engine import REFUSED, RoundEngine
+from flplatform.engine.guard import UpdateGuard
+from flplatform.run.ledger import SqlLedger
+from strategies.local_sgd import LocalSGDAveraging
 from tests.helpers.engine import engine_for, wire_bytes
 from tests.helpers.fleet_oracle import naive_delivery, naive_reply
 from tests.helpers.scripted_grid import ScriptedGrid
-from tests.helpers.sites import failing, site
+from tests.helpers.sites import failing, site, stepping
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -321,3 +326,34 @@ def test_a_late_evaluation_reply_is_not_recorded_as_a_training_update(ledger) ->
     assert all(u.dispatched_round >= 1 for u in updates)
     assert [u.status for u in updates if u.status != APPLIED] == []
     assert repo.list_evaluations(run_id)[0].status == DROPPED
+
+
+class RefusesRoundTwo(LocalSGDAveraging):
+    """Local-SGD whose step of round 2 would make the model unusable."""
+
+    def begin_aggregation(self, server_round: int, arrays: ArrayRecord) -> None:
+        self.server_round = server_round
+        super().begin_aggregation(server_round, arrays)
+
+    def finish_aggregation(self) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        if self.server_round == 2:
+            raise StepRefused("the step would make array 'w' non-finite")
+        return super().finish_aggregation()
+
+
+def test_a_refused_steps_updates_do_not_become_the_guards_reference(ledger) -> None:
+    grid = ScriptedGrid({n: stepping(f"s{n}", 0.1 * n) for n in range(1, 4)})
+    repo, run_id = ledger
+    engine = RoundEngine(
+        grid,
+        RefusesRoundTwo(),
+        ledger=SqlLedger(repo, run_id),
+        guard=UpdateGuard(),
+        required_sites=3,
+        poll_interval=0.0,
+    )
+    engine.run(MODEL, num_rounds=3)
+    assert [r.num_applied for r in repo.list_rounds(run_id)] == [3, 0, 3]
+    # the norms of rounds 1 and 3 (each site's step, 2-long: ‖0.1·n·1₄‖ = 0.2·n)
+    windows = engine.guard.state_dict()["kinds"]["delta"]["rounds"]
+    assert [sorted(round(n, 4) for n in w) for w in windows] == [[0.2, 0.4, 0.6]] * 2

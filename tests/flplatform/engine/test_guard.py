@@ -78,6 +78,32 @@ def test_a_huge_first_arrival_waits_and_cannot_become_the_reference() -> None:
     assert (decisions[2].scale, decisions[3].scale) == (1.0, 1.0)
 
 
+def test_a_round_whose_step_was_refused_moves_neither_the_reference_nor_the_direction() -> None:
+    """Its updates counted for nothing (the strategy refused the step: non-finite, out of
+    the model's range); before, their norms joined the reference and their mean the
+    direction all the same."""
+
+    def reference(guard: UpdateGuard) -> tuple[list[list[float]], list[list[float]]]:
+        kind = guard.state_dict()["kinds"]["delta"]
+        return kind["rounds"], [part.tolist() for part in kind["direction"]]
+
+    guard = warmed(GuardOptions(min_cosine=-0.5), [1.0, 1.0, 1.0])
+    before = reference(guard)
+    assert before == ([[1.0, 1.0, 1.0]], [[1.0, 0.0]])
+    for site in (100, 101, 102):  # admitted: three times the median, at 45°
+        decision = guard.consider(site, site=site, kind="delta", claimed=10, vector=vec(2.0, 2.0))
+        assert decision.ruling is Ruling.ADMIT and decision.scale == 1.0
+    guard.round_finished(stepped=False)
+    assert reference(guard) == before
+    # ... while a round that stepped moves both
+    guard.begin_round(3)
+    for site in (100, 101, 102):
+        guard.consider(site, site=site, kind="delta", claimed=10, vector=vec(2.0, 2.0))
+    guard.round_finished()
+    norm = math.hypot(2.0, 2.0)
+    assert reference(guard) == ([[1.0, 1.0, 1.0], [norm] * 3], [[2.5, 2.0]])  # ½·d + ū
+
+
 @pytest.mark.parametrize("ratio,beyond", [(3, 100), (10, 100), (20, 400)])
 def test_clipped_up_to_a_hundred_medians_or_ratio_squared_and_rejected_beyond(
     ratio: float, beyond: float

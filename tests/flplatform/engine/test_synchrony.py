@@ -38,8 +38,8 @@ from flplatform.network import ComputeModel, Network, SiteProfile
 from flplatform.run.ledger import SqlLedger
 from strategies.local_sgd import LocalSGDAveraging
 from tests.helpers.idle_sites import CountingStrategy, idle_site, network
-from tests.helpers.scripted_grid import Behaviour, ScriptedGrid
-from tests.helpers.sites import failing, site
+from tests.helpers.scripted_grid import ScriptedGrid
+from tests.helpers.sites import failing, site, stepping
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -524,23 +524,6 @@ def test_ties_on_the_clock_do_not_depend_on_the_order_replies_are_pulled(
 
 
 # ======================================================== the guard's first reference
-def stepping(name: str, step: float) -> Behaviour:
-    """Introduces itself; each update moves every weight by ``step`` (new arrays each time:
-    no replay)."""
-
-    def behave(msg: Message) -> Message:
-        if msg.metadata.message_type == MessageType.QUERY:
-            return Message(
-                RecordDict({keys.SITE_INFO: ConfigRecord({keys.SITE_NAME: name})}), reply_to=msg
-            )
-        sent = record_to_arrays(msg.content[keys.ARRAYS])["w"]
-        arrays = ArrayRecord({"w": Array(sent + np.float32(step))})
-        metrics = MetricRecord({keys.NUM_EXAMPLES: 10, keys.TRAIN_LOSS: 0.5})
-        return Message(RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics}), reply_to=msg)
-
-    return behave
-
-
 @pytest.mark.parametrize(
     ("mode", "options"),
     [("async", {}), ("k-async", {"k": 1}), ("k-sync", {"k": 2}), ("k-batch-async", {"k": 1})],
