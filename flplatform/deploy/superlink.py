@@ -44,6 +44,7 @@ from flplatform.app.config import RunConfig
 from flplatform.core.errors import ConfigError, FLPlatformError, RunFailed
 from flplatform.core.files import make_private_dirs
 from flplatform.core.site_registry import REGISTRY_ENV, RegisteredSite, SiteRegistry
+from flplatform.core.text import seconds_text
 from flplatform.deploy.addresses import Address, parse_address
 from flplatform.deploy.certs import ServerCerts, check_site_name, fingerprint, site_public_key
 from flplatform.deploy.gateway import READY_LINE
@@ -588,9 +589,9 @@ def wait_for_sites(
         now = time.monotonic()
         if now >= deadline:
             raise RunFailed(
-                f"waited {plan.wait_timeout:.0f} s and {', '.join(missing)} did not connect "
-                f"(connected: {', '.join(joined) or 'none'}); each site runs `flplatform site "
-                f"NAME --server {dial_hint(plan)} "
+                f"waited {seconds_text(plan.wait_timeout)} s and {', '.join(missing)} did not "
+                f"connect (connected: {', '.join(joined) or 'none'}); each site runs "
+                f"`flplatform site NAME --server {dial_hint(plan)} "
                 + ("--insecure" if plan.insecure else "--certs DIR")
                 + " --data FILE`"
                 + ("" if plan.insecure else " with ca.crt and its NAME.key in DIR")

@@ -52,6 +52,7 @@ from flplatform.core.errors import (
     StepRefused,
     UpdateRejected,
 )
+from flplatform.core.text import seconds_text
 from flplatform.engine import rows
 from flplatform.engine.bench import SiteBench
 from flplatform.engine.clock import Clock, Schedule, WallClock, planned_steps
@@ -544,7 +545,7 @@ class RoundEngine:
             if time.monotonic() > deadline:
                 raise RunFailed(
                     f"cannot resume: site(s) {', '.join(missing)} of the checkpoint did not "
-                    f"connect within {self.startup_timeout:.0f} s (connected: "
+                    f"connect within {seconds_text(self.startup_timeout)} s (connected: "
                     f"{', '.join(sorted(present)) or 'none'}); a run resumes with all its "
                     "sites, under the same names"
                 )
@@ -638,7 +639,8 @@ class RoundEngine:
                     break  # too few for K: run() refuses it, saying so
                 raise RunFailed(
                     f"only {len(node_ids)} of {self.required_sites} sites connected within "
-                    f"{self.startup_timeout:.0f} s; start more SuperNodes or lower min-sites"
+                    f"{seconds_text(self.startup_timeout)} s; start more SuperNodes or lower "
+                    "min-sites"
                 )
             time.sleep(0.2)
             node_ids = sorted(self.grid.get_node_ids())
@@ -771,7 +773,7 @@ class RoundEngine:
                 if time.monotonic() - waiting_since > self.round_timeout:
                     raise RunFailed(
                         f"round {server_round}: no site could be given work within "
-                        f"{self.round_timeout:.0f} s"
+                        f"{seconds_text(self.round_timeout)} s"
                     )
                 self.refresh_sites()
             elif time.monotonic() - presence_checked >= PRESENCE_CHECK_SECONDS:

@@ -17,6 +17,7 @@ from typing import Any
 from flwr.app import Message
 
 from flplatform.core import keys
+from flplatform.core.text import seconds_text
 from flplatform.engine.events import (
     DROPPED,
     EVALUATED,
@@ -35,7 +36,7 @@ SITE_REFUSED = "refused at the site: "  # + the mod's sentence
 
 
 def no_reply_within(timeout: float) -> str:
-    return f"no reply within {timeout:.0f} s"
+    return f"no reply within {seconds_text(timeout)} s"
 
 
 def site_error(reply: Message) -> str:

@@ -28,6 +28,7 @@ from typing import BinaryIO
 
 from flplatform.app.config import RunConfig
 from flplatform.core.errors import ConfigError, RunFailed
+from flplatform.core.text import seconds_text
 from flplatform.launch.processes import ProcessTree, listens_on
 from flplatform.launch.staging import staged_app
 from flplatform.run.options import OPTIONS_ENV, ConfigValue
@@ -490,7 +491,7 @@ def wait_for_port(
                 return
         time.sleep(0.1)
     stop_process(proc)
-    raise StartTimedOut(f"{what} did not start within {timeout:.0f} s; see {log}")
+    raise StartTimedOut(f"{what} did not start within {seconds_text(timeout)} s; see {log}")
 
 
 class StartTimedOut(RunFailed):
