@@ -32,7 +32,8 @@ each with its reason for the ledger:
   reference, and a round never holds more than ``min_reference`` − 1 updates. The
   policies count a held update toward K only once it is judged, and offer its site no
   more work meanwhile (``EngineView.held_nodes``): in the modes that step on fewer than
-  ``min_reference`` updates, the first step waits for them, from as many sites.
+  ``min_reference`` updates, the first step waits for them, from as many sites (a site
+  that hangs then holds the first step until its round timeout, as in a sync round).
 * **Direction** (off by default). A site whose updates point against the federation's
   recent direction (same kind) is rejected: a sign-flipped update points against what the
   other sites agree on. The direction is a moving average of the rounds' accepted means,

@@ -295,11 +295,19 @@ class Synchrony:
         """Idle sites that could still add to this step.
 
         Not one whose update failed this step; in the modes that count different sites,
-        not one already counted (it could only repeat itself); nor one whose update the
-        guard holds (a fast site must not make the guard's first reference alone).
+        not one already counted (it could only repeat itself); in the batch modes, not
+        one whose update the guard holds (a fast site must not make the guard's first
+        reference alone) while another site can still add to the step: once none can,
+        the held sites may add more (the batch modes count any K updates).
         """
-        skip = view.failed_nodes | (view.held_nodes if self.batch else view.applied_nodes)
-        return [n for n in view.idle_nodes if n not in skip]
+        if not self.batch:
+            skip = view.failed_nodes | view.applied_nodes
+            return [n for n in view.idle_nodes if n not in skip]
+        ready = [n for n in view.idle_nodes if n not in view.failed_nodes]
+        others = [n for n in ready if n not in view.held_nodes]
+        if others or view.outstanding or view.away_nodes:
+            return others
+        return ready
 
     def to_cancel(self, view: EngineView) -> tuple[int, ...]:
         """Sync modes: once the step is decided, every straggler (to restart on the new model)."""
@@ -379,9 +387,12 @@ class PeriodSync:
         """Idle sites whose work did not fail this round; the strategy picks periods.
 
         A site that failed (error, rejected, overdue) waits for the next round, so one
-        that always fails cannot keep a round open by failing again and again.
+        that always fails cannot keep a round open by failing again and again; one whose
+        update the guard holds (no norm reference yet) waits until it is judged, so that a
+        fast site cannot send the guard's first reference alone, period after period.
         """
-        return tuple(n for n in view.idle_nodes if n not in view.failed_nodes)
+        skip = view.failed_nodes | view.held_nodes
+        return tuple(n for n in view.idle_nodes if n not in skip)
 
     def judge(self, dispatch: Dispatch, view: EngineView) -> Verdict:
         """Every well-formed update joins the average of its own period."""

@@ -26,6 +26,8 @@ from flplatform.engine import (
     DROPPED,
     Contribution,
     EngineView,
+    PeriodSync,
+    RoundSummary,
     Synchrony,
     Update,
 )
@@ -36,7 +38,9 @@ from flplatform.engine.guard import GuardOptions, UpdateGuard
 from flplatform.engine.staleness import adasync_k, staleness_weight
 from flplatform.network import ComputeModel, Network, SiteProfile
 from flplatform.run.ledger import SqlLedger
+from strategies.delayed import DelayedCompensated
 from strategies.local_sgd import LocalSGDAveraging
+from tests.helpers.delayed_sites import QuadraticSite, context
 from tests.helpers.idle_sites import CountingStrategy, idle_site, network
 from tests.helpers.scripted_grid import ScriptedGrid
 from tests.helpers.sites import failing, site, stepping
@@ -562,16 +566,21 @@ def test_the_site_that_answers_first_cannot_set_the_first_step_alone(
     assert np.abs(record_to_arrays(engine.arrays)["w"]).max() < 1.0  # never the attacker's
 
 
-def test_with_fewer_sites_than_the_reference_needs_the_first_round_still_closes(ledger) -> None:
-    """Two sites in async mode: the guard's three norms never come, so round 1 closes once
-    nothing more can come, its two updates judged against each other (as a sync round of
-    two is), and the next rounds take one update each."""
+@pytest.mark.parametrize(("mode", "first"), [("k-async", 2), ("async", 3)])
+def test_with_fewer_sites_than_the_reference_needs_the_first_round_still_closes(
+    ledger, mode: str, first: int
+) -> None:
+    """Two sites: the guard's three norms never come from three sites. k-async counts
+    different sites, so its round 1 closes once nothing more can come, its two updates
+    judged against each other (as a sync round of two is); async (a batch mode: any K
+    updates count) then offers the held sites more work, and round 1 takes three. The
+    next rounds take one update each."""
     repo, run_id = ledger
     grid = ScriptedGrid({1: stepping("s1", 0.1), 2: stepping("s2", 0.2)})
     engine = RoundEngine(
         grid,
         LocalSGDAveraging(),
-        policy=Synchrony("async"),
+        policy=Synchrony(mode, **({"k": 1} if mode == "k-async" else {})),
         clock=VirtualClock(network(2, ComputeModel("fixed", mean_seconds=1.0)), seed=2),
         ledger=SqlLedger(repo, run_id),
         guard=UpdateGuard(),
@@ -579,4 +588,71 @@ def test_with_fewer_sites_than_the_reference_needs_the_first_round_still_closes(
         poll_interval=0.0,
     )
     engine.run(ArrayRecord({"w": Array(np.zeros(4, np.float32))}), num_rounds=4, train_config=STEP)
-    assert [r.num_applied for r in repo.list_rounds(run_id)] == [2, 1, 1, 1]
+    assert [r.num_applied for r in repo.list_rounds(run_id)] == [first, 1, 1, 1]
+
+
+def test_a_batch_mode_with_k_beyond_its_sites_steps_on_k_updates_from_round_one(ledger) -> None:
+    """The batch modes count any K updates, a site's again and again: with K = 5 and two
+    sites, round 1 holds both sites' first updates for the guard and, nothing else being
+    able to come, offers the held sites more work, as every later round does (it stepped on
+    2 when held sites got no work at all; found by a review)."""
+    repo, run_id = ledger
+    grid = ScriptedGrid({1: stepping("s1", 0.1), 2: stepping("s2", 0.2)})
+    engine = RoundEngine(
+        grid,
+        LocalSGDAveraging(),
+        policy=Synchrony("k-batch-async", k=5),
+        clock=VirtualClock(network(2, ComputeModel("fixed", mean_seconds=1.0)), seed=2),
+        ledger=SqlLedger(repo, run_id),
+        guard=UpdateGuard(),
+        required_sites=2,
+        poll_interval=0.0,
+    )
+    engine.run(ArrayRecord({"w": Array(np.zeros(4, np.float32))}), num_rounds=3, train_config=STEP)
+    assert [r.num_applied for r in repo.list_rounds(run_id)] == [5, 5, 5]
+
+
+class ScaledSite(QuadraticSite):
+    """A delayed-updates site that multiplies what it sends by a million."""
+
+    def __call__(self, msg: Message) -> Message:
+        reply = super().__call__(msg)
+        if msg.metadata.message_type == MessageType.TRAIN:
+            scaled = reply.content[keys.ARRAYS]["w"].numpy() * np.float32(1e6)
+            reply.content[keys.ARRAYS] = ArrayRecord({"w": Array(scaled)})
+        return reply
+
+
+def test_delayed_updates_do_not_let_a_fast_site_make_the_first_reference_alone() -> None:
+    """Delayed updates let a site work ahead: a site ten times faster sent periods 1 to 3
+    before anyone's period 1, the guard held all three and judged them against the
+    median of their own norms, and round 1 took its million-fold update whole (found by a
+    review). A held site now waits for its update to be judged."""
+    targets = np.random.default_rng(7).normal(size=(5, 5))
+    sites = {
+        n: (ScaledSite if n == 1 else QuadraticSite)(f"s{n}", targets[n - 1], state=context(n))
+        for n in range(1, 6)
+    }
+    profiles = network(5, ComputeModel("fixed", mean_seconds=1.0)).profiles
+    fast = SiteProfile(**{**profiles[0].__dict__, "speed": 10.0})
+    strategy = DelayedCompensated(delay=2, num_rounds=3)
+    seen: list[RoundSummary] = []
+    RoundEngine(
+        ScriptedGrid(sites),
+        strategy,
+        policy=PeriodSync(),
+        clock=VirtualClock(Network(name="n", profiles=(fast, *profiles[1:])), seed=2),
+        guard=UpdateGuard(),
+        required_sites=5,
+        poll_interval=0.0,
+        on_round=seen.append,
+    ).run(
+        ArrayRecord({"w": Array(np.zeros(5, np.float32))}),
+        num_rounds=3,
+        train_config=ConfigRecord({keys.LOCAL_STEPS: 3}),
+    )
+    first = [(u.site, u.period, u.status) for u in seen[0].updates]
+    assert ("s1", 1, "rejected") in first and ("s1", 2, "applied") not in first
+    for summary in seen:
+        model = strategy.state.models[summary.model_version]["w"].numpy()
+        assert np.abs(model).max() < 10.0, summary.server_round
