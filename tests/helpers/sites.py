@@ -9,6 +9,7 @@ is in-process.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import numpy as np
@@ -27,6 +28,7 @@ from flwr.app import (
 from flplatform.core import keys
 from flplatform.core.arrays import record_to_arrays
 from tests.helpers.scripted_grid import Behaviour
+from tests.helpers.scripted_sites import scripted
 
 MODEL = ArrayRecord({"w": Array(np.zeros(4, np.float32))})
 Reply = Callable[[Message, np.ndarray], RecordDict]
@@ -63,22 +65,16 @@ def stepping(name: str, step: float) -> Behaviour:
     """A site that introduces itself and moves every weight it is sent by ``step``, its
     first weight by a millionth more each time (a site that trained twice on one model
     sends other arrays: never a replay)."""
-    trained = 0
+    trained = itertools.count()
 
-    def behave(msg: Message) -> Message:
-        nonlocal trained
-        if msg.metadata.message_type == MessageType.QUERY:
-            record = ConfigRecord({keys.SITE_NAME: name})
-            return Message(RecordDict({keys.SITE_INFO: record}), reply_to=msg)
-        sent = record_to_arrays(msg.content[keys.ARRAYS])["w"]
-        moved = sent + np.float32(step)
-        moved[0] += np.float32(1e-6 * trained)
-        trained += 1
+    def reply(msg: Message) -> Message:
+        moved = record_to_arrays(msg.content[keys.ARRAYS])["w"] + np.float32(step)
+        moved[0] += np.float32(1e-6 * next(trained))
         arrays = ArrayRecord({"w": Array(moved)})
         metrics = MetricRecord({keys.NUM_EXAMPLES: 10, keys.TRAIN_LOSS: 0.5})
         return Message(RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics}), reply_to=msg)
 
-    return behave
+    return scripted(name, reply)
 
 
 def failing(name: str) -> Behaviour:

@@ -566,29 +566,35 @@ def test_the_site_that_answers_first_cannot_set_the_first_step_alone(
     assert np.abs(record_to_arrays(engine.arrays)["w"]).max() < 1.0  # never the attacker's
 
 
-@pytest.mark.parametrize(("mode", "first"), [("k-async", 2), ("async", 3)])
+def steps_of_two_sites(ledger, policy: Synchrony, rounds: int) -> list[int]:
+    """The updates each step applied, two stepping sites under the default guard."""
+    repo, run_id = ledger
+    grid = ScriptedGrid({1: stepping("s1", 0.1), 2: stepping("s2", 0.2)})
+    RoundEngine(
+        grid,
+        LocalSGDAveraging(),
+        policy=policy,
+        clock=VirtualClock(network(2, ComputeModel("fixed", mean_seconds=1.0)), seed=2),
+        ledger=SqlLedger(repo, run_id),
+        guard=UpdateGuard(),
+        required_sites=2,
+        poll_interval=0.0,
+    ).run(ArrayRecord({"w": Array(np.zeros(4, np.float32))}), num_rounds=rounds, train_config=STEP)
+    return [r.num_applied for r in repo.list_rounds(run_id)]
+
+
+@pytest.mark.parametrize(
+    ("policy", "first"), [(Synchrony("k-async", k=1), 2), (Synchrony("async"), 3)]
+)
 def test_with_fewer_sites_than_the_reference_needs_the_first_round_still_closes(
-    ledger, mode: str, first: int
+    ledger, policy: Synchrony, first: int
 ) -> None:
     """Two sites: the guard's three norms never come from three sites. k-async counts
     different sites, so its round 1 closes once nothing more can come, its two updates
     judged against each other (as a sync round of two is); async (a batch mode: any K
     updates count) then offers the held sites more work, and round 1 takes three. The
     next rounds take one update each."""
-    repo, run_id = ledger
-    grid = ScriptedGrid({1: stepping("s1", 0.1), 2: stepping("s2", 0.2)})
-    engine = RoundEngine(
-        grid,
-        LocalSGDAveraging(),
-        policy=Synchrony(mode, **({"k": 1} if mode == "k-async" else {})),
-        clock=VirtualClock(network(2, ComputeModel("fixed", mean_seconds=1.0)), seed=2),
-        ledger=SqlLedger(repo, run_id),
-        guard=UpdateGuard(),
-        required_sites=2,
-        poll_interval=0.0,
-    )
-    engine.run(ArrayRecord({"w": Array(np.zeros(4, np.float32))}), num_rounds=4, train_config=STEP)
-    assert [r.num_applied for r in repo.list_rounds(run_id)] == [first, 1, 1, 1]
+    assert steps_of_two_sites(ledger, policy, 4) == [first, 1, 1, 1]
 
 
 def test_a_batch_mode_with_k_beyond_its_sites_steps_on_k_updates_from_round_one(ledger) -> None:
@@ -596,20 +602,7 @@ def test_a_batch_mode_with_k_beyond_its_sites_steps_on_k_updates_from_round_one(
     sites, round 1 holds both sites' first updates for the guard and, nothing else being
     able to come, offers the held sites more work, as every later round does (it stepped on
     2 when held sites got no work at all; found by a review)."""
-    repo, run_id = ledger
-    grid = ScriptedGrid({1: stepping("s1", 0.1), 2: stepping("s2", 0.2)})
-    engine = RoundEngine(
-        grid,
-        LocalSGDAveraging(),
-        policy=Synchrony("k-batch-async", k=5),
-        clock=VirtualClock(network(2, ComputeModel("fixed", mean_seconds=1.0)), seed=2),
-        ledger=SqlLedger(repo, run_id),
-        guard=UpdateGuard(),
-        required_sites=2,
-        poll_interval=0.0,
-    )
-    engine.run(ArrayRecord({"w": Array(np.zeros(4, np.float32))}), num_rounds=3, train_config=STEP)
-    assert [r.num_applied for r in repo.list_rounds(run_id)] == [5, 5, 5]
+    assert steps_of_two_sites(ledger, Synchrony("k-batch-async", k=5), 3) == [5, 5, 5]
 
 
 class ScaledSite(QuadraticSite):
