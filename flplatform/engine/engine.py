@@ -815,7 +815,7 @@ class RoundEngine:
             updates=tuple(state.outcomes),
             virtual_started_at=state.clock_started_at if self.clock.virtual else None,
             virtual_finished_at=self.clock.now() if self.clock.virtual else None,
-            warning=_joined_warnings(
+            warning=_joined(
                 self._diverged(server_round, train_loss, state.losses),
                 self.strategy.take_warning(),
             ),
@@ -1400,12 +1400,6 @@ class RoundEngine:
 def _applied(outcomes: Sequence[UpdateOutcome]) -> int:
     """How many updates a round accepted (applied, or buffered for a later aggregate)."""
     return sum(1 for u in outcomes if u.status in (APPLIED, BUFFERED))
-
-
-def _joined_warnings(*warnings: str | None) -> str | None:
-    """A round's warnings about the run, as one (None when there are none)."""
-    said = [w for w in warnings if w]
-    return "; ".join(said) if said else None
 
 
 def _example_weighted_loss(outcomes: Sequence[UpdateOutcome]) -> float | None:
