@@ -11,15 +11,19 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from sqlalchemy.engine import make_url
 
 from flplatform.launch.flower import start_on_free_port
 from flplatform.launch.processes import ProcessTree
 from storage import LedgerRepository
+from storage.session import create_ledger_engine, normalize_db_url
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_SECONDS = 300.0  # Flower and Ray starting on a busy 2-core machine
@@ -104,6 +108,73 @@ def flplatform_cli(args: list[str], cwd: Path, log: Path) -> subprocess.Popen[by
     )
 
 
+@contextlib.contextmanager
+def commits_held(db: str) -> Iterator[None]:
+    """Hold the ledger's write lock: while inside, the run commits nothing (its writer waits:
+    SQLite's busy timeout is 30 s, a PostgreSQL lock wait has no limit); readers read on."""
+    url = make_url(db)
+    if url.get_backend_name() == "sqlite":
+        connection = sqlite3.connect(str(url.database), timeout=30, isolation_level=None)
+        try:
+            connection.execute("BEGIN IMMEDIATE")
+            yield
+            connection.execute("ROLLBACK")
+        finally:
+            connection.close()
+        return
+    engine = create_ledger_engine(normalize_db_url(db))
+    try:
+        with engine.begin() as session:
+            session.exec_driver_sql("LOCK TABLE runs, rounds, run_events IN EXCLUSIVE MODE")
+            yield
+    finally:
+        engine.dispose()
+
+
+@contextlib.contextmanager
+def rounds_reached(
+    cli: subprocess.Popen[bytes],
+    db: str,
+    run_id: int | None,
+    rounds: int,
+    *,
+    resumes: int = 0,
+    hold: bool = False,
+) -> Iterator[tuple[int, Leftovers]]:
+    """Wait, while the command runs, until the run has ``rounds`` rounds and ``resumes``
+    resumed events: a resume counts only once it has resumed, even when the command before
+    it committed one more round than it was stopped for. Gives the run's id and every
+    process the command started meanwhile.
+
+    ``hold``: the ledger's commits are held from each look until the block ends
+    (:func:`commits_held`), so that the run is still at that round when the block acts on
+    it; a run's last rounds take a fraction of a second, less than one look on a busy
+    machine.
+    """
+    leftovers = Leftovers(cli.pid)
+    deadline = time.monotonic() + STARTUP_SECONDS
+    with LedgerRepository.open(db) as repository:
+        while True:
+            leftovers.record()
+            with commits_held(db) if hold else contextlib.nullcontext():
+                runs = repository.list_runs()
+                run = next((r for r in runs if run_id is None or r.id == run_id), None)
+                if (
+                    run is not None
+                    and run.rounds_completed >= rounds
+                    and (
+                        not resumes
+                        or sum(e.kind == "resumed" for e in repository.list_events(run.id))
+                        >= resumes
+                    )
+                ):
+                    yield run.id, leftovers
+                    return
+            assert cli.poll() is None, "the command ended before the round came"
+            assert time.monotonic() < deadline, "the round did not come"
+            time.sleep(0.05)
+
+
 def wait_for_rounds(
     cli: subprocess.Popen[bytes],
     db: str,
@@ -112,29 +183,9 @@ def wait_for_rounds(
     *,
     resumes: int = 0,
 ) -> tuple[int, Leftovers]:
-    """Wait, while the command runs, until the run has ``rounds`` rounds and ``resumes``
-    resumed events: a resume counts only once it has resumed, even when the command before
-    it committed one more round than it was stopped for. Returns the run's id and every
-    process the command started meanwhile."""
-    leftovers = Leftovers(cli.pid)
-    deadline = time.monotonic() + STARTUP_SECONDS
-    with LedgerRepository.open(db) as repository:
-        while True:
-            leftovers.record()
-            runs = repository.list_runs()
-            run = next((r for r in runs if run_id is None or r.id == run_id), None)
-            if (
-                run is not None
-                and run.rounds_completed >= rounds
-                and (
-                    not resumes
-                    or sum(e.kind == "resumed" for e in repository.list_events(run.id)) >= resumes
-                )
-            ):
-                return run.id, leftovers
-            assert cli.poll() is None, "the command ended before the round came"
-            assert time.monotonic() < deadline, "the round did not come"
-            time.sleep(0.05)
+    """:func:`rounds_reached`, returned as soon as it is: the run goes on."""
+    with rounds_reached(cli, db, run_id, rounds, resumes=resumes) as reached:
+        return reached
 
 
 def kill_after(
@@ -147,16 +198,17 @@ def kill_after(
     probe: Callable[[Leftovers], None] | None = None,
 ) -> int:
     """SIGKILL the command and everything below it once the run has ``rounds`` rounds and
-    ``resumes`` resumed events (:func:`wait_for_rounds`). ``probe`` looks at the processes
-    first, while they run."""
-    found, leftovers = wait_for_rounds(cli, db, run_id, rounds, resumes=resumes)
-    if probe is not None:
-        probe(leftovers)
-    cli.kill()
-    for line in leftovers.alive():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(int(line.split()[0]), signal.SIGKILL)
-    cli.wait()
+    ``resumes`` resumed events (:func:`rounds_reached`), before it commits another.
+    ``probe`` looks at the processes first, while they run."""
+    with rounds_reached(cli, db, run_id, rounds, resumes=resumes, hold=True) as reached:
+        found, leftovers = reached
+        if probe is not None:
+            probe(leftovers)
+        cli.kill()
+        for line in leftovers.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(line.split()[0]), signal.SIGKILL)
+        cli.wait()
     time.sleep(1.0)
     assert leftovers.alive() == []
     return found
