@@ -404,9 +404,18 @@ class PeriodSync:
         It had its chance once something was sent for it, or once sites are working on
         later rounds: a site that sat this round out (simulated availability) moves on
         to the next period when it is back, so waiting for it would wait forever.
+
+        While the guard holds an update (no norm reference for its kind yet) and work is
+        still out, the round waits too: a site that worked ahead sent the first update of a
+        later period's fragment (streaming sync: a kind of its own), and the others' updates
+        of that period, on their way, are its reference. Closed now, the round would judge
+        it against its own norm (a million-fold update was applied so; found by a review).
+        Held sites get no work, so what is out ends and the wait with it.
         """
         outstanding = view.periods_outstanding
         if any(period <= view.server_round for period in outstanding):
+            return False
+        if view.held_nodes and outstanding:
             return False
         return view.sent_for_round > 0 or bool(outstanding)
 

@@ -8,7 +8,7 @@ the Flower simulation path is in tests/integration/test_resume.py (its streaming
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pytest
@@ -27,13 +27,17 @@ from flplatform.core import keys
 from flplatform.core.arrays import arrays_to_record, record_to_arrays
 from flplatform.core.errors import ConfigError
 from flplatform.engine import APPLIED, REJECTED, PeriodSync, RoundSummary
+from flplatform.engine.clock import VirtualClock
 from flplatform.engine.engine import RoundEngine
+from flplatform.engine.guard import UpdateGuard
+from flplatform.network import ComputeModel, Network
 from strategies.codecs import make_codec
 from strategies.delayed import DelayedCompensated
 from strategies.fragments import split_fragments
 from strategies.mods.codec import codec_state, compress_upload
 from strategies.mods.delayed import delayed_mod
 from tests.helpers.delayed_sites import context
+from tests.helpers.idle_sites import network
 from tests.helpers.scripted_grid import ScriptedGrid
 
 pytestmark = pytest.mark.usefixtures("task_identity")
@@ -412,3 +416,55 @@ def test_a_site_that_lost_only_its_codec_residual_keeps_its_periods(fragments: i
             np.testing.assert_allclose(
                 counted[n][k] + unsent[k] + residual.get(k, 0.0) + lost, trained[n][k], atol=1e-5
             )
+
+
+@dataclass
+class ScaledSecondSite(QuadraticSite):
+    """Honest in its first update; its second multiplied by a million."""
+
+    trained: int = 0
+
+    def __call__(self, msg: Message) -> Message:
+        reply = super().__call__(msg)
+        if msg.metadata.message_type == MessageType.TRAIN:
+            self.trained += 1
+            if self.trained == 2:
+                sent = reply.content[keys.ARRAYS]
+                scaled = {k: Array(v.numpy() * np.float32(1e6)) for k, v in sent.items()}
+                reply.content[keys.ARRAYS] = ArrayRecord(scaled)
+        return reply
+
+
+def test_a_fast_site_cannot_be_the_only_reference_of_a_fragment_it_reaches_first() -> None:
+    """Each fragment's updates are judged apart (a kind of their own). A site ten times
+    faster sent period 2 (fragment 1's first update) while a slow site still trained
+    period 1: round 1 closed with it held and judged it against its own norm, and a
+    million-fold update was applied (found by a review). The round now waits while the
+    others' period-2 updates are out, and they are its reference."""
+    honest = sites(5)
+    first = honest[1]
+    honest[1] = ScaledSecondSite(first.name, first.target, first.examples, first.state)
+    profiles = list(network(5, ComputeModel("fixed", mean_seconds=1.0)).profiles)
+    profiles[0] = replace(profiles[0], speed=10.0)  # s1
+    profiles[4] = replace(profiles[4], speed=0.6)  # s5: round 1 still open when s1 sends
+    strategy = DelayedCompensated(delay=1, num_rounds=3, fragments=2)
+    seen: list[RoundSummary] = []
+    RoundEngine(
+        ScriptedGrid(honest),  # type: ignore[arg-type]
+        strategy,
+        policy=PeriodSync(),
+        clock=VirtualClock(Network(name="n", profiles=tuple(profiles)), seed=2),
+        guard=UpdateGuard(),
+        required_sites=5,
+        poll_interval=0.0,
+        on_round=seen.append,
+    ).run(
+        arrays_to_record(x0()), num_rounds=3, train_config=ConfigRecord({keys.LOCAL_STEPS: STEPS})
+    )
+    sent_ahead = [u for u in seen[0].updates if (u.site, u.period) == ("s1", 2)]
+    assert [(u.status, "beyond 100x" in (u.reason or "")) for u in sent_ahead] == [(REJECTED, True)]
+    # its reference: the other sites' period-2 updates, judged in the same round
+    assert {u.site for u in seen[0].updates if u.period == 2} > {"s1"}
+    for summary in seen:
+        model = strategy.state.models[summary.model_version]
+        assert max(float(np.abs(v.numpy()).max()) for v in model.values()) < 10.0
