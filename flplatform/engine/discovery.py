@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
@@ -21,6 +21,17 @@ from flplatform.engine.wire import Traffic, made_by_superlink, reply_traffic
 log = logging.getLogger("flplatform.engine")
 
 
+@dataclass(frozen=True)
+class Restarted:
+    """A new node that names a site whose SuperNode left: that site, restarted.
+
+    ``old``: the node id the site had; ``info``: what the new node said (its node id).
+    """
+
+    old: int
+    info: SiteInfo
+
+
 def introduce(
     node_ids: Sequence[int],
     *,
@@ -31,11 +42,17 @@ def introduce(
     model_version: int,
     timeout: float,
     server_round: int | None = None,
-) -> list[int]:
+    departed: Mapping[str, int] | None = None,
+) -> tuple[list[int], dict[int, Restarted]]:
     """Send each node a QUERY; add every one as a site, in the ledger and on the clock.
-    Returns the nodes that did not answer within ``timeout``: those whose query is still
-    out (given up on: busy until Flower hands it back) and those Flower answered for (the
-    query expired, the node unavailable).
+    Returns the nodes that did not answer within ``timeout`` (those whose query is still
+    out, given up on: busy until Flower hands it back, and those Flower answered for: the
+    query expired, the node unavailable), and the restarted sites (new node → ``Restarted``).
+
+    ``departed``: name → node id of the sites whose SuperNodes the SuperLink no longer
+    lists. A node that answers with one of those names is that site's SuperNode, started
+    again (a crash, a reboot): it is not added, but returned, for the engine to hand it
+    the site's place (``RoundEngine``'s take-over) once the old node's work has ended.
 
     A plain Flower ClientApp that does not answer queries still joins, named after its
     node id (and stays busy until Flower hands its query back). Sites are added in
@@ -71,7 +88,12 @@ def introduce(
     claims = {info.node_id: claim for info, claim in named if claim is not None}
     infos = [info for info, _ in named]
     infos.sort(key=lambda s: (s.partition_id is None, s.partition_id or 0, s.name))
+    restarted: dict[int, Restarted] = {}
+    departed = dict(departed or {})
     for info in infos:
+        if info.name in departed and info.node_id not in unheard:
+            restarted[info.node_id] = Restarted(departed.pop(info.name), info)
+            continue
         if info.name in taken:
             info = replace(info, name=f"{info.name[:40]}-{info.node_id}")
         taken.add(info.name)
@@ -85,11 +107,16 @@ def introduce(
             "claimed_name": claims.get(info.node_id),
         }
         ledger.add_site(info, {**profile, **{k: v for k, v in said.items() if v is not None}})
-    traffic = [query_traffic(d, r, sites.name(d.node_id)) for d, r in exchanged if d.message_id]
+    names = {n: r.info.name for n, r in restarted.items()}
+    traffic = [
+        query_traffic(d, r, names.get(d.node_id) or sites.name(d.node_id))
+        for d, r in exchanged
+        if d.message_id
+    ]
     if traffic:  # (a query the SuperLink refused crossed no wire)
         ledger.record_traffic(traffic, server_round)
-    log.info("sites: %s", ", ".join(sites.name(n) for n in node_ids))
-    return sorted(unheard, key=sites.position)
+    log.info("sites: %s", ", ".join(names.get(n) or sites.name(n) for n in node_ids))
+    return sorted(unheard, key=sites.position), restarted
 
 
 def site_query(node_id: int, timeout: float) -> Message:

@@ -57,7 +57,7 @@ from flplatform.engine import rows
 from flplatform.engine.bench import SiteBench
 from flplatform.engine.clock import Clock, Schedule, WallClock, planned_steps
 from flplatform.engine.digest import arrays_digest
-from flplatform.engine.discovery import introduce, query_traffic, site_query
+from flplatform.engine.discovery import Restarted, introduce, query_traffic, site_query
 from flplatform.engine.divergence import DivergenceWatch, ReportedLoss
 from flplatform.engine.evaluation import evaluate_round
 from flplatform.engine.events import (
@@ -263,6 +263,9 @@ class RoundEngine:
         self.checkpoints = checkpoints
         self.run_key = run_key
         self._site_work: dict[int, int] = {}  # node → training messages sent to it
+        # New nodes that are a departed site's SuperNode started again, until they take
+        # its place (``_take_over_restarted``).
+        self._restarted: dict[int, Restarted] = {}
         self._finished_round = 0  # the last round recorded
         self._server_round: int | None = None  # the round in progress (None: none yet)
         self._result = Result()
@@ -322,6 +325,7 @@ class RoundEngine:
         for server_round in range(self._finished_round + 1, num_rounds + 1):
             self._server_round = server_round
             self.refresh_sites()
+            self._take_over_restarted()
             summary, train_metrics, failed_replies = self._train_round(server_round, train_config)
             metrics: dict[str, float] = {}
             # ---- central evaluation on the server's held-out set
@@ -657,10 +661,11 @@ class RoundEngine:
         """Notice nodes that joined (introduce them), left (give them no work, and say so
         at once: a warning and a ledger event) or came back (say so too)."""
         node_ids = set(self.grid.get_node_ids())
-        new = sorted(n for n in node_ids if n not in self.sites)
+        self._mark_listed(node_ids)  # first: a site that left may be back as a new node
+        self._restarted = {n: r for n, r in self._restarted.items() if n in node_ids}
+        new = sorted(n for n in node_ids if n not in self.sites and n not in self._restarted)
         if new:
             self._introduce(new, timeout=self.round_timeout)
-        self._mark_listed(node_ids)
         self._ask_silent()
 
     def _mark_listed(self, node_ids: set[int]) -> None:
@@ -719,10 +724,20 @@ class RoundEngine:
         if traffic:
             self.ledger.record_traffic(traffic, self._server_round)
 
-    def _introduce(self, node_ids: Sequence[int], *, timeout: float) -> None:
+    def _introduce(
+        self, node_ids: Sequence[int], *, timeout: float, take_over: bool = True
+    ) -> None:
+        """Ask new nodes who they are and add them as sites; with ``take_over``, a node that
+        names a site whose SuperNode left waits to take its place instead."""
         if self.query_timeout is not None:
             timeout = min(timeout, self.query_timeout)
-        unanswered = introduce(
+        taken = {r.old for r in self._restarted.values()}
+        departed = {
+            self.sites.name(n): n
+            for n in self.sites.infos()
+            if take_over and not self.sites.is_connected(n) and n not in taken
+        }
+        unanswered, restarted = introduce(
             node_ids,
             mailbox=self.mailbox,
             sites=self.sites,
@@ -731,7 +746,9 @@ class RoundEngine:
             model_version=self.version,
             timeout=timeout,
             server_round=self._server_round,
+            departed=departed,
         )
+        self._restarted.update(restarted)
         for node_id in unanswered:
             if self.sites.set_silent(node_id, True):
                 self._say_presence(SITE_SILENT_EVENT, node_id, waited=timeout)
@@ -740,6 +757,50 @@ class RoundEngine:
             info = self.sites.info(node_id)
             if info is not None:
                 self.guard.declare(node_id, info.num_examples)
+
+    def _take_over_restarted(self) -> None:
+        """Between rounds: each site whose SuperNode started again (a crash, a reboot) takes
+        up its place under its new node id, once nothing of its old node is out.
+
+        Its name, place, guard record, work count and the strategy's state for it (a
+        delayed site's stale contribution, say) move to the new node, so the ledger keeps
+        one site and a later resume finds it by name; the site's own state is in its
+        snapshots on its disk (``strategies/mods/snapshots.py``). The strategy's part
+        goes through its checkpoint state with the node renamed, as a resume does; under
+        a strategy that cannot restore its state, the new node joins as a site of its
+        own, named apart.
+        """
+        for new, restarted in list(self._restarted.items()):
+            old = restarted.old
+            if self.sites.is_connected(old):  # the old node is listed again: two nodes
+                del self._restarted[new]
+                self._introduce([new], timeout=self.round_timeout, take_over=False)
+                continue
+            if self.mailbox.holds(old) or old in self.mailbox.queued():
+                continue  # its old work has not ended: not yet
+            nodes = {n: n for n in self.sites.infos()} | {old: new}
+            try:
+                self.strategy.load_state_dict(self.strategy.state_dict(), nodes=nodes)
+            except (CheckpointError, NotImplementedError) as exc:
+                log.warning(
+                    "site %s restarted as node %s, but the strategy cannot hand it the "
+                    "site's state (%s): it joins as a new site",
+                    restarted.info.name,
+                    new,
+                    exc,
+                )
+                del self._restarted[new]
+                self._introduce([new], timeout=self.round_timeout, take_over=False)
+                continue
+            del self._restarted[new]
+            self.sites.take_over(old, restarted.info)
+            self.guard.take_over(old, new)
+            self.guard.declare(new, restarted.info.num_examples)
+            if old in self._site_work:
+                self._site_work[new] = self._site_work.pop(old)
+            profile = self.clock.join(restarted.info.name, self.sites.position(new))
+            self.ledger.add_site(restarted.info, profile)
+            self._say_presence(SITE_BACK_EVENT, new, restarted=1)
 
     # ============================================================ training round
     def _train_round(

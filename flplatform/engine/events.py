@@ -114,7 +114,7 @@ class RoundSummary:
 # Events the engine records besides rounds (``LedgerSink.record_event``): a site whose
 # SuperNode the SuperLink stopped listing (it gets no work meanwhile), and one listed again.
 SITE_LOST_EVENT = "site-lost"
-SITE_BACK_EVENT = "site-back"
+SITE_BACK_EVENT = "site-back"  # (detail ``restarted``: back as a new node, its SuperNode restarted)
 # A listed site that left the site query unanswered (detail: site, round, waited seconds,
 # connected, sites): it gets no work, so no round waits for it, until it answers (then a
 # SITE_BACK_EVENT).
@@ -141,6 +141,8 @@ def presence_sentence(kind: str, detail: Mapping[str, Any]) -> str:
             f"{float(detail.get('waited', 0)):g} s (no ClientApp answered for it), and it "
             "gets no work until it answers"
         )
+    elif detail.get("restarted"):
+        what = "is back: its SuperNode started again, under a new node id, and takes up its place"
     else:
         what = "is back"
     server_round = detail.get("round")

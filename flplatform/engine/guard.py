@@ -76,7 +76,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -383,6 +383,20 @@ class UpdateGuard:
         """The example count ``site`` declared when it joined (None: it declared none)."""
         if num_examples is not None and num_examples > 0:
             self._declared[site] = num_examples
+
+    def take_over(self, old: int, new: int) -> None:
+        """Site ``old`` is node ``new`` now (its SuperNode started again): what the guard
+        knows of it (replies seen, weights, mean cosines) is the new node's."""
+
+        def moved(by_site: dict[int, Any]) -> dict[int, Any]:
+            return {(new if site == old else site): value for site, value in by_site.items()}
+
+        self._seen = moved(self._seen)
+        self._last_weight = moved(self._last_weight)
+        self._declared = moved(self._declared)
+        for kind in self._kinds.values():
+            kind.cosines = moved(kind.cosines)
+        self._waiting = [replace(w, site=new) if w.site == old else w for w in self._waiting]
 
     def begin_round(self, server_round: int) -> None:
         """The engine opens ``server_round``."""

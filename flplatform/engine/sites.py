@@ -85,6 +85,17 @@ class Sites:
         self._states[info.node_id] = SiteState(info)
         self._census = self._positions = None
 
+    def take_over(self, old: int, info: SiteInfo) -> None:
+        """Site ``old``'s SuperNode started again as node ``info.node_id``: the site, its
+        place in the join order included, is that node's now (listed, idle)."""
+        self._states = {
+            (info.node_id if node_id == old else node_id): (
+                SiteState(info) if node_id == old else state
+            )
+            for node_id, state in self._states.items()
+        }
+        self._census = self._positions = None
+
     def __contains__(self, node_id: object) -> bool:
         return node_id in self._states
 

@@ -15,9 +15,12 @@ from flwr.app import (
     Error,
     Message,
     MessageType,
+    Metadata,
     MetricRecord,
     RecordDict,
 )
+from flwr.app.message import make_message
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 
 from flplatform.core import keys
 from flplatform.engine.engine import RoundEngine
@@ -47,6 +50,24 @@ def wrong_keys(msg: Message) -> Message:
     arrays = ArrayRecord({"conv1.weight": Array(np.ones(4, np.float32))})
     metrics = MetricRecord({keys.NUM_EXAMPLES: 10})
     return Message(RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics}), reply_to=msg)
+
+
+def expired(msg: Message) -> Message:
+    """What the SuperLink hands back for a message whose TTL ran out unanswered."""
+    metadata = Metadata(
+        run_id=msg.metadata.run_id,
+        message_id="",
+        src_node_id=SUPERLINK_NODE_ID,
+        dst_node_id=SUPERLINK_NODE_ID,
+        reply_to_message_id=msg.metadata.message_id,
+        group_id=msg.metadata.group_id,
+        created_at=msg.metadata.created_at,
+        ttl=0.0,
+        message_type=msg.metadata.message_type,
+    )
+    return make_message(
+        metadata=metadata, error=Error(code=ErrorCode.MESSAGE_UNAVAILABLE, reason="expired")
+    )
 
 
 def crashes(reason: str) -> Reply:

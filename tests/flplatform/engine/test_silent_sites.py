@@ -18,9 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from flwr.app import Error, Message, MessageType, Metadata
-from flwr.app.message import make_message
-from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+from flwr.app import Message, MessageType
 
 from flplatform.core.errors import RunFailed
 from flplatform.engine.engine import RoundEngine
@@ -29,7 +27,7 @@ from flplatform.run.ledger import SqlLedger
 from storage import LedgerRepository
 from strategies.local_sgd import LocalSGDAveraging
 from tests.helpers.scripted_grid import Behaviour, ScriptedGrid
-from tests.helpers.scripted_sites import MODEL, good, scripted
+from tests.helpers.scripted_sites import MODEL, expired, good, scripted
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -39,24 +37,6 @@ QUERY_TIMEOUT = 0.2  # s: the scripted sites answer at once, or never
 def silent_until(answers: Callable[[], bool], behaviour: Behaviour) -> Behaviour:
     """A site whose SuperNode answers nothing until ``answers()``, then as ``behaviour``."""
     return lambda msg: behaviour(msg) if answers() else None
-
-
-def expired(msg: Message) -> Message:
-    """What the SuperLink hands back for a message whose TTL ran out unanswered."""
-    metadata = Metadata(
-        run_id=msg.metadata.run_id,
-        message_id="",
-        src_node_id=SUPERLINK_NODE_ID,
-        dst_node_id=SUPERLINK_NODE_ID,
-        reply_to_message_id=msg.metadata.message_id,
-        group_id=msg.metadata.group_id,
-        created_at=msg.metadata.created_at,
-        ttl=0.0,
-        message_type=msg.metadata.message_type,
-    )
-    return make_message(
-        metadata=metadata, error=Error(code=ErrorCode.MESSAGE_UNAVAILABLE, reason="expired")
-    )
 
 
 def engine_over(

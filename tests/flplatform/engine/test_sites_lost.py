@@ -12,16 +12,23 @@ import logging
 import time
 from collections.abc import Iterable
 
+import numpy as np
 import pytest
-from flwr.app import Message
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType
 
+from flplatform.core import keys
+from flplatform.core.arrays import record_to_arrays
+from flplatform.engine import APPLIED, PeriodSync, RoundSummary
 from flplatform.engine.engine import RoundEngine
 from flplatform.engine.events import SITE_BACK_EVENT, SITE_LOST_EVENT
+from flplatform.engine.guard import UpdateGuard
 from flplatform.run.ledger import SqlLedger
 from storage import LedgerRepository
+from strategies.delayed import DelayedCompensated
 from strategies.local_sgd import LocalSGDAveraging
+from tests.helpers.delayed_sites import QuadraticSite, context
 from tests.helpers.scripted_grid import ScriptedGrid
-from tests.helpers.scripted_sites import MODEL, good, scripted
+from tests.helpers.scripted_sites import MODEL, expired, good, scripted
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -149,3 +156,184 @@ def test_a_site_that_dies_holding_work_is_said_before_its_work_times_out(
     assert events == [(SITE_LOST_EVENT, "ohio", 2)]
     assert recorded_at[0] - dropped_at[0] < 2.0  # said within a few checks, not after 4 s
     assert [u.status for u in ohio_round_2] == ["dropped"]  # its work still timed out
+
+
+def test_a_site_whose_supernode_restarts_keeps_its_place_and_the_run_resumes(
+    sqlite_ledger: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ohio's SuperNode dies after its first update and starts again as node 4 (a crash,
+    a reboot; Flower gives it a new node id). It takes up ohio's place between rounds: one
+    site in the ledger, two events, and a checkpoint that a resume matches by name. Before,
+    it joined as a site of its own, "ohio-4", and the run could never be resumed: ohio of
+    the checkpoint never came back (found by a review)."""
+    listed = {1, 2, 3}
+
+    def restarts(msg: Message) -> Message:
+        listed.discard(2)
+        listed.add(4)
+        return good(msg)
+
+    sites = {
+        1: scripted("london", good),
+        2: scripted("ohio", restarts),
+        3: scripted("tokyo", good),
+        4: scripted("ohio", good),
+    }
+    with LedgerRepository.open(sqlite_ledger) as repository:
+        run_id = repository.create_run(
+            name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=3
+        )
+        engine = RoundEngine(
+            ListedGrid(sites, listed),
+            LocalSGDAveraging(),
+            ledger=SqlLedger(repository, run_id),
+            required_sites=3,
+            poll_interval=0.0,
+        )
+        with caplog.at_level(logging.WARNING, logger="flplatform.engine"):
+            engine.run(MODEL, num_rounds=3)
+        rounds = repository.list_rounds(run_id)
+        updates = repository.list_updates(run_id)
+        events = [(e.kind, e.detail) for e in repository.list_events(run_id)]
+        recorded = {s.name: s.node_id for s in repository.list_sites(run_id)}
+
+    assert [r.num_applied for r in rounds] == [3, 3, 3]
+    assert sorted((u.round, u.site) for u in updates if u.site == "ohio") == [
+        (1, "ohio"),
+        (2, "ohio"),
+        (3, "ohio"),
+    ]
+    assert recorded == {"london": 1, "ohio": 4, "tokyo": 3}
+    assert events == [
+        (SITE_LOST_EVENT, {"site": "ohio", "round": 2, "connected": 2, "sites": 3}),
+        (
+            SITE_BACK_EVENT,
+            {"site": "ohio", "round": 2, "connected": 3, "sites": 3, "restarted": 1},
+        ),
+    ]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("site ohio is back: its SuperNode started again" in w for w in warnings)
+
+    # A resume after a server restart: every SuperNode with a new id again, found by name.
+    state = engine.state_dict()
+    assert sorted((s["name"], s["node_id"]) for s in state["engine"]["sites"]) == [
+        ("london", 1),
+        ("ohio", 4),
+        ("tokyo", 3),
+    ]
+    again = {11: scripted("london", good), 12: scripted("ohio", good), 13: scripted("tokyo", good)}
+    resumed = RoundEngine(
+        ScriptedGrid(again), LocalSGDAveraging(), required_sites=3, poll_interval=0.0
+    )
+    assert resumed.resume_from(state) == {1: 11, 4: 12, 3: 13}
+
+
+def test_a_restarted_site_takes_its_place_once_its_old_nodes_work_has_ended(
+    sqlite_ledger: str,
+) -> None:
+    """ohio's SuperNode dies holding its round-2 work and starts again at once as node 3.
+    The work is given up on at the round timeout, and Flower answers for it later (the
+    node gone). The new node takes ohio's place only then: until that message has ended,
+    the old node is still part of the run's state (a checkpoint would save its work)."""
+    listed = {1, 2}
+    london_trained = 0
+    answered_for_old = 0
+
+    def london(msg: Message) -> Message:
+        nonlocal london_trained
+        london_trained += 1
+        return good(msg)
+
+    def dies_holding_work(msg: Message) -> Message | None:
+        nonlocal answered_for_old
+        listed.discard(2)
+        listed.add(3)
+        if london_trained < 3:  # Flower answers for the dead node in round 3
+            return None
+        answered_for_old = london_trained
+        return expired(msg)
+
+    sites = {
+        1: scripted("london", london),
+        2: scripted("ohio", good, dies_holding_work),
+        3: scripted("ohio", good),
+    }
+    with LedgerRepository.open(sqlite_ledger) as repository:
+        run_id = repository.create_run(
+            name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=5
+        )
+        engine = RoundEngine(
+            ListedGrid(sites, listed),
+            LocalSGDAveraging(),
+            ledger=SqlLedger(repository, run_id),
+            required_sites=2,
+            poll_interval=0.0,
+            round_timeout=0.3,
+        )
+        engine.run(MODEL, num_rounds=5)
+        updates = repository.list_updates(run_id)
+        events = [(e.kind, e.detail) for e in repository.list_events(run_id)]
+        recorded = {s.name: s.node_id for s in repository.list_sites(run_id)}
+    ohio = {u.round: u.status for u in updates if u.site == "ohio"}
+    [back] = [d for kind, d in events if kind == SITE_BACK_EVENT]
+    assert back["restarted"] == 1 and back["round"] > answered_for_old >= 3
+    assert ohio[1] == "applied" and ohio[2] != "applied" and ohio[5] == "applied"
+    assert recorded == {"london": 1, "ohio": 3}
+    resumed = RoundEngine(
+        ScriptedGrid({11: scripted("london", good), 12: scripted("ohio", good)}),
+        LocalSGDAveraging(),
+        required_sites=2,
+        poll_interval=0.0,
+    )
+    assert resumed.resume_from(engine.state_dict()) == {1: 11, 3: 12}
+
+
+def delayed_run(*, restart: bool) -> tuple[np.ndarray, DelayedCompensated, list[RoundSummary]]:
+    """Delayed updates (D = 1) on three quadratic sites; with ``restart``, s2's SuperNode
+    starts again as node 4 after its second update, its own state kept (the same site
+    object: its snapshots on its disk)."""
+    targets = np.random.default_rng(7).normal(size=(3, 4))
+    quadratic = {n: QuadraticSite(f"s{n}", targets[n - 1], state=context(n)) for n in (1, 2, 3)}
+    listed = {1, 2, 3}
+    trained = 0
+
+    def s2(msg: Message) -> Message:
+        nonlocal trained
+        if msg.metadata.message_type == MessageType.TRAIN:
+            trained += 1
+            if restart and trained == 2:
+                listed.discard(2)
+                listed.add(4)
+        return quadratic[2](msg)
+
+    behaviours = {1: quadratic[1], 2: s2, 3: quadratic[3], 4: quadratic[2]}
+    strategy = DelayedCompensated(delay=1, num_rounds=5)
+    seen: list[RoundSummary] = []
+    engine = RoundEngine(
+        ListedGrid(behaviours, listed),
+        strategy,
+        policy=PeriodSync(),
+        guard=UpdateGuard(),
+        required_sites=3,
+        poll_interval=0.0,
+        on_round=seen.append,
+    )
+    engine.run(
+        ArrayRecord({"w": Array(np.zeros(4, np.float32))}),
+        num_rounds=5,
+        train_config=ConfigRecord({keys.LOCAL_STEPS: 3}),
+    )
+    return record_to_arrays(engine.arrays)["w"], strategy, seen
+
+
+def test_a_restarted_site_of_delayed_updates_goes_on_as_if_it_had_not_restarted() -> None:
+    """The strategy's record of the site (its periods sent, answered and included: what
+    its stale contribution is swapped against) moves to its new node, and the site's own
+    state is on its disk: every period of s2 is applied, none resynced, and the run ends
+    with the model of the run without the restart, bit for bit."""
+    alone, _, _ = delayed_run(restart=False)
+    restarted, strategy, seen = delayed_run(restart=True)
+    s2 = [(u.period, u.status, u.reason) for s in seen for u in s.updates if u.site == "s2"]
+    assert s2 == [(period, APPLIED, None) for period in range(1, 6)]
+    assert sorted(strategy.state.replied) == [1, 3, 4]
+    assert np.array_equal(restarted, alone)
