@@ -42,22 +42,23 @@ def introduce(
     model_version: int,
     timeout: float,
     server_round: int | None = None,
-    departed: Mapping[str, int] | None = None,
+    held: Mapping[str, int] | None = None,
 ) -> tuple[list[int], dict[int, Restarted]]:
     """Send each node a QUERY; add every one as a site, in the ledger and on the clock.
     Returns the nodes that did not answer within ``timeout`` (those whose query is still
     out, given up on: busy until Flower hands it back, and those Flower answered for: the
     query expired, the node unavailable), and the restarted sites (new node → ``Restarted``).
 
-    ``departed``: name → node id of the sites whose SuperNodes the SuperLink no longer
-    lists. A node that answers with one of those names is that site's SuperNode, started
-    again (a crash, a reboot): it is not added, but returned, for the engine to hand it
-    the site's place (``RoundEngine``'s take-over) once the old node's work has ended.
+    ``held``: name → node id of sites of the run. A new node that answers with one of
+    those names is taken for that site's SuperNode started again (a crash, a reboot: an
+    unauthenticated SuperNode gets a new node id, and Flower lists the dead one for a
+    while yet): it is not added, but returned, for the engine to hand it the site's place
+    once the old node has left and its work has ended (``RoundEngine``'s take-over).
 
     A plain Flower ClientApp that does not answer queries still joins, named after its
     node id (and stays busy until Flower hands its query back). Sites are added in
     partition order (then name), so the ledger's site order is the same across runs; two
-    nodes claiming one name are both kept, the second one's name suffixed with its id.
+    new nodes claiming one name are both kept, the second one's name suffixed with its id.
     In a deployment with registered sites (``FLPLATFORM_SITE_REGISTRY``) a node is named
     by its registration, whatever it claims; a different claim is logged and kept in its
     ledger profile as ``claimed_name``.
@@ -89,10 +90,10 @@ def introduce(
     infos = [info for info, _ in named]
     infos.sort(key=lambda s: (s.partition_id is None, s.partition_id or 0, s.name))
     restarted: dict[int, Restarted] = {}
-    departed = dict(departed or {})
+    held = dict(held or {})
     for info in infos:
-        if info.name in departed and info.node_id not in unheard:
-            restarted[info.node_id] = Restarted(departed.pop(info.name), info)
+        if info.name in held and info.node_id not in unheard:
+            restarted[info.node_id] = Restarted(held.pop(info.name), info)
             continue
         if info.name in taken:
             info = replace(info, name=f"{info.name[:40]}-{info.node_id}")

@@ -728,15 +728,11 @@ class RoundEngine:
         self, node_ids: Sequence[int], *, timeout: float, take_over: bool = True
     ) -> None:
         """Ask new nodes who they are and add them as sites; with ``take_over``, a node that
-        names a site whose SuperNode left waits to take its place instead."""
+        names a site of the run waits to take its place instead (a restarted SuperNode)."""
         if self.query_timeout is not None:
             timeout = min(timeout, self.query_timeout)
-        taken = {r.old for r in self._restarted.values()}
-        departed = {
-            self.sites.name(n): n
-            for n in self.sites.infos()
-            if take_over and not self.sites.is_connected(n) and n not in taken
-        }
+        claimed = {r.old for r in self._restarted.values()}
+        held = {self.sites.name(n): n for n in self.sites.infos() if take_over and n not in claimed}
         unanswered, restarted = introduce(
             node_ids,
             mailbox=self.mailbox,
@@ -746,8 +742,16 @@ class RoundEngine:
             model_version=self.version,
             timeout=timeout,
             server_round=self._server_round,
-            departed=departed,
+            held=held,
         )
+        for new, candidate in restarted.items():
+            if self.sites.is_connected(candidate.old):
+                log.warning(
+                    "node %s says it is site %s, whose SuperNode is connected: it gets no "
+                    "work, and takes the site's place if that one leaves (a restart)",
+                    new,
+                    candidate.info.name,
+                )
         self._restarted.update(restarted)
         for node_id in unanswered:
             if self.sites.set_silent(node_id, True):
@@ -760,7 +764,8 @@ class RoundEngine:
 
     def _take_over_restarted(self) -> None:
         """Between rounds: each site whose SuperNode started again (a crash, a reboot) takes
-        up its place under its new node id, once nothing of its old node is out.
+        up its place under its new node id, once Flower no longer lists the old node and
+        nothing of it is out.
 
         Its name, place, guard record, work count and the strategy's state for it (a
         delayed site's stale contribution, say) move to the new node, so the ledger keeps
@@ -772,12 +777,12 @@ class RoundEngine:
         """
         for new, restarted in list(self._restarted.items()):
             old = restarted.old
-            if self.sites.is_connected(old):  # the old node is listed again: two nodes
-                del self._restarted[new]
-                self._introduce([new], timeout=self.round_timeout, take_over=False)
-                continue
-            if self.mailbox.holds(old) or old in self.mailbox.queued():
-                continue  # its old work has not ended: not yet
+            if (
+                self.sites.is_connected(old)
+                or self.mailbox.holds(old)
+                or old in self.mailbox.queued()
+            ):
+                continue  # not yet: Flower still lists the old node, or its work is out
             nodes = {n: n for n in self.sites.infos()} | {old: new}
             try:
                 self.strategy.load_state_dict(self.strategy.state_dict(), nodes=nodes)

@@ -337,3 +337,52 @@ def test_a_restarted_site_of_delayed_updates_goes_on_as_if_it_had_not_restarted(
     assert s2 == [(period, APPLIED, None) for period in range(1, 6)]
     assert sorted(strategy.state.replied) == [1, 3, 4]
     assert np.array_equal(restarted, alone)
+
+
+def test_a_restarted_supernode_listed_beside_its_dead_one_waits_for_it_to_go(
+    sqlite_ledger: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An unauthenticated SuperNode that restarts registers anew while Flower still lists
+    the dead one, until its heartbeat lapses (seen on a deployment with --insecure: the
+    new node joined as "ohio-<id>", a fourth site). It now gets no work meanwhile, and
+    takes ohio's place once the old node is gone and its work has ended."""
+    listed = {1, 2, 3}
+
+    def registers_again(msg: Message) -> Message:
+        listed.add(4)  # ohio's SuperNode is restarting: its new node registers
+        return good(msg)
+
+    def dead(msg: Message) -> Message:
+        listed.discard(2)  # the dead node's heartbeat lapses; Flower answers for it
+        return expired(msg)
+
+    sites = {
+        1: scripted("london", good),
+        2: scripted("ohio", registers_again, dead),
+        3: scripted("tokyo", good),
+        4: scripted("ohio", good),
+    }
+    with LedgerRepository.open(sqlite_ledger) as repository:
+        run_id = repository.create_run(
+            name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=4
+        )
+        with caplog.at_level(logging.WARNING, logger="flplatform.engine"):
+            RoundEngine(
+                ListedGrid(sites, listed),
+                LocalSGDAveraging(),
+                ledger=SqlLedger(repository, run_id),
+                required_sites=3,
+                poll_interval=0.0,
+            ).run(MODEL, num_rounds=4)
+        updates = repository.list_updates(run_id)
+        events = [
+            (e.kind, e.detail.get("round"), e.detail.get("restarted"))
+            for e in repository.list_events(run_id)
+        ]
+        recorded = {s.name: s.node_id for s in repository.list_sites(run_id)}
+    assert recorded == {"london": 1, "ohio": 4, "tokyo": 3}
+    ohio = {u.round: u.status for u in updates if u.site == "ohio"}
+    assert ohio[1] == "applied" and ohio[2] != "applied" and ohio[3] == ohio[4] == "applied"
+    assert events == [(SITE_LOST_EVENT, 3, None), (SITE_BACK_EVENT, 3, 1)]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("node 4 says it is site ohio, whose SuperNode is connected" in w for w in warnings)
