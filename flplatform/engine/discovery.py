@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Collection, Sequence
+from dataclasses import replace
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
@@ -21,17 +21,6 @@ from flplatform.engine.wire import Traffic, made_by_superlink, reply_traffic
 log = logging.getLogger("flplatform.engine")
 
 
-@dataclass(frozen=True)
-class Restarted:
-    """A new node that names a site whose SuperNode left: that site, restarted.
-
-    ``old``: the node id the site had; ``info``: what the new node said (its node id).
-    """
-
-    old: int
-    info: SiteInfo
-
-
 def introduce(
     node_ids: Sequence[int],
     *,
@@ -42,18 +31,19 @@ def introduce(
     model_version: int,
     timeout: float,
     server_round: int | None = None,
-    held: Mapping[str, int] | None = None,
-) -> tuple[list[int], dict[int, Restarted]]:
+    held: Collection[str] = (),
+) -> tuple[list[int], dict[int, SiteInfo]]:
     """Send each node a QUERY; add every one as a site, in the ledger and on the clock.
     Returns the nodes that did not answer within ``timeout`` (those whose query is still
     out, given up on: busy until Flower hands it back, and those Flower answered for: the
-    query expired, the node unavailable), and the restarted sites (new node → ``Restarted``).
+    query expired, the node unavailable), and the nodes that named a ``held`` site (node →
+    what it said).
 
-    ``held``: name → node id of sites of the run. A new node that answers with one of
-    those names is taken for that site's SuperNode started again (a crash, a reboot: an
-    unauthenticated SuperNode gets a new node id, and Flower lists the dead one for a
-    while yet): it is not added, but returned, for the engine to hand it the site's place
-    once the old node has left and its work has ended (``RoundEngine``'s take-over).
+    ``held``: the names of the run's sites. A new node that answers with one of them is
+    taken for that site's SuperNode started again (a crash, a reboot: an unauthenticated
+    SuperNode gets a new node id, and Flower lists the dead one for a while yet): it is
+    not added, but returned, for the engine to hand it the site's place once the old node
+    has left and its work has ended (``RoundEngine``'s take-over).
 
     A plain Flower ClientApp that does not answer queries still joins, named after its
     node id (and stays busy until Flower hands its query back). Sites are added in
@@ -89,11 +79,10 @@ def introduce(
     claims = {info.node_id: claim for info, claim in named if claim is not None}
     infos = [info for info, _ in named]
     infos.sort(key=lambda s: (s.partition_id is None, s.partition_id or 0, s.name))
-    restarted: dict[int, Restarted] = {}
-    held = dict(held or {})
+    restarted: dict[int, SiteInfo] = {}
     for info in infos:
         if info.name in held and info.node_id not in unheard:
-            restarted[info.node_id] = Restarted(held.pop(info.name), info)
+            restarted[info.node_id] = info
             continue
         if info.name in taken:
             info = replace(info, name=f"{info.name[:40]}-{info.node_id}")
@@ -108,7 +97,7 @@ def introduce(
             "claimed_name": claims.get(info.node_id),
         }
         ledger.add_site(info, {**profile, **{k: v for k, v in said.items() if v is not None}})
-    names = {n: r.info.name for n, r in restarted.items()}
+    names = {n: info.name for n, info in restarted.items()}
     traffic = [
         query_traffic(d, r, names.get(d.node_id) or sites.name(d.node_id))
         for d, r in exchanged

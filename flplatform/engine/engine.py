@@ -57,7 +57,7 @@ from flplatform.engine import rows
 from flplatform.engine.bench import SiteBench
 from flplatform.engine.clock import Clock, Schedule, WallClock, planned_steps
 from flplatform.engine.digest import arrays_digest
-from flplatform.engine.discovery import Restarted, introduce, query_traffic, site_query
+from flplatform.engine.discovery import introduce, query_traffic, site_query
 from flplatform.engine.divergence import DivergenceWatch, ReportedLoss
 from flplatform.engine.evaluation import evaluate_round
 from flplatform.engine.events import (
@@ -263,9 +263,11 @@ class RoundEngine:
         self.checkpoints = checkpoints
         self.run_key = run_key
         self._site_work: dict[int, int] = {}  # node → training messages sent to it
-        # New nodes that are a departed site's SuperNode started again, until they take
-        # its place (``_take_over_restarted``).
-        self._restarted: dict[int, Restarted] = {}
+        # New nodes that named a site of the run (its SuperNode started again), in the
+        # order they came, until one takes the site's place (``_take_over_restarted``).
+        self._restarted: dict[int, SiteInfo] = {}
+        self._unnamed_said = False  # sites named by their node ids: said once per run
+        self._warning: str | None = None  # for the next round's summary
         self._finished_round = 0  # the last round recorded
         self._server_round: int | None = None  # the round in progress (None: none yet)
         self._result = Result()
@@ -490,6 +492,9 @@ class RoundEngine:
         problems.raise_if_any()
 
         # ---- the same sites, with this run's node ids
+        unnamed = [s["name"] for s in saved_sites if s["name"] == f"node-{s['node_id']}"]
+        if unnamed:  # they would never be found: say so now, not after the start-up wait
+            raise CheckpointError(f"cannot resume: {unnamed_sites(len(unnamed))}")
         nodes = self._rediscover([s["name"] for s in saved_sites])
         by_name = {info.name: node_id for node_id, info in self.sites.infos().items()}
         mapping = {s["node_id"]: by_name[s["name"]] for s in saved_sites}
@@ -539,7 +544,7 @@ class RoundEngine:
         deadline = time.monotonic() + self.startup_timeout
         while True:
             node_ids = sorted(self.grid.get_node_ids())
-            new = [n for n in node_ids if n not in self.sites]
+            new = [n for n in node_ids if n not in self.sites and n not in self._restarted]
             if new:
                 self._introduce(new, timeout=self.startup_timeout)
             present = {info.name for info in self.sites.infos().values()}
@@ -731,8 +736,7 @@ class RoundEngine:
         names a site of the run waits to take its place instead (a restarted SuperNode)."""
         if self.query_timeout is not None:
             timeout = min(timeout, self.query_timeout)
-        claimed = {r.old for r in self._restarted.values()}
-        held = {self.sites.name(n): n for n in self.sites.infos() if take_over and n not in claimed}
+        held = self.sites.names() if take_over else set()
         unanswered, restarted = introduce(
             node_ids,
             mailbox=self.mailbox,
@@ -744,15 +748,20 @@ class RoundEngine:
             server_round=self._server_round,
             held=held,
         )
-        for new, candidate in restarted.items():
-            if self.sites.is_connected(candidate.old):
+        holders = {self.sites.name(n): n for n in self.sites.infos()}
+        for new, claim in restarted.items():
+            if self.sites.is_connected(holders[claim.name]):
                 log.warning(
                     "node %s says it is site %s, whose SuperNode is connected: it gets no "
                     "work, and takes the site's place if that one leaves (a restart)",
                     new,
-                    candidate.info.name,
+                    claim.name,
                 )
         self._restarted.update(restarted)
+        unnamed = [n for n in node_ids if self.sites.name(n) == f"node-{n}"]
+        if unnamed and not self._unnamed_said:
+            self._unnamed_said = True
+            self._warning = _joined(self._warning, unnamed_sites(len(unnamed)))
         for node_id in unanswered:
             if self.sites.set_silent(node_id, True):
                 self._say_presence(SITE_SILENT_EVENT, node_id, waited=timeout)
@@ -762,10 +771,17 @@ class RoundEngine:
             if info is not None:
                 self.guard.declare(node_id, info.num_examples)
 
+    def _take_warning(self) -> str | None:
+        """The engine's own warning for the round being summarised, once."""
+        warning, self._warning = self._warning, None
+        return warning
+
     def _take_over_restarted(self) -> None:
         """Between rounds: each site whose SuperNode started again (a crash, a reboot) takes
         up its place under its new node id, once Flower no longer lists the old node and
-        nothing of it is out.
+        nothing of it is out (a resumed run's saved work included). Of several new nodes
+        that named the site, the latest takes it (an earlier one is a restart that died
+        too); the others keep waiting, with no work, while they are listed.
 
         Its name, place, guard record, work count and the strategy's state for it (a
         delayed site's stale contribution, say) move to the new node, so the ledger keeps
@@ -775,14 +791,18 @@ class RoundEngine:
         a strategy that cannot restore its state, the new node joins as a site of its
         own, named apart.
         """
-        for new, restarted in list(self._restarted.items()):
-            old = restarted.old
+        holders = {self.sites.name(n): n for n in self.sites.infos()}
+        latest = {info.name: node for node, info in self._restarted.items()}
+        for name, new in latest.items():
+            old = holders[name]
             if (
                 self.sites.is_connected(old)
+                or self.sites.phase(old) in (Phase.TRAINING, Phase.ARRIVED)
                 or self.mailbox.holds(old)
                 or old in self.mailbox.queued()
             ):
                 continue  # not yet: Flower still lists the old node, or its work is out
+            info = self._restarted.pop(new)
             nodes = {n: n for n in self.sites.infos()} | {old: new}
             try:
                 self.strategy.load_state_dict(self.strategy.state_dict(), nodes=nodes)
@@ -790,21 +810,19 @@ class RoundEngine:
                 log.warning(
                     "site %s restarted as node %s, but the strategy cannot hand it the "
                     "site's state (%s): it joins as a new site",
-                    restarted.info.name,
+                    name,
                     new,
                     exc,
                 )
-                del self._restarted[new]
                 self._introduce([new], timeout=self.round_timeout, take_over=False)
                 continue
-            del self._restarted[new]
-            self.sites.take_over(old, restarted.info)
+            self.sites.take_over(old, info)
             self.guard.take_over(old, new)
-            self.guard.declare(new, restarted.info.num_examples)
+            self.guard.declare(new, info.num_examples)
             if old in self._site_work:
                 self._site_work[new] = self._site_work.pop(old)
-            profile = self.clock.join(restarted.info.name, self.sites.position(new))
-            self.ledger.add_site(restarted.info, profile)
+            profile = self.clock.join(name, self.sites.position(new))
+            self.ledger.add_site(info, profile)
             self._say_presence(SITE_BACK_EVENT, new, restarted=1)
 
     # ============================================================ training round
@@ -882,6 +900,7 @@ class RoundEngine:
             virtual_started_at=state.clock_started_at if self.clock.virtual else None,
             virtual_finished_at=self.clock.now() if self.clock.virtual else None,
             warning=_joined(
+                self._take_warning(),
                 self._diverged(server_round, train_loss, state.losses),
                 self.strategy.take_warning(),
             ),
@@ -1477,6 +1496,16 @@ def _example_weighted_loss(outcomes: Sequence[UpdateOutcome]) -> float | None:
     ]
     total = sum(n for n, _ in pairs)
     return sum(n * loss for n, loss in pairs) / total if total else None
+
+
+def unnamed_sites(count: int) -> str:
+    """Why a run whose sites are named by their node ids cannot be resumed."""
+    return (
+        f"{count} site(s) are named by their Flower node ids: their ClientApp did not say "
+        "the site's name (no @app.query() function answering with 'site-name', as "
+        "examples/own_app's does). Node ids change at every start-up, so this run cannot "
+        "be resumed"
+    )
 
 
 def _joined(*notes: str | None) -> str | None:

@@ -14,10 +14,11 @@ from collections.abc import Iterable
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageType
 
 from flplatform.core import keys
 from flplatform.core.arrays import record_to_arrays
+from flplatform.core.checkpoint import CheckpointError
 from flplatform.engine import APPLIED, PeriodSync, RoundSummary
 from flplatform.engine.engine import RoundEngine
 from flplatform.engine.events import SITE_BACK_EVENT, SITE_LOST_EVENT
@@ -386,3 +387,143 @@ def test_a_restarted_supernode_listed_beside_its_dead_one_waits_for_it_to_go(
     assert events == [(SITE_LOST_EVENT, 3, None), (SITE_BACK_EVENT, 3, 1)]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("node 4 says it is site ohio, whose SuperNode is connected" in w for w in warnings)
+
+
+def test_of_two_restarts_in_a_row_the_latest_takes_the_sites_place(sqlite_ledger: str) -> None:
+    """ohio's SuperNode crashes in a loop: node 4 registers, dies too, node 5 registers;
+    Flower lists all of them for a while. Node 5, the latest, takes ohio's place; node 4
+    never trains (it took ohio's place before, and node 5 joined as "ohio-5": found by a
+    review)."""
+    listed = {1, 2, 3}
+    trained = 0
+
+    def crash_loop(msg: Message) -> Message:
+        nonlocal trained
+        trained += 1
+        if trained < 3:
+            listed.add(3 + trained)  # restart 1, then restart 2, register
+            return good(msg)
+        listed.discard(2)  # the first dead node's heartbeat lapses at last
+        return expired(msg)
+
+    sites = {
+        1: scripted("london", good),
+        2: scripted("ohio", crash_loop),
+        3: scripted("tokyo", good),
+        4: scripted("ohio", lambda msg: None),  # answered who it is, then died
+        5: scripted("ohio", good),
+    }
+    with LedgerRepository.open(sqlite_ledger) as repository:
+        run_id = repository.create_run(
+            name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=6
+        )
+        engine = RoundEngine(
+            ListedGrid(sites, listed),
+            LocalSGDAveraging(),
+            ledger=SqlLedger(repository, run_id),
+            required_sites=3,
+            poll_interval=0.0,
+            round_timeout=2.0,  # (a dead node given work would hold a round this long)
+        )
+        engine.run(MODEL, num_rounds=6)
+        updates = repository.list_updates(run_id)
+        recorded = {s.name: s.node_id for s in repository.list_sites(run_id)}
+    assert recorded == {"london": 1, "ohio": 5, "tokyo": 3}
+    ohio = {u.round: u.status for u in updates if u.site == "ohio"}
+    assert ohio[3] != "applied" and ohio[4] == ohio[5] == ohio[6] == "applied"
+    again = {11: scripted("london", good), 15: scripted("ohio", good), 13: scripted("tokyo", good)}
+    resumed = RoundEngine(
+        ScriptedGrid(again), LocalSGDAveraging(), required_sites=3, poll_interval=0.0
+    )
+    assert resumed.resume_from(engine.state_dict()) == {1: 11, 5: 15, 3: 13}
+
+
+def test_a_site_restarting_while_a_run_resumes_is_asked_once_and_takes_its_place() -> None:
+    """A resumed run finds its sites by name, look after look: node 14 says it is ohio
+    (ohio's SuperNode restarting) while node 12, ohio's, is still listed. It waits, is not
+    asked again at every look (it was, and joined as "ohio-14" besides: found by a
+    review), and takes ohio's place once node 12 is gone."""
+    first = RoundEngine(
+        ScriptedGrid(
+            {1: scripted("london", good), 2: scripted("ohio", good), 3: scripted("tokyo", good)}
+        ),
+        LocalSGDAveraging(),
+        required_sites=3,
+        poll_interval=0.0,
+    )
+    first.run(MODEL, num_rounds=2)
+    asked = 0
+
+    def restarting_ohio(msg: Message) -> Message:
+        nonlocal asked
+        asked += msg.metadata.message_type == MessageType.QUERY
+        return scripted("ohio", good)(msg)
+
+    class Looks(ListedGrid):
+        looks = 0
+
+        def get_node_ids(self) -> Iterable[int]:
+            self.looks += 1
+            if self.looks == 2:
+                self.listed.add(14)
+            if self.looks == 4:  # tokyo comes back later: the resume looks again meanwhile
+                self.listed.add(13)
+            return sorted(self.listed)
+
+    def dead(msg: Message) -> Message:
+        grid.listed.discard(12)  # its heartbeat lapses; Flower answers for it
+        return expired(msg)
+
+    grid = Looks(
+        {
+            11: scripted("london", good),
+            12: scripted("ohio", dead),
+            13: scripted("tokyo", good),
+            14: restarting_ohio,
+        },
+        {11, 12},
+    )
+    resumed = RoundEngine(
+        grid, LocalSGDAveraging(), required_sites=3, poll_interval=0.0, round_timeout=2.0
+    )
+    resumed.run(MODEL, num_rounds=5, resume=first.state_dict())
+    assert asked == 1
+    assert {n: i.name for n, i in resumed.sites.infos().items()} == {
+        11: "london",
+        14: "ohio",
+        13: "tokyo",
+    }
+
+
+def unnamed(msg: Message) -> Message:
+    """A ClientApp with no query function: Flower answers the site query with an error."""
+    if msg.metadata.message_type == MessageType.QUERY:
+        return Message(Error(code=0, reason="no query function"), reply_to=msg)
+    return good(msg)
+
+
+def test_a_run_whose_sites_are_named_by_node_ids_says_it_cannot_be_resumed() -> None:
+    """Sites that do not say their names are named by their Flower node ids, new at every
+    start-up: the run says in its first round that it cannot be resumed, and a resume says
+    why at once (it waited out the start-up timeout, 300 s by default, for sites named
+    after the old ids; tried with a user's app)."""
+    seen: list[RoundSummary] = []
+    first = RoundEngine(
+        ScriptedGrid({1: unnamed, 2: unnamed}),
+        LocalSGDAveraging(),
+        required_sites=2,
+        poll_interval=0.0,
+        on_round=seen.append,
+    )
+    first.run(MODEL, num_rounds=2)
+    assert "2 site(s) are named by their Flower node ids" in (seen[0].warning or "")
+    assert "cannot be resumed" in (seen[0].warning or "") and seen[1].warning is None
+    again = RoundEngine(
+        ScriptedGrid({11: unnamed, 12: unnamed}),
+        LocalSGDAveraging(),
+        required_sites=2,
+        poll_interval=0.0,
+        startup_timeout=1.0,
+    )
+    with pytest.raises(CheckpointError, match=r"cannot resume: 2 site\(s\) are named by their"):
+        again.resume_from(first.state_dict())
