@@ -1,4 +1,5 @@
-"""A migrated, empty SQLite ledger, made once and copied for each test that needs one.
+"""A migrated, empty SQLite ledger, made once and copied for each test that needs one; and
+a SQLite ledger's write lock, held.
 
 Opening a new file runs Alembic's migrations (~0.2 s on a busy machine); copying the file
 they left takes a tenth of that. tests/conftest.py makes the template once per session
@@ -8,6 +9,9 @@ they left takes a tenth of that. tests/conftest.py makes the template once per s
 from __future__ import annotations
 
 import shutil
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from storage import LedgerRepository
@@ -34,3 +38,16 @@ def copy_ledger(template: Path, path: Path) -> str:
     assert not path.exists(), path
     shutil.copyfile(template, path)
     return sqlite_url(path)
+
+
+@contextmanager
+def sqlite_write_lock(path: str, *, timeout: float = 5.0) -> Iterator[None]:
+    """Hold the write lock of the SQLite file at ``path`` (``BEGIN IMMEDIATE``): no other
+    connection commits meanwhile (each waits, within its busy timeout); readers read on."""
+    connection = sqlite3.connect(path, timeout=timeout, isolation_level=None)
+    try:
+        connection.execute("BEGIN IMMEDIATE")
+        yield
+        connection.execute("ROLLBACK")
+    finally:
+        connection.close()

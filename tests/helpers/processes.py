@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from flplatform.launch.flower import start_on_free_port
 from flplatform.launch.processes import ProcessTree
 from storage import LedgerRepository
 from storage.session import create_ledger_engine, normalize_db_url
+from tests.helpers.ledgers import sqlite_write_lock
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_SECONDS = 300.0  # Flower and Ray starting on a busy 2-core machine
@@ -114,13 +114,8 @@ def commits_held(db: str) -> Iterator[None]:
     SQLite's busy timeout is 30 s, a PostgreSQL lock wait has no limit); readers read on."""
     url = make_url(db)
     if url.get_backend_name() == "sqlite":
-        connection = sqlite3.connect(str(url.database), timeout=30, isolation_level=None)
-        try:
-            connection.execute("BEGIN IMMEDIATE")
+        with sqlite_write_lock(str(url.database), timeout=30):
             yield
-            connection.execute("ROLLBACK")
-        finally:
-            connection.close()
         return
     engine = create_ledger_engine(normalize_db_url(db))
     try:

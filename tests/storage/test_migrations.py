@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import select
-import sqlite3
 import subprocess
 import sys
 import time
@@ -42,6 +41,7 @@ from storage.migrations import (
 from storage.models import UInt64, UTCDateTime, metadata
 from storage.session import create_ledger_engine
 from tests.helpers.ledger_records import T0, evaluation, make_run, record, update
+from tests.helpers.ledgers import sqlite_write_lock
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LEDGER_TABLES = {
@@ -707,13 +707,8 @@ def _held_as_while_being_created(url: str) -> Iterator[None]:
     busy timeout notwithstanding); on PostgreSQL the migration's advisory lock.
     """
     if make_url(url).get_backend_name() == "sqlite":
-        connection = sqlite3.connect(make_url(url).database or "", isolation_level=None)
-        try:
-            connection.execute("BEGIN IMMEDIATE")
+        with sqlite_write_lock(make_url(url).database or ""):
             yield
-            connection.execute("ROLLBACK")
-        finally:
-            connection.close()
         return
     engine = create_engine(url)
     try:

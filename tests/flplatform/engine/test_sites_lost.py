@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,11 +26,11 @@ from flplatform.engine.engine import RoundEngine
 from flplatform.engine.events import SITE_BACK_EVENT, SITE_LOST_EVENT
 from flplatform.engine.guard import UpdateGuard
 from flplatform.run.ledger import SqlLedger
-from storage import LedgerRepository
+from storage import LedgerRepository, RoundRecord, UpdateRecord
 from strategies.delayed import DelayedCompensated
 from strategies.local_sgd import LocalSGDAveraging
 from tests.helpers.delayed_sites import QuadraticSite, context
-from tests.helpers.scripted_grid import ScriptedGrid
+from tests.helpers.scripted_grid import Behaviour, ScriptedGrid
 from tests.helpers.scripted_sites import MODEL, expired, good, scripted
 
 pytestmark = pytest.mark.usefixtures("task_identity")
@@ -43,6 +45,45 @@ class ListedGrid(ScriptedGrid):
 
     def get_node_ids(self) -> Iterable[int]:
         return sorted(self.listed)
+
+
+@dataclass
+class ListedRun:
+    """What a run over a ``ListedGrid`` left: the engine, and the ledger's rows."""
+
+    engine: RoundEngine
+    rounds: list[RoundRecord]
+    updates: list[UpdateRecord]
+    events: list[tuple[str, dict[str, Any]]]
+    sites: dict[str, int]  # name → node id
+
+
+def run_listed(
+    ledger: str, sites: dict[int, Behaviour], listed: set[int], rounds: int, **options: Any
+) -> ListedRun:
+    """Local-SGD for ``rounds`` rounds over ``sites``, of which the SuperLink lists
+    ``listed`` (the sites change it as they go), into a new run of ``ledger``; the sites
+    listed at the start are required."""
+    with LedgerRepository.open(ledger) as repository:
+        run_id = repository.create_run(
+            name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=rounds
+        )
+        engine = RoundEngine(
+            ListedGrid(sites, listed),
+            LocalSGDAveraging(),
+            ledger=SqlLedger(repository, run_id),
+            required_sites=len(listed),
+            poll_interval=0.0,
+            **options,
+        )
+        engine.run(MODEL, num_rounds=rounds)
+        return ListedRun(
+            engine,
+            repository.list_rounds(run_id),
+            repository.list_updates(run_id),
+            [(e.kind, e.detail) for e in repository.list_events(run_id)],
+            {site.name: site.node_id for site in repository.list_sites(run_id)},
+        )
 
 
 def test_a_site_that_leaves_and_comes_back_is_said_and_recorded_each_time(
@@ -62,29 +103,15 @@ def test_a_site_that_leaves_and_comes_back_is_said_and_recorded_each_time(
         return good(msg)
 
     sites = {1: scripted("london", london), 2: scripted("ohio", good), 3: scripted("tokyo", good)}
-    with LedgerRepository.open(sqlite_ledger) as repository:
-        run_id = repository.create_run(
-            name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=4
-        )
-        engine = RoundEngine(
-            ListedGrid(sites, listed),
-            LocalSGDAveraging(),
-            ledger=SqlLedger(repository, run_id),
-            required_sites=3,
-            poll_interval=0.0,
-        )
-        with caplog.at_level(logging.WARNING, logger="flplatform.engine"):
-            engine.run(MODEL, num_rounds=4)
-        rounds = repository.list_rounds(run_id)
-        events = [(e.kind, e.detail) for e in repository.list_events(run_id)]
-        trained_by = {
-            r.round: sorted(u.site for u in repository.list_updates(run_id) if u.round == r.round)
-            for r in rounds
-        }
+    with caplog.at_level(logging.WARNING, logger="flplatform.engine"):
+        run = run_listed(sqlite_ledger, sites, listed, 4)
+    trained_by = {
+        r.round: sorted(u.site for u in run.updates if u.round == r.round) for r in run.rounds
+    }
 
-    assert [r.num_applied for r in rounds] == [3, 2, 2, 3]
+    assert [r.num_applied for r in run.rounds] == [3, 2, 2, 3]
     assert trained_by[2] == trained_by[3] == ["london", "tokyo"]
-    assert events == [
+    assert run.events == [
         (SITE_LOST_EVENT, {"site": "ohio", "round": 2, "connected": 2, "sites": 3}),
         (SITE_BACK_EVENT, {"site": "ohio", "round": 4, "connected": 3, "sites": 3}),
     ]
@@ -95,18 +122,7 @@ def test_a_site_that_leaves_and_comes_back_is_said_and_recorded_each_time(
 
 def test_a_run_that_keeps_its_sites_records_no_presence_event(sqlite_ledger: str) -> None:
     sites = {1: scripted("london", good), 2: scripted("ohio", good)}
-    with LedgerRepository.open(sqlite_ledger) as repository:
-        run_id = repository.create_run(
-            name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=3
-        )
-        RoundEngine(
-            ListedGrid(sites, {1, 2}),
-            LocalSGDAveraging(),
-            ledger=SqlLedger(repository, run_id),
-            required_sites=2,
-            poll_interval=0.0,
-        ).run(MODEL, num_rounds=3)
-        assert repository.list_events(run_id) == []
+    assert run_listed(sqlite_ledger, sites, {1, 2}, 3).events == []
 
 
 def test_a_site_that_dies_holding_work_is_said_before_its_work_times_out(
@@ -180,32 +196,17 @@ def test_a_site_whose_supernode_restarts_keeps_its_place_and_the_run_resumes(
         3: scripted("tokyo", good),
         4: scripted("ohio", good),
     }
-    with LedgerRepository.open(sqlite_ledger) as repository:
-        run_id = repository.create_run(
-            name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=3
-        )
-        engine = RoundEngine(
-            ListedGrid(sites, listed),
-            LocalSGDAveraging(),
-            ledger=SqlLedger(repository, run_id),
-            required_sites=3,
-            poll_interval=0.0,
-        )
-        with caplog.at_level(logging.WARNING, logger="flplatform.engine"):
-            engine.run(MODEL, num_rounds=3)
-        rounds = repository.list_rounds(run_id)
-        updates = repository.list_updates(run_id)
-        events = [(e.kind, e.detail) for e in repository.list_events(run_id)]
-        recorded = {s.name: s.node_id for s in repository.list_sites(run_id)}
+    with caplog.at_level(logging.WARNING, logger="flplatform.engine"):
+        run = run_listed(sqlite_ledger, sites, listed, 3)
 
-    assert [r.num_applied for r in rounds] == [3, 3, 3]
-    assert sorted((u.round, u.site) for u in updates if u.site == "ohio") == [
+    assert [r.num_applied for r in run.rounds] == [3, 3, 3]
+    assert sorted((u.round, u.site) for u in run.updates if u.site == "ohio") == [
         (1, "ohio"),
         (2, "ohio"),
         (3, "ohio"),
     ]
-    assert recorded == {"london": 1, "ohio": 4, "tokyo": 3}
-    assert events == [
+    assert run.sites == {"london": 1, "ohio": 4, "tokyo": 3}
+    assert run.events == [
         (SITE_LOST_EVENT, {"site": "ohio", "round": 2, "connected": 2, "sites": 3}),
         (
             SITE_BACK_EVENT,
@@ -216,7 +217,7 @@ def test_a_site_whose_supernode_restarts_keeps_its_place_and_the_run_resumes(
     assert any("site ohio is back: its SuperNode started again" in w for w in warnings)
 
     # A resume after a server restart: every SuperNode with a new id again, found by name.
-    state = engine.state_dict()
+    state = run.engine.state_dict()
     assert sorted((s["name"], s["node_id"]) for s in state["engine"]["sites"]) == [
         ("london", 1),
         ("ohio", 4),
@@ -259,34 +260,19 @@ def test_a_restarted_site_takes_its_place_once_its_old_nodes_work_has_ended(
         2: scripted("ohio", good, dies_holding_work),
         3: scripted("ohio", good),
     }
-    with LedgerRepository.open(sqlite_ledger) as repository:
-        run_id = repository.create_run(
-            name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=5
-        )
-        engine = RoundEngine(
-            ListedGrid(sites, listed),
-            LocalSGDAveraging(),
-            ledger=SqlLedger(repository, run_id),
-            required_sites=2,
-            poll_interval=0.0,
-            round_timeout=0.3,
-        )
-        engine.run(MODEL, num_rounds=5)
-        updates = repository.list_updates(run_id)
-        events = [(e.kind, e.detail) for e in repository.list_events(run_id)]
-        recorded = {s.name: s.node_id for s in repository.list_sites(run_id)}
-    ohio = {u.round: u.status for u in updates if u.site == "ohio"}
-    [back] = [d for kind, d in events if kind == SITE_BACK_EVENT]
+    run = run_listed(sqlite_ledger, sites, listed, 5, round_timeout=0.3)
+    ohio = {u.round: u.status for u in run.updates if u.site == "ohio"}
+    [back] = [d for kind, d in run.events if kind == SITE_BACK_EVENT]
     assert back["restarted"] == 1 and back["round"] > answered_for_old >= 3
     assert ohio[1] == "applied" and ohio[2] != "applied" and ohio[5] == "applied"
-    assert recorded == {"london": 1, "ohio": 3}
+    assert run.sites == {"london": 1, "ohio": 3}
     resumed = RoundEngine(
         ScriptedGrid({11: scripted("london", good), 12: scripted("ohio", good)}),
         LocalSGDAveraging(),
         required_sites=2,
         poll_interval=0.0,
     )
-    assert resumed.resume_from(engine.state_dict()) == {1: 11, 3: 12}
+    assert resumed.resume_from(run.engine.state_dict()) == {1: 11, 3: 12}
 
 
 def delayed_run(*, restart: bool) -> tuple[np.ndarray, DelayedCompensated, list[RoundSummary]]:
@@ -363,27 +349,12 @@ def test_a_restarted_supernode_listed_beside_its_dead_one_waits_for_it_to_go(
         3: scripted("tokyo", good),
         4: scripted("ohio", good),
     }
-    with LedgerRepository.open(sqlite_ledger) as repository:
-        run_id = repository.create_run(
-            name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=4
-        )
-        with caplog.at_level(logging.WARNING, logger="flplatform.engine"):
-            RoundEngine(
-                ListedGrid(sites, listed),
-                LocalSGDAveraging(),
-                ledger=SqlLedger(repository, run_id),
-                required_sites=3,
-                poll_interval=0.0,
-            ).run(MODEL, num_rounds=4)
-        updates = repository.list_updates(run_id)
-        events = [
-            (e.kind, e.detail.get("round"), e.detail.get("restarted"))
-            for e in repository.list_events(run_id)
-        ]
-        recorded = {s.name: s.node_id for s in repository.list_sites(run_id)}
-    assert recorded == {"london": 1, "ohio": 4, "tokyo": 3}
-    ohio = {u.round: u.status for u in updates if u.site == "ohio"}
+    with caplog.at_level(logging.WARNING, logger="flplatform.engine"):
+        run = run_listed(sqlite_ledger, sites, listed, 4)
+    assert run.sites == {"london": 1, "ohio": 4, "tokyo": 3}
+    ohio = {u.round: u.status for u in run.updates if u.site == "ohio"}
     assert ohio[1] == "applied" and ohio[2] != "applied" and ohio[3] == ohio[4] == "applied"
+    events = [(kind, d.get("round"), d.get("restarted")) for kind, d in run.events]
     assert events == [(SITE_LOST_EVENT, 3, None), (SITE_BACK_EVENT, 3, 1)]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("node 4 says it is site ohio, whose SuperNode is connected" in w for w in warnings)
@@ -413,29 +384,16 @@ def test_of_two_restarts_in_a_row_the_latest_takes_the_sites_place(sqlite_ledger
         4: scripted("ohio", lambda msg: None),  # answered who it is, then died
         5: scripted("ohio", good),
     }
-    with LedgerRepository.open(sqlite_ledger) as repository:
-        run_id = repository.create_run(
-            name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=6
-        )
-        engine = RoundEngine(
-            ListedGrid(sites, listed),
-            LocalSGDAveraging(),
-            ledger=SqlLedger(repository, run_id),
-            required_sites=3,
-            poll_interval=0.0,
-            round_timeout=2.0,  # (a dead node given work would hold a round this long)
-        )
-        engine.run(MODEL, num_rounds=6)
-        updates = repository.list_updates(run_id)
-        recorded = {s.name: s.node_id for s in repository.list_sites(run_id)}
-    assert recorded == {"london": 1, "ohio": 5, "tokyo": 3}
-    ohio = {u.round: u.status for u in updates if u.site == "ohio"}
+    # (a dead node given work would hold a round for the round timeout)
+    run = run_listed(sqlite_ledger, sites, listed, 6, round_timeout=2.0)
+    assert run.sites == {"london": 1, "ohio": 5, "tokyo": 3}
+    ohio = {u.round: u.status for u in run.updates if u.site == "ohio"}
     assert ohio[3] != "applied" and ohio[4] == ohio[5] == ohio[6] == "applied"
     again = {11: scripted("london", good), 15: scripted("ohio", good), 13: scripted("tokyo", good)}
     resumed = RoundEngine(
         ScriptedGrid(again), LocalSGDAveraging(), required_sites=3, poll_interval=0.0
     )
-    assert resumed.resume_from(engine.state_dict()) == {1: 11, 5: 15, 3: 13}
+    assert resumed.resume_from(run.engine.state_dict()) == {1: 11, 5: 15, 3: 13}
 
 
 def test_a_site_restarting_while_a_run_resumes_is_asked_once_and_takes_its_place() -> None:
