@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 
@@ -91,12 +92,7 @@ def introduce(
         sites.add(info)
         if info.node_id in unanswered:
             sites.give_up(info.node_id)
-        said = {
-            "device": info.device,
-            "feature_scale": info.feature_scale,
-            "claimed_name": claims.get(info.node_id),
-        }
-        ledger.add_site(info, {**profile, **{k: v for k, v in said.items() if v is not None}})
+        ledger.add_site(info, ledger_profile(info, profile, claims.get(info.node_id)))
     names = {n: info.name for n, info in restarted.items()}
     traffic = [
         query_traffic(d, r, names.get(d.node_id) or sites.name(d.node_id))
@@ -107,6 +103,18 @@ def introduce(
         ledger.record_traffic(traffic, server_round)
     log.info("sites: %s", ", ".join(names.get(n) or sites.name(n) for n in node_ids))
     return sorted(unheard, key=sites.position), restarted
+
+
+def ledger_profile(
+    info: SiteInfo, profile: Mapping[str, Any], claimed_name: str | None = None
+) -> dict[str, Any]:
+    """A site's profile for the ledger: the clock's, and what the site said of itself."""
+    said = {
+        "device": info.device,
+        "feature_scale": info.feature_scale,
+        "claimed_name": claimed_name,
+    }
+    return {**profile, **{k: v for k, v in said.items() if v is not None}}
 
 
 def site_query(node_id: int, timeout: float) -> Message:

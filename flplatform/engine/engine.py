@@ -57,7 +57,7 @@ from flplatform.engine import rows
 from flplatform.engine.bench import SiteBench
 from flplatform.engine.clock import Clock, Schedule, WallClock, planned_steps
 from flplatform.engine.digest import arrays_digest
-from flplatform.engine.discovery import introduce, query_traffic, site_query
+from flplatform.engine.discovery import introduce, ledger_profile, query_traffic, site_query
 from flplatform.engine.divergence import DivergenceWatch, ReportedLoss
 from flplatform.engine.evaluation import evaluate_round
 from flplatform.engine.events import (
@@ -492,10 +492,10 @@ class RoundEngine:
         problems.raise_if_any()
 
         # ---- the same sites, with this run's node ids
-        unnamed = [s["name"] for s in saved_sites if s["name"] == f"node-{s['node_id']}"]
-        if unnamed:  # they would never be found: say so now, not after the start-up wait
-            raise CheckpointError(f"cannot resume: {unnamed_sites(len(unnamed))}")
-        nodes = self._rediscover([s["name"] for s in saved_sites])
+        nodes = self._rediscover(
+            [s["name"] for s in saved_sites],
+            by_node_id={s["name"] for s in saved_sites if s["name"] == f"node-{s['node_id']}"},
+        )
         by_name = {info.name: node_id for node_id, info in self.sites.infos().items()}
         mapping = {s["node_id"]: by_name[s["name"]] for s in saved_sites}
         joined_since = [n for n in nodes if n not in mapping.values()]
@@ -539,8 +539,14 @@ class RoundEngine:
         )
         return mapping
 
-    def _rediscover(self, names: Sequence[str]) -> list[int]:
-        """Introduce nodes until every site in ``names`` is among them; their node ids."""
+    def _rediscover(self, names: Sequence[str], *, by_node_id: set[str]) -> list[int]:
+        """Introduce nodes until every site in ``names`` is among them; their node ids.
+
+        ``by_node_id``: the names that are node ids (``node-<id>``). Once as many sites
+        are here as the checkpoint had and only such names are missing, they will not
+        come (a simulation's node ids are new at every start-up): refused then, not after
+        the start-up timeout.
+        """
         deadline = time.monotonic() + self.startup_timeout
         while True:
             node_ids = sorted(self.grid.get_node_ids())
@@ -551,6 +557,8 @@ class RoundEngine:
             missing = [name for name in names if name not in present]
             if not missing:
                 return node_ids
+            if len(self.sites) >= len(names) and set(missing) <= by_node_id:
+                raise CheckpointError(f"cannot resume: {unnamed_sites(len(missing))}")
             if time.monotonic() > deadline:
                 raise RunFailed(
                     f"cannot resume: site(s) {', '.join(missing)} of the checkpoint did not "
@@ -758,7 +766,7 @@ class RoundEngine:
                     claim.name,
                 )
         self._restarted.update(restarted)
-        unnamed = [n for n in node_ids if self.sites.name(n) == f"node-{n}"]
+        unnamed = [n for n in node_ids if n in self.sites and self.sites.name(n) == f"node-{n}"]
         if unnamed and not self._unnamed_said:
             self._unnamed_said = True
             self._warning = _joined(self._warning, unnamed_sites(len(unnamed)))
@@ -798,7 +806,7 @@ class RoundEngine:
             if (
                 self.sites.is_connected(old)
                 or self.sites.phase(old) in (Phase.TRAINING, Phase.ARRIVED)
-                or self.mailbox.holds(old)
+                or self.mailbox.holds_work(old)
                 or old in self.mailbox.queued()
             ):
                 continue  # not yet: Flower still lists the old node, or its work is out
@@ -822,7 +830,7 @@ class RoundEngine:
             if old in self._site_work:
                 self._site_work[new] = self._site_work.pop(old)
             profile = self.clock.join(name, self.sites.position(new))
-            self.ledger.add_site(info, profile)
+            self.ledger.add_site(info, ledger_profile(info, profile))
             self._say_presence(SITE_BACK_EVENT, new, restarted=1)
 
     # ============================================================ training round
@@ -1501,10 +1509,10 @@ def _example_weighted_loss(outcomes: Sequence[UpdateOutcome]) -> float | None:
 def unnamed_sites(count: int) -> str:
     """Why a run whose sites are named by their node ids cannot be resumed."""
     return (
-        f"{count} site(s) are named by their Flower node ids: their ClientApp did not say "
-        "the site's name (no @app.query() function answering with 'site-name', as "
-        "examples/own_app's does). Node ids change at every start-up, so this run cannot "
-        "be resumed"
+        f"{count} site(s) are named by their Flower node ids: they did not say their names "
+        "(a ClientApp without an @app.query() function answering with 'site-name', as "
+        "examples/own_app's has, or a SuperNode that never answered). Node ids change at "
+        "every start-up, so this run cannot be resumed"
     )
 
 

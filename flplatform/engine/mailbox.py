@@ -158,6 +158,13 @@ class Mailbox:
             for d in tray.values()
         )
 
+    def holds_work(self, node_id: int) -> bool:
+        """Whether a message of ``node_id`` is still work: awaited, cancelled but held by
+        Flower (its site still does it), or waiting to be pushed; not one given up on."""
+        return node_id in self.deferred or any(
+            d.node_id == node_id for tray in (self.awaited, self.cancelled) for d in tray.values()
+        )
+
     def holds_cancelled(self, node_id: int) -> bool:
         """Whether Flower still holds a cancelled training message of ``node_id``."""
         return any(d.node_id == node_id for d in self.cancelled.values())

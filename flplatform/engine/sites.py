@@ -78,6 +78,7 @@ class Sites:
         # The last census, while no site changed since (the policy asks again and again).
         self._census: Census | None = None
         self._positions: dict[int, int] | None = None  # node → its place in join order
+        self._replaced: dict[int, str] = {}  # node → the site whose place a new node took
 
     # ------------------------------------------------------------ membership
     def add(self, info: SiteInfo) -> None:
@@ -94,6 +95,7 @@ class Sites:
             )
             for node_id, state in self._states.items()
         }
+        self._replaced[old] = info.name  # a message given up on may still come back
         self._census = self._positions = None
 
     def __contains__(self, node_id: object) -> bool:
@@ -118,9 +120,12 @@ class Sites:
         return state.info if state else None
 
     def name(self, node_id: int) -> str:
-        """The site's name (``node-<id>`` for a node that has not introduced itself)."""
+        """The site's name (``node-<id>`` for a node that has not introduced itself; the
+        site's, for a node whose place a restarted one took)."""
         state = self._states.get(node_id)
-        return state.info.name if state else f"node-{node_id}"
+        if state is not None:
+            return state.info.name
+        return self._replaced.get(node_id, f"node-{node_id}")
 
     def by_name(self, node_ids: Iterable[int]) -> list[int]:
         """``node_ids`` ordered by site name (then node id): the order strategies sample
