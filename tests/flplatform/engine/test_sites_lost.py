@@ -479,22 +479,19 @@ def test_a_run_whose_sites_are_named_by_node_ids_says_it_cannot_be_resumed() -> 
     first.run(MODEL, num_rounds=2)
     assert "2 site(s) are named by their Flower node ids" in (seen[0].warning or "")
     assert "cannot be resumed" in (seen[0].warning or "") and seen[1].warning is None
-    again = RoundEngine(
-        ScriptedGrid({11: unnamed, 12: unnamed}),
-        LocalSGDAveraging(),
-        required_sites=2,
-        poll_interval=0.0,
-        startup_timeout=1.0,
-    )
+
+    def resumed_on(*nodes: int) -> dict[int, int]:
+        engine = RoundEngine(
+            ScriptedGrid(dict.fromkeys(nodes, unnamed)),
+            LocalSGDAveraging(),
+            required_sites=2,
+            poll_interval=0.0,
+            startup_timeout=1.0,
+        )
+        return engine.resume_from(first.state_dict())
+
     with pytest.raises(CheckpointError, match=r"cannot resume: 2 site\(s\) are named by their"):
-        again.resume_from(first.state_dict())
+        resumed_on(11, 12)
     # Where node ids outlive a restart (SuperNodes with keys, a SuperLink of one's own),
     # the same names come back and the run resumes.
-    same = RoundEngine(
-        ScriptedGrid({1: unnamed, 2: unnamed}),
-        LocalSGDAveraging(),
-        required_sites=2,
-        poll_interval=0.0,
-        startup_timeout=1.0,
-    )
-    assert same.resume_from(first.state_dict()) == {1: 1, 2: 2}
+    assert resumed_on(1, 2) == {1: 1, 2: 2}
