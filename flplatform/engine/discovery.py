@@ -13,7 +13,7 @@ from flplatform.core import keys
 from flplatform.core.ledger_rows import TRAFFIC_QUERY
 from flplatform.core.site_registry import SiteRegistry
 from flplatform.engine.clock import Clock
-from flplatform.engine.events import Dispatch, LedgerSink, SiteInfo, TrafficOutcome
+from flplatform.engine.events import Dispatch, LedgerSink, SiteInfo, TrafficOutcome, node_name
 from flplatform.engine.mailbox import TTL_GRACE_SECONDS, Mailbox
 from flplatform.engine.replies import site_info
 from flplatform.engine.sites import Sites
@@ -138,7 +138,7 @@ def registered(info: SiteInfo, registry: SiteRegistry | None) -> tuple[SiteInfo,
             "node %d is not in the site registry; named as it says: %s", info.node_id, info.name
         )
         return info, None
-    claimed = None if info.name in (name, f"node-{info.node_id}") else info.name
+    claimed = None if info.name in (name, node_name(info.node_id)) else info.name
     if claimed is not None:
         log.warning(
             "node %d, registered as %s, calls itself %s: recorded as %s",

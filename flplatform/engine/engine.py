@@ -78,6 +78,7 @@ from flplatform.engine.events import (
     SiteInfo,
     TrafficOutcome,
     UpdateOutcome,
+    node_name,
     presence_sentence,
 )
 from flplatform.engine.guard import Decision, GuardOptions, Ruling, UpdateGuard
@@ -494,7 +495,7 @@ class RoundEngine:
         # ---- the same sites, with this run's node ids
         nodes = self._rediscover(
             [s["name"] for s in saved_sites],
-            by_node_id={s["name"] for s in saved_sites if s["name"] == f"node-{s['node_id']}"},
+            by_node_id={s["name"] for s in saved_sites if s["name"] == node_name(s["node_id"])},
         )
         by_name = {info.name: node_id for node_id, info in self.sites.infos().items()}
         mapping = {s["node_id"]: by_name[s["name"]] for s in saved_sites}
@@ -756,7 +757,7 @@ class RoundEngine:
             server_round=self._server_round,
             held=held,
         )
-        holders = {self.sites.name(n): n for n in self.sites.infos()}
+        holders = self.sites.holders()
         for new, claim in restarted.items():
             if self.sites.is_connected(holders[claim.name]):
                 log.warning(
@@ -766,7 +767,7 @@ class RoundEngine:
                     claim.name,
                 )
         self._restarted.update(restarted)
-        unnamed = [n for n in node_ids if n in self.sites and self.sites.name(n) == f"node-{n}"]
+        unnamed = [n for n in node_ids if n in self.sites and self.sites.name(n) == node_name(n)]
         if unnamed and not self._unnamed_said:
             self._unnamed_said = True
             self._warning = _joined(self._warning, unnamed_sites(len(unnamed)))
@@ -799,7 +800,7 @@ class RoundEngine:
         a strategy that cannot restore its state, the new node joins as a site of its
         own, named apart.
         """
-        holders = {self.sites.name(n): n for n in self.sites.infos()}
+        holders = self.sites.holders()
         latest = {info.name: node for node, info in self._restarted.items()}
         for name, new in latest.items():
             old = holders[name]

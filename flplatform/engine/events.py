@@ -44,6 +44,12 @@ EvaluationOutcome = EvaluationRow
 TrafficOutcome = TrafficRow
 
 
+def node_name(node_id: int) -> str:
+    """The name of a site that did not say its own: its Flower node id, new at every
+    start-up (so a run of such sites cannot be resumed)."""
+    return f"node-{node_id}"
+
+
 @dataclass(frozen=True)
 class SiteInfo:
     """A connected site as it introduced itself (or as much as the server could learn)."""

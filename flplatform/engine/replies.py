@@ -16,7 +16,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 
 from flplatform.core import keys
 from flplatform.core.text import printable
-from flplatform.engine.events import SiteInfo
+from flplatform.engine.events import SiteInfo, node_name
 
 MAX_COUNT = 2**62  # fits the ledger's signed 64-bit columns with room to sum
 MAX_INT32 = 2**31 - 1
@@ -121,7 +121,7 @@ def halves_disagree(site_mod: str | None, reply: Message, site: str, server: str
 
 def site_info(node_id: int, reply: Message | None) -> SiteInfo:
     """What a site's answer to the QUERY says; its node id names it if it said nothing."""
-    fallback = f"node-{node_id}"
+    fallback = node_name(node_id)
     info = None
     if reply is not None and not reply.has_error():
         info = record_of(reply.content, keys.SITE_INFO, ConfigRecord)

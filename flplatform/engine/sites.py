@@ -28,7 +28,7 @@ from enum import Enum
 from typing import Any
 
 from flplatform.core.checkpoint import StateProblems
-from flplatform.engine.events import Dispatch, SiteInfo
+from flplatform.engine.events import Dispatch, SiteInfo, node_name
 
 
 class Phase(Enum):
@@ -125,7 +125,7 @@ class Sites:
         state = self._states.get(node_id)
         if state is not None:
             return state.info.name
-        return self._replaced.get(node_id, f"node-{node_id}")
+        return self._replaced.get(node_id, node_name(node_id))
 
     def by_name(self, node_ids: Iterable[int]) -> list[int]:
         """``node_ids`` ordered by site name (then node id): the order strategies sample
@@ -134,6 +134,10 @@ class Sites:
 
     def names(self) -> set[str]:
         return {s.info.name for s in self._states.values()}
+
+    def holders(self) -> dict[str, int]:
+        """Site name → the node that has it now."""
+        return {s.info.name: node_id for node_id, s in self._states.items()}
 
     def set_connected(self, node_ids: set[int]) -> tuple[list[int], list[int]]:
         """The nodes the SuperLink lists now; the others get no work.
