@@ -83,15 +83,16 @@ from strategies.mods.contract import (
     sent_model,
     site_algorithm,
 )
-from strategies.mods.delayed import delayed_mod
 
 if TYPE_CHECKING:
+    from strategies.mods.delayed import delayed_mod
     from strategies.mods.fetchsgd import fetchsgd_mod
     from strategies.mods.sketched_sgd import sketched_sgd_mod
 
-# The sketched mods load torch: imported on first use, so a process that only needs the
-# package's light parts (a simulation forgetting a run's snapshots) starts without it.
+# The delayed and sketched mods load torch: imported on first use, so a process that only
+# needs the package's light parts (the CLI forgetting a run's snapshots) starts without it.
 _LAZY = {
+    "delayed_mod": "strategies.mods.delayed",
     "fetchsgd_mod": "strategies.mods.fetchsgd",
     "sketched_sgd_mod": "strategies.mods.sketched_sgd",
 }
@@ -141,6 +142,7 @@ def flplatform_mod() -> Mod:
     Local-SGD with a codec the server asked for compresses (``codec_mod``); without one
     the model goes back whole (``model_mod``).
     """
+    from strategies.mods.delayed import delayed_mod
     from strategies.mods.fetchsgd import fetchsgd_mod
     from strategies.mods.sketched_sgd import sketched_sgd_mod
 

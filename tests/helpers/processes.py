@@ -109,19 +109,24 @@ def flplatform_cli(args: list[str], cwd: Path, log: Path) -> subprocess.Popen[by
 
 
 @contextlib.contextmanager
-def commits_held(db: str) -> Iterator[None]:
-    """Hold the ledger's write lock: while inside, the run commits nothing (its writer waits:
-    SQLite's busy timeout is 30 s, a PostgreSQL lock wait has no limit); readers read on."""
+def commit_holder(db: str) -> Iterator[Callable[[], contextlib.AbstractContextManager[None]]]:
+    """A way to hold the ledger's write lock, made once for many holds: while inside a hold,
+    the run commits nothing (its writer waits: SQLite's busy timeout is 30 s, a PostgreSQL
+    lock wait has no limit); readers read on. One PostgreSQL engine for all of them."""
     url = make_url(db)
     if url.get_backend_name() == "sqlite":
-        with sqlite_write_lock(str(url.database), timeout=30):
-            yield
+        yield lambda: sqlite_write_lock(str(url.database), timeout=30)
         return
     engine = create_ledger_engine(normalize_db_url(db))
-    try:
+
+    @contextlib.contextmanager
+    def held() -> Iterator[None]:
         with engine.begin() as session:
             session.exec_driver_sql("LOCK TABLE runs, rounds, run_events IN EXCLUSIVE MODE")
             yield
+
+    try:
+        yield held
     finally:
         engine.dispose()
 
@@ -142,16 +147,17 @@ def rounds_reached(
     process the command started meanwhile.
 
     ``hold``: the ledger's commits are held from each look until the block ends
-    (:func:`commits_held`), so that the run is still at that round when the block acts on
+    (:func:`commit_holder`), so that the run is still at that round when the block acts on
     it; a run's last rounds take a fraction of a second, less than one look on a busy
     machine.
     """
     leftovers = Leftovers(cli.pid)
     deadline = time.monotonic() + STARTUP_SECONDS
-    with LedgerRepository.open(db) as repository:
+    holder = commit_holder(db) if hold else contextlib.nullcontext(contextlib.nullcontext)
+    with LedgerRepository.open(db) as repository, holder as held:
         while True:
             leftovers.record()
-            with commits_held(db) if hold else contextlib.nullcontext():
+            with held():
                 runs = repository.list_runs()
                 run = next((r for r in runs if run_id is None or r.id == run_id), None)
                 if (
