@@ -126,6 +126,10 @@ PRESENCE_CHECK_SECONDS = 5.0
 
 # A refused site is not offered work again for this long (it may be reconnecting).
 REFUSED_BACKOFF = 5.0
+# A new node that names a site whose SuperNode is still listed is a restart while Flower
+# still lists the dead node (dropped when its heartbeat lapses: about a minute) or, once
+# it has waited this long, a second SuperNode given the same site name: said in the run.
+CLAIM_WARNING_SECONDS = 180.0
 CANCELLED_REASON = "cancelled: the step it was computing for was decided without it"
 # The ``kind`` of a run's state tree (a checkpoint): what ``resume_from`` accepts.
 STATE_KIND = "flplatform-run-state"
@@ -267,6 +271,8 @@ class RoundEngine:
         # New nodes that named a site of the run (its SuperNode started again), in the
         # order they came, until one takes the site's place (``_take_over_restarted``).
         self._restarted: dict[int, SiteInfo] = {}
+        # those that named a site whose SuperNode was connected: since when (monotonic)
+        self._claimed_since: dict[int, float] = {}
         self._unnamed_said = False  # sites named by their node ids: said once per run
         self._warning: str | None = None  # for the next round's summary
         self._finished_round = 0  # the last round recorded
@@ -760,6 +766,7 @@ class RoundEngine:
         holders = self.sites.holders()
         for new, claim in restarted.items():
             if self.sites.is_connected(holders[claim.name]):
+                self._claimed_since[new] = time.monotonic()
                 log.warning(
                     "node %s says it is site %s, whose SuperNode is connected: it gets no "
                     "work, and takes the site's place if that one leaves (a restart)",
@@ -801,6 +808,7 @@ class RoundEngine:
         own, named apart.
         """
         holders = self.sites.holders()
+        self._say_long_claims(holders)
         latest = {info.name: node for node, info in self._restarted.items()}
         for name, new in latest.items():
             old = holders[name]
@@ -833,6 +841,24 @@ class RoundEngine:
             profile = self.clock.join(name, self.sites.position(new))
             self.ledger.add_site(info, ledger_profile(info, profile))
             self._say_presence(SITE_BACK_EVENT, new, restarted=1)
+
+    def _say_long_claims(self, holders: Mapping[str, int]) -> None:
+        """Once, in the run's warnings: each waiting node that named a site whose SuperNode
+        has stayed connected for ``CLAIM_WARNING_SECONDS`` (two SuperNodes started with one
+        name: one of them idles, which only the log said)."""
+        self._claimed_since = {n: t for n, t in self._claimed_since.items() if n in self._restarted}
+        now = time.monotonic()
+        for new, since in list(self._claimed_since.items()):
+            name = self._restarted[new].name
+            if now - since < CLAIM_WARNING_SECONDS or not self.sites.is_connected(holders[name]):
+                continue
+            del self._claimed_since[new]  # said once
+            self._warning = _joined(
+                self._warning,
+                f"node {new} says it is site {name}, but {name}'s SuperNode has stayed "
+                f"connected for {seconds_text(now - since)} s: the node gets no work while "
+                f"that one is there (two SuperNodes started with one site name?)",
+            )
 
     # ============================================================ training round
     def _train_round(

@@ -22,6 +22,7 @@ from flplatform.core import keys
 from flplatform.core.arrays import record_to_arrays
 from flplatform.core.checkpoint import CheckpointError
 from flplatform.engine import APPLIED, PeriodSync, RoundSummary
+from flplatform.engine import engine as engine_module
 from flplatform.engine.engine import RoundEngine
 from flplatform.engine.events import SITE_BACK_EVENT, SITE_LOST_EVENT
 from flplatform.engine.guard import UpdateGuard
@@ -352,8 +353,9 @@ def test_a_restarted_supernode_listed_beside_its_dead_one_waits_for_it_to_go(
         3: scripted("tokyo", good),
         4: scripted("ohio", good),
     }
+    seen: list[RoundSummary] = []
     with caplog.at_level(logging.WARNING, logger="flplatform.engine"):
-        run = run_listed(sqlite_ledger, sites, listed, 4)
+        run = run_listed(sqlite_ledger, sites, listed, 4, on_round=seen.append)
     assert run.sites == {"london": 1, "ohio": 4, "tokyo": 3}
     ohio = {u.round: u.status for u in run.updates if u.site == "ohio"}
     assert ohio[1] == "applied" and ohio[2] != "applied" and ohio[3] == ohio[4] == "applied"
@@ -361,6 +363,40 @@ def test_a_restarted_supernode_listed_beside_its_dead_one_waits_for_it_to_go(
     assert events == [(SITE_LOST_EVENT, 3, None), (SITE_BACK_EVENT, 3, 1)]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("node 4 says it is site ohio, whose SuperNode is connected" in w for w in warnings)
+    # a restart that took its place within CLAIM_WARNING_SECONDS is no run warning
+    assert [s.warning for s in seen] == [None] * 4
+
+
+def test_a_second_supernode_given_a_sites_name_is_said_in_the_run_once_it_has_waited(
+    sqlite_ledger: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two SuperNodes started with one site name (under --insecure: names are not bound to
+    keys). The second waits for the first to leave, as a restart does, with no work; once
+    it has waited CLAIM_WARNING_SECONDS (Flower drops a dead node within about a minute),
+    the run says so in its warnings, once (only the ServerApp's log said it before)."""
+    monkeypatch.setattr(engine_module, "CLAIM_WARNING_SECONDS", 0.0)
+    listed = {1, 2, 3}
+
+    def starts_a_second_ohio(msg: Message) -> Message:
+        listed.add(4)
+        return good(msg)
+
+    sites = {
+        1: scripted("london", good),
+        2: scripted("ohio", starts_a_second_ohio, good),
+        3: scripted("tokyo", good),
+        4: scripted("ohio", good),
+    }
+    seen: list[RoundSummary] = []
+    run = run_listed(sqlite_ledger, sites, listed, 4, on_round=seen.append)
+    assert run.sites == {"london": 1, "ohio": 2, "tokyo": 3}  # node 4 never took a place
+    assert all(u.site != "ohio" or u.status == "applied" for u in run.updates)
+    said = [
+        s.server_round for s in seen if s.warning and "node 4 says it is site ohio" in s.warning
+    ]
+    assert said == [2]  # it registered in round 1; said at the next round's start, once
+    assert "ohio's SuperNode has stayed connected" in (seen[1].warning or "")
+    assert "two SuperNodes started with one site name?" in (seen[1].warning or "")
 
 
 def test_of_two_restarts_in_a_row_the_latest_takes_the_sites_place(sqlite_ledger: str) -> None:
