@@ -61,18 +61,23 @@ class ListedRun:
 
 
 def run_listed(
-    ledger: str, sites: dict[int, Behaviour], listed: set[int], rounds: int, **options: Any
+    ledger: str,
+    sites: dict[int, Behaviour],
+    listed: set[int],
+    rounds: int,
+    strategy: LocalSGDAveraging | None = None,
+    **options: Any,
 ) -> ListedRun:
-    """Local-SGD for ``rounds`` rounds over ``sites``, of which the SuperLink lists
-    ``listed`` (the sites change it as they go), into a new run of ``ledger``; the sites
-    listed at the start are required."""
+    """Local-SGD (or ``strategy``) for ``rounds`` rounds over ``sites``, of which the
+    SuperLink lists ``listed`` (the sites change it as they go), into a new run of
+    ``ledger``; the sites listed at the start are required."""
     with LedgerRepository.open(ledger) as repository:
         run_id = repository.create_run(
             name="t", strategy="local-sgd", seed=0, config={}, num_rounds_planned=rounds
         )
         engine = RoundEngine(
             ListedGrid(sites, listed),
-            LocalSGDAveraging(),
+            strategy or LocalSGDAveraging(),
             ledger=SqlLedger(repository, run_id),
             required_sites=len(listed),
             poll_interval=0.0,
@@ -365,6 +370,47 @@ def test_a_restarted_supernode_listed_beside_its_dead_one_waits_for_it_to_go(
     assert any("node 4 says it is site ohio, whose SuperNode is connected" in w for w in warnings)
     # a restart that took its place within CLAIM_WARNING_SECONDS is no run warning
     assert [s.warning for s in seen] == [None] * 4
+
+
+class StatelessAveraging(LocalSGDAveraging):
+    """A strategy that cannot restore its state (a user's own, say)."""
+
+    def load_state_dict(self, state: Any, *, nodes: Any = None) -> None:
+        raise CheckpointError("this strategy keeps its state to itself")
+
+
+def test_a_restart_under_a_strategy_that_cannot_hand_over_joins_as_a_site_of_its_own(
+    sqlite_ledger: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The take-over moves the strategy's state through its checkpoint; a strategy that
+    cannot restore one leaves the restarted node to join as a site of its own, named
+    apart, and the run goes on (as every restart did before the take-over)."""
+    listed = {1, 2, 3}
+
+    def registers_again(msg: Message) -> Message:
+        listed.add(4)
+        return good(msg)
+
+    def dead(msg: Message) -> Message:
+        listed.discard(2)
+        return expired(msg)
+
+    sites = {
+        1: scripted("london", good),
+        2: scripted("ohio", registers_again, dead),
+        3: scripted("tokyo", good),
+        4: scripted("ohio", good),
+    }
+    with caplog.at_level(logging.WARNING, logger="flplatform.engine"):
+        run = run_listed(sqlite_ledger, sites, listed, 4, StatelessAveraging())
+    assert run.sites == {"london": 1, "ohio": 2, "tokyo": 3, "ohio-4": 4}
+    assert {u.round for u in run.updates if u.site == "ohio-4" and u.status == "applied"} >= {4}
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(
+        "site ohio restarted as node 4, but the strategy cannot hand it the site's state" in w
+        and "it joins as a new site" in w
+        for w in warnings
+    )
 
 
 def test_a_second_supernode_given_a_sites_name_is_said_in_the_run_once_it_has_waited(
