@@ -271,8 +271,10 @@ class RoundEngine:
         # New nodes that named a site of the run (its SuperNode started again), in the
         # order they came, until one takes the site's place (``_take_over_restarted``).
         self._restarted: dict[int, SiteInfo] = {}
-        # those that named a site whose SuperNode was connected: since when (monotonic)
+        # those waiting beside their site's connected SuperNode: since when (monotonic,
+        # from the first round start that saw it), and those said in the run's warnings
         self._claimed_since: dict[int, float] = {}
+        self._claims_said: set[int] = set()
         self._unnamed_said = False  # sites named by their node ids: said once per run
         self._warning: str | None = None  # for the next round's summary
         self._finished_round = 0  # the last round recorded
@@ -766,7 +768,6 @@ class RoundEngine:
         holders = self.sites.holders()
         for new, claim in restarted.items():
             if self.sites.is_connected(holders[claim.name]):
-                self._claimed_since[new] = time.monotonic()
                 log.warning(
                     "node %s says it is site %s, whose SuperNode is connected: it gets no "
                     "work, and takes the site's place if that one leaves (a restart)",
@@ -843,16 +844,22 @@ class RoundEngine:
             self._say_presence(SITE_BACK_EVENT, new, restarted=1)
 
     def _say_long_claims(self, holders: Mapping[str, int]) -> None:
-        """Once, in the run's warnings: each waiting node that named a site whose SuperNode
-        has stayed connected for ``CLAIM_WARNING_SECONDS`` (two SuperNodes started with one
-        name: one of them idles, which only the log said)."""
-        self._claimed_since = {n: t for n, t in self._claimed_since.items() if n in self._restarted}
+        """Once, in the run's warnings: each waiting node whose site's SuperNode has been
+        connected at every round start for ``CLAIM_WARNING_SECONDS`` (two SuperNodes
+        started with one name: one of them idles, which only the log said)."""
         now = time.monotonic()
-        for new, since in list(self._claimed_since.items()):
-            name = self._restarted[new].name
-            if now - since < CLAIM_WARNING_SECONDS or not self.sites.is_connected(holders[name]):
+        waiting = {
+            new: info.name
+            for new, info in self._restarted.items()
+            if self.sites.is_connected(holders[info.name])
+        }  # the others wait for a SuperNode that left: a restart, taking over soon
+        self._claimed_since = {new: self._claimed_since.get(new, now) for new in waiting}
+        self._claims_said &= set(self._restarted)
+        for new, since in self._claimed_since.items():
+            if now - since < CLAIM_WARNING_SECONDS or new in self._claims_said:
                 continue
-            del self._claimed_since[new]  # said once
+            self._claims_said.add(new)
+            name = waiting[new]
             self._warning = _joined(
                 self._warning,
                 f"node {new} says it is site {name}, but {name}'s SuperNode has stayed "

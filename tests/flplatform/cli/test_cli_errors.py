@@ -145,6 +145,7 @@ def test_bad_option_type_is_a_usage_error_not_a_traceback() -> None:
     assert "three" in result.output
 
 
+@pytest.mark.usefixtures("flplatform_home")  # forget_snapshots reads the home
 def test_the_cli_starts_and_checks_a_configuration_without_torch() -> None:
     """``flplatform --help``, ``history``, a bad option: torch (2–3 s to import) loads only
     when a run starts (the strategies' knobs are checked in strategies/knobs.py), and not

@@ -21,7 +21,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MessageTy
 from flplatform.core import keys
 from flplatform.core.arrays import record_to_arrays
 from flplatform.core.checkpoint import CheckpointError
-from flplatform.engine import APPLIED, PeriodSync, RoundSummary
+from flplatform.engine import APPLIED, PeriodSync, RoundSummary, Synchrony
 from flplatform.engine import engine as engine_module
 from flplatform.engine.engine import RoundEngine
 from flplatform.engine.events import SITE_BACK_EVENT, SITE_LOST_EVENT
@@ -370,6 +370,49 @@ def test_a_restarted_supernode_listed_beside_its_dead_one_waits_for_it_to_go(
     assert any("node 4 says it is site ohio, whose SuperNode is connected" in w for w in warnings)
     # a restart that took its place within CLAIM_WARNING_SECONDS is no run warning
     assert [s.warning for s in seen] == [None] * 4
+
+
+def test_a_second_supernode_that_registered_while_the_site_blinked_off_is_said_too(
+    sqlite_ledger: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ohio's SuperNode drops off the list for a moment while it trains (a lapsed
+    heartbeat), a second SuperNode named ohio registers meanwhile, and ohio's comes back
+    under its node id and stays: the second idles beside it, and the run says so (it was
+    timed only when it registered beside a connected site, and never said: a review)."""
+    monkeypatch.setattr(engine_module, "CLAIM_WARNING_SECONDS", 0.0)
+    listed = {1, 2, 3}
+    second = scripted("ohio", good)
+    asked: list[int] = []
+
+    def second_ohio(msg: Message) -> Message | None:
+        asked.append(1)  # the engine has heard of it (while ohio is off the list)
+        return second(msg)
+
+    def blinks_off(msg: Message) -> Message | None:
+        listed.discard(2)
+        listed.add(4)  # a second ohio registers while ohio is off the list
+        return None  # still training: its work stays out
+
+    def brings_ohio_back(msg: Message) -> Message:
+        if asked:
+            listed.add(2)
+        return good(msg)
+
+    sites = {
+        1: scripted("london", good, brings_ohio_back),
+        2: scripted("ohio", good, blinks_off, good),
+        3: scripted("tokyo", good),
+        4: second_ohio,
+    }
+    seen: list[RoundSummary] = []
+    run = run_listed(
+        sqlite_ledger, sites, listed, 10, policy=Synchrony("async"), on_round=seen.append
+    )
+    assert run.sites == {"london": 1, "ohio": 2, "tokyo": 3}
+    said = [
+        s.server_round for s in seen if s.warning and "node 4 says it is site ohio" in s.warning
+    ]
+    assert len(said) == 1, [(s.server_round, s.warning) for s in seen]
 
 
 class StatelessAveraging(LocalSGDAveraging):
