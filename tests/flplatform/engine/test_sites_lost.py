@@ -335,14 +335,10 @@ def test_a_restarted_site_of_delayed_updates_goes_on_as_if_it_had_not_restarted(
     assert np.array_equal(restarted, alone)
 
 
-def test_a_restarted_supernode_listed_beside_its_dead_one_waits_for_it_to_go(
-    sqlite_ledger: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    """An unauthenticated SuperNode that restarts registers anew while Flower still lists
-    the dead one, until its heartbeat lapses (seen on a deployment with --insecure: the
-    new node joined as "ohio-<id>", a fourth site). It now gets no work meanwhile, and
-    takes ohio's place once the old node is gone and its work has ended."""
-    listed = {1, 2, 3}
+def restarting_ohio(listed: set[int]) -> dict[int, Behaviour]:
+    """london, ohio (node 2) and tokyo; ohio's SuperNode restarts after its first update:
+    its new node 4 registers while Flower still lists node 2, whose heartbeat lapses at
+    its next message (Flower answers for it)."""
 
     def registers_again(msg: Message) -> Message:
         listed.add(4)  # ohio's SuperNode is restarting: its new node registers
@@ -352,15 +348,25 @@ def test_a_restarted_supernode_listed_beside_its_dead_one_waits_for_it_to_go(
         listed.discard(2)  # the dead node's heartbeat lapses; Flower answers for it
         return expired(msg)
 
-    sites = {
+    return {
         1: scripted("london", good),
         2: scripted("ohio", registers_again, dead),
         3: scripted("tokyo", good),
         4: scripted("ohio", good),
     }
+
+
+def test_a_restarted_supernode_listed_beside_its_dead_one_waits_for_it_to_go(
+    sqlite_ledger: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An unauthenticated SuperNode that restarts registers anew while Flower still lists
+    the dead one, until its heartbeat lapses (seen on a deployment with --insecure: the
+    new node joined as "ohio-<id>", a fourth site). It now gets no work meanwhile, and
+    takes ohio's place once the old node is gone and its work has ended."""
+    listed = {1, 2, 3}
     seen: list[RoundSummary] = []
     with caplog.at_level(logging.WARNING, logger="flplatform.engine"):
-        run = run_listed(sqlite_ledger, sites, listed, 4, on_round=seen.append)
+        run = run_listed(sqlite_ledger, restarting_ohio(listed), listed, 4, on_round=seen.append)
     assert run.sites == {"london": 1, "ohio": 4, "tokyo": 3}
     ohio = {u.round: u.status for u in run.updates if u.site == "ohio"}
     assert ohio[1] == "applied" and ohio[2] != "applied" and ohio[3] == ohio[4] == "applied"
@@ -429,23 +435,8 @@ def test_a_restart_under_a_strategy_that_cannot_hand_over_joins_as_a_site_of_its
     cannot restore one leaves the restarted node to join as a site of its own, named
     apart, and the run goes on (as every restart did before the take-over)."""
     listed = {1, 2, 3}
-
-    def registers_again(msg: Message) -> Message:
-        listed.add(4)
-        return good(msg)
-
-    def dead(msg: Message) -> Message:
-        listed.discard(2)
-        return expired(msg)
-
-    sites = {
-        1: scripted("london", good),
-        2: scripted("ohio", registers_again, dead),
-        3: scripted("tokyo", good),
-        4: scripted("ohio", good),
-    }
     with caplog.at_level(logging.WARNING, logger="flplatform.engine"):
-        run = run_listed(sqlite_ledger, sites, listed, 4, StatelessAveraging())
+        run = run_listed(sqlite_ledger, restarting_ohio(listed), listed, 4, StatelessAveraging())
     assert run.sites == {"london": 1, "ohio": 2, "tokyo": 3, "ohio-4": 4}
     assert {u.round for u in run.updates if u.site == "ohio-4" and u.status == "applied"} >= {4}
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
