@@ -24,14 +24,14 @@ import random
 import re
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Final
 from urllib.parse import quote
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, Connection, make_url
-from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import ConnectionPoolEntry, StaticPool
 
@@ -618,7 +618,11 @@ def session_scope(factory: sessionmaker[Session]) -> Iterator[Session]:
         yield session
         session.commit()
     except BaseException:
-        session.rollback()
+        # A rollback that fails must not hide why the block ended: a Ctrl-C that lands
+        # inside commit() leaves the session "committed", where rollback() raises, and
+        # the CLI then said "cannot find the run ..." instead of stopping the run.
+        with suppress(SQLAlchemyError):
+            session.rollback()
         raise
     finally:
         session.close()

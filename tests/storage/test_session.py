@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import event, text
+from sqlalchemy.orm import Session
 
 from flplatform.core.errors import StorageError
 from storage import LedgerRepository, default_db_url, mask_db_url, normalize_db_url
@@ -180,6 +181,24 @@ def test_readers_are_not_blocked_by_an_open_write(tmp_path: Path) -> None:
         finally:
             writer.execute("ROLLBACK")
             writer.close()
+
+
+def test_a_ctrl_c_inside_a_commit_stays_a_ctrl_c(repository: LedgerRepository) -> None:
+    """SIGINT lands where it lands: inside commit(), the session is left "committed" and its
+    rollback raises. That error hid the Ctrl-C, so `flplatform simulate` ended with "cannot
+    find the run tagged ...: This session is in 'committed' state" (exit 4) instead of
+    stopping the run (130); seen once in a full suite's SIGINT test."""
+
+    def interrupted(session: Session) -> None:
+        raise KeyboardInterrupt
+
+    event.listen(Session, "after_commit", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            repository.find_run_by_tag("run-a")
+    finally:
+        event.remove(Session, "after_commit", interrupted)
+    assert repository.find_run_by_tag("run-a") is None  # the ledger still answers
 
 
 # ---------------------------------------------------------------------------- open failures
