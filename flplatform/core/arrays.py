@@ -14,8 +14,9 @@ from collections.abc import Mapping
 
 import numpy as np
 from flwr.app import Array, ArrayRecord
-from flwr.common.constant import SType
 from numpy.lib import format as npy
+
+from flplatform.core.flower_internals import NUMPY_STYPE
 
 # .npy header versions whose header numpy reads with a public function
 _NPY_HEADER_READERS = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}
@@ -69,7 +70,7 @@ def array_view(array: Array) -> np.ndarray:
     .npy header); anything but a plain .npy of fixed-size items (an object array, a
     truncated buffer, an unusual header) takes Flower's own path, with its errors."""
     data = array.data
-    if array.stype == SType.NUMPY and data[:_PREFIX] == npy.MAGIC_PREFIX:
+    if array.stype == NUMPY_STYPE and data[:_PREFIX] == npy.MAGIC_PREFIX:
         length_bytes = _HEADER_LENGTH_BYTES.get(data[_PREFIX : _PREFIX + 1])  # major version
         if length_bytes is not None:
             start = _PREFIX + 2 + length_bytes
@@ -139,7 +140,7 @@ def encode(value: np.ndarray) -> Array:
     if header is None or array.dtype.itemsize == 0:
         return Array(array)
     data = b"".join((header, array.reshape(-1).view(np.uint8).data))
-    return Array(dtype=str(array.dtype), shape=tuple(array.shape), stype=SType.NUMPY, data=data)
+    return Array(dtype=str(array.dtype), shape=tuple(array.shape), stype=NUMPY_STYPE, data=data)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -8,10 +8,14 @@ form, and each is reached through this module only:
   Fleet protos, ``message_to_proto``, ``metadata_to_proto``, ``ArrayChunk``, the object
   header's dividers and the array chunk size;
 * median and trimmed-mean aggregation reuse ``flwr.server.strategy.aggregate``;
+* an array travels as NumPy's ``.npy`` bytes under Flower's ``SType.NUMPY``;
+* a wrapped Flower strategy's replies are checked as Flower's own strategies check them
+  (``validate_message_reply_consistency``, ``InconsistentMessageReplies``);
 * a simulation runs Flower's ``flwr-simulation`` entry point with a patched actor pool
   that replaces a Ray actor whose process died (``BasicActorPool``, its ``submit`` and
   its private ``_future_to_actor``, ``pool`` and ``create_actor_fn``);
-* an app directory is staged with the file filter ``flwr run`` applies, a deployment
+* an app directory is read and checked as ``flwr run`` reads it (``validate_config``,
+  ``flatten_dict``) and staged with the file filter it applies, a deployment
   writes its connection into Flower's ``config.toml`` starting from Flower's default
   text, and a ClientApp module is imported under Flower's own import lock.
 
@@ -103,6 +107,17 @@ def max_array_chunk_size() -> int:
     return int(getattr(_ARRAY_MODULE, _CHUNK_SIZE))  # per message measured: no lookup
 
 
+# ---------------------------------------------------------------- arrays (core.arrays)
+NUMPY_STYPE = internal("flwr.common.constant", "SType.NUMPY")
+
+
+# ---------------------------------- a wrapped Flower strategy's replies (run.flower_adapter)
+validate_message_reply_consistency = internal(
+    "flwr.serverapp.strategy.strategy_utils", "validate_message_reply_consistency"
+)
+InconsistentMessageReplies = internal("flwr.serverapp.exception", "InconsistentMessageReplies")
+
+
 # ------------------------------------------------------- robust aggregation (local-SGD)
 aggregate_median = internal("flwr.server.strategy.aggregate", "aggregate_median")
 aggregate_trimmed_avg = internal("flwr.server.strategy.aggregate", "aggregate_trimmed_avg")
@@ -123,6 +138,13 @@ def actor_pool() -> Any:
 def simulation_entry_point() -> Any:
     """What Flower's ``flwr-simulation`` command runs."""
     return internal("flwr.simulation.app", "flwr_simulation")
+
+
+def app_config_checks() -> tuple[Any, Any]:
+    """How ``flwr run`` checks an app's pyproject.toml and flattens its config table:
+    ``(validate_config, flatten_dict)`` from ``flwr.common.config``."""
+    module = "flwr.common.config"
+    return internal(module, "validate_config"), internal(module, "flatten_dict")
 
 
 def publish_filter() -> Any:

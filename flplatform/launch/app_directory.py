@@ -37,6 +37,7 @@ from typing import Any
 from clients.catalog import MODELS
 from flplatform.core.checks import one_of, require
 from flplatform.core.errors import ConfigError
+from flplatform.core.flower_internals import app_config_checks
 from flplatform.engine.guard import GUARD_OPTIONS, guard_problems
 from flplatform.run.options import ConfigValue, option_problem
 
@@ -179,7 +180,7 @@ def read_app(path: str | Path) -> FlowerApp:
         raise ConfigError(f"cannot read {pyproject}: {exc}") from None
     if not isinstance(data.get("tool", {}).get("flwr", {}).get("app"), dict):
         raise ConfigError(f"{pyproject} has no tool.flwr.app table: not a Flower app directory")
-    from flwr.common.config import flatten_dict, validate_config
+    validate_config, flatten_dict = app_config_checks()
 
     try:
         with _imports_undone(_component_packages(data), app_dir):

@@ -33,13 +33,15 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.exception import InconsistentMessageReplies
 from flwr.serverapp.strategy import Strategy
-from flwr.serverapp.strategy.strategy_utils import validate_message_reply_consistency
 
 from flplatform.core import keys
 from flplatform.core.arrays import arrays_to_record, encode, record_to_arrays
 from flplatform.core.errors import ConfigError, RunFailed, StepRefused, UpdateRejected
+from flplatform.core.flower_internals import (
+    InconsistentMessageReplies,
+    validate_message_reply_consistency,
+)
 from flplatform.core.reply_checks import check_arrays, check_num_examples
 from flplatform.core.state import MISSING, StateReader
 from flplatform.engine import AggregationPolicy, Contribution, EngineStrategy, Synchrony, Update

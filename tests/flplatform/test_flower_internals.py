@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import tomllib
@@ -58,6 +59,35 @@ def test_every_internal_of_the_installed_flower_is_found() -> None:
     assert callable(flower_internals.publish_filter())
     assert "[superlink" in flower_internals.default_flower_config()
     assert flower_internals.import_lock() is not None
+    validate_config, flatten_dict = flower_internals.app_config_checks()
+    assert callable(validate_config) and flatten_dict({"a": {"b": 1}}) == {"a.b": 1}
+
+
+# Flower's public API: what a Flower app itself imports.
+PUBLIC_FLOWER = {"flwr.app", "flwr.serverapp", "flwr.serverapp.strategy", "flwr.clientapp"}
+
+
+def test_only_the_internals_module_reaches_past_flowers_public_api() -> None:
+    """A moved internal must fail in one place with a clear message: every other module
+    of the platform imports only Flower's public packages."""
+    outside = []
+    for package in ("flplatform", "clients", "strategies", "storage"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path.name == "flower_internals.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    modules = [node.module]
+                elif isinstance(node, ast.Import):
+                    modules = [alias.name for alias in node.names]
+                else:
+                    continue
+                outside += [
+                    f"{path.relative_to(ROOT)}:{node.lineno} {module}"
+                    for module in modules
+                    if module.split(".")[0] == "flwr" and module not in PUBLIC_FLOWER
+                ]
+    assert not outside, outside
 
 
 def test_the_chunk_size_is_read_when_asked_for() -> None:
