@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import typer
 
 from flplatform.cli import (
@@ -37,6 +39,25 @@ app.add_typer(data.app, name="data")
 history.app.command("export")(tracking.export_runs)
 app.add_typer(history.app, name="history")
 app.add_typer(certs.app, name="certs")
+
+
+def reflow_help(commands: typer.Typer) -> None:
+    """Give every command of ``commands`` (its groups' too) its docstring as help with each
+    paragraph on one line, for the terminal to wrap.
+
+    Typer's rich help keeps a docstring's line breaks in the command lists and in every
+    paragraph after the first, so a description broke where the source line did
+    ("with lists, a / sweep of runs") whatever the terminal's width.
+    """
+    for command in commands.registered_commands:
+        text = command.help or inspect.getdoc(command.callback) or ""
+        command.help = "\n\n".join(" ".join(p.split()) for p in text.split("\n\n"))
+    for group in commands.registered_groups:
+        if group.typer_instance is not None:
+            reflow_help(group.typer_instance)
+
+
+reflow_help(app)
 
 
 def main() -> None:

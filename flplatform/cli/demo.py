@@ -51,10 +51,12 @@ def cross_silo(
     mlflow: MlflowOption = None,
     tensorboard: TensorboardOption = None,
 ) -> None:
-    """Four sites on the world map (London, Ohio, California, Tokyo), non-IID digits, three
-    panels: straggler-tolerant synchrony, delayed updates and compressed uploads, each on a
-    setting where its method should win; one summary table and one plot per panel; with
-    --mlflow or --tensorboard, each panel's runs side by side there too."""
+    """Four sites on the world map, three panels: each method where it should win.
+
+    London, Ohio, California and Tokyo, non-IID digits. The panels: straggler-tolerant
+    synchrony, delayed updates and compressed uploads, each on a setting where its method
+    should win; one summary table and one plot per panel; with --mlflow or --tensorboard,
+    each panel's runs side by side there too."""
     keys = tuple(key.strip() for key in panels.split(",") if key.strip())
     chosen = build_panels(seed=seed, db=ledger_option(db), keys=keys, max_rounds=max_rounds)
     members = demo_members(chosen)

@@ -169,9 +169,11 @@ def server(
     ] = False,
     **options: Any,
 ) -> None:
-    """Run a federation across sites on other machines: a SuperLink with TLS and site
-    authentication, registered sites, and the run, recorded in the ledger by the sites'
-    registered names. Stops every process at the end or on Ctrl-C."""
+    """Run a federation across sites on other machines, recorded in the ledger.
+
+    A SuperLink with TLS and site authentication, registered sites, and the run, recorded
+    in the ledger by the sites' registered names. Stops every process at the end or on
+    Ctrl-C."""
     if insecure:
         _warn(INSECURE_SERVER_WARNING.format(address=address))
     check_folder(tensorboard)

@@ -48,15 +48,18 @@ from flplatform.cli.render import (
 )
 from flplatform.core import keys
 from flplatform.core.errors import ConfigError
+from flplatform.engine.events import SITE_BACK_EVENT, SITE_LOST_EVENT, SITE_SILENT_EVENT
 from storage import (
     CLOCK_WALL,
     RUN_FAILED,
     TRAFFIC_KINDS,
+    UPDATE_APPLIED,
     UPDATE_DROPPED,
     UPDATE_REJECTED,
     UPDATE_STATUSES,
     LedgerRepository,
     RoundRecord,
+    RunEventRecord,
     RunRecord,
     UpdateRecord,
 )
@@ -281,8 +284,12 @@ def rounds(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForm
 
     A run with simulated time also shows when each round ended on the simulated clock; a run
     with dropped or rejected updates shows each round's most common reason for them
-    (``history updates RUN --round N`` lists them all); a run whose sites evaluated, their
-    accuracy. The run's note (training diverged, why it failed) follows the table.
+    (``history updates RUN --round N`` lists them all); a run with sites that did not train
+    in a round for a reason the ledger holds names them and why (update dropped or
+    rejected, or the site away: its SuperNode left, or did not answer the site query); a
+    run whose sites evaluated, their accuracy. JSON and CSV also carry each round's sites
+    that trained (``trained``) and those that did not and why (``not_trained``). The run's
+    note (training diverged, why it failed) follows the table.
     """
     with read_ledger(db) as repository:
         run_id = resolve_run(repository, run)
@@ -291,16 +298,27 @@ def rounds(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForm
         # Only simulated runs get the column: on a wall-clock run it would be all dashes.
         simulated = any(r.virtual_finished_at is not None for r in records)
         sim = [Column("sim s")] if simulated else []
-        failures = failures_by_round(repository.list_updates(run_id, status=FAILED_STATUSES))
+        updates = repository.list_updates(run_id)
+        failures = failures_by_round(u for u in updates if u.status in FAILED_STATUSES)
         # Only runs with failed updates get the column, for the same reason.
         why = [Column("why not applied", text=True)] if failures else []
+        trained = trained_by_round(updates)
+        missed = not_trained_by_round(records, updates, repository.list_events(run_id))
+        named = [Column("not trained", text=True)] if any(missed.values()) else []
         # ... and only runs whose sites evaluated get theirs.
         sited = any(r.metrics.get(keys.SITE_ACCURACY) is not None for r in records)
         emit(
             console,
             fmt,
             title=f"Run {run_id} ({record.name}, {record.status}): rounds",
-            records=[r.to_dict() for r in records],
+            records=[
+                {
+                    **r.to_dict(),
+                    "trained": trained.get(r.round, []),
+                    "not_trained": missed.get(r.round, {}),
+                }
+                for r in records
+            ],
             columns=[
                 "round",
                 Column("version", drop=6),
@@ -314,6 +332,7 @@ def rounds(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForm
                 Column("eval\nup/down", drop=7),
                 *sim,
                 Column("wall s", drop=5),
+                *named,
                 *why,
             ],
             rows=[
@@ -330,6 +349,7 @@ def rounds(run: RunArgument, db: DbOption = None, fmt: FormatOption = OutputForm
                     _pair(r.eval_bytes_up, r.eval_bytes_down),
                     *([_fixed(r.virtual_finished_at)] if simulated else []),
                     r.wall_seconds,
+                    *([_not_trained_cell(missed.get(r.round, {}))] if named else []),
                     *([common_reason(failures.get(r.round, []))] if failures else []),
                 )
                 for r in records
@@ -682,6 +702,76 @@ def failures_by_round(records: Iterable[UpdateRecord]) -> dict[int, list[UpdateR
     for record in records:
         grouped.setdefault(record.round, []).append(record)
     return grouped
+
+
+def trained_by_round(updates: Iterable[UpdateRecord]) -> dict[int, list[str]]:
+    """The sites whose update each round applied, in recording order."""
+    trained: dict[int, list[str]] = {}
+    for update in updates:
+        if update.status == UPDATE_APPLIED:
+            sites = trained.setdefault(update.round, [])
+            if update.site not in sites:
+                sites.append(update.site)
+    return trained
+
+
+# A presence event that takes a site away, and the word that says how.
+_AWAY = {SITE_LOST_EVENT: "left", SITE_SILENT_EVENT: "silent"}
+
+
+def not_trained_by_round(
+    rounds: Sequence[RoundRecord],
+    updates: Sequence[UpdateRecord],
+    events: Sequence[RunEventRecord],
+) -> dict[int, dict[str, str]]:
+    """Per round, each site (by name) with no applied update in it for a reason the ledger
+    holds, and that reason: its update dropped or rejected (``"dropped: no reply within 600 s"``),
+    or the site away (``"away: left in round 3"``) from the round its site-lost or
+    site-silent event names until the round of its site-back event (to the run's last
+    round if it never came back).
+
+    Sites that were simply not asked (a sample, async modes' K of N, a site still training
+    an earlier version) are not listed: the ledger does not say they were missed.
+    """
+    applied = {(u.round, u.site) for u in updates if u.status == UPDATE_APPLIED}
+    missed: dict[int, dict[str, str]] = {r.round: {} for r in rounds}
+    for update in updates:
+        key = (update.round, update.site)
+        if update.status in FAILED_STATUSES and key not in applied and update.round in missed:
+            why = " ".join((update.reason or "").split())
+            missed[update.round].setdefault(
+                update.site, f"{update.status}: {why}" if why else update.status
+            )
+    last = max(missed, default=0)
+    away: dict[str, tuple[str, int]] = {}  # site → (how it went, the round it did)
+    spans: list[tuple[str, str, int, int]] = []
+    for event in events:
+        site, at = str(event.detail.get("site")), int(event.detail.get("round") or 0)
+        if event.kind in _AWAY and site not in away:
+            away[site] = (_AWAY[event.kind], at)
+        elif event.kind == SITE_BACK_EVENT and site in away:
+            how, since = away.pop(site)
+            spans.append((site, how, since, at))
+    spans += [(site, how, since, last) for site, (how, since) in away.items()]
+    for site, how, since, until in spans:
+        when = f"in round {since}" if since else "at start-up"
+        for server_round in range(max(since, 1), until + 1):
+            if server_round in missed and (server_round, site) not in applied:
+                missed[server_round].setdefault(site, f"away: {how} {when}")
+    return {n: dict(sorted(sites.items())) for n, sites in missed.items()}
+
+
+def _not_trained_cell(missed: Mapping[str, str]) -> str:
+    """``"london rejected, tokyo away (left in round 3)"``: each site and what kept it
+    out, without the reasons' text (the column beside it, and ``history updates``, have
+    it); '-' when every site asked trained."""
+    if not missed:
+        return "-"
+    short = []
+    for site, why in missed.items():
+        kind, _, rest = why.partition(": ")
+        short.append(f"{site} {kind}" + (f" ({rest})" if kind == "away" else ""))
+    return ", ".join(short)
 
 
 def common_reason(failures: Sequence[UpdateRecord], *, limit: int = REASON_CELL) -> str:

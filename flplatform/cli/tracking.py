@@ -70,10 +70,12 @@ def export_runs(
     ] = False,
     db: DbOption = None,
 ) -> None:
-    """Write runs to MLflow or TensorBoard: per round (the step) accuracy, losses, bytes
-    up and down, updates applied, rejected and dropped, wall and simulated time and
-    staleness; per site its bytes, applied updates, staleness and loss (site/NAME/...);
-    the run's options as parameters; to MLflow also the final model (model.pt)."""
+    """Write runs to MLflow or TensorBoard: metrics per round and per site, options, model.
+
+    Per round (the step): accuracy, losses, bytes up and down, updates applied, rejected
+    and dropped, wall and simulated time and staleness; per site its bytes, applied
+    updates, staleness and loss (site/NAME/...); the run's options as parameters; to
+    MLflow also the final model (model.pt)."""
     if mlflow is None and tensorboard is None:
         raise ConfigError("say where to export: --mlflow URI, --tensorboard DIR, or both")
     check_folder(tensorboard)

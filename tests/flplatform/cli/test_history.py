@@ -23,6 +23,7 @@ from flplatform.cli.history import (
     staleness_counts,
 )
 from flplatform.core.errors import StorageError
+from flplatform.engine.events import SITE_BACK_EVENT, SITE_LOST_EVENT, SITE_SILENT_EVENT
 from storage import (
     FinalRunStatus,
     LedgerRepository,
@@ -640,6 +641,95 @@ def test_rounds_name_why_updates_were_not_applied(
     # A run whose every update was applied has no such column.
     clean_header, _ = read_table(history("rounds", "1", "--db", simulated_ledger))
     assert "why not applied" not in clean_header
+
+
+@pytest.fixture
+def absent_sites_ledger(new_sqlite_ledger: Callable[[str], str]) -> str:
+    """Four rounds of three sites, as a deployed run records them: ohio's SuperNode is
+    silent from the start and never answers; tokyo's leaves in round 2 and is back in
+    round 4 (and trains in it); london trains every round but round 3, where its update is
+    rejected."""
+    url = new_sqlite_ledger("absent.db")
+    t0 = time.time()
+    trained = {1: ["london", "tokyo"], 2: ["london"], 3: [], 4: ["london", "tokyo"]}
+    with LedgerRepository.open(url) as repo:
+        run_id = repo.create_run(
+            name="deployed", strategy="local-sgd", seed=0, config={}, num_rounds_planned=4
+        )
+        for name in ("london", "ohio", "tokyo"):
+            repo.add_site(run_id, name=name, node_id=len(name), num_examples=100)
+        presence = [
+            (SITE_SILENT_EVENT, "ohio", 0),
+            (SITE_LOST_EVENT, "tokyo", 2),
+            (SITE_BACK_EVENT, "tokyo", 4),
+        ]
+        for kind, site, at in presence:
+            repo.add_event(run_id, kind, {"site": site, "round": at, "connected": 2, "sites": 3})
+        for rnd, sites in trained.items():
+            outcomes = [(site, "applied", None) for site in sites]
+            if rnd == 3:
+                outcomes.append(("london", "rejected", "update norm 1e+06 is over 10 x the median"))
+            repo.record_round(
+                run_id,
+                round=rnd,
+                model_version=rnd,
+                started_at=t0 + rnd,
+                finished_at=t0 + rnd + 0.5,
+                metrics={"accuracy": 0.5},
+                train_loss=None,
+                updates=[
+                    UpdateInput(
+                        site=site,
+                        dispatched_round=rnd,
+                        version_trained_on=rnd - 1,
+                        staleness=0,
+                        bytes_up=1000,
+                        bytes_down=1100,
+                        status=status,
+                        reason=reason,
+                        dispatched_at=t0 + rnd,
+                        arrived_at=t0 + rnd + 0.25,
+                        num_examples=100 if status == "applied" else None,
+                    )
+                    for site, status, reason in outcomes
+                ],
+            )
+        repo.finish_run(run_id, status="finished")
+    return url
+
+
+def test_rounds_say_which_sites_trained_and_which_did_not_and_why(
+    absent_sites_ledger: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 35: from `history rounds` of a deployed run a user tells which site trained
+    each round, and which did not and why, without reading the events."""
+    rows = json.loads(history("rounds", "1", "--db", absent_sites_ledger, "--format", "json"))
+    assert [r["trained"] for r in rows] == [
+        ["london", "tokyo"],
+        ["london"],
+        [],
+        ["london", "tokyo"],
+    ]
+    assert [r["not_trained"] for r in rows] == [
+        {"ohio": "away: silent at start-up"},
+        {"ohio": "away: silent at start-up", "tokyo": "away: left in round 2"},
+        {
+            "london": "rejected: update norm 1e+06 is over 10 x the median",
+            "ohio": "away: silent at start-up",
+            "tokyo": "away: left in round 2",
+        },
+        {"ohio": "away: silent at start-up"},  # tokyo is back, and trained
+    ]
+    monkeypatch.setattr(history_command.console, "width", 400)
+    header, table = read_table(history("rounds", "1", "--db", absent_sites_ledger))
+    at = header.index("not trained")
+    assert table["1"][at] == "ohio away (silent at start-up)"
+    assert table["3"][at] == (
+        "london rejected, ohio away (silent at start-up), tokyo away (left in round 2)"
+    )
+    out = history("rounds", "1", "--db", absent_sites_ledger, "--format", "csv")
+    records = list(csv.DictReader(io.StringIO(out)))
+    assert json.loads(records[1]["not_trained"])["tokyo"] == "away: left in round 2"
 
 
 def test_failure_note_names_counts_and_the_common_reason(failing_ledger: str) -> None:

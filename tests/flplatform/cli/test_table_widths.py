@@ -150,7 +150,7 @@ KEYS = {
     "simulated_seconds,owner,bytes_up,bytes_down",
     "rounds 1": "id,run_id,round,model_version,started_at,finished_at,wall_seconds,metrics,"
     "train_loss,num_applied,num_dropped,num_rejected,bytes_up,bytes_down,eval_bytes_up,"
-    "eval_bytes_down,virtual_started_at,virtual_finished_at",
+    "eval_bytes_down,virtual_started_at,virtual_finished_at,trained,not_trained",
     "sites 1": "site_id,name,node_id,partition_id,num_examples,updates,applied,buffered,"
     "cancelled,dropped,rejected,mean_staleness,max_staleness,bytes_up,bytes_down,"
     "compute_seconds,mean_train_loss,evaluations,eval_bytes_up,eval_bytes_down,"
