@@ -23,7 +23,13 @@ from flplatform.cli.errors import handles_errors
 from flplatform.cli.progress import db_argument, display_url, follow_sweep
 from flplatform.cli.render import human_bytes, make_console
 from flplatform.cli.simulate import ledger_option
-from flplatform.cli.tracking import MlflowOption, TensorboardOption, check_stores, export_to
+from flplatform.cli.tracking import (
+    MlflowOption,
+    TensorboardOption,
+    check_folder,
+    check_stores,
+    export_to,
+)
 from flplatform.core.errors import FLPlatformError
 from flplatform.launch.flower import work_home
 from flplatform.launch.simulation import check_ledger
@@ -57,6 +63,8 @@ def cross_silo(
     synchrony, delayed updates and compressed uploads, each on a setting where its method
     should win; one summary table and one plot per panel; with --mlflow or --tensorboard,
     each panel's runs side by side there too."""
+    check_folder(out, "--out")
+    check_folder(tensorboard)
     keys = tuple(key.strip() for key in panels.split(",") if key.strip())
     chosen = build_panels(seed=seed, db=ledger_option(db), keys=keys, max_rounds=max_rounds)
     members = demo_members(chosen)

@@ -92,9 +92,15 @@ def export_runs(
     export_to(db, run_ids, mlflow, tensorboard, experiment, force=force)
 
 
-def check_folder(tensorboard: Path | None) -> None:
-    if tensorboard is not None and tensorboard.exists() and not tensorboard.is_dir():
-        raise ConfigError(f"--tensorboard must be a folder, and {tensorboard} is a file")
+def check_folder(folder: Path | None, option: str = "--tensorboard") -> None:
+    """Refuse, before anything starts, a folder option that names a file or lies under one
+    (the run would train first and fail when it writes)."""
+    if folder is None:
+        return
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        where = "is a file" if existing == folder else f"is under {existing}, a file"
+        raise ConfigError(f"{option} must be a folder, and {folder} {where}")
 
 
 def export_to(

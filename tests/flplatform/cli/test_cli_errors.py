@@ -165,3 +165,23 @@ def test_the_cli_starts_and_checks_a_configuration_without_torch() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("option", ["--out", "--tensorboard"])
+@pytest.mark.parametrize("under", [False, True], ids=["a-file", "under-a-file"])
+def test_the_demo_refuses_a_plot_folder_that_is_a_file_before_it_trains(
+    tmp_path: Path, option: str, under: bool
+) -> None:
+    """The demo writes its plots after every panel has trained (minutes): a folder it could
+    never write is refused first, and no run starts."""
+    ledger = tmp_path / "ledger.db"
+    (tmp_path / "taken").write_text("a user's file")
+    folder = tmp_path / "taken" / "plots" if under else tmp_path / "taken"
+    result = invoke(["demo", "cross-silo", "--db", f"sqlite:///{ledger}", option, str(folder)])
+    assert result.exit_code == 2
+    assert one_error_line(result.output).endswith(
+        f"{option} must be a folder, and {folder} "
+        + (f"is under {tmp_path / 'taken'}, a file" if under else "is a file")
+    )
+    assert not ledger.exists()  # checked before the ledger was opened
+    assert (tmp_path / "taken").read_text() == "a user's file"
