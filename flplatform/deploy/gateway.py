@@ -79,19 +79,21 @@ SIGNATURE_HEADER = "flwr-signature"
 TIMESTAMP_HEADER = "flwr-timestamp"
 SIGNATURE_MAX_AGE_SECONDS = 305.0
 # Connections held at once, in all and from one address, that have not (yet) carried a
-# registered site's signed request: past either, the oldest such connection (past its
-# grace) is closed for the new one. A connection that carried one is a site's and is never
-# closed for another: a peer holding connections open cannot keep out the sites for long,
-# also not those that share its address (behind one NAT).
+# registered site's signed request: past either, such a connection is closed for the new
+# one: the one past its TLS handshake the longest (it could have sent a signed request by
+# now, and a site's SuperNode sends one at once), else the oldest still in its handshake
+# past its grace. A connection that carried a signed request is a site's and is never
+# closed for another: a peer holding connections open, or opening them as fast as it can,
+# cannot keep out the sites, also not those that share its address (behind one NAT).
 MAX_CONNECTIONS = 128
 MAX_CONNECTIONS_PER_ADDRESS = 16
 # Connections one registered site may hold open (Flower's SuperNode keeps one or two):
 # past it, that site's own oldest is closed, so that one site's key (stolen, or a client
 # gone wrong) cannot take every slot the other sites need.
 MAX_CONNECTIONS_PER_SITE = 8
-# A connection this young is not closed for another: a site's fresh connection has time
-# to carry its first signed request (a flood of new ones cannot push it out; the newcomer
-# is refused instead while every candidate is this young).
+# A connection still in its TLS handshake this young is not closed for another: a site's
+# fresh connection on a slow link has time to finish it (the newcomer is refused instead
+# while every candidate is in a handshake this young: a flood of slow handshakes).
 EVICTION_GRACE_SECONDS = 5.0
 # Flower's error code when the SuperLink will not activate a registered node
 # (ApiErrorCode.FLEET_NODE_ACTIVATION_FAILED): a SuperNode with the site's key is active
@@ -336,6 +338,22 @@ class _Connection:
     opened: float = 0.0  # time.monotonic()
     site: str | None = None  # the site's key fingerprint
     block: str = ""  # what it counts under (peer_block)
+    ready: float | None = None  # when its TLS handshake ended (time.monotonic())
+
+
+def _evicted(candidates: list[_Connection], now: float) -> _Connection | None:
+    """Which of ``candidates`` (connections that carried no site's request, in the order
+    to prefer) a newcomer's connection closes: the first past its handshake the longest,
+    else the first in a handshake past ``EVICTION_GRACE_SECONDS``; None when neither.
+
+    A site's SuperNode sends its signed request as soon as its handshake ends, so a
+    connection past its handshake that is still no site's is idle, or a peer's: the
+    newest such (a site's an instant before its request) is closed last.
+    """
+    ready = [c for c in candidates if c.ready is not None]
+    if ready:
+        return min(ready, key=lambda c: c.ready or 0.0)
+    return next((c for c in candidates if now - c.opened >= EVICTION_GRACE_SECONDS), None)
 
 
 def peer_block(address: str) -> str:
@@ -390,9 +408,9 @@ class FleetGateway(socketserver.ThreadingMixIn, http.server.HTTPServer):
         )
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        """Serve the connection in a thread of its own, closing the oldest connection that
-        carried no site's request when too many are open (refusing this one only when
-        every open connection is a site's)."""
+        """Serve the connection in a thread of its own, closing one that carried no site's
+        request when too many are open (``_evicted``; refusing this one only when every
+        open connection is a site's or in a young handshake)."""
         source = client_address[0]
         block = peer_block(source)
         now = time.monotonic()
@@ -411,8 +429,15 @@ class FleetGateway(socketserver.ThreadingMixIn, http.server.HTTPServer):
                 candidates = sorted(anonymous, key=lambda c: -counts[c.block])
             else:
                 full, candidates = False, []
+            # by block, the one holding the most first (sorted keeps each block's order)
+            blocks = list(dict.fromkeys(c.block for c in candidates))
             evicted = next(
-                (c for c in candidates if now - c.opened >= EVICTION_GRACE_SECONDS), None
+                (
+                    found
+                    for b in blocks
+                    if (found := _evicted([c for c in candidates if c.block == b], now))
+                ),
+                None,
             )
             if evicted is not None:
                 del self._open[id(evicted.sock)]
@@ -449,6 +474,13 @@ class FleetGateway(socketserver.ThreadingMixIn, http.server.HTTPServer):
         finally:
             with self._count_lock:
                 self._open.pop(id(request), None)
+
+    def mark_ready(self, request: Any) -> None:
+        """The connection ``request`` is past its TLS handshake (or has none)."""
+        with self._count_lock:
+            connection = self._open.get(id(request))
+            if connection is not None:
+                connection.ready = time.monotonic()
 
     def mark_site(self, request: Any, fingerprint: str) -> None:
         """The connection ``request`` carried the signed request of the registered site
@@ -537,6 +569,7 @@ class _FleetHandler(http.server.BaseHTTPRequestHandler):
                 source = self.client_address[0]
                 self.server.reports.say(f"refused {source}: {handshake_reason(exc)}")
                 raise _Refused from None
+        self.server.mark_ready(self.request)
         super().setup()
         self._head = _BoundedHead(self.rfile)
         self.rfile = self._head  # type: ignore[assignment]  # read through, as a file

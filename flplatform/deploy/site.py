@@ -56,6 +56,16 @@ KEPT_SITE_LOGS = 5
 _NODE_ID = re.compile(r"SuperNode ID: (\d+)")
 _RUN = re.compile(r"\[RUN (\d+)")
 _CONNECTION_FAILED = "Connection attempt failed"
+# What a SuperNode that gave up connecting prints (Flower's ExitCode.SUPERNODE_CONNECTION_
+# ERROR; its process then exits with status 1, as for every error); the first restart
+# after one waits this long, doubling each time the restarted one never joined.
+GAVE_UP_CONNECTING = "Exit Code: 305"
+RESTART_SECONDS = 2.0
+MAX_RESTART_SECONDS = 60.0
+# What a SuperNode's output says when the server refused the site (its key not
+# registered, or active already past the gateway's rejoin window; no key) or its
+# certificate is not trusted: another start would meet the same (``refusal_reason``).
+_FOR_GOOD = ("[code: 2004]", "[code: 2001]", "CERTIFICATE_VERIFY_FAILED")
 _RECONNECTED = "Connection successful"
 
 Say = Callable[[str], None]
@@ -254,10 +264,15 @@ def _modified(path: Path) -> float:
 
 
 def run_site(plan: SitePlan, *, home: Path, say: Say) -> None:
-    """Start the site's SuperNode and stay with it until it exits or the user stops it.
+    """Start the site's SuperNode and stay with it until the user stops it.
 
-    Raises ``RunFailed`` with the reason when the SuperNode exits on its own (refused by
-    the server, say); ``KeyboardInterrupt``/``StopRequested`` after stopping it.
+    A SuperNode that exits because a connection to the server failed (Flower's SuperNode
+    gives up on any TLS error, a connection the server closed in its handshake among
+    them: a server's gateway crowded by a flood from the site's address) is started
+    again, after ``RESTART_SECONDS`` doubling up to ``MAX_RESTART_SECONDS``, and said in
+    one line each time: the site reconnects by itself. Raises ``RunFailed`` with the
+    reason when it exits for any other reason (refused by the server, say);
+    ``KeyboardInterrupt``/``StopRequested`` after stopping it.
     """
     env = flower_environment(home)
     log = site_log(home, plan.name)
@@ -272,6 +287,7 @@ def run_site(plan: SitePlan, *, home: Path, say: Say) -> None:
         ]
     )
     started: list[subprocess.Popen[bytes]] = []
+    failures = 0  # SuperNodes in a row that gave up connecting before they joined
     with ProcessTree() as tree:
 
         def start(port: int) -> subprocess.Popen[bytes]:
@@ -290,7 +306,8 @@ def run_site(plan: SitePlan, *, home: Path, say: Say) -> None:
                     ],
                     env=env,
                     cwd=str(home),
-                    stdout=private_file(log),
+                    # a restart's output follows the last one's, in the same log
+                    stdout=private_file(log, append=len(started) > 0),
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
                     umask=OWNER_ONLY_UMASK,  # what the site's ClientApps write stays the site's
@@ -298,35 +315,83 @@ def run_site(plan: SitePlan, *, home: Path, say: Say) -> None:
             )
             return started[-1]
 
-        try:
-            node, _ = start_on_free_port(
-                start, log, what=f"site {plan.name}'s SuperNode", timeout=START_SECONDS
-            )
-        except StartTimedOut:
-            raise
-        except RunFailed:
-            if not started or started[-1].poll() is None:
+        while True:
+            offset = _size(log)
+            try:
+                node, _ = start_on_free_port(
+                    start, log, what=f"site {plan.name}'s SuperNode", timeout=START_SECONDS
+                )
+            except StartTimedOut:
                 raise
-            node = started[-1]  # it exited before it listened: say why, as below
-        try:
-            _watch(node, tree, log, plan, say)
-        except KeyboardInterrupt:
-            _deregister(node)
-            raise
+            except RunFailed:
+                if not started or started[-1].poll() is None:
+                    raise
+                node = started[-1]  # it exited before it listened: say why, as below
+            try:
+                code, output, joined = _watch(node, tree, log, plan, say, offset)
+            except KeyboardInterrupt:
+                _deregister(node)
+                raise
+            if not connection_failed(code, output):
+                raise RunFailed(
+                    f"site {plan.name}'s SuperNode exited ({describe_exit(code)}): "
+                    f"{refusal_reason(output, plan)}; log: {log}"
+                )
+            failures = 0 if joined else failures + 1
+            wait = min(RESTART_SECONDS * 2 ** max(0, failures - 1), MAX_RESTART_SECONDS)
+            say(
+                f"a connection to {plan.server} failed and the SuperNode gave up "
+                f"({telling_line(output)}); starting it again in {wait:g} s"
+            )
+            _sleep_watching(tree, wait)
+
+
+def connection_failed(code: int, output: str) -> bool:
+    """Whether the SuperNode exited because a connection to the server failed (Flower's
+    exit code 305 in its output), and not because the server refused the site or its
+    certificate is not one to trust (which another try would not change)."""
+    return (
+        code != 0
+        and GAVE_UP_CONNECTING in output
+        and not any(marker in output for marker in _FOR_GOOD)
+    )
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _sleep_watching(tree: ProcessTree, seconds: float) -> None:
+    """Wait ``seconds``, recording the processes the last SuperNode left (its SuperExec,
+    ClientApps), so that the tree stops them too."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        tree.record()
+        time.sleep(min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
 
 
 def _watch(
-    node: subprocess.Popen[bytes], tree: ProcessTree, log: Path, plan: SitePlan, say: Say
-) -> None:
-    """Say what the SuperNode does (connected, runs served, connection lost) until it exits."""
-    offset = 0
+    node: subprocess.Popen[bytes],
+    tree: ProcessTree,
+    log: Path,
+    plan: SitePlan,
+    say: Say,
+    offset: int = 0,
+) -> tuple[int, str, bool]:
+    """Say what the SuperNode does (connected, runs served, connection lost) until it
+    exits; its exit code, what it wrote to ``log`` (from ``offset``), and whether it had
+    joined the server."""
+    start = offset
     runs: set[str] = set()
     joined = connected = waiting = False
     while True:
         tree.record()
         code = node.poll()
-        text = log.read_text(errors="replace")
-        new, offset = text[offset:], len(text)
+        text = _read_from(log, start)
+        new, offset = text[offset - start :], start + len(text)
         for line in new.splitlines():
             if match := _NODE_ID.search(line):
                 joined = connected = True
@@ -346,11 +411,15 @@ def _watch(
                 connected = True
                 say(f"reconnected to {plan.server}")
         if code is not None:
-            raise RunFailed(
-                f"site {plan.name}'s SuperNode exited ({describe_exit(code)}): "
-                f"{refusal_reason(text, plan)}; log: {log}"
-            )
+            return code, text, joined
         time.sleep(POLL_SECONDS)
+
+
+def _read_from(path: Path, offset: int) -> str:
+    """The text of ``path`` from byte ``offset``."""
+    with path.open("rb") as file:
+        file.seek(offset)
+        return file.read().decode(errors="replace")
 
 
 def _deregister(node: subprocess.Popen[bytes]) -> None:

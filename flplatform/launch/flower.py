@@ -404,9 +404,10 @@ def logs_dir(home: Path) -> Path:
     return logs
 
 
-def private_file(path: Path) -> BinaryIO:
-    """``path`` opened for writing from its start, readable by its owner only (0600)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def private_file(path: Path, *, append: bool = False) -> BinaryIO:
+    """``path`` opened for writing from its start (its end with ``append``), readable by
+    its owner only (0600)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o600)
     os.fchmod(fd, 0o600)  # a file an older run wrote may be readable by others
     return os.fdopen(fd, "wb")
 

@@ -4,9 +4,11 @@ The first test as a site administrator would do it: the CA and server certificat
 keys, a split of the data, the server, then (while it waits for its sites) every kind of
 node that must be refused: an unregistered key, no key, plain text, another deployment's
 CA, and a client of the Control API. Then the two sites train a 2-round federation with
-TLS and authentication. The ledger names the sites by their registered names, the
-refused nodes are in it nowhere, each refusal was reported, and every process is gone;
-Flower's own `flwr ls`, on the deployment's SuperLink state, has the run completed.
+TLS and authentication, while a peer on their own address holds 200 connections open
+(issue 35's flood: every round applies both sites' updates). The ledger names the sites
+by their registered names, the refused nodes are in it nowhere, each refusal was reported,
+and every process is gone; Flower's own `flwr ls`, on the deployment's SuperLink state,
+has the run completed.
 Each machine (the server, each site) has a home of its own. The ledger is a PostgreSQL
 database whose password, given in the URL, must appear in no file and no output. The
 ledger's bytes are the wire's: its totals equal Flower's own count of the run's traffic
@@ -14,7 +16,8 @@ ledger's bytes are the wire's: its totals equal Flower's own count of the run's 
 second kills the server mid-run, resumes the run on the sites still running, then runs it
 again on the same sites, left alone: the resumed run ends with the same model, bit for bit.
 The third has a registered site whose SuperNode runs no ClientApp: it is named silent after
-the site query's deadline and no round waits for it.
+the site query's deadline and no round waits for it. The fourth stops the server with
+Ctrl-C mid-run and starts the next run on the same sites: every site trains every round.
 """
 
 from __future__ import annotations
@@ -35,10 +38,13 @@ from sqlalchemy.engine import make_url
 from typer.testing import CliRunner
 
 from flplatform.cli.app import app
+from flplatform.deploy.gateway import MAX_CONNECTIONS_PER_ADDRESS
 from flplatform.launch.flower import flower_environment, free_port
 from flplatform.launch.processes import ProcessTree
 from flplatform.run.run_record import DEPLOYED_EVENT
+from flplatform.run.start import DEPLOYED_QUERY_SECONDS
 from storage import LedgerRepository
+from tests.helpers.flood import ConnectionFlood
 from tests.helpers.processes import Machine, wait_for_text
 
 pytestmark = [pytest.mark.slow, pytest.mark.deploy]
@@ -151,16 +157,19 @@ def test_a_deployment_with_tls_and_registered_sites(tmp_path: Path, password_dat
         wait_for_text(logs / "server.log", "spoke plain HTTP", server_proc, tree, 60)
         plain.terminate()
 
-        # ---- the sites
-        members = {
-            name: start_site(sites[name], name, address, data[name], tree, logs)
-            for name in ("london", "ohio")
-        }
-        deadline = time.monotonic() + 300
-        while server_proc.poll() is None and time.monotonic() < deadline:
-            tree.record()
-            time.sleep(1)
+        # ---- the sites, while a peer on their address holds 200 connections open (as one
+        # behind the sites' NAT could): every round still applies both sites' updates
+        with ConnectionFlood("127.0.0.1", port, certs / "ca.crt", count=200) as flood:
+            members = {
+                name: start_site(sites[name], name, address, data[name], tree, logs)
+                for name in ("london", "ohio")
+            }
+            deadline = time.monotonic() + 300
+            while server_proc.poll() is None and time.monotonic() < deadline:
+                tree.record()
+                time.sleep(1)
         output = (logs / "server.log").read_text()
+        assert flood.most_held >= MAX_CONNECTIONS_PER_ADDRESS  # it held the address's share
         assert server_proc.returncode == 0, output[-4000:]
         for name, proc in members.items():
             assert proc.poll() is None, (logs / f"{name}.log").read_text()
@@ -182,6 +191,8 @@ def test_a_deployment_with_tls_and_registered_sites(tmp_path: Path, password_dat
         "it has no registered key": "refused a SuperNode from 127.0.0.1",
         "spoke plain HTTP": "refused 127.0.0.1",
         "POST /v1/control/register-node": "only the Fleet API is served",
+        # the flood, in a line a minute: its connections made way for the sites'
+        "for a new one: too many connections open": "closed a connection from 127.0.0.1",
     }
     for said, also in reported.items():
         line = next((line for line in output.splitlines() if said in line), "")
@@ -465,3 +476,72 @@ def test_a_site_that_runs_no_clientapp_is_named_and_no_round_waits_for_it(tmp_pa
     silent = [d for kind, d in events if kind == "site-silent"]
     # the deployment's deadline, not the 300 s the start waited before
     assert [(d["site"], d["waited"]) for d in silent] == [("ohio", 60.0)]
+    # ... and a user reading the run's rounds sees who trained, who did not and why
+    shown = CliRunner().invoke(app, ["history", "rounds", "latest", "--db", ledger, "-f", "json"])
+    assert shown.exit_code == 0, shown.output
+    [row] = json.loads(shown.output)
+    assert row["trained"] == ["london"]
+    assert row["not_trained"] == {"ohio": "away: silent at start-up"}
+
+
+def test_after_a_server_stopped_with_ctrl_c_the_next_run_trains_on_every_site(
+    tmp_path: Path,
+) -> None:
+    """Issue 35's restart: the server stopped with SIGINT mid-run (Ctrl-C), the sites left
+    running, then the next run on them. Before, a site took the new run's messages and
+    never trained, and every round waited out its 600 s timeout. Now every site trains
+    every round of the next run, and no round waits for a silent site longer than the
+    site query's deadline (DEPLOYED_QUERY_SECONDS)."""
+    server, sites, certs, split = two_site_deployment(tmp_path)
+    ledger = f"sqlite:///{server.home / 'runs.db'}"
+    address = f"127.0.0.1:{free_port()}"
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    options = (
+        "--certs", str(certs), "--address", address, "--db", ledger, "--sites", "london,ohio",
+        "--local-epochs", "1", "--fraction-evaluate", "0", "--dataset", str(split),
+        "--partition", "files", "--wait-timeout", "180",
+    )  # fmt: skip
+    tree = ProcessTree()
+    try:
+        first = server.start(tree, logs / "first.log", "server", *options, "--rounds", "5")
+        wait_for_text(logs / "first.log", "listening for sites", first, tree, 120)
+        members = {
+            name: start_site(site, name, address, site.home / f"{name}.npz", tree, logs)
+            for name, site in sites.items()
+        }
+        deadline = time.monotonic() + 300
+        committed: list[Any] = []
+        while not committed and time.monotonic() < deadline:
+            tree.record()
+            assert first.poll() is None, (logs / "first.log").read_text()[-3000:]
+            time.sleep(0.5)
+            with LedgerRepository.open(ledger) as repository:
+                runs = repository.list_runs()
+                committed = repository.list_rounds(runs[0].id) if runs else []
+        first.send_signal(signal.SIGINT)  # Ctrl-C at the server's terminal
+        assert first.wait(60) == 130, (logs / "first.log").read_text()[-3000:]
+
+        started = time.monotonic()
+        second = server.start(tree, logs / "second.log", "server", *options, "--rounds", "2")
+        assert second.wait(400) == 0, (logs / "second.log").read_text()[-4000:]
+        took = time.monotonic() - started
+        for name, proc in members.items():
+            assert proc.poll() is None, (logs / f"{name}.log").read_text()
+    finally:
+        tree.stop()
+
+    with LedgerRepository.open(ledger) as repository:
+        stopped, after = sorted(repository.list_runs(), key=lambda r: r.id)
+        rounds = repository.list_rounds(after.id)
+        updates = repository.list_updates(after.id)
+    assert stopped.status == "failed" and "SIGINT" in (stopped.error or "")
+    assert after.status == "finished", after.error
+    assert [r.num_applied for r in rounds] == [2, 2]  # both sites, every round
+    assert {(u.round, u.site) for u in updates if u.status == "applied"} == {
+        (r, s) for r in (1, 2) for s in ("london", "ohio")
+    }
+    assert all(r.wall_seconds < DEPLOYED_QUERY_SECONDS for r in rounds), [
+        r.wall_seconds for r in rounds
+    ]
+    assert took < 300  # the start, the sites' reconnection and two rounds; not a timeout

@@ -653,8 +653,8 @@ def test_a_site_says_it_waits_to_join_then_joins_and_later_reconnects(
     with ProcessTree() as tree:
         node = tree.popen([sys.executable, "-c", "pass"])  # a SuperNode that has exited
         node.wait()
-        with pytest.raises(RunFailed, match="london's SuperNode exited"):
-            _watch(node, tree, log, plan, said.append)
+        code, output, joined = _watch(node, tree, log, plan, said.append)
+    assert (code, joined) == (0, True) and output == log.read_text()
     assert said == [
         "cannot join 127.0.0.1:9094 yet; retrying until it lets london in",
         "connected to 127.0.0.1:9094 as node 3650004933250582873",
@@ -662,3 +662,71 @@ def test_a_site_says_it_waits_to_join_then_joins_and_later_reconnects(
         "lost the server 127.0.0.1:9094; retrying until it is back",
         "reconnected to 127.0.0.1:9094",
     ]
+
+
+# A stand-in for flower-supernode: each start takes the next word of a script (in the
+# file named by FAKE_SUPERNODE_SCRIPT) — "gives-up" exits with Flower's connection
+# error, "joins" listens on its --port, says its node id, then gives up too, "refused"
+# exits with the server's refusal of the key. As Flower's, its status is 1 on an error,
+# its exit code printed.
+FAKE_SUPERNODE = """
+import os, socket, sys, time
+script = os.environ["FAKE_SUPERNODE_SCRIPT"]
+steps = open(script).read().split()
+open(script, "w").write(" ".join(steps[1:]))
+step = steps[0]
+if step == "joins":
+    port = int(sys.argv[sys.argv.index("--port") + 1])
+    listening = socket.create_server(("127.0.0.1", port))
+    print("INFO :      SuperNode ID: 42", flush=True)
+    time.sleep(1.0)
+if step == "refused":
+    print("ERROR :     Exit Code: 305 ... [code: 2004] node activation failed", flush=True)
+else:
+    print("ERROR :     SSL/TLS handshake error detected.", flush=True)
+    print("ERROR :     Exit Code: 305", flush=True)
+sys.exit(1)
+"""
+
+
+def test_a_site_whose_supernode_gave_up_connecting_starts_it_again(
+    tmp_path: Path, site_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 35: Flower's SuperNode exits on any TLS error, a connection the server's
+    gateway closed in its handshake among them (a flood from the site's address); the
+    site starts it again, waiting longer each time it did not join, until one is refused
+    for good."""
+    import flplatform.deploy.site as site
+
+    fake = tmp_path / "flower-supernode"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_SUPERNODE}")
+    fake.chmod(0o755)
+    script = tmp_path / "script"
+    script.write_text("gives-up gives-up joins refused")
+    monkeypatch.setenv("FAKE_SUPERNODE_SCRIPT", str(script))
+    monkeypatch.setattr(site, "flower_command", lambda name: str(fake))
+    monkeypatch.setattr(site, "RESTART_SECONDS", 0.1)
+    plan = plan_site(
+        "london", server="127.0.0.1:9094", certs_dir=None, data=site_file, insecure=True
+    )
+    said: list[str] = []
+    with pytest.raises(RunFailed) as failed:
+        site.run_site(plan, home=tmp_path / "home", say=said.append)
+
+    gave_up = "a connection to 127.0.0.1:9094 failed and the SuperNode gave up"
+    assert [line.split(" (")[0] for line in said] == [
+        gave_up,
+        gave_up,
+        "connected to 127.0.0.1:9094 as node 42",
+        gave_up,
+    ]
+    # waiting longer each time it did not join; from the start again once it had
+    assert [line.rsplit("in ", 1)[1] for line in said if line.startswith(gave_up)] == [
+        "0.1 s",
+        "0.2 s",
+        "0.1 s",
+    ]
+    assert "refused by the server: it does not accept london's key" in str(failed.value)
+    [log] = (tmp_path / "home").rglob("site-london.supernode.*.log")
+    assert log.read_text().count("Exit Code: 305") == 4  # every start's output, kept
+    assert script.read_text() == ""  # four starts
