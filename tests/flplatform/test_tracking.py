@@ -297,6 +297,37 @@ def test_a_run_is_logged_round_by_round_as_the_ledger_commits_it(
     assert finished.info.status == "FINISHED"
     assert [a.path for a in client.list_artifacts(mlflow_run.info.run_id)] == ["model.pt"]
 
+    # Logged live, the run holds every metric, series and parameter that an export of the
+    # finished run writes (each of which the export tests check), with the same values.
+    exported_uri = f"sqlite:///{tmp_path / 'exported.db'}"
+    exported_tb = tmp_path / "exported-tb"
+    done = invoke(
+        ["history", "export", str(run_id), "--db", sqlite_ledger, "--mlflow", exported_uri,
+         "--tensorboard", str(exported_tb)]
+    )  # fmt: skip
+    assert done.exit_code == 0, done.output
+    other = MlflowClient(tracking_uri=exported_uri)
+    [exported] = other.search_runs([other.get_experiment_by_name("flplatform").experiment_id])
+    assert len(exported.data.metrics) > 10  # rounds' and the site's series
+    assert set(finished.data.metrics) == set(exported.data.metrics)
+    for key in exported.data.metrics:
+        live_points = client.get_metric_history(finished.info.run_id, key)
+        exported_points = other.get_metric_history(exported.info.run_id, key)
+        assert sorted((m.step, m.value) for m in live_points) == sorted(
+            (m.step, m.value) for m in exported_points
+        ), key
+    assert finished.data.params == exported.data.params
+    live_events = EventAccumulator(str(tmp_path / "tb" / f"{run_id}-live"))
+    exported_events = EventAccumulator(str(exported_tb / f"{run_id}-live"))
+    live_events.Reload()
+    exported_events.Reload()
+    tags = exported_events.Tags()["scalars"]
+    assert sorted(live_events.Tags()["scalars"]) == sorted(tags) and len(tags) > 10
+    for tag in tags:
+        assert [(e.step, e.value) for e in live_events.Scalars(tag)] == [
+            (e.step, e.value) for e in exported_events.Scalars(tag)
+        ], tag
+
 
 def test_an_export_that_fails_stops_saying_why_ends_its_run_failed_and_the_run_goes_on(
     ledger: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
