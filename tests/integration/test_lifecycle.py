@@ -47,13 +47,17 @@ def _run(repo: LedgerRepository) -> RunRecord | None:
 
 
 def _wait_for_round_1(
-    repo: LedgerRepository, record: Callable[[], None], running: Callable[[], bool]
+    repo: LedgerRepository,
+    record: Callable[[], None],
+    running: Callable[[], bool],
+    rounds: int = 1,
 ) -> None:
-    """Poll the ledger until round 1 is in it, calling ``record`` at every poll."""
+    """Poll the ledger until round 1 (``rounds``) is in it, calling ``record`` at every
+    poll."""
     deadline = time.monotonic() + STARTUP_SECONDS
-    while (run := _run(repo)) is None or run.rounds_completed < 1:
+    while (run := _run(repo)) is None or run.rounds_completed < rounds:
         record()
-        assert running(), "the command ended before round 1"
+        assert running(), f"the command ended before round {rounds}"
         assert time.monotonic() < deadline, "no round within the start-up time"
         time.sleep(0.2)
 
@@ -146,7 +150,8 @@ def test_a_command_killed_alone_leaves_no_process_and_its_run_takes_no_more_roun
     leftovers = Leftovers(cli.pid)
     repo = LedgerRepository.open(db)  # created here first, so that both find it
     try:
-        _wait_for_round_1(repo, leftovers.record, lambda: cli.poll() is None)
+        # after round 2, as issue 36 has it: the run well under way
+        _wait_for_round_1(repo, leftovers.record, lambda: cli.poll() is None, rounds=2)
         assert any("ClientAppActor" in p for p in leftovers.alive()), leftovers.alive()
         sent = time.monotonic()
         cli.kill()
