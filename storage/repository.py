@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from flplatform.core.errors import FLPlatformError, NotFoundError, StorageError
 from flplatform.core.ledger_rows import (
+    RESUMED_EVENT,
     RUN_FAILED,
     RUN_FINISHED,
     RUN_RUNNING,
@@ -641,7 +642,7 @@ class LedgerRepository:
             run.simulated_seconds = None
             run.final_metrics = None
             run.owner = owner
-            session.add(RunEvent(run_id=run_id, at=_now(), kind="resumed", detail=detail))
+            session.add(RunEvent(run_id=run_id, at=_now(), kind=RESUMED_EVENT, detail=detail))
         return self.get_run(run_id)
 
     # ------------------------------------------------------------------ events

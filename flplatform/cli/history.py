@@ -51,6 +51,7 @@ from flplatform.core.errors import ConfigError
 from flplatform.engine.events import SITE_BACK_EVENT, SITE_LOST_EVENT, SITE_SILENT_EVENT
 from storage import (
     CLOCK_WALL,
+    RESUMED_EVENT,
     RUN_FAILED,
     TRAFFIC_KINDS,
     UPDATE_APPLIED,
@@ -725,10 +726,11 @@ def not_trained_by_round(
     events: Sequence[RunEventRecord],
 ) -> dict[int, dict[str, str]]:
     """Per round, each site (by name) with no applied update in it for a reason the ledger
-    holds, and that reason: its update dropped or rejected (``"dropped: no reply within 600 s"``),
-    or the site away (``"away: left in round 3"``) from the round its site-lost or
-    site-silent event names until the round of its site-back event (to the run's last
-    round if it never came back).
+    holds, and that reason: its update dropped or rejected (``"dropped: no reply within
+    600 s"``), or the site away (``"away: left in round 3"``) from the round its site-lost
+    or site-silent event names (an event recorded between rounds, at a start or a resume:
+    the next round) through the round of its site-back event, or until the run was
+    resumed (which asks every site again), or to the run's last round.
 
     Sites that were simply not asked (a sample, async modes' K of N, a site still training
     an earlier version) are not listed: the ledger does not say they were missed.
@@ -743,21 +745,35 @@ def not_trained_by_round(
                 update.site, f"{update.status}: {why}" if why else update.status
             )
     last = max(missed, default=0)
-    away: dict[str, tuple[str, int]] = {}  # site → (how it went, the round it did)
-    spans: list[tuple[str, str, int, int]] = []
+
+    def committed_by(event: RunEventRecord) -> int:
+        """The last round committed when ``event`` was recorded."""
+        return max((r.round for r in rounds if r.finished_at <= event.at), default=0)
+
+    away: dict[str, tuple[str, int, str]] = {}  # site → (how it went, from round, said as)
+    spans: list[tuple[str, str, int, int, str]] = []
     for event in events:
-        site, at = str(event.detail.get("site")), int(event.detail.get("round") or 0)
+        if event.kind == RESUMED_EVENT:  # every site is asked again: new events say who is away
+            upto = committed_by(event)
+            spans += [(site, how, since, upto, said) for site, (how, since, said) in away.items()]
+            away.clear()
+            continue
+        site, at = str(event.detail.get("site")), event.detail.get("round")
         if event.kind in _AWAY and site not in away:
-            away[site] = (_AWAY[event.kind], at)
+            if at:
+                away[site] = (_AWAY[event.kind], int(at), f"in round {at}")
+            else:  # between rounds: a start (or resume) of the run
+                since = committed_by(event) + 1
+                away[site] = (_AWAY[event.kind], since, "at start-up" if since == 1 else "")
         elif event.kind == SITE_BACK_EVENT and site in away:
-            how, since = away.pop(site)
-            spans.append((site, how, since, at))
-    spans += [(site, how, since, last) for site, (how, since) in away.items()]
-    for site, how, since, until in spans:
-        when = f"in round {since}" if since else "at start-up"
+            how, since, said = away.pop(site)
+            spans.append((site, how, since, int(at or since), said))
+    spans += [(site, how, since, last, said) for site, (how, since, said) in away.items()]
+    for site, how, since, until, said in spans:
+        said = said or f"before round {since}"
         for server_round in range(max(since, 1), until + 1):
             if server_round in missed and (server_round, site) not in applied:
-                missed[server_round].setdefault(site, f"away: {how} {when}")
+                missed[server_round].setdefault(site, f"away: {how} {said}")
     return {n: dict(sorted(sites.items())) for n, sites in missed.items()}
 
 

@@ -62,6 +62,10 @@ EVALUATION_STATUSES: Final[tuple[EvaluationStatus, ...]] = (
     EVALUATION_DROPPED,
 )
 
+# The event a resume records (``LedgerRepository.reopen_run``): who resumed the run, and
+# from which round.
+RESUMED_EVENT: Final = "resumed"
+
 # Traffic that no update or evaluation row holds, by the type of Flower message it was for:
 # the site-information queries a site is sent when it joins (``query``), and replies that
 # came after the server had stopped waiting for them (an evaluation's, or a training

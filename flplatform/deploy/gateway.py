@@ -80,21 +80,22 @@ TIMESTAMP_HEADER = "flwr-timestamp"
 SIGNATURE_MAX_AGE_SECONDS = 305.0
 # Connections held at once, in all and from one address, that have not (yet) carried a
 # registered site's signed request: past either, such a connection is closed for the new
-# one: the one past its TLS handshake the longest (it could have sent a signed request by
-# now, and a site's SuperNode sends one at once), else the oldest still in its handshake
-# past its grace. A connection that carried a signed request is a site's and is never
-# closed for another: a peer holding connections open, or opening them as fast as it can,
-# cannot keep out the sites, also not those that share its address (behind one NAT).
+# one (``_evicted``: an idle one first). A connection that carried a signed request is a
+# site's and is never closed for another: a peer holding connections open, or opening them
+# as fast as it can, cannot keep out the sites, also not those that share its address
+# (behind one NAT).
 MAX_CONNECTIONS = 128
 MAX_CONNECTIONS_PER_ADDRESS = 16
 # Connections one registered site may hold open (Flower's SuperNode keeps one or two):
 # past it, that site's own oldest is closed, so that one site's key (stolen, or a client
 # gone wrong) cannot take every slot the other sites need.
 MAX_CONNECTIONS_PER_SITE = 8
-# A connection still in its TLS handshake this young is not closed for another: a site's
-# fresh connection on a slow link has time to finish it (the newcomer is refused instead
-# while every candidate is in a handshake this young: a flood of slow handshakes).
+# A connection still in its TLS handshake this young is closed for another only when every
+# candidate is as young (a site's fresh connection on a slow link has time to finish it);
+# and one past its handshake this recently, for its first request to arrive (a SuperNode
+# sends it with its last handshake message under TLS 1.3, one round trip later under 1.2).
 EVICTION_GRACE_SECONDS = 5.0
+READY_GRACE_SECONDS = 0.5
 # Flower's error code when the SuperLink will not activate a registered node
 # (ApiErrorCode.FLEET_NODE_ACTIVATION_FAILED): a SuperNode with the site's key is active
 # already. After a crash that is the dead one, until its heartbeat lapses (about a
@@ -343,17 +344,27 @@ class _Connection:
 
 def _evicted(candidates: list[_Connection], now: float) -> _Connection | None:
     """Which of ``candidates`` (connections that carried no site's request, in the order
-    to prefer) a newcomer's connection closes: the first past its handshake the longest,
-    else the first in a handshake past ``EVICTION_GRACE_SECONDS``; None when neither.
+    to prefer) a newcomer's connection closes; None only when there is none.
 
-    A site's SuperNode sends its signed request as soon as its handshake ends, so a
-    connection past its handshake that is still no site's is idle, or a peer's: the
-    newest such (a site's an instant before its request) is closed last.
+    First the one past its handshake the longest, over ``READY_GRACE_SECONDS`` ago (a
+    site's SuperNode sends its signed request as its handshake ends: such a connection is
+    idle, a peer's); else the first in a handshake over ``EVICTION_GRACE_SECONDS`` old;
+    else the oldest of all (not the oldest in its handshake: under a flood of fast
+    handshakes, that is a site's, in its slower one). The newcomer is never refused for
+    connections that are no site's: Flower's SuperNode takes a connection closed in its
+    handshake for a fatal TLS error (it exits, or stops serving), so a site's new
+    connection must get in, and a site's young one is among the last to go (a peer would
+    have to open a whole address's share of connections meanwhile).
     """
-    ready = [c for c in candidates if c.ready is not None]
-    if ready:
-        return min(ready, key=lambda c: c.ready or 0.0)
-    return next((c for c in candidates if now - c.opened >= EVICTION_GRACE_SECONDS), None)
+    if not candidates:
+        return None
+    idle = [c for c in candidates if c.ready is not None and now - c.ready >= READY_GRACE_SECONDS]
+    if idle:
+        return min(idle, key=lambda c: c.ready or 0.0)
+    stalled = (
+        c for c in candidates if c.ready is None and now - c.opened >= EVICTION_GRACE_SECONDS
+    )
+    return next(stalled, None) or min(candidates, key=lambda c: c.opened)
 
 
 def peer_block(address: str) -> str:
@@ -410,7 +421,7 @@ class FleetGateway(socketserver.ThreadingMixIn, http.server.HTTPServer):
     def process_request(self, request: Any, client_address: Any) -> None:
         """Serve the connection in a thread of its own, closing one that carried no site's
         request when too many are open (``_evicted``; refusing this one only when every
-        open connection is a site's or in a young handshake)."""
+        open connection is a site's)."""
         source = client_address[0]
         block = peer_block(source)
         now = time.monotonic()

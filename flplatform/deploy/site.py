@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from cryptography import x509
 
@@ -66,6 +67,10 @@ MAX_RESTART_SECONDS = 60.0
 # registered, or active already past the gateway's rejoin window; no key) or its
 # certificate is not trusted: another start would meet the same (``refusal_reason``).
 _FOR_GOOD = ("[code: 2004]", "[code: 2001]", "CERTIFICATE_VERIFY_FAILED")
+# What Flower's SuperNode logs when a request meets a TLS error (it gives the request up),
+# and how long after it a SuperNode that has not exited is taken for stalled.
+_TLS_ERROR = "SSL/TLS handshake error detected"
+STALL_SECONDS = 10.0
 _RECONNECTED = "Connection successful"
 
 Say = Callable[[str], None]
@@ -316,7 +321,9 @@ def run_site(plan: SitePlan, *, home: Path, say: Say) -> None:
             return started[-1]
 
         while True:
-            offset = _size(log)
+            # the first start writes the log afresh (a file of this name may be left by
+            # an earlier process of the same pid, in a container)
+            offset = _size(log) if started else 0
             try:
                 node, _ = start_on_free_port(
                     start, log, what=f"site {plan.name}'s SuperNode", timeout=START_SECONDS
@@ -328,21 +335,24 @@ def run_site(plan: SitePlan, *, home: Path, say: Say) -> None:
                     raise
                 node = started[-1]  # it exited before it listened: say why, as below
             try:
-                code, output, joined = _watch(node, tree, log, plan, say, offset)
+                ended = _watch(node, tree, log, plan, say, offset)
             except KeyboardInterrupt:
                 _deregister(node)
                 raise
-            if not connection_failed(code, output):
+            if not (ended.stalled or connection_failed(ended.code, ended.output)):
                 raise RunFailed(
-                    f"site {plan.name}'s SuperNode exited ({describe_exit(code)}): "
-                    f"{refusal_reason(output, plan)}; log: {log}"
+                    f"site {plan.name}'s SuperNode exited ({describe_exit(ended.code)}): "
+                    f"{refusal_reason(ended.output, plan)}; log: {log}"
                 )
-            failures = 0 if joined else failures + 1
+            failures = 0 if ended.joined else failures + 1
             wait = min(RESTART_SECONDS * 2 ** max(0, failures - 1), MAX_RESTART_SECONDS)
-            say(
-                f"a connection to {plan.server} failed and the SuperNode gave up "
-                f"({telling_line(output)}); starting it again in {wait:g} s"
+            what = (
+                f"the SuperNode stopped serving after a TLS error on a connection to {plan.server}"
+                if ended.stalled
+                else f"a connection to {plan.server} failed and the SuperNode gave up "
+                f"({telling_line(ended.output)})"
             )
+            say(f"{what}; starting it again in {wait:g} s")
             _sleep_watching(tree, wait)
 
 
@@ -373,6 +383,17 @@ def _sleep_watching(tree: ProcessTree, seconds: float) -> None:
         time.sleep(min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
 
 
+class Ended(NamedTuple):
+    """How a SuperNode's watch ended: its exit code, what it wrote to its log this start,
+    whether it had joined the server, and whether it was stopped here for having stalled
+    (``_watch``)."""
+
+    code: int
+    output: str
+    joined: bool
+    stalled: bool = False
+
+
 def _watch(
     node: subprocess.Popen[bytes],
     tree: ProcessTree,
@@ -380,18 +401,35 @@ def _watch(
     plan: SitePlan,
     say: Say,
     offset: int = 0,
-) -> tuple[int, str, bool]:
+) -> Ended:
     """Say what the SuperNode does (connected, runs served, connection lost) until it
-    exits; its exit code, what it wrote to ``log`` (from ``offset``), and whether it had
-    joined the server."""
+    exits (from ``offset`` in ``log``: this start's output).
+
+    A SuperNode that logged a TLS error and has not exited ``STALL_SECONDS`` later is
+    stopped here (it deregisters): Flower's SuperNode gives up the request a TLS error
+    hit, and one that had joined then serves nothing more, its heartbeat stopped, while
+    it runs on (seen with a connection the server's gateway closed in its handshake).
+    """
     start = offset
     runs: set[str] = set()
     joined = connected = waiting = False
+    tls_error_at: float | None = None
     while True:
         tree.record()
         code = node.poll()
         text = _read_from(log, start)
         new, offset = text[offset - start :], start + len(text)
+        if tls_error_at is None and _TLS_ERROR in new:
+            tls_error_at = time.monotonic()
+        if (
+            code is None
+            and tls_error_at is not None
+            and (time.monotonic() - tls_error_at >= STALL_SECONDS)
+        ):
+            _deregister(node)
+            if node.poll() is None:  # it did not end on SIGTERM
+                node.kill()
+            return Ended(node.wait(), _read_from(log, start), joined, stalled=True)
         for line in new.splitlines():
             if match := _NODE_ID.search(line):
                 joined = connected = True
@@ -411,7 +449,7 @@ def _watch(
                 connected = True
                 say(f"reconnected to {plan.server}")
         if code is not None:
-            return code, text, joined
+            return Ended(code, text, joined)
         time.sleep(POLL_SECONDS)
 
 

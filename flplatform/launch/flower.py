@@ -405,9 +405,11 @@ def logs_dir(home: Path) -> Path:
 
 
 def private_file(path: Path, *, append: bool = False) -> BinaryIO:
-    """``path`` opened for writing from its start (its end with ``append``), readable by
-    its owner only (0600)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o600)
+    """``path`` opened for writing, emptied first unless ``append``, readable by its owner
+    only (0600). Every write goes to the file's end: the processes that share it (a
+    SuperNode's SuperExec, a later start's) never write over each other's lines."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if append else os.O_TRUNC)
+    fd = os.open(path, flags, 0o600)
     os.fchmod(fd, 0o600)  # a file an older run wrote may be readable by others
     return os.fdopen(fd, "wb")
 

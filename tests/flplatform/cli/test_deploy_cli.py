@@ -14,6 +14,7 @@ import socket
 import ssl
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -653,8 +654,9 @@ def test_a_site_says_it_waits_to_join_then_joins_and_later_reconnects(
     with ProcessTree() as tree:
         node = tree.popen([sys.executable, "-c", "pass"])  # a SuperNode that has exited
         node.wait()
-        code, output, joined = _watch(node, tree, log, plan, said.append)
-    assert (code, joined) == (0, True) and output == log.read_text()
+        ended = _watch(node, tree, log, plan, said.append)
+    assert (ended.code, ended.joined, ended.stalled) == (0, True, False)
+    assert ended.output == log.read_text()
     assert said == [
         "cannot join 127.0.0.1:9094 yet; retrying until it lets london in",
         "connected to 127.0.0.1:9094 as node 3650004933250582873",
@@ -666,8 +668,9 @@ def test_a_site_says_it_waits_to_join_then_joins_and_later_reconnects(
 
 # A stand-in for flower-supernode: each start takes the next word of a script (in the
 # file named by FAKE_SUPERNODE_SCRIPT) — "gives-up" exits with Flower's connection
-# error, "joins" listens on its --port, says its node id, then gives up too, "refused"
-# exits with the server's refusal of the key. As Flower's, its status is 1 on an error,
+# error, "joins" listens on its --port, says its node id, then gives up too, "stalls"
+# joins, meets a TLS error and runs on serving nothing, "refused" exits with the server's
+# refusal of the key. As Flower's, its status is 1 on an error,
 # its exit code printed.
 FAKE_SUPERNODE = """
 import os, socket, sys, time
@@ -675,11 +678,14 @@ script = os.environ["FAKE_SUPERNODE_SCRIPT"]
 steps = open(script).read().split()
 open(script, "w").write(" ".join(steps[1:]))
 step = steps[0]
-if step == "joins":
+if step in ("joins", "stalls"):
     port = int(sys.argv[sys.argv.index("--port") + 1])
     listening = socket.create_server(("127.0.0.1", port))
     print("INFO :      SuperNode ID: 42", flush=True)
     time.sleep(1.0)
+if step == "stalls":  # as Flower's does after a TLS error: gives the request up, runs on
+    print("ERROR :     SSL/TLS handshake error detected.", flush=True)
+    time.sleep(600)
 if step == "refused":
     print("ERROR :     Exit Code: 305 ... [code: 2004] node activation failed", flush=True)
 else:
@@ -689,14 +695,21 @@ sys.exit(1)
 """
 
 
+@pytest.mark.parametrize("earlier_log", [False, True], ids=["", "a-log-left-at-this-pid"])
 def test_a_site_whose_supernode_gave_up_connecting_starts_it_again(
-    tmp_path: Path, site_file: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, site_file: Path, monkeypatch: pytest.MonkeyPatch, earlier_log: bool
 ) -> None:
     """Issue 35: Flower's SuperNode exits on any TLS error, a connection the server's
     gateway closed in its handshake among them (a flood from the site's address); the
     site starts it again, waiting longer each time it did not join, until one is refused
-    for good."""
+    for good. A log of this name left by an earlier process (the same pid, in a container)
+    is written afresh and read from its start."""
     import flplatform.deploy.site as site
+
+    if earlier_log:
+        logs = tmp_path / "home" / "logs"
+        logs.mkdir(parents=True)
+        (logs / f"site-london.supernode.{os.getpid()}.log").write_text("x" * 20_000 + "\n")
 
     fake = tmp_path / "flower-supernode"
     fake.write_text(f"#!{sys.executable}\n{FAKE_SUPERNODE}")
@@ -730,3 +743,35 @@ def test_a_site_whose_supernode_gave_up_connecting_starts_it_again(
     [log] = (tmp_path / "home").rglob("site-london.supernode.*.log")
     assert log.read_text().count("Exit Code: 305") == 4  # every start's output, kept
     assert script.read_text() == ""  # four starts
+
+
+def test_a_site_whose_supernode_stalled_after_a_tls_error_starts_it_again(
+    tmp_path: Path, site_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 35's hang: a joined SuperNode whose request met a TLS error (a connection the
+    gateway closed in its handshake) gives that request up and serves nothing more while
+    it runs on; the site stops it and starts it again."""
+    import flplatform.deploy.site as site
+
+    fake = tmp_path / "flower-supernode"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_SUPERNODE}")
+    fake.chmod(0o755)
+    script = tmp_path / "script"
+    script.write_text("stalls refused")
+    monkeypatch.setenv("FAKE_SUPERNODE_SCRIPT", str(script))
+    monkeypatch.setattr(site, "flower_command", lambda name: str(fake))
+    monkeypatch.setattr(site, "RESTART_SECONDS", 0.1)
+    monkeypatch.setattr(site, "STALL_SECONDS", 1.0)
+    plan = plan_site(
+        "london", server="127.0.0.1:9094", certs_dir=None, data=site_file, insecure=True
+    )
+    said: list[str] = []
+    started = time.monotonic()
+    with pytest.raises(RunFailed, match="does not accept london's key"):
+        site.run_site(plan, home=tmp_path / "home", say=said.append)
+    assert said == [
+        "connected to 127.0.0.1:9094 as node 42",
+        "the SuperNode stopped serving after a TLS error on a connection to 127.0.0.1:9094; "
+        "starting it again in 0.1 s",
+    ]
+    assert time.monotonic() - started < 60  # not the stalled one's 600 s

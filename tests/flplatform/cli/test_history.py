@@ -25,6 +25,7 @@ from flplatform.cli.history import (
 from flplatform.core.errors import StorageError
 from flplatform.engine.events import SITE_BACK_EVENT, SITE_LOST_EVENT, SITE_SILENT_EVENT
 from storage import (
+    RESUMED_EVENT,
     FinalRunStatus,
     LedgerRepository,
     RunRecord,
@@ -730,6 +731,63 @@ def test_rounds_say_which_sites_trained_and_which_did_not_and_why(
     out = history("rounds", "1", "--db", absent_sites_ledger, "--format", "csv")
     records = list(csv.DictReader(io.StringIO(out)))
     assert json.loads(records[1]["not_trained"])["tokyo"] == "away: left in round 2"
+
+
+def test_a_resume_asks_every_site_again_so_who_was_away_is_said_afresh(
+    new_sqlite_ledger: Callable[[str], str],
+) -> None:
+    """Four rounds, resumed after round 2, two of three sites a round (sampled): tokyo left
+    in round 2 and is not said away after the resume (it was asked again, and its later
+    rounds without it are the sample's); ohio did not answer the resume's site query, so it
+    is away from round 3, said as before round 3, not from the start."""
+    url = new_sqlite_ledger("resumed.db")
+    t0 = time.time()
+    trained = {1: ["london", "tokyo"], 2: ["london"], 3: ["london"], 4: ["london"]}
+    with LedgerRepository.open(url) as repo:
+        run_id = repo.create_run(
+            name="sampled", strategy="local-sgd", seed=0, config={}, num_rounds_planned=4
+        )
+        for name in ("london", "ohio", "tokyo"):
+            repo.add_site(run_id, name=name, node_id=len(name), num_examples=100)
+        for rnd, sites in trained.items():
+            if rnd == 2:
+                detail = {"site": "tokyo", "round": 2, "connected": 2, "sites": 3}
+                repo.add_event(run_id, SITE_LOST_EVENT, detail, at=t0 + rnd + 0.1)
+            if rnd == 3:  # the resume, between rounds 2 and 3, and its site query
+                repo.add_event(run_id, RESUMED_EVENT, {"from_round": 2}, at=t0 + rnd - 0.3)
+                detail = {"site": "ohio", "round": None, "connected": 2, "sites": 3}
+                repo.add_event(run_id, SITE_SILENT_EVENT, detail, at=t0 + rnd - 0.2)
+            repo.record_round(
+                run_id,
+                round=rnd,
+                model_version=rnd,
+                started_at=t0 + rnd,
+                finished_at=t0 + rnd + 0.5,
+                metrics={"accuracy": 0.5},
+                train_loss=None,
+                updates=[
+                    UpdateInput(
+                        site=site,
+                        dispatched_round=rnd,
+                        version_trained_on=rnd - 1,
+                        staleness=0,
+                        bytes_up=1000,
+                        bytes_down=1100,
+                        status="applied",
+                        dispatched_at=t0 + rnd,
+                        arrived_at=t0 + rnd + 0.25,
+                        num_examples=100,
+                    )
+                    for site in sites
+                ],
+            )
+    rows = json.loads(history("rounds", "1", "--db", url, "--format", "json"))
+    assert [r["not_trained"] for r in rows] == [
+        {},
+        {"tokyo": "away: left in round 2"},
+        {"ohio": "away: silent before round 3"},
+        {"ohio": "away: silent before round 3"},
+    ]
 
 
 def test_failure_note_names_counts_and_the_common_reason(failing_ledger: str) -> None:
