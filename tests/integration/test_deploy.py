@@ -289,6 +289,23 @@ def test_a_deployment_with_tls_and_registered_sites(tmp_path: Path, password_dat
             assert password.encode() not in path.read_bytes(), f"password in {path}"
 
 
+def committed_rounds(
+    ledger: str, count: int, server: subprocess.Popen[bytes], tree: ProcessTree, log: Path
+) -> list[Any]:
+    """The first run's rounds, once ``count`` of them are committed (the server running
+    meanwhile; 300 s at most)."""
+    deadline = time.monotonic() + 300
+    rounds: list[Any] = []
+    while len(rounds) < count and time.monotonic() < deadline:
+        tree.record()
+        assert server.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.5)
+        with LedgerRepository.open(ledger) as repository:
+            runs = repository.list_runs()
+            rounds = repository.list_rounds(runs[0].id) if runs else []
+    return rounds
+
+
 def two_site_deployment(tmp_path: Path) -> tuple[Machine, dict[str, Machine], Path, Path]:
     """The server's CA, london's and ohio's keys registered, the data split and each site's
     file moved to its machine, as the README's steps say; (server, sites, certs, split)."""
@@ -334,15 +351,7 @@ def test_a_server_killed_outright_resumes_the_run_on_its_sites(tmp_path: Path) -
             name: start_site(site, name, address, site.home / f"{name}.npz", tree, logs)
             for name, site in sites.items()
         }
-        deadline = time.monotonic() + 300
-        before: list[Any] = []
-        while len(before) < 2 and time.monotonic() < deadline:
-            tree.record()
-            assert first.poll() is None, (logs / "server.log").read_text()[-3000:]
-            time.sleep(0.5)
-            with LedgerRepository.open(ledger) as repository:
-                runs = repository.list_runs()
-                before = repository.list_rounds(runs[0].id) if runs else []
+        before = committed_rounds(ledger, 2, first, tree, logs / "server.log")
         first.kill()  # the command alone: what it started must follow it
         assert first.wait(10) == -signal.SIGKILL
 
@@ -510,15 +519,7 @@ def test_after_a_server_stopped_with_ctrl_c_the_next_run_trains_on_every_site(
             name: start_site(site, name, address, site.home / f"{name}.npz", tree, logs)
             for name, site in sites.items()
         }
-        deadline = time.monotonic() + 300
-        committed: list[Any] = []
-        while not committed and time.monotonic() < deadline:
-            tree.record()
-            assert first.poll() is None, (logs / "first.log").read_text()[-3000:]
-            time.sleep(0.5)
-            with LedgerRepository.open(ledger) as repository:
-                runs = repository.list_runs()
-                committed = repository.list_rounds(runs[0].id) if runs else []
+        committed_rounds(ledger, 1, first, tree, logs / "first.log")
         first.send_signal(signal.SIGINT)  # Ctrl-C at the server's terminal
         assert first.wait(60) == 130, (logs / "first.log").read_text()[-3000:]
 

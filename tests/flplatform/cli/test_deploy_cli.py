@@ -695,6 +695,22 @@ sys.exit(1)
 """
 
 
+def fake_supernode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steps: str) -> Path:
+    """`flplatform site` starts FAKE_SUPERNODE, taking ``steps`` one start at a time, and
+    waits 0.1 s before its first restart; the script's file."""
+    import flplatform.deploy.site as site
+
+    fake = tmp_path / "flower-supernode"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_SUPERNODE}")
+    fake.chmod(0o755)
+    script = tmp_path / "script"
+    script.write_text(steps)
+    monkeypatch.setenv("FAKE_SUPERNODE_SCRIPT", str(script))
+    monkeypatch.setattr(site, "flower_command", lambda name: str(fake))
+    monkeypatch.setattr(site, "RESTART_SECONDS", 0.1)
+    return script
+
+
 @pytest.mark.parametrize("earlier_log", [False, True], ids=["", "a-log-left-at-this-pid"])
 def test_a_site_whose_supernode_gave_up_connecting_starts_it_again(
     tmp_path: Path, site_file: Path, monkeypatch: pytest.MonkeyPatch, earlier_log: bool
@@ -711,14 +727,7 @@ def test_a_site_whose_supernode_gave_up_connecting_starts_it_again(
         logs.mkdir(parents=True)
         (logs / f"site-london.supernode.{os.getpid()}.log").write_text("x" * 20_000 + "\n")
 
-    fake = tmp_path / "flower-supernode"
-    fake.write_text(f"#!{sys.executable}\n{FAKE_SUPERNODE}")
-    fake.chmod(0o755)
-    script = tmp_path / "script"
-    script.write_text("gives-up gives-up joins refused")
-    monkeypatch.setenv("FAKE_SUPERNODE_SCRIPT", str(script))
-    monkeypatch.setattr(site, "flower_command", lambda name: str(fake))
-    monkeypatch.setattr(site, "RESTART_SECONDS", 0.1)
+    script = fake_supernode(tmp_path, monkeypatch, "gives-up gives-up joins refused")
     plan = plan_site(
         "london", server="127.0.0.1:9094", certs_dir=None, data=site_file, insecure=True
     )
@@ -753,14 +762,7 @@ def test_a_site_whose_supernode_stalled_after_a_tls_error_starts_it_again(
     it runs on; the site stops it and starts it again."""
     import flplatform.deploy.site as site
 
-    fake = tmp_path / "flower-supernode"
-    fake.write_text(f"#!{sys.executable}\n{FAKE_SUPERNODE}")
-    fake.chmod(0o755)
-    script = tmp_path / "script"
-    script.write_text("stalls refused")
-    monkeypatch.setenv("FAKE_SUPERNODE_SCRIPT", str(script))
-    monkeypatch.setattr(site, "flower_command", lambda name: str(fake))
-    monkeypatch.setattr(site, "RESTART_SECONDS", 0.1)
+    fake_supernode(tmp_path, monkeypatch, "stalls refused")
     monkeypatch.setattr(site, "STALL_SECONDS", 1.0)
     plan = plan_site(
         "london", server="127.0.0.1:9094", certs_dir=None, data=site_file, insecure=True

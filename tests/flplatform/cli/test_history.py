@@ -644,6 +644,42 @@ def test_rounds_name_why_updates_were_not_applied(
     assert "why not applied" not in clean_header
 
 
+def record_outcomes(
+    repo: LedgerRepository,
+    run_id: int,
+    rnd: int,
+    t0: float,
+    outcomes: list[tuple[str, UpdateStatus, str | None]],
+) -> None:
+    """Round ``rnd`` of the run, committed at t0 + rnd + 0.5, with an update per (site,
+    status, reason)."""
+    repo.record_round(
+        run_id,
+        round=rnd,
+        model_version=rnd,
+        started_at=t0 + rnd,
+        finished_at=t0 + rnd + 0.5,
+        metrics={"accuracy": 0.5},
+        train_loss=None,
+        updates=[
+            UpdateInput(
+                site=site,
+                dispatched_round=rnd,
+                version_trained_on=rnd - 1,
+                staleness=0,
+                bytes_up=1000,
+                bytes_down=1100,
+                status=status,
+                reason=reason,
+                dispatched_at=t0 + rnd,
+                arrived_at=t0 + rnd + 0.25,
+                num_examples=100 if status == "applied" else None,
+            )
+            for site, status, reason in outcomes
+        ],
+    )
+
+
 @pytest.fixture
 def absent_sites_ledger(new_sqlite_ledger: Callable[[str], str]) -> str:
     """Four rounds of three sites, as a deployed run records them: ohio's SuperNode is
@@ -667,34 +703,12 @@ def absent_sites_ledger(new_sqlite_ledger: Callable[[str], str]) -> str:
         for kind, site, at in presence:
             repo.add_event(run_id, kind, {"site": site, "round": at, "connected": 2, "sites": 3})
         for rnd, sites in trained.items():
-            outcomes = [(site, "applied", None) for site in sites]
+            outcomes: list[tuple[str, UpdateStatus, str | None]] = [
+                (site, "applied", None) for site in sites
+            ]
             if rnd == 3:
                 outcomes.append(("london", "rejected", "update norm 1e+06 is over 10 x the median"))
-            repo.record_round(
-                run_id,
-                round=rnd,
-                model_version=rnd,
-                started_at=t0 + rnd,
-                finished_at=t0 + rnd + 0.5,
-                metrics={"accuracy": 0.5},
-                train_loss=None,
-                updates=[
-                    UpdateInput(
-                        site=site,
-                        dispatched_round=rnd,
-                        version_trained_on=rnd - 1,
-                        staleness=0,
-                        bytes_up=1000,
-                        bytes_down=1100,
-                        status=status,
-                        reason=reason,
-                        dispatched_at=t0 + rnd,
-                        arrived_at=t0 + rnd + 0.25,
-                        num_examples=100 if status == "applied" else None,
-                    )
-                    for site, status, reason in outcomes
-                ],
-            )
+            record_outcomes(repo, run_id, rnd, t0, outcomes)
         repo.finish_run(run_id, status="finished")
     return url
 
@@ -757,30 +771,7 @@ def test_a_resume_asks_every_site_again_so_who_was_away_is_said_afresh(
                 repo.add_event(run_id, RESUMED_EVENT, {"from_round": 2}, at=t0 + rnd - 0.3)
                 detail = {"site": "ohio", "round": None, "connected": 2, "sites": 3}
                 repo.add_event(run_id, SITE_SILENT_EVENT, detail, at=t0 + rnd - 0.2)
-            repo.record_round(
-                run_id,
-                round=rnd,
-                model_version=rnd,
-                started_at=t0 + rnd,
-                finished_at=t0 + rnd + 0.5,
-                metrics={"accuracy": 0.5},
-                train_loss=None,
-                updates=[
-                    UpdateInput(
-                        site=site,
-                        dispatched_round=rnd,
-                        version_trained_on=rnd - 1,
-                        staleness=0,
-                        bytes_up=1000,
-                        bytes_down=1100,
-                        status="applied",
-                        dispatched_at=t0 + rnd,
-                        arrived_at=t0 + rnd + 0.25,
-                        num_examples=100,
-                    )
-                    for site in sites
-                ],
-            )
+            record_outcomes(repo, run_id, rnd, t0, [(site, "applied", None) for site in sites])
     rows = json.loads(history("rounds", "1", "--db", url, "--format", "json"))
     assert [r["not_trained"] for r in rows] == [
         {},
