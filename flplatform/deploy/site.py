@@ -6,7 +6,8 @@ site. Before it starts, the site's files are checked, and one TLS handshake with
 server tells at once a server this CA did not sign, or one not speaking TLS. Flower's
 SuperNode then serves every run the server starts until it is stopped: it retries while
 the server is unreachable (a restart of the server is waited out), and exits when the
-server refuses it, which is reported here in one line.
+server refuses it, which is reported here in one line. One that gives up on a TLS error
+(it exits, or stops serving) is started again (``run_site``).
 """
 
 from __future__ import annotations
