@@ -65,9 +65,10 @@ GAVE_UP_CONNECTING = "Exit Code: 305"
 RESTART_SECONDS = 2.0
 MAX_RESTART_SECONDS = 60.0
 # What a SuperNode's output says when the server refused the site (its key not
-# registered, or active already past the gateway's rejoin window; no key) or its
-# certificate is not trusted: another start would meet the same (``refusal_reason``).
-_FOR_GOOD = ("[code: 2004]", "[code: 2001]", "CERTIFICATE_VERIFY_FAILED")
+# registered, or active already past the gateway's rejoin window; no key), its
+# certificate is not trusted, or it does not speak TLS (started again with --insecure):
+# another start would meet the same (``refusal_reason``).
+_FOR_GOOD = ("[code: 2004]", "[code: 2001]", "CERTIFICATE_VERIFY_FAILED", "WRONG_VERSION_NUMBER")
 # What Flower's SuperNode logs when a request meets a TLS error (it gives the request up),
 # and how long after it a SuperNode that has not exited is taken for stalled.
 _TLS_ERROR = "SSL/TLS handshake error detected"
@@ -237,6 +238,11 @@ def refusal_reason(output: str, plan: SitePlan) -> str:
         )
     if "[code: 2001]" in output:
         return "refused by the server: it accepts only registered sites, and this node has no key"
+    if "WRONG_VERSION_NUMBER" in output:
+        return (
+            f"the server {plan.server} does not speak TLS (it runs with --insecure?); a "
+            "site with --certs talks to it only over TLS"
+        )
     if "CERTIFICATE_VERIFY_FAILED" in output:
         return (
             f"the server's certificate is not accepted by {plan.ca_cert} (another "

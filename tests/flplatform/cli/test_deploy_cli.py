@@ -688,6 +688,9 @@ if step == "stalls":  # as Flower's does after a TLS error: gives the request up
     time.sleep(600)
 if step == "refused":
     print("ERROR :     Exit Code: 305 ... [code: 2004] node activation failed", flush=True)
+elif step == "plain-server":  # the server started again with --insecure
+    print("ERROR :     [SSL: WRONG_VERSION_NUMBER] wrong version number", flush=True)
+    print("ERROR :     Exit Code: 305", flush=True)
 else:
     print("ERROR :     SSL/TLS handshake error detected.", flush=True)
     print("ERROR :     Exit Code: 305", flush=True)
@@ -777,3 +780,20 @@ def test_a_site_whose_supernode_stalled_after_a_tls_error_starts_it_again(
         "starting it again in 0.1 s",
     ]
     assert time.monotonic() - started < 60  # not the stalled one's 600 s
+
+
+def test_a_site_whose_server_stopped_speaking_tls_exits_with_the_reason(
+    tmp_path: Path, site_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server started again with --insecure: no restart would get through; the site
+    exits at once, saying why."""
+    import flplatform.deploy.site as site
+
+    script = fake_supernode(tmp_path, monkeypatch, "plain-server gives-up")
+    plan = plan_site(
+        "london", server="127.0.0.1:9094", certs_dir=None, data=site_file, insecure=True
+    )
+    said: list[str] = []
+    with pytest.raises(RunFailed, match="does not speak TLS"):
+        site.run_site(plan, home=tmp_path / "home", say=said.append)
+    assert said == [] and script.read_text() == "gives-up"  # one start only
