@@ -236,7 +236,14 @@ class Machine:
         }
 
     def command(self, *args: str) -> list[str]:
-        return [sys.executable, "-c", "from flplatform.cli.app import main; main()", *args]
+        # SIGINT at Python's default, as from a terminal: a pytest-xdist worker starts its
+        # children with SIGINT ignored, and the command keeps a signal it finds ignored so
+        # (as a shell's background job), so Ctrl-C would not reach it
+        start = (
+            "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from flplatform.cli.app import main; main()"
+        )
+        return [sys.executable, "-c", start, *args]
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
