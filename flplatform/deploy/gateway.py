@@ -440,16 +440,10 @@ class FleetGateway(socketserver.ThreadingMixIn, http.server.HTTPServer):
                 candidates = sorted(anonymous, key=lambda c: -counts[c.block])
             else:
                 full, candidates = False, []
-            # by block, the one holding the most first (sorted keeps each block's order)
-            blocks = list(dict.fromkeys(c.block for c in candidates))
-            evicted = next(
-                (
-                    found
-                    for b in blocks
-                    if (found := _evicted([c for c in candidates if c.block == b], now))
-                ),
-                None,
-            )
+            # from the block holding the most (sorted keeps each block's order): _evicted
+            # finds one whenever it is given any
+            busiest = candidates[0].block if candidates else None
+            evicted = _evicted([c for c in candidates if c.block == busiest], now)
             if evicted is not None:
                 del self._open[id(evicted.sock)]
             crowded = full and evicted is None
