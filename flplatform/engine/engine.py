@@ -89,6 +89,7 @@ from flplatform.engine.mailbox import (
     Mailbox,
     SavedWork,
     address,
+    poll_wait,
 )
 from flplatform.engine.policy import AggregationPolicy, EngineView
 from flplatform.engine.replies import (
@@ -192,7 +193,8 @@ class RoundEngine:
         holds no message of it, until it answers (``site-back``). None: the startup
         timeout at the start, the round timeout for nodes that join later.
     poll_interval : float
-        Seconds between pulls when nothing arrived.
+        Seconds between pulls when nothing arrived, at first; longer as the wait goes
+        on (``mailbox.poll_wait``).
     on_round : callable, optional
         Called with each ``RoundSummary`` (progress displays, logs).
     max_failed_rounds : int
@@ -907,7 +909,7 @@ class RoundEngine:
                 # (new nodes are introduced when the mailbox is empty: that waits).
                 presence_checked = time.monotonic()
                 self._mark_listed(set(self.grid.get_node_ids()))
-            time.sleep(self.poll_interval)
+            time.sleep(poll_wait(time.monotonic() - waiting_since, self.poll_interval))
 
         # ---- aggregate into the next model version
         self._settle(state)

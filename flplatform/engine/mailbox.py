@@ -43,6 +43,21 @@ TTL_GRACE_SECONDS = 5.0
 # Replies pulled per call: a SuperLink hands back every ready reply fully decoded, so
 # pulling all pending ids at once would hold (sites × model) bytes in memory.
 PULL_CHUNK = 16
+# The longest sleep between two pulls that found nothing (s). Every pull is a request the
+# SuperLink answers from its database: at the shortest interval a deployed round, which
+# waits seconds for Flower's SuperNodes, asked it twenty times a second.
+LONGEST_POLL_SECONDS = 1.0
+
+
+def poll_wait(waited: float, shortest: float) -> float:
+    """Seconds to sleep before pulling again, nothing having arrived for ``waited`` s:
+    a tenth of that, at least ``shortest`` and at most ``LONGEST_POLL_SECONDS``.
+
+    A reply is then taken at most a tenth of its wait (or ``shortest``, or a second)
+    after it arrived, and a wait of T seconds costs about ``log(T / 10 shortest) / log 1.1``
+    pulls, not ``T / shortest``.
+    """
+    return min(max(shortest, waited / 10), max(shortest, LONGEST_POLL_SECONDS))
 
 
 @dataclass(order=True)
@@ -106,7 +121,7 @@ class Mailbox:
         Node id → the site's place in join order (ties on the clock; None: the order of
         pulling).
     poll_interval : float
-        Seconds between pulls while ``exchange`` waits.
+        Seconds between pulls while ``exchange`` waits, at first (``poll_wait``).
     site_config : ConfigRecord, optional
         Added to every message sent (``stamp``); None adds nothing.
     """
@@ -463,6 +478,7 @@ class Mailbox:
         pending = {d.message_id: d for d in dispatches if d.message_id}
         replies: dict[str, Message] = {}
         deadline = dispatches[0].deadline if dispatches else 0.0
+        last_reply = time.monotonic()
         while pending and time.monotonic() < deadline:
             got = 0
             waiting = list(pending)
@@ -473,8 +489,10 @@ class Mailbox:
                         replies[message_id] = reply
                         self.replied_at[message_id] = time.time()
                         got += 1
-            if not got:
-                time.sleep(self.poll_interval)
+            if got:
+                last_reply = time.monotonic()
+            else:
+                time.sleep(poll_wait(time.monotonic() - last_reply, self.poll_interval))
         self._give_up_unanswered(pending.values())
         return [(d, replies.get(d.message_id)) for d in dispatches]
 

@@ -109,17 +109,15 @@ def test_local_sgd_k_async_on_the_world_network(own_app: Path, tmp_path: Path) -
 @pytest.mark.parametrize(
     ("strategy", "extra", "upload_share"),
     [
-        ("delayed", (), None),
-        # The codec mod of the next two also runs in test_compression's top-k run (the
-        # built-in app uses the same mod), so they are marked thorough.
-        # delayed + top-1% uploads (index + value per coordinate)
-        pytest.param("dts", (), 0.1, marks=pytest.mark.thorough),
-        # 1 byte a weight, plus Flower's framing
-        pytest.param("local-sgd", ("-c", "codec=int8"), 0.6, marks=pytest.mark.thorough),
+        # delayed + top-1% uploads (index + value per coordinate): the delayed mod and the
+        # codec mod together (each codec's own rule is in tests/strategies/test_codecs.py;
+        # the codec mod alone runs in test_compression's top-k run, the built-in app
+        # using the same mod)
+        ("dts", (), 0.1),
         ("fetchsgd", ("-c", "top-k=200"), None),  # a 5 × 1000 sketch
         ("sketched-sgd", ("-c", "top-k=200"), None),
     ],
-    ids=["delayed", "dts", "int8", "fetchsgd", "sketched-sgd"],
+    ids=["dts", "fetchsgd", "sketched-sgd"],
 )
 def test_every_algorithm_through_the_mod(
     own_app: Path,
