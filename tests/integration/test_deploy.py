@@ -1,11 +1,11 @@
-"""A deployment for real on 127.0.0.1: certificates, `flplatform server`, two `flplatform site`.
+"""A deployment for real on 127.0.0.1: certificates, `flplatform server`, `flplatform site`s.
 
-The first test as a site administrator would do it: the CA and server certificate, two site
-keys, a split of the data, the server, then (while it waits for its sites) every kind of
+The first test as a site administrator would do it: the CA and server certificate, three
+site keys, a split of the data, the server, then (while it waits for its sites) every kind of
 node that must be refused: an unregistered key, no key, plain text, another deployment's
-CA, and a client of the Control API. Then the two sites train a 2-round federation with
+CA, and a client of the Control API. Then the three sites train a 2-round federation with
 TLS and authentication, while a peer on their own address holds 200 connections open
-(issue 35's flood: every round applies both sites' updates). The ledger names the sites
+(issue 35's flood: every round applies every site's update). The ledger names the sites
 by their registered names, the refused nodes are in it nowhere, each refusal was reported,
 and every process is gone; Flower's own `flwr ls`, on the deployment's SuperLink state,
 has the run completed.
@@ -22,8 +22,10 @@ Ctrl-C mid-run and starts the next run on the same sites: every site trains ever
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -45,12 +47,13 @@ from flplatform.run.run_record import DEPLOYED_EVENT
 from flplatform.run.start import DEPLOYED_QUERY_SECONDS
 from storage import LedgerRepository
 from tests.helpers.flood import ConnectionFlood
-from tests.helpers.processes import Machine, wait_for_text
+from tests.helpers.processes import Leftovers, Machine, wait_for_text
 
 pytestmark = [pytest.mark.slow, pytest.mark.deploy]
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 ROUNDS = 2
+HONEST = ("london", "ohio", "tokyo")  # the first test's registered sites
 
 
 def start_site(
@@ -66,7 +69,7 @@ def start_site(
 
 def test_a_deployment_with_tls_and_registered_sites(tmp_path: Path, password_database: str) -> None:
     server = Machine(tmp_path / "server")
-    sites = {name: Machine(tmp_path / name) for name in ("london", "ohio", "evil")}
+    sites = {name: Machine(tmp_path / name) for name in (*HONEST, "evil")}
     # ---- certificates: the server's CA, each site's key, the public keys to the server
     certs = server.home / "certs"
     made = server.run("certs", "init", "--out", str(certs))
@@ -75,17 +78,17 @@ def test_a_deployment_with_tls_and_registered_sites(tmp_path: Path, password_dat
         made = site.run("certs", "site", name, "--out", str(site.home / "certs"))
         assert made.returncode == 0, made.stderr
         shutil.copy(certs / "ca.crt", site.home / "certs")
-        if name != "evil":  # the administrator registers london and ohio only
+        if name != "evil":  # the administrator registers the honest sites only
             shutil.copy(site.home / "certs" / f"{name}.pub", certs)
     stranger_ca = tmp_path / "other-deployment"
     assert server.run("certs", "init", "--out", str(stranger_ca)).returncode == 0
     shutil.copy(sites["london"].home / "certs" / "london.key", stranger_ca)
     # ---- data: the split's site files, one to each site; the test set stays on the server
     split = server.home / "split"
-    made = server.run("data", "split", "--out", str(split), "--sites", "london,ohio")
+    made = server.run("data", "split", "--out", str(split), "--sites", ",".join(HONEST))
     assert made.returncode == 0, made.stderr
     data = {name: site.home / f"{name}.npz" for name, site in sites.items()}
-    for name in ("london", "ohio"):
+    for name in HONEST:
         shutil.copy(split / f"{name}.npz", data[name])
     shutil.copy(split / "london.npz", data["evil"])
 
@@ -102,7 +105,7 @@ def test_a_deployment_with_tls_and_registered_sites(tmp_path: Path, password_dat
     try:
         server_proc = server.start(
             tree, logs / "server.log",
-            "server", "--certs", str(certs), "--sites", "london,ohio", "--address", address,
+            "server", "--certs", str(certs), "--sites", ",".join(HONEST), "--address", address,
             "--rounds", str(ROUNDS), "--local-epochs", "1", "--dataset", str(split),
             "--partition", "files", "--db", ledger, "--wait-timeout", "180",
             "--fraction-evaluate", "1.0",
@@ -158,11 +161,11 @@ def test_a_deployment_with_tls_and_registered_sites(tmp_path: Path, password_dat
         plain.terminate()
 
         # ---- the sites, while a peer on their address holds 200 connections open (as one
-        # behind the sites' NAT could): every round still applies both sites' updates
+        # behind the sites' NAT could): every round still applies every site's update
         with ConnectionFlood("127.0.0.1", port, certs / "ca.crt", count=200) as flood:
             members = {
                 name: start_site(sites[name], name, address, data[name], tree, logs)
-                for name in ("london", "ohio")
+                for name in HONEST
             }
             deadline = time.monotonic() + 300
             while server_proc.poll() is None and time.monotonic() < deadline:
@@ -184,7 +187,7 @@ def test_a_deployment_with_tls_and_registered_sites(tmp_path: Path, password_dat
         tree.stop()
 
     # ---- what the server reported
-    assert "all 2 sites connected: london, ohio" in output
+    assert "all 3 sites connected: london, ohio, tokyo" in output
     reported = {
         "unregistered key SHA256:": "its key is not registered",
         "does not trust this server's certificate": "refused 127.0.0.1",
@@ -204,16 +207,16 @@ def test_a_deployment_with_tls_and_registered_sites(tmp_path: Path, password_dat
         (run,) = repository.list_runs()
         assert run.status == "finished", run.error
         assert password not in json.dumps(run.config)
-        assert [r.num_applied for r in repository.list_rounds(run.id)] == [2] * ROUNDS
+        assert [r.num_applied for r in repository.list_rounds(run.id)] == [3] * ROUNDS
         recorded = {s.name: s for s in repository.list_sites(run.id)}
-        assert set(recorded) == {"london", "ohio"}
+        assert set(recorded) == set(HONEST)
         assert {name: s.node_id for name, s in recorded.items()} == node_ids
         assert all("claimed_name" not in s.profile for s in recorded.values())
-        assert {u.site for u in repository.list_updates(run.id)} == {"london", "ohio"}
+        assert {u.site for u in repository.list_updates(run.id)} == set(HONEST)
         # marked deployed: `flplatform resume` will not train it on the server's machine
         events = [(e.kind, e.detail) for e in repository.list_events(run.id)]
         deployment = "ca-" + hashlib.sha256((certs / "ca.crt").read_bytes()).hexdigest()[:12]
-        detail = {"sites": ["london", "ohio"], "address": address, "deployment": deployment}
+        detail = {"sites": list(HONEST), "address": address, "deployment": deployment}
         assert events == [(DEPLOYED_EVENT, detail)]
     # ---- Flower's view of the run: its SuperLink started again on the deployment's state
     # (as the next `flplatform server` does; plain, on a port of its own), asked by `flwr ls`
@@ -276,17 +279,27 @@ def test_a_deployment_with_tls_and_registered_sites(tmp_path: Path, password_dat
     )
     assert queries.exit_code == 0, queries.output
     asked = json.loads(queries.output)
-    assert sorted(q["site"] for q in asked) == ["london", "ohio"]
+    assert sorted(q["site"] for q in asked) == sorted(HONEST)
     assert all(q["messages"] == 1 and q["bytes_up"] > 0 and q["bytes_down"] > 0 for q in asked)
     with LedgerRepository.open(ledger) as repository:  # every site evaluated every round
         evaluated = repository.list_evaluations(run.id)
     assert sorted((e.round, e.site) for e in evaluated) == [
-        (r, site) for r in range(1, ROUNDS + 1) for site in ("london", "ohio")
+        (r, site) for r in range(1, ROUNDS + 1) for site in sorted(HONEST)
     ]
     # ---- the password: in no output, and in no file of the server's home or the logs
     for path in [*server.home.rglob("*"), *logs.rglob("*")]:
         if path.is_file():
             assert password.encode() not in path.read_bytes(), f"password in {path}"
+
+
+def crash(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a process and every process below it at once, as a machine that dies."""
+    below = Leftovers(proc.pid)
+    below.record()
+    for pid in [proc.pid, *below.running()]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(10)
 
 
 def committed_rounds(
@@ -496,11 +509,13 @@ def test_a_site_that_runs_no_clientapp_is_named_and_no_round_waits_for_it(tmp_pa
 def test_after_a_server_stopped_with_ctrl_c_the_next_run_trains_on_every_site(
     tmp_path: Path,
 ) -> None:
-    """Issue 35's restart: the server stopped with SIGINT mid-run (Ctrl-C), the sites left
-    running, then the next run on them. Before, a site took the new run's messages and
-    never trained, and every round waited out its 600 s timeout. Now every site trains
-    every round of the next run, and no round waits for a silent site longer than the
-    site query's deadline (DEPLOYED_QUERY_SECONDS)."""
+    """Issue 35's restarts: a site's machine crashed mid-run and its site started again at
+    once, then the server stopped with SIGINT (Ctrl-C), the sites left running, and the
+    next run on them. Before, a site restarted within a minute of a crash was refused and
+    exited, and a site took the new run's messages and never trained, every round waiting
+    out its 600 s timeout. Now the restarted site waits until it is let in, and every site
+    trains every round of the next run, no round waiting for a silent site longer than
+    the site query's deadline (DEPLOYED_QUERY_SECONDS)."""
     server, sites, certs, split = two_site_deployment(tmp_path)
     ledger = f"sqlite:///{server.home / 'runs.db'}"
     address = f"127.0.0.1:{free_port()}"
@@ -513,13 +528,23 @@ def test_after_a_server_stopped_with_ctrl_c_the_next_run_trains_on_every_site(
     )  # fmt: skip
     tree = ProcessTree()
     try:
-        first = server.start(tree, logs / "first.log", "server", *options, "--rounds", "5")
+        first = server.start(tree, logs / "first.log", "server", *options, "--rounds", "20")
         wait_for_text(logs / "first.log", "listening for sites", first, tree, 120)
         members = {
             name: start_site(site, name, address, site.home / f"{name}.npz", tree, logs)
             for name, site in sites.items()
         }
         committed_rounds(ledger, 1, first, tree, logs / "first.log")
+        # ohio's machine crashes (its site, SuperNode and ClientApp at once) and its site
+        # is started again at once, while the SuperLink still counts its old node online
+        crash(members["ohio"])
+        restarts = logs / "restarted"
+        restarts.mkdir()
+        members["ohio"] = start_site(
+            sites["ohio"], "ohio", address, sites["ohio"].home / "ohio.npz", tree, restarts
+        )
+        # held off until the old node's heartbeat lapses, it waits and joins; not exits
+        wait_for_text(restarts / "ohio.log", "as node", members["ohio"], tree, 240)
         first.send_signal(signal.SIGINT)  # Ctrl-C at the server's terminal
         assert first.wait(60) == 130, (logs / "first.log").read_text()[-3000:]
 
