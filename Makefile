@@ -61,12 +61,12 @@ test-fast: setup-dev
 test-hostile: setup-dev
 	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m hostile
 
-# Every strategy and mode killed with SIGKILL twice (a run, then its resume) and resumed, compared
-# bit for bit with the run left alone (tests/integration/test_resume.py).
+# Every strategy and mode killed with SIGKILL (a run; two of them once more as a resume) and
+# resumed, compared bit for bit with the run left alone (tests/integration/test_resume.py).
 test-resume: setup-dev
 	$(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m resume
 
-# Real deployments on 127.0.0.1: `flplatform certs`, `server` and two `site`s with TLS and
+# Real deployments on 127.0.0.1: `flplatform certs`, `server` and `site`s with TLS and
 # registered keys, the nodes that must be refused, Flower's traffic count equal to the
 # ledger's bytes, and a server killed mid-run then resumed on its sites
 # (tests/integration/test_deploy.py); a SuperLink killed mid-run, under `server` and with

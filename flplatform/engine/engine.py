@@ -124,6 +124,9 @@ from flplatform.engine.wire import (
 log = logging.getLogger("flplatform.engine")
 # While work is out, how often the engine asks the SuperLink which sites it still lists (s).
 PRESENCE_CHECK_SECONDS = 5.0
+# While it waits for its sites to connect, how often the engine asks the SuperLink at
+# first (s); less often as the wait goes on (``mailbox.poll_wait``).
+STARTUP_POLL_SECONDS = 0.2
 
 # A refused site is not offered work again for this long (it may be reconnecting).
 REFUSED_BACKOFF = 5.0
@@ -194,7 +197,8 @@ class RoundEngine:
         timeout at the start, the round timeout for nodes that join later.
     poll_interval : float
         Seconds between pulls when nothing arrived, at first; longer as the wait goes
-        on (``mailbox.poll_wait``).
+        on (``mailbox.poll_wait``: a tenth of the wait, up to half a second; 0 sets no
+        shortest sleep, not a busy loop).
     on_round : callable, optional
         Called with each ``RoundSummary`` (progress displays, logs).
     max_failed_rounds : int
@@ -558,7 +562,8 @@ class RoundEngine:
         come (a simulation's node ids are new at every start-up): refused then, not after
         the start-up timeout.
         """
-        deadline = time.monotonic() + self.startup_timeout
+        started = time.monotonic()
+        deadline = started + self.startup_timeout
         while True:
             node_ids = sorted(self.grid.get_node_ids())
             new = [n for n in node_ids if n not in self.sites and n not in self._restarted]
@@ -577,7 +582,7 @@ class RoundEngine:
                     f"{', '.join(sorted(present)) or 'none'}); a run resumes with all its "
                     "sites, under the same names"
                 )
-            time.sleep(0.2)
+            time.sleep(poll_wait(time.monotonic() - started, STARTUP_POLL_SECONDS))
 
     def _restore_counters(self, engine: Mapping[str, Any], nodes: Mapping[int, int]) -> None:
         problems = StateProblems("the engine's counters")
@@ -659,7 +664,8 @@ class RoundEngine:
         A plain Flower ClientApp that does not answer queries still joins, named after
         its node id.
         """
-        deadline = time.monotonic() + self.startup_timeout
+        started = time.monotonic()
+        deadline = started + self.startup_timeout
         node_ids = sorted(self.grid.get_node_ids())
         while len(node_ids) < self.required_sites or self._short_of_k(len(node_ids)):
             if time.monotonic() > deadline:
@@ -670,7 +676,7 @@ class RoundEngine:
                     f"{seconds_text(self.startup_timeout)} s; start more SuperNodes or lower "
                     "min-sites"
                 )
-            time.sleep(0.2)
+            time.sleep(poll_wait(time.monotonic() - started, STARTUP_POLL_SECONDS))
             node_ids = sorted(self.grid.get_node_ids())
         self._introduce(node_ids, timeout=self.startup_timeout)
         return self.sites.infos()
@@ -879,10 +885,13 @@ class RoundEngine:
         self.guard.begin_round(server_round)
         if self._resend:
             self._resend_saved(state)
-        waiting_since = presence_checked = time.monotonic()
+        waiting_since = presence_checked = quiet_since = time.monotonic()
         while True:
             # ---- dispatch: the policy says who may get work; the strategy samples
+            sent = state.dispatched
             self._dispatch_wanted(state)
+            if state.dispatched > sent:  # new work out: its reply is looked for soon
+                quiet_since = time.monotonic()
             # ---- pull what has arrived, judging it in clock order; drop overdue sites
             pulled = self._pull_chunks(state)
             self._expire_overdue(state)
@@ -893,7 +902,7 @@ class RoundEngine:
                 break
             # ---- wait: for replies, or for sites to join when nothing is on its way
             if pulled:
-                waiting_since = time.monotonic()
+                waiting_since = quiet_since = time.monotonic()
                 continue
             if self.mailbox.empty(besides=self.sites.silent()):
                 # The step is still open: sites may join; if none can be given work for
@@ -909,7 +918,7 @@ class RoundEngine:
                 # (new nodes are introduced when the mailbox is empty: that waits).
                 presence_checked = time.monotonic()
                 self._mark_listed(set(self.grid.get_node_ids()))
-            time.sleep(poll_wait(time.monotonic() - waiting_since, self.poll_interval))
+            time.sleep(poll_wait(time.monotonic() - quiet_since, self.poll_interval))
 
         # ---- aggregate into the next model version
         self._settle(state)

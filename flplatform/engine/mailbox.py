@@ -46,16 +46,19 @@ PULL_CHUNK = 16
 # The longest sleep between two pulls that found nothing (s). Every pull is a request the
 # SuperLink answers from its database: at the shortest interval a deployed round, which
 # waits seconds for Flower's SuperNodes, asked it twenty times a second.
-LONGEST_POLL_SECONDS = 1.0
+LONGEST_POLL_SECONDS = 0.5
 
 
 def poll_wait(waited: float, shortest: float) -> float:
     """Seconds to sleep before pulling again, nothing having arrived for ``waited`` s:
     a tenth of that, at least ``shortest`` and at most ``LONGEST_POLL_SECONDS``.
 
-    A reply is then taken at most a tenth of its wait (or ``shortest``, or a second)
-    after it arrived, and a wait of T seconds costs about ``log(T / 10 shortest) / log 1.1``
-    pulls, not ``T / shortest``.
+    A reply is then taken at most a tenth of its wait (or ``shortest``, or half a second)
+    after it arrived; a wait of T seconds costs ``10`` pulls for its first ``10 shortest``
+    seconds, then about ``log(T / 10 shortest) / log 1.1`` (and two a second past five
+    seconds), not ``T / shortest``. On the wall clock a reply lands when it is pulled, so
+    replies pulled together are in the SuperLink's order: half a second of a wait of
+    seconds, where Flower's SuperNodes themselves poll every few seconds.
     """
     return min(max(shortest, waited / 10), max(shortest, LONGEST_POLL_SECONDS))
 
@@ -121,7 +124,8 @@ class Mailbox:
         Node id → the site's place in join order (ties on the clock; None: the order of
         pulling).
     poll_interval : float
-        Seconds between pulls while ``exchange`` waits, at first (``poll_wait``).
+        Seconds between pulls while ``exchange`` waits, at first (``poll_wait``; 0 sets
+        no shortest sleep).
     site_config : ConfigRecord, optional
         Added to every message sent (``stamp``); None adds nothing.
     """
@@ -479,7 +483,8 @@ class Mailbox:
         replies: dict[str, Message] = {}
         deadline = dispatches[0].deadline if dispatches else 0.0
         last_reply = time.monotonic()
-        while pending and time.monotonic() < deadline:
+        while pending:
+            looked_at = time.monotonic()  # a reply in before this is taken by this pull
             got = 0
             waiting = list(pending)
             for start in range(0, len(waiting), PULL_CHUNK):
@@ -489,10 +494,13 @@ class Mailbox:
                         replies[message_id] = reply
                         self.replied_at[message_id] = time.time()
                         got += 1
+            if looked_at >= deadline:
+                break  # that was the last look
             if got:
                 last_reply = time.monotonic()
-            else:
-                time.sleep(poll_wait(time.monotonic() - last_reply, self.poll_interval))
+            else:  # the next look at the deadline at the latest
+                wait = poll_wait(time.monotonic() - last_reply, self.poll_interval)
+                time.sleep(max(0.0, min(wait, deadline - time.monotonic())))
         self._give_up_unanswered(pending.values())
         return [(d, replies.get(d.message_id)) for d in dispatches]
 

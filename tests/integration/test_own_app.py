@@ -110,9 +110,10 @@ def test_local_sgd_k_async_on_the_world_network(own_app: Path, tmp_path: Path) -
     ("strategy", "extra", "upload_share"),
     [
         # delayed + top-1% uploads (index + value per coordinate): the delayed mod and the
-        # codec mod together (each codec's own rule is in tests/strategies/test_codecs.py;
-        # the codec mod alone runs in test_compression's top-k run, the built-in app
-        # using the same mod)
+        # codec mod together. The codec mod alone runs in test_compression's top-k run
+        # (the built-in app uses the same mod); int8 on a user's BatchNorm model in
+        # tests/strategies/test_users_model_under_every_algorithm.py, its upload sizes in
+        # tests/strategies/test_local_sgd_codecs.py.
         ("dts", (), 0.1),
         ("fetchsgd", ("-c", "top-k=200"), None),  # a 5 × 1000 sketch
         ("sketched-sgd", ("-c", "top-k=200"), None),
