@@ -403,6 +403,11 @@ class LedgerRun:
         finally:
             self.repository.close()
 
+    def leave_to_owner(self) -> None:
+        """Close the ledger and leave the run as it is: the command that owns it is
+        stopping it, and marks it with why once every process is gone."""
+        self.repository.close()
+
     def fail(self, exc: BaseException, *, simulated_seconds: float | None = None) -> None:
         """Mark the run failed with ``exc``'s reason; close the ledger.
 

@@ -45,6 +45,7 @@ from flplatform.run.options import (
     options_environment,
     resolve_options,
 )
+from flplatform.run.owner import named_owner, owner_gone
 from flplatform.run.parts import (
     as_engine_strategy,
     choose_policy,
@@ -320,8 +321,15 @@ def start(
         )
 
     def record_failure(exc: BaseException) -> None:
-        if run is not None:
-            run.fail(exc, simulated_seconds=engine.simulated_seconds if engine else None)
+        if run is None:
+            return
+        if isinstance(exc, KeyboardInterrupt) and named_owner() is not None and not owner_gone():
+            # The command that started the run is stopping its processes: it marks the run
+            # failed with the signal's name once they are gone (launch/simulation.py), and
+            # a text of ours written first ("KeyboardInterrupt: ") would stay.
+            run.leave_to_owner()
+            return
+        run.fail(exc, simulated_seconds=engine.simulated_seconds if engine else None)
 
     # Whatever stops the rounds (an error, Ctrl-C, a SuperLink found gone: then the error
     # is RunFailed naming it) is recorded before it is raised.

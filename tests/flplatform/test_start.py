@@ -39,6 +39,7 @@ from flplatform.run.options import (
     PlatformOptions,
     options_from_environment,
 )
+from flplatform.run.owner import OWNER_ENV, owner_token
 from flplatform.run.run_record import LAUNCH_KEY, record_failed_start
 from flplatform.run.start import options_environment, start
 from storage import LedgerRepository
@@ -184,6 +185,44 @@ def test_a_run_that_stops_early_is_recorded_failed_with_the_reason(db: str) -> N
         assert run.error == raised.value.reason
         assert "num-examples" in (run.error or "")
         assert len(repo.list_rounds(run.id)) == 2  # stopped after two such rounds
+
+
+@pytest.mark.skipif(owner_token() is None, reason="names its owner through /proc (Linux)")
+@pytest.mark.parametrize("owned", [True, False], ids=["owned", "flwr-run"])
+def test_a_serverapp_interrupted_while_its_command_lives_leaves_the_stop_to_the_command(
+    db: str, owned: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The command that started the run stops its processes, then marks the run with the
+    signal's name. The ServerApp, interrupted meanwhile, wrote "KeyboardInterrupt: "
+    first when it was quick, and that text stayed. With no owning command (`flwr run`),
+    the ServerApp still records its own interruption."""
+    if owned:
+        monkeypatch.setenv(OWNER_ENV, owner_token() or "")
+    else:
+        monkeypatch.delenv(OWNER_ENV, raising=False)
+    sent = 0
+
+    def interrupted_in_round_2(msg: Message, model: np.ndarray) -> RecordDict:
+        nonlocal sent
+        sent += 1
+        if sent > 2:  # the signal lands while round 2's replies are pulled
+            raise KeyboardInterrupt
+        return trained(1.0, 10, 0.5)(msg, model)
+
+    grid = ScriptedGrid(
+        {
+            1: replying_site("a", interrupted_in_round_2),
+            2: replying_site("b", trained(1.0, 10, 0.5)),
+        }
+    )
+    with pytest.raises(KeyboardInterrupt):
+        start(LocalSGDAveraging(), grid, MODEL, num_rounds=5, ledger=db)
+    with LedgerRepository.open(db) as repo:
+        (run,) = repo.list_runs()
+    if owned:  # left for the command, which marks it once every process is gone
+        assert run.status == "running" and run.error is None
+    else:
+        assert run.status == "failed" and (run.error or "").startswith("KeyboardInterrupt")
 
 
 # ====================================================================== should_stop
