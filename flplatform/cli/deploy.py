@@ -136,7 +136,12 @@ def server(
     ] = None,
     db: Annotated[str | None, typer.Option(help="SQLAlchemy URL of the ledger.")] = None,
     wait_timeout: Annotated[
-        float, typer.Option(help="Seconds to wait for every site to connect.")
+        float,
+        typer.Option(
+            help="Seconds to wait for every site to connect, and then, once the run has "
+            "started, for each registered site to answer it (a silent one is left out "
+            "after that)."
+        ),
     ] = DEFAULT_WAIT_SECONDS,
     insecure: Annotated[
         bool,

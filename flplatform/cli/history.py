@@ -729,8 +729,9 @@ def not_trained_by_round(
     holds, and that reason: its update dropped or rejected (``"dropped: no reply within
     600 s"``), or the site away (``"away: left in round 3"``) from the round its site-lost
     or site-silent event names (an event recorded between rounds, at a start or a resume:
-    the next round) through the round of its site-back event, or until the run was
-    resumed (which asks every site again), or to the run's last round.
+    the next round) through the round of its site-back event (one recorded between
+    rounds: the round before), or until the run was resumed (which asks every site
+    again), or to the run's last round.
 
     Sites that were simply not asked (a sample, async modes' K of N, a site still training
     an earlier version) are not listed: the ledger does not say they were missed.
@@ -767,7 +768,9 @@ def not_trained_by_round(
                 away[site] = (_AWAY[event.kind], since, "at start-up" if since == 1 else "")
         elif event.kind == SITE_BACK_EVENT and site in away:
             how, since, said = away.pop(site)
-            spans.append((site, how, since, int(at or since), said))
+            # back between rounds (the start waited for it): away through the last
+            # round committed then, none at a start
+            spans.append((site, how, since, int(at) if at else committed_by(event), said))
     spans += [(site, how, since, last, said) for site, (how, since, said) in away.items()]
     for site, how, since, until, said in spans:
         said = said or f"before round {since}"

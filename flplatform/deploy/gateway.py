@@ -126,6 +126,9 @@ _KINDS_KEPT = 1024
 # Flower's node-authentication header: base64 of the node's PEM public key.
 PUBLIC_KEY_HEADER = "flwr-public-key"
 READY_LINE = "listening on"
+# How the reports of a node joining or leaving begin (`flplatform server` looks at
+# Flower's node list again when it reads one).
+JOINED, LEFT = "joined:", "left:"
 _HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -754,9 +757,9 @@ class _FleetHandler(http.server.BaseHTTPRequestHandler):
             return
         who = self.server.who(key_fingerprint(self.headers.get(PUBLIC_KEY_HEADER)))
         if action == "activate-node" and status < 400:
-            self.server.reports.say(f"joined: {who} connected from {source}")
+            self.server.reports.say(f"{JOINED} {who} connected from {source}")
         elif action == "deactivate-node" and status < 400:
-            self.server.reports.say(f"left: {who} disconnected ({source})")
+            self.server.reports.say(f"{LEFT} {who} disconnected ({source})")
         elif action == "activate-node":
             if who.startswith("site "):
                 why = (

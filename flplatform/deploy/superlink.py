@@ -47,7 +47,7 @@ from flplatform.core.site_registry import REGISTRY_ENV, RegisteredSite, SiteRegi
 from flplatform.core.text import seconds_text
 from flplatform.deploy.addresses import Address, parse_address
 from flplatform.deploy.certs import ServerCerts, check_site_name, fingerprint, site_public_key
-from flplatform.deploy.gateway import READY_LINE
+from flplatform.deploy.gateway import JOINED, LEFT, READY_LINE
 from flplatform.engine.events import PRESENCE_EVENTS, presence_sentence
 from flplatform.launch.flower import (
     OWNER_ONLY_UMASK,
@@ -64,7 +64,7 @@ from flplatform.launch.flower import (
 from flplatform.launch.processes import ProcessTree
 from flplatform.launch.simulation import ProgressCallback, follow_run
 from flplatform.run.options import ConfigValue
-from flplatform.run.run_record import DEPLOYMENT_ENV
+from flplatform.run.run_record import DEPLOYMENT_ENV, WAIT_TIMEOUT_KEY
 from storage import (
     RUN_RUNNING,
     LedgerRepository,
@@ -76,9 +76,16 @@ from storage import (
 
 DEFAULT_ADDRESS = "0.0.0.0:9092"  # Flower's traditional Fleet API port
 DEFAULT_WAIT_SECONDS = 600.0
-# Seconds between `flwr supernode list` calls while waiting (each one is a Python process
-# importing Flower, about a second of CPU).
+# Seconds between `flwr supernode list` calls while waiting for the sites, at least: each
+# is a Python process importing Flower (about 1.5 CPU-s). The list is read again as soon
+# as that allows when the gateway reports a node that joined or left; else the wait
+# between calls grows to a tenth of the time waited, LIST_LONGEST_SECONDS at most (a join
+# the gateway says once a minute per address, as several --insecure sites behind one
+# address do, is seen that late).
 LIST_INTERVAL_SECONDS = 2.0
+LIST_LONGEST_SECONDS = 10.0
+# Seconds between looks at the gateway's reports while waiting.
+GATEWAY_LOOK_SECONDS = 0.5
 # Seconds between "still waiting for ..." lines.
 WAITING_NOTE_SECONDS = 30.0
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
@@ -551,6 +558,18 @@ def start_gateway(
     raise RunFailed(f"the Fleet gateway did not start within 30 s; see {log}")
 
 
+def node_news(reports: Sequence[str]) -> bool:
+    """Whether the gateway's reports say a node joined or left (a refused peer, a flood's
+    closed connections: no news of the sites)."""
+    return any(line.startswith((JOINED, LEFT)) for line in reports)
+
+
+def list_wait(waited: float) -> float:
+    """Seconds until the next `flwr supernode list` when the gateway reported nothing,
+    after ``waited`` seconds of waiting for the sites."""
+    return min(max(LIST_INTERVAL_SECONDS, waited / 10), LIST_LONGEST_SECONDS)
+
+
 def wait_for_sites(
     cli: FlowerCli,
     plan: ServerPlan,
@@ -558,35 +577,43 @@ def wait_for_sites(
     *,
     link: subprocess.Popen[bytes],
     link_log: Path,
-    on_poll: Callable[[], None],
+    on_poll: Callable[[], bool],
     say: Say,
 ) -> None:
     """Return once every site is connected; RunFailed naming the missing ones at the timeout.
 
-    Without a registry (--insecure) nodes have no names: wait for as many as there are sites.
+    ``on_poll``: says the gateway's new reports; whether one said a node joined or left
+    (then Flower's node list is read again ``LIST_INTERVAL_SECONDS`` after the last
+    read at most, else after ``list_wait``). Without a registry (--insecure) nodes have
+    no names: wait for as many as there are sites.
     """
-    deadline = time.monotonic() + plan.wait_timeout
-    noted = time.monotonic()
+    started = noted = time.monotonic()
+    deadline = started + plan.wait_timeout
+    listed_at: float | None = None
+    news = False
+    missing: list[str] = []
+    joined: list[str] = []
     while True:
-        on_poll()
+        news = on_poll() or news
         if link.poll() is not None:
             raise RunFailed(
                 f"the SuperLink exited ({describe_exit(link.returncode)}) while waiting for "
                 f"the sites; see {link_log}"
             )
-        online = {node_id for node_id, status in cli.nodes().items() if status == "online"}
-        if registry is not None:
-            missing = [s.name for s in registry.sites if s.node_id not in online]
-            joined = [s.name for s in registry.sites if s.node_id in online]
-        else:  # nodes name themselves (when the run asks them): count them
-            short = len(plan.sites) - len(online)
-            missing = [f"{short} of {len(plan.sites)} nodes"] if short > 0 else []
-            joined = [f"{len(online)} unauthenticated nodes (--insecure)"] if online else []
-        if not missing:
-            on_poll()  # the gateway's last reports first
-            say(f"all {len(plan.sites)} sites connected: {', '.join(joined)}")
-            return
         now = time.monotonic()
+        if (
+            listed_at is None
+            or (news and now - listed_at >= LIST_INTERVAL_SECONDS)
+            or now - listed_at >= list_wait(now - started)
+            or (now >= deadline and now - listed_at >= GATEWAY_LOOK_SECONDS)
+        ):
+            listed_at, news = now, False
+            missing, joined = _connected(cli, plan, registry)
+            if not missing:
+                on_poll()  # the gateway's last reports first
+                say(f"all {len(plan.sites)} sites connected: {', '.join(joined)}")
+                return
+            now = time.monotonic()
         if now >= deadline:
             raise RunFailed(
                 f"waited {seconds_text(plan.wait_timeout)} s and {', '.join(missing)} did not "
@@ -599,7 +626,22 @@ def wait_for_sites(
         if now - noted >= WAITING_NOTE_SECONDS:
             noted = now
             say(f"waiting for {', '.join(missing)} ({deadline - now:.0f} s left)")
-        time.sleep(LIST_INTERVAL_SECONDS)
+        time.sleep(min(GATEWAY_LOOK_SECONDS, max(0.0, deadline - now) + 0.01))
+
+
+def _connected(
+    cli: FlowerCli, plan: ServerPlan, registry: SiteRegistry | None
+) -> tuple[list[str], list[str]]:
+    """(the sites not connected, those connected), as Flower lists its nodes now."""
+    online = {node_id for node_id, status in cli.nodes().items() if status == "online"}
+    if registry is not None:
+        missing = [s.name for s in registry.sites if s.node_id not in online]
+        joined = [s.name for s in registry.sites if s.node_id in online]
+    else:  # nodes name themselves (when the run asks them): count them
+        short = len(plan.sites) - len(online)
+        missing = [f"{short} of {len(plan.sites)} nodes"] if short > 0 else []
+        joined = [f"{len(online)} unauthenticated nodes (--insecure)"] if online else []
+    return missing, joined
 
 
 def dial_hint(plan: ServerPlan) -> str:
@@ -633,7 +675,12 @@ def start_deployment(
     # its ServerApp records the run deployed with the run itself (run_record.DEPLOYED_EVENT),
     # and a resumed run may reopen here: its sites train
     env[DEPLOYMENT_ENV] = json.dumps(
-        {"sites": list(plan.sites), "address": str(plan.address), "deployment": plan.deployment_id}
+        {
+            "sites": list(plan.sites),
+            "address": str(plan.address),
+            "deployment": plan.deployment_id,
+            WAIT_TIMEOUT_KEY: plan.wait_timeout,
+        }
     )
     registry_path = None if plan.insecure else state / "registry.json"
     if registry_path is not None:
@@ -659,10 +706,12 @@ def start_deployment(
     gateway_log.lines()  # the "listening" line
     say(f"listening for sites on {plan.address}; they dial {dial_hint(plan)}")
 
-    def report() -> None:
+    def report() -> bool:
         tree.record()
-        for line in gateway_log.lines():
+        lines = gateway_log.lines()
+        for line in lines:
             say(line)
+        return node_news(lines)
 
     wait_for_sites(cli, plan, registry, link=link, link_log=link_log, on_poll=report, say=say)
     flwr_run, log_path = start_flwr_run(

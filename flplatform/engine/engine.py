@@ -187,7 +187,8 @@ class RoundEngine:
         Nodes that must be connected before the first round.
     startup_timeout : float
         Seconds to wait for the required nodes to connect and introduce themselves
-        (simulated sites start Ray actors and import torch first).
+        (simulated sites start Ray actors and import torch first), registered sites that
+        stayed silent included (a deployment's: its ``--wait-timeout``).
     query_timeout : float, optional
         Seconds a connected node has to answer the site query (the first message it gets
         from the run), when shorter than the wait above. A node that does not answer is
@@ -320,16 +321,6 @@ class RoundEngine:
             self.arrays, self.version = initial_arrays, 0
             self.versions.start(self.clock.now())
             self.discover_sites()
-            # Options set in a ServerApp's own code meet the sites only now (a CLI checks
-            # its own before anything starts): a K no step could ever reach is refused
-            # before the first round, not waited out (discovery waited for K sites when
-            # the caller gave no number to expect).
-            problem = self.policy.sites_problem(len(self.sites))
-            if problem:
-                raise ConfigError(
-                    f"{problem} (the sites that joined before the first round; "
-                    "required_sites=N waits for N)"
-                )
             if evaluate_fn is not None:
                 initial = evaluate_fn(0, initial_arrays)
                 if initial is not None:
@@ -468,7 +459,8 @@ class RoundEngine:
         """Restore the engine from ``state_dict()`` output; return old → new node ids.
 
         Waits (``startup_timeout``) for every site the state names to connect and
-        introduce itself, and matches them by site name (a resumed simulation's nodes
+        introduce itself (a registered one that stays silent, to answer), and matches them
+        by site name (a resumed simulation's nodes
         have new ids). The work that was in flight is sent again, unchanged, when the
         next round opens. Raises ``CheckpointError`` for a state that is not a run state
         or does not fit this run, ``RunFailed`` when a site does not come back.
@@ -555,7 +547,9 @@ class RoundEngine:
         return mapping
 
     def _rediscover(self, names: Sequence[str], *, by_node_id: set[str]) -> list[int]:
-        """Introduce nodes until every site in ``names`` is among them; their node ids.
+        """Introduce nodes until every site in ``names`` is among them, then wait for the
+        registered ones that stayed silent (``_await_registered_silent``); the node ids
+        listed then.
 
         ``by_node_id``: the names that are node ids (``node-<id>``). Once as many sites
         are here as the checkpoint had and only such names are missing, they will not
@@ -568,11 +562,12 @@ class RoundEngine:
             node_ids = sorted(self.grid.get_node_ids())
             new = [n for n in node_ids if n not in self.sites and n not in self._restarted]
             if new:
-                self._introduce(new, timeout=self.startup_timeout)
+                self._introduce(new, timeout=self.startup_timeout, start_deadline=deadline)
             present = {info.name for info in self.sites.infos().values()}
             missing = [name for name in names if name not in present]
             if not missing:
-                return node_ids
+                self._await_registered_silent(deadline)
+                return sorted(self.grid.get_node_ids())
             if len(self.sites) >= len(names) and set(missing) <= by_node_id:
                 raise CheckpointError(f"cannot resume: {unnamed_sites(len(missing))}")
             if time.monotonic() > deadline:
@@ -659,7 +654,9 @@ class RoundEngine:
 
     # ============================================================ site discovery
     def discover_sites(self) -> dict[int, SiteInfo]:
-        """Wait for the required nodes, then ask each who it is (a QUERY message).
+        """Wait for the required nodes, then ask each who it is (a QUERY message), refuse
+        a K they cannot reach, and wait for every registered site to answer
+        (``_await_registered_silent``).
 
         A plain Flower ClientApp that does not answer queries still joins, named after
         its node id.
@@ -678,8 +675,59 @@ class RoundEngine:
                 )
             time.sleep(poll_wait(time.monotonic() - started, STARTUP_POLL_SECONDS))
             node_ids = sorted(self.grid.get_node_ids())
-        self._introduce(node_ids, timeout=self.startup_timeout)
+        self._introduce(node_ids, timeout=self.startup_timeout, start_deadline=deadline)
+        # Options set in a ServerApp's own code meet the sites only now (a CLI checks its
+        # own before anything starts): a K no step could ever reach is refused before the
+        # first round, not waited out (discovery waited for K sites when the caller gave
+        # no number to expect; silent sites count).
+        problem = self.policy.sites_problem(len(self.sites))
+        if problem:
+            raise ConfigError(
+                f"{problem} (the sites that joined before the first round; "
+                "required_sites=N waits for N)"
+            )
+        self._await_registered_silent(deadline)
         return self.sites.infos()
+
+    def _await_registered_silent(self, deadline: float) -> None:
+        """Start-up: wait until ``deadline`` for each silent site with a registered name
+        (a deployment's) to answer, so that a run starts with every site that is alive.
+
+        After a crash, a site's SuperNode started again joins only once Flower stops
+        counting the dead one (its heartbeat lapses), and the query sent to the dead one
+        goes unanswered meanwhile: such a site is asked again whenever Flower holds no
+        message of it (``refresh_sites``; a SuperNode that got a new node id takes its
+        site's place, ``_take_over_restarted``) until it answers. A SuperNode that takes
+        messages and never answers is waited for as long, then the run starts without
+        it, named silent. Sites named by their node ids (no registry) cannot be told
+        from a dead node Flower still lists: not waited for.
+        """
+        waiting = self._registered_silent()
+        started = time.monotonic()
+        # no round yet: only the sites' queries are out, and their replies are late ones
+        state = _RoundState(0, time.time(), self.clock.now())
+        while waiting and time.monotonic() < deadline:
+            time.sleep(poll_wait(time.monotonic() - started, STARTUP_POLL_SECONDS))
+            self.refresh_sites(start_deadline=deadline)
+            self._take_over_restarted()
+            pending = self.mailbox.waiting_ids()
+            for start in range(0, len(pending), PULL_CHUNK):
+                self._pull(pending[start : start + PULL_CHUNK], state)
+            waiting = self._registered_silent()
+        if waiting:
+            log.warning(
+                "starting without %s: silent since the start-up (no answer to the site "
+                "query); each trains once its SuperNode answers",
+                ", ".join(waiting),
+            )
+
+    def _registered_silent(self) -> list[str]:
+        """The silent sites named by a registry (not by their node ids)."""
+        return sorted(self.sites.name(n) for n in self.sites.silent() if self._registered(n))
+
+    def _registered(self, node_id: int) -> bool:
+        """Whether a silent site has a name of its own: a registry's (it said none)."""
+        return self.sites.name(node_id) != node_name(node_id)
 
     def _short_of_k(self, joined: int) -> bool:
         """Whether to wait for more sites for K: only when the caller did not say how many
@@ -687,15 +735,20 @@ class RoundEngine:
         given, the K check after discovery refuses at once."""
         return not self.required_sites and self.policy.sites_problem(joined) is not None
 
-    def refresh_sites(self) -> None:
+    def refresh_sites(self, *, start_deadline: float | None = None) -> None:
         """Notice nodes that joined (introduce them), left (give them no work, and say so
-        at once: a warning and a ledger event) or came back (say so too)."""
+        at once: a warning and a ledger event) or came back (say so too).
+        ``start_deadline``: at start-up, the end of the wait for silent sites (a new
+        node's query waits no longer)."""
         node_ids = set(self.grid.get_node_ids())
         self._mark_listed(node_ids)  # first: a site that left may be back as a new node
         self._restarted = {n: r for n, r in self._restarted.items() if n in node_ids}
         new = sorted(n for n in node_ids if n not in self.sites and n not in self._restarted)
         if new:
-            self._introduce(new, timeout=self.round_timeout)
+            timeout = self.round_timeout
+            if start_deadline is not None:
+                timeout = min(timeout, max(0.0, start_deadline - time.monotonic()))
+            self._introduce(new, timeout=timeout, start_deadline=start_deadline)
         self._ask_silent()
 
     def _mark_listed(self, node_ids: set[int]) -> None:
@@ -755,10 +808,17 @@ class RoundEngine:
             self.ledger.record_traffic(traffic, self._server_round)
 
     def _introduce(
-        self, node_ids: Sequence[int], *, timeout: float, take_over: bool = True
+        self,
+        node_ids: Sequence[int],
+        *,
+        timeout: float,
+        take_over: bool = True,
+        start_deadline: float | None = None,
     ) -> None:
         """Ask new nodes who they are and add them as sites; with ``take_over``, a node that
-        names a site of the run waits to take its place instead (a restarted SuperNode)."""
+        names a site of the run waits to take its place instead (a restarted SuperNode).
+        ``start_deadline``: at start-up, until when a registered site that stays silent
+        is waited for (said with its ``site-silent`` event)."""
         if self.query_timeout is not None:
             timeout = min(timeout, self.query_timeout)
         held = self.sites.names() if take_over else set()
@@ -789,7 +849,12 @@ class RoundEngine:
             self._warning = _joined(self._warning, unnamed_sites(len(unnamed)))
         for node_id in unanswered:
             if self.sites.set_silent(node_id, True):
-                self._say_presence(SITE_SILENT_EVENT, node_id, waited=timeout)
+                more = {}
+                if start_deadline is not None and self._registered(node_id):
+                    more["start_wait"] = float(
+                        math.ceil(max(0.0, start_deadline - time.monotonic()))
+                    )
+                self._say_presence(SITE_SILENT_EVENT, node_id, waited=timeout, **more)
         # The examples a site declares when it joins cap what its updates may claim.
         for node_id in node_ids:
             info = self.sites.info(node_id)
@@ -802,11 +867,12 @@ class RoundEngine:
         return warning
 
     def _take_over_restarted(self) -> None:
-        """Between rounds: each site whose SuperNode started again (a crash, a reboot) takes
-        up its place under its new node id, once Flower no longer lists the old node and
-        nothing of it is out (a resumed run's saved work included). Of several new nodes
-        that named the site, the latest takes it (an earlier one is a restart that died
-        too); the others keep waiting, with no work, while they are listed.
+        """Between rounds (and while the start waits for silent sites): each site whose
+        SuperNode started again (a crash, a reboot) takes up its place under its new node
+        id, once Flower no longer lists the old node and nothing of it is out (a resumed
+        run's saved work included). Of several new nodes that named the site, the latest
+        takes it (an earlier one is a restart that died too); the others keep waiting,
+        with no work, while they are listed.
 
         Its name, place, guard record, work count and the strategy's state for it (a
         delayed site's stale contribution, say) move to the new node, so the ledger keeps
@@ -853,7 +919,7 @@ class RoundEngine:
 
     def _say_long_claims(self, holders: Mapping[str, int]) -> None:
         """Once, in the run's warnings: each waiting node whose site's SuperNode has been
-        connected at every round start for ``CLAIM_WARNING_SECONDS`` (two SuperNodes
+        connected at every look for ``CLAIM_WARNING_SECONDS`` (two SuperNodes
         started with one name: one of them idles, which only the log said)."""
         now = time.monotonic()
         waiting = {
@@ -1206,8 +1272,8 @@ class RoundEngine:
                 else:
                     traffic.extend(self._late_traffic(dispatch, reply.reply))
             self._push_deferred(dispatch.node_id, state)
-        if traffic:
-            self.ledger.record_traffic(traffic, state.server_round)
+        if traffic:  # (the round in progress: none at start-up)
+            self.ledger.record_traffic(traffic, self._server_round)
         return count
 
     def _late_traffic(self, dispatch: Dispatch, reply: Message) -> list[TrafficOutcome]:

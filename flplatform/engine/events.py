@@ -134,8 +134,8 @@ STOPPED_EARLY_EVENT = "stopped-early"
 
 def presence_sentence(kind: str, detail: Mapping[str, Any]) -> str:
     """What a site-lost, site-silent or site-back event says (its detail: site, round,
-    connected, sites; waited for site-silent), for the server's log and for ``flplatform
-    server``'s console alike."""
+    connected, sites; waited for site-silent, and start_wait when the start waits for it),
+    for the server's log and for ``flplatform server``'s console alike."""
     if kind == SITE_LOST_EVENT:
         what = (
             "left: the SuperLink no longer lists its SuperNode, and it gets no work until it "
@@ -144,9 +144,15 @@ def presence_sentence(kind: str, detail: Mapping[str, Any]) -> str:
     elif kind == SITE_SILENT_EVENT:
         what = (
             f"is silent: its SuperNode is connected but did not answer the site query within "
-            f"{float(detail.get('waited', 0)):g} s (no ClientApp answered for it), and it "
-            "gets no work until it answers"
+            f"{float(detail.get('waited', 0)):g} s (no ClientApp answered for it)"
         )
+        if detail.get("start_wait"):
+            what += (
+                f"; the first round waits for it up to {float(detail['start_wait']):g} s more "
+                "(a SuperNode started again after a crash joins once Flower stops counting the "
+                "dead one)"
+            )
+        what += ", and it gets no work until it answers"
     elif detail.get("restarted"):
         what = "is back: its SuperNode started again, under a new node id, and takes up its place"
     else:

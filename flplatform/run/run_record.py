@@ -109,10 +109,12 @@ def refuse_finished(record: RunRecord) -> None:
 # address and the deployment's id): such a run's data is at its sites.
 DEPLOYED_EVENT = "deployed"
 # Set by ``flplatform server`` for the processes it starts, its ServerApp's among them: the
-# deployment as JSON (its id, the sites, the address). The run trains on the deployment's
+# deployment as JSON (its id, the sites, the address, and ``wait-timeout``: how long its
+# sites are waited for, to connect and to answer). The run trains on the deployment's
 # sites, not on this machine, and its ServerApp records it so (``DEPLOYED_EVENT``) with the
 # run's own row, and again when it reopens the run.
 DEPLOYMENT_ENV = "FLPLATFORM_DEPLOYMENT"
+WAIT_TIMEOUT_KEY = "wait-timeout"
 
 
 def deployment_detail(environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
@@ -125,10 +127,19 @@ def deployment_detail(environ: Mapping[str, str] | None = None) -> dict[str, Any
         detail = json.loads(raw)
     except ValueError:
         detail = None
-    if not isinstance(detail, dict) or not isinstance(detail.get("deployment"), str):
+    wait = detail.get(WAIT_TIMEOUT_KEY) if isinstance(detail, dict) else None
+    if (
+        not isinstance(detail, dict)
+        or not isinstance(detail.get("deployment"), str)
+        or not (
+            wait is None
+            or (isinstance(wait, int | float) and not isinstance(wait, bool) and wait > 0)
+        )
+    ):
         raise ConfigError(
             f"{DEPLOYMENT_ENV} must be the JSON `flplatform server` writes (an object with "
-            f"the deployment's id), got {raw!r:.80}"
+            f"the deployment's id, and a {WAIT_TIMEOUT_KEY} > 0 in seconds if any), got "
+            f"{raw!r:.80}"
         )
     return detail
 

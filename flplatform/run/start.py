@@ -54,7 +54,7 @@ from flplatform.run.parts import (
     network_label,
     strategy_name,
 )
-from flplatform.run.run_record import deployment_detail, open_run
+from flplatform.run.run_record import WAIT_TIMEOUT_KEY, deployment_detail, open_run
 
 # What users call: ``flplatform.start(...)``, ``PlatformStart`` (a strategy's base) and
 # ``options_environment`` (the environment ``flplatform run`` hands a ServerApp).
@@ -280,6 +280,11 @@ def start(
     resume = run.resume_state if run is not None else None
     log_start(engine_strategy, label, policy, network_label(options), options.num_rounds)
     engine: RoundEngine | None = None
+    # On a deployment its sites are waited for as long as the server waits for them to
+    # connect (--wait-timeout): to connect to the SuperLink, then to answer the site query.
+    deployed = deployment_detail()
+    wait = None if deployed is None else deployed.get(WAIT_TIMEOUT_KEY)
+    startup = {} if wait is None else {"startup_timeout": float(wait)}
 
     def run_rounds() -> Result:
         nonlocal engine
@@ -290,7 +295,8 @@ def start(
             clock=clock,
             ledger=run.sink if run is not None else None,
             round_timeout=options.timeout,
-            query_timeout=DEPLOYED_QUERY_SECONDS if deployment_detail() is not None else None,
+            query_timeout=DEPLOYED_QUERY_SECONDS if deployed is not None else None,
+            **startup,
             required_sites=options.required_sites,
             on_round=round_reporter(on_round),
             max_failed_rounds=options.max_failed_rounds,
@@ -323,10 +329,12 @@ def start(
     def record_failure(exc: BaseException) -> None:
         if run is None:
             return
-        if isinstance(exc, KeyboardInterrupt) and named_owner() is not None and not owner_gone():
+        stopped = isinstance(exc, KeyboardInterrupt | SystemExit)
+        if stopped and named_owner() is not None and not owner_gone():
             # The command that started the run is stopping its processes: it marks the run
             # failed with the signal's name once they are gone (launch/simulation.py), and
-            # a text of ours written first ("KeyboardInterrupt: ") would stay.
+            # a text of ours written first would stay ("KeyboardInterrupt: " in a
+            # simulation; "SystemExit: 0" deployed, where flwr-serverapp exits on SIGTERM).
             run.leave_to_owner()
             return
         run.fail(exc, simulated_seconds=engine.simulated_seconds if engine else None)

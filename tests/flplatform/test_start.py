@@ -146,6 +146,43 @@ def test_on_a_deployment_a_silent_site_is_named_after_the_query_deadline(
     assert [r.num_applied for r in rounds] == [2, 2]
 
 
+@pytest.mark.parametrize("wait", [1.5, 0, -1, True, "60"], ids=str)
+def test_on_a_deployment_a_silent_registered_site_is_waited_for_its_wait_timeout(
+    db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wait: object
+) -> None:
+    """`flplatform server --wait-timeout` reaches the ServerApp (DEPLOYMENT_ENV): a
+    registered site silent at start-up is waited for that long before the run goes on
+    without it; a value the server would not write is refused before anything starts."""
+    import flplatform.run.start as start_module
+    from flplatform.core.site_registry import REGISTRY_ENV, RegisteredSite, SiteRegistry
+    from flplatform.run.run_record import DEPLOYMENT_ENV
+
+    monkeypatch.setattr(start_module, "DEPLOYED_QUERY_SECONDS", 0.2)
+    deployment = {"deployment": "ca-0123456789ab", "wait-timeout": wait}
+    monkeypatch.setenv(DEPLOYMENT_ENV, json.dumps(deployment))
+    registry = tmp_path / "registry.json"
+    SiteRegistry(tuple(RegisteredSite(n, i, f"SHA256:{n}") for n, i in (("a", 1), ("c", 3)))).write(
+        registry
+    )
+    monkeypatch.setenv(REGISTRY_ENV, str(registry))
+    sites = {1: two_sites()[1], 3: lambda msg: None}  # c's SuperNode runs no ClientApp
+
+    def run() -> None:
+        start(LocalSGDAveraging(), ScriptedGrid(sites), MODEL, num_rounds=1, ledger=db)
+
+    if wait != 1.5:
+        with pytest.raises(ConfigError, match="wait-timeout > 0 in seconds"):
+            run()
+        return
+    started = time.monotonic()
+    run()
+    assert 1.5 <= time.monotonic() - started < 60  # its wait, not the engine's 300 s
+    with LedgerRepository.open(db) as repo:
+        (record,) = repo.list_runs()
+        assert record.status == "finished"
+        assert [r.num_applied for r in repo.list_rounds(record.id)] == [1]
+
+
 def test_checkpoint_every_zero_keeps_only_the_final_model(db: str, tmp_path: Path) -> None:
     start(
         LocalSGDAveraging(),
@@ -189,13 +226,17 @@ def test_a_run_that_stops_early_is_recorded_failed_with_the_reason(db: str) -> N
 
 @pytest.mark.skipif(owner_token() is None, reason="names its owner through /proc (Linux)")
 @pytest.mark.parametrize("owned", [True, False], ids=["owned", "flwr-run"])
+@pytest.mark.parametrize(
+    "stop", [KeyboardInterrupt, lambda: SystemExit(0)], ids=["SIGINT", "flower-exit"]
+)
 def test_a_serverapp_interrupted_while_its_command_lives_leaves_the_stop_to_the_command(
-    db: str, owned: bool, monkeypatch: pytest.MonkeyPatch
+    db: str, owned: bool, stop: Callable[[], BaseException], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The command that started the run stops its processes, then marks the run with the
     signal's name. The ServerApp, interrupted meanwhile, wrote "KeyboardInterrupt: "
-    first when it was quick, and that text stayed. With no owning command (`flwr run`),
-    the ServerApp still records its own interruption."""
+    (a simulation's) or "SystemExit: 0" (a deployed one's: Flower's flwr-serverapp exits
+    on SIGTERM) first when it was quick, and that text stayed. With no owning command
+    (`flwr run`), the ServerApp still records its own interruption."""
     if owned:
         monkeypatch.setenv(OWNER_ENV, owner_token() or "")
     else:
@@ -206,7 +247,7 @@ def test_a_serverapp_interrupted_while_its_command_lives_leaves_the_stop_to_the_
         nonlocal sent
         sent += 1
         if sent > 2:  # the signal lands while round 2's replies are pulled
-            raise KeyboardInterrupt
+            raise stop()
         return trained(1.0, 10, 0.5)(msg, model)
 
     grid = ScriptedGrid(
@@ -215,14 +256,15 @@ def test_a_serverapp_interrupted_while_its_command_lives_leaves_the_stop_to_the_
             2: replying_site("b", trained(1.0, 10, 0.5)),
         }
     )
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises((KeyboardInterrupt, SystemExit)) as raised:
         start(LocalSGDAveraging(), grid, MODEL, num_rounds=5, ledger=db)
     with LedgerRepository.open(db) as repo:
         (run,) = repo.list_runs()
     if owned:  # left for the command, which marks it once every process is gone
         assert run.status == "running" and run.error is None
     else:
-        assert run.status == "failed" and (run.error or "").startswith("KeyboardInterrupt")
+        assert run.status == "failed"
+        assert (run.error or "").startswith(type(raised.value).__name__)
 
 
 # ====================================================================== should_stop

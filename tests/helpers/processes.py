@@ -205,14 +205,22 @@ def kill_after(
         found, leftovers = reached
         if probe is not None:
             probe(leftovers)
-        cli.kill()
-        for line in leftovers.alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(line.split()[0]), signal.SIGKILL)
-        cli.wait()
+        crash(cli, leftovers)
     time.sleep(1.0)
     assert leftovers.alive() == []
     return found
+
+
+def crash(proc: subprocess.Popen[bytes], below: Leftovers | None = None) -> None:
+    """SIGKILL a process and every process below it at once, as a machine that dies
+    (``below``: those recorded under it so far; else recorded now)."""
+    if below is None:
+        below = Leftovers(proc.pid)
+        below.record()
+    for pid in [proc.pid, *below.running()]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(10)
 
 
 def wait_ok(cli: subprocess.Popen[bytes], log: Path) -> None:

@@ -781,6 +781,29 @@ def test_a_resume_asks_every_site_again_so_who_was_away_is_said_afresh(
     ]
 
 
+def test_a_site_the_start_waited_for_is_not_said_away(
+    new_sqlite_ledger: Callable[[str], str],
+) -> None:
+    """ohio silent at the start-up and back before round 1 (the start waited for it, as a
+    deployment's does for a registered site); K of N rounds (async) that did not take
+    ohio's update are the mode's, not ohio's absence."""
+    url = new_sqlite_ledger("waited.db")
+    t0 = time.time()
+    with LedgerRepository.open(url) as repo:
+        run_id = repo.create_run(
+            name="waited", strategy="local-sgd", seed=0, config={}, num_rounds_planned=2
+        )
+        for name in ("london", "ohio"):
+            repo.add_site(run_id, name=name, node_id=len(name), num_examples=100)
+        for offset, kind in ((-0.9, SITE_SILENT_EVENT), (-0.5, SITE_BACK_EVENT)):
+            detail = {"site": "ohio", "round": None, "connected": 2, "sites": 2}
+            repo.add_event(run_id, kind, detail, at=t0 + offset)
+        record_outcomes(repo, run_id, 1, t0, [("london", "applied", None)])
+        record_outcomes(repo, run_id, 2, t0, [("ohio", "applied", None)])
+    rows = json.loads(history("rounds", "1", "--db", url, "--format", "json"))
+    assert [r["not_trained"] for r in rows] == [{}, {}]
+
+
 def test_failure_note_names_counts_and_the_common_reason(failing_ledger: str) -> None:
     with LedgerRepository.open(failing_ledger) as repo:
         rounds = repo.list_rounds(1)

@@ -17,6 +17,7 @@ judged) at the cut.
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from itertools import count
@@ -43,7 +44,7 @@ from flplatform.core.site_registry import REGISTRY_ENV, RegisteredSite, SiteRegi
 from flplatform.engine import RoundSummary, SiteInfo, Synchrony
 from flplatform.engine.clock import VirtualClock, WallClock
 from flplatform.engine.engine import RoundEngine
-from flplatform.engine.events import SITE_SILENT_EVENT
+from flplatform.engine.events import SITE_BACK_EVENT, SITE_SILENT_EVENT
 from flplatform.engine.guard import GuardOptions, UpdateGuard
 from flplatform.engine.rows import SILENT
 from flplatform.network import ComputeModel, Network, SiteProfile
@@ -385,7 +386,8 @@ def test_sites_silent_at_the_resume_get_none_of_their_saved_work(
     registry.write(tmp_path / "registry.json")
     monkeypatch.setenv(REGISTRY_ENV, str(tmp_path / "registry.json"))
     second = MemoryLedger(tmp_path / "second")
-    resumed = engine("async", RESUMED_NODES, disk, second, query_timeout=0.2)
+    # (registered sites silent at the start are waited for until the start-up timeout)
+    resumed = engine("async", RESUMED_NODES, disk, second, query_timeout=0.2, startup_timeout=1.0)
     grid = resumed.grid
     assert isinstance(grid, ScriptedGrid)
     silent = {RESUMED_NODES["s3"], RESUMED_NODES["s4"]}
@@ -405,6 +407,49 @@ def test_sites_silent_at_the_resume_get_none_of_their_saved_work(
         ("s4", "dropped", SILENT)
     ]
     assert [u.site for u in updates if u.site == "s3"] == ["s3"]  # its pulled reply, judged
+    assert [s.server_round for s in second.rounds] == list(range(cut + 1, rounds + 1))
+
+
+def test_a_site_silent_at_the_resume_that_answers_within_the_wait_gets_its_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same cut, resumed on a deployment while s4's SuperNode answers nothing for a
+    second (started again after a crash, it joins once Flower stops counting the dead
+    one): the resume waits for it, and its work in flight at the cut is sent again,
+    not dropped."""
+    cut, rounds = 24, 30
+    disk: Disk = {}
+    first = MemoryLedger(tmp_path / "first")
+    train = ConfigRecord({keys.LOCAL_STEPS: 2})
+    with pytest.raises(Cut):
+        engine("async", FIRST_NODES, disk, first, cut_after=cut).run(
+            model(), num_rounds=rounds, train_config=train
+        )
+    state = read_state(first.states[cut])
+    assert [w["node_id"] for w in state["engine"]["mailbox"]["work"]] == [FIRST_NODES["s4"]]
+    registry = SiteRegistry(
+        tuple(RegisteredSite(n, RESUMED_NODES[n], f"SHA256:{n}") for n in NAMES)
+    )
+    registry.write(tmp_path / "registry.json")
+    monkeypatch.setenv(REGISTRY_ENV, str(tmp_path / "registry.json"))
+    second = MemoryLedger(tmp_path / "second")
+    resumed = engine("async", RESUMED_NODES, disk, second, query_timeout=0.2, startup_timeout=30)
+    grid = resumed.grid
+    assert isinstance(grid, ScriptedGrid)
+    s4 = RESUMED_NODES["s4"]
+    behaviour, asked = grid.behaviours[s4], time.monotonic()
+    grid.behaviours[s4] = lambda msg: behaviour(msg) if time.monotonic() - asked > 1.0 else None
+    resumed.run(model(), num_rounds=rounds, resume=state, train_config=train)
+
+    assert [(kind, d["site"], d["round"]) for kind, d in second.events] == [
+        (SITE_SILENT_EVENT, "s4", None),
+        (SITE_BACK_EVENT, "s4", None),
+    ]
+    sent = [m.metadata.message_type for m in grid.pushed if m.metadata.dst_node_id == s4]
+    assert sent[:2] == [MessageType.QUERY, MessageType.TRAIN]  # its saved work, sent again
+    updates = [u for summary in second.rounds for u in summary.updates]
+    assert not [u for u in updates if u.status == "dropped"]
+    assert any(u.site == "s4" and u.status == "applied" for u in updates)
     assert [s.server_round for s in second.rounds] == list(range(cut + 1, rounds + 1))
 
 

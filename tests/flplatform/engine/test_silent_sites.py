@@ -14,13 +14,16 @@ SQLite ledger.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 from flwr.app import Message, MessageType
 
 from flplatform.core.errors import RunFailed
+from flplatform.core.site_registry import REGISTRY_ENV, RegisteredSite, SiteRegistry
 from flplatform.engine.engine import RoundEngine
 from flplatform.engine.events import SITE_BACK_EVENT, SITE_SILENT_EVENT, presence_sentence
 from flplatform.run.ledger import SqlLedger
@@ -62,8 +65,15 @@ def run(
     ledger: str, grid: ScriptedGrid, rounds: int
 ) -> tuple[list[int], dict[int, list[str]], list[tuple[str, dict[str, Any]]]]:
     """The engine over ``grid``: each round's applied count, who trained, the events."""
+    return run_with(ledger, grid, rounds)
+
+
+def run_with(
+    ledger: str, grid: ScriptedGrid, rounds: int, **options: float
+) -> tuple[list[int], dict[int, list[str]], list[tuple[str, dict[str, Any]]]]:
+    """``run`` with the engine's ``options``."""
     with LedgerRepository.open(ledger) as repository:
-        engine, run_id = engine_over(grid, repository, rounds)
+        engine, run_id = engine_over(grid, repository, rounds, **options)
         engine.run(MODEL, num_rounds=rounds)
         rounds_ = repository.list_rounds(run_id)
         updates = repository.list_updates(run_id)
@@ -241,3 +251,102 @@ def test_replies_that_came_in_time_are_not_dropped_behind_many_others(sqlite_led
         engine.run(MODEL, num_rounds=120)
         statuses = {u.status for u in repository.list_updates(run_id)}
     assert statuses == {"applied"}
+
+
+# ---- a deployment's start-up: registered sites that stay silent are waited for
+def registered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **nodes: int) -> None:
+    """A deployment's registry (``flplatform server`` writes it): site name → node id."""
+    path = tmp_path / "registry.json"
+    SiteRegistry(
+        tuple(RegisteredSite(name, node, f"SHA256:{name}") for name, node in nodes.items())
+    ).write(path)
+    monkeypatch.setenv(REGISTRY_ENV, str(path))
+
+
+def after(seconds: float) -> Callable[[], bool]:
+    """True from ``seconds`` after the first call on (its first call: the site query)."""
+    since: list[float] = []
+
+    def passed() -> bool:
+        if not since:
+            since.append(time.monotonic())
+        return time.monotonic() - since[0] >= seconds
+
+    return passed
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["query-held", "query-expired"])
+def test_a_registered_site_silent_at_start_up_is_waited_for_and_trains_every_round(
+    sqlite_ledger: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, held: bool
+) -> None:
+    """Issue 35: after a site's crash, the SuperLink counts its dead SuperNode a while,
+    and the new run's query to it goes unanswered until the SuperNode started again
+    joins. The run started without it (it trained from a later round, or in none of a
+    short run); it now starts once the site answers: the restarted SuperNode takes the
+    query Flower still holds (``held``), or the site is asked again after Flower expired
+    the query (``expired``)."""
+    registered(tmp_path, monkeypatch, london=1, ohio=2)
+    back = after(4 * QUERY_TIMEOUT)  # past the query's deadline: silent first
+    restarting: Behaviour = scripted("ohio", good)
+    ohio = (
+        silent_until(back, restarting)
+        if held
+        else (lambda msg: restarting(msg) if back() else expired(msg))
+    )
+    grid = ScriptedGrid({1: scripted("london", good), 2: ohio}, delay_pulls=0 if held else 1)
+    with LedgerRepository.open(sqlite_ledger) as repository:
+        engine, run_id = engine_over(grid, repository, 2, startup_timeout=30.0)
+        engine.run(MODEL, num_rounds=2)
+        rounds = repository.list_rounds(run_id)
+        updates = repository.list_updates(run_id)
+        events = [(e.kind, e.detail) for e in repository.list_events(run_id)]
+    assert [r.num_applied for r in rounds] == [2, 2]
+    assert {(u.round, u.site) for u in updates if u.status == "applied"} == {
+        (r, s) for r in (1, 2) for s in ("london", "ohio")
+    }
+    # said silent at its query's deadline, and back before the first round
+    assert [(kind, d["site"], d["round"]) for kind, d in events] == [
+        (SITE_SILENT_EVENT, "ohio", None),
+        (SITE_BACK_EVENT, "ohio", None),
+    ]
+    queries = sent_to(grid, 2, MessageType.QUERY)
+    assert queries == 1 if held else queries >= 2  # expired: asked again
+
+
+def test_a_registered_site_that_never_answers_is_waited_for_until_the_start_up_timeout(
+    sqlite_ledger: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A SuperNode that takes the run's messages and runs no ClientApp: the start waits
+    for it as long as for a site to connect, then the run goes on without it, and no
+    round waits for it."""
+    registered(tmp_path, monkeypatch, london=1, ohio=2)
+    grid = ScriptedGrid({1: scripted("london", good), 2: lambda msg: None})
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="flplatform.engine"):
+        applied, trained, events = run_with(sqlite_ledger, grid, 2, startup_timeout=1.5)
+    took = time.monotonic() - started
+    assert took >= 1.5
+    assert applied == [1, 1] and trained == {1: ["london"], 2: ["london"]}
+    [(kind, detail)] = events
+    assert (kind, detail["site"], detail["waited"]) == (SITE_SILENT_EVENT, "ohio", QUERY_TIMEOUT)
+    assert 1 <= detail["start_wait"] <= 2  # what was left of the 1.5 s, in whole seconds
+    said = presence_sentence(kind, detail)
+    assert f"the first round waits for it up to {detail['start_wait']:g} s more" in said
+    assert said in caplog.text
+    assert "starting without ohio: silent since the start-up" in caplog.text
+    assert sent_to(grid, 2, MessageType.TRAIN) == 0
+
+
+def test_a_silent_site_without_a_registered_name_is_not_waited_for(
+    sqlite_ledger: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # named by its node id, it cannot be told from a dead node Flower still lists
+    monkeypatch.delenv(REGISTRY_ENV, raising=False)
+    grid = ScriptedGrid({1: scripted("london", good), 2: lambda msg: None})
+    started = time.monotonic()
+    applied, _, _ = run_with(sqlite_ledger, grid, 1, startup_timeout=30.0)
+    assert applied == [1]
+    assert time.monotonic() - started < 15.0  # not the start-up timeout
