@@ -47,9 +47,24 @@ class Running:
         return None
 
 
-def plan(wait: float) -> ServerPlan:
-    return ServerPlan(
-        sites=("london", "ohio"), address=Address("127.0.0.1", 9092), certs=None, wait_timeout=wait
+def wait(
+    flower: NodeList, timeout: float, *, on_poll: Callable[[], bool], say: Callable[[str], None]
+) -> None:
+    """``wait_for_sites`` for london and ohio (registered), Flower answering as ``flower``."""
+    plan = ServerPlan(
+        sites=("london", "ohio"),
+        address=Address("127.0.0.1", 9092),
+        certs=None,
+        wait_timeout=timeout,
+    )
+    wait_for_sites(
+        flower,  # type: ignore[arg-type]
+        plan,
+        REGISTRY,
+        link=Running(),  # type: ignore[arg-type]
+        link_log=Path("superlink.log"),
+        on_poll=on_poll,
+        say=say,
     )
 
 
@@ -93,15 +108,8 @@ def test_a_site_the_gateway_says_joined_is_looked_for_at_once(
     monkeypatch.setattr(superlink, "list_wait", lambda waited: 60.0)  # no look of its own
     flower = NodeList({1: 0.0, 2: 1.0})  # ohio's SuperNode joins a second in
     said: list[str] = []
-    wait_for_sites(
-        flower,  # type: ignore[arg-type]
-        plan(60.0),
-        REGISTRY,
-        link=Running(),  # type: ignore[arg-type]
-        link_log=Path("superlink.log"),
-        on_poll=(lambda: True) if always else gateway_says(1.0, flower.started),
-        say=said.append,
-    )
+    news = (lambda: True) if always else gateway_says(1.0, flower.started)
+    wait(flower, 60.0, on_poll=news, say=said.append)
     assert said == ["all 2 sites connected: london, ohio"]
     assert 1.0 <= flower.looks[-1] < 1.5
     if always:
@@ -119,15 +127,7 @@ def test_without_news_the_looks_grow_apart_and_the_timeout_names_who_is_missing(
     monkeypatch.setattr(superlink, "LIST_LONGEST_SECONDS", 0.3)
     flower = NodeList({1: 0.0, 2: float("inf")})  # ohio never comes
     with pytest.raises(RunFailed, match=r"waited 2 s and ohio did not connect \(connected: london"):
-        wait_for_sites(
-            flower,  # type: ignore[arg-type]
-            plan(2.0),
-            REGISTRY,
-            link=Running(),  # type: ignore[arg-type]
-            link_log=Path("superlink.log"),
-            on_poll=lambda: False,
-            say=lambda line: None,
-        )
+        wait(flower, 2.0, on_poll=lambda: False, say=lambda line: None)
     gaps = [b - a for a, b in zip(flower.looks, flower.looks[1:], strict=False)]
     assert flower.looks[-1] >= 2.0  # a last look at the deadline, for the message
     # before it, each gap is at least the wait for the time waited (a tenth of it, 0.05 s

@@ -358,6 +358,33 @@ def test_a_site_that_does_not_come_back_fails_the_resume_clearly(tmp_path: Path)
         resumed.run(model(), num_rounds=ROUNDS, resume=state)
 
 
+# The async run cut on a deployment: after round CUT of ROUNDS_CUT, s4's work is out and
+# s3's reply pulled but not judged.
+CUT, ROUNDS_CUT = 24, 30
+CUT_TRAIN = ConfigRecord({keys.LOCAL_STEPS: 2})
+
+
+def cut_on_a_deployment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Disk]:
+    """The async run's state at CUT and its sites' disk, with a deployment's site registry
+    naming the resumed run's nodes (``REGISTRY_ENV``)."""
+    disk: Disk = {}
+    first = MemoryLedger(tmp_path / "first")
+    with pytest.raises(Cut):
+        engine("async", FIRST_NODES, disk, first, cut_after=CUT).run(
+            model(), num_rounds=ROUNDS_CUT, train_config=CUT_TRAIN
+        )
+    state = read_state(first.states[CUT])
+    mailbox = state["engine"]["mailbox"]
+    assert [w["node_id"] for w in mailbox["work"]] == [FIRST_NODES["s4"]]
+    assert FIRST_NODES["s3"] in [a["node_id"] for a in mailbox["arrivals"]]
+    registry = SiteRegistry(
+        tuple(RegisteredSite(n, RESUMED_NODES[n], f"SHA256:{n}") for n in NAMES)
+    )
+    registry.write(tmp_path / "registry.json")
+    monkeypatch.setenv(REGISTRY_ENV, str(tmp_path / "registry.json"))
+    return state, disk
+
+
 def test_sites_silent_at_the_resume_get_none_of_their_saved_work(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -367,24 +394,7 @@ def test_sites_silent_at_the_resume_get_none_of_their_saved_work(
     lands rounds later: s3 is the slowest site), neither is sent anything but its one
     query (a site never holds two messages: the scripted grid refuses a second), and s1
     and s2 finish the run."""
-    cut, rounds = 24, 30
-    disk: Disk = {}
-    first = MemoryLedger(tmp_path / "first")
-    train = ConfigRecord({keys.LOCAL_STEPS: 2})
-    with pytest.raises(Cut):
-        engine("async", FIRST_NODES, disk, first, cut_after=cut).run(
-            model(), num_rounds=rounds, train_config=train
-        )
-    state = read_state(first.states[cut])
-    mailbox = state["engine"]["mailbox"]
-    # at this cut: s4's work out, s3's reply pulled but not judged
-    assert [w["node_id"] for w in mailbox["work"]] == [FIRST_NODES["s4"]]
-    assert FIRST_NODES["s3"] in [a["node_id"] for a in mailbox["arrivals"]]
-    registry = SiteRegistry(
-        tuple(RegisteredSite(n, RESUMED_NODES[n], f"SHA256:{n}") for n in NAMES)
-    )
-    registry.write(tmp_path / "registry.json")
-    monkeypatch.setenv(REGISTRY_ENV, str(tmp_path / "registry.json"))
+    state, disk = cut_on_a_deployment(tmp_path, monkeypatch)
     second = MemoryLedger(tmp_path / "second")
     # (registered sites silent at the start are waited for until the start-up timeout)
     resumed = engine("async", RESUMED_NODES, disk, second, query_timeout=0.2, startup_timeout=1.0)
@@ -393,7 +403,7 @@ def test_sites_silent_at_the_resume_get_none_of_their_saved_work(
     silent = {RESUMED_NODES["s3"], RESUMED_NODES["s4"]}
     for node in silent:
         grid.behaviours[node] = lambda msg: None
-    resumed.run(model(), num_rounds=rounds, resume=state, train_config=train)
+    resumed.run(model(), num_rounds=ROUNDS_CUT, resume=state, train_config=CUT_TRAIN)
 
     assert sorted((kind, d["site"], d["round"]) for kind, d in second.events) == [
         (SITE_SILENT_EVENT, "s3", None),
@@ -407,7 +417,7 @@ def test_sites_silent_at_the_resume_get_none_of_their_saved_work(
         ("s4", "dropped", SILENT)
     ]
     assert [u.site for u in updates if u.site == "s3"] == ["s3"]  # its pulled reply, judged
-    assert [s.server_round for s in second.rounds] == list(range(cut + 1, rounds + 1))
+    assert [s.server_round for s in second.rounds] == list(range(CUT + 1, ROUNDS_CUT + 1))
 
 
 def test_a_site_silent_at_the_resume_that_answers_within_the_wait_gets_its_work(
@@ -417,21 +427,7 @@ def test_a_site_silent_at_the_resume_that_answers_within_the_wait_gets_its_work(
     second (started again after a crash, it joins once Flower stops counting the dead
     one): the resume waits for it, and its work in flight at the cut is sent again,
     not dropped."""
-    cut, rounds = 24, 30
-    disk: Disk = {}
-    first = MemoryLedger(tmp_path / "first")
-    train = ConfigRecord({keys.LOCAL_STEPS: 2})
-    with pytest.raises(Cut):
-        engine("async", FIRST_NODES, disk, first, cut_after=cut).run(
-            model(), num_rounds=rounds, train_config=train
-        )
-    state = read_state(first.states[cut])
-    assert [w["node_id"] for w in state["engine"]["mailbox"]["work"]] == [FIRST_NODES["s4"]]
-    registry = SiteRegistry(
-        tuple(RegisteredSite(n, RESUMED_NODES[n], f"SHA256:{n}") for n in NAMES)
-    )
-    registry.write(tmp_path / "registry.json")
-    monkeypatch.setenv(REGISTRY_ENV, str(tmp_path / "registry.json"))
+    state, disk = cut_on_a_deployment(tmp_path, monkeypatch)
     second = MemoryLedger(tmp_path / "second")
     resumed = engine("async", RESUMED_NODES, disk, second, query_timeout=0.2, startup_timeout=30)
     grid = resumed.grid
@@ -439,7 +435,7 @@ def test_a_site_silent_at_the_resume_that_answers_within_the_wait_gets_its_work(
     s4 = RESUMED_NODES["s4"]
     behaviour, asked = grid.behaviours[s4], time.monotonic()
     grid.behaviours[s4] = lambda msg: behaviour(msg) if time.monotonic() - asked > 1.0 else None
-    resumed.run(model(), num_rounds=rounds, resume=state, train_config=train)
+    resumed.run(model(), num_rounds=ROUNDS_CUT, resume=state, train_config=CUT_TRAIN)
 
     assert [(kind, d["site"], d["round"]) for kind, d in second.events] == [
         (SITE_SILENT_EVENT, "s4", None),
@@ -450,7 +446,7 @@ def test_a_site_silent_at_the_resume_that_answers_within_the_wait_gets_its_work(
     updates = [u for summary in second.rounds for u in summary.updates]
     assert not [u for u in updates if u.status == "dropped"]
     assert any(u.site == "s4" and u.status == "applied" for u in updates)
-    assert [s.server_round for s in second.rounds] == list(range(cut + 1, rounds + 1))
+    assert [s.server_round for s in second.rounds] == list(range(CUT + 1, ROUNDS_CUT + 1))
 
 
 def test_a_state_of_another_kind_is_refused(tmp_path: Path) -> None:
