@@ -461,8 +461,9 @@ class RoundEngine:
         Waits (``startup_timeout``) for every site the state names to connect and
         introduce itself (a registered one that stays silent, to answer), and matches them
         by site name (a resumed simulation's nodes have new ids). The work that was in
-        flight is sent again, unchanged, when the next round opens. Raises ``CheckpointError`` for a state that is not a run state
-        or does not fit this run, ``RunFailed`` when a site does not come back.
+        flight is sent again, unchanged, when the next round opens. Raises
+        ``CheckpointError`` for a state that is not a run state or does not fit this run,
+        ``RunFailed`` when a site does not come back.
         """
         problems = StateProblems("the run")
         kind = state.get("kind") if isinstance(state, Mapping) else None

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from flwr.app import MetricRecord
 
+from flplatform.core.checks import is_number
 from flplatform.core.errors import ConfigError, FLPlatformError, StorageError
 from flplatform.engine import LedgerSink
 from flplatform.network import Network
@@ -128,14 +129,12 @@ def deployment_detail(environ: Mapping[str, str] | None = None) -> dict[str, Any
     except ValueError:
         detail = None
     wait = detail.get(WAIT_TIMEOUT_KEY) if isinstance(detail, dict) else None
-    if (
-        not isinstance(detail, dict)
-        or not isinstance(detail.get("deployment"), str)
-        or not (
-            wait is None
-            or (isinstance(wait, int | float) and not isinstance(wait, bool) and wait > 0)
-        )
-    ):
+    well_formed = (
+        isinstance(detail, dict)
+        and isinstance(detail.get("deployment"), str)
+        and (wait is None or (is_number(wait) and wait > 0))
+    )
+    if not well_formed:
         raise ConfigError(
             f"{DEPLOYMENT_ENV} must be the JSON `flplatform server` writes (an object with "
             f"the deployment's id, and a {WAIT_TIMEOUT_KEY} > 0 in seconds if any), got "

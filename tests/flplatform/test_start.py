@@ -146,7 +146,7 @@ def test_on_a_deployment_a_silent_site_is_named_after_the_query_deadline(
     assert [r.num_applied for r in rounds] == [2, 2]
 
 
-@pytest.mark.parametrize("wait", [1.5, 0, -1, True, "60"], ids=str)
+@pytest.mark.parametrize("wait", [1.5, 0, -1, True, "60", float("inf")], ids=str)
 def test_on_a_deployment_a_silent_registered_site_is_waited_for_its_wait_timeout(
     db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wait: object
 ) -> None:
